@@ -1,0 +1,195 @@
+"""The trajectory group: the buffer's unit, and its msgpack wire encoding.
+
+One record per task holds the n samples of one prompt, so group-relative advantages need no
+cross-server join. Arrays travel as raw little-endian buffers with a dtype fixed by the schema.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+ARRAY_DTYPES: dict[str, np.dtype] = {
+    "token_ids": np.dtype("<i4"),
+    "loss_mask": np.dtype("u1"),
+    "behaviour_logprobs": np.dtype("<f4"),
+    "token_versions": np.dtype("<i4"),
+}
+
+
+class SchemaError(ValueError):
+    """Bytes or fields that do not form a valid trajectory group; the message names the field."""
+
+
+@dataclass
+class ToolCallRecord:
+    """One tool call of an episode, for metrics and inspection."""
+
+    name: str
+    ok: bool
+    error: str | None = None
+    latency_s: float = 0.0
+
+
+@dataclass
+class Sample:
+    """One trajectory: prompt + every turn as token ids, with what the trainer needs per token.
+
+    ``loss_mask`` is 1 only on tokens the policy generated; ``behaviour_logprobs`` and
+    ``token_versions`` are defined there (0 and -1 elsewhere).
+    """
+
+    sample_index: int
+    token_ids: np.ndarray
+    prompt_len: int
+    loss_mask: np.ndarray
+    behaviour_logprobs: np.ndarray
+    token_versions: np.ndarray
+    reward: float = 0.0
+    reward_info: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str = "stop"
+    num_turns: int = 0
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    queued: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, dtype in ARRAY_DTYPES.items():
+            setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def oldest_version(self) -> int | None:
+        """Oldest policy version among generated tokens (None when nothing was generated)."""
+        versions = self.token_versions[self.loss_mask.astype(bool)]
+        return int(versions.min()) if versions.size else None
+
+    def validate(self, where: str = "sample") -> None:
+        n = self.token_ids.shape[0]
+        for name in ARRAY_DTYPES:
+            arr = getattr(self, name)
+            if arr.ndim != 1 or arr.shape[0] != n:
+                raise SchemaError(f"{where}.{name}: shape {arr.shape} does not match token_ids length {n}")
+        if not 0 <= self.prompt_len <= n:
+            raise SchemaError(f"{where}.prompt_len: {self.prompt_len} outside [0, {n}]")
+        if self.loss_mask.size and self.loss_mask.max() > 1:
+            raise SchemaError(f"{where}.loss_mask: values must be 0 or 1")
+        if self.loss_mask[: self.prompt_len].any():
+            raise SchemaError(f"{where}.loss_mask: is 1 inside the prompt (first {self.prompt_len} tokens)")
+
+
+@dataclass
+class TrajectoryGroup:
+    """The n samples of one task; ``group_id`` (= ``task_id``) is the idempotency key."""
+
+    run: str
+    job_id: str
+    task_id: str
+    samples: list[Sample]
+    kind: str = "train"
+    created: float = field(default_factory=time.time)
+
+    @property
+    def group_id(self) -> str:
+        return self.task_id
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([s.reward for s in self.samples], dtype=np.float64)
+
+    def oldest_version(self) -> int | None:
+        versions = [v for s in self.samples if (v := s.oldest_version()) is not None]
+        return min(versions) if versions else None
+
+    def validate(self) -> None:
+        if not self.samples:
+            raise SchemaError(f"group {self.group_id}: has no samples")
+        for i, sample in enumerate(self.samples):
+            sample.validate(f"group {self.group_id}.samples[{i}]")
+
+
+_SAMPLE_FIELDS = [f.name for f in fields(Sample)]
+_GROUP_FIELDS = [f.name for f in fields(TrajectoryGroup)]
+_REQUIRED_SAMPLE = ["sample_index", "token_ids", "prompt_len", "loss_mask", "behaviour_logprobs", "token_versions"]
+_REQUIRED_GROUP = ["run", "job_id", "task_id", "samples"]
+
+
+def _sample_to_wire(s: Sample) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in _SAMPLE_FIELDS:
+        value = getattr(s, name)
+        if name in ARRAY_DTYPES:
+            value = value.tobytes()
+        elif name == "tool_calls":
+            value = [vars(t) for t in value]
+        out[name] = value
+    return out
+
+
+def _sample_from_wire(d: dict[str, Any], where: str) -> Sample:
+    if not isinstance(d, dict):
+        raise SchemaError(f"{where}: expected a map, got {type(d).__name__}")
+    missing = [k for k in _REQUIRED_SAMPLE if k not in d]
+    if missing:
+        raise SchemaError(f"{where}: missing field(s) {', '.join(missing)}")
+    unknown = sorted(set(d) - set(_SAMPLE_FIELDS))
+    if unknown:
+        raise SchemaError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    kwargs = dict(d)
+    for name, dtype in ARRAY_DTYPES.items():
+        raw = kwargs[name]
+        if not isinstance(raw, bytes | bytearray) or len(raw) % dtype.itemsize:
+            raise SchemaError(f"{where}.{name}: not a {dtype} buffer")
+        kwargs[name] = np.frombuffer(raw, dtype=dtype)
+    try:
+        kwargs["tool_calls"] = [ToolCallRecord(**t) for t in kwargs.get("tool_calls", [])]
+        sample = Sample(**kwargs)
+    except TypeError as exc:
+        raise SchemaError(f"{where}.tool_calls: {exc}") from None
+    sample.validate(where)
+    return sample
+
+
+def encode_group(group: TrajectoryGroup) -> bytes:
+    """msgpack bytes of a validated group, tagged with the schema version."""
+    group.validate()
+    wire = {name: getattr(group, name) for name in _GROUP_FIELDS if name != "samples"}
+    wire["schema_version"] = SCHEMA_VERSION
+    wire["samples"] = [_sample_to_wire(s) for s in group.samples]
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def decode_group(data: bytes) -> TrajectoryGroup:
+    """Inverse of ``encode_group``; any defect raises ``SchemaError`` naming the field."""
+    try:
+        wire = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
+        raise SchemaError(f"trajectory group: not valid msgpack ({exc})") from None
+    if not isinstance(wire, dict):
+        raise SchemaError(f"trajectory group: expected a map, got {type(wire).__name__}")
+    version = wire.pop("schema_version", None)
+    if version != SCHEMA_VERSION:
+        raise SchemaError(f"trajectory group: schema_version {version!r} is not supported (want {SCHEMA_VERSION})")
+    missing = [k for k in _REQUIRED_GROUP if k not in wire]
+    if missing:
+        raise SchemaError(f"trajectory group: missing field(s) {', '.join(missing)}")
+    unknown = sorted(set(wire) - set(_GROUP_FIELDS))
+    if unknown:
+        raise SchemaError(f"trajectory group: unknown field(s) {', '.join(unknown)}")
+    if not isinstance(wire["samples"], list):
+        raise SchemaError("trajectory group.samples: expected a list")
+    where = f"group {wire['task_id']}"
+    wire["samples"] = [_sample_from_wire(s, f"{where}.samples[{i}]") for i, s in enumerate(wire["samples"])]
+    group = TrajectoryGroup(**wire)
+    group.validate()
+    return group

@@ -1,0 +1,1 @@
+"""rollwave rollout_server."""

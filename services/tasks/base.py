@@ -1,0 +1,90 @@
+"""The task contract and the file plumbing every file-backed source shares.
+
+A ``Task`` is what the API enqueues and one rollout worker turns into one trajectory group:
+the prompt (OpenAI chat messages), the tools offered, per-tool kwargs (verl style) and the reward spec.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Shared by every built-in source and by the tokenizer corpus; short, because the tiny model's context is.
+SYSTEM_PROMPT = "Solve the problem. Use the calculator for arithmetic. End with: The answer is N."
+
+T = TypeVar("T")
+
+
+class Task(BaseModel):
+    """One prompt to roll out: the contract between task sources, the task queue and the agent loop.
+
+    ``tools`` names the tools offered; ``tools_kwargs`` is verl's per-tool dict, e.g.
+    ``{"check_answer": {"create_kwargs": {"ground_truth": "42"}}}``; ``reward`` is the reward spec,
+    e.g. ``{"kind": "gsm8k", "ground_truth": "42"}``; ``meta`` is for inspection and the SFT demonstrations.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    task_id: str = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[str] = Field(default_factory=list)
+    tools_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    reward: dict[str, Any]
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+def gold_tools_kwargs(ground_truth: str) -> dict[str, dict[str, Any]]:
+    """Per-tool kwargs that hand the gold answer to a ``check_answer`` tool, if the tool config offers one."""
+    return {"check_answer": {"create_kwargs": {"ground_truth": ground_truth}}}
+
+
+def split_file(source: str, path: str | None, split: str | None) -> Path:
+    """``path`` itself if it is a file, else ``path/{split}.jsonl`` (split defaults to ``train``)."""
+    if path is None:
+        raise ValueError(f"task source {source!r} needs a path (a .jsonl file or a directory of {{split}}.jsonl)")
+    p = Path(path)
+    if p.is_dir():
+        p = p / f"{split or 'train'}.jsonl"
+    if not p.is_file():
+        raise FileNotFoundError(f"task source {source!r}: no such file: {p}")
+    return p
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``("file:line", row)`` for each non-blank line; a line that is not a JSON object is a ValueError."""
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            yield where, row
+
+
+def field(row: dict[str, Any], key: str, kind: type[T], where: str, *, label: str | None = None) -> T:
+    """``row[key]``, which must be present and of type ``kind``; the error names ``file:line`` and the field."""
+    name = label or key
+    if key not in row:
+        raise ValueError(f"{where}: missing field {name!r}")
+    value = row[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{where}: field {name!r} must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def window(items: list[T], offset: int, limit: int | None) -> list[T]:
+    """``items[offset : offset + limit]`` after checking both."""
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    return items[offset:] if limit is None else items[offset : offset + limit]

@@ -1,0 +1,60 @@
+"""Config layering and validation: errors name the full dotted key."""
+
+from pathlib import Path
+
+import pytest
+
+from services.cli import main
+from services.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_demo_config_loads() -> None:
+    cfg = load_config(ROOT / "configs/demo.yaml")
+    assert cfg.run.name == "demo"
+    assert cfg.trainer.loss == "decoupled_ppo"
+
+
+def test_layering_defaults_file_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  lr: 0.5\n  total_steps: 7\n")
+    cfg = load_config(path, ["trainer.lr=1e-5", "rollout.n_samples=3", "engine.urls=[http://a:1]"])
+    assert cfg.trainer.lr == 1e-5
+    assert cfg.trainer.total_steps == 7
+    assert cfg.rollout.n_samples == 3
+    assert cfg.engine.urls == ["http://a:1"]
+    assert cfg.buffer.max_staleness == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["trainer.lrr=1"], "trainer.lrr: unknown key"),
+        (["trainer.lr=fast"], "trainer.lr:"),
+        (["trainer.lr=-1"], "trainer.lr:"),
+        (["rollout.mode=sometimes"], "rollout.mode:"),
+        (["nosuch.section=1"], "nosuch: unknown key"),
+        (["trainer.is_low=3", "trainer.is_high=2"], "trainer:"),
+        (["trainer"], "expected dotted.key=value"),
+    ],
+)
+def test_bad_values_name_the_key(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert needle in str(err.value)
+
+
+def test_bad_yaml_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer:\n  lr: [1\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:\d+"):
+        load_config(path)
+
+
+def test_cli_config_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "check", "-c", str(ROOT / "configs/demo.yaml"), "trainer.lr=2e-5"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 2.0e-05" in out
+    assert main(["config", "check", "-c", str(ROOT / "configs/demo.yaml"), "api.port=http"]) == 2
+    assert "api.port" in capsys.readouterr().err

@@ -1,0 +1,109 @@
+"""Trajectory-group encoding: exact round trip, and clear errors for damaged input."""
+
+import msgpack
+import numpy as np
+import pytest
+
+from buffer.schema import (
+    SCHEMA_VERSION,
+    Sample,
+    SchemaError,
+    ToolCallRecord,
+    TrajectoryGroup,
+    decode_group,
+    encode_group,
+)
+
+
+def make_group(n: int = 3, length: int = 20, prompt_len: int = 6) -> TrajectoryGroup:
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(n):
+        mask = np.zeros(length, dtype=np.uint8)
+        mask[prompt_len:] = 1
+        mask[prompt_len + 5 : prompt_len + 8] = 0  # a tool turn
+        samples.append(
+            Sample(
+                sample_index=i,
+                token_ids=rng.integers(0, 1000, length),
+                prompt_len=prompt_len,
+                loss_mask=mask,
+                behaviour_logprobs=np.where(mask, -rng.random(length), 0.0),
+                token_versions=np.where(mask, 3 + (np.arange(length) > 12), -1),
+                reward=float(i % 2),
+                reward_info={"extracted": "42"},
+                finish_reason="stop",
+                num_turns=2,
+                tool_calls=[ToolCallRecord("calculator", True, None, 0.01)],
+                messages=[{"role": "user", "content": "q"}],
+                queued=1.0,
+                started=2.0,
+                finished=3.0,
+            )
+        )
+    return TrajectoryGroup(run="r", job_id="j", task_id="t-1", samples=samples)
+
+
+def test_round_trip_is_exact() -> None:
+    group = make_group()
+    back = decode_group(encode_group(group))
+    assert back.group_id == "t-1" and back.run == "r" and back.job_id == "j"
+    for a, b in zip(group.samples, back.samples, strict=True):
+        for name in ("token_ids", "loss_mask", "behaviour_logprobs", "token_versions"):
+            got, want = getattr(b, name), getattr(a, name)
+            assert got.dtype == want.dtype and np.array_equal(got, want)
+        assert b.tool_calls == a.tool_calls
+        assert (b.reward, b.reward_info, b.messages, b.prompt_len) == (a.reward, a.reward_info, a.messages, a.prompt_len)
+    assert back.oldest_version() == 3
+
+
+def test_truncated_bytes() -> None:
+    data = encode_group(make_group())
+    with pytest.raises(SchemaError, match="trajectory group"):
+        decode_group(data[: len(data) // 2])
+
+
+def test_wrong_schema_version() -> None:
+    wire = msgpack.unpackb(encode_group(make_group()))
+    wire["schema_version"] = SCHEMA_VERSION + 1
+    with pytest.raises(SchemaError, match="schema_version 2 is not supported"):
+        decode_group(msgpack.packb(wire))
+
+
+@pytest.mark.parametrize("field", ["token_ids", "prompt_len", "loss_mask"])
+def test_missing_sample_field(field: str) -> None:
+    wire = msgpack.unpackb(encode_group(make_group()))
+    del wire["samples"][1][field]
+    with pytest.raises(SchemaError, match=rf"samples\[1\]: missing field\(s\) {field}"):
+        decode_group(msgpack.packb(wire))
+
+
+def test_missing_group_field_and_unknown_field() -> None:
+    wire = msgpack.unpackb(encode_group(make_group()))
+    del wire["task_id"]
+    with pytest.raises(SchemaError, match="missing field\\(s\\) task_id"):
+        decode_group(msgpack.packb(wire))
+    wire = msgpack.unpackb(encode_group(make_group()))
+    wire["samples"][0]["extra"] = 1
+    with pytest.raises(SchemaError, match="unknown field\\(s\\) extra"):
+        decode_group(msgpack.packb(wire))
+
+
+def test_inconsistent_arrays_are_rejected() -> None:
+    group = make_group()
+    group.samples[2].behaviour_logprobs = group.samples[2].behaviour_logprobs[:-1]
+    with pytest.raises(SchemaError, match=r"samples\[2\]\.behaviour_logprobs: shape"):
+        encode_group(group)
+    group = make_group()
+    group.samples[0].loss_mask[0] = 1
+    with pytest.raises(SchemaError, match="loss_mask: is 1 inside the prompt"):
+        encode_group(group)
+    wire = msgpack.unpackb(encode_group(make_group()))
+    wire["samples"][0]["token_ids"] = b"\x00\x01\x02"
+    with pytest.raises(SchemaError, match=r"token_ids: not a int32 buffer"):
+        decode_group(msgpack.packb(wire))
+
+
+def test_not_a_map() -> None:
+    with pytest.raises(SchemaError, match="expected a map"):
+        decode_group(msgpack.packb([1, 2]))

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 # Shared by every built-in source and by the tokenizer corpus; short, because the tiny model's context is.
-SYSTEM_PROMPT = "Solve the problem. Use the calculator for arithmetic. End with: The answer is N."
+SYSTEM_PROMPT = "Use the calculator for arithmetic. End with: The answer is N."
 
 T = TypeVar("T")
 
@@ -45,7 +45,9 @@ def gold_tools_kwargs(ground_truth: str) -> dict[str, dict[str, Any]]:
 def split_file(source: str, path: str | None, split: str | None) -> Path:
     """``path`` itself if it is a file, else ``path/{split}.jsonl`` (split defaults to ``train``)."""
     if path is None:
-        raise ValueError(f"task source {source!r} needs a path (a .jsonl file or a directory of {{split}}.jsonl)")
+        raise ValueError(
+            f"task source {source!r} needs a path: a .jsonl file or a directory of {{split}}.jsonl"
+        )
     p = Path(path)
     if p.is_dir():
         p = p / f"{split or 'train'}.jsonl"
@@ -54,8 +56,8 @@ def split_file(source: str, path: str | None, split: str | None) -> Path:
     return p
 
 
-def read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Yield ``("file:line", row)`` for each non-blank line; a line that is not a JSON object is a ValueError."""
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(line number, row)`` per non-blank line; a line that is not a JSON object is a ValueError."""
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -67,11 +69,11 @@ def read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                 raise ValueError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            yield where, row
+            yield lineno, row
 
 
 def field(row: dict[str, Any], key: str, kind: type[T], where: str, *, label: str | None = None) -> T:
-    """``row[key]``, which must be present and of type ``kind``; the error names ``file:line`` and the field."""
+    """``row[key]``, present and of type ``kind``; the error names ``file:line`` and the field."""
     name = label or key
     if key not in row:
         raise ValueError(f"{where}: missing field {name!r}")

@@ -1,0 +1,92 @@
+"""Rollout jobs: the spec a user submits, and the per-job rollout settings a worker derives from it.
+
+The spec is validated whole (and its tasks loaded) before anything is written, so a rejected job
+leaves nothing behind. The worker reads the stored spec and fills what it leaves out from its own
+``RolloutConfig``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.config import RolloutConfig
+from services.tasks import Task, load_tasks
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TaskSource(Strict):
+    """Where a job's tasks come from: a named source or tasks given inline."""
+
+    kind: Literal["arith", "gsm8k", "jsonl", "inline"] = "arith"
+    path: str | None = Field(None, description="gsm8k/jsonl: a .jsonl file or a directory of {split}.jsonl")
+    split: str | None = Field(None, description="train or test")
+    limit: int | None = Field(None, ge=1, le=100_000, description="how many tasks")
+    offset: int = Field(0, ge=0, description="skip this many tasks first")
+    seed: int = 0
+    tasks: list[Task] | None = Field(None, description="inline tasks (kind=inline)")
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskSource:
+        if self.kind == "inline":
+            if not self.tasks:
+                raise ValueError("kind=inline needs a non-empty `tasks` list")
+        elif self.tasks is not None:
+            raise ValueError(f"`tasks` is only allowed with kind=inline, not kind={self.kind}")
+        if self.kind in ("gsm8k", "jsonl") and not self.path:
+            raise ValueError(f"kind={self.kind} needs `path`")
+        if self.kind == "arith" and self.limit is None:
+            raise ValueError("kind=arith needs `limit` (the number of generated problems)")
+        return self
+
+    def load(self) -> list[Task]:
+        if self.kind == "inline":
+            assert self.tasks is not None
+            return list(self.tasks)
+        return load_tasks(
+            self.kind, path=self.path, split=self.split, limit=self.limit, seed=self.seed, offset=self.offset
+        )
+
+
+class SamplingSpec(Strict):
+    temperature: float | None = Field(None, ge=0, le=10)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    max_new_tokens: int | None = Field(None, ge=1, le=32_768)
+
+
+class JobSpec(Strict):
+    """A rollout job. ``eval`` jobs are never trained on: their groups go to ``eval:<job>``."""
+
+    kind: Literal["train", "eval"] = "train"
+    source: TaskSource
+    n_samples: int | None = Field(None, ge=1, le=256, description="samples per task (eval defaults to 1)")
+    sampling: SamplingSpec = SamplingSpec()
+    max_turns: int | None = Field(None, ge=1, le=64)
+    tools: list[str] | None = Field(None, description="tool names; None uses each task's own list")
+    reward: str | None = Field(None, description="gsm8k | tool | module:function; None uses the server's")
+    name: str | None = Field(None, max_length=200)
+
+    @model_validator(mode="after")
+    def _eval_defaults(self) -> JobSpec:
+        if self.kind == "eval":
+            if self.n_samples is None:
+                self.n_samples = 1
+            if self.sampling.temperature is None:
+                self.sampling = self.sampling.model_copy(update={"temperature": 0.0})
+        return self
+
+
+def rollout_settings(spec: JobSpec, defaults: RolloutConfig) -> RolloutConfig:
+    """The server's rollout section with what the job sets laid over it."""
+    update: dict[str, Any] = {
+        "n_samples": spec.n_samples,
+        "max_turns": spec.max_turns,
+        "reward": spec.reward,
+        **spec.sampling.model_dump(),
+    }
+    return defaults.model_copy(update={k: v for k, v in update.items() if v is not None})

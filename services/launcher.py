@@ -1,0 +1,164 @@
+"""What a run consists of, and a local supervisor that keeps it running as plain processes.
+
+``components(...)`` is the one description of a stack (Redis aside): R rollout servers, W trainer
+ranks and the API, each a ``python -m`` command. ``LocalStack`` runs it as child processes and
+restarts one that dies (the demo, the end-to-end tests); ``services.ray_launcher`` places the same
+commands in Ray actors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ComponentSpec:
+    """One process of the stack: its command line, environment and the resources it asks for."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    restart: bool = True
+
+
+def components(
+    cfg: Config,
+    config_path: Path,
+    redis_url: str,
+    *,
+    rollout_servers: int = 1,
+    trainer_ranks: int = 1,
+    api: bool = True,
+    host: str = "127.0.0.1",
+    trainer_args: tuple[str, ...] = ("--resume",),
+) -> list[ComponentSpec]:
+    """The processes of a run. Ports are chosen here so a restarted process comes back on the same ones."""
+    py = sys.executable
+    common = [f"redis.url={redis_url}"]
+    specs: list[ComponentSpec] = []
+    gpu = 1.0 if cfg.trainer.device == "cuda" else 0.0
+    master_port = free_port(host)
+    for rank in range(trainer_ranks):
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(trainer_ranks),
+            "MASTER_ADDR": host,
+            "MASTER_PORT": str(master_port),
+        }
+        argv = [py, "-m", "trainer", "-c", str(config_path), *trainer_args, *common]
+        specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu))
+    for i in range(rollout_servers):
+        argv = [
+            py, "-m", "rollout_server", "-c", str(config_path), *common,
+            f"rollout.server_id=rollout-{i}",
+            f"rollout.grpc_port={free_port(host)}",
+            f"engine.port={free_port(host)}",
+            f"rollout.metrics_port={free_port(host)}",
+        ]
+        specs.append(ComponentSpec(f"rollout-{i}", argv))
+    if api:
+        argv = [py, "-m", "services.api", "-c", str(config_path), *common]
+        specs.append(ComponentSpec("api", argv, num_cpus=0.5))
+    return specs
+
+
+class LocalStack:
+    """Runs component specs as child processes, restarts any that dies, and stops them all on close."""
+
+    def __init__(self, specs: list[ComponentSpec], log_dir: Path, poll_s: float = 0.5) -> None:
+        self.specs = {s.name: s for s in specs}
+        self.log_dir = log_dir
+        self.poll_s = poll_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {name: 0 for name in self.specs}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def _spawn(self, spec: ComponentSpec) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_dir / f"{spec.name}.log", "ab")  # noqa: SIM115 - owned by the child
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(spec.argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        out.close()
+        log.info("started %s (pid %d)", spec.name, proc.pid)
+        return proc
+
+    def start(self) -> LocalStack:
+        with self._lock:
+            for spec in self.specs.values():
+                self.procs[spec.name] = self._spawn(spec)
+        self._thread = threading.Thread(target=self._supervise, name="local-stack", daemon=True)
+        self._thread.start()
+        return self
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            with self._lock:
+                for name, proc in list(self.procs.items()):
+                    rc = proc.poll()
+                    if rc is None or self._stop.is_set():
+                        continue
+                    spec = self.specs[name]
+                    if rc == 0 or not spec.restart:
+                        continue
+                    log.warning("%s exited with %s; restarting", name, rc)
+                    self.restarts[name] += 1
+                    self.procs[name] = self._spawn(spec)
+
+    def pid(self, name: str) -> int:
+        return self.procs[name].pid
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Fault injection: signal one component (the supervisor restarts it)."""
+        with self._lock:
+            os.killpg(self.procs[name].pid, sig)
+
+    def finished(self, name: str) -> bool:
+        proc = self.procs[name]
+        return proc.poll() == 0
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for name, proc in self.procs.items():
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in time; killing it", name)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

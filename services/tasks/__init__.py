@@ -1,0 +1,39 @@
+"""Task sources: where prompts come from. ``load_tasks`` picks one by name (STYLE.md #6)."""
+
+from __future__ import annotations
+
+from services.tasks.base import SYSTEM_PROMPT, Task
+
+SOURCES = ("arith", "gsm8k", "jsonl")
+
+__all__ = ["SOURCES", "SYSTEM_PROMPT", "Task", "load_tasks"]
+
+
+def load_tasks(
+    source: str,
+    *,
+    path: str | None = None,
+    split: str | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    offset: int = 0,
+) -> list[Task]:
+    """Tasks ``offset .. offset+limit`` of a source.
+
+    ``arith`` is generated (``split`` train|test, ``seed`` picks the stream, ``limit`` defaults to 1000);
+    ``gsm8k`` and ``jsonl`` read ``path`` (a file, or a directory holding ``{split}.jsonl``) in file order,
+    and ignore ``seed``.
+    """
+    if source == "arith":
+        from services.tasks import arith
+
+        return arith.generate(split or "train", limit=limit, seed=seed, offset=offset)
+    if source == "gsm8k":
+        from services.tasks import gsm8k
+
+        return gsm8k.load(path, split, limit=limit, offset=offset)
+    if source == "jsonl":
+        from services.tasks import jsonl
+
+        return jsonl.load(path, split, limit=limit, offset=offset)
+    raise ValueError(f"unknown task source {source!r}; valid: {', '.join(SOURCES)}")

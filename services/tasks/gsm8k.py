@@ -1,0 +1,50 @@
+"""GSM8K from its jsonl files (``question``; ``answer`` with ``<<a*b=c>>`` annotations, ending ``#### N``).
+
+Read from disk only: nothing is downloaded. The gold is the number after ``####`` with commas removed.
+"""
+
+from __future__ import annotations
+
+import re
+
+from services.tasks.base import SYSTEM_PROMPT, Task, field, gold_tools_kwargs, read_jsonl, split_file, window
+
+_GOLD = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
+_ANNOTATION = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
+
+
+def load(
+    path: str | None, split: str | None = None, *, limit: int | None = None, offset: int = 0
+) -> list[Task]:
+    """Every row is validated (a bad row anywhere fails loudly), then ``offset``/``limit`` pick the window."""
+    file = split_file("gsm8k", path, split)
+    name = split or file.stem
+    tasks = []
+    for line, row in read_jsonl(file):
+        where = f"{file}:{line}"
+        question = field(row, "question", str, where)
+        answer = field(row, "answer", str, where)
+        match = _GOLD.search(answer)
+        if match is None:
+            raise ValueError(f"{where}: field 'answer' does not end with '#### <number>'")
+        gold = match.group(1).replace(",", "")
+        tasks.append(
+            Task(
+                task_id=f"gsm8k-{name}-{line}",
+                messages=[
+                    {"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": question},
+                ],
+                tools=["calculator"],
+                tools_kwargs=gold_tools_kwargs(gold),
+                reward={"kind": "gsm8k", "ground_truth": gold},
+                meta={
+                    "source": "gsm8k",
+                    "file": str(file),
+                    "line": line,
+                    "solution": answer,
+                    "calculations": [f"{lhs}={rhs}" for lhs, rhs in _ANNOTATION.findall(answer)],
+                },
+            )
+        )
+    return window(tasks, offset, limit)

@@ -1,0 +1,215 @@
+"""Task sources: seeded arith problems and demonstrations, GSM8K and verl-style jsonl files, bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from services.tasks import SOURCES, Task, load_tasks
+from services.tasks.arith import TEMPLATES, demonstration, evaluate
+
+GSM8K = Path("/work/shared/data/gsm8k")
+
+
+def _write(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_unknown_source_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="valid: arith, gsm8k, jsonl"):
+        load_tasks("mmlu")
+    assert SOURCES == ("arith", "gsm8k", "jsonl")
+
+
+def test_arith_is_seeded_and_exact() -> None:
+    first = load_tasks("arith", limit=300, seed=7)
+    assert [t.model_dump() for t in first] == [t.model_dump() for t in load_tasks("arith", limit=300, seed=7)]
+    assert [t.messages for t in first] != [t.messages for t in load_tasks("arith", limit=300, seed=8)]
+    assert len({t.task_id for t in first}) == 300 and first[5].task_id == "arith-train-7-5"
+    assert {t.meta["template"] for t in first} == {t.id for t in TEMPLATES}
+    for task in first:
+        gold = task.reward["ground_truth"]
+        assert task.reward == {"kind": "gsm8k", "ground_truth": gold}
+        assert evaluate(task.meta["expression"]) == int(gold) > 0
+        assert task.tools == ["calculator"]
+        assert task.tools_kwargs == {"check_answer": {"create_kwargs": {"ground_truth": gold}}}
+        assert [m["role"] for m in task.messages] == ["system", "user"]
+        assert all(10 <= n <= 9999 for n in task.meta["numbers"].values())
+    assert load_tasks("arith", limit=5, offset=10, seed=7) == first[10:15]
+    assert len(load_tasks("arith")) == 1000
+
+
+def test_arith_train_and_test_never_share_a_problem() -> None:
+    train = load_tasks("arith", split="train", limit=4000)
+    test = load_tasks("arith", split="test", limit=400)
+    other_seed = load_tasks("arith", split="test", limit=400, seed=1)
+    train_text = {t.messages[1]["content"] for t in train}
+    train_math = {(t.meta["template"], tuple(t.meta["numbers"].values())) for t in train}
+    for split in (test, other_seed):
+        assert len({t.messages[1]["content"] for t in split}) == len(split)
+        assert not train_text & {t.messages[1]["content"] for t in split}
+        assert not train_math & {(t.meta["template"], tuple(t.meta["numbers"].values())) for t in split}
+    assert test[0].task_id == "arith-test-0-0" and test[0].meta["split"] == "test"
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        load_tasks("arith", split="dev")
+
+
+def test_demonstration_is_a_tool_call_result_and_answer() -> None:
+    task = load_tasks("arith", limit=1)[0]
+    chat = demonstration(task, random.Random(0), wrong_formula_rate=0.0)
+    assert chat[:2] == task.messages
+    call, result, final = chat[2:]
+    assert call == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": task.meta["expression"]}},
+            }
+        ],
+    }
+    gold = task.reward["ground_truth"]
+    assert result == {"role": "tool", "name": "calculator", "content": gold}
+    assert final == {"role": "assistant", "content": f"The answer is {gold}."}
+
+
+def test_wrong_formulas_appear_at_the_requested_rate_on_four_templates() -> None:
+    tasks = load_tasks("arith", limit=2000, seed=3)
+    rng = random.Random(0)
+    wrong = Counter()
+    for task in tasks:
+        chat = demonstration(task, rng)
+        expression = chat[2]["tool_calls"][0]["function"]["arguments"]["expression"]
+        value = str(evaluate(expression))
+        assert chat[3]["content"] == value and chat[4]["content"] == f"The answer is {value}."
+        if expression != task.meta["expression"]:
+            assert expression == task.meta["wrong_expression"]
+            wrong[task.meta["template"]] += 1
+    with_wrong = {t.id for t in TEMPLATES if t.wrong_formula}
+    assert len(with_wrong) == 4 and set(wrong) == with_wrong
+    eligible = sum(t.meta["template"] in with_wrong for t in tasks)
+    assert 0.64 < sum(wrong.values()) / eligible < 0.76
+    assert 0.22 < sum(wrong.values()) / len(tasks) < 0.34
+    flawed = next(t for t in tasks if t.meta["wrong_expression"])
+    always = demonstration(flawed, rng, wrong_formula_rate=1.0)
+    assert (
+        always[2]["tool_calls"][0]["function"]["arguments"]["expression"] == flawed.meta["wrong_expression"]
+    )
+    gsm = Task(task_id="x", messages=[{"role": "user", "content": "q"}], reward={"kind": "gsm8k"})
+    with pytest.raises(ValueError, match="only for arith"):
+        demonstration(gsm, rng)
+
+
+def test_gsm8k_test_file_loads_with_its_gold() -> None:
+    tasks = load_tasks("gsm8k", path=str(GSM8K), split="test")
+    assert len(tasks) == 1319 and len({t.task_id for t in tasks}) == 1319
+    first = tasks[0]
+    assert first.task_id == "gsm8k-test-1" and first.reward == {"kind": "gsm8k", "ground_truth": "18"}
+    assert first.messages[1]["content"].startswith("Janet")
+    assert first.meta["calculations"] == ["16-3-4=9", "9*2=18"]
+    assert first.tools == ["calculator"]
+    assert first.tools_kwargs["check_answer"]["create_kwargs"]["ground_truth"] == "18"
+    assert all(re.fullmatch(r"-?\d+(\.\d+)?", t.reward["ground_truth"]) for t in tasks)
+    by_file = load_tasks("gsm8k", path=str(GSM8K / "test.jsonl"), limit=3, offset=2)
+    assert [t.model_dump() for t in by_file] == [t.model_dump() for t in tasks[2:5]]
+
+
+def test_gsm8k_strips_commas_and_reports_bad_rows(tmp_path: Path) -> None:
+    good = {"question": "How many?", "answer": "It is <<1000+234=1234>>1,234.\n#### 1,234"}
+    tasks = load_tasks("gsm8k", path=str(_write(tmp_path / "ok.jsonl", [good, "", good])))
+    assert [t.reward["ground_truth"] for t in tasks] == ["1234", "1234"]
+    assert [t.task_id for t in tasks] == ["gsm8k-ok-1", "gsm8k-ok-3"]
+
+    bad_rows = {
+        "{not json": "invalid JSON",
+        json.dumps([1, 2]): "expected a JSON object",
+        json.dumps({"answer": "#### 1"}): "missing field 'question'",
+        json.dumps({"question": "q", "answer": 5}): "field 'answer' must be str",
+        json.dumps(
+            {"question": "q", "answer": "no marker"}
+        ): "field 'answer' does not end with '#### <number>'",
+    }
+    for i, (row, message) in enumerate(bad_rows.items()):
+        path = _write(tmp_path / f"bad{i}.jsonl", [good, row])
+        with pytest.raises(ValueError, match=re.escape(f"{path}:2: {message}")):
+            load_tasks("gsm8k", path=str(path))
+
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "valid.jsonl"))):
+        load_tasks("gsm8k", path=str(tmp_path), split="valid")
+    with pytest.raises(ValueError, match="needs a path"):
+        load_tasks("gsm8k")
+
+
+def test_jsonl_reads_verl_rows(tmp_path: Path) -> None:
+    verl = {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "reward_model": {"style": "rule", "ground_truth": "4"},
+        "extra_info": {
+            "index": 17,
+            "tools_kwargs": {"calculator": {}, "check_answer": {"create_kwargs": {}}},
+        },
+    }
+    alias = {
+        "id": "mine",
+        "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+        "tools": ["calculator"],
+        "tools_kwargs": {"calculator": {"create_kwargs": {"precision": 2}}},
+        "reward_model": {"ground_truth": 7, "kind": "tool"},
+    }
+    bare = {"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "x"}}
+    path = _write(tmp_path / "mix.jsonl", [verl, alias, bare])
+    first, second, third = load_tasks("jsonl", path=str(path))
+    assert first.task_id == "jsonl-mix-17" and first.tools == ["calculator", "check_answer"]
+    assert first.reward == {"kind": "gsm8k", "style": "rule", "ground_truth": "4"}
+    assert first.meta["data_source"] == "openai/gsm8k" and first.meta["line"] == 1
+    assert (
+        second.task_id == "mine" and second.messages == alias["messages"] and second.tools == ["calculator"]
+    )
+    assert second.tools_kwargs == alias["tools_kwargs"] and second.reward == {
+        "kind": "tool",
+        "ground_truth": 7,
+    }
+    assert third.task_id == "jsonl-mix-3" and third.tools == [] and third.tools_kwargs == {}
+    assert Task.model_validate_json(first.model_dump_json()) == first
+    assert load_tasks("jsonl", path=str(tmp_path), split="mix", offset=1) == [second, third]
+
+
+def test_jsonl_reports_bad_rows_with_file_line_and_field(tmp_path: Path) -> None:
+    ok = {"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}}
+    bad_rows = {
+        "reward_model": ({"prompt": ok["prompt"]}, "missing field 'reward_model'"),
+        "ground_truth": (
+            {**ok, "reward_model": {"style": "rule"}},
+            "missing field 'reward_model.ground_truth'",
+        ),
+        "prompt type": ({**ok, "prompt": "hi"}, "field 'prompt' must be list"),
+        "empty prompt": ({**ok, "prompt": []}, "field 'prompt' is empty"),
+        "content": ({**ok, "prompt": [{"role": "user"}]}, "missing field 'prompt[0].content'"),
+        "prompt null": ({**ok, "prompt": None}, "field 'prompt' must be list"),
+        "bad role": ({**ok, "prompt": [{"role": "bot", "content": "x"}]}, "field 'prompt[0].role' is 'bot'"),
+        "tools": ({**ok, "tools": ["calculator", 3]}, "field 'tools[1]' must be str"),
+        "kwargs": (
+            {**ok, "extra_info": {"tools_kwargs": {"calculator": []}}},
+            "'extra_info.tools_kwargs.calculator'",
+        ),
+        "id": ({**ok, "id": True}, "field 'id' must be a non-empty string or an integer"),
+    }
+    for i, (row, message) in enumerate(bad_rows.values()):
+        path = _write(tmp_path / f"bad{i}.jsonl", [ok | {"id": "a"}, row])
+        with pytest.raises(ValueError, match=re.escape(f"{path}:2: ") + ".*" + re.escape(message)):
+            load_tasks("jsonl", path=str(path))
+    dup = _write(tmp_path / "dup.jsonl", [ok | {"id": "a"}, ok, ok | {"id": "a"}])
+    with pytest.raises(ValueError, match=re.escape(f"{dup}:3: duplicate task id 'a' (first on line 1)")):
+        load_tasks("jsonl", path=str(dup))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_tasks("jsonl", path=str(tmp_path / "absent.jsonl"))
+    with pytest.raises(ValueError, match="limit must be >= 0"):
+        load_tasks("jsonl", path=str(_write(tmp_path / "ok.jsonl", [ok])), limit=-1)

@@ -43,6 +43,9 @@ class RedisConfig(Section):
     aof: bool = Field(True, description="append-only file on the embedded Redis")
     unix_socket: bool = Field(False, description="embedded Redis listens on a unix socket instead of TCP")
     port: int = Field(0, ge=0, le=65535, description="embedded Redis TCP port; 0 picks a free one")
+    appendfsync: Literal["always", "everysec"] = Field(
+        "everysec", description="embedded Redis AOF fsync: always (no acknowledged write lost) or everysec"
+    )
 
 
 class EngineConfig(Section):
@@ -71,6 +74,12 @@ class RolloutConfig(Section):
     grpc_host: str = "127.0.0.1"
     grpc_port: int = Field(0, ge=0, le=65535)
     heartbeat_s: float = Field(2.0, gt=0)
+    server_id: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$", description="consumer name in Redis; None uses <host>-<pid>"
+    )
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="on SIGTERM, in-flight groups get this long to finish, then are handed back"
+    )
     metrics_port: int = Field(0, ge=0, le=65535, description="0 disables the metrics server")
 
 
@@ -100,8 +109,11 @@ class TrainerConfig(Section):
     advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
     std_norm: bool = True
     kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3", "low-var-kl"] = "low-var-kl"
     entropy_coef: float = Field(0.0, ge=0)
     micro_batch_tokens: int = Field(4096, ge=16)
+    ppo_minibatches: int = Field(1, ge=1, description="optimizer updates per step; >1 recomputes π_prox")
+    take_timeout_s: float = Field(5.0, gt=0, description="how long one buffer read blocks waiting for data")
     push_every: int = Field(1, ge=1, description="push weights every k steps")
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)

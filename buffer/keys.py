@@ -1,0 +1,106 @@
+"""Every Redis key of a run, in one place: ``rw:<run>:<name>`` (ARCHITECTURE.md, "Redis layout").
+
+Train and eval tasks have separate streams so eval jobs never wait behind admission control.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROLLOUT_GROUP = "rollout"
+TRAINER_GROUP = "trainer"
+TASK_KINDS = ("train", "eval")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names of one run; all keys share the prefix, so a run can be listed or dropped by pattern."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        if not self.run or any(c in self.run for c in " :{}*?[]"):
+            raise ValueError(f"run name {self.run!r}: must be non-empty without spaces, ':', braces or globs")
+
+    @property
+    def prefix(self) -> str:
+        return f"rw:{self.run}:"
+
+    def tasks(self, kind: str) -> str:
+        """Task stream of one kind (consumer group ``rollout``)."""
+        if kind not in TASK_KINDS:
+            raise ValueError(f"task kind {kind!r}: expected one of {', '.join(TASK_KINDS)}")
+        return self.prefix + ("tasks" if kind == "train" else "tasks:eval")
+
+    @property
+    def tasks_dead(self) -> str:
+        """Dead-letter stream: tasks delivered or failed more than ``max_attempts`` times, with the error."""
+        return self.prefix + "tasks:dead"
+
+    @property
+    def tasks_malformed(self) -> str:
+        return self.prefix + "tasks:malformed"
+
+    @property
+    def groups(self) -> str:
+        """Finished train groups (consumer group ``trainer``)."""
+        return self.prefix + "groups"
+
+    @property
+    def groups_malformed(self) -> str:
+        return self.prefix + "groups:malformed"
+
+    @property
+    def group_state(self) -> str:
+        """Hash group_id -> ``w`` (written) | ``t`` (consumed by the trainer): the de-duplication record."""
+        return self.prefix + "groups:state"
+
+    def eval(self, job_id: str) -> str:
+        """Groups of an eval job: read by the API, never trained on."""
+        return f"{self.prefix}eval:{job_id}"
+
+    @property
+    def version(self) -> str:
+        return self.prefix + "version"
+
+    @property
+    def admitted(self) -> str:
+        return self.prefix + "admitted"
+
+    @property
+    def admitted_ids(self) -> str:
+        """Hash of group ids admitted whose task is not yet done, so a redelivered task is not admitted twice."""
+        return self.prefix + "admitted:ids"
+
+    @property
+    def jobs(self) -> str:
+        return self.prefix + "jobs"
+
+    @property
+    def job_prefix(self) -> str:
+        return self.prefix + "job:"
+
+    def job(self, job_id: str) -> str:
+        return self.job_prefix + job_id
+
+    @property
+    def servers(self) -> str:
+        return self.prefix + "servers"
+
+    def server_alive(self, server_id: str) -> str:
+        """Heartbeat key with a TTL: the server is live while it exists."""
+        return f"{self.prefix}server:{server_id}:alive"
+
+    @property
+    def trainer(self) -> str:
+        """Hash: the trainer's step, version and heartbeat (written by rank 0)."""
+        return self.prefix + "trainer"
+
+    @property
+    def steps(self) -> str:
+        """Stream of per-step trainer metrics (capped), read by the API's charts."""
+        return self.prefix + "steps"
+
+    def trajectories(self, job_id: str) -> str:
+        """Stream of per-sample summaries of a job (messages, tool calls, reward) for reading back."""
+        return f"{self.prefix}traj:{job_id}"

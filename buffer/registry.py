@@ -1,0 +1,73 @@
+"""The rollout-server registry: who is serving, where, at which policy version, and whether it is alive.
+
+``servers`` is a hash server_id -> JSON record; each server also keeps a key with a TTL alive by
+heart-beating. A server whose key expired is dead even if its record is still there (it crashed
+without deregistering); the trainer's pusher and the API read ``live_servers()``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+from buffer.keys import Keys
+
+
+@dataclass
+class ServerInfo:
+    """What other components need to know about one rollout server."""
+
+    server_id: str
+    engine_url: str
+    grpc_address: str = ""
+    version: int = 0
+    started: float = field(default_factory=time.time)
+    heartbeat: float = field(default_factory=time.time)
+    stats: dict[str, float] = field(default_factory=dict)  # counters for the dashboard (tokens, tool errors)
+
+
+class ServerRegistry:
+    """Register, heartbeat and list rollout servers; a server is live for ``ttl_s`` after its last beat."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: float = 10.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.r = client
+        self.keys = keys
+        self.ttl_ms = int(ttl_s * 1000)
+
+    def register(self, info: ServerInfo) -> None:
+        info.started = time.time()
+        self.heartbeat(info)
+
+    def heartbeat(self, info: ServerInfo) -> None:
+        """Refresh the record (version, addresses) and the liveness key."""
+        info.heartbeat = time.time()
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.keys.servers, info.server_id, json.dumps(asdict(info)))
+        pipe.set(self.keys.server_alive(info.server_id), "1", px=self.ttl_ms)
+        pipe.execute()
+
+    def deregister(self, server_id: str) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hdel(self.keys.servers, server_id)
+        pipe.delete(self.keys.server_alive(server_id))
+        pipe.execute()
+
+    def all_servers(self) -> list[tuple[ServerInfo, bool]]:
+        """Every registered server with whether it is live, sorted by id."""
+        records = self.r.hgetall(self.keys.servers)
+        ids = sorted(k.decode() for k in records)
+        if not ids:
+            return []
+        alive = self.r.mget([self.keys.server_alive(i) for i in ids])
+        return [
+            (ServerInfo(**json.loads(records[i.encode()])), flag is not None)
+            for i, flag in zip(ids, alive, strict=True)
+        ]
+
+    def live_servers(self) -> list[ServerInfo]:
+        return [info for info, live in self.all_servers() if live]

@@ -1,0 +1,31 @@
+"""``python -m services.api -c cfg.yaml [key=value ...]``: serve the REST API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from services.api.app import create_app
+from services.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.api", description=__doc__)
+    parser.add_argument("-c", "--config")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(cfg), host=cfg.api.host, port=cfg.api.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Read-side views of a run in Redis: jobs, trajectories, cluster status, and one metrics sample."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from typing import Any
+
+import redis
+
+from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
+from buffer.registry import ServerRegistry
+
+_COUNTERS = ("submitted", "completed", "dead_lettered", "trained", "stale_dropped", "cancelled", "samples")
+
+
+class NotFound(LookupError):
+    """A job id that the run does not know."""
+
+
+def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in h.items()}
+
+
+class ClusterView:
+    """Everything the API reads, from Redis alone, so any number of API replicas agree."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, registry: ServerRegistry) -> None:
+        self.r = client
+        self.keys = keys
+        self.registry = registry
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        h = _decode(self.r.hgetall(self.keys.job(job_id)))
+        if not h:
+            raise NotFound(f"job {job_id!r} not found")
+        progress = {name: int(float(h.get(name, 0))) for name in _COUNTERS}
+        samples = progress["samples"]
+        reward_mean = float(h.get("reward_sum", 0.0)) / samples if samples else None
+        kind, state = h.get("kind", "train"), h.get("state", "running")
+        return {
+            "job_id": job_id,
+            "kind": kind,
+            "state": state,
+            "created": float(h.get("created", 0.0)),
+            "spec": json.loads(h["spec"]) if "spec" in h else None,
+            "progress": progress,
+            "reward_mean": reward_mean,
+            "accuracy": reward_mean if kind == "eval" and state == "done" else None,
+        }
+
+    def jobs(self) -> list[dict[str, Any]]:
+        ids = sorted(self.r.hgetall(self.keys.jobs).items(), key=lambda kv: float(kv[1]), reverse=True)
+        return [self.job(job_id.decode()) for job_id, _created in ids]
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """Mark a running job cancelled; servers acknowledge its remaining tasks without rolling them out."""
+        job = self.job(job_id)
+        if job["state"] == "running":
+            self.r.hset(self.keys.job(job_id), "state", "cancelled")
+            job["state"] = "cancelled"
+        return job
+
+    def trajectories(self, job_id: str, cursor: str, limit: int) -> dict[str, Any]:
+        self.job(job_id)
+        start = f"({cursor}" if cursor else "-"
+        entries = self.r.xrange(self.keys.trajectories(job_id), start, "+", count=limit)
+        items = [json.loads(fields[b"sample"]) for _id, fields in entries]
+        nxt = entries[-1][0].decode() if len(entries) == limit else None
+        return {"items": items, "next": nxt}
+
+    def _pending(self, stream: str, group: str) -> int:
+        try:
+            return int(self.r.xpending(stream, group)["pending"])
+        except redis.ResponseError:
+            return 0
+
+    def buffer(self) -> dict[str, dict[str, int]]:
+        streams = {
+            "tasks": (self.keys.tasks("train"), ROLLOUT_GROUP),
+            "tasks_eval": (self.keys.tasks("eval"), ROLLOUT_GROUP),
+            "groups": (self.keys.groups, TRAINER_GROUP),
+        }
+        out = {
+            name: {"length": self.r.xlen(key), "pending": self._pending(key, group)}
+            for name, (key, group) in streams.items()
+        }
+        out["dead_letters"] = {"length": self.r.xlen(self.keys.tasks_dead), "pending": 0}
+        return out
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        servers = [
+            {**asdict(info), "alive": alive, "heartbeat_age_s": round(now - info.heartbeat, 3)}
+            for info, alive in self.registry.all_servers()
+        ]
+        trainer = _decode(self.r.hgetall(self.keys.trainer))
+        return {
+            "run": self.keys.run,
+            "version": int(self.r.get(self.keys.version) or 0),
+            "servers": servers,
+            "trainer": trainer or None,
+            "buffer": self.buffer(),
+        }
+
+    def sample(self) -> dict[str, float | None]:
+        """One point of the dashboard's time series (raw counters; the sampler turns them into rates)."""
+        last = self.r.xrevrange(self.keys.steps, "+", "-", count=1)
+        step = json.loads(last[0][1][b"metrics"]) if last else {}
+        stats = [info.stats for info in self.registry.live_servers()]
+        return {
+            "policy_version": float(self.r.get(self.keys.version) or 0),
+            "buffer_depth_groups": float(self.r.xlen(self.keys.groups)),
+            "reward_mean": step.get("reward_mean"),
+            "trainer_idle_fraction": step.get("idle_fraction"),
+            "staleness_mean": step.get("staleness_mean"),
+            "generated_tokens": float(sum(s.get("generated_tokens", 0) for s in stats)),
+            "tool_errors": float(sum(s.get("tool_errors", 0) for s in stats)),
+            "pause_ms": max((s.get("last_pause_ms", 0.0) for s in stats), default=None),
+        }

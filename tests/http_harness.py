@@ -1,0 +1,31 @@
+"""Serve an ASGI app with a real uvicorn server on 127.0.0.1 in a thread, for tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from services.launcher import free_port
+
+
+@contextmanager
+def serve_app(app, host: str = "127.0.0.1") -> Iterator[str]:
+    """Yield the base URL while the server runs; shut it down (lifespan included) on exit."""
+    port = free_port(host)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -1,0 +1,106 @@
+"""Warm start by SFT on generated tool-use demonstrations (the demo's first phase).
+
+Demonstrations are laid out token for token as the agent loop lays out a rollout: the prompt,
+each assistant turn as the model would emit it (loss 1), the template tokens and tool turns
+between them (loss 0). So SFT teaches exactly the sequences RL later samples.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout_server.trajectory import ChatRenderer, TrajectoryBuilder, Turn
+from services.tasks import Task
+from services.tasks.arith import CALCULATOR_SCHEMA, demonstration
+
+
+def demonstration_ids(renderer: ChatRenderer, messages: list[dict[str, Any]], tools: list[dict]) -> TrajectoryBuilder:
+    """Token ids and loss mask of a whole demonstration conversation (system/user prompt first)."""
+    n_prompt = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    builder = TrajectoryBuilder(renderer.prompt_ids(messages[:n_prompt], tools))
+    i = n_prompt
+    while i < len(messages):
+        turn = renderer.assistant_turn_ids(messages[i])
+        builder.add_generated(Turn(turn, [0.0] * len(turn), [0] * len(turn)))
+        i += 1
+        tool_msgs = []
+        while i < len(messages) and messages[i]["role"] == "tool":
+            tool_msgs.append(messages[i])
+            i += 1
+        builder.add_template(renderer.turn_end_suffix)
+        if tool_msgs:
+            builder.add_template(renderer.tool_turn_ids(tool_msgs))
+    return builder
+
+
+def _batch(examples: list[TrajectoryBuilder], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(e) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.float32)
+    attn = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, ex in enumerate(examples):
+        n = len(ex)
+        ids[row, :n] = torch.tensor(ex.token_ids)
+        mask[row, :n] = torch.tensor(ex.loss_mask, dtype=torch.float32)
+        attn[row, :n] = 1
+    return ids, mask, attn
+
+
+def sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Token-mean cross-entropy over loss-masked positions (position t predicts token t)."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    target_mask = mask[:, 1:]
+    return (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
+
+
+def warm_start(
+    model_dir: Path,
+    out_dir: Path,
+    tasks: list[Task],
+    *,
+    steps: int = 700,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    wrong_formula_rate: float = 0.7,
+    seed: int = 0,
+    progress: Callable[[int, float], None] | None = None,
+) -> Path:
+    """SFT the model at ``model_dir`` on demonstrations of ``tasks``; save to ``out_dir`` (HF format)."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    renderer = ChatRenderer(tokenizer)
+    tools = [CALCULATOR_SCHEMA]
+    examples = [
+        demonstration_ids(renderer, demonstration(task, rng, wrong_formula_rate), tools) for task in tasks
+    ]
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    started = time.monotonic()
+    for step in range(steps):
+        ids, mask, attn = _batch(rng.sample(examples, min(batch_size, len(examples))), tokenizer.pad_token_id)
+        loss = sft_loss(model, ids, mask, attn)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        if progress is not None:
+            progress(step + 1, loss.item())
+    model.eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "sft.txt").write_text(
+        f"steps={steps} batch_size={batch_size} lr={lr} examples={len(examples)} "
+        f"wrong_formula_rate={wrong_formula_rate} seconds={time.monotonic() - started:.1f}\n"
+    )
+    return out_dir

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 
@@ -25,6 +26,11 @@ def _config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-5")
 
 
+def _api_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api", default=os.environ.get("ROLLWAVE_API", "http://127.0.0.1:8000"), help="API base URL")
+    p.add_argument("--token", default=os.environ.get("ROLLWAVE_TOKEN"), help="bearer token (env ROLLWAVE_TOKEN)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollwave", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -41,6 +47,63 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, help="output directory")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=_handler("services.tiny_model:cli_init"))
+
+    p = sub.add_parser("rollout", help="roll out one task group and print its turns, tool calls, masks, rewards")
+    p.add_argument("--task", required=True, help="task source: arith | gsm8k | jsonl")
+    p.add_argument("--path", help="task file or directory (gsm8k, jsonl)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--index", type=int, default=0, help="which task of the source")
+    p.add_argument("--n", type=int, default=4, help="samples in the group")
+    p.add_argument("--model", help="HF model directory (default: the config's model.path)")
+    p.add_argument("--engine-url", help="use a running engine instead of starting the embedded one")
+    _config_args(p)
+    p.set_defaults(func=_handler("services.rollout_cmd:run"))
+
+    p = sub.add_parser("up", help="start the service (Redis, rollout servers, trainer, API) as Ray actors")
+    p.add_argument("--rollout-servers", type=int, default=1, metavar="R")
+    p.add_argument("--trainer-ranks", type=int, default=1, metavar="W")
+    p.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops everything")
+    _config_args(p, required=True)
+    p.set_defaults(func=_handler("services.ray_launcher:up"))
+
+    p = sub.add_parser("down", help="stop everything `rollwave up` started for a run")
+    _config_args(p, required=True)
+    p.set_defaults(func=_handler("services.ray_launcher:down"))
+
+    p = sub.add_parser("submit", help="submit a rollout job (from flags or a YAML file)")
+    p.add_argument("-f", "--file", help="job YAML (the body of POST /v1/jobs)")
+    p.add_argument("--kind", choices=["train", "eval"])
+    p.add_argument("--source", choices=["arith", "gsm8k", "jsonl"])
+    p.add_argument("--path")
+    p.add_argument("--split")
+    p.add_argument("--limit", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--n", type=int, help="samples per task")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--max-turns", type=int)
+    p.add_argument("--tools", help="comma-separated tool names")
+    p.add_argument("--reward", help="gsm8k | tool | module:function")
+    p.add_argument("--wait", action="store_true", help="show progress until the job is done")
+    _api_args(p)
+    p.set_defaults(func=_handler("services.client_cmd:submit"))
+
+    p = sub.add_parser("status", help="cluster status: servers, versions, trainer, buffer")
+    p.add_argument("--watch", action="store_true", help="refresh as a live table")
+    p.add_argument("--interval", type=float, default=2.0)
+    _api_args(p)
+    p.set_defaults(func=_handler("services.client_cmd:status"))
+
+    p = sub.add_parser("jobs", help="list jobs with their progress")
+    _api_args(p)
+    p.set_defaults(func=_handler("services.client_cmd:jobs"))
+
+    p = sub.add_parser("trajectories", help="print a job's trajectories page by page")
+    p.add_argument("job")
+    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--all", action="store_true", help="follow every page")
+    p.add_argument("--json", action="store_true")
+    _api_args(p)
+    p.set_defaults(func=_handler("services.client_cmd:trajectories"))
 
     return parser
 

@@ -1,0 +1,143 @@
+"""``rollwave submit | status | jobs | trajectories``: the API from a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import httpx
+import yaml
+from tqdm import tqdm
+
+
+def _client(args: argparse.Namespace) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    return httpx.Client(base_url=args.api, headers=headers, timeout=60)
+
+
+def _get(client: httpx.Client, path: str, **params: Any) -> Any:
+    reply = client.get(path, params=params)
+    if reply.status_code >= 400:
+        raise SystemExit(f"error: GET {path}: HTTP {reply.status_code}: {reply.text}")
+    return reply.json()
+
+
+def job_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The job body: a YAML file's, with any flags given laid over it."""
+    body: dict[str, Any] = {}
+    if args.file:
+        loaded = yaml.safe_load(open(args.file))
+        if not isinstance(loaded, dict):
+            raise SystemExit(f"error: {args.file}: a job file must be a mapping")
+        body = loaded
+    source = body.setdefault("source", {})
+    for flag, key in (("source", "kind"), ("path", "path"), ("split", "split"), ("limit", "limit"), ("seed", "seed")):
+        if getattr(args, flag) is not None:
+            source[key] = getattr(args, flag)
+    for flag, key in (("kind", "kind"), ("n", "n_samples"), ("max_turns", "max_turns"), ("reward", "reward")):
+        if getattr(args, flag) is not None:
+            body[key] = getattr(args, flag)
+    if args.temperature is not None:
+        body.setdefault("sampling", {})["temperature"] = args.temperature
+    if args.tools is not None:
+        body["tools"] = args.tools.split(",")
+    return body
+
+
+def submit(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        reply = client.post("/v1/jobs", json=job_from_args(args))
+        if reply.status_code >= 400:
+            print(f"error: HTTP {reply.status_code}: {reply.text}", file=sys.stderr)
+            return 2
+        job = reply.json()
+        print(f"job {job['job_id']} ({job['kind']}): {job['progress']['submitted']} tasks")
+        if args.wait:
+            job = wait_for_job(client, job["job_id"])
+            print(json.dumps({k: job[k] for k in ("job_id", "state", "progress", "reward_mean", "accuracy")}))
+    return 0
+
+
+def wait_for_job(client: httpx.Client, job_id: str, poll_s: float = 1.0) -> dict[str, Any]:
+    """Poll until the job is done or cancelled, with a progress bar of finished tasks."""
+    job = _get(client, f"/v1/jobs/{job_id}")
+    with tqdm(total=job["progress"]["submitted"], desc=f"job {job_id}", unit="task") as bar:
+        while True:
+            p = job["progress"]
+            bar.n = p["completed"] + p["dead_lettered"] + p["cancelled"]
+            bar.set_postfix(reward=job["reward_mean"])
+            bar.refresh()
+            if job["state"] in ("done", "cancelled"):
+                return job
+            time.sleep(poll_s)
+            job = _get(client, f"/v1/jobs/{job_id}")
+
+
+def _job_rows(jobs: list[dict[str, Any]]) -> list[str]:
+    rows = [f"{'JOB':14} {'KIND':6} {'STATE':10} {'DONE':>11} {'DEAD':>5} {'TRAINED':>8} {'REWARD':>7} {'ACC':>6}"]
+    for j in jobs:
+        p = j["progress"]
+        reward = "-" if j["reward_mean"] is None else f"{j['reward_mean']:.3f}"
+        acc = "-" if j["accuracy"] is None else f"{j['accuracy']:.3f}"
+        done = f"{p['completed']}/{p['submitted']}"
+        rows.append(
+            f"{j['job_id']:14} {j['kind']:6} {j['state']:10} {done:>11} {p['dead_lettered']:>5} "
+            f"{p['trained']:>8} {reward:>7} {acc:>6}"
+        )
+    return rows
+
+
+def jobs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print("\n".join(_job_rows(_get(client, "/v1/jobs")["jobs"])))
+    return 0
+
+
+def _status_table(status: dict[str, Any]) -> str:
+    lines = [f"run {status['run']}   policy version {status['version']}"]
+    trainer = status["trainer"] or {}
+    lines.append(f"trainer: step {trainer.get('step', '-')}  version {trainer.get('version', '-')}")
+    lines.append(f"{'SERVER':14} {'ALIVE':6} {'VERSION':>8} {'BEAT AGE':>9}  ENGINE")
+    for s in status["servers"]:
+        age = f"{s['heartbeat_age_s']:.1f}s"
+        lines.append(f"{s['server_id']:14} {str(s['alive']):6} {s['version']:>8} {age:>9}  {s['engine_url']}")
+    depths = [f"{k} {v['length']} ({v['pending']} pending)" for k, v in status["buffer"].items()]
+    lines.append("buffer: " + "  ".join(depths))
+    return "\n".join(lines)
+
+
+def status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        while True:
+            table = _status_table(_get(client, "/v1/status"))
+            if not args.watch:
+                print(table)
+                return 0
+            sys.stdout.write("\x1b[2J\x1b[H" + table + "\n")
+            sys.stdout.flush()
+            time.sleep(args.interval)
+
+
+def trajectories(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        cursor = ""
+        while True:
+            page = _get(client, f"/v1/jobs/{args.job}/trajectories", cursor=cursor, limit=args.limit)
+            for item in page["items"]:
+                print(json.dumps(item) if args.json else _format_trajectory(item))
+            cursor = page["next"]
+            if not cursor or not args.all:
+                return 0
+
+
+def _format_trajectory(item: dict[str, Any]) -> str:
+    lines = [f"── {item['group_id']} sample {item['sample_index']}: reward {item['reward']} ({item['finish_reason']})"]
+    for m in item["messages"]:
+        content = m.get("content") or ""
+        calls = m.get("tool_calls") or []
+        lines.append(f"  [{m['role']}] {content}".rstrip())
+        lines += [f"    → {c['function']['name']}({json.dumps(c['function']['arguments'])})" for c in calls]
+    return "\n".join(lines)

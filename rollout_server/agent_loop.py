@@ -1,0 +1,273 @@
+"""The multi-turn agent loop: one task -> n episodes (generate, call tools, repeat) -> one trajectory group.
+
+Each episode is a small state machine, like verl's ``AsyncRolloutRequest``::
+
+    PENDING -> GENERATING -> CALLING_TOOLS -> GENERATING -> ... -> COMPLETED | FAILED
+
+Token-in/token-out (see ``trajectory.py``): the engine's ``output_ids`` are appended as they are,
+with their behaviour logprobs and the policy version of each token. Every limit ends the episode
+with its own ``finish_reason``: ``stop`` (answered), ``length`` (a turn hit ``max_new_tokens``),
+``max_total_tokens`` (the context budget), ``max_turns``, ``abort`` (the engine aborted the
+request) or ``error`` (the engine failed, or a tool could not be set up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from buffer.schema import Sample, ToolCallRecord, TrajectoryGroup
+from rollout_server.engine_client import EngineClient, EngineError
+from rollout_server.metrics import RolloutMetrics
+from rollout_server.rewards import RewardComputer
+from rollout_server.tool_parser import ToolCall, ToolCallError, parse_tool_calls
+from rollout_server.tools import ToolRegistry, ToolResult
+from rollout_server.trajectory import ChatRenderer, TrajectoryBuilder, Turn
+from services.config import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    CALLING_TOOLS = "calling_tools"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class EngineReplyError(ValueError):
+    """A /generate reply that breaks the engine contract (lengths or ids that do not match)."""
+
+
+def parse_version(version: Any) -> int:
+    """Engine weight versions are strings; ours are ints. ``"7"`` -> 7; ``"default"`` or unknown -> 0."""
+    text = str(version).strip()
+    return int(text) if text.lstrip("-").isdigit() else 0
+
+
+def turn_from_reply(reply: dict[str, Any]) -> Turn:
+    """``output_ids``, behaviour logprobs and per-token versions of one SGLang /generate reply."""
+    ids = [int(t) for t in reply.get("output_ids") or []]
+    meta = reply.get("meta_info") or {}
+    entries = meta.get("output_token_logprobs") or []
+    if len(entries) != len(ids) or any(int(e[1]) != t for e, t in zip(entries, ids, strict=True)):
+        raise EngineReplyError(f"output_token_logprobs ({len(entries)}) do not match output_ids ({len(ids)})")
+    versions = [parse_version(meta.get("weight_version", "default"))] * len(ids)
+    for span in meta.get("weight_versions") or []:
+        start, end = int(span["start"]), min(int(span["end"]), len(ids))
+        versions[start:end] = [parse_version(span["version"])] * max(0, end - start)
+    return Turn(ids, [float(e[0]) for e in entries], versions)
+
+
+@dataclass
+class Episode:
+    """One sample's state while it runs (verl's ``AsyncRolloutRequest``)."""
+
+    sample_index: int
+    builder: TrajectoryBuilder
+    messages: list[dict[str, Any]]
+    queued: float
+    state: State = State.PENDING
+    instance_ids: dict[str, str] = field(default_factory=dict)
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    tool_rewards: list[float] = field(default_factory=list)
+    num_turns: int = 0
+    finish_reason: str = ""
+    final_text: str = ""
+    error: str | None = None
+    started: float = field(default_factory=time.time)
+
+    def finish(self, reason: str, state: State = State.COMPLETED, error: str | None = None) -> None:
+        self.finish_reason, self.state, self.error = reason, state, error
+
+
+class AgentLoop:
+    """Runs episodes of tasks against one engine; owns nothing that needs closing (the caller owns
+    the engine client, the tools and the metrics)."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Any,
+        tools: ToolRegistry,
+        config: RolloutConfig,
+        metrics: RolloutMetrics | None = None,
+        reward: RewardComputer | None = None,
+    ) -> None:
+        self.engine = engine
+        self.renderer = ChatRenderer(tokenizer)
+        self.tools = tools
+        self.config = config
+        self.metrics = metrics if metrics is not None else RolloutMetrics()
+        self.reward = reward if reward is not None else RewardComputer(config.reward, self.metrics.reward_errors.inc)
+
+    async def run_group(
+        self, task: Any, *, run: str, job_id: str, n: int | None = None, queued: float | None = None
+    ) -> TrajectoryGroup:
+        """The ``n`` samples of ``task`` (default ``config.n_samples``), run concurrently, as one group."""
+        try:
+            schemas = self.tools.schemas(task.tools)
+        except KeyError as exc:  # a task/config mismatch: fail the group loudly
+            raise ValueError(f"task {task.task_id}: {exc.args[0]}") from None
+        prompt_ids = self.renderer.prompt_ids(task.messages, schemas)
+        queued = time.time() if queued is None else queued
+        n = self.config.n_samples if n is None else n
+        samples = await asyncio.gather(*(self.run_episode(task, i, prompt_ids, queued) for i in range(n)))
+        self.metrics.groups_completed.inc()
+        return TrajectoryGroup(run=run, job_id=job_id, task_id=task.task_id, samples=list(samples))
+
+    async def run_episode(self, task: Any, sample_index: int, prompt_ids: list[int], queued: float) -> Sample:
+        ep = Episode(sample_index, TrajectoryBuilder(prompt_ids), [dict(m) for m in task.messages], queued)
+        self.metrics.inflight_requests.inc()
+        try:
+            await self._create_tools(task, ep)
+            while ep.state in (State.PENDING, State.GENERATING):
+                ep.state = State.GENERATING
+                calls, errors = await self._generate(task, ep)
+                if ep.state is State.CALLING_TOOLS:
+                    await self._call_tools(task, ep, calls, errors)
+            if ep.state is State.COMPLETED:
+                reward, info = await self.reward.score(task, ep.messages, ep.final_text, ep.tool_rewards)
+            else:
+                reward, info = 0.0, {"error": ep.error or ep.finish_reason}
+        finally:
+            await self._release_tools(ep)
+            self.metrics.inflight_requests.dec()
+        return self._sample(ep, reward, info)
+
+    async def _create_tools(self, task: Any, ep: Episode) -> None:
+        for name in task.tools:
+            instance_id = f"{task.task_id}/{ep.sample_index}/{uuid.uuid4().hex[:8]}"
+            kwargs = task.tools_kwargs.get(name, {}).get("create_kwargs", {})
+            try:
+                await self.tools.get(name).create(instance_id, **kwargs)
+            except Exception as exc:  # user tool code: the episode fails with the reason, the group goes on
+                ep.finish("error", State.FAILED, f"tool {name}: create failed: {type(exc).__name__}: {exc}")
+                return
+            ep.instance_ids[name] = instance_id
+
+    async def _release_tools(self, ep: Episode) -> None:
+        for name, instance_id in ep.instance_ids.items():
+            try:
+                await self.tools.get(name).release(instance_id)
+            except Exception as exc:  # user tool code: the finished sample is kept, the leak is logged
+                log.warning("tool %s: release of %s failed: %s: %s", name, instance_id, type(exc).__name__, exc)
+
+    def _sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "max_new_tokens": max_new_tokens,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "top_k": cfg.top_k,
+        }
+
+    async def _generate(self, task: Any, ep: Episode) -> tuple[list[ToolCall], list[ToolCallError]]:
+        """One assistant turn; sets the next state. Returns the parsed calls when tools are next."""
+        cfg = self.config
+        budget = cfg.max_total_tokens - len(ep.builder)
+        if budget <= 0:
+            ep.finish("max_total_tokens")
+            return [], []
+        max_new = min(cfg.max_new_tokens, budget)
+        rid = f"{task.task_id}-{ep.sample_index}-{ep.num_turns}-{uuid.uuid4().hex[:8]}"
+        try:
+            reply = await self.engine.generate(
+                ep.builder.token_ids, self._sampling_params(max_new), return_logprob=True, rid=rid
+            )
+            turn = turn_from_reply(reply)
+        except (EngineError, httpx.HTTPError, EngineReplyError) as exc:
+            ep.finish("error", State.FAILED, f"engine: {type(exc).__name__}: {exc}")
+            return [], []
+        ep.builder.add_generated(turn)
+        ep.num_turns += 1
+        self.metrics.generated_tokens.inc(len(turn.output_ids))
+        reason = (reply.get("meta_info", {}).get("finish_reason") or {}).get("type", "stop")
+        closed = bool(turn.output_ids) and turn.output_ids[-1] == self.renderer.eos_id
+        text = self.renderer.decode(turn.output_ids[:-1] if closed else turn.output_ids)
+        ep.final_text = text
+        if reason == "abort":
+            ep.messages.append({"role": "assistant", "content": text})
+            ep.finish("abort", State.FAILED, "the engine aborted the request")
+            return [], []
+        normal_text, calls, errors = parse_tool_calls(text, task.tools)
+        if reason == "length" or not closed or not (calls or errors):
+            ep.messages.append({"role": "assistant", "content": text})
+            if reason == "length":
+                ep.finish("max_total_tokens" if max_new < cfg.max_new_tokens else "length")
+            else:
+                ep.finish("stop")
+            return [], []
+        tool_calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        ep.messages.append({"role": "assistant", "content": normal_text, "tool_calls": tool_calls})
+        ep.state = State.CALLING_TOOLS
+        return calls, errors
+
+    async def _call_tools(self, task: Any, ep: Episode, calls: list[ToolCall], errors: list[ToolCallError]) -> None:
+        """Run the turn's calls concurrently, answer each (errors too) in order, then continue or stop."""
+        done = await asyncio.gather(*(self._run_call(ep, c) for c in calls))
+        answers = [(c.index, c.name, result.text, record) for c, (result, record) in zip(calls, done, strict=True)]
+        for err in errors:
+            name = err.name or "invalid"
+            self.metrics.tool_calls.labels(tool=name, outcome="parse_error").inc()
+            record = ToolCallRecord(name=name, ok=False, error=err.message)
+            answers.append((err.index, name, f"Error: {err.message}", record))
+        answers.sort(key=lambda a: a[0])
+        ep.tool_calls += [record for *_, record in answers]
+        tool_messages = [{"role": "tool", "name": name, "content": text} for _, name, text, _ in answers]
+        ep.messages += tool_messages
+        if ep.num_turns >= self.config.max_turns:
+            ep.finish("max_turns")
+            return
+        ids = self.renderer.turn_end_suffix + self.renderer.tool_turn_ids(tool_messages)
+        if len(ep.builder) + len(ids) >= self.config.max_total_tokens:
+            ep.finish("max_total_tokens")
+            return
+        ep.builder.add_template(ids)
+        ep.state = State.GENERATING
+
+    async def _run_call(self, ep: Episode, call: ToolCall) -> tuple[ToolResult, ToolCallRecord]:
+        tool = self.tools.get(call.name)
+        start = time.perf_counter()
+        problem = tool.check_arguments(call.arguments)
+        if problem is not None:
+            result = ToolResult.failure(problem)
+        else:
+            try:
+                result = await tool.execute(ep.instance_ids[call.name], call.arguments)
+            except Exception as exc:  # user tool code: the model is told, the call is counted as an error
+                log.warning("tool %s raised: %s: %s", call.name, type(exc).__name__, exc)
+                result = ToolResult.failure(f"{call.name} failed: {type(exc).__name__}: {exc}")
+        latency = time.perf_counter() - start
+        if result.reward is not None:
+            ep.tool_rewards.append(float(result.reward))
+        self.metrics.tool_calls.labels(tool=call.name, outcome="ok" if result.ok else "error").inc()
+        self.metrics.tool_latency.labels(tool=call.name).observe(latency)
+        return result, ToolCallRecord(name=call.name, ok=result.ok, error=result.error, latency_s=latency)
+
+    def _sample(self, ep: Episode, reward: float, info: dict[str, Any]) -> Sample:
+        self.metrics.finish_reasons.labels(reason=ep.finish_reason).inc()
+        self.metrics.episode_turns.observe(ep.num_turns)
+        self.metrics.reward.observe(reward)
+        return Sample(
+            sample_index=ep.sample_index,
+            prompt_len=ep.builder.prompt_len,
+            **ep.builder.arrays(),
+            reward=reward,
+            reward_info=info,
+            finish_reason=ep.finish_reason,
+            num_turns=ep.num_turns,
+            tool_calls=ep.tool_calls,
+            messages=ep.messages,
+            queued=ep.queued,
+            started=ep.started,
+            finished=time.time(),
+        )

@@ -1,0 +1,148 @@
+"""Episode rewards: GSM8K answer matching, tool-reported rewards, and custom async functions.
+
+GSM8K extraction follows verl's ``gsm8k.compute_score``: *strict* accepts only ``#### N``; *flexible*
+tries ``#### N``, ``\\boxed{N}``, "the answer is N", then the last number in the text. Numbers are
+compared exactly as decimals after dropping ``$``, thousands commas and a trailing period, so
+``1,600`` matches ``1600`` and ``18.0`` matches ``18``.
+
+A reward function that raises or returns garbage never stops the server: the sample gets reward 0.0,
+``reward_info["error"]`` says why, and the failure is counted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_NUM = r"-?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
+_STRICT = re.compile(r"####\s*(" + _NUM + ")")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(" + _NUM + ")", re.IGNORECASE)
+_NUMBER = re.compile(_NUM)
+MODES = ("strict", "flexible")
+
+RewardFn = Callable[..., Awaitable[float | tuple[float, dict[str, Any]]]]
+
+
+def normalize_number(raw: str) -> Decimal | None:
+    """``"$1,600."`` -> ``Decimal(1600)``; None when it is not a number."""
+    cleaned = re.sub(r"[\s$,]", "", raw).rstrip(".")
+    try:
+        return Decimal(cleaned)
+    except InvalidOperation:
+        return None
+
+
+def _last(pattern: re.Pattern[str], text: str) -> str | None:
+    matches = pattern.findall(text)
+    return matches[-1] if matches else None
+
+
+def extract_answer(text: str, mode: str = "flexible") -> str | None:
+    """The answer string found in ``text`` (see the module docstring for the order), or None."""
+    if mode not in MODES:
+        raise ValueError(f"gsm8k mode {mode!r} is not one of {', '.join(MODES)}")
+    found = _last(_STRICT, text)
+    if found is not None or mode == "strict":
+        return found
+    boxed = _last(_BOXED, text)
+    if boxed is not None and (number := _last(_NUMBER, boxed)) is not None:
+        return number
+    found = _last(_ANSWER_IS, text)
+    if found is not None:
+        return found
+    return _last(_NUMBER, text)
+
+
+def gsm8k_reward(text: str, ground_truth: str, mode: str = "flexible") -> float:
+    """1.0 when the extracted answer equals ``ground_truth`` numerically, else 0.0."""
+    gold = normalize_number(ground_truth.split("####")[-1])
+    if gold is None:
+        raise ValueError(f"gsm8k ground_truth {ground_truth!r} is not a number")
+    found = extract_answer(text, mode)
+    return 1.0 if found is not None and normalize_number(found) == gold else 0.0
+
+
+async def _gsm8k(task: Any, messages: list[dict[str, Any]], final_text: str, tool_rewards: list[float]):
+    spec = task.reward
+    if "ground_truth" not in spec:
+        raise ValueError(f"task {task.task_id}: reward spec has no ground_truth")
+    mode = spec.get("mode", "flexible")
+    answer = extract_answer(final_text, mode)
+    reward = gsm8k_reward(final_text, str(spec["ground_truth"]), mode)
+    return reward, {"extracted": answer, "ground_truth": str(spec["ground_truth"]), "mode": mode}
+
+
+async def _tool_max(task: Any, messages: list[dict[str, Any]], final_text: str, tool_rewards: list[float]):
+    return (max(tool_rewards) if tool_rewards else 0.0), {"tool_rewards": list(tool_rewards)}
+
+
+async def _tool_last(task: Any, messages: list[dict[str, Any]], final_text: str, tool_rewards: list[float]):
+    return (tool_rewards[-1] if tool_rewards else 0.0), {"tool_rewards": list(tool_rewards)}
+
+
+BUILTIN: dict[str, RewardFn] = {"gsm8k": _gsm8k, "tool": _tool_max, "tool_last": _tool_last}
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """A built-in name (``gsm8k``, ``tool`` = max tool reward, ``tool_last``) or ``module:function``.
+
+    A custom function is ``async def fn(task, sample_messages, final_text, tool_rewards)`` returning
+    a float or ``(float, dict)``.
+    """
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward {spec!r}: not a built-in ({', '.join(BUILTIN)}) nor module:function")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"reward {spec!r}: cannot import: {exc}") from exc
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"reward {spec!r}: must be an async function")
+    return fn
+
+
+class RewardComputer:
+    """Scores finished episodes. The config names the default function; a task's ``reward["kind"]``
+    may pick another *built-in* (import paths come only from the operator's config, never from tasks).
+    """
+
+    def __init__(self, spec: str = "gsm8k", on_error: Callable[[], None] | None = None) -> None:
+        self.default = load_reward_fn(spec)
+        self.spec = spec
+        self._on_error = on_error
+
+    def _pick(self, task: Any) -> RewardFn:
+        kind = task.reward.get("kind")
+        if kind is None or kind == self.spec:
+            return self.default
+        if kind not in BUILTIN:
+            valid = ", ".join(BUILTIN)
+            raise ValueError(f"task {task.task_id}: reward kind {kind!r} is not a built-in ({valid})")
+        return BUILTIN[kind]
+
+    async def score(
+        self, task: Any, messages: list[dict[str, Any]], final_text: str, tool_rewards: list[float]
+    ) -> tuple[float, dict[str, Any]]:
+        """``(reward, reward_info)``; never raises: a failing function gives ``(0.0, {"error": ...})``."""
+        try:
+            out = await self._pick(task)(task, messages, final_text, tool_rewards)
+            reward, info = out if isinstance(out, tuple) else (out, {})
+            if isinstance(reward, bool) or not isinstance(reward, int | float) or not isinstance(info, dict):
+                raise TypeError(f"reward function returned {out!r}; want a float or (float, dict)")
+            return float(reward), dict(info)
+        except Exception as exc:  # user code: recorded on the sample and counted, never fatal
+            task_id = getattr(task, "task_id", "?")
+            log.warning("reward for task %s failed: %s: %s", task_id, type(exc).__name__, exc)
+            if self._on_error is not None:
+                self._on_error()
+            return 0.0, {"error": f"{type(exc).__name__}: {exc}"}

@@ -1,0 +1,87 @@
+"""The tool protocol (verl's ``BaseTool`` shape): per-episode instances, async execute, a reward.
+
+The agent loop knows tools only through this class: ``create`` an instance for an episode,
+``execute`` calls with parsed JSON arguments, ``release`` at the end. Tools that run anything slow
+must not block the event loop (use subprocesses or ``asyncio.to_thread``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass
+class ToolResult:
+    """What one call returns: the text shown to the model, an optional reward, and the outcome."""
+
+    text: str
+    reward: float | None = None
+    ok: bool = True
+    error: str | None = None
+
+    @classmethod
+    def failure(cls, error: str) -> ToolResult:
+        return cls(text=f"Error: {error}", ok=False, error=error)
+
+
+class Tool:
+    """Base class of every tool. Subclasses set ``default_name``/``default_schema`` and override ``execute``.
+
+    ``schema`` is the OpenAI function schema ``{"type": "function", "function": {name, description,
+    parameters}}`` rendered into the prompt; a tool config may replace it. ``kwargs`` of the config
+    reach ``__init__``; per-episode data (e.g. a ground truth) reaches ``create``.
+    """
+
+    default_name: ClassVar[str] = ""
+    default_schema: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, name: str | None = None, schema: dict[str, Any] | None = None) -> None:
+        self.name = name or self.default_name
+        if not self.name:
+            raise ValueError(f"{type(self).__name__}: a tool needs a name")
+        self.schema = copy.deepcopy(schema if schema is not None else self.default_schema)
+        if self.schema.get("function", {}).get("name") not in (None, self.name):
+            self.schema["function"]["name"] = self.name
+        self._instances: dict[str, dict[str, Any]] = {}
+
+    async def create(self, instance_id: str, **create_kwargs: Any) -> None:
+        """Start an episode's instance; ``create_kwargs`` come from the task's ``tools_kwargs``."""
+        self._instances[instance_id] = dict(create_kwargs)
+
+    async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
+        raise NotImplementedError
+
+    async def release(self, instance_id: str) -> None:
+        self._instances.pop(instance_id, None)
+
+    def check_arguments(self, arguments: dict[str, Any]) -> str | None:
+        """An error message when required arguments are missing or unknown ones given, else None."""
+        params = self.schema.get("function", {}).get("parameters", {})
+        missing = [k for k in params.get("required", []) if k not in arguments]
+        if missing:
+            return f"{self.name}: missing required argument(s) {', '.join(missing)}"
+        props = params.get("properties")
+        if props is not None and params.get("additionalProperties") is False:
+            unknown = sorted(set(arguments) - set(props))
+            if unknown:
+                return f"{self.name}: unknown argument(s) {', '.join(unknown)}"
+        return None
+
+
+def function_schema(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict:
+    """An OpenAI-style function schema that rejects unknown arguments."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": properties,
+                "required": required,
+                "additionalProperties": False,
+            },
+        },
+    }

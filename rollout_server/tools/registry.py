@@ -1,0 +1,121 @@
+"""Load tools from a YAML tool config; without one, the built-in tools.
+
+The file is a list (or ``{tools: [...]}``) of entries::
+
+    - name: calculator                                     # the name the model calls
+      class: rollout_server.tools.calculator:CalculatorTool  # ``module:Class`` or ``module.Class``
+      schema: {type: function, function: {...}}             # optional: replaces the default schema
+      kwargs: {timeout_s: 5}                                # optional: passed to the constructor
+
+A custom tool is any ``Tool`` subclass named by import path. Errors name the file and the entry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rollout_server.tools.base import Tool
+
+BUILTIN_TOOLS: dict[str, str] = {
+    "calculator": "rollout_server.tools.calculator:CalculatorTool",
+    "python": "rollout_server.tools.python_tool:PythonTool",
+    "check_answer": "rollout_server.tools.check_answer:CheckAnswerTool",
+}
+_ENTRY_KEYS = {"name", "class", "schema", "kwargs"}
+
+
+class ToolConfigError(ValueError):
+    """A tool config that cannot be loaded; the message names the file and the entry."""
+
+
+def import_class(path: str) -> type:
+    """``pkg.mod:Class`` or ``pkg.mod.Class``."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ImportError(f"{path!r} is not an import path (module:Class)")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+class ToolRegistry:
+    """The tools a rollout server offers, by name; a task picks a subset through ``task.tools``."""
+
+    def __init__(self, tools: list[Tool]) -> None:
+        self.tools: dict[str, Tool] = {}
+        for tool in tools:
+            if tool.name in self.tools:
+                raise ToolConfigError(f"two tools are named {tool.name!r}")
+            self.tools[tool.name] = tool
+
+    @classmethod
+    def builtin(cls) -> ToolRegistry:
+        return cls([import_class(path)() for path in BUILTIN_TOOLS.values()])
+
+    @classmethod
+    def from_file(cls, path: str | Path | None) -> ToolRegistry:
+        """Tools of a YAML config, or the built-in ones when ``path`` is None."""
+        if path is None:
+            return cls.builtin()
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise ToolConfigError(f"tool config {path} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ToolConfigError(f"{path}: not valid YAML: {exc}") from None
+        entries = data.get("tools") if isinstance(data, dict) else data
+        if not isinstance(entries, list):
+            raise ToolConfigError(f"{path}: expected a list of tools (or a mapping with key 'tools')")
+        tools = [_build(entry, f"{path}: tools[{i}]") for i, entry in enumerate(entries)]
+        try:
+            return cls(tools)
+        except ToolConfigError as exc:
+            raise ToolConfigError(f"{path}: {exc}") from None
+
+    def get(self, name: str) -> Tool:
+        if name not in self.tools:
+            raise KeyError(f"unknown tool {name!r}; configured: {', '.join(sorted(self.tools)) or 'none'}")
+        return self.tools[name]
+
+    def schemas(self, names: list[str]) -> list[dict[str, Any]]:
+        """OpenAI function schemas of ``names``, in that order (what the chat template renders)."""
+        return [self.get(n).schema for n in names]
+
+
+def _build(entry: Any, where: str) -> Tool:
+    if not isinstance(entry, dict):
+        raise ToolConfigError(f"{where}: expected a mapping, got {type(entry).__name__}")
+    unknown = sorted(set(entry) - _ENTRY_KEYS)
+    if unknown:
+        valid = ", ".join(sorted(_ENTRY_KEYS))
+        raise ToolConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {valid}")
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        raise ToolConfigError(f"{where}: 'name' must be a non-empty string")
+    where = f"{where} ({name})"
+    class_path = entry.get("class", BUILTIN_TOOLS.get(name))
+    if not isinstance(class_path, str):
+        raise ToolConfigError(
+            f"{where}: 'class' (an import path) is required for a tool that is not built in"
+        )
+    try:
+        tool_cls = import_class(class_path)
+    except (ImportError, AttributeError) as exc:
+        raise ToolConfigError(f"{where}: cannot import class {class_path!r}: {exc}") from None
+    if not (isinstance(tool_cls, type) and issubclass(tool_cls, Tool)):
+        raise ToolConfigError(f"{where}: {class_path} is not a subclass of rollout_server.tools.base.Tool")
+    schema = entry.get("schema")
+    if schema is not None and not (isinstance(schema, dict) and isinstance(schema.get("function"), dict)):
+        raise ToolConfigError(f"{where}: 'schema' must be {{type: function, function: {{name, ...}}}}")
+    kwargs = entry.get("kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ToolConfigError(f"{where}: 'kwargs' must be a mapping")
+    try:
+        return tool_cls(name=name, schema=schema, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ToolConfigError(f"{where}: cannot construct {class_path}: {exc}") from None

@@ -1,0 +1,128 @@
+"""``rollwave rollout``: run one task group through the agent loop and print it readably.
+
+Starts the embedded engine on a free 127.0.0.1 port (unless ``--engine-url`` names a running one),
+rolls out ``--n`` samples of one task, prints every sample's turns, tool calls, loss mask, reward
+and finish reason, and stops the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from buffer.schema import Sample, TrajectoryGroup
+from rollout_server.trajectory import masked_spans
+from services.config import Config, ConfigError, load_config
+
+_DIM, _GREEN, _RESET = "\033[2m", "\033[32m", "\033[0m"
+
+
+def _model_dir(cfg: Config, model: str | None) -> Path:
+    path = Path(model) if model else cfg.model.path
+    if not path.exists():
+        if model or not cfg.model.init_if_missing:
+            raise ConfigError(f"model directory {path} does not exist")
+        from services.tiny_model import build_tiny_model
+
+        print(f"building the tiny model at {path}", file=sys.stderr)
+        build_tiny_model(path, seed=cfg.model.seed)
+    return path
+
+
+def render_mask(sample: Sample, tokenizer: Any, color: bool) -> str:
+    """The completion (everything after the prompt) with policy tokens plain (green on a terminal) and
+    tokens the policy did not generate (template, tool output) in ``⟦ ⟧`` (dim on a terminal)."""
+    out = []
+    for start, end, value in masked_spans(sample.loss_mask[sample.prompt_len :]):
+        ids = sample.token_ids[sample.prompt_len + start : sample.prompt_len + end].tolist()
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        if value:
+            out.append(f"{_GREEN}{text}{_RESET}" if color else text)
+        else:
+            out.append(f"{_DIM}⟦{text}⟧{_RESET}" if color else f"⟦{text}⟧")
+    return "".join(out)
+
+
+def _indent(text: str, prefix: str = "      ") -> str:
+    return "\n".join(prefix + line for line in str(text).splitlines() or [""])
+
+
+def render_group(group: TrajectoryGroup, tokenizer: Any, color: bool = False) -> str:
+    """A human-readable dump of a trajectory group."""
+    first = group.samples[0]
+    question = next((m["content"] for m in first.messages if m.get("role") == "user"), "")
+    lines = [f"task {group.task_id}  (n={len(group.samples)}, prompt {first.prompt_len} tokens)"]
+    lines.append(_indent(question, "  question: "))
+    for s in group.samples:
+        versions = sorted({int(v) for v in s.token_versions[s.loss_mask.astype(bool)]})
+        lines.append(
+            f"\n── sample {s.sample_index}: reward {s.reward:g}  finish {s.finish_reason}  turns {s.num_turns}  "
+            f"tokens {s.prompt_len}+{len(s.token_ids) - s.prompt_len} ({s.num_generated} generated)  "
+            f"versions {versions}"
+        )
+        if s.reward_info:
+            lines.append(f"   reward_info {s.reward_info}")
+        calls = iter(s.tool_calls)
+        start = next((i for i, m in enumerate(s.messages) if m["role"] == "assistant"), len(s.messages))
+        for m in s.messages[start:]:
+            if m["role"] == "assistant":
+                lines.append("   [assistant]")
+                lines.append(_indent(m["content"]) if m["content"] else "      (no text)")
+                for call in m.get("tool_calls", []):
+                    fn = call["function"]
+                    lines.append(f"      -> {fn['name']}({fn['arguments']})")
+            elif m["role"] == "tool":
+                rec = next(calls, None)
+                status = "" if rec is None else ("ok" if rec.ok else f"error: {rec.error}")
+                latency = "" if rec is None else f" {rec.latency_s * 1000:.1f} ms"
+                lines.append(f"   [tool {m.get('name', '?')}] {status}{latency}")
+                lines.append(_indent(m["content"]))
+        lines.append("   loss mask (policy tokens plain, others in ⟦ ⟧):")
+        lines.append(_indent(render_mask(s, tokenizer, color)))
+    return "\n".join(lines)
+
+
+async def _rollout(args: argparse.Namespace, cfg: Config, model_dir: Path, url: str) -> TrajectoryGroup:
+    from transformers import AutoTokenizer
+
+    from rollout_server.agent_loop import AgentLoop
+    from rollout_server.engine_client import EngineClient
+    from rollout_server.tools import ToolRegistry
+    from services.tasks import load_tasks
+
+    tasks = load_tasks(args.task, path=args.path, split=args.split, limit=1, seed=cfg.run.seed, offset=args.index)
+    if not tasks:
+        raise ConfigError(f"task source {args.task!r} has no task at index {args.index}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tools = ToolRegistry.from_file(cfg.rollout.tools)
+    async with EngineClient(url, timeout_s=cfg.engine.request_timeout_s) as client:
+        await client.wait_ready()
+        loop = AgentLoop(client, tokenizer, tools, cfg.rollout)
+        group = await loop.run_group(tasks[0], run=cfg.run.name, job_id="cli", n=args.n)
+    print(render_group(group, tokenizer, color=sys.stdout.isatty()))
+    return group
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides)
+        model_dir = _model_dir(cfg, args.model)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    url = args.engine_url or (cfg.engine.urls[0] if cfg.engine.urls else None)
+    if url is not None:
+        asyncio.run(_rollout(args, cfg, model_dir, url))
+        return 0
+    from rollout_server.engine.process import EngineProcess
+
+    print(f"starting the embedded engine on {model_dir}", file=sys.stderr)
+    engine = EngineProcess(
+        model_dir, host="127.0.0.1", max_batch_size=cfg.engine.max_batch_size, max_context=cfg.engine.max_context
+    )
+    with engine:
+        asyncio.run(_rollout(args, cfg, model_dir, engine.url))
+    return 0

@@ -1,0 +1,139 @@
+"""GSM8K answer matching on the real test set, tool rewards, and custom reward functions by import path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_server.metrics import RolloutMetrics
+from rollout_server.rewards import RewardComputer, extract_answer, gsm8k_reward, load_reward_fn
+from services.tasks import Task
+
+GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def _gsm8k_items() -> list[tuple[str, str]]:
+    rows = [json.loads(line) for line in GSM8K_TEST.read_text().splitlines() if line.strip()]
+    return [(row["answer"], row["answer"].split("####")[-1].strip()) for row in rows]
+
+
+def _changed(number: str) -> str:
+    """The gold number plus one, written the same way (commas kept where the value allows)."""
+    value = int(number.replace(",", "")) + 1
+    return f"{value:,}" if "," in number else str(value)
+
+
+def test_gsm8k_gold_answer_scores_one_and_a_changed_number_zero() -> None:
+    items = _gsm8k_items()
+    assert len(items) == 1319
+    for solution, gold in items:
+        for mode in ("strict", "flexible"):
+            assert gsm8k_reward(solution, gold, mode) == 1.0, (mode, solution)
+            wrong = re.sub(r"####\s*.*$", f"#### {_changed(gold)}", solution)
+            assert gsm8k_reward(wrong, gold, mode) == 0.0, (mode, wrong)
+
+
+@pytest.mark.parametrize(
+    ("text", "strict", "flexible"),
+    [
+        ("so 5 + 7 = 12\n#### 12", "12", "12"),
+        ("It is \\boxed{1,234} dollars, 7 extra.", None, "1,234"),
+        ("Total: 3 apples. The answer is $1,600.", None, "$1,600"),
+        ("The Answer is: -3. Check: 1 2", None, "-3"),
+        ("first 10, then 12 - 3", None, "3"),
+        ("no digits here", None, None),
+    ],
+)
+def test_extraction_strict_and_flexible(text: str, strict: str | None, flexible: str | None) -> None:
+    assert extract_answer(text, "strict") == strict
+    assert extract_answer(text, "flexible") == flexible
+
+
+def test_numbers_compare_as_values() -> None:
+    assert gsm8k_reward("#### 1600.0", "1,600") == 1.0
+    assert gsm8k_reward("The answer is 18.", "18") == 1.0
+    assert gsm8k_reward("The answer is 18.5", "18") == 0.0
+    assert gsm8k_reward("The answer is 18", "18", mode="strict") == 0.0
+    with pytest.raises(ValueError, match="mode"):
+        extract_answer("1", "loose")
+    with pytest.raises(ValueError, match="not a number"):
+        gsm8k_reward("#### 1", "abc")
+
+
+def _task(**reward: Any) -> Task:
+    return Task(task_id="t1", messages=[{"role": "user", "content": "q"}], reward=reward)
+
+
+async def good_reward(task: Task, messages: list[dict], final_text: str, tool_rewards: list[float]):
+    return 0.5, {"len": len(final_text)}
+
+
+async def float_reward(task: Task, messages: list[dict], final_text: str, tool_rewards: list[float]):
+    return 2
+
+
+async def broken_reward(task: Task, messages: list[dict], final_text: str, tool_rewards: list[float]):
+    raise RuntimeError("judge is down")
+
+
+async def garbage_reward(task: Task, messages: list[dict], final_text: str, tool_rewards: list[float]):
+    return "high"
+
+
+def sync_reward(task: Task, messages: list[dict], final_text: str, tool_rewards: list[float]) -> float:
+    return 1.0
+
+
+def _score(spec: str, task: Task, text: str = "", tool_rewards: list[float] | None = None):
+    metrics = RolloutMetrics()
+    computer = RewardComputer(spec, on_error=metrics.reward_errors.inc)
+    out = asyncio.run(computer.score(task, [], text, tool_rewards or []))
+    errors = metrics.registry.get_sample_value("rollwave_rollout_reward_errors_total")
+    return out, errors
+
+
+def test_builtin_gsm8k_and_tool_rewards() -> None:
+    (reward, info), errors = _score("gsm8k", _task(kind="gsm8k", ground_truth="42"), "The answer is 42.")
+    assert (reward, info["extracted"], errors) == (1.0, "42", 0.0)
+    (reward, _), _ = _score(
+        "gsm8k", _task(kind="gsm8k", ground_truth="42", mode="strict"), "The answer is 42."
+    )
+    assert reward == 0.0
+    assert _score("tool", _task(), tool_rewards=[0.0, 1.0, 0.0])[0] == (
+        1.0,
+        {"tool_rewards": [0.0, 1.0, 0.0]},
+    )
+    assert _score("tool_last", _task(), tool_rewards=[1.0, 0.0])[0][0] == 0.0
+    assert _score("tool", _task())[0][0] == 0.0
+    # a task may pick another built-in; the config's default applies otherwise
+    assert _score("gsm8k", _task(kind="tool"), tool_rewards=[1.0])[0][0] == 1.0
+
+
+def test_custom_reward_by_import_path() -> None:
+    assert _score(f"{__name__}:good_reward", _task(), "abc")[0] == (0.5, {"len": 3})
+    assert _score(f"{__name__}:float_reward", _task())[0] == (2.0, {})
+
+
+def test_failing_rewards_mark_the_sample_and_are_counted() -> None:
+    (reward, info), errors = _score(f"{__name__}:broken_reward", _task())
+    assert (reward, errors) == (0.0, 1.0) and info["error"] == "RuntimeError: judge is down"
+    (reward, info), errors = _score(f"{__name__}:garbage_reward", _task())
+    assert (reward, errors) == (0.0, 1.0) and "want a float" in info["error"]
+    (reward, info), errors = _score("gsm8k", _task(kind="gsm8k"))
+    assert (reward, errors) == (0.0, 1.0) and "no ground_truth" in info["error"]
+    (reward, info), errors = _score("gsm8k", _task(kind="os:system"))
+    assert (reward, errors) == (0.0, 1.0) and "not a built-in" in info["error"]
+
+
+def test_bad_reward_specs_are_rejected_up_front() -> None:
+    with pytest.raises(ValueError, match="nor module:function"):
+        load_reward_fn("nonsense")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_reward_fn("no_such_module_xyz:fn")
+    with pytest.raises(ValueError, match="async"):
+        load_reward_fn(f"{__name__}:sync_reward")

@@ -66,6 +66,18 @@ class ChatRenderer:
             raise ValueError("chat template: rendering tool messages changed the tokens of earlier turns")
         return full[n:]
 
+    def assistant_turn_ids(self, message: dict[str, Any]) -> list[int]:
+        """Tokens the policy emits for an assistant message, through its end token (for SFT demonstrations):
+        the template's rendering after the assistant header, cut after the eos."""
+        head = self._ids(_DUMMY[:1], add_generation_prompt=True)
+        full = self._ids(_DUMMY[:1] + [message], add_generation_prompt=False)
+        if full[: len(head)] != head:
+            raise ValueError("chat template: rendering an assistant turn changed the tokens before it")
+        body = full[len(head) :]
+        if self.eos_id not in body:
+            raise ValueError("chat template: an assistant turn does not end with the eos token")
+        return body[: body.index(self.eos_id) + 1]
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 

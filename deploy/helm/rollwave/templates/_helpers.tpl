@@ -1,0 +1,136 @@
+{{/* Names, labels and the pieces every workload shares. */}}
+
+{{- define "rollwave.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "rollwave.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rollwave.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "rollwave.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "rollwave.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rollwave.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "rollwave.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag }}
+{{- end -}}
+
+{{- define "rollwave.gpuImage" -}}
+{{ .Values.gpuImage.repository }}:{{ .Values.gpuImage.tag }}
+{{- end -}}
+
+{{- define "rollwave.secretName" -}}
+{{- if .Values.token.existingSecret -}}
+{{- .Values.token.existingSecret -}}
+{{- else -}}
+{{- printf "%s-token" (include "rollwave.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rollwave.redisUrl" -}}
+{{- if .Values.redis.url -}}
+{{- .Values.redis.url -}}
+{{- else -}}
+{{- printf "redis://%s-redis:%d/0" (include "rollwave.fullname" .) (int .Values.redis.bundled.port) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The run config (services/config.py) every component reads from /config/run.yaml. */}}
+{{- define "rollwave.runConfig" -}}
+{{- $base := dict
+  "run" (dict "name" .Values.run.name "dir" "/runs")
+  "model" (dict "path" .Values.model.path "init_if_missing" false)
+  "redis" (dict "url" (include "rollwave.redisUrl" .))
+  "engine" (dict "backend" .Values.engine.backend "port" (int .Values.engine.port))
+  "rollout" (dict "grpc_port" (int .Values.rollout.grpcPort) "metrics_port" (int .Values.rollout.metricsPort))
+  "trainer" (dict "metrics_port" (int .Values.trainer.metricsPort) "device" (ternary "cuda" "cpu" (gt (int .Values.trainer.gpusPerNode) 0)))
+  "checkpoint" (dict "stage_dir" "/dev/shm/rollwave")
+  "api" (dict "host" "0.0.0.0" "port" (int .Values.api.port))
+-}}
+{{- toYaml (mergeOverwrite $base (deepCopy .Values.runConfig)) -}}
+{{- end -}}
+
+{{/* Environment every rollwave container gets: the token from the Secret and the Redis URL. */}}
+{{- define "rollwave.env" -}}
+- name: ROLLWAVE_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "rollwave.secretName" . }}
+      key: {{ .Values.token.existingSecretKey }}
+- name: REDIS_URL
+  value: {{ include "rollwave.redisUrl" . | quote }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- end -}}
+
+{{/* Volumes shared by the workloads: the run config and the model. */}}
+{{- define "rollwave.volumes" -}}
+- name: config
+  configMap:
+    name: {{ include "rollwave.fullname" . }}-config
+- name: models
+{{- if .Values.model.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.existingClaim }}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end -}}
+
+{{/* Builds the tiny model into the models emptyDir when no model claim is given. */}}
+{{- define "rollwave.modelInit" -}}
+{{- if and (not .Values.model.existingClaim) .Values.model.initTiny }}
+initContainers:
+  - name: model-init
+    image: {{ include "rollwave.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command: ["rollwave", "model", "init", "--out", "/models/tiny", "--seed", "0"]
+    volumeMounts:
+      - name: models
+        mountPath: /models
+{{- end }}
+{{- end -}}
+
+{{- define "rollwave.scheduling" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,194 @@
+"""The Helm chart rendered by Helm's own engine (the Go SDK, through the ``helm-python-sdk`` wheel).
+
+No cluster is contacted (``lookup`` returns nothing), so what is checked is the rendered manifests:
+they parse, pods only mount volumes they define and probe ports they declare, the knobs of
+values.yaml (replicas, GPUs, Redis URL, token secret, engine backend, ServiceMonitors) land where
+they should, and every rollwave container's command line loads with the rendered run config through
+services.config. Kubernetes' own API validation and scheduling are not exercised.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+
+from services.config import Config, load_config
+
+CHART = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "rollwave"
+PROMETHEUS = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "prometheus.yml"
+ENV = {"POD_NAME": "rw-rollwave-rollout-0", "POD_IP": "10.1.2.3", "ROLLWAVE_TOKEN": "s3cret", "POD_INDEX": "0"}
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(values or {})
+        manifests = chart.render(values or {}, name="rw", namespace="ml")
+    docs = []
+    for path, text in manifests.items():
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def find(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:
+    [doc] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    return doc
+
+
+def containers(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    spec = doc["spec"]["template"]["spec"]
+    return {c["name"]: c for c in spec.get("initContainers", []) + spec["containers"]}
+
+
+def run_config(docs: list[dict[str, Any]], tmp_path: Path, argv: list[str]) -> Config:
+    """The config a container's ``-c /config/run.yaml key=value ...`` command line would load."""
+    path = tmp_path / "run.yaml"
+    path.write_text(find(docs, "ConfigMap", "-config")["data"]["run.yaml"])
+    start = argv.index("/config/run.yaml") + 1
+    overrides = [re.sub(r"\$\((\w+)\)", lambda m: ENV[m.group(1)], a) for a in argv[start:] if "=" in a
+                 and not a.startswith("-")]
+    return load_config(path, overrides)
+
+
+def test_helm_lint_finds_no_problems() -> None:
+    report = helm.lint(str(CHART), strict=True, kube_version="v1.30.0")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_default_values_render_a_complete_cpu_stack(tmp_path: Path) -> None:
+    docs = render()
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+    assert kinds == [
+        ("ConfigMap", "rw-rollwave-config"),
+        ("Deployment", "rw-rollwave-api"),
+        ("Secret", "rw-rollwave-token"),
+        ("Service", "rw-rollwave-api"),
+        ("Service", "rw-rollwave-redis"),
+        ("Service", "rw-rollwave-rollout"),
+        ("Service", "rw-rollwave-trainer"),
+        ("StatefulSet", "rw-rollwave-redis"),
+        ("StatefulSet", "rw-rollwave-rollout"),
+        ("StatefulSet", "rw-rollwave-trainer"),
+    ]
+    redis = containers(find(docs, "StatefulSet", "-redis"))["redis"]
+    assert redis["args"][:2] == ["--appendonly", "yes"]
+    rollout = find(docs, "StatefulSet", "-rollout")
+    assert rollout["spec"]["replicas"] == 2 and set(containers(rollout)) == {"model-init", "rollout-server"}
+    for doc in docs:
+        for container in containers(doc).values() if doc["kind"] in ("Deployment", "StatefulSet") else []:
+            assert "nvidia.com/gpu" not in container.get("resources", {}).get("limits", {}), container["name"]
+    secret = find(docs, "Secret", "-token")
+    assert len(secret["data"]["token"]) >= 40
+
+
+def test_every_rollwave_command_loads_with_the_rendered_config(tmp_path: Path) -> None:
+    for values in ({}, {"engine": {"backend": "sglang"}, "trainer": {"gpusPerNode": 2, "ranksPerNode": 2}}):
+        docs = render(values)
+        seen = set()
+        for doc in docs:
+            if doc["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            for container in containers(doc).values():
+                argv = container.get("command", []) + container.get("args", [])
+                if "/config/run.yaml" not in argv:
+                    continue
+                cfg = run_config(docs, tmp_path, argv)
+                module = argv[argv.index("-m") + 1]
+                assert cfg.redis.url == "redis://rw-rollwave-redis:6379/0" and cfg.run.dir == Path("/runs")
+                token = cfg.api.token if module == "services.api" else cfg.checkpoint.token
+                assert token == ENV["ROLLWAVE_TOKEN"], module
+                seen.add(module)
+        assert seen == {"services.api", "rollout_server", "trainer"}
+
+
+def test_pods_mount_defined_volumes_and_probe_declared_ports() -> None:
+    for values in ({}, {"engine": {"backend": "sglang"}, "model": {"existingClaim": "models"}}):
+        for doc in render(values):
+            if doc["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            spec = doc["spec"]["template"]["spec"]
+            volumes = {v["name"] for v in spec.get("volumes", [])}
+            volumes |= {t["metadata"]["name"] for t in doc["spec"].get("volumeClaimTemplates", [])}
+            for container in containers(doc).values():
+                mounts = {m["name"] for m in container.get("volumeMounts", [])}
+                assert mounts <= volumes, (doc["metadata"]["name"], container["name"], mounts - volumes)
+                ports = {p["name"] for p in container.get("ports", [])}
+                for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                    port = container.get(probe, {}).get("httpGet", {}).get("port")
+                    assert port is None or port in ports, (container["name"], probe, port)
+
+
+def test_sglang_backend_puts_an_engine_with_gpus_beside_each_rollout_server(tmp_path: Path) -> None:
+    docs = render({"engine": {"backend": "sglang", "sglang": {"gpus": 2, "args": ["--tp-size=2"]}},
+                   "rollout": {"replicas": 5}})
+    rollout = find(docs, "StatefulSet", "-rollout")
+    assert rollout["spec"]["replicas"] == 5
+    pod = containers(rollout)
+    sglang, server = pod["sglang"], pod["rollout-server"]
+    assert sglang["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert sglang["image"].startswith("lmsysorg/sglang:") and "--tp-size=2" in sglang["args"]
+    cfg = run_config(docs, tmp_path, server["command"] + server["args"])
+    assert cfg.engine.backend == "sglang" and cfg.engine.urls == ["http://127.0.0.1:30000"]
+    assert cfg.rollout.server_id == ENV["POD_NAME"] and cfg.rollout.grpc_host == ENV["POD_IP"]
+    stage = str(cfg.checkpoint.stage_dir)
+    for container in (sglang, server):
+        assert stage in {m["mountPath"] for m in container["volumeMounts"]}, container["name"]
+    assert "--port=30000" in sglang["args"] and "--enable-metrics" in sglang["args"]
+
+
+def test_trainer_pool_spans_nodes_with_gpus(tmp_path: Path) -> None:
+    docs = render({"trainer": {"nodes": 3, "ranksPerNode": 8, "gpusPerNode": 8}})
+    trainer = find(docs, "StatefulSet", "-trainer")
+    assert trainer["spec"]["replicas"] == 3
+    container = containers(trainer)["trainer"]
+    assert container["image"] == "rollwave-gpu:0.1.0"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    args = container["args"]
+    assert {"--nnodes=3", "--nproc-per-node=8", "--node-rank=$(POD_INDEX)"} <= set(args)
+    assert "--master-addr=rw-rollwave-trainer-0.rw-rollwave-trainer" in args
+    assert run_config(docs, tmp_path, args).trainer.device == "cuda"
+
+
+def test_external_redis_and_existing_secret(tmp_path: Path) -> None:
+    docs = render({"redis": {"url": "rediss://redis.example:6380/2"},
+                   "token": {"existingSecret": "my-token", "existingSecretKey": "api"}})
+    assert not [d for d in docs if "redis" in d["metadata"]["name"] or d["kind"] == "Secret"]
+    api = containers(find(docs, "Deployment", "-api"))["api"]
+    env = {e["name"]: e for e in api["env"]}
+    assert env["REDIS_URL"]["value"] == "rediss://redis.example:6380/2"
+    assert env["ROLLWAVE_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "my-token", "key": "api"}
+    assert run_config(docs, tmp_path, api["command"] + api["args"]).redis.url == "rediss://redis.example:6380/2"
+
+
+def test_run_config_values_merge_over_the_charts(tmp_path: Path) -> None:
+    docs = render({"runConfig": {"trainer": {"lr": 1.0e-5}, "rollout": {"n_samples": 16}}})
+    cfg = run_config(docs, tmp_path, ["-c", "/config/run.yaml"])
+    assert cfg.trainer.lr == 1.0e-5 and cfg.rollout.n_samples == 16
+    assert cfg.rollout.metrics_port == 9100 and cfg.trainer.metrics_port == 9200
+
+
+def test_service_monitors_use_the_prometheus_job_names() -> None:
+    docs = render({"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}}})
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    jobs = {j["job_name"] for j in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]} - {"prometheus"}
+    names = set()
+    for monitor in monitors:
+        assert monitor["metadata"]["labels"]["release"] == "kps"
+        [endpoint] = monitor["spec"]["endpoints"]
+        [relabel] = endpoint["relabelings"]
+        names.add(relabel["replacement"])
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        [service] = [d for d in docs if d["kind"] == "Service" and selector.items() <= d["metadata"]["labels"].items()]
+        assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert names == jobs
+
+
+def test_schema_violations_are_rejected_by_helm() -> None:
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match="engine/backend"):
+        chart.validate_schema({"engine": {"backend": "vllm"}})

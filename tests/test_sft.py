@@ -1,0 +1,44 @@
+"""SFT demonstrations are laid out token for token as rollouts are, and SFT lowers their loss."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout_server.trajectory import ChatRenderer, masked_spans
+from services.tasks import load_tasks
+from services.tasks.arith import CALCULATOR_SCHEMA, demonstration
+from trainer.sft import _batch, demonstration_ids, sft_loss, warm_start
+
+
+def test_demonstration_layout_matches_the_template(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    renderer = ChatRenderer(tokenizer)
+    task = load_tasks("arith", split="train", limit=1)[0]
+    messages = demonstration(task, random.Random(0), wrong_formula_rate=0.0)
+    example = demonstration_ids(renderer, messages, [CALCULATOR_SCHEMA])
+    rendered = tokenizer.apply_chat_template(messages, tools=[CALCULATOR_SCHEMA], tokenize=True, return_dict=False)
+    assert example.token_ids == list(rendered)
+    trained = [renderer.decode(example.token_ids[a:b]) for a, b, v in masked_spans(example.loss_mask) if v]
+    assert len(trained) == 2
+    assert trained[0].startswith("<tool_call>\n") and trained[0].endswith("</tool_call><|im_end|>")
+    assert trained[1] == f"The answer is {task.reward['ground_truth']}.<|im_end|>"
+
+
+def test_warm_start_lowers_the_loss(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tasks = load_tasks("arith", split="train", limit=64)
+    out = warm_start(tiny_model_dir, tmp_path / "sft", tasks, steps=30, batch_size=16, lr=3e-3)
+
+    def loss_of(model_dir: Path) -> float:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        renderer = ChatRenderer(tokenizer)
+        rng = random.Random(1)
+        examples = [demonstration_ids(renderer, demonstration(t, rng), [CALCULATOR_SCHEMA]) for t in tasks[:16]]
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        with torch.no_grad():
+            return sft_loss(model, *_batch(examples, tokenizer.pad_token_id)).item()
+
+    assert loss_of(out) < 0.5 * loss_of(tiny_model_dir)

@@ -1,0 +1,141 @@
+"""``make demo``: the whole pipeline on embedded defaults, from an empty machine to a learning curve.
+
+build the tiny model -> SFT warm start on flawed tool-use demonstrations -> embedded Redis ->
+rollout server + trainer + API as processes -> held-out eval -> fully async RL -> held-out eval ->
+summary, learning curve and the final HF checkpoint in ``runs/<id>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from buffer.redis_server import EmbeddedRedis
+from services.client_cmd import wait_for_job
+from services.config import Config, dump_config, load_config
+from services.launcher import LocalStack, components, free_port
+from services.report import learning_curve, summarize
+from services.tasks import load_tasks
+from services.tiny_model import build_tiny_model
+from trainer.sft import warm_start
+
+ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger("demo")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.demo", description=__doc__.splitlines()[0])
+    p.add_argument("-c", "--config", default=str(ROOT / "configs/demo.yaml"))
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--sft-steps", type=int, default=700)
+    p.add_argument("--eval-tasks", type=int, default=200, help="held-out arith problems per evaluation")
+    p.add_argument("--timeout-min", type=float, default=14.0, help="give up on RL after this many minutes")
+    return p
+
+
+def _sft(cfg: Config, run_dir: Path, steps: int) -> Path:
+    base = build_tiny_model(run_dir / "base", seed=cfg.model.seed)
+    tasks = load_tasks("arith", split="train", limit=4000, seed=cfg.run.seed + 1)
+    with tqdm(total=steps, desc="SFT warm start", unit="step") as bar:
+
+        def progress(step: int, loss: float) -> None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+
+        return warm_start(base, run_dir / "sft", tasks, steps=steps, seed=cfg.run.seed, progress=progress)
+
+
+def _evaluate(api: httpx.Client, n: int, seed: int, label: str) -> float:
+    body = {"kind": "eval", "name": label, "source": {"kind": "arith", "split": "test", "limit": n, "seed": seed}}
+    reply = api.post("/v1/jobs", json=body)
+    reply.raise_for_status()
+    job = wait_for_job(api, reply.json()["job_id"])
+    return float(job["accuracy"])
+
+
+def _wait_ready(api: httpx.Client, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            status = api.get("/v1/status").json()
+            if any(s["alive"] for s in status["servers"]):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"no rollout server registered within {timeout_s:.0f} s")
+
+
+def _train(api: httpx.Client, stack: LocalStack, cfg: Config, run_dir: Path, timeout_s: float) -> dict[str, Any]:
+    n_tasks = cfg.trainer.total_steps * cfg.trainer.groups_per_step * 2
+    body = {"kind": "train", "name": "rl", "source": {"kind": "arith", "split": "train", "limit": n_tasks,
+                                                       "seed": cfg.run.seed + 2}}
+    reply = api.post("/v1/jobs", json=body)
+    reply.raise_for_status()
+    job_id = reply.json()["job_id"]
+    deadline = time.monotonic() + timeout_s
+    with tqdm(total=cfg.trainer.total_steps, desc="async RL", unit="step") as bar:
+        while not stack.finished("trainer-0"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"RL did not finish {cfg.trainer.total_steps} steps in {timeout_s:.0f} s")
+            trainer = api.get("/v1/status").json()["trainer"] or {}
+            bar.n = int(trainer.get("step", 0))
+            bar.set_postfix(version=trainer.get("version"), reward=trainer.get("reward_mean"))
+            bar.refresh()
+            time.sleep(1.0)
+        bar.n = cfg.trainer.total_steps
+        bar.refresh()
+    return api.post(f"/v1/jobs/{job_id}/cancel").json()
+
+
+def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float) -> dict[str, Any]:
+    run_dir = cfg.run.path.absolute()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    cfg.model.path = _sft(cfg, run_dir, sft_steps)
+    cfg.api.port = free_port(cfg.api.host)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(dump_config(cfg))
+    with EmbeddedRedis(run_dir / "redis", aof=cfg.redis.aof) as redis_server:
+        specs = components(cfg, config_path, redis_server.url, trainer_args=())
+        with LocalStack(specs, run_dir / "logs") as stack, httpx.Client(
+            base_url=f"http://{cfg.api.host}:{cfg.api.port}", timeout=30
+        ) as api:
+            _wait_ready(api)
+            before = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out before RL")
+            rl_started = time.monotonic()
+            job = _train(api, stack, cfg, run_dir, timeout_s)
+            rl_seconds = time.monotonic() - rl_started
+            after = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out after RL")
+            status = api.get("/v1/status").json()
+    final = run_dir / "final"
+    from trainer.checkpoint import Checkpointer, export_hf
+
+    export_hf(Checkpointer(run_dir / "checkpoints", cfg.trainer.keep_checkpoints).latest(), cfg.model.path, final)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    learning_curve(records, before, after, run_dir / "learning_curve.png")
+    summary = summarize(records, job, status, before=before, after=after, rl_seconds=rl_seconds,
+                        total_seconds=time.monotonic() - started, run_dir=run_dir)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(args.config, [f"run.name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides])
+    summary = run(cfg, args.sft_steps, args.eval_tasks, args.timeout_min * 60)
+    print("\n".join(f"{k:>28}: {v}" for k, v in summary.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

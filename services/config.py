@@ -57,6 +57,7 @@ class EngineConfig(Section):
     max_context: int = Field(1024, ge=16, description="prompt + generation tokens per request")
     request_timeout_s: float = Field(600.0, gt=0)
     sglang_args: list[str] = Field(default_factory=list, description="extra flags for sglang.launch_server")
+    threads: int = Field(0, ge=0, description="embedded engine: torch intra-op threads (0: torch's default)")
 
 
 class RolloutConfig(Section):

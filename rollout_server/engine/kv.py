@@ -1,0 +1,146 @@
+"""A left-padded batch of sequences that share one KV cache, so ragged requests decode in one forward.
+
+Row ``i`` holds its ``lengths[i]`` real tokens at the right end of the cache; the columns to their left
+are padding, masked out of attention. Positions (RoPE) count real tokens only, so a row's keys and
+values are the same as if it ran alone, up to fp32 noise. Rows join by ``merge`` (the shorter cache is
+padded on the left) and leave by ``keep`` (columns that became all padding are dropped).
+
+Each layer's keys and values live in a buffer with spare capacity (``_GrowingLayer``), so a decode step
+writes one column instead of concatenating the whole cache as transformers' ``DynamicLayer`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import Cache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+class KVBatch:
+    """The KV cache, attention mask and per-row lengths of the running sequences."""
+
+    def __init__(self, cache: Cache, mask: torch.Tensor, lengths: torch.Tensor) -> None:
+        self._set(cache, mask, lengths)
+
+    def _set(self, cache: Cache, mask: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.cache = cache
+        self.mask = mask  # [B, L] int64, 1 on real tokens
+        self.lengths = lengths  # [B] int64, real tokens in the cache per row
+        self._padded = bool((lengths < mask.shape[1]).any())
+
+    @property
+    def size(self) -> int:
+        return self.mask.shape[0]
+
+    @classmethod
+    def prefill(cls, model: PreTrainedModel, seqs: list[list[int]]) -> tuple[KVBatch, torch.Tensor]:
+        """Run ``seqs`` through the model; returns the batch and the next-token logits ``[B, V]``."""
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq) :] = 1
+        lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+        padded = bool((lengths < width).any())
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        cache = Cache(layers=[_GrowingLayer() for _ in range(model.config.num_hidden_layers)])
+        out = model(
+            input_ids=ids,
+            attention_mask=mask if padded else None,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return cls(cache, mask, lengths), out.logits[:, -1, :]
+
+    def decode(self, model: PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (``[B]``); returns the next-token logits ``[B, V]``."""
+        self.mask = F.pad(self.mask, (0, 1), value=1)
+        out = model(
+            input_ids=tokens[:, None],
+            attention_mask=self.mask if self._padded else None,
+            position_ids=self.lengths[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.lengths = self.lengths + 1
+        return out.logits[:, -1, :]
+
+    def merge(self, other: KVBatch) -> None:
+        """Append ``other``'s rows after ours."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        pairs = []
+        for a, b in zip(self.cache.layers, other.cache.layers, strict=True):
+            ka, va, kb, vb = a.keys, a.values, b.keys, b.values
+            pairs.append(
+                (
+                    torch.cat([_left_pad(ka, width), _left_pad(kb, width)]),
+                    torch.cat([_left_pad(va, width), _left_pad(vb, width)]),
+                )
+            )
+        mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for m in (self.mask, other.mask)])
+        self._set(_cache_from(pairs), mask, torch.cat([self.lengths, other.lengths]))
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order) and drop the columns that are padding in all of them."""
+        index = torch.tensor(rows, dtype=torch.long)
+        lengths = self.lengths[index]
+        start = self.mask.shape[1] - int(lengths.max())
+        pairs = [(layer.keys[index, :, start:], layer.values[index, :, start:]) for layer in self.cache.layers]
+        self._set(_cache_from(pairs), self.mask[index, start:], lengths)
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad the sequence dim (``-2``) of a ``[B, H, L, D]`` tensor on the left with zeros to ``width``."""
+    return F.pad(t, (0, 0, width - t.shape[-2], 0))
+
+
+class _GrowingLayer(DynamicLayer):
+    """A full-attention cache layer over a buffer with spare capacity along the sequence dim.
+
+    ``keys``/``values`` are views of the first ``n`` columns; an update copies only the new columns and
+    reallocates (doubling) when the buffer is full. Built by ``Cache(layers=...)``, transformers' hook for
+    custom cache layers.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+        self._n = 0
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> _GrowingLayer:
+        """Start from ``[B, H, L, D]`` tensors (copied, with room for 64 more columns)."""
+        self.lazy_initialization(keys, values)
+        self._kbuf = self._vbuf = None
+        self._n = 0
+        self._write(keys, values, extra=64)
+        return self
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._write(key_states, value_states, extra=self._n + 64)
+        return self.keys, self.values
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, extra: int) -> None:
+        n, q = self._n, k.shape[-2]
+        if self._kbuf is None or n + q > self._kbuf.shape[-2]:
+            kbuf = k.new_empty(k.shape[0], k.shape[1], n + q + extra, k.shape[3])
+            vbuf = v.new_empty(v.shape[0], v.shape[1], n + q + extra, v.shape[3])
+            if n:
+                kbuf[:, :, :n] = self._kbuf[:, :, :n]
+                vbuf[:, :, :n] = self._vbuf[:, :, :n]
+            self._kbuf, self._vbuf = kbuf, vbuf
+        self._kbuf[:, :, n : n + q] = k
+        self._vbuf[:, :, n : n + q] = v
+        self._n = n + q
+        self.keys = self._kbuf[:, :, : self._n]
+        self.values = self._vbuf[:, :, : self._n]
+
+
+def _cache_from(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Cache:
+    return Cache(layers=[_GrowingLayer().load(k, v) for k, v in pairs])

@@ -1,0 +1,41 @@
+"""Prometheus metrics of the embedded engine, in a registry the engine owns (served at ``/metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class EngineMetrics:
+    """``rollwave_engine_*``: tokens, queue depths, pauses, weight updates and the current version."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.generated_tokens = Counter("rollwave_engine_generated_tokens", "Output tokens sampled", registry=r)
+        self.prompt_tokens = Counter("rollwave_engine_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.requests = Counter(
+            "rollwave_engine_requests", "Finished requests by finish reason", ["finish"], registry=r
+        )
+        self.running = Gauge("rollwave_engine_running_requests", "Requests in the decode batch", registry=r)
+        self.waiting = Gauge("rollwave_engine_waiting_requests", "Requests queued (including retracted)", registry=r)
+        self.pending_updates = Gauge(
+            "rollwave_engine_pending_weight_updates",
+            "Weight loads waiting for the requests in flight to finish",
+            registry=r,
+        )
+        self.paused_seconds = Counter(
+            "rollwave_engine_paused_seconds", "Time spent paused (added at continue)", registry=r
+        )
+        self.weight_update_seconds = Histogram(
+            "rollwave_engine_weight_update_seconds",
+            "Duration of a weight load",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+            registry=r,
+        )
+        self.version = Gauge(
+            "rollwave_engine_weight_version_info", "1 for the weight version being served", ["version"], registry=r
+        )
+
+    def set_version(self, version: str) -> None:
+        self.version.clear()
+        self.version.labels(version=version).set(1)

@@ -1,0 +1,98 @@
+"""Run the embedded engine as a child process (``python -m rollout_server.engine``) and stop it again."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    """One embedded engine server; ``start`` blocks until ``/health`` answers, ``close`` stops it."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        weight_version: str = "default",
+        max_batch_size: int = 64,
+        max_context: int = 1024,
+        threads: int = 0,
+        extra_args: list[str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self._cmd = [
+            sys.executable,
+            "-m",
+            "rollout_server.engine",
+            "--model",
+            str(model),
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            "--weight-version",
+            weight_version,
+            "--max-batch-size",
+            str(max_batch_size),
+            "--max-context",
+            str(max_context),
+            "--threads",
+            str(threads),
+            *(extra_args or []),
+        ]
+        self._log_path = log_path
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    def start(self, timeout_s: float = 120.0) -> EngineProcess:
+        self._log = open(self._log_path, "ab") if self._log_path else None  # noqa: SIM115
+        out = self._log or subprocess.DEVNULL
+        self._proc = subprocess.Popen(self._cmd, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"engine exited with code {self._proc.returncode}: {' '.join(self._cmd)}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.close()
+        raise RuntimeError(f"engine at {self.url} not healthy after {timeout_s:.0f}s")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM (uvicorn shuts down gracefully), SIGKILL if it lingers."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> EngineProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,341 @@
+"""Continuous batching: one thread owns the model and runs admit -> prefill -> decode -> retire forever.
+
+Each iteration admits waiting requests (a left-padded prefill, then they join the running batch),
+decodes every running request by one token in a single forward over the shared KV cache, and retires
+the finished ones, so no request waits for another to complete. The HTTP side never touches the model:
+it submits requests and runs commands (pause, abort, weight loads) on this thread between steps.
+
+Pause modes (SGLang's ``/pause_generation``): ``abort`` ends every request in flight with its partial
+output; ``retract`` moves running requests back to the queue and drops their KV, so after continue they
+are prefilled again from prompt + output under whatever weights are loaded then; ``in_place`` keeps the
+batch as it is. If weights changed during an ``in_place`` pause, continue recomputes the batch's KV with
+the new weights (SGLang keeps the stale KV), so every token's logprob is exactly the policy that
+produced it, as recorded in ``weight_versions``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Literal
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rollout_server.engine.kv import KVBatch
+from rollout_server.engine.metrics import EngineMetrics
+from rollout_server.engine.request import Request, abort_reason
+from rollout_server.engine.sampling import BatchSampler
+from rollout_server.engine.weights import load_into
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class EngineFailure(RuntimeError):
+    """A model step failed; the requests it was running end with this error."""
+
+
+class Scheduler:
+    """The engine's model, tokenizer, request queues and the thread that steps them."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        model_path: str,
+        weight_version: str = "default",
+        max_batch_size: int = 64,
+        max_context: int = 1024,
+        prefill_tokens: int = 8192,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.served_model_name = model_path
+        self.version = weight_version
+        self.max_batch_size = max_batch_size
+        self.max_context = max_context
+        self.prefill_tokens = prefill_tokens
+        self.metrics = EngineMetrics()
+        self.metrics.set_version(weight_version)
+        self.paused: PauseMode | None = None
+        self._shared_gen = torch.Generator().manual_seed(seed)
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._rid_lock = threading.Lock()
+        self._rids: set[str] = set()
+        self._waiting: deque[Request] = deque()
+        self._gated: list[Request] = []  # arrived while a weight update waits for in-flight requests
+        self._barriers: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._running: list[Request] = []
+        self._admitting: list[Request] = []  # popped from the queue, being prefilled
+        self._batch: KVBatch | None = None
+        self._pending: torch.Tensor | None = None  # last sampled token per running row, not yet in the KV
+        self._sampler: BatchSampler | None = None
+        self._epoch = 0  # number of weight loads; an in_place pause compares it at continue
+        self._pause_epoch = 0
+        self._paused_at = 0.0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+
+    # ---- called from other threads -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread; requests still in flight end as aborted."""
+        if self._thread.is_alive():
+            self.call(self._stop).result()
+            self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, reqs: list[Request]) -> None:
+        """Queue requests; raises ValueError (nothing queued) if a rid is already in flight."""
+        rids = [r.rid for r in reqs]
+        with self._rid_lock:
+            if len(set(rids)) != len(rids) or self._rids.intersection(rids):
+                raise ValueError("Duplicate request ID detected")
+            self._rids.update(rids)
+        self._inbox.put(lambda: self._enqueue(reqs))
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the scheduler thread between two steps."""
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # handed to the caller through the future
+                fut.set_exception(exc)
+
+        self._inbox.put(run)
+        return fut
+
+    def call_when_idle(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` once the requests in flight have finished, or at once while paused.
+
+        Requests that arrive meanwhile wait until ``fn`` has run: SGLang's weight-update writer lock.
+        """
+        fut: Future = Future()
+        self._inbox.put(lambda: self._barriers.append((fn, fut)))
+        return fut
+
+    # ---- commands (scheduler thread) -----------------------------------------------------------
+
+    def pause(self, mode: PauseMode) -> None:
+        if self.paused is None:
+            self._paused_at = time.monotonic()
+            self._pause_epoch = self._epoch
+        self.paused = mode
+        if mode == "abort":
+            self.abort(None)
+        elif mode == "retract":
+            self._retract(count=True)
+
+    def resume(self) -> None:
+        if self.paused is None:
+            return
+        if self.paused == "in_place" and self._epoch != self._pause_epoch:
+            self._retract(count=False)
+        self.metrics.paused_seconds.inc(time.monotonic() - self._paused_at)
+        self.paused = None
+
+    def abort(self, rid: str | None) -> int:
+        """Abort requests whose rid starts with ``rid`` (all when None), as SGLang's scheduler matches."""
+        return self.abort_where(lambda r: rid is None or r.rid.startswith(rid))
+
+    def abort_where(self, hit: Callable[[Request], bool]) -> int:
+        """Abort the requests in flight for which ``hit`` is true; returns how many."""
+        count = 0
+        for q in (self._waiting, self._gated):
+            for r in [r for r in q if hit(r)]:
+                q.remove(r)
+                self._finish(r, abort_reason(started=bool(r.output_ids)))
+                count += 1
+        rows = [i for i, r in enumerate(self._running) if hit(r)]
+        self._retire(rows, abort_reason(started=True))
+        return count + len(rows)
+
+    def load_weights(
+        self, tensors: dict[str, torch.Tensor], *, require_all: bool, model_path: str | None, version: str | None
+    ) -> None:
+        """Copy checked tensors into the model (raises WeightError, keeping the old weights)."""
+        start = time.monotonic()
+        load_into(self.model, tensors, require_all=require_all)
+        self._epoch += 1
+        if model_path is not None:
+            self.model_path = model_path
+        if version is not None:
+            self.set_version(version)
+        self.metrics.weight_update_seconds.observe(time.monotonic() - start)
+
+    def set_version(self, version: str) -> None:
+        self.version = version
+        self.metrics.set_version(version)
+
+    def idle(self) -> bool:
+        """No request running or queued (queued ones do not count while paused, as in SGLang)."""
+        return not self._running and (self.paused is not None or not (self._waiting or self._gated))
+
+    def in_flight(self) -> int:
+        return len(self._running) + len(self._waiting) + len(self._gated)
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while not self._closed:
+                busy = bool(self._barriers) or (self.paused is None and bool(self._running or self._waiting))
+                self._drain(block=not busy)
+                self._run_barriers()
+                if self.paused is None and not self._closed:
+                    try:
+                        self._admit()
+                        if self._running:
+                            self._decode()
+                    except Exception as exc:  # a failed forward fails its requests loudly, the engine lives on
+                        log.exception("engine step failed")
+                        self._fail_running(exc)
+                self.metrics.running.set(len(self._running))
+                self.metrics.waiting.set(len(self._waiting) + len(self._gated))
+                self.metrics.pending_updates.set(len(self._barriers))
+
+    def _drain(self, block: bool) -> None:
+        if block:
+            self._inbox.get()()
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            cmd()
+
+    def _enqueue(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            if r.params.max_new_tokens == 0:  # nothing to sample (this engine computes no input logprobs)
+                self._finish(r, {"type": "length", "length": 0})
+            else:
+                (self._gated if self._barriers else self._waiting).append(r)
+
+    def _run_barriers(self) -> None:
+        if not self._barriers or (self.paused is None and (self._running or self._waiting)):
+            return
+        while self._barriers:
+            fn, fut = self._barriers.popleft()
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # handed to the caller through the future
+                fut.set_exception(exc)
+        self._waiting.extend(self._gated)
+        self._gated.clear()
+
+    def _admit(self) -> None:
+        free = self.max_batch_size - len(self._running)
+        while free > 0 and self._waiting:
+            chunk: list[Request] = []
+            width = 0
+            while self._waiting and len(chunk) < free:
+                w = max(width, len(self._waiting[0].tokens))
+                if chunk and w * (len(chunk) + 1) > self.prefill_tokens:
+                    break
+                chunk.append(self._waiting.popleft())
+                width = w
+            free -= len(chunk)
+            self._admitting = chunk
+            self._prefill(chunk)
+            self._admitting = []
+
+    def _prefill(self, chunk: list[Request]) -> None:
+        batch, logits = KVBatch.prefill(self.model, [r.tokens for r in chunk])
+        self.metrics.prompt_tokens.inc(sum(len(r.tokens) for r in chunk))
+        tokens, logprobs = self._make_sampler(chunk).sample(logits)
+        if self._batch is None:
+            self._batch, self._pending, self._running = batch, tokens, list(chunk)
+        else:
+            self._batch.merge(batch)
+            self._pending = torch.cat([self._pending, tokens])
+            self._running.extend(chunk)
+        self._sampler = None
+        offset = len(self._running) - len(chunk)
+        self._retire([offset + i for i in self._record(chunk, tokens, logprobs)])
+
+    def _decode(self) -> None:
+        if self._sampler is None:
+            self._sampler = self._make_sampler(self._running)
+        logits = self._batch.decode(self.model, self._pending)
+        tokens, logprobs = self._sampler.sample(logits)
+        self._pending = tokens
+        self._retire(self._record(self._running, tokens, logprobs))
+
+    def _record(self, reqs: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[int]:
+        """Append each row's token; returns the indices of the requests that finished."""
+        version, tok = self.version, self.tokenizer
+        done = [
+            i
+            for i, (r, t, lp) in enumerate(zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True))
+            if r.append(t, lp, version, tok)
+        ]
+        self.metrics.generated_tokens.inc(len(reqs))
+        return done
+
+    def _retire(self, rows: list[int], reason: dict[str, Any] | None = None) -> None:
+        """Finish the running requests at ``rows`` and drop them from the batch."""
+        if not rows:
+            return
+        gone = set(rows)
+        for i in rows:
+            self._finish(self._running[i], reason)
+        keep = [i for i in range(len(self._running)) if i not in gone]
+        self._running = [self._running[i] for i in keep]
+        if keep:
+            self._batch.keep(keep)
+            self._pending = self._pending[keep]
+        else:
+            self._batch = self._pending = None
+        self._sampler = None
+
+    def _retract(self, count: bool) -> None:
+        for r in self._running:
+            r.num_retractions += int(count)
+        self._waiting.extendleft(reversed(self._running))
+        self._running = []
+        self._batch = self._pending = self._sampler = None
+
+    def _finish(self, req: Request, reason: dict[str, Any] | None) -> None:
+        req.finish(reason, self.version)
+        with self._rid_lock:
+            self._rids.discard(req.rid)
+        self.metrics.requests.labels(finish=req.finish_reason["type"]).inc()
+
+    def _fail_running(self, exc: Exception) -> None:
+        admitting = [r for r in self._admitting if r not in self._running]
+        for r in self._running + admitting:
+            with self._rid_lock:
+                self._rids.discard(r.rid)
+            if not r.future.done():
+                r.future.set_exception(EngineFailure(f"{type(exc).__name__}: {exc}"))
+        self._running, self._admitting = [], []
+        self._batch = self._pending = self._sampler = None
+
+    def _make_sampler(self, reqs: list[Request]) -> BatchSampler:
+        return BatchSampler([r.params for r in reqs], [r.generator for r in reqs], self._shared_gen)
+
+    def _stop(self) -> None:
+        self._closed = True
+        self.paused = None
+        self.abort(None)
+        for fn, fut in self._barriers:
+            fut.set_exception(RuntimeError(f"engine closed before {fn!r} ran"))
+        self._barriers.clear()

@@ -1,0 +1,305 @@
+"""The embedded engine over real HTTP with the tiny model: SGLang's shapes, continuous batching, sampling."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout_server.engine.process import EngineProcess
+from rollout_server.engine.protocol import ContractError, GenerateSpec, build_requests
+
+PROMPT = [5, 17, 42, 99, 7, 300, 12]
+LONG = {"max_new_tokens": 900, "temperature": 1.0, "ignore_eos": True}
+SEEDED = {"max_new_tokens": 30, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[str]:
+    with EngineProcess(tiny_model_dir, max_batch_size=16, threads=1) as proc:
+        yield proc.url
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def post(url: str, path: str, body: Any = None, **kw: Any) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60.0, **kw)
+
+
+def gen(url: str, input_ids: Any, params: dict | None = None, **extra: Any) -> Any:
+    resp = post(url, "/generate", {"input_ids": input_ids, "sampling_params": params or {}, **extra})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+async def until(url: str, name: str, at_least: float, timeout_s: float = 60.0) -> None:
+    """Poll a /metrics value until it reaches ``at_least`` (a test fails rather than hangs)."""
+    deadline = time.monotonic() + timeout_s
+    while metric(url, name) < at_least:
+        assert time.monotonic() < deadline, f"{name} never reached {at_least}"
+        await asyncio.sleep(0.005)
+
+
+def teacher_forced(model: torch.nn.Module, prompt: list[int], output: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / T) of each output token under one forward over prompt + output."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)
+    return lp.gather(1, torch.tensor(output)[:, None]).squeeze(1).tolist()
+
+
+def test_single_reply_has_sglang_shape(engine: str) -> None:
+    out = gen(engine, PROMPT, {"max_new_tokens": 6, "temperature": 0}, return_logprob=True, rid="shape-1")
+    meta = out["meta_info"]
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    assert meta["id"] == "shape-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == len(out["output_ids"]) == 6
+    assert meta["cached_tokens"] == 0 and meta["num_retractions"] == 0
+    assert meta["weight_version"] == "default"
+    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": 6}]
+    assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(isinstance(e[0], float) and e[0] <= 0 and e[2] is None for e in meta["output_token_logprobs"])
+    assert meta["input_token_logprobs"] == [] and meta["e2e_latency"] > 0
+    without = gen(engine, PROMPT, {"max_new_tokens": 2})
+    assert "output_token_logprobs" not in without["meta_info"]
+
+
+def test_batch_is_a_list_in_input_order_with_suffixed_rids(engine: str) -> None:
+    prompts = [PROMPT, PROMPT[:3], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    greedy = {"max_new_tokens": 8, "temperature": 0}
+    alone = [gen(engine, p, greedy)["output_ids"] for p in prompts]
+    out = gen(engine, prompts, greedy, rid="b")
+    assert [o["meta_info"]["id"] for o in out] == ["b_0", "b_1", "b_2"]
+    assert [o["output_ids"] for o in out] == alone
+    listed = gen(engine, prompts[:2], [greedy, {"max_new_tokens": 3}], rid=["x", "y"])
+    assert [o["meta_info"]["id"] for o in listed] == ["x", "y"]
+    assert [o["meta_info"]["completion_tokens"] for o in listed] == [8, 3]
+
+
+def test_greedy_tokens_do_not_depend_on_the_batch(engine: str) -> None:
+    greedy = {"max_new_tokens": 40, "temperature": 0}
+    alone = gen(engine, PROMPT, greedy)["output_ids"]
+
+    async def crowded() -> dict:
+        async with httpx.AsyncClient(base_url=engine, timeout=60.0) as client:
+            others = [
+                client.post(
+                    "/generate",
+                    json={"input_ids": [3 + i] * (2 + 5 * i), "sampling_params": LONG | {"max_new_tokens": 60}},
+                )
+                for i in range(6)
+            ]
+            ours = client.post("/generate", json={"input_ids": PROMPT, "sampling_params": greedy})
+            replies = await asyncio.gather(*others, ours)
+        return replies[-1].json()
+
+    assert asyncio.run(crowded())["output_ids"] == alone
+
+
+def test_short_request_finishes_while_a_long_one_runs(engine: str) -> None:
+    async def run() -> tuple[bool, dict, dict]:
+        async with httpx.AsyncClient(base_url=engine, timeout=120.0) as client:
+            start = metric(engine, "rollwave_engine_generated_tokens_total")
+            long = asyncio.create_task(client.post("/generate", json={"input_ids": PROMPT, "sampling_params": LONG}))
+            await until(engine, "rollwave_engine_generated_tokens_total", start + 1)
+            short = (
+                await client.post("/generate", json={"input_ids": PROMPT[:4], "sampling_params": {"max_new_tokens": 8}})
+            ).json()
+            long_running = not long.done()
+            return long_running, short, (await long).json()
+
+    long_running, short, long = asyncio.run(run())
+    assert long_running, "the short request had to wait for the long one"
+    assert short["meta_info"]["finish_reason"]["type"] == "length"
+    assert long["meta_info"]["completion_tokens"] == LONG["max_new_tokens"]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.7},
+        {"temperature": 0.0},
+        {"temperature": 1.3, "top_k": 20, "top_p": 0.9},
+        {"temperature": 0.8, "min_p": 0.05},
+    ],
+)
+def test_logprobs_equal_a_teacher_forced_forward(engine: str, model: torch.nn.Module, params: dict) -> None:
+    prompts = [PROMPT, PROMPT[2:], [9] * 13]  # ragged: the batch is left-padded
+    out = gen(engine, prompts, params | {"max_new_tokens": 24, "ignore_eos": True}, return_logprob=True)
+    temperature = params["temperature"] or 1.0
+    for prompt, item in zip(prompts, out, strict=True):
+        got = [e[0] for e in item["meta_info"]["output_token_logprobs"]]
+        want = teacher_forced(model, prompt, item["output_ids"], temperature)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4
+
+
+def test_sampling_seed_gives_the_same_output(engine: str) -> None:
+    params = {"max_new_tokens": 32, "temperature": 1.0, "ignore_eos": True}
+    a = gen(engine, PROMPT, params | {"sampling_seed": 1234})
+    b = gen(engine, PROMPT, params | {"sampling_seed": 1234})
+    c = gen(engine, PROMPT, params | {"sampling_seed": 4321})
+    assert a["output_ids"] == b["output_ids"] != c["output_ids"]
+
+
+def test_stop_token_ids_end_the_request_and_are_kept_in_output_ids(engine: str, tokenizer) -> None:
+    base = gen(engine, PROMPT, SEEDED)["output_ids"]
+    k = next(i for i in range(3, len(base)) if base[i] not in base[:i])
+    out = gen(engine, PROMPT, SEEDED | {"stop_token_ids": [base[k]]})
+    assert out["output_ids"] == base[: k + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": base[k]}
+    assert out["text"] == tokenizer.decode(base[:k], skip_special_tokens=True)
+
+
+def test_stop_strings_trim_the_text_unless_no_stop_trim(engine: str, tokenizer) -> None:
+    base = gen(engine, PROMPT, SEEDED)["output_ids"]
+    full = tokenizer.decode(base)
+    stop = next(full[i : i + 3] for i in range(6, len(full)) if full[i : i + 3].isascii() and full[i : i + 3].strip())
+    n = next(i for i in range(1, len(base) + 1) if stop in tokenizer.decode(base[:i]))
+    out = gen(engine, PROMPT, SEEDED | {"stop": [stop]})
+    assert out["output_ids"] == base[:n]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    text = tokenizer.decode(base[:n], skip_special_tokens=True)
+    assert out["text"] == text[: text.find(stop)]
+    kept = gen(engine, PROMPT, SEEDED | {"stop": stop, "no_stop_trim": True})
+    assert kept["text"] == text
+
+
+def test_eos_stops_unless_ignored(tiny_model_dir: Path, tokenizer) -> None:
+    spec = GenerateSpec(tokenizer, len(tokenizer), 1024, frozenset({tokenizer.convert_tokens_to_ids("<|im_end|>")}))
+    (req,), _ = build_requests({"input_ids": PROMPT, "sampling_params": {"stop_token_ids": [7]}}, spec)
+    assert req.stop_ids == {7} | spec.eos_ids
+    (req,), _ = build_requests({"input_ids": PROMPT, "sampling_params": {"ignore_eos": True}}, spec)
+    assert req.stop_ids == frozenset()
+    with pytest.raises(ContractError, match="unknown field `seed`"):
+        build_requests({"input_ids": PROMPT, "sampling_params": {"seed": 1}}, spec)
+
+
+@pytest.mark.parametrize(
+    ("body", "shape", "needle"),
+    [
+        ({"input_ids": PROMPT, "sampling_params": {"seed": 1}}, "gate", "unknown field `seed`"),
+        ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 16.0}}, "gate", "max_new_tokens"),
+        ({"input_ids": PROMPT, "sampling_params": {"stop_token_ids": 3}}, "gate", "stop_token_ids"),
+        ({"input_ids": "abc"}, "gate", "input_ids"),
+        ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1020}}, "value", "maximum context length"),
+        ({"input_ids": []}, "value", "empty"),
+        ({"input_ids": [1, 5000]}, "value", "outside the vocabulary"),
+        ({"input_ids": [PROMPT, PROMPT], "rid": ["a"]}, "value", "rid"),
+        ({"input_ids": PROMPT, "sampling_params": {"frequency_penalty": 0.5}}, "value", "frequency_penalty"),
+        ({"input_ids": PROMPT, "sampling_params": {"top_p": 0}}, "value", "top_p"),
+        ({"sampling_params": {}}, "value", "input_ids"),
+    ],
+)
+def test_generate_errors_use_sglang_shapes(engine: str, body: dict, shape: str, needle: str) -> None:
+    resp = post(engine, "/generate", body)
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    message = err if shape == "gate" else err["message"]
+    assert isinstance(message, str) and needle in message
+
+
+def test_control_endpoints_need_a_valid_json_body(engine: str) -> None:
+    for path in ("/pause_generation", "/continue_generation", "/update_weights_from_disk", "/abort_request"):
+        resp = httpx.post(engine + path)
+        assert resp.status_code == 400
+        body = resp.json()
+        assert body["object"] == "error" and body["code"] == 400 and "Field required" in body["message"]
+    bad = post(engine, "/pause_generation", {"mode": "bogus"})
+    assert bad.status_code == 400 and bad.json()["type"] == "Bad Request"
+    assert httpx.get(engine + "/no_such_route").json() == {"detail": "Not Found"}
+
+
+def test_duplicate_rid_in_flight_is_rejected_and_abort_matches_prefixes(engine: str) -> None:
+    async def run() -> tuple[httpx.Response, dict]:
+        async with httpx.AsyncClient(base_url=engine, timeout=120.0) as client:
+            first = asyncio.create_task(
+                client.post(
+                    "/generate",
+                    json={"input_ids": PROMPT, "sampling_params": LONG, "rid": "dup-1", "return_logprob": True},
+                )
+            )
+            await until(engine, "rollwave_engine_running_requests", 1)
+            second = await client.post("/generate", json={"input_ids": PROMPT, "rid": "dup-1"})
+            assert (await client.post("/abort_request", json={"rid": "dup"})).status_code == 200
+            return second, (await first).json()
+
+    second, first = asyncio.run(run())
+    assert second.status_code == 400
+    assert second.json() == {"error": {"message": "Duplicate request ID detected"}}
+    meta = first["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    assert 0 < meta["completion_tokens"] < LONG["max_new_tokens"]
+    assert len(meta["output_token_logprobs"]) == len(first["output_ids"]) == meta["completion_tokens"]
+    assert post(engine, "/abort_request", {}).status_code == 200
+
+
+def test_pause_abort_returns_partial_output_and_new_requests_wait(engine: str) -> None:
+    async def run() -> tuple[list[dict], dict, bool]:
+        async with httpx.AsyncClient(base_url=engine, timeout=120.0) as client:
+            running = [
+                asyncio.create_task(
+                    client.post("/generate", json={"input_ids": PROMPT[: 3 + i], "sampling_params": LONG})
+                )
+                for i in range(3)
+            ]
+            await until(engine, "rollwave_engine_running_requests", 3)
+            assert (await client.post("/pause_generation", json={"mode": "abort"})).json()["status"] == "ok"
+            aborted = [(await t).json() for t in running]
+            later = asyncio.create_task(
+                client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}})
+            )
+            await until(engine, "rollwave_engine_waiting_requests", 1)
+            waited = not later.done()
+            assert (await client.get("/ready")).status_code == 503
+            await client.post("/continue_generation", json={})
+            return aborted, (await later).json(), waited
+
+    aborted, later, waited = asyncio.run(run())
+    for out in aborted:
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < len(out["output_ids"]) < LONG["max_new_tokens"]
+    assert waited and later["meta_info"]["finish_reason"]["type"] == "length"
+    assert metric(engine, "rollwave_engine_paused_seconds_total") > 0
+
+
+def test_info_health_flush_and_metrics(engine: str) -> None:
+    info = httpx.get(engine + "/model_info").json()
+    assert info["weight_version"] == "default" and info["is_generation"] is True
+    assert httpx.get(engine + "/get_model_info").json() == info
+    assert httpx.get(engine + "/health").status_code == 200 and httpx.get(engine + "/health").content == b""
+    assert httpx.get(engine + "/health_generate").status_code == 200
+    flushed = post(engine, "/flush_cache")
+    assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.")
+    text = httpx.get(engine + "/metrics").text
+    for name in (
+        "rollwave_engine_generated_tokens_total",
+        "rollwave_engine_running_requests",
+        "rollwave_engine_waiting_requests",
+        "rollwave_engine_paused_seconds_total",
+        'rollwave_engine_weight_version_info{version="default"} 1.0',
+    ):
+        assert name in text

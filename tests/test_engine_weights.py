@@ -1,0 +1,251 @@
+"""Weight updates on the embedded engine over real HTTP: pause modes, versions, and which weights made
+which token (each logprob is checked against a teacher-forced forward of the model that produced it)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from rollout_server.engine.process import EngineProcess
+from rollout_server.engine_client import encode_named_tensors
+
+PROMPT = [5, 17, 42, 99, 7, 300, 12]
+LONG = {"max_new_tokens": 800, "temperature": 0.8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def old_model(tiny_model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def new_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The tiny model with every weight perturbed: a different policy with the same shapes."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    out = tmp_path_factory.mktemp("new_model")
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def new_model(new_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[str]:
+    with EngineProcess(tiny_model_dir, weight_version="v0", threads=1) as proc:
+        yield proc.url
+
+
+def post(url: str, path: str, body: Any = None) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=120.0)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+async def until(url: str, name: str, at_least: float, timeout_s: float = 60.0) -> None:
+    """Poll a /metrics value until it reaches ``at_least`` (a test fails rather than hangs)."""
+    deadline = time.monotonic() + timeout_s
+    while metric(url, name) < at_least:
+        assert time.monotonic() < deadline, f"{name} never reached {at_least}"
+        await asyncio.sleep(0.005)
+
+
+def load(url: str, model_dir: Path, version: str) -> None:
+    resp = post(url, "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": version})
+    assert resp.status_code == 200 and resp.json()["success"], resp.text
+
+
+def teacher_forced(model: torch.nn.Module, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)
+    return lp.gather(1, torch.tensor(output)[:, None]).squeeze(1)
+
+
+def span_across_update(url: str, mode: str, new_dir: Path) -> dict:
+    """Start a long request, pause in ``mode`` once it has produced tokens, load ``new_dir`` as v1, continue."""
+
+    async def run() -> dict:
+        async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
+            task = asyncio.create_task(
+                client.post("/generate", json={"input_ids": PROMPT, "sampling_params": LONG, "return_logprob": True})
+            )
+            start = metric(url, "rollwave_engine_generated_tokens_total")
+            await until(url, "rollwave_engine_generated_tokens_total", start + 20)
+            await client.post("/pause_generation", json={"mode": mode})
+            reply = await client.post(
+                "/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": "v1"}
+            )
+            assert reply.json() == {
+                "success": True,
+                "num_paused_requests": 1,
+                "message": "Succeeded to update model weights. Weight version updated to v1.",
+            }
+            await client.post("/continue_generation", json={})
+            return (await task).json()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_request_spanning_an_update_records_versions_and_right_logprobs(
+    engine: str, tiny_model_dir: Path, new_dir: Path, old_model, new_model, mode: str
+) -> None:
+    load(engine, tiny_model_dir, "v0")
+    out = span_across_update(engine, mode, new_dir)
+    meta = out["meta_info"]
+    n = meta["completion_tokens"]
+    assert n == LONG["max_new_tokens"] and meta["weight_version"] == "v1"
+    (old, new) = meta["weight_versions"]
+    k = old["end"]
+    assert old == {"version": "v0", "start": 0, "end": k} and new == {"version": "v1", "start": k, "end": n}
+    assert 0 < k < n
+    assert meta["num_retractions"] == (1 if mode == "retract" else 0)
+    got = torch.tensor([e[0] for e in meta["output_token_logprobs"]])
+    t = LONG["temperature"]
+    want_old = teacher_forced(old_model, PROMPT, out["output_ids"], t)
+    want_new = teacher_forced(new_model, PROMPT, out["output_ids"], t)
+    assert (got[:k] - want_old[:k]).abs().max() <= 1e-4
+    assert (got[k:] - want_new[k:]).abs().max() <= 1e-4
+    assert (want_old[k:] - want_new[k:]).abs().max() > 1e-2  # the two policies really differ
+
+
+def test_update_when_not_paused_waits_for_requests_in_flight(engine: str, tiny_model_dir: Path, new_dir: Path) -> None:
+    load(engine, tiny_model_dir, "v0")
+
+    async def run() -> tuple[dict, dict, dict]:
+        async with httpx.AsyncClient(base_url=engine, timeout=120.0) as client:
+            first = asyncio.create_task(
+                client.post("/generate", json={"input_ids": PROMPT, "sampling_params": LONG | {"max_new_tokens": 300}})
+            )
+            await until(engine, "rollwave_engine_running_requests", 1)
+            update = asyncio.create_task(
+                client.post("/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": "v1"})
+            )
+            await until(engine, "rollwave_engine_pending_weight_updates", 1)
+            later = await client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}})
+            return (await first).json(), (await update).json(), later.json()
+
+    first, update, later = asyncio.run(run())
+    assert update["success"] and update["num_paused_requests"] == 0
+    assert first["meta_info"]["weight_versions"] == [{"version": "v0", "start": 0, "end": 300}]
+    assert later["meta_info"]["weight_versions"] == [{"version": "v1", "start": 0, "end": 5}]
+
+
+def test_pause_in_place_without_update_continues_on_the_same_weights(
+    engine: str, tiny_model_dir: Path, old_model
+) -> None:
+    load(engine, tiny_model_dir, "v0")
+
+    async def run() -> dict:
+        async with httpx.AsyncClient(base_url=engine, timeout=120.0) as client:
+            task = asyncio.create_task(
+                client.post(
+                    "/generate",
+                    json={
+                        "input_ids": PROMPT,
+                        "sampling_params": LONG | {"max_new_tokens": 200},
+                        "return_logprob": True,
+                    },
+                )
+            )
+            await until(engine, "rollwave_engine_running_requests", 1)
+            await client.post("/pause_generation", json={"mode": "in_place"})
+            assert (await client.post("/flush_cache")).status_code == 400  # requests hold KV in place
+            await asyncio.sleep(0.05)
+            await client.post("/continue_generation", json={})
+            return (await task).json()
+
+    out = asyncio.run(run())
+    assert out["meta_info"]["weight_versions"] == [{"version": "v0", "start": 0, "end": 200}]
+    got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+    assert (got - teacher_forced(old_model, PROMPT, out["output_ids"], LONG["temperature"])).abs().max() <= 1e-4
+
+
+def test_failed_update_keeps_the_old_weights(engine: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    load(engine, tiny_model_dir, "v0")
+    greedy = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    before = post(engine, "/generate", greedy).json()["output_ids"]
+    missing = post(engine, "/update_weights_from_disk", {"model_path": str(tmp_path / "nope"), "weight_version": "x"})
+    assert missing.status_code == 400 and missing.json()["success"] is False and "nope" in missing.json()["message"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    (tmp_path / "bad").mkdir()
+    save_file(state, tmp_path / "bad" / "model.safetensors")
+    bad = post(engine, "/update_weights_from_disk", {"model_path": str(tmp_path / "bad"), "weight_version": "x"})
+    assert bad.status_code == 400 and "model.layers.1.mlp.up_proj.weight" in bad.json()["message"]
+    assert httpx.get(engine + "/model_info").json()["weight_version"] == "v0"
+    assert post(engine, "/generate", greedy).json()["output_ids"] == before
+
+
+def test_update_from_tensor_needs_a_session(engine: str, tiny_model_dir: Path, new_dir: Path, new_model) -> None:
+    load(engine, tiny_model_dir, "v0")
+    named = list(new_model.state_dict().items())
+    body = {"serialized_named_tensors": [encode_named_tensors(named[:5])], "weight_version": "t1"}
+    outside = post(engine, "/update_weights_from_tensor", body)
+    assert outside.status_code == 400 and outside.json()["success"] is False
+    assert "must run between begin_weight_update() and end_weight_update()" in outside.json()["message"]
+    assert post(engine, "/begin_weight_update", {"selector": "all"}).json() == {"success": True, "message": "Success"}
+    assert post(engine, "/begin_weight_update", {}).status_code == 400
+    assert post(engine, "/update_weights_from_tensor", body).json()["success"]
+    buf = io.BytesIO()
+    torch.save(named[5:], buf)  # the other accepted format
+    rest = {"serialized_named_tensors": [base64.b64encode(buf.getvalue()).decode()], "weight_version": "t2"}
+    assert post(engine, "/update_weights_from_tensor", rest).json()["success"]
+    wrong = {"serialized_named_tensors": [encode_named_tensors([("model.no_such.weight", torch.zeros(2))])]}
+    reply = post(engine, "/update_weights_from_tensor", wrong)
+    assert reply.status_code == 400 and "model.no_such.weight" in reply.json()["message"]
+    assert post(engine, "/end_weight_update", {}).json()["success"]
+    assert post(engine, "/end_weight_update", {}).status_code == 400
+    assert httpx.get(engine + "/model_info").json()["weight_version"] == "t2"
+    out = post(
+        engine,
+        "/generate",
+        {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}, "return_logprob": True},
+    ).json()
+    got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+    assert (got - teacher_forced(new_model, PROMPT, out["output_ids"], 1.0)).abs().max() <= 1e-4
+
+
+def test_update_weight_version_and_flush_while_retracted(engine: str) -> None:
+    reply = post(engine, "/update_weight_version", {"new_version": "v9", "abort_all_requests": False}).json()
+    assert reply == {"success": True, "message": "Weight version updated to v9", "new_version": "v9"}
+    assert httpx.get(engine + "/model_info").json()["weight_version"] == "v9"
+
+    async def run() -> tuple[int, dict]:
+        async with httpx.AsyncClient(base_url=engine, timeout=120.0) as client:
+            task = asyncio.create_task(
+                client.post("/generate", json={"input_ids": PROMPT, "sampling_params": LONG | {"max_new_tokens": 200}})
+            )
+            await until(engine, "rollwave_engine_running_requests", 1)
+            await client.post("/pause_generation", json={"mode": "retract"})
+            flushed = (await client.post("/flush_cache")).status_code  # queued requests do not count while paused
+            await client.post("/continue_generation", json={})
+            return flushed, (await task).json()
+
+    flushed, out = asyncio.run(run())
+    assert flushed == 200
+    assert out["meta_info"]["num_retractions"] == 1 and out["meta_info"]["completion_tokens"] == 200

@@ -1,0 +1,142 @@
+"""FSDP2 over 2 gloo ranks trains exactly like 1 rank; batching, π_prox and parameter streaming."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from trainer_helpers import free_port, synthetic_groups
+from transformers import AutoModelForCausalLM
+
+from services.config import TrainerConfig
+from trainer.batching import collate, rank_plan
+from trainer.parallel import DistContext, close_distributed, init_distributed, iter_full_params, lr_factor
+from trainer.worker import Trainer
+
+STEPS = 3
+CFG = {
+    "groups_per_step": 3,
+    "total_steps": STEPS,
+    "checkpoint_every": STEPS,
+    "lr": 1e-3,
+    "micro_batch_tokens": 96,
+    "loss_agg": "seq-mean-token-mean",
+    "kl_coef": 0.05,
+    "entropy_coef": 0.01,
+    "device": "cpu",
+}
+
+
+def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Path, out: Path) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two ranks on two cores
+    ctx = init_distributed("cpu")
+    try:
+        trainer = Trainer(TrainerConfig(**CFG), model_dir, run_dir).start(ctx=ctx)
+        records = [trainer.train(synthetic_groups(seed, CFG["groups_per_step"])) for seed in range(STEPS)]
+        params = {name: t.clone() for name, t in iter_full_params(trainer.model) if t is not None}
+        trainer.close()
+        if rank == 0:
+            torch.save({"records": records, "params": params}, out)
+    finally:
+        close_distributed()
+
+
+def _spawn(world: int, model_dir: Path, tmp_path: Path) -> dict:
+    out = tmp_path / f"world{world}.pt"
+    args = (world, free_port(), model_dir, tmp_path / f"run{world}", out)
+    mp.spawn(_train_ranks, args=args, nprocs=world, join=True)
+    return torch.load(out, weights_only=False)
+
+
+def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
+    one = _spawn(1, tiny_model_dir, tmp_path)
+    two = _spawn(2, tiny_model_dir, tmp_path)
+    for a, b in zip(one["records"], two["records"], strict=True):
+        for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "is_ratio_mean", "is_ratio_max", "logprob_gap"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+        assert a["loss_tokens"] == b["loss_tokens"] and a["staleness_hist"] == b["staleness_hist"]
+    assert one["records"][-1]["kl"] > 0  # the reference policy is really used
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert set(one["params"]) == set(two["params"]) == {n for n, _ in plain.named_parameters()}
+    moved = 0.0
+    for name, initial in plain.named_parameters():
+        # Adam divides by sqrt(v): where a gradient is ~0, summation-order noise moves a weight by up to ~lr/100
+        torch.testing.assert_close(one["params"][name], two["params"][name], rtol=1e-4, atol=1e-5)
+        moved = max(moved, (one["params"][name] - initial).abs().max().item())
+    assert moved > 1e-4
+    for run in ("run1", "run2"):  # the final step was checkpointed by every rank
+        assert (tmp_path / run / "checkpoints" / f"step_{STEPS:08d}" / "trainer_state.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Iterator[DistContext]:
+    for key in ("RANK", "WORLD_SIZE"):
+        assert key not in os.environ, f"{key} is set; these tests need a lone process"
+    context = init_distributed("cpu")
+    yield context
+    close_distributed()
+
+
+def test_proximal_shortcut_equals_no_grad_recompute(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:
+    trainer = Trainer(TrainerConfig(**{**CFG, "kl_coef": 0.0}), tiny_model_dir, tmp_path).start(ctx=ctx)
+    step = trainer.train_step
+    batch = collate(synthetic_groups(0, 3), vocab_size=step.vocab_size)
+    prox = step.proximal_logprobs(batch)
+    for rows in step._plan(list(range(len(batch))), batch.lengths.tolist()):
+        mb = batch.select(rows)
+        logp, _ = step._forward_logprobs(step.model, mb)  # with autograd on, as in the update
+        assert logp.requires_grad
+        assert torch.equal(logp.detach(), prox[rows, : logp.shape[1]])
+    trainer.close()
+
+
+def test_minibatches_recompute_prox_and_clip(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = {**CFG, "kl_coef": 0.0, "loss": "ppo", "lr": 0.05, "grad_clip": 100.0}
+    one = Trainer(TrainerConfig(**cfg), tiny_model_dir, tmp_path / "a").start(ctx=ctx)
+    rec = one.train(synthetic_groups(0, 4))
+    assert rec["clip_fraction"] == 0.0  # one update: π_θ = π_prox in every forward, u = 1
+    several = Trainer(TrainerConfig(**cfg, ppo_minibatches=4), tiny_model_dir, tmp_path / "b").start(ctx=ctx)
+    rec = several.train(synthetic_groups(0, 4))
+    assert rec["clip_fraction"] > 0.0  # later minibatches see moved weights, clipped against π_prox
+    with pytest.raises(ValueError, match="ppo_minibatches"):
+        Trainer(TrainerConfig(**cfg, ppo_minibatches=99), tiny_model_dir, tmp_path / "c").start(ctx=ctx).train(
+            synthetic_groups(0, 1)
+        )
+
+
+def test_collate_aligns_to_predicted_tokens_and_rejects_bad_ids() -> None:
+    groups = synthetic_groups(3, 2)
+    batch = collate(groups)
+    s = groups[0].samples[1]
+    n = len(s.token_ids)
+    assert torch.equal(batch.input_ids[1, :n], torch.as_tensor(s.token_ids, dtype=torch.long))
+    assert torch.equal(batch.loss_mask[1, : n - 1], torch.as_tensor(s.loss_mask[1:], dtype=torch.bool))
+    assert torch.equal(batch.behav_logprobs[1, : n - 1], torch.as_tensor(s.behaviour_logprobs[1:]))
+    assert not batch.loss_mask[1, n - 1 :].any()
+    assert batch.group_index.tolist() == [0] * 4 + [1] * 4
+    with pytest.raises(ValueError, match=r"group s3-g0\.samples\[0\]\.token_ids: id \d+ outside"):
+        collate(groups, vocab_size=5)
+
+
+def test_rank_plan_gives_every_rank_the_same_number_of_micro_batches() -> None:
+    lengths = [100] + [10] * 10
+    plans = [rank_plan(list(range(11)), lengths, 2, rank, budget=40) for rank in (0, 1)]
+    assert plans[0] == [[0], [], []]  # the long row alone, then dummies to match rank 1's three
+    assert plans[1] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    for plan in plans:
+        for mb in plan:
+            assert len(mb) <= 1 or len(mb) * max(lengths[r] for r in mb) <= 40
+
+
+def test_lr_schedule_warmup_then_constant_or_cosine() -> None:
+    const = TrainerConfig(warmup_steps=4, total_steps=12, lr_schedule="constant")
+    assert [lr_factor(s, const) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = TrainerConfig(warmup_steps=2, total_steps=10, lr_schedule="cosine")
+    assert [lr_factor(s, cos) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert lr_factor(6, cos) == pytest.approx(0.5)  # halfway through the 8 decay steps
+    assert lr_factor(10, cos) == pytest.approx(0.0) and lr_factor(50, cos) == pytest.approx(0.0)

@@ -1,0 +1,199 @@
+"""Checkpoint / resume through the real Redis replay buffer, in process and through ``python -m trainer``.
+
+A crash after step 3 (checkpoint at step 2, step 3's groups taken but never acked) followed by a resume
+with new objects must give steps 3-4 the losses of an uninterrupted run, bit for bit: the buffer hands
+the unacked groups back first, and model, optimizer, LR schedule and policy version come back exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+import yaml
+from trainer_helpers import synthetic_groups
+from transformers import AutoModelForCausalLM
+
+from buffer.keys import TRAINER_GROUP, Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.replay import ReplayBuffer
+from services.config import BufferConfig, TrainerConfig
+from trainer.parallel import DistContext, close_distributed, init_distributed, iter_full_params
+from trainer.worker import Trainer
+
+GPS = 2  # groups per step
+TRAINER = {
+    "groups_per_step": GPS,
+    "total_steps": 4,
+    "checkpoint_every": 2,
+    "keep_checkpoints": 1,
+    "lr": 1e-3,
+    "warmup_steps": 2,
+    "lr_schedule": "cosine",
+    "micro_batch_tokens": 128,
+    "take_timeout_s": 1.0,
+    "device": "cpu",
+}
+ETA = 10
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Iterator[DistContext]:
+    assert "RANK" not in os.environ, "RANK is set; these tests need a lone process"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CLI runs below use OMP_NUM_THREADS=1: same summation order
+    context = init_distributed("cpu")
+    yield context
+    close_distributed()
+    torch.set_num_threads(threads)
+
+
+def _filled_buffer(url: str, run: str, steps: int = 5) -> ReplayBuffer:
+    buffer = ReplayBuffer(redis.Redis.from_url(url), Keys(run), BufferConfig(), consumer="trainer")
+    buffer.ensure_group()
+    groups = [g for seed in range(steps) for g in synthetic_groups(seed, GPS, run=run)]
+    assert buffer.put_many(groups) == [1] * len(groups)
+    return buffer
+
+
+def _train(trainer: Trainer, buffer: ReplayBuffer, steps: int | None = None) -> list[dict]:
+    records = []
+    while not trainer.done and (steps is None or len(records) < steps):
+        groups, waited = trainer.next_batch(buffer)
+        records.append(trainer.train(groups, waited))
+    return records
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ctx: DistContext, tiny_model_dir: Path, redis_url: str, tmp_path_factory) -> dict:
+    buffer = _filled_buffer(redis_url, "straight")
+    trainer = Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path_factory.mktemp("straight"), max_staleness=ETA)
+    records = _train(trainer.start(ctx=ctx), buffer)
+    trainer.ack_checkpointed(buffer)
+    params = dict(iter_full_params(trainer.model))
+    trainer.close()
+    return {"records": records, "params": params, "trainer": trainer, "buffer": buffer}
+
+
+def test_crash_and_resume_repeats_the_uninterrupted_losses(
+    ctx: DistContext, tiny_model_dir: Path, redis_url: str, tmp_path: Path, uninterrupted: dict
+) -> None:
+    want = uninterrupted["records"]
+    buffer = _filled_buffer(redis_url, "crash")
+    crashed = Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path, max_staleness=ETA).start(ctx=ctx)
+    first = _train(crashed, buffer, steps=3)  # checkpoint at 2; step 3 trained, never checkpointed nor acked
+    crashed.close()
+    assert [r["loss"] for r in first] == [r["loss"] for r in want[:3]]
+    del crashed, buffer
+
+    buffer = ReplayBuffer(redis.Redis.from_url(redis_url), Keys("crash"), BufferConfig(), consumer="trainer")
+    resumed = Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path, max_staleness=ETA).start(resume=True, ctx=ctx)
+    assert (resumed.step, resumed.version) == (2, 2)
+    after = _train(resumed, buffer)
+    resumed.ack_checkpointed(buffer)
+    resumed.close()
+    for key in ("loss", "grad_norm", "lr", "is_ratio_mean", "entropy", "group_ids", "step", "policy_version"):
+        assert [r[key] for r in after] == [r[key] for r in want[2:]], key
+    assert after[0]["group_ids"] == first[2]["group_ids"]  # the unacked groups came back first
+    for name, value in iter_full_params(resumed.model):
+        assert torch.equal(value, uninterrupted["params"][name]), name
+
+    client = buffer.r
+    keys = Keys("crash")
+    assert client.xpending(keys.groups, TRAINER_GROUP)["pending"] == 0  # everything trained is acked
+    assert client.xlen(keys.groups) == GPS  # only the fifth step's groups are left
+    trained = [g for r in want for g in r["group_ids"]]
+    assert set(client.hmget(keys.group_state, trained)) == {b"t"}
+    assert [p.name for p in resumed.checkpointer.list()] == ["step_00000004"]  # keep_checkpoints=1
+
+
+def test_metrics_jsonl_and_prometheus(uninterrupted: dict) -> None:
+    trainer = uninterrupted["trainer"]
+    lines = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    for key in ("reward_mean", "reward_std", "staleness_hist", "is_ratio_mean", "is_ratio_max", "clip_fraction"):
+        assert key in lines[-1]
+    for key in ("masked_fraction", "kl", "entropy", "logprob_gap", "tokens_per_s", "wait_s", "stale_dropped"):
+        assert key in lines[-1]
+    reg = trainer.metrics.registry
+    assert reg.get_sample_value("rollwave_trainer_step") == 4
+    assert reg.get_sample_value("rollwave_trainer_policy_version") == 4
+    samples = sum(r["samples"] for r in lines)
+    assert reg.get_sample_value("rollwave_trainer_staleness_count") == samples
+    assert reg.get_sample_value("rollwave_trainer_step_duration_seconds_count") == 4
+    assert reg.get_sample_value("rollwave_trainer_reward_mean") == pytest.approx(lines[-1]["reward_mean"])
+    assert reg.get_sample_value("rollwave_trainer_tokens_per_second") > 0
+
+
+def test_stale_groups_are_dropped_and_acked(ctx: DistContext, tiny_model_dir: Path, redis_url: str, tmp_path) -> None:
+    buffer = ReplayBuffer(redis.Redis.from_url(redis_url), Keys("stale"), BufferConfig(), consumer="trainer")
+    buffer.ensure_group()
+    buffer.put_many(synthetic_groups(0, 4, version=0, run="stale") + synthetic_groups(1, 2, version=1, run="stale"))
+    cfg = TrainerConfig(**{**TRAINER, "total_steps": 2, "checkpoint_every": 1})
+    trainer = Trainer(cfg, tiny_model_dir, tmp_path, max_staleness=0).start(ctx=ctx)
+    records = _train(trainer, buffer)
+    trainer.ack_checkpointed(buffer)
+    trainer.close()
+    assert [r["stale_dropped"] for r in records] == [0, 2]  # at version 1, version-0 groups are too old
+    assert records[1]["group_ids"] == ["s1-g0", "s1-g1"]
+    assert trainer.metrics.registry.get_sample_value("rollwave_trainer_stale_dropped_total") == 2
+    assert buffer.r.xlen(Keys("stale").groups) == 0
+
+
+def _cli(config: Path, *extra: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("REDIS_URL", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "-c", str(config), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_cli_resume_and_hf_export(tiny_model_dir: Path, redis_url: str, tmp_path: Path, uninterrupted: dict) -> None:
+    _filled_buffer(redis_url, "cli")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": "cli", "dir": str(tmp_path)},
+                "model": {"path": str(tiny_model_dir), "init_if_missing": False},
+                "redis": {"url": redis_url},
+                "buffer": {"max_staleness": ETA},
+                "trainer": {**TRAINER, "total_steps": 2},
+            }
+        )
+    )
+    _cli(config)
+    _cli(config, "--resume", "trainer.total_steps=4")
+    lines = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert [r["loss"] for r in lines] == [r["loss"] for r in uninterrupted["records"]]
+    assert all(r["push_servers_ok"] == 0 and 0 <= r["idle_fraction"] <= 1 for r in lines)  # no servers here
+    client, keys = redis.Redis.from_url(redis_url), Keys("cli")
+    status = {k.decode(): v.decode() for k, v in client.hgetall(keys.trainer).items()}
+    assert (status["step"], status["version"]) == ("4", "4")
+    assert [json.loads(f[b"metrics"])["step"] for _, f in client.xrange(keys.steps)] == [1, 2, 3, 4]
+
+    out = tmp_path / "hf"
+    _cli(config, "--export-hf", str(out))
+    exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    for name, value in exported.named_parameters():
+        torch.testing.assert_close(value, uninterrupted["params"][name], rtol=0, atol=0)
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()

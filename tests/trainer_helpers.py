@@ -1,0 +1,46 @@
+"""Deterministic trajectory groups and process-group helpers shared by the trainer tests."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+
+from buffer.schema import Sample, TrajectoryGroup
+
+
+def synthetic_groups(
+    seed: int, n_groups: int, group_size: int = 4, vocab: int = 600, version: int = 0, run: str = "test"
+) -> list[TrajectoryGroup]:
+    """Random prompts and completions (ids in [3, vocab)), a tool-output span masked out of the loss,
+    behaviour logprobs near a tiny random model's (≈ -log vocab) and binary rewards."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(n_groups):
+        prompt_len = int(rng.integers(4, 10))
+        prompt = rng.integers(3, vocab, prompt_len)
+        samples = []
+        for i in range(group_size):
+            first, tool, second = (int(x) for x in rng.integers(2, 12, 3))
+            ids = np.concatenate([prompt, rng.integers(3, vocab, first + tool + second)])
+            mask = np.r_[np.zeros(prompt_len), np.ones(first), np.zeros(tool), np.ones(second)]
+            behav = np.where(mask > 0, -np.log(vocab) + rng.normal(0, 0.3, ids.size), 0.0)
+            samples.append(
+                Sample(
+                    sample_index=i,
+                    token_ids=ids,
+                    prompt_len=prompt_len,
+                    loss_mask=mask,
+                    behaviour_logprobs=behav,
+                    token_versions=np.where(mask > 0, version, -1),
+                    reward=float(rng.integers(0, 2)),
+                )
+            )
+        groups.append(TrajectoryGroup(run=run, job_id="job", task_id=f"s{seed}-g{g}", samples=samples))
+    return groups
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

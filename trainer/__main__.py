@@ -1,0 +1,124 @@
+"""``python -m trainer -c cfg.yaml [key=value ...] [--resume]``: one rank of the trainer pool.
+
+Under torchrun every process is one rank (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT); alone it is
+a pool of one. Rank 0 reads the run's Redis buffer (``REDIS_URL`` or ``redis.url``; with neither it
+starts the embedded server) and pushes each new version to the live rollout servers; all ranks train.
+``--export-hf OUT`` writes the latest checkpoint (or ``--checkpoint DIR``) as an HF model and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from pathlib import Path
+
+from buffer.keys import Keys
+from buffer.redis_server import connect
+from buffer.registry import ServerRegistry
+from buffer.replay import ReplayBuffer
+from buffer.staleness import StalenessControl
+from services.config import Config, ConfigError, load_config
+from services.metrics import serve_metrics
+from trainer.checkpoint import Checkpointer, export_hf
+from trainer.checkpoint_pusher import CheckpointPusher
+from trainer.metrics import RedisStatus
+from trainer.parallel import DistContext, close_distributed, init_distributed
+from trainer.worker import GroupSource, Trainer
+
+log = logging.getLogger("trainer")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer", description="One rank of the rollwave trainer pool.")
+    p.add_argument("-c", "--config", help="run config YAML")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-5")
+    p.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    p.add_argument("--export-hf", metavar="OUT", type=Path, help="export a checkpoint as an HF model, then exit")
+    p.add_argument("--checkpoint", type=Path, help="with --export-hf: this checkpoint instead of the latest")
+    return p
+
+
+def _ensure_model(cfg: Config) -> None:
+    if not cfg.model.path.exists():
+        if not cfg.model.init_if_missing:
+            raise FileNotFoundError(f"model.path: {cfg.model.path} does not exist and model.init_if_missing is off")
+        from services.tiny_model import build_tiny_model
+
+        build_tiny_model(cfg.model.path, seed=cfg.model.seed)
+
+
+def _connect(
+    cfg: Config, ctx: DistContext, stack: contextlib.ExitStack
+) -> tuple[GroupSource | None, CheckpointPusher, RedisStatus | None]:
+    """Rank 0: the replay buffer, a pusher to the live servers and the status sink for the API; other
+    ranks: a pusher that only takes part in the gathers."""
+    if not ctx.is_main:
+        pusher = CheckpointPusher(cfg.checkpoint, [])
+        stack.callback(pusher.close)
+        return None, pusher, None
+    client, server = connect(cfg.redis, cfg.run.path)
+    stack.callback(client.close)
+    if server is not None:
+        stack.callback(server.stop)
+    keys = Keys(cfg.run.name)
+    buffer = ReplayBuffer(client, keys, cfg.buffer, consumer="trainer")
+    buffer.ensure_group()
+    stack.callback(buffer.close)
+    staleness = StalenessControl(client, keys, cfg.buffer.max_staleness, cfg.trainer.groups_per_step)
+    registry = ServerRegistry(client, keys)
+
+    def servers() -> list[str]:
+        return [s.grpc_address for s in registry.live_servers() if s.grpc_address]
+
+    pusher = CheckpointPusher(cfg.checkpoint, servers, set_version=staleness.set_version)
+    stack.callback(pusher.close)
+    return buffer, pusher, RedisStatus(client, keys)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.export_hf is not None:
+        checkpoints = Checkpointer(cfg.run.path / "checkpoints", cfg.trainer.keep_checkpoints)
+        ckpt = args.checkpoint or checkpoints.latest()
+        if ckpt is None:
+            raise FileNotFoundError(f"no checkpoint under {cfg.run.path / 'checkpoints'}")
+        print(export_hf(ckpt, cfg.model.path, args.export_hf))
+        return 0
+    _ensure_model(cfg)
+    ctx = init_distributed(cfg.trainer.device)
+    with contextlib.ExitStack() as stack:
+        stack.callback(close_distributed)
+        source, pusher, status = _connect(cfg, ctx, stack)
+        trainer = Trainer(
+            cfg.trainer,
+            cfg.model.path,
+            cfg.run.path,
+            max_staleness=cfg.buffer.max_staleness,
+            temperature=cfg.rollout.temperature,
+            pusher=pusher,
+        ).start(resume=args.resume, ctx=ctx)
+        stack.callback(trainer.close)
+        if ctx.is_main and cfg.trainer.metrics_port:
+            stack.callback(serve_metrics(trainer.metrics.registry, port=cfg.trainer.metrics_port).shutdown)
+        log.info("rank %d/%d training from step %d", ctx.rank, ctx.world_size, trainer.step)
+        while not trainer.done:
+            groups, waited = trainer.next_batch(source)
+            record = trainer.train(groups, waited)
+            if status is not None:
+                status.publish(record, trainer.version)
+                log.info("step %d: loss %.4f reward %.3f", record["step"], record["loss"], record["reward_mean"])
+        if source is not None:
+            trainer.ack_checkpointed(source)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

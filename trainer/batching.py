@@ -1,0 +1,136 @@
+"""Trajectory groups -> padded tensors, rank shards and token-budget micro-batches.
+
+Tensors are right-padded. With causal attention no real position can attend to a pad that follows it,
+so the model needs no attention mask and its outputs at real positions do not depend on the padding.
+Per-token fields are aligned to the *predicted* token: column t of ``loss_mask``, ``behav_logprobs``,
+``token_versions`` and the advantages belongs to ``input_ids[:, t + 1]``, which the logits at position
+t predict; they have L - 1 columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from buffer.schema import TrajectoryGroup
+
+
+@dataclass
+class Batch:
+    """One step's samples, the contract between the collator and the train step.
+
+    ``input_ids`` [B, L]; ``loss_mask`` [B, L-1] bool; ``behav_logprobs`` [B, L-1] fp32;
+    ``token_versions`` [B, L-1] int (-1 off the mask); ``rewards`` [B] fp64; ``group_index`` [B]
+    (position of the sample's group in the step); ``lengths`` [B] real tokens per row.
+    """
+
+    input_ids: Tensor
+    loss_mask: Tensor
+    behav_logprobs: Tensor
+    token_versions: Tensor
+    rewards: Tensor
+    group_index: Tensor
+    lengths: Tensor
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, rows: list[int]) -> Batch:
+        """The given rows, trimmed to their longest sequence."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        length = int(self.lengths[idx].max()) if rows else 1
+        return Batch(
+            input_ids=self.input_ids[idx, :length],
+            loss_mask=self.loss_mask[idx, : length - 1],
+            behav_logprobs=self.behav_logprobs[idx, : length - 1],
+            token_versions=self.token_versions[idx, : length - 1],
+            rewards=self.rewards[idx],
+            group_index=self.group_index[idx],
+            lengths=self.lengths[idx],
+        )
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(**{k: v.to(device) for k, v in vars(self).items()})
+
+
+def collate(groups: list[TrajectoryGroup], pad_id: int = 0, vocab_size: int | None = None) -> Batch:
+    """Stack every sample of ``groups`` (in order) into one right-padded ``Batch``; token ids must lie
+    in [0, vocab_size)."""
+    samples = [(g, s) for g in groups for s in g.samples]
+    if not samples:
+        raise ValueError("collate: the step has no samples")
+    length = max(max(len(s.token_ids) for _, s in samples), 2)
+    b = len(samples)
+    ids = np.full((b, length), pad_id, dtype=np.int64)
+    mask = np.zeros((b, length), dtype=bool)
+    behav = np.zeros((b, length), dtype=np.float32)
+    versions = np.full((b, length), -1, dtype=np.int64)
+    group_pos = {g.group_id: i for i, g in enumerate(groups)}
+    for row, (group, s) in enumerate(samples):
+        where = f"group {group.group_id}.samples[{s.sample_index}]"
+        s.validate(where)
+        n = len(s.token_ids)
+        if n and (s.token_ids.min() < 0 or (vocab_size is not None and s.token_ids.max() >= vocab_size)):
+            bad = int(s.token_ids.max() if s.token_ids.min() >= 0 else s.token_ids.min())
+            raise ValueError(f"{where}.token_ids: id {bad} outside the model's vocabulary [0, {vocab_size})")
+        ids[row, :n] = s.token_ids
+        mask[row, :n] = s.loss_mask.astype(bool)
+        behav[row, :n] = s.behaviour_logprobs
+        versions[row, :n] = s.token_versions
+        if n and mask[row, 0]:
+            raise ValueError(f"{where}.loss_mask: the first token cannot be trained on (nothing predicts it)")
+    return Batch(
+        input_ids=torch.from_numpy(ids),
+        loss_mask=torch.from_numpy(mask[:, 1:].copy()),
+        behav_logprobs=torch.from_numpy(behav[:, 1:].copy()),
+        token_versions=torch.from_numpy(versions[:, 1:].copy()),
+        rewards=torch.tensor([s.reward for _, s in samples], dtype=torch.float64),
+        group_index=torch.tensor([group_pos[g.group_id] for g, _ in samples], dtype=torch.long),
+        lengths=torch.tensor([len(s.token_ids) for _, s in samples], dtype=torch.long),
+    )
+
+
+def shard_rows(rows: list[int], lengths: list[int], world_size: int) -> list[list[int]]:
+    """``rows`` per rank, balanced by tokens (longest first to the least loaded rank); each shard is
+    sorted by length so micro-batches waste little padding. Deterministic: every rank computes all."""
+    load = [0] * world_size
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
+        rank = min(range(world_size), key=lambda k: (load[k], k))
+        shards[rank].append(row)
+        load[rank] += lengths[row]
+    return [sorted(s, key=lambda r: (lengths[r], r)) for s in shards]
+
+
+def plan_micro_batches(rows: list[int], lengths: list[int], budget_tokens: int) -> list[list[int]]:
+    """Greedy, in order: a micro-batch grows while rows × longest row ≤ ``budget_tokens``.
+
+    A row longer than the budget gets a micro-batch of its own (it is never split).
+    """
+    plan: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for row in rows:
+        grown = max(longest, lengths[row])
+        if current and grown * (len(current) + 1) > budget_tokens:
+            plan.append(current)
+            current, grown = [], lengths[row]
+        current.append(row)
+        longest = grown
+    if current:
+        plan.append(current)
+    return plan
+
+
+def rank_plan(rows: list[int], lengths: list[int], world_size: int, rank: int, budget: int) -> list[list]:
+    """This rank's micro-batches of ``rows``, padded with empty ones to the largest count of any rank.
+
+    Every FSDP forward and backward is a collective, so all ranks must run the same number of them;
+    an empty micro-batch runs on a dummy input with zero loss.
+    """
+    plans = [plan_micro_batches(shard, lengths, budget) for shard in shard_rows(rows, lengths, world_size)]
+    count = max(len(p) for p in plans)
+    return plans[rank] + [[] for _ in range(count - len(plans[rank]))]

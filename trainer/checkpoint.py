@@ -1,0 +1,125 @@
+"""Trainer checkpoints (torch.distributed.checkpoint) and HF export.
+
+A checkpoint is a directory ``<run>/checkpoints/step_<n>``: the sharded model and optimizer state as
+written by DCP (every rank writes its shards; the directory must be on storage all ranks share), plus
+``trainer_state.json`` (step, policy version, LR scheduler, the caller's buffer position), written last
+by rank 0. It is staged under a hidden name and renamed into place, so a listed checkpoint is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+STATE_FILE = "trainer_state.json"
+_PREFIX = "step_"
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class Checkpointer:
+    """Saves, finds, loads and prunes the checkpoints of one run directory; every rank calls each method."""
+
+    def __init__(self, root: Path, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"trainer.keep_checkpoints: {keep} must be >= 1")
+        self.root = Path(root)
+        self.keep = keep
+
+    def list(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if p.name.startswith(_PREFIX) and (p / STATE_FILE).is_file()]
+        return sorted(found, key=lambda p: int(p.name.removeprefix(_PREFIX)))
+
+    def latest(self) -> Path | None:
+        found = self.list()
+        return found[-1] if found else None
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        state: dict[str, Any],
+    ) -> Path:
+        """Write checkpoint ``step`` (``state`` must be JSON-serialisable) and prune beyond ``keep``."""
+        final = self.root / f"{_PREFIX}{step:08d}"
+        staging = self.root / f".{final.name}.partial"
+        if _is_main():
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        _barrier()
+        shards = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        dcp.save(shards, checkpoint_id=str(staging))
+        _barrier()
+        if _is_main():
+            record = {"step": step, "scheduler": scheduler.state_dict(), **state}
+            (staging / STATE_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+            for old in self.list()[: -self.keep]:
+                shutil.rmtree(old)
+        _barrier()
+        return final
+
+    def load(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ) -> dict[str, Any]:
+        """Restore model, optimizer and scheduler in place; return the saved trainer state."""
+        path = Path(path)
+        state_file = path / STATE_FILE
+        if not state_file.is_file():
+            raise FileNotFoundError(f"{path}: not a complete checkpoint ({STATE_FILE} missing)")
+        record = json.loads(state_file.read_text())
+        shards = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(shards, checkpoint_id=str(path))
+        set_model_state_dict(model, shards["model"])
+        set_optimizer_state_dict(model, optimizer, shards["optim"])
+        scheduler.load_state_dict(record.pop("scheduler"))
+        return record
+
+
+def export_hf(checkpoint: Path, base_model: Path, out_dir: Path) -> Path:
+    """Write checkpoint ``checkpoint`` as an HF model directory (``save_pretrained``) with the tokenizer of
+    ``base_model`` (whose config gives the architecture). One process, no process group needed."""
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if not (checkpoint / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{checkpoint}: not a complete checkpoint ({STATE_FILE} missing)")
+    config = AutoConfig.from_pretrained(base_model, local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    weights = {"model": model.state_dict()}
+    dcp.load(weights, checkpoint_id=str(checkpoint), no_dist=True)
+    model.load_state_dict(weights["model"])
+    if (Path(base_model) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(base_model, local_files_only=True)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(base_model, local_files_only=True).save_pretrained(out_dir)
+    return out_dir

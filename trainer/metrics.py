@@ -1,0 +1,121 @@
+"""Trainer metrics: Prometheus series in a registry this object owns, ``metrics.jsonl`` in the run dir,
+and the run's Redis status (``rw:<run>:trainer`` hash, ``rw:<run>:steps`` stream) that the API reads.
+
+Only rank 0 records (the step's figures are already reduced over ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from buffer.keys import Keys
+
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+_GAUGES = {
+    "reward_mean": "mean reward of the last step's samples",
+    "reward_std": "standard deviation of the last step's rewards",
+    "is_ratio_mean": "mean behaviour IS weight pi_prox/pi_behav over the last step's trained tokens",
+    "is_ratio_max": "largest behaviour IS weight of the last step",
+    "clip_fraction": "fraction of trained tokens where the PPO clip was active",
+    "masked_token_fraction": "fraction of trained tokens masked by icepop's IS window",
+    "kl": "mean k-estimate of KL(pi_theta || pi_ref) per token (0 without a reference model)",
+    "entropy": "mean policy entropy per trained token",
+    "logprob_gap": "mean |log pi_behav - log pi_prox| per trained token",
+    "tokens_per_second": "tokens (prompt + generated) trained per second of the last step",
+}
+_FROM_STEP = {"masked_token_fraction": "masked_fraction", "tokens_per_second": "tokens_per_s"}
+
+
+class TrainerMetrics:
+    """``rollwave_trainer_*`` series; serve ``.registry`` with ``services.metrics.serve_metrics``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.step_duration = Histogram(
+            "rollwave_trainer_step_duration_seconds",
+            "train step wall time (excludes waiting for data)",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.idle = Counter("rollwave_trainer_idle_seconds_total", "time spent waiting for data", registry=r)
+        self.step = Gauge("rollwave_trainer_step", "train steps completed", registry=r)
+        self.version = Gauge("rollwave_trainer_policy_version", "policy version of the weights", registry=r)
+        self.staleness = Histogram(
+            "rollwave_trainer_staleness",
+            "policy version lag of trained samples (versions)",
+            buckets=STALENESS_BUCKETS,
+            registry=r,
+        )
+        self.stale_dropped = Counter(
+            "rollwave_trainer_stale_dropped_total", "groups older than version - max_staleness", registry=r
+        )
+        self.gauges = {n: Gauge(f"rollwave_trainer_{n}", doc, registry=r) for n, doc in _GAUGES.items()}
+
+    def observe_step(self, record: dict[str, Any]) -> None:
+        """Update every series but the policy version (set when a version is made) from one step's record."""
+        self.step_duration.observe(record["step_time_s"])
+        self.idle.inc(record["wait_s"])
+        self.step.set(record["step"])
+        self.stale_dropped.inc(record["stale_dropped"])
+        for lag, count in record["staleness_hist"].items():
+            for _ in range(count):
+                self.staleness.observe(int(lag))
+        for name, gauge in self.gauges.items():
+            value = record[_FROM_STEP.get(name, name)]
+            if math.isfinite(value):
+                gauge.set(value)
+
+
+class MetricsLog:
+    """Appends one JSON object per step to ``<run dir>/metrics.jsonl`` (line-buffered; survives a crash)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._file: IO[str] | None = None
+
+    def start(self) -> MetricsLog:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1)
+        return self
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            raise RuntimeError(f"{self.path}: MetricsLog.write before start()")
+        self._file.write(json.dumps(record, sort_keys=True, allow_nan=True) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class RedisStatus:
+    """Publishes each step to Redis for the API: the ``trainer`` hash (step, version, reward, heartbeat)
+    and one ``steps`` stream entry (the record as JSON under ``metrics``, capped at ``max_steps``)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, max_steps: int = 10_000) -> None:
+        self.r = client
+        self.keys = keys
+        self.max_steps = max_steps
+
+    def publish(self, record: dict[str, Any], version: int) -> None:
+        status = {
+            "step": record["step"],
+            "version": version,
+            "reward_mean": record["reward_mean"],
+            "loss": record["loss"],
+            "tokens_per_s": record["tokens_per_s"],
+            "heartbeat": time.time(),
+        }
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(self.keys.trainer, mapping=status)
+        pipe.xadd(self.keys.steps, {"metrics": json.dumps(record)}, maxlen=self.max_steps, approximate=True)
+        pipe.execute()

@@ -1,0 +1,174 @@
+"""Distributed wiring: process group, FSDP2 model, optimizer and LR schedule, full-parameter streaming.
+
+One process per rank (torchrun or the Ray launcher sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT);
+gloo and fp32 on CPU, NCCL and bf16 compute (fp32 master weights and gradient reduction) on GPU.
+FSDP2 ``fully_shard`` wraps each decoder layer, then the root (embeddings, final norm, LM head).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from services.config import TrainerConfig
+
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+@dataclass
+class DistContext:
+    """This process's place in the trainer pool."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(choice: str) -> torch.device:
+    """``auto`` picks CUDA when present; ``cuda`` without a GPU is an error, not a silent fallback."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("trainer.device: cuda requested but torch sees no GPU")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(device: str = "auto") -> DistContext:
+    """Join (or create) the process group from torchrun's environment.
+
+    A lone process without RANK/WORLD_SIZE becomes a 1-rank group on a free loopback port, so
+    ``python -m trainer`` runs without torchrun. An existing group (tests with ``mp.spawn``) is reused.
+    """
+    dev = resolve_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+            if missing:
+                raise ValueError(f"RANK/WORLD_SIZE are set but {', '.join(missing)} is not")
+            dist.init_process_group(backend, init_method="env://")
+        else:
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            dist.init_process_group(backend, init_method=init, rank=0, world_size=1)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    world = dist.get_world_size()
+    return DistContext(dist.get_rank(), world, dev, init_device_mesh(dev.type, (world,)))
+
+
+def close_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of an HF causal LM (``model.model.layers`` for Qwen2/Llama)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no decoder layers found (expected get_decoder().layers)")
+    return layers
+
+
+def load_model(path: Path | str, ctx: DistContext) -> PreTrainedModel:
+    """Load an HF causal LM in fp32 on every rank and shard it with FSDP2 (each layer, then the root).
+
+    Dropout is switched off (``eval()``): the training forward must compute the same function as the
+    proximal-logprob forward. Each rank reads the full checkpoint once before sharding; fine up to a
+    few billion parameters per host.
+    """
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model path {path}: not a directory (an HF model directory is expected)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    model.to(ctx.device)
+    model.eval()
+    return shard_model(model, ctx)
+
+
+def shard_model(model: PreTrainedModel, ctx: DistContext) -> PreTrainedModel:
+    if ctx.device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=ctx.mesh, mp_policy=mp)
+    fully_shard(model, mesh=ctx.mesh, mp_policy=mp)
+    return model
+
+
+def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, cfg: TrainerConfig) -> float:
+    """Multiplier of ``cfg.lr`` at optimizer step ``step`` (0-based): linear warmup over ``warmup_steps``
+    (step s uses (s+1)/warmup), then constant or a cosine decay that reaches 0 at ``total_steps``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainerConfig) -> LambdaLR:
+    def factor(step: int) -> float:
+        return lr_factor(step, cfg)
+
+    return LambdaLR(optimizer, factor)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm (over all shards) and return it before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def hf_name(name: str) -> str:
+    """A parameter name as HF checkpoints spell it (wrapper parts such as ``_orig_mod.`` removed)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Yield ``(hf_name, full tensor)`` one parameter at a time; every rank must iterate in step.
+
+    Each FSDP2 shard is all-gathered (``DTensor.full_tensor()``, a collective) and the full tensor is
+    kept on rank 0 only (other ranks get None), so rank 0 never holds the whole model twice. Tied
+    parameters (e.g. ``lm_head.weight`` = ``model.embed_tokens.weight``) are yielded once.
+    """
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        yield hf_name(name), (full.detach() if is_main else None)
+        del full

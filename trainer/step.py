@@ -1,0 +1,230 @@
+"""The train step: one batch of trajectory groups -> one policy update (or ``ppo_minibatches`` of them).
+
+Every rank calls it with the same groups. The step collates them, computes advantages over the whole
+batch, shards rows across ranks and runs token-budget micro-batches with gradient accumulation.
+
+Proximal logprobs (π_prox = the weights at the start of the step): with one optimizer update per step
+(``ppo_minibatches=1``, the default) every micro-batch's forward runs with exactly those weights, so
+π_prox is that forward's own logprobs with the gradient stopped, bit for bit what a separate no-grad
+pass would give (tests/test_trainer_fsdp.py checks it); with several updates the step first recomputes
+them in a no-grad pass, since later minibatches see updated weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from buffer.schema import TrajectoryGroup
+from services.config import TrainerConfig
+from trainer import losses
+from trainer.advantages import compute_advantages
+from trainer.batching import Batch, collate, rank_plan
+from trainer.parallel import DistContext, clip_grad_norm
+
+log = logging.getLogger(__name__)
+
+_MEAN_KEYS = ("is_ratio_mean", "clip_fraction", "masked_fraction", "logprob_gap", "entropy", "kl")
+_SUM_KEYS = ("loss", "pg_loss")
+
+
+class _Accumulator:
+    """Step statistics over micro-batches and ranks: token-weighted means, sums and a max."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sums = torch.zeros(len(_MEAN_KEYS) + len(_SUM_KEYS) + 1, dtype=torch.float64, device=device)
+        self.max = torch.zeros(1, dtype=torch.float64, device=device)
+
+    def add(self, tokens: int, means: dict[str, Tensor], sums: dict[str, Tensor], is_max: Tensor) -> None:
+        values = [means[k].double() * tokens for k in _MEAN_KEYS] + [sums[k].double() for k in _SUM_KEYS]
+        count = torch.tensor(float(tokens), dtype=torch.float64, device=self.device)
+        self.sums += torch.stack([*values, count])
+        self.max = torch.maximum(self.max, is_max.double().reshape(1))
+
+    def reduce(self, updates: int) -> dict[str, float]:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(self.sums, op=dist.ReduceOp.SUM)
+            dist.all_reduce(self.max, op=dist.ReduceOp.MAX)
+        sums = self.sums.tolist()
+        tokens = max(sums[-1], 1.0)
+        out = {k: sums[i] / tokens for i, k in enumerate(_MEAN_KEYS)}
+        out.update({k: sums[len(_MEAN_KEYS) + i] / updates for i, k in enumerate(_SUM_KEYS)})
+        out["is_ratio_max"] = float(self.max.item())
+        return out
+
+
+def batch_stats(groups: list[TrajectoryGroup], batch: Batch, policy_version: int) -> dict[str, Any]:
+    """Reward, size and staleness figures of a batch (identical on every rank, no collectives).
+
+    A sample's staleness is ``policy_version`` minus the oldest version among its generated tokens.
+    """
+    rewards = batch.rewards
+    lags = [policy_version - v for g in groups for s in g.samples if (v := s.oldest_version()) is not None]
+    hist = Counter(lags)
+    return {
+        "groups": len(groups),
+        "samples": len(batch),
+        "tokens": int(batch.lengths.sum()),
+        "loss_tokens": int(batch.loss_mask.sum()),
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)),
+        "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
+        "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+        "staleness_max": max(lags, default=0),
+    }
+
+
+class TrainStep:
+    """Owns nothing but references: the FSDP model, optimizer and scheduler belong to the Trainer."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        cfg: TrainerConfig,
+        ctx: DistContext,
+        *,
+        temperature: float = 1.0,
+        ref_model: nn.Module | None = None,
+        pad_id: int = 0,
+    ) -> None:
+        if temperature <= 0:
+            raise ValueError(f"temperature: {temperature} must be > 0 (greedy decoding has no logprobs)")
+        if cfg.kl_coef > 0 and ref_model is None:
+            raise ValueError("trainer.kl_coef > 0 needs a reference model")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.cfg, self.ctx = cfg, ctx
+        self.temperature, self.ref_model, self.pad_id = temperature, ref_model, pad_id
+        self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
+        self.loss_fn = losses.POLICY_LOSSES[cfg.loss]
+        self.loss_kwargs: dict[str, Any] = {"clip_eps": cfg.clip_eps, "clip_eps_high": cfg.clip_eps_high}
+        if cfg.loss in ("decoupled_ppo", "tis"):
+            self.loss_kwargs["is_cap"] = cfg.is_cap
+        if cfg.loss == "icepop":
+            self.loss_kwargs.update(is_low=cfg.is_low, is_high=cfg.is_high)
+
+    def __call__(self, groups: list[TrajectoryGroup], policy_version: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        batch = collate(groups, self.pad_id, self.vocab_size)
+        cfg = self.cfg
+        adv = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, cfg.advantage, cfg.std_norm)
+        updates = cfg.ppo_minibatches
+        if updates > len(batch):
+            raise ValueError(f"trainer.ppo_minibatches: {updates} exceeds the step's {len(batch)} samples")
+        prox = self.proximal_logprobs(batch) if updates > 1 else None
+        acc = _Accumulator(self.ctx.device)
+        lr = self.scheduler.get_last_lr()[0]
+        norms = [self._update(batch, adv, rows, prox, acc) for rows in _split(len(batch), updates)]
+        self.scheduler.step()
+        out = batch_stats(groups, batch, policy_version) | acc.reduce(updates)
+        elapsed = time.perf_counter() - start
+        out.update(lr=lr, grad_norm=max(norms), step_time_s=elapsed, tokens_per_s=out["tokens"] / elapsed)
+        out["skipped_updates"] = sum(not math.isfinite(n) for n in norms)
+        return out
+
+    def _forward_logprobs(self, model: nn.Module, mb: Batch) -> tuple[Tensor, Tensor]:
+        """(logprobs [b, l-1] fp32, logits [b, l-1, V] scaled by 1/temperature) of the micro-batch."""
+        logits = model(input_ids=mb.input_ids).logits[:, :-1].float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return losses.logprobs_from_logits(logits, mb.input_ids[:, 1:]), logits
+
+    @torch.no_grad()
+    def proximal_logprobs(self, batch: Batch) -> Tensor:
+        """log π_prox [B, L-1] of this rank's rows (0 elsewhere): a no-grad pass with the current weights."""
+        prox = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.ctx.device)
+        lengths = batch.lengths.tolist()
+        for rows in self._plan(list(range(len(batch))), lengths):
+            mb = self._micro_batch(batch, rows)
+            logp, _ = self._forward_logprobs(self.model, mb)
+            if rows:
+                prox[rows, : logp.shape[1]] = logp
+        return prox
+
+    def _plan(self, rows: list[int], lengths: list[int]) -> list[list[int]]:
+        return rank_plan(rows, lengths, self.ctx.world_size, self.ctx.rank, self.cfg.micro_batch_tokens)
+
+    def _micro_batch(self, batch: Batch, rows: list[int]) -> Batch:
+        """The rows on this rank's device; an empty list gives a 2-token dummy (zero loss, see rank_plan)."""
+        if not rows:
+            dummy = batch.select([0])
+            return Batch(**{**vars(dummy), "input_ids": dummy.input_ids[:, :2]}).to(self.ctx.device)
+        return batch.select(rows).to(self.ctx.device)
+
+    def _update(self, batch: Batch, adv: Tensor, rows: list[int], prox: Tensor | None, acc: _Accumulator) -> float:
+        """Accumulate gradients over this rank's micro-batches of ``rows``, then one optimizer step."""
+        cfg = self.cfg
+        mask_rows = batch.loss_mask[rows]
+        denom = losses.agg_denominator(mask_rows, cfg.loss_agg)
+        plan = self._plan(rows, batch.lengths.tolist())
+        for i, mb_rows in enumerate(plan):
+            self.model.set_requires_gradient_sync(i == len(plan) - 1)
+            mb = self._micro_batch(batch, mb_rows)
+            ref_logp = None
+            if self.ref_model is not None:  # a collective too: run it on dummy micro-batches as well
+                with torch.no_grad():
+                    ref_logp, _ = self._forward_logprobs(self.ref_model, mb)
+            logp, logits = self._forward_logprobs(self.model, mb)
+            if not mb_rows:
+                (logits.sum() * 0.0).backward()
+                continue
+            width = logp.shape[1]
+            mb_adv = adv[mb_rows, :width].to(self.ctx.device)
+            mb_prox = logp.detach() if prox is None else prox[mb_rows, :width]
+            total = self._loss(logp, logits, mb, mb_adv, mb_prox, ref_logp, denom, acc)
+            (total * self.ctx.world_size).backward()  # FSDP averages gradients over ranks; we want the sum
+        norm = clip_grad_norm(self.model, cfg.grad_clip)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:
+            log.warning("gradient norm is %s: update skipped", norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def _loss(
+        self,
+        logp: Tensor,
+        logits: Tensor,
+        mb: Batch,
+        adv: Tensor,
+        prox: Tensor,
+        ref_logp: Tensor | None,
+        denom: int,
+        acc: _Accumulator,
+    ) -> Tensor:
+        """Policy loss + KL penalty - entropy bonus of one micro-batch, all over the step's denominator."""
+        cfg, mask = self.cfg, mb.loss_mask
+        kwargs = {"loss_agg": cfg.loss_agg, "denominator": denom, **self.loss_kwargs}
+        pg, metrics = self.loss_fn(logp, prox, mb.behav_logprobs, adv, mask, **kwargs)
+        total = pg
+        if cfg.entropy_coef > 0:
+            entropy = losses.entropy_from_logits(logits)
+            total = total - cfg.entropy_coef * losses.aggregate(entropy, mask, cfg.loss_agg, denom)
+        else:
+            with torch.no_grad():
+                entropy = losses.entropy_from_logits(logits)
+        kl = torch.zeros_like(logp)
+        if ref_logp is not None:
+            kl = losses.kl_penalty(logp, ref_logp, cfg.kl_estimator)
+            total = total + cfg.kl_coef * losses.aggregate(kl, mask, cfg.loss_agg, denom)
+        tokens = int(mask.sum())
+        means = {k: metrics[k] for k in ("is_ratio_mean", "clip_fraction", "masked_fraction", "logprob_gap")}
+        means["entropy"] = losses.aggregate(entropy.detach(), mask, "token-mean")
+        means["kl"] = losses.aggregate(kl.detach(), mask, "token-mean")
+        acc.add(tokens, means, {"loss": total.detach(), "pg_loss": pg.detach()}, metrics["is_ratio_max"])
+        return total
+
+
+def _split(n: int, parts: int) -> list[list[int]]:
+    """Rows 0..n-1 in ``parts`` contiguous, near-equal minibatches."""
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(parts)]

@@ -1,0 +1,213 @@
+"""One rank of the trainer pool: takes batches, trains, records metrics, pushes versions, checkpoints.
+
+Rank 0 alone talks to the buffer; it shares each batch with the other ranks. A batch's stream entries
+are acked only after a checkpoint that covers the step which used them, so a crash never loses a group:
+its entries stay pending and come back first (``ReplayBuffer.take`` reclaims this consumer's own pending
+entries). The checkpoint records those entries, and a resumed trainer acks them again before reading,
+so a group trained before the checkpoint is not trained twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry
+from torch import nn
+
+from buffer.schema import TrajectoryGroup
+from buffer.staleness import is_stale
+from services.config import TrainerConfig
+from trainer.checkpoint import Checkpointer
+from trainer.checkpoint_pusher import PushReport
+from trainer.metrics import MetricsLog, TrainerMetrics
+from trainer.parallel import DistContext, build_optimizer, build_scheduler, init_distributed, load_model
+from trainer.step import TrainStep
+
+log = logging.getLogger(__name__)
+
+
+class GroupSource(Protocol):
+    """The trainer side of the replay buffer (``buffer.replay.ReplayBuffer``)."""
+
+    def take(self, max_groups: int, timeout_s: float) -> list[tuple[str, TrajectoryGroup]]: ...
+
+    def ack(self, entry_ids: Sequence[str], group_ids: Sequence[str], stale_group_ids: Sequence[str] = ()) -> int: ...
+
+
+class Pusher(Protocol):
+    """Streams a new policy version to the rollout servers (``trainer.checkpoint_pusher.CheckpointPusher``);
+    every rank calls it (gathering full parameters is a collective); rank 0 gets the report."""
+
+    def push_model(self, model: nn.Module, version: int) -> PushReport | None: ...
+
+
+class Trainer:
+    """Owns the model, optimizer, scheduler, checkpoints and metrics of this rank."""
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        model_path: Path,
+        run_dir: Path,
+        *,
+        max_staleness: int | None = None,
+        temperature: float = 1.0,
+        pusher: Pusher | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.model_path = Path(model_path)
+        self.run_dir = Path(run_dir)
+        self.max_staleness = max_staleness
+        self.temperature = temperature
+        self.pusher = pusher
+        self.metrics = TrainerMetrics(registry)
+        self.step = 0
+        self.version = 0
+        self._unacked: list[tuple[str, str]] = []  # (entry id, group id) trained since the last checkpoint
+        self._covered: list[tuple[str, str]] = []  # in a checkpoint, not yet acked
+        self._partial: list[tuple[str, TrajectoryGroup]] = []  # read, waiting for the rest of the batch
+        self._stale_dropped = 0
+        self._log: MetricsLog | None = None
+
+    def start(self, resume: bool = False, ctx: DistContext | None = None) -> Trainer:
+        """Join the process group, load and shard the model, and restore the latest checkpoint if asked."""
+        self.ctx = ctx or init_distributed(self.cfg.device)
+        self.model = load_model(self.model_path, self.ctx)
+        ref = None
+        if self.cfg.kl_coef > 0:
+            ref = load_model(self.model_path, self.ctx).requires_grad_(False)
+        self.optimizer = build_optimizer(self.model, self.cfg)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg)
+        pad_id = getattr(self.model.config, "pad_token_id", None) or 0
+        self.train_step = TrainStep(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.cfg,
+            self.ctx,
+            temperature=self.temperature,
+            ref_model=ref,
+            pad_id=pad_id,
+        )
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", self.cfg.keep_checkpoints)
+        if resume:
+            self.restore()
+        elif self.checkpointer.latest() is not None:
+            log.warning("%s holds checkpoints but resume is off: starting over", self.checkpointer.root)
+        if self.ctx.is_main:
+            self._log = MetricsLog(self.run_dir / "metrics.jsonl").start()
+            self.metrics.step.set(self.step)
+            self.metrics.version.set(self.version)
+        return self
+
+    def restore(self, path: Path | None = None) -> bool:
+        """Load ``path`` (default: the latest checkpoint); False when there is none to load."""
+        path = path or self.checkpointer.latest()
+        if path is None:
+            log.warning("resume: no checkpoint in %s; starting from %s", self.checkpointer.root, self.model_path)
+            return False
+        state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)
+        self.step, self.version = state["step"], state["policy_version"]
+        self._covered = [(e, g) for e, g in state["buffer"]["unacked"]]
+        self._unacked = []
+        log.info("resumed from %s at step %d, policy version %d", path, self.step, self.version)
+        return True
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.cfg.total_steps
+
+    def next_batch(self, source: GroupSource | None) -> tuple[list[TrajectoryGroup], float]:
+        """(groups of the next step, seconds waited for them), on every rank.
+
+        Rank 0 reads ``source`` (ignored elsewhere) and drops stale groups. After every read, full batch
+        or not, it broadcasts, so the other ranks never sit in one collective longer than a read
+        (``take_timeout_s``) however long the buffer stays empty (NCCL would time out).
+        """
+        if self.ctx.is_main and source is None:
+            raise ValueError("rank 0 needs a GroupSource to read batches from")
+        start = time.perf_counter()
+        while True:
+            payload: list[Any] = [self._read(source) if self.ctx.is_main else None]
+            if self.ctx.world_size > 1:
+                dist.broadcast_object_list(payload, src=0)
+            if payload[0] is not None:
+                return payload[0], time.perf_counter() - start
+
+    def _read(self, source: GroupSource) -> list[TrajectoryGroup] | None:
+        """One buffer read into the pending batch; the batch once it holds ``groups_per_step`` groups."""
+        self.ack_checkpointed(source)
+        want = self.cfg.groups_per_step
+        items = source.take(want - len(self._partial), self.cfg.take_timeout_s)
+        stale = [(e, g.group_id) for e, g in items if self._is_stale(g)]
+        if stale:
+            ids = [g for _, g in stale]
+            source.ack([e for e, _ in stale], ids, stale_group_ids=ids)
+            self._stale_dropped += len(stale)
+        self._partial += [(e, g) for e, g in items if (e, g.group_id) not in stale]
+        if len(self._partial) < want:
+            return None
+        batch, self._partial = self._partial, []
+        self._unacked += [(e, g.group_id) for e, g in batch]
+        return [g for _, g in batch]
+
+    def _is_stale(self, group: TrajectoryGroup) -> bool:
+        return self.max_staleness is not None and is_stale(group, self.version, self.max_staleness)
+
+    def train(self, groups: list[TrajectoryGroup], wait_s: float = 0.0) -> dict[str, Any]:
+        """One step on ``groups`` (every rank, same groups); then push, record and checkpoint as due."""
+        record = self.train_step(groups, self.version)
+        record.update(step=self.step + 1, policy_version=self.version, wait_s=wait_s)
+        record.update(idle_fraction=wait_s / (wait_s + record["step_time_s"]), stale_dropped=self._stale_dropped)
+        record["group_ids"] = [g.group_id for g in groups]
+        self._stale_dropped = 0
+        self.step += 1
+        if self.step % self.cfg.push_every == 0:
+            self.version += 1
+            record.update(self._push())
+        if self.ctx.is_main:
+            self.metrics.observe_step(record)
+            self.metrics.version.set(self.version)
+            assert self._log is not None
+            self._log.write(record)
+        if self.step % self.cfg.checkpoint_every == 0 or self.done:
+            self.save_checkpoint()
+        return record
+
+    def _push(self) -> dict[str, Any]:
+        """Push the new version (every rank); rank 0's figures for the step's record."""
+        if self.pusher is None:
+            return {}
+        report = self.pusher.push_model(self.model, self.version)
+        if report is None:
+            return {}
+        return {
+            "push_s": report.seconds,
+            "push_servers_ok": sum(s.ok for s in report.servers),
+            "push_pause_ms": [s.pause_seconds * 1000 for s in report.servers if s.ok],
+        }
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint every rank's state; the entries trained so far become ready to ack."""
+        state = {"policy_version": self.version, "buffer": {"unacked": self._unacked}}
+        path = self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, state)
+        self._covered += self._unacked
+        self._unacked = []
+        return path
+
+    def ack_checkpointed(self, source: GroupSource) -> None:
+        """Ack the entries of groups a checkpoint covers (rank 0; idempotent)."""
+        if self._covered:
+            source.ack([e for e, _ in self._covered], [g for _, g in self._covered])
+            self._covered = []

@@ -61,7 +61,7 @@ class EngineConfig(Section):
 
 
 class RolloutConfig(Section):
-    mode: Literal["async", "sync"] = "async"
+    mode: Literal["async", "sync"] = Field("async", description="sync: generate a batch, train, push (sets eta=0)")
     n_samples: int = Field(8, ge=1, description="samples per task (the group size)")
     max_turns: int = Field(4, ge=1)
     max_new_tokens: int = Field(64, ge=1, description="per assistant turn")
@@ -152,6 +152,14 @@ class Config(Section):
     trainer: TrainerConfig = TrainerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     api: ApiConfig = ApiConfig()
+
+    @model_validator(mode="after")
+    def _sync_mode(self) -> Config:
+        """``rollout.mode=sync`` is the async machinery with eta = 0: a batch is generated only for the
+        current version, so generation waits for each push and training waits for each batch."""
+        if self.rollout.mode == "sync" and self.buffer.max_staleness != 0:
+            self.buffer.max_staleness = 0
+        return self
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:

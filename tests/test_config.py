@@ -58,3 +58,8 @@ def test_cli_config_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "lr: 2.0e-05" in out
     assert main(["config", "check", "-c", str(ROOT / "configs/demo.yaml"), "api.port=http"]) == 2
     assert "api.port" in capsys.readouterr().err
+
+
+def test_sync_mode_is_async_with_zero_staleness() -> None:
+    assert load_config(None, ["rollout.mode=sync", "buffer.max_staleness=3"]).buffer.max_staleness == 0
+    assert load_config(None, ["buffer.max_staleness=3"]).buffer.max_staleness == 3

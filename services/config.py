@@ -119,6 +119,7 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = Field(0, ge=0, description="torch intra-op threads per rank (0: torch's default)")
     metrics_port: int = Field(0, ge=0, le=65535)
 
     @model_validator(mode="after")

@@ -14,6 +14,8 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
+
 from buffer.keys import Keys
 from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         print(export_hf(ckpt, cfg.model.path, args.export_hf))
         return 0
     _ensure_model(cfg)
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
     ctx = init_distributed(cfg.trainer.device)
     with contextlib.ExitStack() as stack:
         stack.callback(close_distributed)

@@ -1,0 +1,94 @@
+"""Async against sync, end to end, in one run: the same workload and the same number of trainer steps.
+
+Both modes run the real pipeline as processes (embedded Redis, one rollout server with the embedded
+engine and its checkpoint receiver, one trainer pushing a version every step); ``rollout.mode=sync``
+differs only in the schedule (eta = 0: a batch is generated for the current version only). The model
+is the tiny one after a short SFT warm start, so episodes are multi-turn with real tool calls.
+
+Prints per mode: trajectories/s, trainer idle fraction (time waiting for data / wall), rollout idle
+fraction (time with no group in flight or paused for a weight swap / wall). Last line:
+``async_vs_sync ratio <trajectories/s async / trajectories/s sync>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from buffer.keys import Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.registry import ServerRegistry
+from buffer.task_queue import TaskQueue
+from services.config import dump_config, load_config
+from services.jobs import JobSpec, TaskSource
+from services.launcher import LocalStack, components
+from services.tasks import load_tasks
+from services.tiny_model import build_tiny_model
+from trainer.sft import warm_start
+
+
+def run_mode(mode: str, model: Path, root: Path, steps: int, overrides: list[str]) -> dict[str, float]:
+    cfg = load_config(None, [
+        f"run.name=e2e-{mode}", f"run.dir={root}", f"model.path={model}", f"rollout.mode={mode}",
+        f"trainer.total_steps={steps}", "trainer.checkpoint_every=1000", "engine.threads=1",
+        "trainer.threads=1", *overrides,
+    ])
+    run_dir = cfg.run.path
+    run_dir.mkdir(parents=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(dump_config(cfg))
+    spec = JobSpec(source=TaskSource(kind="arith", split="train", limit=steps * cfg.trainer.groups_per_step * 3, seed=7))
+    tasks = spec.source.load()
+    with EmbeddedRedis(run_dir / "redis", aof=False) as server:
+        client = redis.Redis.from_url(server.url)
+        keys = Keys(cfg.run.name)
+        queue = TaskQueue(client, keys, cfg.buffer)
+        queue.ensure_groups()
+        specs = components(cfg, config_path, server.url, api=False, trainer_args=())
+        with LocalStack(specs, run_dir / "logs") as stack:
+            registry = ServerRegistry(client, keys)
+            while not registry.live_servers():
+                time.sleep(0.2)
+            started = time.monotonic()
+            queue.submit("bench", [t.model_dump() for t in tasks], "train", spec.model_dump_json())
+            while not stack.finished("trainer-0"):
+                time.sleep(0.2)
+            wall = time.monotonic() - started
+            stats = [s.stats for s in registry.live_servers()]
+        records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    trajectories = sum(r["samples"] for r in records)
+    idle = sum(r["wait_s"] for r in records)
+    rollout_busy = sum(s.get("busy_s", 0.0) - s.get("paused_s", 0.0) for s in stats)
+    return {
+        "trajectories_per_s": trajectories / wall,
+        "trainer_idle_fraction": idle / wall,
+        "rollout_idle_fraction": max(0.0, 1.0 - rollout_busy / wall),
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--sft-steps", type=int, default=250)
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="rollwave-e2e-") as tmp:
+        root = Path(tmp)
+        base = build_tiny_model(root / "base")
+        model = warm_start(base, root / "sft", load_tasks("arith", split="train", limit=2000, seed=1),
+                           steps=args.sft_steps)
+        results = {mode: run_mode(mode, model, root, args.steps, args.overrides) for mode in ("sync", "async")}
+    for mode, r in results.items():
+        print(f"{mode:>5}: {r['trajectories_per_s']:.2f} trajectories/s  trainer idle {r['trainer_idle_fraction']:.2f}"
+              f"  rollout idle {r['rollout_idle_fraction']:.2f}  ({r['wall_s']:.1f} s)")
+    print(f"async_vs_sync ratio {results['async']['trajectories_per_s'] / results['sync']['trajectories_per_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

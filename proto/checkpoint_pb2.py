@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/checkpoint.proto\x12\x16rollwave.checkpoint.v1\"g\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"w\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x33\n\x07tensors\x18\x02 \x03(\x0b\x32\".rollwave.checkpoint.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\"h\n\x05\x43hunk\x12\x34\n\x08manifest\x18\x01 \x01(\x0b\x32 .rollwave.checkpoint.v1.ManifestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x42\t\n\x07payload\"F\n\nStageReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\" \n\rCommitRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"K\n\x0b\x43ommitReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rpause_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\"\x1f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x1d\n\nAbortReply\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"R\n\x0bStatusReply\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\x16\n\x0estaged_version\x18\x02 \x01(\x03\x12\x12\n\nengine_url\x18\x03 \x01(\t2\xdf\x02\n\x10\x43heckpointEngine\x12L\n\x05Stage\x12\x1d.rollwave.checkpoint.v1.Chunk\x1a\".rollwave.checkpoint.v1.StageReply(\x01\x12T\n\x06\x43ommit\x12%.rollwave.checkpoint.v1.CommitRequest\x1a#.rollwave.checkpoint.v1.CommitReply\x12Q\n\x05\x41\x62ort\x12$.rollwave.checkpoint.v1.AbortRequest\x1a\".rollwave.checkpoint.v1.AbortReply\x12T\n\x06Status\x12%.rollwave.checkpoint.v1.StatusRequest\x1a#.rollwave.checkpoint.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/checkpoint.proto\x12\x16rollwave.checkpoint.v1\"^\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04J\x04\x08\x06\x10\x07\"k\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x33\n\x07tensors\x18\x02 \x03(\x0b\x32\".rollwave.checkpoint.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04J\x04\x08\x04\x10\x05\"*\n\x07Trailer\x12\r\n\x05\x63rc32\x18\x01 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\"\x9c\x01\n\x05\x43hunk\x12\x34\n\x08manifest\x18\x01 \x01(\x0b\x32 .rollwave.checkpoint.v1.ManifestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x32\n\x07trailer\x18\x04 \x01(\x0b\x32\x1f.rollwave.checkpoint.v1.TrailerH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x42\t\n\x07payload\"F\n\nStageReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\" \n\rCommitRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"K\n\x0b\x43ommitReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rpause_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\"\x1f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x1d\n\nAbortReply\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"R\n\x0bStatusReply\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\x16\n\x0estaged_version\x18\x02 \x01(\x03\x12\x12\n\nengine_url\x18\x03 \x01(\t2\xdf\x02\n\x10\x43heckpointEngine\x12L\n\x05Stage\x12\x1d.rollwave.checkpoint.v1.Chunk\x1a\".rollwave.checkpoint.v1.StageReply(\x01\x12T\n\x06\x43ommit\x12%.rollwave.checkpoint.v1.CommitRequest\x1a#.rollwave.checkpoint.v1.CommitReply\x12Q\n\x05\x41\x62ort\x12$.rollwave.checkpoint.v1.AbortRequest\x1a\".rollwave.checkpoint.v1.AbortReply\x12T\n\x06Status\x12%.rollwave.checkpoint.v1.StatusRequest\x1a#.rollwave.checkpoint.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,25 +32,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.checkpoint_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSORSPEC']._serialized_start=50
-  _globals['_TENSORSPEC']._serialized_end=153
-  _globals['_MANIFEST']._serialized_start=155
-  _globals['_MANIFEST']._serialized_end=274
-  _globals['_CHUNK']._serialized_start=276
-  _globals['_CHUNK']._serialized_end=380
-  _globals['_STAGEREPLY']._serialized_start=382
-  _globals['_STAGEREPLY']._serialized_end=452
-  _globals['_COMMITREQUEST']._serialized_start=454
-  _globals['_COMMITREQUEST']._serialized_end=486
-  _globals['_COMMITREPLY']._serialized_start=488
-  _globals['_COMMITREPLY']._serialized_end=563
-  _globals['_ABORTREQUEST']._serialized_start=565
-  _globals['_ABORTREQUEST']._serialized_end=596
-  _globals['_ABORTREPLY']._serialized_start=598
-  _globals['_ABORTREPLY']._serialized_end=627
-  _globals['_STATUSREQUEST']._serialized_start=629
-  _globals['_STATUSREQUEST']._serialized_end=644
-  _globals['_STATUSREPLY']._serialized_start=646
-  _globals['_STATUSREPLY']._serialized_end=728
-  _globals['_CHECKPOINTENGINE']._serialized_start=731
-  _globals['_CHECKPOINTENGINE']._serialized_end=1082
+  _globals['_TENSORSPEC']._serialized_end=144
+  _globals['_MANIFEST']._serialized_start=146
+  _globals['_MANIFEST']._serialized_end=253
+  _globals['_TRAILER']._serialized_start=255
+  _globals['_TRAILER']._serialized_end=297
+  _globals['_CHUNK']._serialized_start=300
+  _globals['_CHUNK']._serialized_end=456
+  _globals['_STAGEREPLY']._serialized_start=458
+  _globals['_STAGEREPLY']._serialized_end=528
+  _globals['_COMMITREQUEST']._serialized_start=530
+  _globals['_COMMITREQUEST']._serialized_end=562
+  _globals['_COMMITREPLY']._serialized_start=564
+  _globals['_COMMITREPLY']._serialized_end=639
+  _globals['_ABORTREQUEST']._serialized_start=641
+  _globals['_ABORTREQUEST']._serialized_end=672
+  _globals['_ABORTREPLY']._serialized_start=674
+  _globals['_ABORTREPLY']._serialized_end=703
+  _globals['_STATUSREQUEST']._serialized_start=705
+  _globals['_STATUSREQUEST']._serialized_end=720
+  _globals['_STATUSREPLY']._serialized_start=722
+  _globals['_STATUSREPLY']._serialized_end=804
+  _globals['_CHECKPOINTENGINE']._serialized_start=807
+  _globals['_CHECKPOINTENGINE']._serialized_end=1158
 # @@protoc_insertion_point(module_scope)

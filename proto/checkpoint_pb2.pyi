@@ -7,42 +7,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset", "nbytes", "crc32")
+    __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     nbytes: int
-    crc32: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "checksum")
+    __slots__ = ("version", "tensors", "total_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class Trailer(_message.Message):
+    __slots__ = ("crc32", "checksum")
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    crc32: _containers.RepeatedScalarFieldContainer[int]
     checksum: str
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+    def __init__(self, crc32: _Optional[_Iterable[int]] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("manifest", "data", "offset")
+    __slots__ = ("manifest", "data", "trailer", "offset")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     data: bytes
+    trailer: Trailer
     offset: int
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., data: _Optional[bytes] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class StageReply(_message.Message):
     __slots__ = ("version", "bytes_received", "seconds")

@@ -60,7 +60,7 @@ class CheckpointEngineServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Stage(self, request_iterator, context):
-        """First chunk carries the manifest, the rest ~1 MiB byte slices in offset order.
+        """First chunk carries the manifest, then ~1 MiB byte slices in offset order, then the trailer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,268 @@
+"""Checkpoint engine benchmark: a ~100M-parameter push, measured side by side in one run.
+
+(a) Commit's pause (pause(retract) -> update_weights_from_disk from tmpfs -> continue, as the
+    receiver reports it) against np.copyto of the same number of bytes, both into a warm,
+    preallocated buffer and into fresh pages (np.empty each time, so page faults are included).
+(b) Stage throughput (pusher in this process -> gRPC -> receiver process writing the staged
+    safetensors on tmpfs, crc32s on both sides) against raw loopback TCP moving the same bytes
+    (sendall of 1 MiB slices -> recv_into a reused buffer in another process). For reference it
+    also times a bare gRPC stream of the same 1 MiB messages into a sink that only counts them.
+
+TCP rounds and pushes alternate, so both see the same background load; medians are reported.
+The engine is idle during both measurements so neither side competes with decoding for the CPU.
+Every process (this one re-executes itself) runs with glibc malloc tuned as FACTS.md describes
+(MALLOC_ENV); ``--plain-malloc`` keeps stock malloc. Last line: ``pause_vs_memcpy ratio <value>``
+(pause over the warm memcpy).
+
+    python bench/checkpoint.py [--pushes 5] [--layers 9] [--engine-threads N] [--plain-malloc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import mmap
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "1073741824",
+              "MALLOC_TOP_PAD_": "67108864"}
+TOKEN = "bench-token"
+SLICE = 1 << 20
+
+
+def build_model_dir(out: Path, layers: int) -> tuple[Path, int]:
+    """A random-init Qwen2 (hidden 1024, MLP 2816, 16/4 heads, tied embeddings, fp32) with the tiny
+    model's tokenizer; 9 layers is ~102M parameters. Returns the directory and the parameter count."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from services.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=2816,
+                         num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                         max_position_embeddings=1024, tie_word_embeddings=True, dtype="float32",
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out, sum(p.numel() for p in model.parameters())
+
+
+async def serve_receiver(model: str, engine_url: str, stage_dir: str) -> None:
+    """Child mode: one checkpoint receiver in front of the engine, until stdin closes."""
+    from rollout_server.checkpoint_receiver import CheckpointReceiver
+    from rollout_server.engine_client import EngineClient
+    from services.config import CheckpointConfig
+
+    async with EngineClient(engine_url) as client:
+        config = CheckpointConfig(token=TOKEN, stage_dir=Path(stage_dir))
+        receiver = CheckpointReceiver(config, Path(model), client, engine_url, "bench")
+        print(await receiver.start(), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await receiver.stop()
+
+
+def tcp_sink(nbytes: int, rounds: int) -> None:
+    """Child mode: accept ``rounds`` connections, read ``nbytes`` from each, answer one byte."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        print(server.getsockname()[1], flush=True)
+        buf = memoryview(bytearray(SLICE))
+        for _ in range(rounds):
+            conn, _ = server.accept()
+            with conn:
+                got = 0
+                while got < nbytes:
+                    n = conn.recv_into(buf)
+                    if n == 0:
+                        raise ConnectionError(f"sender closed after {got} of {nbytes} bytes")
+                    got += n
+                conn.sendall(b"k")
+
+
+def grpc_sink() -> None:
+    """Child mode: a gRPC server whose streaming method only counts the bytes it receives."""
+    import grpc
+
+    from rollout_server.checkpoint_receiver import GRPC_OPTIONS
+
+    def count(messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        return sum(len(m) for m in messages).to_bytes(8, "little")
+
+    server = grpc.server(ThreadPoolExecutor(2), options=GRPC_OPTIONS)
+    handler = grpc.stream_unary_rpc_method_handler(count)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Sink", {"Count": handler}),))
+    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    server.start()
+    sys.stdin.read()
+    server.stop(1).wait()
+
+
+def raw_grpc_seconds(address: str, src: np.ndarray) -> float:
+    import grpc
+
+    from rollout_server.checkpoint_receiver import GRPC_OPTIONS
+
+    view = memoryview(src).cast("B")
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        count = channel.stream_unary("/bench.Sink/Count")
+        start = time.perf_counter()
+        count(bytes(view[off:off + SLICE]) for off in range(0, len(view), SLICE))
+        return time.perf_counter() - start
+
+
+def child(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """Start this script in a child mode; returns the process and the first line it prints."""
+    proc = subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line:
+        proc.kill()
+        raise RuntimeError(f"child {args[0]} exited with {proc.wait()} before it was ready")
+    return proc, line
+
+
+def raw_tcp_seconds(port: int, src: np.ndarray) -> float:
+    view = memoryview(src).cast("B")
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for off in range(0, len(view), SLICE):
+            sock.sendall(view[off:off + SLICE])
+        if sock.recv(1) != b"k":
+            raise ConnectionError("TCP sink did not acknowledge")
+    return time.perf_counter() - start
+
+
+def memcpy_seconds(src: np.ndarray, warm: bool, repeats: int = 5) -> float:
+    """Best of ``repeats``: into one preallocated, touched buffer (warm), or into a new anonymous
+    mapping each time (fresh pages: every page is faulted in and zeroed during the copy)."""
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(repeats):
+        fresh = None if warm else mmap.mmap(-1, src.nbytes)
+        target = dst if fresh is None else np.frombuffer(fresh, dtype=src.dtype)
+        start = time.perf_counter()
+        np.copyto(target, src)
+        best = min(best, time.perf_counter() - start)
+        del target
+        if fresh is not None:
+            fresh.close()
+    return best
+
+
+def run(pushes: int, layers: int, engine_threads: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_server.engine.process import EngineProcess
+    from services.config import CheckpointConfig
+    from trainer.checkpoint_pusher import CheckpointPusher, model_metas
+    from trainer.parallel import iter_full_params
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    work = Path(tempfile.mkdtemp(prefix="rollwave-bench-"))
+    stage_dir = Path("/dev/shm") / work.name
+    procs: list[subprocess.Popen] = []
+    engine = None
+    try:
+        model_dir, n_params = build_model_dir(work / "model", layers)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        metas = model_metas(model)
+        nbytes = sum(m.nbytes for m in metas)
+        print(f"model: {n_params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB fp32, {len(metas)} tensors")
+        engine = EngineProcess(model_dir, threads=engine_threads, log_path=work / "engine.log").start(timeout_s=300)
+        receiver, address = child(["--serve-receiver", str(model_dir), engine.url, str(stage_dir)], env)
+        sink, port = child(["--tcp-sink", str(nbytes), str(pushes)], env)
+        counter, counter_port = child(["--grpc-sink"], env)
+        procs += [receiver, sink, counter]
+
+        src = np.concatenate([p.detach().reshape(-1).numpy().view(np.uint8) for p in model.parameters()])
+        warm, fresh = memcpy_seconds(src, warm=True), memcpy_seconds(src, warm=False)
+
+        pusher = CheckpointPusher(CheckpointConfig(token=TOKEN, stage_dir=stage_dir), [address])
+        tcp, bare, stage, pause, load = [], [], [], [], []
+        for version in range(1, pushes + 1):
+            tcp.append(raw_tcp_seconds(int(port), src))
+            bare.append(raw_grpc_seconds(f"127.0.0.1:{counter_port}", src))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-3)
+            start = time.perf_counter()
+            report = pusher.stage(version, metas, lambda: iter_full_params(model))
+            stage.append(time.perf_counter() - start)
+            pusher.commit(report)
+            server = report.servers[0]
+            if not server.ok:
+                raise RuntimeError(f"push of version {version} failed: {server.error}")
+            pause.append(server.pause_seconds)
+            load.append(server.load_seconds)
+        pusher.close()
+    finally:
+        for proc in procs:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(60)
+        if engine is not None:
+            engine.close()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(stage_dir, ignore_errors=True)
+
+    gb = nbytes / 1e9
+    med = statistics.median
+    stage_gbs, tcp_gbs = gb / med(stage), gb / med(tcp)
+    tuned = all(os.environ.get(k) == v for k, v in MALLOC_ENV.items())
+    print(f"malloc: {'tuned (FACTS.md)' if tuned else 'stock glibc'}; engine torch threads: "
+          f"{engine_threads or 'default'}")
+    print(f"(a) commit pause median {med(pause) * 1e3:.1f} ms (load {med(load) * 1e3:.1f} ms) over {pushes} "
+          f"commits; np.copyto {nbytes / 2**20:.0f} MiB warm {warm * 1e3:.1f} ms ({gb / warm:.1f} GB/s), "
+          f"fresh pages {fresh * 1e3:.1f} ms ({gb / fresh:.1f} GB/s)")
+    print(f"    pause / memcpy into fresh pages: {med(pause) / fresh:.2f}x (goal <= 3x against warm)")
+    print(f"(b) stage {stage_gbs:.2f} GB/s (median of {pushes}: {', '.join(f'{s:.2f}s' for s in stage)}), "
+          f"raw loopback TCP {tcp_gbs:.2f} GB/s ({', '.join(f'{s:.2f}s' for s in tcp)})")
+    print(f"    bare gRPC stream of 1 MiB messages (no crc32, no file) {gb / med(bare):.2f} GB/s, "
+          f"{tcp_gbs / (gb / med(bare)):.1f}x slower than raw TCP on its own")
+    print(f"stage_vs_raw_tcp ratio {stage_gbs / tcp_gbs:.3f} (goal >= 0.5)")
+    print(f"pause_vs_memcpy ratio {med(pause) / warm:.3f}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve-receiver":
+        asyncio.run(serve_receiver(*sys.argv[2:5]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--tcp-sink":
+        tcp_sink(int(sys.argv[2]), int(sys.argv[3]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--grpc-sink":
+        grpc_sink()
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pushes", type=int, default=5, help="pushes (and TCP rounds) to take the median of")
+    parser.add_argument("--layers", type=int, default=9, help="decoder layers (9: ~100M parameters)")
+    parser.add_argument("--engine-threads", type=int, default=0, help="engine's torch threads (0: its default)")
+    parser.add_argument("--plain-malloc", action="store_true", help="keep stock glibc malloc")
+    args = parser.parse_args()
+    if not args.plain_malloc and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], {**os.environ, **MALLOC_ENV})
+    run(args.pushes, args.layers, args.engine_threads)
+
+
+if __name__ == "__main__":
+    main()

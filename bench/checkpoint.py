@@ -100,7 +100,7 @@ def grpc_sink() -> None:
     """Child mode: a gRPC server whose streaming method only counts the bytes it receives."""
     import grpc
 
-    from rollout_server.checkpoint_receiver import GRPC_OPTIONS
+    from rollout_server.checkpoint_format import GRPC_OPTIONS
 
     def count(messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         return sum(len(m) for m in messages).to_bytes(8, "little")
@@ -117,7 +117,7 @@ def grpc_sink() -> None:
 def raw_grpc_seconds(address: str, src: np.ndarray) -> float:
     import grpc
 
-    from rollout_server.checkpoint_receiver import GRPC_OPTIONS
+    from rollout_server.checkpoint_format import GRPC_OPTIONS
 
     view = memoryview(src).cast("B")
     with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:

@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
-import os
 import shutil
-import struct
 import time
-import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,195 +23,17 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proto import checkpoint_pb2 as pb
+from rollout_server.checkpoint_format import (
+    GRPC_OPTIONS,
+    SERVICE,
+    StagedFile,
+    StageError,
+    check_manifest,
+    parse_chunk,
+    served_tensor_specs,
+)
 from rollout_server.engine_client import EngineError
 from services.config import CheckpointConfig
-
-# torch dtype name (the manifest's spelling) -> (safetensors dtype, bytes per element)
-DTYPES: dict[str, tuple[str, int]] = {
-    "float64": ("F64", 8), "float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2),
-    "int64": ("I64", 8), "int32": ("I32", 4), "int16": ("I16", 2), "int8": ("I8", 1),
-    "uint8": ("U8", 1), "uint16": ("U16", 2), "uint32": ("U32", 4), "uint64": ("U64", 8), "bool": ("BOOL", 1),
-    "float8_e4m3fn": ("F8_E4M3", 1), "float8_e5m2": ("F8_E5M2", 1),
-}
-_FROM_SAFETENSORS = {st: name for name, (st, _) in DTYPES.items()}
-SERVICE = pb.DESCRIPTOR.services_by_name["CheckpointEngine"].full_name
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-
-
-def trailer_checksum(crcs: Sequence[int]) -> str:
-    """The stream checksum: crc32 of the per-tensor crc32s as little-endian u32 words, 8 hex digits."""
-    return f"{zlib.crc32(struct.pack(f'<{len(crcs)}I', *crcs)):08x}"
-
-
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (names -> dtype, shape, data_offsets)."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
-
-
-def served_tensor_specs(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Name -> (torch dtype name, shape) of every tensor in ``model_dir``'s safetensors files."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no *.safetensors file to check pushed weights against")
-    specs: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for path in files:
-        for name, meta in read_safetensors_header(path).items():
-            if name == "__metadata__":
-                continue
-            if meta["dtype"] not in _FROM_SAFETENSORS:
-                raise ValueError(f"{path}: tensor {name} has dtype {meta['dtype']}, which pushes do not support")
-            specs[name] = (_FROM_SAFETENSORS[meta["dtype"]], tuple(meta["shape"]))
-    return specs
-
-
-_PAYLOADS = {1: "manifest", 2: "data", 4: "trailer"}
-
-
-def _varint(view: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(view):
-            raise StageError("stream", "truncated Stage message")
-        byte = view[pos]
-        value |= (byte & 0x7F) << shift
-        pos += 1
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def parse_chunk(message: bytes) -> tuple[str, int, memoryview]:
-    """(payload kind, offset, payload) of a serialized ``Chunk``; the payload is a view, not a copy.
-
-    Protobuf's parser would copy every 1 MiB data slice once more before it reaches the file.
-    """
-    view = memoryview(message)
-    kind, offset, payload, pos = "", 0, view[:0], 0
-    while pos < len(view):
-        key, pos = _varint(view, pos)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _varint(view, pos)
-            offset = value if field == 3 else offset
-        elif wire == 2:
-            size, pos = _varint(view, pos)
-            if pos + size > len(view):
-                raise StageError("stream", "truncated Stage message")
-            if field in _PAYLOADS:
-                kind, payload = _PAYLOADS[field], view[pos:pos + size]
-            pos += size
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-        else:
-            raise StageError("stream", f"Stage message: field {field} has wire type {wire}")
-    return kind, offset, payload
-
-
-class StageError(Exception):
-    """A rejected stage; ``reason`` labels the failure metric, the message names the tensor."""
-
-    def __init__(self, reason: str, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
-        super().__init__(message)
-        self.reason = reason
-        self.code = code
-
-
-def check_manifest(manifest: pb.Manifest, served: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-    """Raise StageError unless the manifest has exactly the served tensors, packed in order."""
-    names = [t.name for t in manifest.tensors]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise StageError("manifest", f"tensor {dup}: listed twice in the manifest")
-    missing = sorted(set(served) - set(names))
-    if missing:
-        raise StageError("manifest", f"tensor {missing[0]}: missing from the manifest "
-                                     f"({len(missing)} missing)")
-    extra = sorted(set(names) - set(served))
-    if extra:
-        raise StageError("manifest", f"tensor {extra[0]}: not in the served model ({len(extra)} extra)")
-    offset = 0
-    for t in manifest.tensors:
-        dtype, shape = served[t.name]
-        if t.dtype != dtype:
-            raise StageError("manifest", f"tensor {t.name}: dtype {t.dtype}, served model has {dtype}")
-        if tuple(t.shape) != shape:
-            raise StageError("manifest", f"tensor {t.name}: shape {list(t.shape)}, "
-                                         f"served model has {list(shape)}")
-        nbytes = DTYPES[dtype][1] * _numel(shape)
-        if t.nbytes != nbytes or t.offset != offset:
-            raise StageError("offsets", f"tensor {t.name}: offset {t.offset} nbytes {t.nbytes}, expected "
-                                        f"offset {offset} nbytes {nbytes} (packed in manifest order)")
-        offset += nbytes
-    if manifest.total_bytes != offset:
-        raise StageError("offsets", f"manifest total_bytes {manifest.total_bytes}, "
-                                    f"tensors add up to {offset}")
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-class StagedFile:
-    """Writes ``model.safetensors`` straight from chunks: header from the manifest, bytes at their offsets."""
-
-    def __init__(self, path: Path, manifest: pb.Manifest):
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        for t in manifest.tensors:
-            header[t.name] = {"dtype": DTYPES[t.dtype][0], "shape": list(t.shape),
-                              "data_offsets": [t.offset, t.offset + t.nbytes]}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.tensors = list(manifest.tensors)
-        self.total = manifest.total_bytes
-        self.base = 8 + len(raw)
-        self.received = 0
-        self.crcs = [0] * len(self.tensors)
-        self._index = 0
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(self._fd, struct.pack("<Q", len(raw)) + raw)
-        # Allocating the tmpfs pages in one call is ~10x cheaper than faulting them in chunk by chunk.
-        os.posix_fallocate(self._fd, 0, self.base + self.total)
-
-    def write(self, offset: int, data: memoryview) -> None:
-        """Append one slice; chunks must arrive in offset order (the crc32s are computed on the fly)."""
-        if offset != self.received or offset + len(data) > self.total:
-            raise StageError("offsets", f"chunk at offset {offset} with {len(data)} bytes; expected offset "
-                                        f"{self.received}, payload is {self.total} bytes")
-        os.pwrite(self._fd, data, self.base + offset)
-        view, pos = data, 0
-        while pos < len(view):
-            t = self.tensors[self._index]
-            end = t.offset + t.nbytes - (offset + pos)
-            if end <= 0:
-                self._index += 1
-                continue
-            self.crcs[self._index] = zlib.crc32(view[pos:pos + end], self.crcs[self._index])
-            pos += end
-        self.received += len(data)
-
-    def finish(self, trailer: pb.Trailer) -> None:
-        """Check the byte count and every tensor's crc32 against the trailer."""
-        if self.received != self.total:
-            raise StageError("stream", f"stream ended after {self.received} of {self.total} bytes")
-        if len(trailer.crc32) != len(self.tensors):
-            raise StageError("checksum", f"trailer has {len(trailer.crc32)} crc32s for "
-                                         f"{len(self.tensors)} tensors")
-        for t, got, want in zip(self.tensors, self.crcs, trailer.crc32, strict=True):
-            if got != want:
-                raise StageError("checksum", f"tensor {t.name}: crc32 {got:08x} of received bytes, "
-                                             f"pusher sent {want:08x}", grpc.StatusCode.DATA_LOSS)
-        expected = trailer_checksum(self.crcs)
-        if trailer.checksum != expected:
-            raise StageError("checksum", f"stream checksum {trailer.checksum}, expected {expected}",
-                             grpc.StatusCode.DATA_LOSS)
-
-    def close(self) -> None:
-        os.close(self._fd)
 
 
 class WeightEngine(Protocol):

@@ -30,7 +30,8 @@ from buffer.registry import ServerInfo, ServerRegistry
 from buffer.staleness import StalenessControl
 from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
-from rollout_server.checkpoint_receiver import GRPC_OPTIONS, SERVICE, CheckpointReceiver
+from rollout_server.checkpoint_format import GRPC_OPTIONS, SERVICE
+from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine.process import EngineProcess, free_port
 from rollout_server.engine_client import EngineClient
 from services.config import CheckpointConfig

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from buffer.registry import ServerRegistry
 from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
-from rollout_server.checkpoint_receiver import DTYPES, GRPC_OPTIONS, SERVICE, trailer_checksum
+from rollout_server.checkpoint_format import DTYPES, GRPC_OPTIONS, SERVICE, trailer_checksum
 from services.config import CheckpointConfig
 from trainer.parallel import hf_name, iter_full_params
 

@@ -7,12 +7,16 @@ leaves nothing behind. The worker reads the stored spec and fills what it leaves
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rollout_server.rewards import BUILTIN as BUILTIN_REWARDS
 from services.config import RolloutConfig
 from services.tasks import Task, load_tasks
+
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
 
 
 class Strict(BaseModel):
@@ -26,7 +30,7 @@ class TaskSource(Strict):
     path: str | None = Field(None, description="gsm8k/jsonl: a .jsonl file or a directory of {split}.jsonl")
     split: str | None = Field(None, description="train or test")
     limit: int | None = Field(None, ge=1, le=100_000, description="how many tasks")
-    offset: int = Field(0, ge=0, description="skip this many tasks first")
+    offset: int = Field(0, ge=0, le=100_000, description="skip this many tasks first (arith generates them)")
     seed: int = 0
     tasks: list[Task] | None = Field(None, description="inline tasks (kind=inline)")
 
@@ -70,6 +74,14 @@ class JobSpec(Strict):
     tools: list[str] | None = Field(None, description="tool names; None uses each task's own list")
     reward: str | None = Field(None, description="gsm8k | tool | module:function; None uses the server's")
     name: str | None = Field(None, max_length=200)
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_name(cls, reward: str | None) -> str | None:
+        """Reject what no worker could load (the worker imports module:function itself)."""
+        if reward is not None and reward not in BUILTIN_REWARDS and not _IMPORT_PATH.fullmatch(reward):
+            raise ValueError(f"reward {reward!r}: not a built-in ({', '.join(BUILTIN_REWARDS)}) nor module:function")
+        return reward
 
     @model_validator(mode="after")
     def _eval_defaults(self) -> JobSpec:

@@ -1,10 +1,15 @@
 """``rollwave up`` / ``rollwave down``: the stack of ``services.launcher.components`` as Ray actors.
 
-Each component runs in a detached ``ComponentActor`` that owns its process; when the process dies
-the actor exits and Ray restarts it (``max_restarts=-1``), which starts the process again: a
-rollout server rejoins the registry and is re-synced by the trainer's next push, a trainer rank
-resumes from its last checkpoint. Actors are placed in one placement group. Without
-``RAY_ADDRESS`` a local Ray head is started (and stopped by ``down``).
+Each component runs in a detached ``ComponentActor`` that owns its process (in a process group of
+its own); when the process dies the actor kills what it left behind (a rollout server's engine) and
+exits, and Ray restarts it (``max_restarts=-1``), which starts the process again: a rollout server
+rejoins the registry and is re-synced by the trainer's next push, a trainer rank resumes from its
+last checkpoint. Actors are placed in one placement group.
+
+Without ``RAY_ADDRESS`` a local Ray head is started as ``ray start --head --block`` in a session of
+its own, with its own short temp dir, every address on 127.0.0.1 and as many logical CPUs as the
+stack asks for; ``down`` stops it by its process id (never ``ray stop``, which would end every
+Ray on the machine). ``<run dir>/ray.json`` records what ``up`` started, for ``down``.
 """
 
 from __future__ import annotations
@@ -13,13 +18,17 @@ import argparse
 import ctypes
 import json
 import logging
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -31,6 +40,8 @@ from services.launcher import ComponentSpec, components, free_port
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
+HOST = "127.0.0.1"
+FORWARDED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_HOME", "HF_HUB_OFFLINE")
 
 
 def _die_with_parent() -> None:
@@ -38,23 +49,39 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class ComponentActor:
-    """Owns one component process; exits (and so is restarted by Ray) when the process fails."""
+    """Owns one component process; exits (and so is restarted by Ray) when the process fails.
+
+    Ray caps a worker's threads (``OMP_NUM_THREADS=1``); the component gets the driver's setting instead
+    (``spec.env``), since it is a process with its own thread settings, not a Ray task.
+    """
 
     def __init__(self, spec: ComponentSpec, log_dir: str) -> None:
         self.spec = spec
+        self._stopping = False
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         out = open(Path(log_dir) / f"{spec.name}.log", "ab")  # noqa: SIM115 - handed to the child
-        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(spec.argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        env.update(spec.env, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(spec.argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=_die_with_parent)
         out.close()
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
         rc = self.proc.wait()
-        if rc != 0:
+        _kill_group(self.proc.pid)
+        if rc != 0 and not self._stopping:
+            print(f"{self.spec.name} exited with {rc}; exiting so that Ray restarts it", file=sys.stderr, flush=True)
             os._exit(1)
 
     def pid(self) -> int:
@@ -63,13 +90,16 @@ class ComponentActor:
     def returncode(self) -> int | None:
         return self.proc.poll()
 
-    def stop(self, timeout_s: float = 30.0) -> int | None:
+    def stop(self, timeout_s: float = 45.0) -> int:
+        """SIGTERM (components shut down gracefully), then SIGKILL to whatever is left of its group."""
+        self._stopping = True
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                log.warning("%s did not stop in %.0f s; killing it", self.spec.name, timeout_s)
+        _kill_group(self.proc.pid)
         return self.proc.wait()
 
 
@@ -78,7 +108,7 @@ class RedisActor:
     """The embedded Redis in an actor: AOF on, in the run directory, so a restart loses nothing."""
 
     def __init__(self, data_dir: str, port: int, aof: bool) -> None:
-        self.server = EmbeddedRedis(Path(data_dir), aof=aof, port=port, host="127.0.0.1").start()
+        self.server = EmbeddedRedis(Path(data_dir), aof=aof, port=port, host=HOST).start()
 
     def url(self) -> str:
         return self.server.url
@@ -88,63 +118,162 @@ class RedisActor:
 
 
 def _state_path(cfg: Config) -> Path:
-    return cfg.run.path / "ray.json"
+    return cfg.run.path.absolute() / "ray.json"
 
 
-def _connect(cfg: Config, start_head: bool) -> bool:
-    """Connect to ``RAY_ADDRESS``, or to a local head started here; returns whether we started it."""
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], namespace=f"rollwave-{cfg.run.name}", log_to_driver=False)
-        return False
-    started = False
-    if start_head:
-        cmd = ["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
-               "--include-dashboard=false", "--disable-usage-stats"]
-        subprocess.run([str(Path(sys.executable).parent / cmd[0]), *cmd[1:]], check=True, capture_output=True)
-        started = True
-    ray.init(address="auto", namespace=f"rollwave-{cfg.run.name}", log_to_driver=False)
-    return started
-
-
-def up(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace) -> Config | None:
     try:
-        cfg = load_config(args.config, args.overrides)
+        return load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    run_dir = cfg.run.path.absolute()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if _state_path(cfg).exists():
-        print(f"error: {_state_path(cfg)} exists: the run is up; `rollwave down -c ...` first", file=sys.stderr)
-        return 2
-    started_head = _connect(cfg, start_head=not args.foreground)
-    names: list[str] = []
+        return None
+
+
+def _absolute_paths(cfg: Config) -> None:
+    """Components run in Ray workers, whose working directory is not the caller's: pin every path."""
+    cfg.run.dir = cfg.run.dir.absolute()
+    cfg.model.path = cfg.model.path.absolute()
+    if cfg.redis.data_dir is not None:
+        cfg.redis.data_dir = cfg.redis.data_dir.absolute()
+    if cfg.rollout.tools is not None:
+        cfg.rollout.tools = cfg.rollout.tools.absolute()
+
+
+def start_head(num_cpus: int, log_path: Path, timeout_s: float = 120.0) -> dict[str, Any]:
+    """``ray start --head --block`` on 127.0.0.1 in its own session; returns its address, pid and temp dir."""
+    temp_dir = tempfile.mkdtemp(prefix="rwray-")  # short: Ray's socket paths must stay under 108 bytes
+    port = free_port(HOST)
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--node-ip-address={HOST}",
+           f"--port={port}", f"--ray-client-server-port={free_port(HOST)}", "--include-dashboard=false",
+           "--disable-usage-stats", f"--num-cpus={num_cpus}", f"--temp-dir={temp_dir}"]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    head = {"address": f"{HOST}:{port}", "head_pid": proc.pid, "temp_dir": temp_dir}
+    deadline = time.monotonic() + timeout_s
+    while "Ray runtime started" not in log_path.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_head(head)
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+            raise RuntimeError(f"ray start --head did not come up (see {log_path}):\n{tail}")
+        time.sleep(0.2)
+    return head
+
+
+def stop_head(head: dict[str, Any], timeout_s: float = 60.0) -> None:
+    """SIGTERM to ``ray start --block`` (it drains and stops its processes), then SIGKILL its group."""
+    pid = head["head_pid"]
+    _kill_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    _kill_group(pid)
+    shutil.rmtree(head["temp_dir"], ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _connect(state: dict[str, Any]) -> None:
+    address = state.get("address") or os.environ.get("RAY_ADDRESS")
+    extra = {"_node_ip_address": HOST} if state.get("head_pid") else {}
+    ray.init(address=address, namespace=state["namespace"], log_to_driver=False, **extra)
+
+
+def _stop_all(state: dict[str, Any]) -> None:
+    """Stop what ``state`` records, in reverse order of starting; a part already gone is skipped."""
+    head_gone = bool(state.get("head_pid")) and not _alive(state["head_pid"])  # its actors went with it
+    if (state.get("actors") or state.get("placement_group")) and not head_gone:
+        if not ray.is_initialized():
+            _connect(state)
+        for name in reversed(state.get("actors", [])):
+            try:
+                actor = ray.get_actor(name)
+            except ValueError:
+                continue
+            try:
+                ray.get(actor.stop.remote(), timeout=60)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                log.warning("%s did not stop cleanly: %s", name, exc)
+            ray.kill(actor, no_restart=True)
+        if state.get("placement_group"):
+            try:
+                remove_placement_group(ray.util.get_placement_group(state["placement_group"]))
+            except ValueError:
+                log.warning("placement group %s was already gone", state["placement_group"])
+    if ray.is_initialized():
+        ray.shutdown()
+    if state.get("head_pid"):
+        stop_head(state)
+
+
+def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_dir: Path) -> str:
+    """Redis (unless external), then the components in one placement group; returns the Redis URL."""
     redis_url = os.environ.get("REDIS_URL") or cfg.redis.url
+    redis_port = cfg.redis.port or free_port(HOST)
+    specs = components(cfg, run_dir / "config.yaml", redis_url or f"redis://{HOST}:{redis_port}/0",
+                       rollout_servers=args.rollout_servers, trainer_ranks=args.trainer_ranks)
+    forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    for spec in specs:
+        spec.env = {**forwarded, **spec.env}
+    if not os.environ.get("RAY_ADDRESS"):
+        wanted = math.ceil(sum(s.num_cpus for s in specs)) + 1  # + the Redis actor
+        state.update(start_head(max(wanted, os.cpu_count() or 1), run_dir / "logs" / "ray-head.log"))
+    _connect(state)
     if not redis_url:
-        redis_actor = RedisActor.options(name="redis", lifetime="detached").remote(
-            str(cfg.redis.data_dir or run_dir / "redis"), cfg.redis.port or free_port(), cfg.redis.aof
+        actor = RedisActor.options(name="redis", lifetime="detached").remote(
+            str(cfg.redis.data_dir or run_dir / "redis"), redis_port, cfg.redis.aof
         )
-        redis_url = ray.get(redis_actor.url.remote())
-        names.append("redis")
-    config_path = run_dir / "config.yaml"
-    config_path.write_text(dump_config(cfg))
-    specs = components(cfg, config_path, redis_url, rollout_servers=args.rollout_servers,
-                       trainer_ranks=args.trainer_ranks)
+        state["actors"].append("redis")
+        redis_url = ray.get(actor.url.remote(), timeout=120)
     bundles = [{"CPU": s.num_cpus, **({"GPU": s.num_gpus} if s.num_gpus else {})} for s in specs]
-    pg = placement_group(bundles, strategy="PACK", name=f"rollwave-{cfg.run.name}", lifetime="detached")
-    ray.get(pg.ready(), timeout=120)
+    pg = placement_group(bundles, strategy="PACK", name=state["namespace"], lifetime="detached")
+    state["placement_group"] = state["namespace"]
+    try:
+        ray.get(pg.ready(), timeout=120)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"the cluster cannot place the stack's bundles {bundles} (see `ray status`)") from None
     for i, spec in enumerate(specs):
         ComponentActor.options(
             name=spec.name, lifetime="detached", num_cpus=0, num_gpus=spec.num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         ).remote(spec, str(run_dir / "logs"))
-        names.append(spec.name)
-    _state_path(cfg).write_text(json.dumps({
-        "namespace": f"rollwave-{cfg.run.name}", "actors": names, "started_head": started_head,
-        "redis_url": redis_url, "placement_group": f"rollwave-{cfg.run.name}",
-    }))
-    print(f"rollwave up: run {cfg.run.name}: {', '.join(names)}; redis {redis_url}; "
+        state["actors"].append(spec.name)
+    return redis_url
+
+
+def up(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    if cfg is None:
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    _absolute_paths(cfg)
+    run_dir = cfg.run.path
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if _state_path(cfg).exists():
+        print(f"error: {_state_path(cfg)} exists: the run is up; `rollwave down -c ...` first", file=sys.stderr)
+        return 2
+    if cfg.model.init_if_missing and not (cfg.model.path / "config.json").exists():
+        from services.tiny_model import build_tiny_model  # once here, not raced by every component
+
+        build_tiny_model(cfg.model.path, seed=cfg.model.seed)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    state: dict[str, Any] = {"namespace": f"rollwave-{cfg.run.name}", "actors": []}
+    try:
+        redis_url = _launch(cfg, args, state, run_dir)
+    except BaseException:
+        _stop_all(state)
+        raise
+    _state_path(cfg).write_text(json.dumps(state))
+    ray.shutdown()
+    print(f"rollwave up: run {cfg.run.name}: {', '.join(state['actors'])}; redis {redis_url}; "
           f"API http://{cfg.api.host}:{cfg.api.port}; logs {run_dir / 'logs'}")
     if args.foreground:
         try:
@@ -156,35 +285,17 @@ def up(args: argparse.Namespace) -> int:
 
 
 def down(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    cfg = _load(args)
+    if cfg is None:
         return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     path = _state_path(cfg)
     if not path.exists():
         print(f"nothing to stop: {path} does not exist", file=sys.stderr)
         return 0
     state = json.loads(path.read_text())
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), namespace=state["namespace"], log_to_driver=False)
-    for name in reversed(state["actors"]):
-        try:
-            actor = ray.get_actor(name)
-        except ValueError:
-            continue
-        try:
-            ray.get(actor.stop.remote(), timeout=60)
-        except (ray.exceptions.RayError, TimeoutError) as exc:
-            log.warning("%s did not stop cleanly: %s", name, exc)
-        ray.kill(actor, no_restart=True)
-    try:
-        remove_placement_group(ray.util.get_placement_group(state["placement_group"]))
-    except ValueError:
-        log.warning("placement group %s was already gone", state["placement_group"])
-    ray.shutdown()
-    if state["started_head"]:
-        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], check=False, capture_output=True)
+    _stop_all(state)
     path.unlink()
-    print(f"rollwave down: stopped {', '.join(state['actors'])}")
+    head = " and the Ray head" if state.get("head_pid") else ""
+    print(f"rollwave down: stopped {', '.join(state['actors'])}{head}")
     return 0

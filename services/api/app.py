@@ -18,7 +18,7 @@ from buffer.keys import Keys
 from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
-from services.api.cluster import ClusterView, NotFound
+from services.api.cluster import ClusterView, InvalidCursor, NotFound
 from services.api.sampler import MetricsSampler
 from services.config import Config
 from services.jobs import JobSpec
@@ -34,7 +34,7 @@ class ApiState:
         self.redis = client
         self.keys = Keys(cfg.run.name)
         self.queue = TaskQueue(client, self.keys, cfg.buffer)
-        self.cluster = ClusterView(client, self.keys, ServerRegistry(client, self.keys))
+        self.cluster = ClusterView(client, self.keys, ServerRegistry(client, self.keys), self.queue)
         self.sampler = MetricsSampler(self.cluster)
         self.registry = CollectorRegistry()
         self.jobs_submitted = Counter(
@@ -108,7 +108,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None) -> FastAPI:
     def create_job(spec: JobSpec, api: State) -> dict[str, Any]:
         try:
             tasks = spec.source.load()
-        except (ValueError, FileNotFoundError) as exc:
+        except (ValueError, OSError) as exc:
             api.jobs_rejected.inc()
             raise HTTPException(422, [{"loc": ["body", "source"], "msg": str(exc), "type": "value_error"}]) from None
         if not tasks:
@@ -135,10 +135,15 @@ def create_app(cfg: Config, client: redis.Redis | None = None) -> FastAPI:
     def trajectories(
         job_id: str,
         api: State,
-        cursor: Annotated[str, Query(pattern=r"^(|\d+-\d+)$", description="`next` of the previous page")] = "",
+        cursor: Annotated[
+            str, Query(pattern=r"^(|[0-9]{1,20}-[0-9]{1,20})$", description="`next` of the previous page")
+        ] = "",
         limit: Annotated[int, Query(ge=1, le=200)] = 20,
     ) -> dict[str, Any]:
-        return api.cluster.trajectories(job_id, cursor, limit)
+        try:
+            return api.cluster.trajectories(job_id, cursor, limit)
+        except InvalidCursor as exc:
+            raise HTTPException(422, [{"loc": ["query", "cursor"], "msg": str(exc), "type": "value_error"}]) from None
 
     @app.get("/v1/status", dependencies=v1, tags=["cluster"])
     def status(api: State) -> dict[str, Any]:

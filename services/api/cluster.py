@@ -11,12 +11,18 @@ import redis
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.registry import ServerRegistry
+from buffer.task_queue import TaskQueue
 
 _COUNTERS = ("submitted", "completed", "dead_lettered", "trained", "stale_dropped", "cancelled", "samples")
+_MAX_ID_PART = 2**64 - 1
 
 
 class NotFound(LookupError):
     """A job id that the run does not know."""
+
+
+class InvalidCursor(ValueError):
+    """A trajectories cursor that is not a Redis stream id (each part must fit in 64 bits)."""
 
 
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
@@ -26,13 +32,14 @@ def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
 class ClusterView:
     """Everything the API reads, from Redis alone, so any number of API replicas agree."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, registry: ServerRegistry) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, registry: ServerRegistry, queue: TaskQueue) -> None:
         self.r = client
         self.keys = keys
         self.registry = registry
+        self.queue = queue
 
     def job(self, job_id: str) -> dict[str, Any]:
-        h = _decode(self.r.hgetall(self.keys.job(job_id)))
+        h = self.queue.job(job_id)  # its state reads ``done`` once every task is written or dead-lettered
         if not h:
             raise NotFound(f"job {job_id!r} not found")
         progress = {name: int(float(h.get(name, 0))) for name in _COUNTERS}
@@ -64,6 +71,12 @@ class ClusterView:
 
     def trajectories(self, job_id: str, cursor: str, limit: int) -> dict[str, Any]:
         self.job(job_id)
+        if cursor:
+            ms, seq = (int(part) for part in cursor.split("-"))
+            if ms > _MAX_ID_PART or seq > _MAX_ID_PART:
+                raise InvalidCursor(f"cursor {cursor!r}: each part of a stream id must be < 2**64")
+            if ms == seq == _MAX_ID_PART:
+                return {"items": [], "next": None}
         start = f"({cursor}" if cursor else "-"
         entries = self.r.xrange(self.keys.trajectories(job_id), start, "+", count=limit)
         items = [json.loads(fields[b"sample"]) for _id, fields in entries]

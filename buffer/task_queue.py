@@ -1,0 +1,265 @@
+"""The task queue: a job's tasks in Redis streams, read by rollout servers with consumer group ``rollout``.
+
+Delivery is at least once. A server acks a task only in the same atomic step that writes its group
+(``ReplayBuffer.put(group, task=entry)``); a server that dies leaves its tasks pending, and live servers
+claim entries idle longer than ``claim_idle_ms`` (live servers renew the lease of what they hold).
+A task delivered more than ``max_attempts`` times, or failed that often, goes to the dead-letter stream
+with its error; an entry that cannot be parsed goes to the malformed stream. Neither ever stops a consumer.
+
+Each task gets a run-unique group id ``<job>:<seq>:<task_id>`` at submit time, so the same task submitted
+twice (two jobs, two epochs) makes two groups.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, Keys
+from buffer.metrics import BufferMetrics
+from buffer.streams import RENEW_LUA, Reclaimer
+from services.config import BufferConfig
+
+log = logging.getLogger(__name__)
+
+SUBMIT_CHUNK = 1000
+
+_SUBMIT = """
+local n = (#ARGV - 4) / 2
+local kind = redis.call('HGET', KEYS[2], 'kind')
+if kind and kind ~= ARGV[2] then
+  return redis.error_reply('job ' .. ARGV[1] .. ' is a ' .. kind .. ' job, cannot add ' .. ARGV[2] .. ' tasks')
+end
+local base = redis.call('HINCRBY', KEYS[2], 'submitted', n) - n
+redis.call('HSETNX', KEYS[2], 'kind', ARGV[2])
+redis.call('HSETNX', KEYS[2], 'created', ARGV[4])
+if ARGV[3] ~= '' then redis.call('HSETNX', KEYS[2], 'spec', ARGV[3]) end
+if redis.call('HGET', KEYS[2], 'state') ~= 'cancelled' then redis.call('HSET', KEYS[2], 'state', 'running') end
+redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[4])
+for i = 0, n - 1 do
+  local gid = ARGV[1] .. ':' .. (base + i) .. ':' .. ARGV[5 + 2 * i]
+  redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task', ARGV[6 + 2 * i])
+end
+return base
+"""
+
+# Dead-letter one delivery, only if it is still pending (else another consumer already finished it).
+_DEAD_LETTER = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[4], 'kind', ARGV[5], 'gid', ARGV[3], 'task', ARGV[6],
+  'deliveries', ARGV[7], 'error', ARGV[8], 'entry_id', ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1)
+if redis.call('HDEL', KEYS[5], ARGV[3]) == 1 then redis.call('DECR', KEYS[4]) end
+return 1
+"""
+
+# Put a pending task back at the tail as a new entry carrying its attempt count; admission is kept.
+_REQUEUE = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[4], 'kind', ARGV[5], 'gid', ARGV[3], 'task', ARGV[6],
+  'attempts', ARGV[7], 'error', ARGV[8])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+@dataclass
+class TaskEntry:
+    """One delivered task: what a rollout server needs to make and write its group."""
+
+    stream: str
+    entry_id: str
+    job_id: str
+    kind: str
+    group_id: str
+    task: dict[str, Any]
+    deliveries: int
+    last_error: str = ""
+
+
+class TaskQueue:
+    """Submit, read, reclaim, fail and dead-letter tasks; one object per process, shared by its consumers."""
+
+    def __init__(
+        self, client: redis.Redis, keys: Keys, config: BufferConfig, metrics: BufferMetrics | None = None
+    ) -> None:
+        self.r = client
+        self.keys = keys
+        self.config = config
+        self.metrics = metrics or BufferMetrics()
+        self._submit = client.register_script(_SUBMIT)
+        self._dead_letter = client.register_script(_DEAD_LETTER)
+        self._requeue = client.register_script(_REQUEUE)
+        self._renew = client.register_script(RENEW_LUA)
+        self._reclaimers: dict[tuple[str, str], Reclaimer] = {}
+
+    def ensure_groups(self) -> None:
+        """Create the streams and the ``rollout`` consumer group (idempotent; reads from the start)."""
+        for kind in TASK_KINDS:
+            try:
+                self.r.xgroup_create(self.keys.tasks(kind), ROLLOUT_GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def submit(
+        self, job_id: str, tasks: Sequence[Mapping[str, Any]], kind: str = "train", spec: str | None = None
+    ) -> list[str]:
+        """Enqueue tasks (dicts of the ``Task`` model) of a job; returns their group ids.
+
+        ``spec`` (the job's rollout parameters as JSON) is stored on the first submit of the job.
+        """
+        stream = self.keys.tasks(kind)
+        if not job_id or ":" in job_id:
+            raise ValueError(f"job_id {job_id!r}: must be non-empty and contain no ':'")
+        args: list[str] = []
+        for i, task in enumerate(tasks):
+            task_id = task.get("task_id")
+            if not isinstance(task_id, str) or not task_id:
+                raise ValueError(f"tasks[{i}].task_id: expected a non-empty string, got {task_id!r}")
+            args += [task_id, json.dumps(task, separators=(",", ":"))]
+        gids: list[str] = []
+        now = f"{time.time():.3f}"
+        for start in range(0, len(args), 2 * SUBMIT_CHUNK):
+            chunk = args[start : start + 2 * SUBMIT_CHUNK]
+            keys = [stream, self.keys.job(job_id), self.keys.jobs]
+            base = int(self._submit(keys, [job_id, kind, spec or "", now, *chunk]))
+            gids += [f"{job_id}:{base + i}:{chunk[2 * i]}" for i in range(len(chunk) // 2)]
+        return gids
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """The job hash: ``spec`` (JSON), ``kind``, ``state`` and counters (``submitted``, ``completed``,
+        ``dead_lettered``, ``trained``, ``stale_dropped``, ``samples``, ``reward_sum``), as strings. A running job whose
+        every task has a written group or a dead letter reads as ``done``."""
+        job = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.job(job_id)).items()}
+        finished = int(job.get("completed", 0)) + int(job.get("dead_lettered", 0))
+        if job.get("state") == "running" and finished >= int(job.get("submitted", 0)):
+            job["state"] = "done"
+        return job
+
+    def read(
+        self, consumer: str, count: int, block_ms: int = 0, kinds: Sequence[str] = ("eval", "train")
+    ) -> list[TaskEntry]:
+        """Up to ``count`` tasks: this consumer's own pending ones first (after a restart), then idle ones
+        of dead consumers, then new ones (eval before train). Blocks up to ``block_ms`` only when idle."""
+        out: list[TaskEntry] = []
+        for kind in kinds:
+            if len(out) < count:
+                out += self.reclaim(consumer, count - len(out), kind)
+        for kind in kinds:
+            if len(out) < count:
+                out += self._read_new(consumer, {self.keys.tasks(kind): ">"}, count - len(out), None)
+        if not out and block_ms > 0:
+            streams = {self.keys.tasks(kind): ">" for kind in kinds}
+            got = self._read_new(consumer, streams, 1, block_ms)
+            for extra in got[count:]:
+                self.hand_back(extra)
+            out = got[:count]
+        return out
+
+    def _read_new(self, consumer: str, streams: dict[str, str], count: int, block_ms: int | None) -> list[TaskEntry]:
+        reply = self.r.xreadgroup(ROLLOUT_GROUP, consumer, streams, count=count, block=block_ms)
+        out = []
+        for stream, entries in reply or []:
+            for entry_id, fields in entries:
+                entry = self._parse(stream.decode(), entry_id.decode(), fields, delivered=1)
+                if entry is not None:
+                    out.append(entry)
+        return out
+
+    def reclaim(self, consumer: str, count: int, kind: str) -> list[TaskEntry]:
+        """This consumer's own pending tasks (after a restart), then tasks idle past ``claim_idle_ms`` in other
+        consumers' pending lists. Entries deleted while pending are acked away and logged."""
+        stream = self.keys.tasks(kind)
+        reclaimer = self._reclaimers.get((consumer, kind))
+        if reclaimer is None:
+            reclaimer = Reclaimer(self.r, stream, ROLLOUT_GROUP, consumer, self.config.claim_idle_ms)
+            self._reclaimers[(consumer, kind)] = reclaimer
+        claimed, deleted = reclaimer.claim(count)
+        if deleted:
+            log.warning("%s: %d pending task(s) had been deleted from the stream; acked them away", stream, deleted)
+        if claimed:
+            self.metrics.redeliveries.labels(stream=kind).inc(len(claimed))
+        out = [self._parse(stream, entry_id, fields, delivered=n) for entry_id, n, fields in claimed]
+        return [e for e in out if e is not None]
+
+    def _parse(self, stream: str, entry_id: str, fields: dict[bytes, bytes], delivered: int) -> TaskEntry | None:
+        """A ``TaskEntry``, or None after moving a malformed entry aside or dead-lettering an exhausted one."""
+        try:
+            text = {k.decode(): v.decode() for k, v in fields.items()}
+            missing = [k for k in ("job_id", "kind", "gid", "task") if k not in text]
+            if missing:
+                raise ValueError(f"missing field(s) {', '.join(missing)}")
+            if text["kind"] not in TASK_KINDS:
+                raise ValueError(f"kind {text['kind']!r} is not one of {', '.join(TASK_KINDS)}")
+            task = json.loads(text["task"])
+            if not isinstance(task, dict):
+                raise ValueError(f"task: expected a JSON object, got {type(task).__name__}")
+            entry = TaskEntry(
+                stream, entry_id, text["job_id"], text["kind"], text["gid"], task,
+                deliveries=int(text.get("attempts", "0")) + delivered, last_error=text.get("error", ""),
+            )
+        except (UnicodeDecodeError, ValueError) as exc:
+            self.move_malformed(stream, entry_id, fields, f"task entry {entry_id}: {exc}")
+            return None
+        if entry.deliveries > self.config.max_attempts:
+            last = f"; last error: {entry.last_error}" if entry.last_error else ""
+            self.dead_letter(entry, f"delivered {entry.deliveries} times without completing{last}")
+            return None
+        return entry
+
+    def move_malformed(self, stream: str, entry_id: str, fields: Mapping[bytes, bytes], error: str) -> None:
+        """Move an unparseable entry to the malformed stream with the error and its raw fields."""
+        raw = {b"f." + k: v for k, v in fields.items()}
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys.tasks_malformed, {"stream": stream, "entry_id": entry_id, "error": error, **raw})
+        pipe.xack(stream, ROLLOUT_GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.execute()
+        self.metrics.malformed.labels(stream="tasks").inc()
+
+    def _entry_args(self, entry: TaskEntry) -> list[Any]:
+        return [ROLLOUT_GROUP, entry.entry_id, entry.group_id, entry.job_id, entry.kind,
+                json.dumps(entry.task, separators=(",", ":"))]
+
+    def dead_letter(self, entry: TaskEntry, error: str) -> bool:
+        """Move a task to the dead-letter stream and release its admission; False if it was no longer pending."""
+        keys = [entry.stream, self.keys.tasks_dead, self.keys.job(entry.job_id), self.keys.admitted,
+                self.keys.admitted_ids]
+        moved = bool(self._dead_letter(keys, [*self._entry_args(entry), entry.deliveries, error]))
+        if moved:
+            self.metrics.dead_letters.inc()
+        return moved
+
+    def fail(self, entry: TaskEntry, error: str) -> bool:
+        """Record a failed attempt: requeue the task with the error, or dead-letter it once attempts are spent.
+
+        Returns True if the task was dead-lettered."""
+        if entry.deliveries >= self.config.max_attempts:
+            return self.dead_letter(entry, error)
+        self._requeue([entry.stream], [*self._entry_args(entry), entry.deliveries, error])
+        return False
+
+    def hand_back(self, entry: TaskEntry) -> None:
+        """Give a task back unprocessed (shutdown, or read one too many): requeued, this delivery not counted."""
+        self._requeue([entry.stream], [*self._entry_args(entry), entry.deliveries - 1, entry.last_error])
+
+    def renew(self, consumer: str, entries: Sequence[TaskEntry]) -> list[TaskEntry]:
+        """Reset the idle time of tasks this consumer still holds, so live work is not reclaimed.
+
+        Returns the entries that another consumer has claimed meanwhile (the lease was lost)."""
+        by_stream: dict[str, list[TaskEntry]] = {}
+        for e in entries:
+            by_stream.setdefault(e.stream, []).append(e)
+        lost = []
+        for stream, group in by_stream.items():
+            kept = {i.decode() for i in self._renew([stream], [ROLLOUT_GROUP, consumer, *(e.entry_id for e in group)])}
+            lost += [e for e in group if e.entry_id not in kept]
+        return lost

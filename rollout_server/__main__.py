@@ -1,0 +1,97 @@
+"""``python -m rollout_server -c cfg.yaml [key=value ...]``: one rollout server.
+
+Connects to Redis (``REDIS_URL`` / ``redis.url``, else an embedded redis-server), uses the engines in
+``engine.urls`` or starts the embedded engine as a child process, and runs the worker until SIGTERM
+or SIGINT, then shuts down gracefully (see ``rollout_server.worker``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+from buffer.redis_server import connect
+from rollout_server.engine.process import EngineProcess
+from rollout_server.engine_client import EngineClient
+from rollout_server.metrics import RolloutMetrics
+from rollout_server.tools import ToolRegistry
+from rollout_server.worker import RolloutWorker
+from services.config import Config, ConfigError, EngineConfig, ModelConfig, load_config
+from services.metrics import serve_metrics
+
+log = logging.getLogger("rollout_server")
+
+
+def model_dir(cfg: ModelConfig) -> Path:
+    """The served model directory, built (tiny model) when missing and ``init_if_missing`` is set."""
+    if not (cfg.path / "config.json").exists():
+        if not cfg.init_if_missing:
+            raise ConfigError(f"model.path: {cfg.path} holds no model (config.json) and init_if_missing is off")
+        from services.tiny_model import build_tiny_model
+
+        build_tiny_model(cfg.path, seed=cfg.seed)
+    return cfg.path
+
+
+async def engine_urls(cfg: EngineConfig, model: Path, stack: AsyncExitStack) -> list[str]:
+    """``engine.urls``, or the URL of an embedded engine started here (stopped with ``stack``)."""
+    if cfg.urls:
+        return cfg.urls
+    if cfg.backend != "embedded":
+        raise ConfigError(f"engine.urls: engine.backend={cfg.backend} needs the URLs of running servers")
+    engine = EngineProcess(model, host=cfg.host, port=cfg.port, max_batch_size=cfg.max_batch_size,
+                           max_context=cfg.max_context)
+    await asyncio.to_thread(engine.start)
+    stack.callback(engine.close)
+    return [engine.url]
+
+
+async def serve(cfg: Config) -> None:
+    async with AsyncExitStack() as stack:
+        client, redis_server = connect(cfg.redis, cfg.run.path)
+        stack.callback(client.close)
+        if redis_server is not None:
+            stack.callback(redis_server.stop)
+        model = await asyncio.to_thread(model_dir, cfg.model)
+        urls = await engine_urls(cfg.engine, model, stack)
+        engines = [EngineClient(url, timeout_s=cfg.engine.request_timeout_s) for url in urls]
+        for engine in engines:
+            stack.push_async_callback(engine.aclose)
+            await engine.wait_ready()
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        metrics = RolloutMetrics()
+        worker = RolloutWorker(client, cfg.run.name, cfg.rollout, cfg.buffer, cfg.trainer.groups_per_step,
+                               engines, tokenizer, ToolRegistry.from_file(cfg.rollout.tools), metrics)
+        if cfg.rollout.metrics_port:
+            stack.callback(serve_metrics(metrics.registry, port=cfg.rollout.metrics_port).shutdown)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop)
+        await worker.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollout_server", description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", help="run config YAML")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        asyncio.run(serve(cfg))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

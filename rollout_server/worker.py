@@ -1,0 +1,243 @@
+"""The rollout worker: tasks from Redis -> agent loop -> trajectory groups into the replay buffer.
+
+Up to ``max_concurrent_groups`` groups run at once. A train task starts only once staleness admission
+lets it; its group is written and the task acked in one atomic step, so a task is never acked without
+its group and never makes two. The worker heart-beats into the server registry and renews the leases
+of the tasks it holds, so only a dead worker's tasks are reclaimed by others.
+
+On ``stop()`` (SIGTERM) it reads no more, lets in-flight groups finish for ``shutdown_grace_s``, then
+hands the rest back to the queue unacked; nothing it held is lost. Extra services that live and die
+with the worker (the checkpoint receiver) go in ``services``: started after the worker registers
+its consumer groups, stopped after the last group is handed back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+import httpx
+import redis
+from pydantic import ValidationError
+
+from buffer.keys import Keys
+from buffer.metrics import BufferMetrics
+from buffer.registry import ServerInfo, ServerRegistry
+from buffer.replay import BufferClosed, ReplayBuffer
+from buffer.staleness import StalenessControl
+from buffer.task_queue import TaskEntry, TaskQueue
+from rollout_server.agent_loop import AgentLoop, parse_version
+from rollout_server.engine_client import EngineClient, EngineError
+from rollout_server.metrics import RolloutMetrics
+from rollout_server.tools import ToolRegistry
+from services.config import BufferConfig, RolloutConfig
+from services.jobs import JobSpec, rollout_settings
+from services.tasks import Task
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+READ_BLOCK_MS = 500
+MAX_CACHED_LOOPS = 64
+
+
+class Service(Protocol):
+    """Something that runs beside the worker (e.g. the checkpoint receiver)."""
+
+    async def start(self) -> Any: ...
+
+    async def stop(self) -> Any: ...
+
+
+def default_server_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class RolloutWorker:
+    """One rollout server's loop over the task queue; ``await run()`` until ``stop()``."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run: str,
+        rollout: RolloutConfig,
+        buffer: BufferConfig,
+        groups_per_step: int,
+        engines: list[EngineClient],
+        tokenizer: Any,
+        tools: ToolRegistry,
+        metrics: RolloutMetrics | None = None,
+    ) -> None:
+        if not engines:
+            raise ValueError("the rollout worker needs at least one engine")
+        self.run_name = run
+        self.config = rollout
+        self.engines = engines
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.metrics = metrics or RolloutMetrics()
+        self.buffer_metrics = BufferMetrics(self.metrics.registry)
+        self.keys = Keys(run)
+        self.redis = client
+        self.tasks = TaskQueue(client, self.keys, buffer, self.buffer_metrics)
+        self.replay = ReplayBuffer(client, self.keys, buffer, metrics=self.buffer_metrics)
+        self.staleness = StalenessControl(client, self.keys, buffer.max_staleness, groups_per_step, self.buffer_metrics)
+        self.registry = ServerRegistry(client, self.keys, ttl_s=3 * rollout.heartbeat_s)
+        self.consumer = rollout.server_id or default_server_id()
+        self.info = ServerInfo(self.consumer, engine_url=engines[0].base_url)
+        self.services: list[Service] = []
+        self.lease_s = min(rollout.heartbeat_s, buffer.claim_idle_ms / 3000)
+        self._inflight: dict[asyncio.Task, TaskEntry] = {}
+        self._loops: dict[tuple[str, int], AgentLoop] = {}
+        self._next_engine = 0
+        self._stopping = threading.Event()
+        self._pool = ThreadPoolExecutor(rollout.max_concurrent_groups + 4, thread_name_prefix="redis")
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a (blocking) Redis call off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def stop(self) -> None:
+        """Ask the worker to shut down gracefully (safe from a signal handler)."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        """Read tasks while slots are free and run each group as its own asyncio task, until ``stop()``."""
+        await self._start()
+        beat = asyncio.create_task(self._heartbeat_loop())
+        try:
+            while not self._stopping.is_set():
+                free = self.config.max_concurrent_groups - len(self._inflight)
+                if free <= 0:
+                    await asyncio.wait(list(self._inflight), timeout=READ_BLOCK_MS / 1000,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                kinds = ("eval", "train") if await self._call(self.staleness.capacity) > 0 else ("eval",)
+                for entry in await self._call(self.tasks.read, self.consumer, free, READ_BLOCK_MS, kinds):
+                    task = asyncio.create_task(self._handle(entry), name=f"group {entry.group_id}")
+                    self._inflight[task] = entry
+                    task.add_done_callback(self._inflight.pop)
+            await self._drain()
+        finally:
+            beat.cancel()
+            await self._close()
+
+    async def _start(self) -> None:
+        await self._call(self.tasks.ensure_groups)
+        await self._call(self.replay.ensure_group)
+        for service in self.services:
+            await service.start()
+        await self._call(self.registry.register, self.info)
+        log.info("rollout worker %s serving run %s with %d engine(s)", self.consumer, self.run_name,
+                 len(self.engines))
+
+    async def _handle(self, entry: TaskEntry) -> None:
+        """One task -> one group written (or the task handed back, failed or dead-lettered, never lost)."""
+        try:
+            job = await self._call(self.tasks.job, entry.job_id)
+            if job.get("state") == "cancelled":
+                await self._call(self.tasks.dead_letter, entry, f"job {entry.job_id} was cancelled")
+                return
+            loop, tools = self._agent_loop(entry.job_id, job.get("spec"))
+            task = Task.model_validate({**entry.task, "task_id": entry.group_id})
+            task = task.model_copy(update={"tools": tools}) if tools is not None else task
+            if entry.kind == "train" and not await self._call(self.staleness.admit, entry.group_id, self._stopping):
+                await self._call(self.tasks.hand_back, entry)
+                return
+            group = await loop.run_group(task, run=self.run_name, job_id=entry.job_id)
+            group.kind = entry.kind
+            if self._stopping.is_set() and any(s.finish_reason in ("error", "abort") for s in group.samples):
+                await self._call(self.tasks.hand_back, entry)  # the engine went away under a shutdown
+                return
+            await self._put(group, entry)
+        except ValidationError as exc:  # a bad task or job spec will not get better: no retries
+            await self._call(self.tasks.dead_letter, entry, f"invalid task or job spec: {exc}")
+        except BufferClosed:
+            await self._call(self.tasks.hand_back, entry)
+        except asyncio.CancelledError:
+            await self._call(self.tasks.hand_back, entry)
+            raise
+        except redis.ConnectionError as exc:
+            log.warning("group %s: Redis unreachable (%s); the task stays pending and will be reclaimed",
+                        entry.group_id, exc)
+        except Exception as exc:  # a task that cannot be rolled out fails with its error; the server goes on
+            log.warning("group %s failed: %s: %s", entry.group_id, type(exc).__name__, exc)
+            await self._call(self.tasks.fail, entry, f"{type(exc).__name__}: {exc}")
+
+    async def _put(self, group: Any, entry: TaskEntry) -> None:
+        """Write the group and ack its task; rides out a Redis restart (the put is idempotent)."""
+        delay = 0.5
+        while True:
+            try:
+                await self._call(self.replay.put, group, entry)
+                return
+            except redis.ConnectionError as exc:
+                if self._stopping.is_set():
+                    raise
+                log.warning("group %s: Redis unreachable (%s); retrying the put", group.group_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
+    def _agent_loop(self, job_id: str, spec_json: str | None) -> tuple[AgentLoop, list[str] | None]:
+        """The agent loop with a job's settings on the next engine (round robin), and the job's tool list
+        (None: each task's own). Cached per job and engine."""
+        engine_index = self._next_engine % len(self.engines)
+        self._next_engine += 1
+        spec = JobSpec.model_validate_json(spec_json) if spec_json else None
+        key = (job_id, engine_index)
+        if key not in self._loops:
+            config = rollout_settings(spec, self.config) if spec else self.config
+            if len(self._loops) >= MAX_CACHED_LOOPS:
+                self._loops.pop(next(iter(self._loops)))
+            self._loops[key] = AgentLoop(
+                self.engines[engine_index], self.tokenizer, self.tools, config, metrics=self.metrics
+            )
+        return self._loops[key], spec.tools if spec else None
+
+    async def _heartbeat_loop(self) -> None:
+        """Registry heartbeat, lease renewal of held tasks and buffer gauges, every ``lease_s``."""
+        while True:
+            await asyncio.sleep(self.lease_s)
+            try:
+                self.info.version = await self._engine_version()
+                await self._call(self.registry.heartbeat, self.info)
+                lost = await self._call(self.tasks.renew, self.consumer, list(self._inflight.values()))
+                for entry in lost:
+                    log.warning("group %s: lease lost to another worker; its group may be written twice "
+                                "(the buffer keeps one)", entry.group_id)
+                await self._call(self.buffer_metrics.observe, self.redis, self.keys)
+            except redis.RedisError as exc:
+                log.warning("heartbeat: %s: %s", type(exc).__name__, exc)
+
+    async def _engine_version(self) -> int:
+        try:
+            return parse_version(await self.engines[0].weight_version())
+        except (httpx.HTTPError, EngineError):
+            return self.info.version
+
+    async def _drain(self) -> None:
+        """Give in-flight groups ``shutdown_grace_s`` to finish, then hand the rest back."""
+        pending = list(self._inflight)
+        if pending:
+            log.info("stopping: waiting up to %.0fs for %d in-flight group(s)", self.config.shutdown_grace_s,
+                     len(pending))
+            _done, late = await asyncio.wait(pending, timeout=self.config.shutdown_grace_s)
+            self.replay.close()
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+
+    async def _close(self) -> None:
+        try:
+            await self._call(self.registry.deregister, self.consumer)
+        except redis.ConnectionError as exc:
+            log.warning("could not deregister %s: %s", self.consumer, exc)
+        for service in reversed(self.services):
+            await service.stop()
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,231 @@
+"""The task queue against a real Redis: delivery, crash recovery, leases, failures, dead letters, bad entries."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from buffer_helpers import client, make_group
+
+from buffer.keys import ROLLOUT_GROUP, Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.replay import ReplayBuffer
+from buffer.staleness import StalenessControl
+from buffer.task_queue import TaskQueue
+from services.config import BufferConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = Keys("t")
+
+# A real consumer process: takes one task with the real TaskQueue, says which, then hangs "mid-task".
+CONSUMER = """
+import sys, time, redis
+from buffer.keys import Keys
+from buffer.task_queue import TaskQueue
+from services.config import BufferConfig
+queue = TaskQueue(redis.Redis.from_url(sys.argv[1]), Keys("t"), BufferConfig(claim_idle_ms=300))
+entries = queue.read("doomed", 1, 5000)
+print(entries[0].group_id, flush=True)
+time.sleep(600)
+"""
+
+
+def tasks(n: int, prefix: str = "q") -> list[dict]:
+    return [{"task_id": f"{prefix}{i}", "messages": [{"role": "user", "content": f"task {i}"}]} for i in range(n)]
+
+
+def queue(server: EmbeddedRedis, **cfg) -> TaskQueue:
+    q = TaskQueue(client(server), KEYS, BufferConfig(**{"claim_idle_ms": 300, **cfg}))
+    q.ensure_groups()
+    return q
+
+
+def finish(server: EmbeddedRedis, entries, cfg: BufferConfig | None = None) -> None:
+    """Write each entry's group and ack its task, as a rollout server does."""
+    replay = ReplayBuffer(client(server), KEYS, cfg or BufferConfig())
+    replay.ensure_group()
+    for e in entries:
+        assert replay.put(make_group(e.job_id, e.group_id, kind=e.kind), task=e)
+
+
+def written_gids(server: EmbeddedRedis) -> list[str]:
+    return [f[b"gid"].decode() for _, f in client(server).xrange(KEYS.groups)]
+
+
+def test_submit_read_and_finish(redis_server: EmbeddedRedis) -> None:
+    q = queue(redis_server)
+    gids = q.submit("job", tasks(3), "train", spec=json.dumps({"source": {"kind": "arith", "limit": 3}}))
+    assert gids == ["job:0:q0", "job:1:q1", "job:2:q2"]
+    assert q.submit("job", tasks(1), "train") == ["job:3:q0"]  # resubmitting a task makes a new group
+    with pytest.raises(ValueError, match="tasks\\[0\\].task_id"):
+        q.submit("job", [{"messages": []}], "train")
+    with pytest.raises(Exception, match="is a train job"):
+        q.submit("job", tasks(1), "eval")
+    entries = q.read("c1", 10)
+    assert [e.group_id for e in entries] == gids + ["job:3:q0"]
+    assert all(e.deliveries == 1 and e.kind == "train" for e in entries)
+    assert entries[0].task == tasks(1)[0]
+    job = q.job("job")
+    assert (job["submitted"], job["state"], json.loads(job["spec"])["source"]["limit"]) == ("4", "running", 3)
+    finish(redis_server, entries)
+    job = q.job("job")
+    assert (job["completed"], job["state"]) == ("4", "done")
+    r = client(redis_server)
+    assert r.xlen(KEYS.tasks("train")) == 0 and r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 0
+
+
+def test_eval_tasks_come_first_and_train_can_be_left_out(redis_server: EmbeddedRedis) -> None:
+    q = queue(redis_server)
+    q.submit("tr", tasks(2, "t"), "train")
+    q.submit("ev", tasks(2, "e"), "eval")
+    assert [e.kind for e in q.read("c", 3)] == ["eval", "eval", "train"]
+    assert q.read("c", 5, kinds=("eval",)) == []
+    assert [e.group_id for e in q.read("c", 5, block_ms=50)] == ["tr:1:t1"]
+
+
+def test_sigkilled_consumer_task_is_redelivered_and_written_once(redis_server: EmbeddedRedis) -> None:
+    q = queue(redis_server)
+    gids = q.submit("job", tasks(3), "train")
+    proc = subprocess.Popen([sys.executable, "-c", CONSUMER, redis_server.url], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        doomed = proc.stdout.readline().strip()
+        assert doomed == gids[0]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    got = {}
+    deadline = time.monotonic() + 30
+    while len(got) < 3 and time.monotonic() < deadline:
+        for e in q.read("live", 3, block_ms=100):
+            got[e.group_id] = e
+    assert set(got) == set(gids)
+    assert got[doomed].deliveries == 2 and got[gids[1]].deliveries == 1
+    assert q.metrics.redeliveries.labels(stream="train")._value.get() == 1
+    finish(redis_server, got.values())
+    finish(redis_server, [got[doomed]])  # a second attempt to write it changes nothing
+    assert sorted(written_gids(redis_server)) == sorted(gids)
+    assert q.job("job")["completed"] == "3"
+    r = client(redis_server)
+    assert r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 0
+
+
+def test_restarted_consumer_recovers_its_own_pending_tasks_at_once(redis_server: EmbeddedRedis) -> None:
+    q = queue(redis_server, claim_idle_ms=600_000)
+    gids = q.submit("job", tasks(3), "train")
+    assert len(q.read("srv-1", 2)) == 2
+    again = queue(redis_server, claim_idle_ms=600_000)  # same consumer name, new process state
+    first = again.read("srv-1", 1)
+    rest = again.read("srv-1", 5)
+    assert [e.group_id for e in first + rest] == gids
+    assert [e.deliveries for e in first + rest] == [2, 2, 1]
+    assert again.read("srv-1", 5) == []  # its in-flight tasks are not handed to it twice
+
+
+def test_renewed_leases_are_not_reclaimed(redis_server: EmbeddedRedis) -> None:
+    q = queue(redis_server, claim_idle_ms=1000)
+    q.submit("job", tasks(2), "train")
+    held = q.read("busy", 2)
+    for _ in range(4):
+        time.sleep(0.3)
+        assert q.renew("busy", held) == []
+        assert q.read("other", 2) == []  # nothing idle long enough to take
+    time.sleep(1.1)
+    stolen = q.read("other", 1)
+    assert [e.group_id for e in stolen] == [held[0].group_id]
+    assert q.renew("busy", held) == [held[0]]  # the lease on the taken one is lost
+
+
+def test_failures_requeue_then_dead_letter_with_error(redis_server: EmbeddedRedis) -> None:
+    q = queue(redis_server, max_attempts=2)
+    st = StalenessControl(client(redis_server), KEYS, max_staleness=0, groups_per_step=4)
+    [gid] = q.submit("job", tasks(1), "train")
+    [e] = q.read("c", 1)
+    assert st.try_admit(gid) and st.admitted() == 1
+    assert q.fail(e, "ValueError: boom 1") is False
+    [e] = q.read("c", 1)
+    assert (e.group_id, e.deliveries, e.last_error) == (gid, 2, "ValueError: boom 1")
+    assert st.try_admit(gid) and st.admitted() == 1  # a redelivered task is not admitted twice
+    assert q.fail(e, "ValueError: boom 2") is True
+    assert q.read("c", 1) == []
+    [(_, dead)] = client(redis_server).xrange(KEYS.tasks_dead)
+    assert (dead[b"gid"].decode(), dead[b"error"], dead[b"deliveries"]) == (gid, b"ValueError: boom 2", b"2")
+    assert st.admitted() == 0  # its admission slot was given back
+    job = q.job("job")
+    assert (job["dead_lettered"], job["state"]) == ("1", "done")
+    assert q.metrics.dead_letters._value.get() == 1
+
+
+def test_consumers_dying_repeatedly_dead_letters_the_task(redis_server: EmbeddedRedis) -> None:
+    q = queue(redis_server, max_attempts=2)
+    [gid] = q.submit("job", tasks(1), "train")
+    assert len(q.read("dies-1", 1)) == 1
+    time.sleep(0.35)
+    assert [e.deliveries for e in q.read("dies-2", 1)] == [2]
+    time.sleep(0.35)
+    assert q.read("survivor", 1) == []  # third delivery would exceed max_attempts
+    [(_, dead)] = client(redis_server).xrange(KEYS.tasks_dead)
+    assert dead[b"gid"].decode() == gid and b"delivered 3 times" in dead[b"error"]
+
+
+def test_hand_back_does_not_count_an_attempt(redis_server: EmbeddedRedis) -> None:
+    q = queue(redis_server, max_attempts=1)
+    [gid] = q.submit("job", tasks(1), "train")
+    for _ in range(3):
+        [e] = q.read("c", 1)
+        assert (e.group_id, e.deliveries) == (gid, 1)
+        q.hand_back(e)
+    assert client(redis_server).xlen(KEYS.tasks_dead) == 0
+
+
+def test_malformed_entries_are_moved_aside_never_crash_the_consumer(redis_server: EmbeddedRedis) -> None:
+    q = queue(redis_server)
+    r = client(redis_server)
+    stream = KEYS.tasks("train")
+    q.submit("job", tasks(1, "a"), "train")
+    r.xadd(stream, {"job_id": "job", "kind": "train", "gid": "x"})  # no task
+    r.xadd(stream, {"job_id": "job", "kind": "train", "gid": "x", "task": "{not json"})
+    r.xadd(stream, {"job_id": "job", "kind": "train", "gid": "x", "task": "[1, 2]"})
+    r.xadd(stream, {"job_id": "job", "kind": "chores", "gid": "x", "task": "{}"})
+    r.xadd(stream, {"job_id": b"\xff\xfe", "kind": "train", "gid": "x", "task": "{}"})
+    r.xadd(stream, {"job_id": "job", "kind": "train", "gid": "x", "task": "{}", "attempts": "many"})
+    q.submit("job", tasks(1, "b"), "train")
+    got = q.read("c", 10)
+    assert [e.group_id for e in got] == ["job:0:a0", "job:1:b0"]
+    bad = r.xrange(KEYS.tasks_malformed)
+    errors = [f[b"error"].decode() for _, f in bad]
+    assert len(bad) == 6
+    assert "missing field(s) task" in errors[0]
+    assert "Expecting property name" in errors[1]
+    assert "expected a JSON object, got list" in errors[2]
+    assert "kind 'chores'" in errors[3]
+    assert "utf-8" in errors[4]
+    assert "invalid literal" in errors[5]
+    assert bad[1][1][b"f.task"] == b"{not json"  # the raw entry is kept for inspection
+    assert r.xpending(stream, ROLLOUT_GROUP)["pending"] == 2
+    assert q.metrics.malformed.labels(stream="tasks")._value.get() == 6
+
+
+def test_tasks_deleted_while_pending_are_acked_away(redis_server: EmbeddedRedis) -> None:
+    q = queue(redis_server)
+    r = client(redis_server)
+    q.submit("job", tasks(2), "train")
+    held = q.read("gone", 2)
+    r.xdel(KEYS.tasks("train"), held[0].entry_id)
+    time.sleep(0.35)
+    assert [e.group_id for e in q.read("c", 5)] == [held[1].group_id]
+    assert r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 1
+
+
+def test_cancelled_job_state_is_kept_on_submit(redis_server: EmbeddedRedis) -> None:
+    q = queue(redis_server)
+    q.submit("job", tasks(1), "train")
+    client(redis_server).hset(KEYS.job("job"), "state", "cancelled")
+    q.submit("job", tasks(1), "train")
+    assert q.job("job")["state"] == "cancelled"

@@ -1,0 +1,263 @@
+"""The replay buffer against a real Redis: exactly-once training over at-least-once delivery, backpressure,
+bad entries, eval routing, and durability across a Redis restart with AOF."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from buffer_helpers import client, make_group
+
+from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.replay import BufferClosed, ReplayBuffer
+from buffer.schema import encode_group
+from buffer.staleness import StalenessControl
+from buffer.task_queue import TaskQueue
+from services.config import BufferConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = Keys("t")
+
+# A real trainer process: takes a batch with the real ReplayBuffer, says which groups, then dies before acking.
+TRAINER = """
+import sys, time, redis
+from buffer.keys import Keys
+from buffer.replay import ReplayBuffer
+from services.config import BufferConfig
+buf = ReplayBuffer(redis.Redis.from_url(sys.argv[1]), Keys("t"), BufferConfig(claim_idle_ms=300), sys.argv[2])
+batch = buf.take(int(sys.argv[3]), 10)
+print(" ".join(g.group_id for _, g in batch), flush=True)
+time.sleep(600)
+"""
+
+
+def buffer(server: EmbeddedRedis, consumer: str = "trainer", **cfg) -> ReplayBuffer:
+    buf = ReplayBuffer(client(server), KEYS, BufferConfig(**{"claim_idle_ms": 300, **cfg}), consumer)
+    buf.ensure_group()
+    return buf
+
+
+def fill(buf: ReplayBuffer, n: int, job: str = "job") -> list[str]:
+    gids = [f"{job}:{i}:x" for i in range(n)]
+    assert buf.put_many([make_group(job, g) for g in gids]) == [1] * n
+    return gids
+
+
+def train_until(buf: ReplayBuffer, want: int, trained: list[str], timeout_s: float = 20.0) -> None:
+    """Take, 'train' (record ids) and ack until ``want`` groups were trained or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    while len(trained) < want and time.monotonic() < deadline:
+        batch = buf.take(want, 0.2)
+        trained += [g.group_id for _, g in batch]
+        buf.ack([i for i, _ in batch], [g.group_id for _, g in batch])
+
+
+def kill_trainer_mid_batch(server: EmbeddedRedis, consumer: str, n: int) -> list[str]:
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, server.url, consumer, str(n)], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        taken = proc.stdout.readline().split()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    return taken
+
+
+def test_put_take_ack_round_trip(redis_server: EmbeddedRedis) -> None:
+    buf = buffer(redis_server)
+    group = make_group("job", "job:0:x", n=3, tokens=40, version=2, reward=0.5)
+    assert buf.put(group)
+    [(entry_id, got)] = buf.take(5, 0.1)
+    assert got.group_id == group.group_id and got.oldest_version() == 2
+    for a, b in zip(got.samples, group.samples, strict=True):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_array_equal(a.behaviour_logprobs, b.behaviour_logprobs)
+    assert buf.ack([entry_id], [got.group_id]) == 1
+    assert buf.ack([entry_id], [got.group_id]) == 0  # idempotent
+    job = TaskQueue(client(redis_server), KEYS, BufferConfig()).job("job")
+    assert (job["completed"], job["trained"], float(job["reward_sum"])) == ("1", "1", 1.5)
+    assert client(redis_server).xlen(KEYS.groups) == 0  # acked entries leave the stream
+    with pytest.raises(ValueError, match="2 entry ids but 1 group ids"):
+        buf.ack(["1-0", "2-0"], ["a"])
+
+
+@pytest.mark.parametrize("same_name", [True, False], ids=["restarted-same-name", "new-trainer"])
+def test_trainer_dies_before_ack_groups_come_back_and_train_once(redis_server: EmbeddedRedis, same_name: bool) -> None:
+    gids = fill(buffer(redis_server, "producer"), 5)
+    taken = kill_trainer_mid_batch(redis_server, "trainer", 3)
+    assert taken == gids[:3]
+    buf = buffer(redis_server, "trainer" if same_name else "trainer-2")
+    trained: list[str] = []
+    train_until(buf, 5, trained)
+    assert sorted(trained) == sorted(gids)  # every group once, the dead trainer's batch included
+    assert buf.take(5, 0.5) == []
+    assert TaskQueue(client(redis_server), KEYS, BufferConfig()).job("job")["trained"] == "5"
+    assert buf.metrics.redeliveries.labels(stream="groups")._value.get() == 3
+
+
+def test_groups_already_trained_or_held_are_skipped(redis_server: EmbeddedRedis) -> None:
+    buf = buffer(redis_server)
+    r = client(redis_server)
+    g = make_group("job", "job:0:x")
+    payload = encode_group(g)
+    assert buf.put(g)
+    [(entry_id, _)] = buf.take(1, 0.1)
+    r.xadd(KEYS.groups, {"g": payload, "gid": g.group_id, "job": "job"})  # a stray copy while held
+    assert buf.take(5, 0.1) == []
+    buf.ack([entry_id], [g.group_id])
+    r.xadd(KEYS.groups, {"g": payload, "gid": g.group_id, "job": "job"})  # a stray copy after training
+    assert buf.take(5, 0.1) == []
+    assert buf.metrics.duplicates_dropped._value.get() == 2
+    assert r.xlen(KEYS.groups) == 0 and r.xpending(KEYS.groups, TRAINER_GROUP)["pending"] == 0
+
+
+def test_a_group_is_written_once_and_its_task_acked(redis_server: EmbeddedRedis) -> None:
+    q = TaskQueue(client(redis_server), KEYS, BufferConfig())
+    q.ensure_groups()
+    buf = buffer(redis_server)
+    [gid] = q.submit("job", [{"task_id": "a", "messages": []}], "train")
+    [entry] = q.read("srv", 1)
+    assert buf.try_put(make_group("job", gid), entry) == 1
+    assert buf.try_put(make_group("job", gid), entry) == 0
+    assert buf.try_put(make_group("job", gid)) == 0
+    with pytest.raises(ValueError, match="does not belong to task"):
+        buf.try_put(make_group("job", "job:9:other"), entry)
+    r = client(redis_server)
+    assert r.xlen(KEYS.groups) == 1 and r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 0
+    assert q.job("job")["completed"] == "1"
+
+
+def test_backpressure_bounds_the_backlog_and_never_trims(redis_server: EmbeddedRedis) -> None:
+    producer = buffer(redis_server, "producer", max_groups=3)
+    trainer = buffer(redis_server, max_groups=3)
+    fill(producer, 3)
+    g4 = make_group("job", "job:3:x")
+    assert producer.try_put(g4) == -1
+    assert producer.put(g4, timeout_s=0.2) is False
+    assert producer.metrics.backpressure_waits._value.get() == 1
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: done.set() if producer.put(g4) else None)
+    waiter.start()
+    time.sleep(0.2)
+    assert not done.is_set()  # still waiting: nothing taken yet
+    batch = trainer.take(2, 0.1)  # delivered to the trainer: room for more, but nothing is trimmed
+    waiter.join(10)
+    assert done.is_set()
+    r = client(redis_server)
+    assert r.xlen(KEYS.groups) == 4 and r.xpending(KEYS.groups, TRAINER_GROUP)["pending"] == 2
+    assert producer.try_put(make_group("job", "job:4:x")) == 1  # backlog 2 + this one = 3
+    assert producer.try_put(make_group("job", "job:5:x")) == -1
+    trainer.ack([i for i, _ in batch], [g.group_id for _, g in batch])
+    assert r.xlen(KEYS.groups) == 3  # only acked entries ever leave
+
+
+def test_close_wakes_a_waiting_put(redis_server: EmbeddedRedis) -> None:
+    buf = buffer(redis_server, max_groups=1)
+    fill(buf, 1)
+    errors: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            buf.put(make_group("job", "job:1:x"))
+        except BufferClosed as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=put)
+    t.start()
+    time.sleep(0.1)
+    buf.close()
+    t.join(5)
+    assert len(errors) == 1 and "job:1:x" in str(errors[0])
+
+
+def test_malformed_group_entries_are_moved_aside(redis_server: EmbeddedRedis) -> None:
+    buf = buffer(redis_server)
+    r = client(redis_server)
+    fill(buf, 1)
+    r.xadd(KEYS.groups, {"gid": "nope"})
+    r.xadd(KEYS.groups, {"g": b"\xc1\xc1garbage", "gid": "bad"})
+    r.xadd(KEYS.groups, {"g": msgpack.packb({"schema_version": 99}), "gid": "old"})
+    fill(buf, 2, job="later")
+    got = buf.take(10, 0.2)
+    assert [g.group_id for _, g in got] == ["job:0:x", "later:0:x", "later:1:x"]
+    errors = [f[b"error"].decode() for _, f in r.xrange(KEYS.groups_malformed)]
+    assert "missing field g" in errors[0]
+    assert "not valid msgpack" in errors[1]
+    assert "schema_version 99 is not supported" in errors[2]
+    assert r.xpending(KEYS.groups, TRAINER_GROUP)["pending"] == 3
+    assert buf.metrics.malformed.labels(stream="groups")._value.get() == 3
+
+
+def test_eval_groups_go_to_their_job_stream_unbounded(redis_server: EmbeddedRedis) -> None:
+    buf = buffer(redis_server, max_groups=1)
+    for i in range(3):
+        assert buf.try_put(make_group("ev", f"ev:{i}:x", kind="eval", n=1)) == 1
+    r = client(redis_server)
+    assert r.xlen(KEYS.eval("ev")) == 3 and r.xlen(KEYS.groups) == 0
+    assert buf.take(5, 0.1) == []
+    with pytest.raises(ValueError, match="rewards .* are not all finite"):
+        buf.try_put(make_group("job", "job:0:x", reward=float("nan")))
+
+
+def test_stale_groups_acked_release_admission(redis_server: EmbeddedRedis) -> None:
+    buf = buffer(redis_server)
+    st = StalenessControl(client(redis_server), KEYS, max_staleness=0, groups_per_step=2)
+    assert st.try_admit("job:0:x") and st.try_admit("job:1:x") and not st.try_admit("job:2:x")
+    r = client(redis_server)
+    r.hdel(KEYS.admitted_ids, "job:0:x", "job:1:x")  # their tasks were acked when the groups were written
+    buf.put_many([make_group("job", "job:0:x", version=0), make_group("job", "job:1:x", version=1)])
+    st.set_version(1)
+    batch = buf.take(2, 0.1)
+    fresh, stale = st.split(batch, version=st.version())
+    assert [g.group_id for _, g in stale] == ["job:0:x"] and len(fresh) == 1
+    buf.ack([i for i, _ in batch], [g.group_id for _, g in batch], stale_group_ids=["job:0:x"])
+    job = TaskQueue(r, KEYS, BufferConfig()).job("job")
+    assert (job["trained"], job["stale_dropped"]) == ("1", "1")
+    assert st.admitted() == 1 and st.metrics.stale_dropped._value.get() == 1
+
+
+@pytest.mark.parametrize("fsync,crash", [("always", True), ("everysec", False)], ids=["sigkill", "restart"])
+def test_redis_restart_with_aof_loses_no_acked_group_and_no_pending_task(
+    tmp_path: Path, fsync: str, crash: bool
+) -> None:
+    server = EmbeddedRedis(tmp_path / "redis", aof=True, appendfsync=fsync).start()
+    try:
+        r = client(server)
+        q = TaskQueue(r, KEYS, BufferConfig(claim_idle_ms=600_000))
+        q.ensure_groups()
+        buf = ReplayBuffer(r, KEYS, BufferConfig())
+        buf.ensure_group()
+        st = StalenessControl(r, KEYS, max_staleness=1, groups_per_step=4)
+        gids = q.submit("job", [{"task_id": f"t{i}", "messages": []} for i in range(4)], "train")
+        entries = q.read("srv", 3)
+        for e in entries:
+            assert st.try_admit(e.group_id)
+        assert buf.put(make_group("job", gids[0]), entries[0])
+        assert buf.put(make_group("job", gids[1]), entries[1])
+        [(trained_entry, trained), _held] = buf.take(2, 0.1)
+        buf.ack([trained_entry], [trained.group_id])  # group 1 is taken but not acked
+        before = q.job("job")
+        server.kill() if crash else server.stop()
+        server.start()
+        # The same objects carry on: the client reconnects and the scripts are reloaded.
+        assert r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 1  # task 2, still held by srv
+        assert q.job("job") == before
+        assert st.admitted() == 3
+        assert buf.take(5, 0.1) == []  # group 0 stays consumed; group 1 is still held by this trainer
+        again = ReplayBuffer(r, KEYS, BufferConfig(), "trainer")  # a restarted trainer gets its batch back
+        assert [g.group_id for _, g in again.take(5, 0.1)] == [gids[1]]
+        srv = TaskQueue(r, KEYS, BufferConfig(claim_idle_ms=600_000))  # a restarted server gets task 2 back
+        assert [e.group_id for e in srv.read("srv", 5)] == [gids[2], gids[3]]
+        assert r.hget(KEYS.group_state, gids[0]) == b"t"
+        r.close()
+    finally:
+        server.stop()

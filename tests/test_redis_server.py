@@ -1,0 +1,96 @@
+"""The embedded redis-server: starts, serves, persists with AOF, and stops; ``connect`` picks the server."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import redis
+from buffer_helpers import client
+
+from buffer.redis_server import EmbeddedRedis, RedisStartError, connect, find_redis_server
+from services.config import RedisConfig
+
+
+def test_finds_a_redis_server_binary() -> None:
+    assert find_redis_server().is_file()
+
+
+def test_tcp_server_serves_on_loopback_and_stops(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "r", aof=False).start()
+    try:
+        assert server.url.startswith("redis://127.0.0.1:")
+        r = client(server)
+        assert r.ping()
+        assert r.config_get("bind")["bind"] == "127.0.0.1"
+        assert r.config_get("appendonly")["appendonly"] == "no"
+        r.close()
+        pid = server.proc.pid
+    finally:
+        server.stop()
+    assert server.proc is None
+    with pytest.raises(ProcessLookupError):
+        import os
+
+        os.kill(pid, 0)
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", server.port)) != 0
+
+
+def test_unix_socket_server(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path / "r", unix_socket=True) as server:
+        assert server.url.startswith("unix://")
+        r = client(server)
+        r.set("k", "v")
+        assert r.get("k") == b"v"
+        assert r.config_get("port")["port"] == "0"  # no TCP listener at all
+        r.close()
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["sigterm", "sigkill"])
+def test_aof_keeps_acknowledged_writes_across_restart(tmp_path: Path, crash: bool) -> None:
+    server = EmbeddedRedis(tmp_path / "r", aof=True, appendfsync="always").start()
+    try:
+        r = client(server)
+        r.xadd("s", {"f": b"\x00" * 1000})
+        r.set("counter", 41)
+        r.incr("counter")
+        server.kill() if crash else server.stop()
+        server.start()  # same data dir, same port
+        r = client(server)
+        assert r.get("counter") == b"42"
+        assert r.xlen("s") == 1
+        r.close()
+    finally:
+        server.stop()
+
+
+def test_start_failure_reports_the_log(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(RedisStartError, match="did not start"):
+            EmbeddedRedis(tmp_path / "r", port=port, start_timeout_s=5).start()
+
+
+def test_connect_uses_url_env_or_starts_embedded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    r, server = connect(RedisConfig(aof=False), tmp_path)
+    try:
+        assert server is not None and server.data_dir == (tmp_path / "redis").absolute()
+        assert r.ping()
+        r2, none = connect(RedisConfig(url=server.url), tmp_path / "other")
+        assert none is None and r2.ping()
+        r2.close()
+        monkeypatch.setenv("REDIS_URL", server.url)
+        r3, none = connect(RedisConfig(), tmp_path / "other")
+        assert none is None and r3.ping()
+        r3.close()
+        assert not (tmp_path / "other").exists()
+    finally:
+        r.close()
+        server.stop()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(server.url, retry=None, socket_connect_timeout=1).ping()

@@ -1,0 +1,183 @@
+"""The real ``python -m rollout_server`` worker against a real Redis and the embedded engine (its own, or a
+shared one) with the tiny model: it writes groups, obeys admission and backpressure, survives being SIGKILLed
+mid-task (another worker finishes the task, its group is written once) and shuts down gracefully on SIGTERM
+(in-flight groups finish or are handed back)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from buffer_helpers import client
+
+from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.registry import ServerRegistry
+from buffer.replay import ReplayBuffer
+from buffer.staleness import StalenessControl
+from buffer.task_queue import TaskQueue
+from rollout_server.engine.process import EngineProcess
+from services.config import BufferConfig
+from services.tasks import load_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = Keys("t")
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir: Path) -> Iterator[str]:
+    with EngineProcess(tiny_model_dir) as engine:
+        yield engine.url
+
+
+class Worker:
+    """One ``python -m rollout_server`` process with its log."""
+
+    def __init__(self, tmp: Path, server: EmbeddedRedis, engine: str | None, model: Path, name: str, *extra: str):
+        self.name = name
+        self.log_path = tmp / f"{name}.log"
+        argv = [
+            sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp}", f"redis.url={server.url}",
+            f"engine.urls={json.dumps([engine] if engine else [])}", f"model.path={model}",
+            "model.init_if_missing=false",
+            "rollout.n_samples=2", "rollout.max_new_tokens=8", "rollout.max_turns=2", "rollout.heartbeat_s=0.2",
+            f"rollout.server_id={name}", "buffer.claim_idle_ms=1000", *extra,
+        ]
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def workers(tmp_path: Path, redis_server: EmbeddedRedis, engine_url: str, tiny_model_dir: Path):
+    started: list[Worker] = []
+
+    def start(name: str, *extra: str, own_engine: bool = False) -> Worker:
+        engine = None if own_engine else engine_url
+        started.append(Worker(tmp_path, redis_server, engine, tiny_model_dir, name, *extra))
+        return started[-1]
+
+    yield start
+    for w in started:
+        w.close()
+
+
+def wait_for(predicate: Callable[[], bool], *alive: Worker, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        for w in alive:
+            assert w.proc.poll() is None, f"worker {w.name} exited with {w.proc.returncode}:\n{w.log()}"
+        assert time.monotonic() < deadline, "condition not reached in time:\n" + "\n".join(w.log() for w in alive)
+        time.sleep(0.1)
+
+
+def submit(server: EmbeddedRedis, job: str, n: int, kind: str = "train") -> list[str]:
+    q = TaskQueue(client(server), KEYS, BufferConfig())
+    q.ensure_groups()
+    split = "train" if kind == "train" else "test"
+    return q.submit(job, [t.model_dump(mode="json") for t in load_tasks("arith", split=split, limit=n)], kind)
+
+
+def pending(server: EmbeddedRedis, consumer: str) -> int:
+    info = client(server).xpending(KEYS.tasks("train"), ROLLOUT_GROUP)
+    return sum(c["pending"] for c in info["consumers"] if c["name"] == consumer.encode())
+
+
+def test_worker_serves_then_finishes_in_flight_group_on_sigterm(redis_server: EmbeddedRedis, workers) -> None:
+    r = client(redis_server)
+    [eval_gid] = submit(redis_server, "ev", 1, "eval")
+    gids = submit(redis_server, "job", 4)
+    w = workers("srv-a", "buffer.max_groups=2", "rollout.max_concurrent_groups=1", "rollout.shutdown_grace_s=60",
+                own_engine=True)
+    # Two groups fill the buffer; the third is rolled out and waits for room, its task still pending.
+    wait_for(lambda: r.xlen(KEYS.groups) == 2 and pending(redis_server, "srv-a") == 1, w)
+    [(_, ev)] = r.xrange(KEYS.eval("ev"))
+    assert ev[b"gid"].decode() == eval_gid
+    [info] = ServerRegistry(client(redis_server), KEYS).live_servers()
+    assert info.server_id == "srv-a" and httpx.get(info.engine_url + "/health").status_code == 200
+    w.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert w.proc.poll() is None  # still draining: its in-flight group waits for room
+    trainer = ReplayBuffer(r, KEYS, BufferConfig())
+    batch = trainer.take(1, 5)
+    trainer.ack([i for i, _ in batch], [g.group_id for _, g in batch])
+    assert w.proc.wait(60) == 0, w.log()
+    written = [f[b"gid"].decode() for _, f in r.xrange(KEYS.groups)] + [batch[0][1].group_id]
+    assert sorted(written) == sorted(gids[:3])  # the fourth task was never started
+    assert r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 0
+    assert r.xlen(KEYS.tasks("train")) == 1
+    assert ServerRegistry(client(redis_server), KEYS).all_servers() == []
+    with pytest.raises(httpx.TransportError):  # the worker's own engine stopped with it
+        httpx.get(info.engine_url + "/health")
+    group = batch[0][1]
+    assert group.job_id == "job" and len(group.samples) == 2
+    assert all(s.num_generated > 0 and s.oldest_version() == 0 for s in group.samples)
+
+
+def test_sigkilled_worker_task_is_finished_by_another_and_written_once(
+    redis_server: EmbeddedRedis, workers
+) -> None:
+    r = client(redis_server)
+    gids = submit(redis_server, "job", 3)
+    opts = ("buffer.max_groups=1", "rollout.max_concurrent_groups=1", "rollout.shutdown_grace_s=5")
+    doomed = workers("srv-doomed", *opts)
+    wait_for(lambda: r.xlen(KEYS.groups) == 1 and pending(redis_server, "srv-doomed") == 1, doomed)
+    doomed.proc.send_signal(signal.SIGKILL)
+    doomed.proc.wait()
+    assert pending(redis_server, "srv-doomed") == 1  # killed in the middle of its second task
+    survivor = workers("srv-survivor", *opts)
+    trainer = ReplayBuffer(r, KEYS, BufferConfig())
+    trained: list[str] = []
+
+    def train() -> bool:
+        batch = trainer.take(1, 0.2)
+        trained.extend(g.group_id for _, g in batch)
+        trainer.ack([i for i, _ in batch], [g.group_id for _, g in batch])
+        return len(trained) >= 3
+
+    wait_for(train, survivor)
+    assert sorted(trained) == sorted(gids)  # each group exactly once
+    assert TaskQueue(r, KEYS, BufferConfig()).job("job")["completed"] == "3"
+    assert r.xlen(KEYS.tasks_dead) == 0 and r.xpending(KEYS.groups, TRAINER_GROUP)["pending"] == 0
+    survivor.proc.send_signal(signal.SIGTERM)
+    assert survivor.proc.wait(60) == 0, survivor.log()
+
+
+def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedRedis, workers) -> None:
+    r = client(redis_server)
+    q = TaskQueue(r, KEYS, BufferConfig())
+    q.ensure_groups()
+    q.submit("bad", [{"task_id": "empty", "messages": []}], "train")  # fails validation: no retries
+    gids = submit(redis_server, "job", 2)
+    staleness = StalenessControl(r, KEYS, max_staleness=0, groups_per_step=1)  # bound 1 at version 0
+    w = workers("srv-b", "buffer.max_groups=1", "buffer.max_staleness=0", "trainer.groups_per_step=1",
+                "rollout.max_concurrent_groups=1", "rollout.shutdown_grace_s=0.5")
+    wait_for(lambda: r.xlen(KEYS.groups) == 1 and r.xlen(KEYS.tasks_dead) == 1, w)
+    [(_, dead)] = r.xrange(KEYS.tasks_dead)
+    assert dead[b"gid"] == b"bad:0:empty" and b"invalid task" in dead[b"error"]
+    time.sleep(1.0)
+    assert staleness.admitted() == 1 and r.xlen(KEYS.groups) == 1  # the second task waits for the policy
+    assert pending(redis_server, "srv-b") == 0 and r.xlen(KEYS.tasks("train")) == 1
+    staleness.set_version(1)  # the trainer committed: one more group may start
+    wait_for(lambda: pending(redis_server, "srv-b") == 1, w)  # rolled out, waiting for room in the buffer
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(60) == 0, w.log()
+    assert r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 0
+    [(_, back)] = r.xrange(KEYS.tasks("train"))  # handed back, not lost, and the attempt not counted
+    assert back[b"gid"].decode() == gids[1] and back[b"attempts"] == b"0"
+    assert r.xlen(KEYS.groups) == 1
+    assert staleness.admitted() == 2 and r.hexists(KEYS.admitted_ids, gids[1])  # it keeps its slot

@@ -16,8 +16,9 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from buffer.redis_server import connect
+from rollout_server.checkpoint_receiver import CheckpointMetrics, CheckpointReceiver
 from rollout_server.engine.process import EngineProcess
-from rollout_server.engine_client import EngineClient
+from rollout_server.engine_client import EngineClient, EngineGroup
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.tools import ToolRegistry
 from rollout_server.worker import RolloutWorker
@@ -45,7 +46,7 @@ async def engine_urls(cfg: EngineConfig, model: Path, stack: AsyncExitStack) -> 
     if cfg.backend != "embedded":
         raise ConfigError(f"engine.urls: engine.backend={cfg.backend} needs the URLs of running servers")
     engine = EngineProcess(model, host=cfg.host, port=cfg.port, max_batch_size=cfg.max_batch_size,
-                           max_context=cfg.max_context)
+                           max_context=cfg.max_context, threads=cfg.threads)
     await asyncio.to_thread(engine.start)
     stack.callback(engine.close)
     return [engine.url]
@@ -69,8 +70,15 @@ async def serve(cfg: Config) -> None:
         metrics = RolloutMetrics()
         worker = RolloutWorker(client, cfg.run.name, cfg.rollout, cfg.buffer, cfg.trainer.groups_per_step,
                                engines, tokenizer, ToolRegistry.from_file(cfg.rollout.tools), metrics)
+        receiver = CheckpointReceiver(
+            cfg.checkpoint, model, EngineGroup(engines), urls[0], worker.consumer, host=cfg.rollout.grpc_host,
+            port=cfg.rollout.grpc_port, metrics=CheckpointMetrics(metrics.registry),
+        )
+        worker.info.grpc_address = await receiver.start()
+        stack.push_async_callback(receiver.stop)
         if cfg.rollout.metrics_port:
-            stack.callback(serve_metrics(metrics.registry, port=cfg.rollout.metrics_port).shutdown)
+            server = serve_metrics(metrics.registry, host=cfg.rollout.metrics_host, port=cfg.rollout.metrics_port)
+            stack.callback(server.shutdown)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)

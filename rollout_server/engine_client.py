@@ -241,3 +241,25 @@ def _normalise(item: dict[str, Any]) -> None:
         meta["weight_versions"] = None if version is None else spans
     if "num_retractions" not in meta:
         meta["num_retractions"] = meta.get("total_retractions", 0)
+
+
+class EngineGroup:
+    """All engines of one rollout server driven together, so a weight swap pauses and loads them at once."""
+
+    def __init__(self, engines: list[EngineClient]) -> None:
+        if not engines:
+            raise ValueError("EngineGroup needs at least one engine")
+        self.engines = engines
+
+    async def pause(self, mode: str = "retract") -> None:
+        await asyncio.gather(*(e.pause(mode) for e in self.engines))
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(e.resume() for e in self.engines))
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
+    ) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(
+            *(e.update_weights_from_disk(model_path, weight_version, flush_cache) for e in self.engines)
+        ))

@@ -46,3 +46,27 @@ class RolloutMetrics:
         self.finish_reasons = Counter(
             _P + "finish_reasons", "Episodes by finish reason", ["reason"], registry=r
         )
+        self.busy_seconds = Counter(
+            _P + "busy_seconds", "Time with at least one admitted group generating", registry=r
+        )
+
+    def total(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples matching ``labels`` (for the registry heartbeat's dashboard stats)."""
+        return sum(
+            sample.value
+            for metric in self.registry.collect()
+            for sample in metric.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
+
+    def stats(self) -> dict[str, float]:
+        """The counters the API's dashboard charts, published with every heartbeat."""
+        pauses = self.total(_P + "pause_duration_seconds_count")
+        return {
+            "generated_tokens": self.total(_P + "generated_tokens_total"),
+            "groups_completed": self.total(_P + "groups_completed_total"),
+            "tool_errors": self.total(_P + "tool_calls_total") - self.total(_P + "tool_calls_total", outcome="ok"),
+            "busy_s": self.total(_P + "busy_seconds_total"),
+            "paused_s": self.total(_P + "paused_seconds_total"),
+            "pause_ms_mean": 1000 * self.total(_P + "pause_duration_seconds_sum") / pauses if pauses else 0.0,
+        }

@@ -6,21 +6,23 @@ its group and never makes two. The worker heart-beats into the server registry a
 of the tasks it holds, so only a dead worker's tasks are reclaimed by others.
 
 On ``stop()`` (SIGTERM) it reads no more, lets in-flight groups finish for ``shutdown_grace_s``, then
-hands the rest back to the queue unacked; nothing it held is lost. Extra services that live and die
-with the worker (the checkpoint receiver) go in ``services``: started after the worker registers
-its consumer groups, stopped after the last group is handed back.
+hands the rest back to the queue unacked; nothing it held is lost. The checkpoint receiver runs beside
+it (``rollout_server.__main__``) and outlives it, so a weight swap never interrupts the drain.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import redis
@@ -45,14 +47,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 READ_BLOCK_MS = 500
 MAX_CACHED_LOOPS = 64
-
-
-class Service(Protocol):
-    """Something that runs beside the worker (e.g. the checkpoint receiver)."""
-
-    async def start(self) -> Any: ...
-
-    async def stop(self) -> Any: ...
+TRAJECTORY_LOG_LEN = 20_000  # per job, for inspection through the API
 
 
 def default_server_id() -> str:
@@ -91,7 +86,8 @@ class RolloutWorker:
         self.registry = ServerRegistry(client, self.keys, ttl_s=3 * rollout.heartbeat_s)
         self.consumer = rollout.server_id or default_server_id()
         self.info = ServerInfo(self.consumer, engine_url=engines[0].base_url)
-        self.services: list[Service] = []
+        self._generating_now = 0
+        self._busy_since = 0.0
         self.lease_s = min(rollout.heartbeat_s, buffer.claim_idle_ms / 3000)
         self._inflight: dict[asyncio.Task, TaskEntry] = {}
         self._loops: dict[tuple[str, int], AgentLoop] = {}
@@ -131,8 +127,6 @@ class RolloutWorker:
     async def _start(self) -> None:
         await self._call(self.tasks.ensure_groups)
         await self._call(self.replay.ensure_group)
-        for service in self.services:
-            await service.start()
         await self._call(self.registry.register, self.info)
         log.info("rollout worker %s serving run %s with %d engine(s)", self.consumer, self.run_name,
                  len(self.engines))
@@ -150,7 +144,8 @@ class RolloutWorker:
             if entry.kind == "train" and not await self._call(self.staleness.admit, entry.group_id, self._stopping):
                 await self._call(self.tasks.hand_back, entry)
                 return
-            group = await loop.run_group(task, run=self.run_name, job_id=entry.job_id)
+            with self._generating():
+                group = await loop.run_group(task, run=self.run_name, job_id=entry.job_id)
             group.kind = entry.kind
             if self._stopping.is_set() and any(s.finish_reason in ("error", "abort") for s in group.samples):
                 await self._call(self.tasks.hand_back, entry)  # the engine went away under a shutdown
@@ -170,12 +165,27 @@ class RolloutWorker:
             log.warning("group %s failed: %s: %s", entry.group_id, type(exc).__name__, exc)
             await self._call(self.tasks.fail, entry, f"{type(exc).__name__}: {exc}")
 
+    @contextlib.contextmanager
+    def _generating(self) -> Iterator[None]:
+        """Count wall time with at least one admitted group generating (the rollout's busy time)."""
+        if self._generating_now == 0:
+            self._busy_since = time.monotonic()
+        self._generating_now += 1
+        try:
+            yield
+        finally:
+            self._generating_now -= 1
+            if self._generating_now == 0:
+                self.metrics.busy_seconds.inc(time.monotonic() - self._busy_since)
+
     async def _put(self, group: Any, entry: TaskEntry) -> None:
-        """Write the group and ack its task; rides out a Redis restart (the put is idempotent)."""
+        """Write the group and ack its task, then log its samples for reading back through the API.
+        Rides out a Redis restart (the put is idempotent)."""
         delay = 0.5
         while True:
             try:
                 await self._call(self.replay.put, group, entry)
+                await self._call(self._log_trajectories, group)
                 return
             except redis.ConnectionError as exc:
                 if self._stopping.is_set():
@@ -183,6 +193,20 @@ class RolloutWorker:
                 log.warning("group %s: Redis unreachable (%s); retrying the put", group.group_id, exc)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 5.0)
+
+    def _log_trajectories(self, group: Any) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for sample in group.samples:
+            record = {
+                "group_id": group.group_id, "sample_index": sample.sample_index, "reward": sample.reward,
+                "reward_info": sample.reward_info, "finish_reason": sample.finish_reason,
+                "num_turns": sample.num_turns, "messages": sample.messages,
+                "tool_calls": [vars(t) for t in sample.tool_calls], "num_tokens": int(sample.token_ids.size),
+                "num_generated": sample.num_generated,
+            }
+            pipe.xadd(self.keys.trajectories(group.job_id), {"sample": json.dumps(record, default=str)},
+                      maxlen=TRAJECTORY_LOG_LEN, approximate=True)
+        pipe.execute()
 
     def _agent_loop(self, job_id: str, spec_json: str | None) -> tuple[AgentLoop, list[str] | None]:
         """The agent loop with a job's settings on the next engine (round robin), and the job's tool list
@@ -206,6 +230,7 @@ class RolloutWorker:
             await asyncio.sleep(self.lease_s)
             try:
                 self.info.version = await self._engine_version()
+                self.info.stats = self.metrics.stats()
                 await self._call(self.registry.heartbeat, self.info)
                 lost = await self._call(self.tasks.renew, self.consumer, list(self._inflight.values()))
                 for entry in lost:
@@ -238,6 +263,4 @@ class RolloutWorker:
             await self._call(self.registry.deregister, self.consumer)
         except redis.ConnectionError as exc:
             log.warning("could not deregister %s: %s", self.consumer, exc)
-        for service in reversed(self.services):
-            await service.stop()
         self._pool.shutdown(wait=True)

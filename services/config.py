@@ -82,6 +82,7 @@ class RolloutConfig(Section):
         30.0, ge=0, description="on SIGTERM, in-flight groups get this long to finish, then are handed back"
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="0 disables the metrics server")
+    metrics_host: str = Field("127.0.0.1", description="0.0.0.0 in containers, so Prometheus can scrape")
 
 
 class BufferConfig(Section):
@@ -121,6 +122,7 @@ class TrainerConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int = Field(0, ge=0, description="torch intra-op threads per rank (0: torch's default)")
     metrics_port: int = Field(0, ge=0, le=65535)
+    metrics_host: str = Field("127.0.0.1", description="0.0.0.0 in containers, so Prometheus can scrape")
 
     @model_validator(mode="after")
     def _icepop_window(self) -> TrainerConfig:

@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         ).start(resume=args.resume, ctx=ctx)
         stack.callback(trainer.close)
         if ctx.is_main and cfg.trainer.metrics_port:
-            stack.callback(serve_metrics(trainer.metrics.registry, port=cfg.trainer.metrics_port).shutdown)
+            tc = cfg.trainer
+            server = serve_metrics(trainer.metrics.registry, host=tc.metrics_host, port=tc.metrics_port)
+            stack.callback(server.shutdown)
         log.info("rank %d/%d training from step %d", ctx.rank, ctx.world_size, trainer.step)
         while not trainer.done:
             groups, waited = trainer.next_batch(source)

@@ -130,5 +130,5 @@ class ClusterView:
             "staleness_mean": step.get("staleness_mean"),
             "generated_tokens": float(sum(s.get("generated_tokens", 0) for s in stats)),
             "tool_errors": float(sum(s.get("tool_errors", 0) for s in stats)),
-            "pause_ms": max((s.get("last_pause_ms", 0.0) for s in stats), default=None),
+            "pause_ms": max((s.get("pause_ms_mean", 0.0) for s in stats), default=None),
         }

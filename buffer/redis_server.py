@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import redis
-from redis.backoff import NoBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from services.config import RedisConfig
@@ -209,4 +209,14 @@ def connect(cfg: RedisConfig, run_dir: Path) -> tuple[redis.Redis, EmbeddedRedis
             port=cfg.port,
         ).start()
         url = server.url
-    return redis.Redis.from_url(url), server
+    return client_for(url), server
+
+
+def client_for(url: str, outage_s: float = 60.0) -> redis.Redis:
+    """A client that rides out a Redis restart: connection errors are retried with backoff for about
+    ``outage_s`` (every component must survive Redis coming back with its AOF)."""
+    backoff = ExponentialBackoff(cap=2.0, base=0.05)
+    retry = Retry(backoff, retries=int(outage_s / 2.0) + 6)
+    return redis.Redis.from_url(
+        url, retry=retry, retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=30
+    )

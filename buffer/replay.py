@@ -219,6 +219,16 @@ class ReplayBuffer:
                 break
         return out
 
+    def drained(self) -> bool:
+        """No train task left to roll out and no group left to deliver: nothing more can arrive
+        (until another job is submitted)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xlen(self.keys.tasks("train"))
+        pipe.xlen(self.keys.groups)
+        pipe.xpending(self.keys.groups, TRAINER_GROUP)
+        tasks, groups, pending = pipe.execute()
+        return tasks == 0 and groups - int(pending["pending"]) == 0
+
     def _accept(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[tuple[str, TrajectoryGroup]]:
         decoded: list[tuple[str, TrajectoryGroup]] = []
         for entry_id, fields in entries:

@@ -116,6 +116,9 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(4096, ge=16)
     ppo_minibatches: int = Field(1, ge=1, description="optimizer updates per step; >1 recomputes π_prox")
     take_timeout_s: float = Field(5.0, gt=0, description="how long one buffer read blocks waiting for data")
+    stop_when_drained: bool = Field(
+        False, description="finite data: when no train task or group is left, train the last partial batch and stop"
+    )
     push_every: int = Field(1, ge=1, description="push weights every k steps")
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)

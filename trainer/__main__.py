@@ -117,12 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         log.info("rank %d/%d training from step %d", ctx.rank, ctx.world_size, trainer.step)
         while not trainer.done:
             groups, waited = trainer.next_batch(source)
+            if not groups:
+                break
             record = trainer.train(groups, waited)
             if status is not None:
                 status.publish(record, trainer.version)
                 log.info("step %d: loss %.4f reward %.3f", record["step"], record["loss"], record["reward_mean"])
-        if source is not None:
-            trainer.ack_checkpointed(source)
+        trainer.finish(source)
+        ctx.barrier()
     return 0
 
 

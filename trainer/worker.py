@@ -38,6 +38,8 @@ class GroupSource(Protocol):
 
     def ack(self, entry_ids: Sequence[str], group_ids: Sequence[str], stale_group_ids: Sequence[str] = ()) -> int: ...
 
+    def drained(self) -> bool: ...
+
 
 class Pusher(Protocol):
     """Streams a new policy version to the rollout servers (``trainer.checkpoint_pusher.CheckpointPusher``);
@@ -73,6 +75,7 @@ class Trainer:
         self._covered: list[tuple[str, str]] = []  # in a checkpoint, not yet acked
         self._partial: list[tuple[str, TrajectoryGroup]] = []  # read, waiting for the rest of the batch
         self._stale_dropped = 0
+        self._drained = False
         self._log: MetricsLog | None = None
 
     def start(self, resume: bool = False, ctx: DistContext | None = None) -> Trainer:
@@ -126,7 +129,8 @@ class Trainer:
 
     @property
     def done(self) -> bool:
-        return self.step >= self.cfg.total_steps
+        """``total_steps`` reached, or (``stop_when_drained``) the data ran out."""
+        return self.step >= self.cfg.total_steps or self._drained
 
     def next_batch(self, source: GroupSource | None) -> tuple[list[TrajectoryGroup], float]:
         """(groups of the next step, seconds waited for them), on every rank.
@@ -143,10 +147,12 @@ class Trainer:
             if self.ctx.world_size > 1:
                 dist.broadcast_object_list(payload, src=0)
             if payload[0] is not None:
-                return payload[0], time.perf_counter() - start
+                groups, self._drained = payload[0]
+                return groups, time.perf_counter() - start
 
-    def _read(self, source: GroupSource) -> list[TrajectoryGroup] | None:
-        """One buffer read into the pending batch; the batch once it holds ``groups_per_step`` groups."""
+    def _read(self, source: GroupSource) -> tuple[list[TrajectoryGroup], bool] | None:
+        """One buffer read into the pending batch; (the batch, drained) once it holds ``groups_per_step``
+        groups, or (with ``stop_when_drained``) whatever it holds once nothing more can arrive."""
         self.ack_checkpointed(source)
         want = self.cfg.groups_per_step
         items = source.take(want - len(self._partial), self.cfg.take_timeout_s)
@@ -156,11 +162,12 @@ class Trainer:
             source.ack([e for e, _ in stale], ids, stale_group_ids=ids)
             self._stale_dropped += len(stale)
         self._partial += [(e, g) for e, g in items if (e, g.group_id) not in stale]
-        if len(self._partial) < want:
+        drained = not items and self.cfg.stop_when_drained and source.drained()
+        if len(self._partial) < want and not drained:
             return None
         batch, self._partial = self._partial, []
         self._unacked += [(e, g.group_id) for e, g in batch]
-        return [g for _, g in batch]
+        return [g for _, g in batch], drained
 
     def _is_stale(self, group: TrajectoryGroup) -> bool:
         return self.max_staleness is not None and is_stale(group, self.version, self.max_staleness)
@@ -205,6 +212,13 @@ class Trainer:
         self._covered += self._unacked
         self._unacked = []
         return path
+
+    def finish(self, source: GroupSource | None) -> None:
+        """Checkpoint what was trained since the last checkpoint, then (rank 0) ack it all."""
+        if self._unacked:
+            self.save_checkpoint()
+        if source is not None:
+            self.ack_checkpointed(source)
 
     def ack_checkpointed(self, source: GroupSource) -> None:
         """Ack the entries of groups a checkpoint covers (rank 0; idempotent)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from engine_helpers import metric, post, teacher_forced, until
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_server.engine.process import EngineProcess
@@ -37,8 +37,6 @@ def tokenizer(tiny_model_dir: Path):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def post(url: str, path: str, body: Any = None, **kw: Any) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=60.0, **kw)
 
 
 def gen(url: str, input_ids: Any, params: dict | None = None, **extra: Any) -> Any:
@@ -47,27 +45,10 @@ def gen(url: str, input_ids: Any, params: dict | None = None, **extra: Any) -> A
     return resp.json()
 
 
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
-async def until(url: str, name: str, at_least: float, timeout_s: float = 60.0) -> None:
-    """Poll a /metrics value until it reaches ``at_least`` (a test fails rather than hangs)."""
-    deadline = time.monotonic() + timeout_s
-    while metric(url, name) < at_least:
-        assert time.monotonic() < deadline, f"{name} never reached {at_least}"
-        await asyncio.sleep(0.005)
 
 
-def teacher_forced(model: torch.nn.Module, prompt: list[int], output: list[int], temperature: float) -> list[float]:
-    """log_softmax(logits / T) of each output token under one forward over prompt + output."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + output])).logits[0].float()
-    lp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)
-    return lp.gather(1, torch.tensor(output)[:, None]).squeeze(1).tolist()
 
 
 def test_single_reply_has_sglang_shape(engine: str) -> None:
@@ -153,7 +134,7 @@ def test_logprobs_equal_a_teacher_forced_forward(engine: str, model: torch.nn.Mo
     temperature = params["temperature"] or 1.0
     for prompt, item in zip(prompts, out, strict=True):
         got = [e[0] for e in item["meta_info"]["output_token_logprobs"]]
-        want = teacher_forced(model, prompt, item["output_ids"], temperature)
+        want = teacher_forced(model, prompt, item["output_ids"], temperature).tolist()
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4
 
 

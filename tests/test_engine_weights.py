@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import torch
+from engine_helpers import metric, post, teacher_forced, until
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
@@ -53,23 +52,10 @@ def engine(tiny_model_dir: Path) -> Iterator[str]:
         yield proc.url
 
 
-def post(url: str, path: str, body: Any = None) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=120.0)
 
 
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
-async def until(url: str, name: str, at_least: float, timeout_s: float = 60.0) -> None:
-    """Poll a /metrics value until it reaches ``at_least`` (a test fails rather than hangs)."""
-    deadline = time.monotonic() + timeout_s
-    while metric(url, name) < at_least:
-        assert time.monotonic() < deadline, f"{name} never reached {at_least}"
-        await asyncio.sleep(0.005)
 
 
 def load(url: str, model_dir: Path, version: str) -> None:
@@ -77,11 +63,6 @@ def load(url: str, model_dir: Path, version: str) -> None:
     assert resp.status_code == 200 and resp.json()["success"], resp.text
 
 
-def teacher_forced(model: torch.nn.Module, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + output])).logits[0].float()
-    lp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)
-    return lp.gather(1, torch.tensor(output)[:, None]).squeeze(1)
 
 
 def span_across_update(url: str, mode: str, new_dir: Path) -> dict:

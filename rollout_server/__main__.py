@@ -22,21 +22,12 @@ from rollout_server.engine_client import EngineClient, EngineGroup
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.tools import ToolRegistry
 from rollout_server.worker import RolloutWorker
-from services.config import Config, ConfigError, EngineConfig, ModelConfig, load_config
+from services.config import Config, ConfigError, EngineConfig, load_config
 from services.metrics import serve_metrics
+from services.tiny_model import ensure_model
 
 log = logging.getLogger("rollout_server")
 
-
-def model_dir(cfg: ModelConfig) -> Path:
-    """The served model directory, built (tiny model) when missing and ``init_if_missing`` is set."""
-    if not (cfg.path / "config.json").exists():
-        if not cfg.init_if_missing:
-            raise ConfigError(f"model.path: {cfg.path} holds no model (config.json) and init_if_missing is off")
-        from services.tiny_model import build_tiny_model
-
-        build_tiny_model(cfg.path, seed=cfg.seed)
-    return cfg.path
 
 
 async def engine_urls(cfg: EngineConfig, model: Path, stack: AsyncExitStack) -> list[str]:
@@ -58,7 +49,7 @@ async def serve(cfg: Config) -> None:
         stack.callback(client.close)
         if redis_server is not None:
             stack.callback(redis_server.stop)
-        model = await asyncio.to_thread(model_dir, cfg.model)
+        model = await asyncio.to_thread(ensure_model, cfg.model)
         urls = await engine_urls(cfg.engine, model, stack)
         engines = [EngineClient(url, timeout_s=cfg.engine.request_timeout_s) for url in urls]
         for engine in engines:

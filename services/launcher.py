@@ -68,6 +68,8 @@ def components(
             "MASTER_PORT": str(master_port),
         }
         argv = [py, "-m", "trainer", "-c", str(config_path), *trainer_args, *common]
+        if rank == 0:  # only rank 0 records and serves the trainer's metrics
+            argv.append(f"trainer.metrics_port={free_port(host)}")
         specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu))
     for i in range(rollout_servers):
         argv = [

@@ -16,20 +16,18 @@ from typing import Any
 from buffer.schema import Sample, TrajectoryGroup
 from rollout_server.trajectory import masked_spans
 from services.config import Config, ConfigError, load_config
+from services.tiny_model import ensure_model
 
 _DIM, _GREEN, _RESET = "\033[2m", "\033[32m", "\033[0m"
 
 
 def _model_dir(cfg: Config, model: str | None) -> Path:
-    path = Path(model) if model else cfg.model.path
-    if not path.exists():
-        if model or not cfg.model.init_if_missing:
-            raise ConfigError(f"model directory {path} does not exist")
-        from services.tiny_model import build_tiny_model
-
-        print(f"building the tiny model at {path}", file=sys.stderr)
-        build_tiny_model(path, seed=cfg.model.seed)
-    return path
+    """``--model`` as given (it must exist), else the config's model, built when missing."""
+    if model is None:
+        return ensure_model(cfg.model)
+    if not Path(model).exists():
+        raise ConfigError(f"--model: {model} does not exist")
+    return Path(model)
 
 
 def render_mask(sample: Sample, tokenizer: Any, color: bool) -> str:

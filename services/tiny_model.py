@@ -24,6 +24,7 @@ import torch
 from tokenizers import AddedToken, pre_tokenizers, trainers
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
+from services.config import ConfigError, ModelConfig
 from services.tasks import arith
 
 RECIPE = 1  # bump when anything below changes what a build writes
@@ -238,3 +239,12 @@ def cli_init(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny model (seed {args.seed}) in {out}: {params:,} parameters, vocab {model.config.vocab_size}")
     return 0
+
+
+def ensure_model(cfg: ModelConfig) -> Path:
+    """The model directory of a run config, built (the tiny model) when missing and ``init_if_missing``."""
+    if not (cfg.path / "config.json").exists():
+        if not cfg.init_if_missing:
+            raise ConfigError(f"model.path: {cfg.path} holds no model (config.json) and init_if_missing is off")
+        build_tiny_model(cfg.path, seed=cfg.seed)
+    return cfg.path

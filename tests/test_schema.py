@@ -53,7 +53,8 @@ def test_round_trip_is_exact() -> None:
             got, want = getattr(b, name), getattr(a, name)
             assert got.dtype == want.dtype and np.array_equal(got, want)
         assert b.tool_calls == a.tool_calls
-        assert (b.reward, b.reward_info, b.messages, b.prompt_len) == (a.reward, a.reward_info, a.messages, a.prompt_len)
+        for name in ("reward", "reward_info", "messages", "prompt_len"):
+            assert getattr(b, name) == getattr(a, name)
     assert back.oldest_version() == 3
 
 

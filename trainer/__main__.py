@@ -23,6 +23,7 @@ from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from services.config import Config, ConfigError, load_config
 from services.metrics import serve_metrics
+from services.tiny_model import ensure_model
 from trainer.checkpoint import Checkpointer, export_hf
 from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.metrics import RedisStatus
@@ -41,14 +42,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path, help="with --export-hf: this checkpoint instead of the latest")
     return p
 
-
-def _ensure_model(cfg: Config) -> None:
-    if not cfg.model.path.exists():
-        if not cfg.model.init_if_missing:
-            raise FileNotFoundError(f"model.path: {cfg.model.path} does not exist and model.init_if_missing is off")
-        from services.tiny_model import build_tiny_model
-
-        build_tiny_model(cfg.model.path, seed=cfg.model.seed)
 
 
 def _connect(
@@ -94,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             raise FileNotFoundError(f"no checkpoint under {cfg.run.path / 'checkpoints'}")
         print(export_hf(ckpt, cfg.model.path, args.export_hf))
         return 0
-    _ensure_model(cfg)
+    ensure_model(cfg.model)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     ctx = init_distributed(cfg.trainer.device)

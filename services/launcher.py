@@ -24,6 +24,15 @@ from services.config import Config
 log = logging.getLogger(__name__)
 
 
+# glibc malloc tuning for the processes that move weights and groups: keeps 1 MiB gRPC chunks and
+# 64 KiB Redis payloads out of mmap/munmap churn (about 2x the stage and buffer throughput, FACTS.md).
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(256 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    "MALLOC_TOP_PAD_": str(64 << 20),
+}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -61,6 +70,7 @@ def components(
     master_port = free_port(host)
     for rank in range(trainer_ranks):
         env = {
+            **MALLOC_ENV,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(trainer_ranks),
@@ -79,7 +89,7 @@ def components(
             f"engine.port={free_port(host)}",
             f"rollout.metrics_port={free_port(host)}",
         ]
-        specs.append(ComponentSpec(f"rollout-{i}", argv))
+        specs.append(ComponentSpec(f"rollout-{i}", argv, dict(MALLOC_ENV)))
     if api:
         argv = [py, "-m", "services.api", "-c", str(config_path), *common]
         specs.append(ComponentSpec("api", argv, num_cpus=0.5))

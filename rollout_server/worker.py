@@ -1,9 +1,9 @@
 """The rollout worker: tasks from Redis -> agent loop -> trajectory groups into the replay buffer.
 
-Up to ``max_concurrent_groups`` groups run at once. A train task starts only once staleness admission
-lets it; its group is written and the task acked in one atomic step, so a task is never acked without
-its group and never makes two. The worker heart-beats into the server registry and renews the leases
-of the tasks it holds, so only a dead worker's tasks are reclaimed by others.
+Up to ``max_concurrent_groups`` train groups and ``max_concurrent_eval_groups`` eval groups run at once. A
+train task starts only once staleness admission lets it; its group is written and the task acked in one atomic
+step, so a task is never acked without its group and never makes two. The worker heart-beats into the server
+registry and renews the leases of the tasks it holds, so only a dead worker's tasks are reclaimed by others.
 
 On ``stop()`` (SIGTERM) it reads no more, lets in-flight groups finish for ``shutdown_grace_s``, then
 hands the rest back to the queue unacked; nothing it held is lost. The checkpoint receiver runs beside
@@ -93,7 +93,9 @@ class RolloutWorker:
         self._loops: dict[tuple[str, int], AgentLoop] = {}
         self._next_engine = 0
         self._stopping = threading.Event()
-        self._pool = ThreadPoolExecutor(rollout.max_concurrent_groups + 4, thread_name_prefix="redis")
+        self._pool = ThreadPoolExecutor(
+            rollout.max_concurrent_groups + rollout.max_concurrent_eval_groups + 4, thread_name_prefix="redis"
+        )
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a (blocking) Redis call off the event loop."""
@@ -109,13 +111,16 @@ class RolloutWorker:
         beat = asyncio.create_task(self._heartbeat_loop())
         try:
             while not self._stopping.is_set():
-                free = self.config.max_concurrent_groups - len(self._inflight)
-                if free <= 0:
+                wanted = await self._free_slots()
+                if not wanted:
                     await asyncio.wait(list(self._inflight), timeout=READ_BLOCK_MS / 1000,
                                        return_when=asyncio.FIRST_COMPLETED)
                     continue
-                kinds = ("eval", "train") if await self._call(self.staleness.capacity) > 0 else ("eval",)
-                for entry in await self._call(self.tasks.read, self.consumer, free, READ_BLOCK_MS, kinds):
+                entries: list[TaskEntry] = []
+                for i, (kind, count) in enumerate(wanted):
+                    block = READ_BLOCK_MS if i == len(wanted) - 1 and not entries else 0
+                    entries += await self._call(self.tasks.read, self.consumer, count, block, (kind,))
+                for entry in entries:
                     task = asyncio.create_task(self._handle(entry), name=f"group {entry.group_id}")
                     self._inflight[task] = entry
                     task.add_done_callback(self._inflight.pop)
@@ -123,6 +128,16 @@ class RolloutWorker:
         finally:
             beat.cancel()
             await self._close()
+
+    async def _free_slots(self) -> list[tuple[str, int]]:
+        """(kind, how many to read): eval first; train only while staleness admission has room.
+        Eval groups have their own limit: they are usually one greedy sample each."""
+        n_eval = sum(1 for e in self._inflight.values() if e.kind == "eval")
+        free = [("eval", self.config.max_concurrent_eval_groups - n_eval)]
+        free_train = self.config.max_concurrent_groups - (len(self._inflight) - n_eval)
+        if free_train > 0 and await self._call(self.staleness.capacity) > 0:
+            free.append(("train", free_train))
+        return [(kind, n) for kind, n in free if n > 0]
 
     async def _start(self) -> None:
         await self._call(self.tasks.ensure_groups)

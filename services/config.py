@@ -69,7 +69,8 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
-    max_concurrent_groups: int = Field(8, ge=1)
+    max_concurrent_groups: int = Field(8, ge=1, description="train groups in flight per server")
+    max_concurrent_eval_groups: int = Field(64, ge=1, description="eval groups in flight (usually 1 sample each)")
     tools: Path | None = Field(None, description="tool config YAML; None uses the built-in tools")
     reward: str = Field("gsm8k", description="gsm8k | tool | <module:function>")
     grpc_host: str = "127.0.0.1"

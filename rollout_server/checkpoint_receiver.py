@@ -228,14 +228,16 @@ class CheckpointService:
             return pb.CommitReply(version=request.version, pause_seconds=swap.pause_s, load_seconds=swap.load_s)
 
     async def _swap(self, path: Path, version: int) -> _Swap:
-        """pause(retract) -> update_weights_from_disk -> continue; continue even when the load fails."""
-        start = time.monotonic()
+        """pause(retract) -> update_weights_from_disk -> continue; continue even when the load fails.
+
+        The pause is timed from the moment the engine confirms it (generation has stopped; the engine
+        finishes the decode step in progress first) to the moment continue returns."""
         try:
             await self.engine.pause("retract")
         except EngineError as exc:
             return _Swap(error=f"pause failed, still serving the old weights: {exc}", reason="pause")
         swap = _Swap()
-        load_start = time.monotonic()
+        start = load_start = time.monotonic()
         try:
             await self.engine.update_weights_from_disk(str(path), weight_version=str(version))
             swap.loaded = True

@@ -158,6 +158,7 @@ def test_compose_commands_load_with_the_run_config() -> None:
         overrides = [a for a in cmd[start:] if "=" in a and not a.startswith("-")]
         cfg = load_config(DEPLOY / "config" / "run.yaml", overrides)
         assert cfg.run.name == "compose", name
+        assert cfg.rollout.metrics_host == cfg.trainer.metrics_host == "0.0.0.0", f"{name}: Prometheus cannot scrape"
 
 
 def test_compose_commands_name_modules_that_exist() -> None:

@@ -171,6 +171,7 @@ def test_run_config_values_merge_over_the_charts(tmp_path: Path) -> None:
     cfg = run_config(docs, tmp_path, ["-c", "/config/run.yaml"])
     assert cfg.trainer.lr == 1.0e-5 and cfg.rollout.n_samples == 16
     assert cfg.rollout.metrics_port == 9100 and cfg.trainer.metrics_port == 9200
+    assert cfg.rollout.metrics_host == cfg.trainer.metrics_host == "0.0.0.0"
 
 
 def test_service_monitors_use_the_prometheus_job_names() -> None:

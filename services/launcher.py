@@ -8,6 +8,7 @@ commands in Ray actors.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -16,12 +17,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.config import Config
 
 log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
 
 
 # glibc malloc tuning for the processes that move weights and groups: keeps 1 MiB gRPC chunks and
@@ -96,6 +99,21 @@ def components(
     return specs
 
 
+def _die_with_parent() -> None:
+    """Child side of fork: SIGTERM when the parent dies, so no component outlives what started it."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(spec: ComponentSpec, log_dir: Path, base_env: Mapping[str, str]) -> subprocess.Popen:
+    """Start one component in its own process group, logging to ``log_dir/<name>.log``."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / f"{spec.name}.log", "ab") as out:
+        return subprocess.Popen(
+            spec.argv, env={**base_env, **spec.env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+        )
+
+
 class LocalStack:
     """Runs component specs as child processes, restarts any that dies, and stops them all on close."""
 
@@ -110,11 +128,7 @@ class LocalStack:
         self._thread: threading.Thread | None = None
 
     def _spawn(self, spec: ComponentSpec) -> subprocess.Popen:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_dir / f"{spec.name}.log", "ab")  # noqa: SIM115 - owned by the child
-        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(spec.argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        out.close()
+        proc = spawn(spec, self.log_dir, os.environ)
         log.info("started %s (pid %d)", spec.name, proc.pid)
         return proc
 

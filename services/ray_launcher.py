@@ -15,7 +15,6 @@ Ray on the machine). ``<run dir>/ray.json`` records what ``up`` started, for ``d
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import math
@@ -36,17 +35,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.redis_server import EmbeddedRedis
 from services.config import Config, ConfigError, dump_config, load_config
-from services.launcher import ComponentSpec, components, free_port
+from services.launcher import ComponentSpec, components, free_port, spawn
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
 HOST = "127.0.0.1"
 FORWARDED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_HOME", "HF_HUB_OFFLINE")
-
-
-def _die_with_parent() -> None:
-    """Child side of fork: get SIGTERM when the actor process dies, so no component outlives its actor."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
@@ -67,14 +60,8 @@ class ComponentActor:
     def __init__(self, spec: ComponentSpec, log_dir: str) -> None:
         self.spec = spec
         self._stopping = False
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        out = open(Path(log_dir) / f"{spec.name}.log", "ab")  # noqa: SIM115 - handed to the child
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        env.update(spec.env, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(spec.argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
-        out.close()
+        self.proc = spawn(spec, Path(log_dir), env)
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:

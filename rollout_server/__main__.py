@@ -16,9 +16,9 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from buffer.redis_server import connect
-from rollout_server.checkpoint_receiver import CheckpointMetrics, CheckpointReceiver
+from rollout_server.checkpoint_receiver import CheckpointMetrics, ReceiverThread
 from rollout_server.engine.process import EngineProcess
-from rollout_server.engine_client import EngineClient, EngineGroup
+from rollout_server.engine_client import EngineClient
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.tools import ToolRegistry
 from rollout_server.worker import RolloutWorker
@@ -61,12 +61,12 @@ async def serve(cfg: Config) -> None:
         metrics = RolloutMetrics()
         worker = RolloutWorker(client, cfg.run.name, cfg.rollout, cfg.buffer, cfg.trainer.groups_per_step,
                                engines, tokenizer, ToolRegistry.from_file(cfg.rollout.tools), metrics)
-        receiver = CheckpointReceiver(
-            cfg.checkpoint, model, EngineGroup(engines), urls[0], worker.consumer, host=cfg.rollout.grpc_host,
-            port=cfg.rollout.grpc_port, metrics=CheckpointMetrics(metrics.registry),
+        receiver = ReceiverThread(
+            cfg.checkpoint, model, urls, worker.consumer, cfg.rollout.grpc_host, cfg.rollout.grpc_port,
+            CheckpointMetrics(metrics.registry), cfg.engine.request_timeout_s,
         )
-        worker.info.grpc_address = await receiver.start()
-        stack.push_async_callback(receiver.stop)
+        worker.info.grpc_address = await asyncio.to_thread(receiver.start)
+        stack.callback(receiver.stop)
         if cfg.rollout.metrics_port:
             server = serve_metrics(metrics.registry, host=cfg.rollout.metrics_host, port=cfg.rollout.metrics_port)
             stack.callback(server.shutdown)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,7 +34,7 @@ from rollout_server.checkpoint_format import (
     parse_chunk,
     served_tensor_specs,
 )
-from rollout_server.engine_client import EngineError
+from rollout_server.engine_client import EngineClient, EngineError, EngineGroup
 from services.config import CheckpointConfig
 
 
@@ -332,3 +334,50 @@ class CheckpointReceiver:
             await self._server.stop(grace)
             self._server = None
         shutil.rmtree(self.service.stage_root, ignore_errors=True)
+
+
+class ReceiverThread:
+    """The receiver on an event loop of its own, in a thread.
+
+    The rollout worker's event loop is busy with dozens of episodes (templates, tool calls, replies); a
+    Commit awaiting its engine calls there would be delayed by that work and stretch the pause. Here the
+    pause is the engine's swap time alone. ``start()`` returns the address to register.
+    """
+
+    def __init__(self, config: CheckpointConfig, model_dir: Path, engine_urls: list[str], server_name: str,
+                 host: str, port: int, metrics: CheckpointMetrics, timeout_s: float = 600.0):
+        self._make = lambda engine: CheckpointReceiver(
+            config, model_dir, engine, engine_urls[0], server_name, host=host, port=port, metrics=metrics
+        )
+        self._urls = engine_urls
+        self._timeout_s = timeout_s
+        self._ready: Future[str] = Future()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="checkpoint-receiver",
+                                        daemon=True)
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        self._thread.start()
+        return self._ready.result(timeout_s)
+
+    async def _main(self) -> None:
+        engines = [EngineClient(url, timeout_s=self._timeout_s) for url in self._urls]
+        receiver = self._make(EngineGroup(engines))
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            try:
+                self._ready.set_result(await receiver.start())
+            except BaseException as exc:  # handed to start()'s caller
+                self._ready.set_exception(exc)
+                raise
+            await self._stop.wait()
+        finally:
+            await receiver.stop()
+            for engine in engines:
+                await engine.aclose()
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)

@@ -276,7 +276,6 @@ report = pusher.push_model(model, int(version))
 if ctx.is_main:
     print("ok" if report.ok else report, flush=True)
 pusher.close()
-ctx.barrier()  # tearing gloo down while the peer is still busy can abort the process
 close_distributed()
 """
 

@@ -156,3 +156,23 @@ def test_cli_prints_jobs_status_and_trajectories(live: Live) -> None:
     assert len({s["group_id"] for s in samples}) == EVAL_TASKS
     text = _rollwave(live, "trajectories", live.eval_id)
     assert text.count(" sample 0: reward ") == EVAL_TASKS and "[user]" in text
+
+
+def test_gsm8k_eval_job_through_the_api_reports_accuracy(live: Live) -> None:
+    """Issue 9.5: an eval job over the real GSM8K test file, with the calculator tool, through the API."""
+    gsm8k = ROOT.parent / "shared/data/gsm8k/test.jsonl"
+    body = {"kind": "eval", "name": "gsm8k", "tools": ["calculator"], "sampling": {"max_new_tokens": 16},
+            "source": {"kind": "gsm8k", "path": str(gsm8k), "limit": 4}}
+    reply = live.api.post("/v1/jobs", json=body)
+    assert reply.status_code == 201, reply.text
+    job_id = reply.json()["job_id"]
+    deadline = time.monotonic() + 120
+    while (job := live.api.get(f"/v1/jobs/{job_id}").json())["state"] != "done":
+        assert time.monotonic() < deadline, job
+        time.sleep(0.3)
+    assert job["progress"]["completed"] == 4 and job["progress"]["dead_lettered"] == 0
+    assert 0.0 <= job["accuracy"] <= 1.0
+    items = live.api.get(f"/v1/jobs/{job_id}/trajectories", params={"limit": 10}).json()["items"]
+    assert len(items) == 4
+    assert any("Janet" in i["messages"][1]["content"] for i in items), "the first GSM8K test question"
+    assert job["spec"]["tools"] == ["calculator"]

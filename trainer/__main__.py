@@ -117,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
                 status.publish(record, trainer.version)
                 log.info("step %d: loss %.4f reward %.3f", record["step"], record["loss"], record["reward_mean"])
         trainer.finish(source)
-        ctx.barrier()
     return 0
 
 

@@ -41,9 +41,6 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def barrier(self) -> None:
-        dist.barrier()
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -86,7 +83,11 @@ def init_distributed(device: str = "auto") -> DistContext:
 
 
 def close_distributed() -> None:
+    """Leave the process group together: a rank that destroys it while another is still in a gloo
+    collective aborts the process ("terminate called without an active exception")."""
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

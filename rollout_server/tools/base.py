@@ -7,6 +7,7 @@ must not block the event loop (use subprocesses or ``asyncio.to_thread``).
 
 from __future__ import annotations
 
+import abc
 import copy
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -26,7 +27,7 @@ class ToolResult:
         return cls(text=f"Error: {error}", ok=False, error=error)
 
 
-class Tool:
+class Tool(abc.ABC):
     """Base class of every tool. Subclasses set ``default_name``/``default_schema`` and override ``execute``.
 
     ``schema`` is the OpenAI function schema ``{"type": "function", "function": {name, description,
@@ -50,8 +51,9 @@ class Tool:
         """Start an episode's instance; ``create_kwargs`` come from the task's ``tools_kwargs``."""
         self._instances[instance_id] = dict(create_kwargs)
 
+    @abc.abstractmethod
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
-        raise NotImplementedError
+        """Run one call of the episode ``instance_id``; failures come back as ``ToolResult(ok=False)``."""
 
     async def release(self, instance_id: str) -> None:
         self._instances.pop(instance_id, None)

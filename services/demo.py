@@ -22,7 +22,8 @@ from tqdm import tqdm
 from buffer.redis_server import EmbeddedRedis
 from services.client_cmd import wait_for_job
 from services.config import Config, dump_config, load_config
-from services.launcher import LocalStack, components, free_port
+from services.launcher import LocalStack, components
+from services.net import free_port
 from services.report import learning_curve, summarize
 from services.tasks import load_tasks
 from services.tiny_model import build_tiny_model

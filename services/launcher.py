@@ -12,7 +12,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.config import Config
+from services.net import free_port
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -36,10 +36,6 @@ MALLOC_ENV = {
 }
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

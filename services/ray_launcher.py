@@ -35,7 +35,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.redis_server import EmbeddedRedis
 from services.config import Config, ConfigError, dump_config, load_config
-from services.launcher import ComponentSpec, components, free_port, spawn
+from services.launcher import ComponentSpec, components, spawn
+from services.net import free_port
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"

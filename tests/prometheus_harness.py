@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -21,16 +20,14 @@ from typing import Any
 import httpx
 import yaml
 
+from services.net import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 PROJECT_SCRAPE_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "rollwave.json"
 PROMETHEUS_BIN = "/usr/bin/prometheus"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape_config(
@@ -100,7 +97,7 @@ class PrometheusHarness:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.work_dir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
-        self.port = _free_port()
+        self.port = free_port()
         argv = [
             self.binary,
             f"--config.file={config_path}",

@@ -32,9 +32,10 @@ from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
 from rollout_server.checkpoint_format import GRPC_OPTIONS, SERVICE
 from rollout_server.checkpoint_receiver import CheckpointReceiver
-from rollout_server.engine.process import EngineProcess, free_port
+from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient
 from services.config import CheckpointConfig
+from services.net import free_port
 from trainer.checkpoint_pusher import (
     CheckpointPusher,
     TensorMeta,

@@ -23,7 +23,8 @@ from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
 from services.config import dump_config, load_config
 from services.jobs import JobSpec, TaskSource
-from services.launcher import LocalStack, components, free_port
+from services.launcher import LocalStack, components
+from services.net import free_port
 
 pytestmark = pytest.mark.slow
 N_TASKS = 96

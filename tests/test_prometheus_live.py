@@ -23,7 +23,8 @@ from prometheus_harness import PrometheusHarness, load_dashboard, panel_queries
 
 from buffer.redis_server import EmbeddedRedis
 from services.config import dump_config, load_config
-from services.launcher import ComponentSpec, LocalStack, components, free_port
+from services.launcher import ComponentSpec, LocalStack, components
+from services.net import free_port
 from services.tasks import load_tasks
 from trainer.sft import warm_start
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 
 from buffer.schema import Sample, TrajectoryGroup
@@ -40,7 +38,3 @@ def synthetic_groups(
     return groups
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.config import TrainerConfig
+from services.net import free_port
 
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
@@ -42,10 +42,6 @@ class DistContext:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -74,7 +70,7 @@ def init_distributed(device: str = "auto") -> DistContext:
                 raise ValueError(f"RANK/WORLD_SIZE are set but {', '.join(missing)} is not")
             dist.init_process_group(backend, init_method="env://")
         else:
-            init = f"tcp://127.0.0.1:{_free_port()}"
+            init = f"tcp://127.0.0.1:{free_port()}"
             dist.init_process_group(backend, init_method=init, rank=0, world_size=1)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

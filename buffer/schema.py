@@ -136,15 +136,19 @@ def _sample_to_wire(s: Sample) -> dict[str, Any]:
     return out
 
 
-def _sample_from_wire(d: dict[str, Any], where: str) -> Sample:
+def _check_fields(d: Any, required: list[str], known: list[str], where: str) -> None:
     if not isinstance(d, dict):
         raise SchemaError(f"{where}: expected a map, got {type(d).__name__}")
-    missing = [k for k in _REQUIRED_SAMPLE if k not in d]
+    missing = [k for k in required if k not in d]
     if missing:
         raise SchemaError(f"{where}: missing field(s) {', '.join(missing)}")
-    unknown = sorted(set(d) - set(_SAMPLE_FIELDS))
+    unknown = sorted(set(d) - set(known))
     if unknown:
         raise SchemaError(f"{where}: unknown field(s) {', '.join(unknown)}")
+
+
+def _sample_from_wire(d: dict[str, Any], where: str) -> Sample:
+    _check_fields(d, _REQUIRED_SAMPLE, _SAMPLE_FIELDS, where)
     kwargs = dict(d)
     for name, dtype in ARRAY_DTYPES.items():
         raw = kwargs[name]
@@ -180,12 +184,7 @@ def decode_group(data: bytes) -> TrajectoryGroup:
     version = wire.pop("schema_version", None)
     if version != SCHEMA_VERSION:
         raise SchemaError(f"trajectory group: schema_version {version!r} is not supported (want {SCHEMA_VERSION})")
-    missing = [k for k in _REQUIRED_GROUP if k not in wire]
-    if missing:
-        raise SchemaError(f"trajectory group: missing field(s) {', '.join(missing)}")
-    unknown = sorted(set(wire) - set(_GROUP_FIELDS))
-    if unknown:
-        raise SchemaError(f"trajectory group: unknown field(s) {', '.join(unknown)}")
+    _check_fields(wire, _REQUIRED_GROUP, _GROUP_FIELDS, "trajectory group")
     if not isinstance(wire["samples"], list):
         raise SchemaError("trajectory group.samples: expected a list")
     where = f"group {wire['task_id']}"

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import redis
+
+# bench/buffer.py sits beside this file: put the repository first so `import buffer` finds the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis

@@ -20,20 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from buffer.redis_server import MALLOC_ENV
 from services.config import Config
 from services.net import free_port
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
-
-
-# glibc malloc tuning for the processes that move weights and groups: keeps 1 MiB gRPC chunks and
-# 64 KiB Redis payloads out of mmap/munmap churn (about 2x the stage and buffer throughput, FACTS.md).
-MALLOC_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(256 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-    "MALLOC_TOP_PAD_": str(64 << 20),
-}
 
 
 

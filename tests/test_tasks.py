@@ -13,7 +13,7 @@ import pytest
 from services.tasks import SOURCES, Task, load_tasks
 from services.tasks.arith import TEMPLATES, demonstration, evaluate
 
-GSM8K = Path("/work/shared/data/gsm8k")
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
 def _write(path: Path, rows: list[object]) -> Path:

@@ -106,9 +106,8 @@ def test_short_request_finishes_while_a_long_one_runs(engine: str) -> None:
             start = metric(engine, "rollwave_engine_generated_tokens_total")
             long = asyncio.create_task(client.post("/generate", json={"input_ids": PROMPT, "sampling_params": LONG}))
             await until(engine, "rollwave_engine_generated_tokens_total", start + 1)
-            short = (
-                await client.post("/generate", json={"input_ids": PROMPT[:4], "sampling_params": {"max_new_tokens": 8}})
-            ).json()
+            params = {"max_new_tokens": 8, "ignore_eos": True}
+            short = (await client.post("/generate", json={"input_ids": PROMPT[:4], "sampling_params": params})).json()
             long_running = not long.done()
             return long_running, short, (await long).json()
 
@@ -250,9 +249,8 @@ def test_pause_abort_returns_partial_output_and_new_requests_wait(engine: str) -
             await until(engine, "rollwave_engine_running_requests", 3)
             assert (await client.post("/pause_generation", json={"mode": "abort"})).json()["status"] == "ok"
             aborted = [(await t).json() for t in running]
-            later = asyncio.create_task(
-                client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}})
-            )
+            params = {"max_new_tokens": 4, "ignore_eos": True}
+            later = asyncio.create_task(client.post("/generate", json={"input_ids": PROMPT, "sampling_params": params}))
             await until(engine, "rollwave_engine_waiting_requests", 1)
             waited = not later.done()
             assert (await client.get("/ready")).status_code == 503

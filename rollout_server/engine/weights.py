@@ -50,7 +50,16 @@ def read_hf_dir(model_dir: str | Path) -> dict[str, torch.Tensor]:
             tensors.update(load_file(root / name))
         except (OSError, SafetensorError) as exc:
             raise WeightError(f"{root / name}: cannot read safetensors ({exc})") from exc
+    for tensor in tensors.values():
+        _prefault(tensor)
     return tensors
+
+
+def _prefault(tensor: torch.Tensor) -> None:
+    """Touch one byte per page of a memory-mapped tensor, so the page faults happen now (before the
+    pause) and the swap itself copies at memcpy speed (2-3x faster on tmpfs)."""
+    if tensor.numel():
+        int(tensor.reshape(-1).view(torch.uint8)[::4096].sum())
 
 
 def decode_named_tensors(payload: str | bytes) -> dict[str, torch.Tensor]:

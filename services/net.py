@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 
@@ -10,3 +11,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_outside_ephemeral(host: str = "127.0.0.1", low: int = 20_000, high: int = 32_000) -> int:
+    """A free port below the kernel's ephemeral range (32768+) and above Ray's worker ports (10002-19999).
+
+    For a port handed to a process that binds it only later, alongside others that bind port 0 (Ray's
+    own servers): an ephemeral port from ``free_port`` could be taken in between, one from here cannot.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in [{low}, {high}) on {host}")

@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from buffer.redis_server import EmbeddedRedis
 from services.config import Config, ConfigError, dump_config, load_config
 from services.launcher import ComponentSpec, components, spawn
-from services.net import free_port
+from services.net import free_port, free_port_outside_ephemeral
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
@@ -130,9 +130,11 @@ def _absolute_paths(cfg: Config) -> None:
 def start_head(num_cpus: int, log_path: Path, timeout_s: float = 120.0) -> dict[str, Any]:
     """``ray start --head --block`` on 127.0.0.1 in its own session; returns its address, pid and temp dir."""
     temp_dir = tempfile.mkdtemp(prefix="rwray-")  # short: Ray's socket paths must stay under 108 bytes
-    port = free_port(HOST)
+    port, client_port = free_port_outside_ephemeral(HOST), free_port_outside_ephemeral(HOST)
+    while client_port == port:
+        client_port = free_port_outside_ephemeral(HOST)
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--node-ip-address={HOST}",
-           f"--port={port}", f"--ray-client-server-port={free_port(HOST)}", "--include-dashboard=false",
+           f"--port={port}", f"--ray-client-server-port={client_port}", "--include-dashboard=false",
            "--disable-usage-stats", f"--num-cpus={num_cpus}", f"--temp-dir={temp_dir}"]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:

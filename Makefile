@@ -25,6 +25,7 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 proto: install
 	$(BIN)/python -m proto.generate

@@ -35,7 +35,7 @@ from buffer.keys import Keys  # noqa: E402
 from buffer.redis_server import MALLOC_ENV, EmbeddedRedis  # noqa: E402
 from buffer.replay import ReplayBuffer  # noqa: E402
 from buffer.schema import Sample, TrajectoryGroup, encode_group  # noqa: E402
-from services.config import BufferConfig  # noqa: E402
+from core.config import BufferConfig  # noqa: E402
 
 PAYLOAD = 65536
 KEYS = Keys("bench")

@@ -51,7 +51,7 @@ def build_model_dir(out: Path, layers: int) -> tuple[Path, int]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from services.tiny_model import build_tokenizer
+    from core.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=2816,
@@ -67,9 +67,9 @@ def build_model_dir(out: Path, layers: int) -> tuple[Path, int]:
 
 async def serve_receiver(model: str, engine_url: str, stage_dir: str) -> None:
     """Child mode: one checkpoint receiver in front of the engine, until stdin closes."""
+    from core.config import CheckpointConfig
     from rollout_server.checkpoint_receiver import CheckpointReceiver
     from rollout_server.engine_client import EngineClient
-    from services.config import CheckpointConfig
 
     async with EngineClient(engine_url) as client:
         config = CheckpointConfig(token=TOKEN, stage_dir=Path(stage_dir))
@@ -100,7 +100,7 @@ def grpc_sink() -> None:
     """Child mode: a gRPC server whose streaming method only counts the bytes it receives."""
     import grpc
 
-    from rollout_server.checkpoint_format import GRPC_OPTIONS
+    from core.checkpoint_format import GRPC_OPTIONS
 
     def count(messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         return sum(len(m) for m in messages).to_bytes(8, "little")
@@ -117,7 +117,7 @@ def grpc_sink() -> None:
 def raw_grpc_seconds(address: str, src: np.ndarray) -> float:
     import grpc
 
-    from rollout_server.checkpoint_format import GRPC_OPTIONS
+    from core.checkpoint_format import GRPC_OPTIONS
 
     view = memoryview(src).cast("B")
     with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
@@ -172,8 +172,8 @@ def run(pushes: int, layers: int, engine_threads: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from core.config import CheckpointConfig
     from rollout_server.engine.process import EngineProcess
-    from services.config import CheckpointConfig
     from trainer.checkpoint_pusher import CheckpointPusher, model_metas
     from trainer.parallel import iter_full_params
 

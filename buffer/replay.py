@@ -25,7 +25,7 @@ from buffer.metrics import BufferMetrics
 from buffer.schema import SchemaError, TrajectoryGroup, decode_group, encode_group
 from buffer.streams import Reclaimer
 from buffer.task_queue import TaskEntry
-from services.config import BufferConfig
+from core.config import BufferConfig
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import redis
 from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, Keys
 from buffer.metrics import BufferMetrics
 from buffer.streams import RENEW_LUA, Reclaimer
-from services.config import BufferConfig
+from core.config import BufferConfig
 
 log = logging.getLogger(__name__)
 

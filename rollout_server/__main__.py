@@ -16,15 +16,15 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from buffer.redis_server import connect
+from core.config import Config, ConfigError, EngineConfig, load_config
+from core.metrics import serve_metrics
+from core.tiny_model import ensure_model
 from rollout_server.checkpoint_receiver import CheckpointMetrics, ReceiverThread
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.tools import ToolRegistry
 from rollout_server.worker import RolloutWorker
-from services.config import Config, ConfigError, EngineConfig, load_config
-from services.metrics import serve_metrics
-from services.tiny_model import ensure_model
 
 log = logging.getLogger("rollout_server")
 

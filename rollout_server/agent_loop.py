@@ -24,13 +24,13 @@ from typing import Any
 import httpx
 
 from buffer.schema import Sample, ToolCallRecord, TrajectoryGroup
+from core.config import RolloutConfig
+from core.rewards import RewardComputer
+from core.trajectory import ChatRenderer, TrajectoryBuilder, Turn
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
-from rollout_server.rewards import RewardComputer
 from rollout_server.tool_parser import ToolCall, ToolCallError, parse_tool_calls
 from rollout_server.tools import ToolRegistry, ToolResult
-from rollout_server.trajectory import ChatRenderer, TrajectoryBuilder, Turn
-from services.config import RolloutConfig
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,7 @@ from typing import Any, Protocol
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from proto import checkpoint_pb2 as pb
-from rollout_server.checkpoint_format import (
+from core.checkpoint_format import (
     GRPC_OPTIONS,
     SERVICE,
     StagedFile,
@@ -34,8 +33,9 @@ from rollout_server.checkpoint_format import (
     parse_chunk,
     served_tensor_specs,
 )
+from core.config import CheckpointConfig
+from proto import checkpoint_pb2 as pb
 from rollout_server.engine_client import EngineClient, EngineError, EngineGroup
-from services.config import CheckpointConfig
 
 
 class WeightEngine(Protocol):

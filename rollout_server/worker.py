@@ -34,13 +34,13 @@ from buffer.registry import ServerInfo, ServerRegistry
 from buffer.replay import BufferClosed, ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskEntry, TaskQueue
+from core.config import BufferConfig, RolloutConfig
+from core.jobs import JobSpec, rollout_settings
+from core.tasks import Task
 from rollout_server.agent_loop import AgentLoop, parse_version
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.tools import ToolRegistry
-from services.config import BufferConfig, RolloutConfig
-from services.jobs import JobSpec, rollout_settings
-from services.tasks import Task
 
 log = logging.getLogger(__name__)
 

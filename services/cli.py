@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = msub.add_parser("init", help="build the tiny Qwen2 model and its tokenizer, deterministically")
     m.add_argument("--out", required=True, help="output directory")
     m.add_argument("--seed", type=int, default=0)
-    m.set_defaults(func=_handler("services.tiny_model:cli_init"))
+    m.set_defaults(func=_handler("core.tiny_model:cli_init"))
 
     p = sub.add_parser("engine", help="run an inference engine")
     esub = p.add_subparsers(dest="engine_command", metavar="ACTION", required=True)

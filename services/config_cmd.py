@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.config import ConfigError, dump_config, load_config
+from core.config import ConfigError, dump_config, load_config
 
 
 def check(args: argparse.Namespace) -> int:

@@ -20,13 +20,13 @@ import httpx
 from tqdm import tqdm
 
 from buffer.redis_server import EmbeddedRedis
+from core.config import Config, dump_config, load_config
+from core.net import free_port
+from core.tasks import load_tasks
+from core.tiny_model import build_tiny_model
 from services.client_cmd import wait_for_job
-from services.config import Config, dump_config, load_config
 from services.launcher import LocalStack, components
-from services.net import free_port
 from services.report import learning_curve, summarize
-from services.tasks import load_tasks
-from services.tiny_model import build_tiny_model
 from trainer.sft import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent

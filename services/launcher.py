@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from buffer.redis_server import MALLOC_ENV
-from services.config import Config
-from services.net import free_port
+from core.config import Config
+from core.net import free_port
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1

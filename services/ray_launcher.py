@@ -34,9 +34,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.redis_server import EmbeddedRedis
-from services.config import Config, ConfigError, dump_config, load_config
+from core.config import Config, ConfigError, dump_config, load_config
+from core.net import free_port, free_port_outside_ephemeral
 from services.launcher import ComponentSpec, components, spawn
-from services.net import free_port, free_port_outside_ephemeral
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
@@ -251,7 +251,7 @@ def up(args: argparse.Namespace) -> int:
         print(f"error: {_state_path(cfg)} exists: the run is up; `rollwave down -c ...` first", file=sys.stderr)
         return 2
     if cfg.model.init_if_missing and not (cfg.model.path / "config.json").exists():
-        from services.tiny_model import build_tiny_model  # once here, not raced by every component
+        from core.tiny_model import build_tiny_model  # once here, not raced by every component
 
         build_tiny_model(cfg.model.path, seed=cfg.model.seed)
     (run_dir / "config.yaml").write_text(dump_config(cfg))

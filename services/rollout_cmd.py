@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from buffer.schema import Sample, TrajectoryGroup
-from rollout_server.trajectory import masked_spans
-from services.config import Config, ConfigError, load_config
-from services.tiny_model import ensure_model
+from core.config import Config, ConfigError, load_config
+from core.tiny_model import ensure_model
+from core.trajectory import masked_spans
 
 _DIM, _GREEN, _RESET = "\033[2m", "\033[32m", "\033[0m"
 
@@ -86,10 +86,10 @@ def render_group(group: TrajectoryGroup, tokenizer: Any, color: bool = False) ->
 async def _rollout(args: argparse.Namespace, cfg: Config, model_dir: Path, url: str) -> TrajectoryGroup:
     from transformers import AutoTokenizer
 
+    from core.tasks import load_tasks
     from rollout_server.agent_loop import AgentLoop
     from rollout_server.engine_client import EngineClient
     from rollout_server.tools import ToolRegistry
-    from services.tasks import load_tasks
 
     tasks = load_tasks(args.task, path=args.path, split=args.split, limit=1, seed=cfg.run.seed, offset=args.index)
     if not tasks:

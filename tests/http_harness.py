@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from services.net import free_port
+from core.net import free_port
 
 
 @contextmanager

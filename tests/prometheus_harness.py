@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import yaml
 
-from services.net import free_port
+from core.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PROJECT_SCRAPE_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"

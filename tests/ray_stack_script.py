@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from services.config import Config, load_config
+from core.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

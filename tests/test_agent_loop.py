@@ -26,18 +26,18 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from buffer.schema import TrajectoryGroup, decode_group, encode_group
+from core.config import RolloutConfig
+from core.net import free_port
+from core.rewards import RewardComputer
+from core.tasks import Task, load_tasks
+from core.trajectory import ChatRenderer, masked_spans
 from rollout_server.agent_loop import AgentLoop, parse_version
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient
 from rollout_server.metrics import RolloutMetrics
-from rollout_server.rewards import RewardComputer
 from rollout_server.tools import Tool, ToolRegistry, ToolResult
 from rollout_server.tools.calculator import CalculatorTool
 from rollout_server.tools.check_answer import CheckAnswerTool
-from rollout_server.trajectory import ChatRenderer, masked_spans
-from services.config import RolloutConfig
-from services.net import free_port
-from services.tasks import Task, load_tasks
 
 CALC = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
 CHECK = '<tool_call>\n{{"name": "check_answer", "arguments": {{"answer": "{}"}}}}\n</tool_call>'

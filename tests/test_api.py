@@ -11,8 +11,8 @@ import redis
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
+from core.config import load_config
 from services.api import create_app
-from services.config import load_config
 from tests.http_harness import serve_app
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"

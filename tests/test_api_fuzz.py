@@ -28,8 +28,8 @@ from schemathesis.checks import not_a_server_error
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
+from core.config import load_config
 from services.api import create_app
-from services.config import load_config
 from tests.http_harness import serve_app
 
 TOKEN = "fuzz-token"

@@ -17,7 +17,7 @@ from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
-from services.config import BufferConfig
+from core.config import BufferConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = Keys("t")
@@ -27,7 +27,7 @@ CONSUMER = """
 import sys, time, redis
 from buffer.keys import Keys
 from buffer.task_queue import TaskQueue
-from services.config import BufferConfig
+from core.config import BufferConfig
 queue = TaskQueue(redis.Redis.from_url(sys.argv[1]), Keys("t"), BufferConfig(claim_idle_ms=300))
 entries = queue.read("doomed", 1, 5000)
 print(entries[0].group_id, flush=True)

@@ -21,7 +21,7 @@ from buffer.replay import BufferClosed, ReplayBuffer
 from buffer.schema import encode_group
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
-from services.config import BufferConfig
+from core.config import BufferConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = Keys("t")
@@ -31,7 +31,7 @@ TRAINER = """
 import sys, time, redis
 from buffer.keys import Keys
 from buffer.replay import ReplayBuffer
-from services.config import BufferConfig
+from core.config import BufferConfig
 buf = ReplayBuffer(redis.Redis.from_url(sys.argv[1]), Keys("t"), BufferConfig(claim_idle_ms=300), sys.argv[2])
 batch = buf.take(int(sys.argv[3]), 10)
 print(" ".join(g.group_id for _, g in batch), flush=True)

@@ -18,7 +18,7 @@ from buffer.registry import ServerInfo, ServerRegistry
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl, is_stale
 from buffer.task_queue import TaskQueue
-from services.config import BufferConfig
+from core.config import BufferConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = Keys("t")

@@ -28,14 +28,14 @@ from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerInfo, ServerRegistry
 from buffer.staleness import StalenessControl
+from core.checkpoint_format import GRPC_OPTIONS, SERVICE
+from core.config import CheckpointConfig
+from core.net import free_port
 from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
-from rollout_server.checkpoint_format import GRPC_OPTIONS, SERVICE
 from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient
-from services.config import CheckpointConfig
-from services.net import free_port
 from trainer.checkpoint_pusher import (
     CheckpointPusher,
     TensorMeta,
@@ -264,7 +264,7 @@ def test_generation_continues_during_stage_and_commit_serves_new_weights(
 RANK_SCRIPT = """
 import sys
 from pathlib import Path
-from services.config import CheckpointConfig
+from core.config import CheckpointConfig
 from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.parallel import close_distributed, init_distributed, load_model
 
@@ -306,7 +306,7 @@ import sys, time
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
-from services.config import CheckpointConfig
+from core.config import CheckpointConfig
 from trainer.checkpoint_pusher import CheckpointPusher, model_metas
 from trainer.parallel import iter_full_params
 

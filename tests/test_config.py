@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from core.config import ConfigError, load_config
 from services.cli import main
-from services.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

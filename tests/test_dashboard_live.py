@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from buffer.redis_server import EmbeddedRedis
+from core.config import load_config
 from services.api import create_app
-from services.config import load_config
 from tests.chromium_harness import dump_dom, elements
 from tests.http_harness import serve_app
 

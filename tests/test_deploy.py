@@ -4,7 +4,7 @@ What is checked:
 - docker-compose.yml validates against the Compose Specification JSON schema (vendored in tests/data);
   its references resolve (services, volumes, bind-mounted files, Dockerfiles); the profiles hold what
   they promise (embedded engine on CPU; SGLang servers with GPU reservations on GPU); every rollwave
-  command's overrides load with the run config through services.config; Prometheus targets are
+  command's overrides load with the run config through core.config; Prometheus targets are
   compose services on the ports they expose.
 - The Dockerfiles COPY only files that exist and that their .dockerignore lets through, install torch
   from the CPU index (CPU image) and never reinstall it (GPU image). Images are not built here.
@@ -13,7 +13,7 @@ What is checked:
   components define; provisioning points at the dashboard and datasource that exist.
 - The Helm chart: Chart.yaml, values.yaml against values.schema.json (and the schema rejects bad
   values), the static template checks of tests/helm_lint.py (with a test that they catch each kind of
-  breakage), and every run-config key the chart sets exists in services.config. Rendering with the
+  breakage), and every run-config key the chart sets exists in core.config. Rendering with the
   real Helm engine is in tests/test_helm_render.py.
 
 Not checked here: that images build, that containers start, and that Prometheus queries return data
@@ -36,7 +36,7 @@ from helm_lint import lint_chart
 from prometheus_harness import load_dashboard, panel_queries, promql_errors
 from pydantic import BaseModel
 
-from services.config import Config, load_config
+from core.config import Config, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"

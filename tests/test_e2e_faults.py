@@ -21,10 +21,10 @@ from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
-from services.config import dump_config, load_config
-from services.jobs import JobSpec, TaskSource
+from core.config import dump_config, load_config
+from core.jobs import JobSpec, TaskSource
+from core.net import free_port
 from services.launcher import LocalStack, components
-from services.net import free_port
 
 pytestmark = pytest.mark.slow
 N_TASKS = 96

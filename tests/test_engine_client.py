@@ -15,9 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from safetensors.torch import load_file
 
+from core.net import free_port
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient, EngineError, encode_named_tensors
-from services.net import free_port
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
 

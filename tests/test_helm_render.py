@@ -4,7 +4,7 @@ No cluster is contacted (``lookup`` returns nothing), so what is checked is the 
 they parse, pods only mount volumes they define and probe ports they declare, the knobs of
 values.yaml (replicas, GPUs, Redis URL, token secret, engine backend, ServiceMonitors) land where
 they should, and every rollwave container's command line loads with the rendered run config through
-services.config. Kubernetes' own API validation and scheduling are not exercised.
+core.config. Kubernetes' own API validation and scheduling are not exercised.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import helm_python as helm
 import pytest
 import yaml
 
-from services.config import Config, load_config
+from core.config import Config, load_config
 
 CHART = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "rollwave"
 PROMETHEUS = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "prometheus.yml"

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_harness import PrometheusHarness, scrape_config
 
-from services.metrics import serve_metrics
+from core.metrics import serve_metrics
 
 
 def test_harness_scrapes_a_metrics_server_and_answers_queries(tmp_path: Path) -> None:

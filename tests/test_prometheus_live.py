@@ -22,10 +22,10 @@ import torch
 from prometheus_harness import PrometheusHarness, load_dashboard, panel_queries
 
 from buffer.redis_server import EmbeddedRedis
-from services.config import dump_config, load_config
+from core.config import dump_config, load_config
+from core.net import free_port
+from core.tasks import load_tasks
 from services.launcher import ComponentSpec, LocalStack, components
-from services.net import free_port
-from services.tasks import load_tasks
 from trainer.sft import warm_start
 
 N_TASKS = 400  # far more than the test consumes: the trainer must still be running when Prometheus is asked

@@ -10,7 +10,7 @@ import redis
 from buffer_helpers import client
 
 from buffer.redis_server import EmbeddedRedis, RedisStartError, connect, find_redis_server
-from services.config import RedisConfig
+from core.config import RedisConfig
 
 
 def test_finds_a_redis_server_binary() -> None:

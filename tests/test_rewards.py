@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from core.rewards import RewardComputer, extract_answer, gsm8k_reward, load_reward_fn
+from core.tasks import Task
 from rollout_server.metrics import RolloutMetrics
-from rollout_server.rewards import RewardComputer, extract_answer, gsm8k_reward, load_reward_fn
-from services.tasks import Task
 
 GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 

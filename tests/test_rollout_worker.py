@@ -23,9 +23,9 @@ from buffer.registry import ServerRegistry
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
+from core.config import BufferConfig
+from core.tasks import load_tasks
 from rollout_server.engine.process import EngineProcess
-from services.config import BufferConfig
-from services.tasks import load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = Keys("t")

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollout_server.trajectory import ChatRenderer, masked_spans
-from services.tasks import load_tasks
-from services.tasks.arith import CALCULATOR_SCHEMA, demonstration
+from core.tasks import load_tasks
+from core.tasks.arith import CALCULATOR_SCHEMA, demonstration
+from core.trajectory import ChatRenderer, masked_spans
 from trainer.sft import _batch, demonstration_ids, sft_loss, warm_start
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.tasks import SOURCES, Task, load_tasks
-from services.tasks.arith import TEMPLATES, demonstration, evaluate
+from core.tasks import SOURCES, Task, load_tasks
+from core.tasks.arith import TEMPLATES, demonstration, evaluate
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 

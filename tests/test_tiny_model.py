@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core.tasks.arith import CALCULATOR_SCHEMA, demonstration, generate
+from core.tiny_model import MARKER, build_tiny_model
 from services.cli import main
-from services.tasks.arith import CALCULATOR_SCHEMA, demonstration, generate
-from services.tiny_model import MARKER, build_tiny_model
 
 ECHO_SCHEMA = {
     "type": "function",

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
+from core.tasks.arith import CALCULATOR_SCHEMA
 from rollout_server.tools import Tool, ToolConfigError, ToolRegistry, ToolResult
 from rollout_server.tools.calculator import CalculatorError, CalculatorTool, evaluate, format_number
 from rollout_server.tools.check_answer import CheckAnswerTool
 from rollout_server.tools.python_tool import PythonTool, detect_netns_prefix
-from services.tasks.arith import CALCULATOR_SCHEMA
 
 
 def run(coro: Any) -> Any:

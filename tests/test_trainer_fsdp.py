@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM
 
-from services.config import TrainerConfig
-from services.net import free_port
+from core.config import TrainerConfig
+from core.net import free_port
 from trainer.batching import collate, rank_plan
 from trainer.parallel import DistContext, close_distributed, init_distributed, iter_full_params, lr_factor
 from trainer.worker import Trainer

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from buffer.schema import Sample, TrajectoryGroup
-from services.config import TrainerConfig
+from core.config import TrainerConfig
 from trainer.parallel import DistContext, close_distributed, init_distributed
 from trainer.worker import Trainer
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from buffer.keys import TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
-from services.config import BufferConfig, TrainerConfig
+from core.config import BufferConfig, TrainerConfig
 from trainer.parallel import DistContext, close_distributed, init_distributed, iter_full_params
 from trainer.worker import Trainer
 

@@ -21,9 +21,9 @@ from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
-from services.config import Config, ConfigError, load_config
-from services.metrics import serve_metrics
-from services.tiny_model import ensure_model
+from core.config import Config, ConfigError, load_config
+from core.metrics import serve_metrics
+from core.tiny_model import ensure_model
 from trainer.checkpoint import Checkpointer, export_hf
 from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.metrics import RedisStatus

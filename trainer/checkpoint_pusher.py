@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from buffer.registry import ServerRegistry
+from core.checkpoint_format import DTYPES, GRPC_OPTIONS, SERVICE, trailer_checksum
+from core.config import CheckpointConfig
 from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
-from rollout_server.checkpoint_format import DTYPES, GRPC_OPTIONS, SERVICE, trailer_checksum
-from services.config import CheckpointConfig
 from trainer.parallel import hf_name, iter_full_params
 
 _STAGE_METHOD = f"/{SERVICE}/Stage"

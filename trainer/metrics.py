@@ -34,7 +34,7 @@ _FROM_STEP = {"masked_token_fraction": "masked_fraction", "tokens_per_second": "
 
 
 class TrainerMetrics:
-    """``rollwave_trainer_*`` series; serve ``.registry`` with ``services.metrics.serve_metrics``."""
+    """``rollwave_trainer_*`` series; serve ``.registry`` with ``core.metrics.serve_metrics``."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()

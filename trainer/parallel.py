@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from services.config import TrainerConfig
-from services.net import free_port
+from core.config import TrainerConfig
+from core.net import free_port
 
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollout_server.trajectory import ChatRenderer, TrajectoryBuilder, Turn
-from services.tasks import Task
-from services.tasks.arith import CALCULATOR_SCHEMA, demonstration
+from core.tasks import Task
+from core.tasks.arith import CALCULATOR_SCHEMA, demonstration
+from core.trajectory import ChatRenderer, TrajectoryBuilder, Turn
 
 
 def demonstration_ids(renderer: ChatRenderer, messages: list[dict[str, Any]], tools: list[dict]) -> TrajectoryBuilder:

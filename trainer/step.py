@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from buffer.schema import TrajectoryGroup
-from services.config import TrainerConfig
+from core.config import TrainerConfig
 from trainer import losses
 from trainer.advantages import compute_advantages
 from trainer.batching import Batch, collate, rank_plan

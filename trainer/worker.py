@@ -21,7 +21,7 @@ from torch import nn
 
 from buffer.schema import TrajectoryGroup
 from buffer.staleness import is_stale
-from services.config import TrainerConfig
+from core.config import TrainerConfig
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_pusher import PushReport
 from trainer.metrics import MetricsLog, TrainerMetrics

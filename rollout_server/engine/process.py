@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from services.net import free_port
+from core.net import free_port
 
 
 class EngineProcess:

@@ -14,8 +14,8 @@ import operator
 from fractions import Fraction
 from typing import Any
 
+from core.tasks.arith import CALCULATOR_SCHEMA
 from rollout_server.tools.base import Tool, ToolResult
-from services.tasks.arith import CALCULATOR_SCHEMA
 
 MAX_EXPRESSION_CHARS = 500
 MAX_EXPONENT = 1000

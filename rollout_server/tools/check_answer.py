@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_server.rewards import gsm8k_reward
+from core.rewards import gsm8k_reward
 from rollout_server.tools.base import Tool, ToolResult, function_schema
 
 

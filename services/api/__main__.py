@@ -8,8 +8,8 @@ import sys
 
 import uvicorn
 
+from core.config import ConfigError, load_config
 from services.api.app import create_app
-from services.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:

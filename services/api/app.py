@@ -18,10 +18,10 @@ from buffer.keys import Keys
 from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
+from core.config import Config
+from core.jobs import JobSpec
 from services.api.cluster import ClusterView, InvalidCursor, NotFound
 from services.api.sampler import MetricsSampler
-from services.config import Config
-from services.jobs import JobSpec
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 

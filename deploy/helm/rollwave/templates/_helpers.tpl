@@ -54,7 +54,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* The run config (services/config.py) every component reads from /config/run.yaml. */}}
+{{/* The run config (core/config.py) every component reads from /config/run.yaml. */}}
 {{- define "rollwave.runConfig" -}}
 {{- $base := dict
   "run" (dict "name" .Values.run.name "dir" "/runs")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.tasks.base import SYSTEM_PROMPT, Task
+from core.tasks.base import SYSTEM_PROMPT, Task
 
 SOURCES = ("arith", "gsm8k", "jsonl")
 
@@ -25,15 +25,15 @@ def load_tasks(
     and ignore ``seed``.
     """
     if source == "arith":
-        from services.tasks import arith
+        from core.tasks import arith
 
         return arith.generate(split or "train", limit=limit, seed=seed, offset=offset)
     if source == "gsm8k":
-        from services.tasks import gsm8k
+        from core.tasks import gsm8k
 
         return gsm8k.load(path, split, limit=limit, offset=offset)
     if source == "jsonl":
-        from services.tasks import jsonl
+        from core.tasks import jsonl
 
         return jsonl.load(path, split, limit=limit, offset=offset)
     raise ValueError(f"unknown task source {source!r}; valid: {', '.join(SOURCES)}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from services.tasks.base import SYSTEM_PROMPT, Task, field, gold_tools_kwargs, read_jsonl, split_file, window
+from core.tasks.base import SYSTEM_PROMPT, Task, field, gold_tools_kwargs, read_jsonl, split_file, window
 
 _GOLD = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
 _ANNOTATION = re.compile(r"<<([^<>=]*)=([^<>]*)>>")

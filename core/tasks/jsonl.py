@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services.tasks.base import Task, field, read_jsonl, split_file, window
+from core.tasks.base import Task, field, read_jsonl, split_file, window
 
 _ROLES = ("system", "user", "assistant", "tool")
 

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.tasks.base import SYSTEM_PROMPT, Task, gold_tools_kwargs, window
+from core.tasks.base import SYSTEM_PROMPT, Task, gold_tools_kwargs, window
 
 CALCULATOR_SCHEMA: dict[str, Any] = {
     "type": "function",

@@ -24,8 +24,8 @@ import torch
 from tokenizers import AddedToken, pre_tokenizers, trainers
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-from services.config import ConfigError, ModelConfig
-from services.tasks import arith
+from core.config import ConfigError, ModelConfig
+from core.tasks import arith
 
 RECIPE = 1  # bump when anything below changes what a build writes
 MARKER = "rollwave_tiny_model.json"

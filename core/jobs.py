@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollout_server.rewards import BUILTIN as BUILTIN_REWARDS
-from services.config import RolloutConfig
-from services.tasks import Task, load_tasks
+from core.config import RolloutConfig
+from core.rewards import BUILTIN as BUILTIN_REWARDS
+from core.tasks import Task, load_tasks
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
 

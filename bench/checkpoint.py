@@ -10,7 +10,7 @@
 
 TCP rounds and pushes alternate, so both see the same background load; medians are reported.
 The engine is idle during both measurements so neither side competes with decoding for the CPU.
-Every process (this one re-executes itself) runs with glibc malloc tuned as FACTS.md describes
+Every process (this one re-executes itself) runs with glibc malloc tuned for large buffers
 (MALLOC_ENV); ``--plain-malloc`` keeps stock malloc. Last line: ``pause_vs_memcpy ratio <value>``
 (pause over the warm memcpy).
 
@@ -229,7 +229,7 @@ def run(pushes: int, layers: int, engine_threads: int) -> None:
     med = statistics.median
     stage_gbs, tcp_gbs = gb / med(stage), gb / med(tcp)
     tuned = all(os.environ.get(k) == v for k, v in MALLOC_ENV.items())
-    print(f"malloc: {'tuned (FACTS.md)' if tuned else 'stock glibc'}; engine torch threads: "
+    print(f"malloc: {'tuned (MALLOC_ENV)' if tuned else 'stock glibc'}; engine torch threads: "
           f"{engine_threads or 'default'}")
     print(f"(a) commit pause median {med(pause) * 1e3:.1f} ms (load {med(load) * 1e3:.1f} ms) over {pushes} "
           f"commits; np.copyto {nbytes / 2**20:.0f} MiB warm {warm * 1e3:.1f} ms ({gb / warm:.1f} GB/s), "

@@ -46,7 +46,7 @@ def run_mode(mode: str, model: Path, root: Path, steps: int, overrides: list[str
     run_dir.mkdir(parents=True)
     config_path = run_dir / "config.yaml"
     config_path.write_text(dump_config(cfg))
-    n_tasks = steps * cfg.trainer.groups_per_step * 3
+    n_tasks = steps * cfg.buffer.groups_per_step * 3
     spec = JobSpec(source=TaskSource(kind="arith", split="train", limit=n_tasks, seed=7))
     tasks = spec.source.load()
     with EmbeddedRedis(run_dir / "redis", aof=False) as server:

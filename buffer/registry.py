@@ -35,7 +35,7 @@ class ServerRegistry:
     def __init__(self, client: redis.Redis, keys: Keys, ttl_s: float = 10.0) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self.r = client
+        self.redis = client
         self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
 
@@ -46,24 +46,24 @@ class ServerRegistry:
     def heartbeat(self, info: ServerInfo) -> None:
         """Refresh the record (version, addresses) and the liveness key."""
         info.heartbeat = time.time()
-        pipe = self.r.pipeline(transaction=True)
+        pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.servers, info.server_id, json.dumps(asdict(info)))
         pipe.set(self.keys.server_alive(info.server_id), "1", px=self.ttl_ms)
         pipe.execute()
 
     def deregister(self, server_id: str) -> None:
-        pipe = self.r.pipeline(transaction=True)
+        pipe = self.redis.pipeline(transaction=True)
         pipe.hdel(self.keys.servers, server_id)
         pipe.delete(self.keys.server_alive(server_id))
         pipe.execute()
 
     def all_servers(self) -> list[tuple[ServerInfo, bool]]:
         """Every registered server with whether it is live, sorted by id."""
-        records = self.r.hgetall(self.keys.servers)
+        records = self.redis.hgetall(self.keys.servers)
         ids = sorted(k.decode() for k in records)
         if not ids:
             return []
-        alive = self.r.mget([self.keys.server_alive(i) for i in ids])
+        alive = self.redis.mget([self.keys.server_alive(i) for i in ids])
         return [
             (ServerInfo(**json.loads(records[i.encode()])), flag is not None)
             for i, flag in zip(ids, alive, strict=True)

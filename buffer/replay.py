@@ -96,7 +96,7 @@ class ReplayBuffer:
         consumer: str = "trainer",
         metrics: BufferMetrics | None = None,
     ) -> None:
-        self.r = client
+        self.redis = client
         self.keys = keys
         self.config = config
         self.consumer = consumer
@@ -110,7 +110,7 @@ class ReplayBuffer:
     def ensure_group(self) -> None:
         """Create the groups stream and the ``trainer`` consumer group (idempotent)."""
         try:
-            self.r.xgroup_create(self.keys.groups, TRAINER_GROUP, id="0", mkstream=True)
+            self.redis.xgroup_create(self.keys.groups, TRAINER_GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -175,7 +175,7 @@ class ReplayBuffer:
 
     def room(self) -> int:
         """How many train groups fit now (a cheap check before sending payloads; ``try_put`` is the atomic one)."""
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=False)
         pipe.xlen(self.keys.groups)
         pipe.xpending(self.keys.groups, TRAINER_GROUP)
         length, pending = pipe.execute()
@@ -185,7 +185,7 @@ class ReplayBuffer:
         """Pipelined ``try_put`` of train groups without tasks (bulk loads, benchmarks), as many as there is
         room for; -1 marks a group not written (buffer full)."""
         room = self.room()
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=False)
         for group in groups[: max(room, 0)]:
             keys, args = self._put_args(group, encode_group(group), None)
             self._put(keys, args, client=pipe)
@@ -209,7 +209,7 @@ class ReplayBuffer:
         out = self._accept([(entry_id, fields) for entry_id, _n, fields in claimed])
         while len(out) < max_groups:
             block = int((deadline - time.monotonic()) * 1000)
-            reply = self.r.xreadgroup(
+            reply = self.redis.xreadgroup(
                 TRAINER_GROUP, self.consumer, {self.keys.groups: ">"}, count=max_groups - len(out),
                 block=min(block, READ_BLOCK_MS) if block > 0 else None,
             )
@@ -222,7 +222,7 @@ class ReplayBuffer:
     def drained(self) -> bool:
         """No train task left to roll out and no group left to deliver: nothing more can arrive
         (until another job is submitted)."""
-        pipe = self.r.pipeline(transaction=True)
+        pipe = self.redis.pipeline(transaction=True)
         pipe.xlen(self.keys.tasks("train"))
         pipe.xlen(self.keys.groups)
         pipe.xpending(self.keys.groups, TRAINER_GROUP)
@@ -240,7 +240,7 @@ class ReplayBuffer:
                 self._move_malformed(entry_id, fields, f"group entry {entry_id}: {exc}")
         if not decoded:
             return []
-        states = self.r.hmget(self.keys.group_state, [g.group_id for _, g in decoded])
+        states = self.redis.hmget(self.keys.group_state, [g.group_id for _, g in decoded])
         held = {gid for gid, _job in self._held.values()}
         out, duplicates = [], []
         for (entry_id, group), state in zip(decoded, states, strict=True):
@@ -253,7 +253,7 @@ class ReplayBuffer:
             self._held[entry_id] = (group.group_id, group.job_id)
             out.append((entry_id, group))
         if duplicates:
-            pipe = self.r.pipeline(transaction=True)
+            pipe = self.redis.pipeline(transaction=True)
             pipe.xack(self.keys.groups, TRAINER_GROUP, *duplicates)
             pipe.xdel(self.keys.groups, *duplicates)
             pipe.execute()
@@ -262,7 +262,7 @@ class ReplayBuffer:
 
     def _move_malformed(self, entry_id: str, fields: dict[bytes, bytes], error: str) -> None:
         raw = {b"f." + k: v for k, v in fields.items()}
-        pipe = self.r.pipeline(transaction=True)
+        pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.keys.groups_malformed, {"stream": self.keys.groups, "entry_id": entry_id, "error": error, **raw})
         pipe.xack(self.keys.groups, TRAINER_GROUP, entry_id)
         pipe.xdel(self.keys.groups, entry_id)

@@ -1,13 +1,15 @@
-"""Staleness control (AReaL's eta, arXiv 2505.24298): admission on the rollout side, a filter on the trainer's.
+"""Staleness control (AReaL's η = ``buffer.max_staleness``, arXiv 2505.24298): admission on the rollout side, a
+filter on the trainer's. Both read the one ``buffer`` config section (``max_staleness``, ``groups_per_step``).
 
-Admission: a server starts a new train group only while ``admitted < (version + eta + 1) * groups_per_step``,
+Admission: a server starts a new train group only while
+``admitted < (version + max_staleness + 1) * groups_per_step``,
 checked and incremented in one Lua call, so concurrent servers never overshoot. An admitted group id is
 remembered until its task is done, so a redelivered task is not admitted twice; a group that never reaches
 training (dead-lettered task, dropped as stale) gives its slot back, so the bound counts groups in flight
 or trained, as AReaL's ``StalenessManager`` does.
 
 Filter: the trainer drops a group whose oldest generated token came from a policy older than
-``version - eta``.
+``version - max_staleness``, counted in ``rollwave_buffer_stale_dropped_total``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import redis
 from buffer.keys import Keys
 from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
+from core.config import BufferConfig
 
-# KEYS: admitted, version, admitted ids. ARGV: group id, eta, groups_per_step.
+# KEYS: admitted, version, admitted ids. ARGV: group id, max_staleness, groups_per_step.
 _ADMIT = """
 if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return 1 end
 local version = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -54,57 +57,64 @@ return current
 """
 
 
-def is_stale(group: TrajectoryGroup, version: int, eta: int) -> bool:
-    """True if the group's oldest generated token is older than ``version - eta`` (no tokens: never stale)."""
+def is_stale(group: TrajectoryGroup, version: int, max_staleness: int) -> bool:
+    """True if the group's oldest generated token is older than ``version - max_staleness`` (no tokens: never)."""
     oldest = group.oldest_version()
-    return oldest is not None and oldest < version - eta
+    return oldest is not None and oldest < version - max_staleness
+
+
+def split_stale(
+    items: Sequence[tuple[str, TrajectoryGroup]], version: int, max_staleness: int, metrics: BufferMetrics
+) -> tuple[list[tuple[str, TrajectoryGroup]], list[tuple[str, TrajectoryGroup]]]:
+    """The trainer-side filter: (fresh, stale) items of a batch from ``take``, counting the stale ones.
+
+    Ack the stale ones with ``ReplayBuffer.ack(..., stale_group_ids=...)``, which releases their slots."""
+    fresh, stale = [], []
+    for item in items:
+        (stale if is_stale(item[1], version, max_staleness) else fresh).append(item)
+    if stale:
+        metrics.stale_dropped.inc(len(stale))
+    return fresh, stale
 
 
 class StalenessControl:
     """Admission control and the committed policy ``version`` of one run."""
 
     def __init__(
-        self,
-        client: redis.Redis,
-        keys: Keys,
-        max_staleness: int,
-        groups_per_step: int,
-        metrics: BufferMetrics | None = None,
+        self, client: redis.Redis, keys: Keys, cfg: BufferConfig, metrics: BufferMetrics | None = None
     ) -> None:
-        if max_staleness < 0 or groups_per_step < 1:
-            raise ValueError(f"max_staleness {max_staleness} must be >= 0 and groups_per_step {groups_per_step} >= 1")
-        self.r = client
+        self.redis = client
         self.keys = keys
-        self.eta = max_staleness
-        self.groups_per_step = groups_per_step
+        self.max_staleness = cfg.max_staleness
+        self.groups_per_step = cfg.groups_per_step
         self.metrics = metrics or BufferMetrics()
         self._admit = client.register_script(_ADMIT)
         self._release = client.register_script(_RELEASE)
         self._set_version = client.register_script(_SET_VERSION)
 
     def bound(self, version: int) -> int:
-        return (version + self.eta + 1) * self.groups_per_step
+        return (version + self.max_staleness + 1) * self.groups_per_step
 
     def version(self) -> int:
         """The latest committed policy version (0 before the first commit)."""
-        return int(self.r.get(self.keys.version) or 0)
+        return int(self.redis.get(self.keys.version) or 0)
 
     def set_version(self, version: int) -> int:
         """Publish a committed version; an older one is ignored. Returns the version now current."""
         return int(self._set_version([self.keys.version], [int(version)]))
 
     def admitted(self) -> int:
-        return int(self.r.get(self.keys.admitted) or 0)
+        return int(self.redis.get(self.keys.admitted) or 0)
 
     def capacity(self) -> int:
         """How many more groups would be admitted now (a hint; ``try_admit`` is the atomic check)."""
-        version, admitted = self.r.mget(self.keys.version, self.keys.admitted)
+        version, admitted = self.redis.mget(self.keys.version, self.keys.admitted)
         return max(0, self.bound(int(version or 0)) - int(admitted or 0))
 
     def try_admit(self, group_id: str) -> bool:
         """Admit one group if the bound allows; a group id admitted before is admitted again at no cost."""
         keys = [self.keys.admitted, self.keys.version, self.keys.admitted_ids]
-        return bool(self._admit(keys, [group_id, self.eta, self.groups_per_step]))
+        return bool(self._admit(keys, [group_id, self.max_staleness, self.groups_per_step]))
 
     def admit(self, group_id: str, stop: threading.Event | None = None, timeout_s: float | None = None) -> bool:
         """Wait (polling with backoff) until the group is admitted; False if ``stop`` is set or time runs out."""
@@ -126,16 +136,3 @@ class StalenessControl:
     def release(self, group_id: str) -> bool:
         """Give back the slot of an admitted group that will never be trained; False if it held none."""
         return bool(self._release([self.keys.admitted, self.keys.admitted_ids], [group_id]))
-
-    def split(
-        self, items: Sequence[tuple[str, TrajectoryGroup]], version: int
-    ) -> tuple[list[tuple[str, TrajectoryGroup]], list[tuple[str, TrajectoryGroup]]]:
-        """The trainer-side filter: (fresh, stale) items of a batch from ``take``, counting the stale ones.
-
-        Ack the stale ones with ``ReplayBuffer.ack(..., stale_group_ids=...)``, which releases their slots."""
-        fresh, stale = [], []
-        for item in items:
-            (stale if is_stale(item[1], version, self.eta) else fresh).append(item)
-        if stale:
-            self.metrics.stale_dropped.inc(len(stale))
-        return fresh, stale

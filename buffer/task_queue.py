@@ -90,7 +90,7 @@ class TaskQueue:
     def __init__(
         self, client: redis.Redis, keys: Keys, config: BufferConfig, metrics: BufferMetrics | None = None
     ) -> None:
-        self.r = client
+        self.redis = client
         self.keys = keys
         self.config = config
         self.metrics = metrics or BufferMetrics()
@@ -104,7 +104,7 @@ class TaskQueue:
         """Create the streams and the ``rollout`` consumer group (idempotent; reads from the start)."""
         for kind in TASK_KINDS:
             try:
-                self.r.xgroup_create(self.keys.tasks(kind), ROLLOUT_GROUP, id="0", mkstream=True)
+                self.redis.xgroup_create(self.keys.tasks(kind), ROLLOUT_GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
@@ -138,7 +138,7 @@ class TaskQueue:
         """The job hash: ``spec`` (JSON), ``kind``, ``state`` and counters (``submitted``, ``completed``,
         ``dead_lettered``, ``trained``, ``stale_dropped``, ``samples``, ``reward_sum``), as strings. A running job whose
         every task has a written group or a dead letter reads as ``done``."""
-        job = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.job(job_id)).items()}
+        job = {k.decode(): v.decode() for k, v in self.redis.hgetall(self.keys.job(job_id)).items()}
         finished = int(job.get("completed", 0)) + int(job.get("dead_lettered", 0))
         if job.get("state") == "running" and finished >= int(job.get("submitted", 0)):
             job["state"] = "done"
@@ -165,7 +165,7 @@ class TaskQueue:
         return out
 
     def _read_new(self, consumer: str, streams: dict[str, str], count: int, block_ms: int | None) -> list[TaskEntry]:
-        reply = self.r.xreadgroup(ROLLOUT_GROUP, consumer, streams, count=count, block=block_ms)
+        reply = self.redis.xreadgroup(ROLLOUT_GROUP, consumer, streams, count=count, block=block_ms)
         out = []
         for stream, entries in reply or []:
             for entry_id, fields in entries:
@@ -180,7 +180,7 @@ class TaskQueue:
         stream = self.keys.tasks(kind)
         reclaimer = self._reclaimers.get((consumer, kind))
         if reclaimer is None:
-            reclaimer = Reclaimer(self.r, stream, ROLLOUT_GROUP, consumer, self.config.claim_idle_ms)
+            reclaimer = Reclaimer(self.redis, stream, ROLLOUT_GROUP, consumer, self.config.claim_idle_ms)
             self._reclaimers[(consumer, kind)] = reclaimer
         claimed, deleted = reclaimer.claim(count)
         if deleted:
@@ -218,7 +218,7 @@ class TaskQueue:
     def move_malformed(self, stream: str, entry_id: str, fields: Mapping[bytes, bytes], error: str) -> None:
         """Move an unparseable entry to the malformed stream with the error and its raw fields."""
         raw = {b"f." + k: v for k, v in fields.items()}
-        pipe = self.r.pipeline(transaction=True)
+        pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.keys.tasks_malformed, {"stream": stream, "entry_id": entry_id, "error": error, **raw})
         pipe.xack(stream, ROLLOUT_GROUP, entry_id)
         pipe.xdel(stream, entry_id)

@@ -1,11 +1,12 @@
 """The run configuration: one YAML file, one tree of small models, one per component.
 
-Layering is defaults < file < dotted command-line overrides (``trainer.lr=1e-5``).
-Every component receives only its own section (STYLE.md #4).
+Layering is defaults < file < dotted command-line overrides (``trainer.lr=1e-5``). Unknown keys, wrong
+types and bad values are errors naming the full dotted key.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -61,7 +62,9 @@ class EngineConfig(Section):
 
 
 class RolloutConfig(Section):
-    mode: Literal["async", "sync"] = Field("async", description="sync: generate a batch, train, push (sets eta=0)")
+    mode: Literal["async", "sync"] = Field(
+        "async", description="sync: generate a batch, train, push (sets buffer.max_staleness=0)"
+    )
     n_samples: int = Field(8, ge=1, description="samples per task (the group size)")
     max_turns: int = Field(4, ge=1)
     max_new_tokens: int = Field(64, ge=1, description="per assistant turn")
@@ -88,13 +91,15 @@ class RolloutConfig(Section):
 
 class BufferConfig(Section):
     max_groups: int = Field(256, ge=1, description="bound on unconsumed groups; producers wait beyond it")
-    max_staleness: int = Field(2, ge=0, description="AReaL's eta")
+    max_staleness: int = Field(
+        2, ge=0, description="AReaL's η: groups may be this many versions old (admission bound and trainer filter)"
+    )
+    groups_per_step: int = Field(8, ge=1, description="groups in one trainer step: the unit of staleness admission")
     claim_idle_ms: int = Field(30_000, ge=100, description="pending entries idle this long are reclaimed")
     max_attempts: int = Field(3, ge=1, description="deliveries of a task before it is dead-lettered")
 
 
 class TrainerConfig(Section):
-    groups_per_step: int = Field(8, ge=1)
     total_steps: int = Field(100, ge=1)
     lr: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)
@@ -162,7 +167,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _sync_mode(self) -> Config:
-        """``rollout.mode=sync`` is the async machinery with eta = 0: a batch is generated only for the
+        """``rollout.mode=sync`` is the async machinery with max_staleness = 0: a batch is generated only for the
         current version, so generation waits for each push and training waits for each batch."""
         if self.rollout.mode == "sync" and self.buffer.max_staleness != 0:
             self.buffer.max_staleness = 0
@@ -231,6 +236,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return Config.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def load_config_or_exit(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """``load_config`` for a command line: a bad config is one line on stderr naming the key, and exit 2."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def dump_config(cfg: Config) -> str:

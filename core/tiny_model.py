@@ -1,6 +1,6 @@
 """The tiny Qwen2 model that tests and ``make demo`` train: built deterministically here, never downloaded.
 
-The shape is the one that learned tool use by RL on a 2-core CPU (FACTS.md): Qwen2, hidden 128, 2 layers,
+The shape is the one that learned tool use by RL on a 2-core CPU: Qwen2, hidden 128, 2 layers,
 4 heads / 2 KV heads, MLP 512, tied embeddings, fp32, ~0.58M parameters. The tokenizer is a byte-level
 BPE with one token per digit (numbers are copied digit by digit) trained on the project's own task text:
 capped at 1000 entries, it stops at ~680 when every word of that text is one token. It depends on no
@@ -139,7 +139,7 @@ def build_tokenizer() -> Qwen2Tokenizer:
 
 
 def build_model(tokenizer: Qwen2Tokenizer, seed: int) -> Qwen2ForCausalLM:
-    """The FACTS.md shape, initialised from ``seed`` only: normal(0, 0.02) weights, 0 biases, unit norms."""
+    """The tiny shape above, initialised from ``seed`` only: normal(0, 0.02) weights, 0 biases, unit norms."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=128,

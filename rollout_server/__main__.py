@@ -16,7 +16,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from buffer.redis_server import connect
-from core.config import Config, ConfigError, EngineConfig, load_config
+from core.config import Config, ConfigError, EngineConfig, load_config_or_exit
 from core.metrics import serve_metrics
 from core.tiny_model import ensure_model
 from rollout_server.checkpoint_receiver import CheckpointMetrics, ReceiverThread
@@ -59,8 +59,8 @@ async def serve(cfg: Config) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(model)
         metrics = RolloutMetrics()
-        worker = RolloutWorker(client, cfg.run.name, cfg.rollout, cfg.buffer, cfg.trainer.groups_per_step,
-                               engines, tokenizer, ToolRegistry.from_file(cfg.rollout.tools), metrics)
+        worker = RolloutWorker(client, cfg.run.name, cfg.rollout, cfg.buffer, engines,
+                                tokenizer, ToolRegistry.from_file(cfg.rollout.tools), metrics)
         receiver = ReceiverThread(
             cfg.checkpoint, model, urls, worker.consumer, cfg.rollout.grpc_host, cfg.rollout.grpc_port,
             CheckpointMetrics(metrics.registry), cfg.engine.request_timeout_s,
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    cfg = load_config_or_exit(args.config, args.overrides)
     try:
-        cfg = load_config(args.config, args.overrides)
         asyncio.run(serve(cfg))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -63,7 +63,6 @@ class RolloutWorker:
         run: str,
         rollout: RolloutConfig,
         buffer: BufferConfig,
-        groups_per_step: int,
         engines: list[EngineClient],
         tokenizer: Any,
         tools: ToolRegistry,
@@ -82,8 +81,8 @@ class RolloutWorker:
         self.redis = client
         self.tasks = TaskQueue(client, self.keys, buffer, self.buffer_metrics)
         self.replay = ReplayBuffer(client, self.keys, buffer, metrics=self.buffer_metrics)
-        self.staleness = StalenessControl(client, self.keys, buffer.max_staleness, groups_per_step, self.buffer_metrics)
-        self.registry = ServerRegistry(client, self.keys, ttl_s=3 * rollout.heartbeat_s)
+        self.staleness = StalenessControl(client, self.keys, buffer, self.buffer_metrics)
+        self.servers = ServerRegistry(client, self.keys, ttl_s=3 * rollout.heartbeat_s)
         self.consumer = rollout.server_id or default_server_id()
         self.info = ServerInfo(self.consumer, engine_url=engines[0].base_url)
         self._generating_now = 0
@@ -142,7 +141,7 @@ class RolloutWorker:
     async def _start(self) -> None:
         await self._call(self.tasks.ensure_groups)
         await self._call(self.replay.ensure_group)
-        await self._call(self.registry.register, self.info)
+        await self._call(self.servers.register, self.info)
         log.info("rollout worker %s serving run %s with %d engine(s)", self.consumer, self.run_name,
                  len(self.engines))
 
@@ -246,7 +245,7 @@ class RolloutWorker:
             try:
                 self.info.version = await self._engine_version()
                 self.info.stats = self.metrics.stats()
-                await self._call(self.registry.heartbeat, self.info)
+                await self._call(self.servers.heartbeat, self.info)
                 lost = await self._call(self.tasks.renew, self.consumer, list(self._inflight.values()))
                 for entry in lost:
                     log.warning("group %s: lease lost to another worker; its group may be written twice "
@@ -275,7 +274,7 @@ class RolloutWorker:
 
     async def _close(self) -> None:
         try:
-            await self._call(self.registry.deregister, self.consumer)
+            await self._call(self.servers.deregister, self.consumer)
         except redis.ConnectionError as exc:
             log.warning("could not deregister %s: %s", self.consumer, exc)
         self._pool.shutdown(wait=True)

@@ -77,7 +77,7 @@ def _wait_ready(api: httpx.Client, timeout_s: float = 180.0) -> None:
 
 
 def _train(api: httpx.Client, stack: LocalStack, cfg: Config, run_dir: Path, timeout_s: float) -> dict[str, Any]:
-    n_tasks = cfg.trainer.total_steps * cfg.trainer.groups_per_step * 2
+    n_tasks = cfg.trainer.total_steps * cfg.buffer.groups_per_step * 2
     body = {"kind": "train", "name": "rl", "source": {"kind": "arith", "split": "train", "limit": n_tasks,
                                                        "seed": cfg.run.seed + 2}}
     reply = api.post("/v1/jobs", json=body)

@@ -23,6 +23,7 @@ from pathlib import Path
 from buffer.redis_server import MALLOC_ENV
 from core.config import Config
 from core.net import free_port
+from core.process import stop_process
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -164,12 +165,7 @@ class LocalStack:
                     os.killpg(proc.pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
             for name, proc in self.procs.items():
-                try:
-                    proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop in time; killing it", name)
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                stop_process(proc, max(0.1, deadline - time.monotonic()), name=name, group=True)
 
     def __enter__(self) -> LocalStack:
         return self.start()

@@ -34,8 +34,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.redis_server import EmbeddedRedis
-from core.config import Config, ConfigError, dump_config, load_config
+from core.config import Config, dump_config, load_config_or_exit
 from core.net import free_port, free_port_outside_ephemeral
+from core.process import stop_process
+from core.tiny_model import ensure_model
 from services.launcher import ComponentSpec, components, spawn
 
 log = logging.getLogger(__name__)
@@ -81,14 +83,7 @@ class ComponentActor:
     def stop(self, timeout_s: float = 45.0) -> int:
         """SIGTERM (components shut down gracefully), then SIGKILL to whatever is left of its group."""
         self._stopping = True
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0f s; killing it", self.spec.name, timeout_s)
-        _kill_group(self.proc.pid)
-        return self.proc.wait()
+        return stop_process(self.proc, timeout_s, name=self.spec.name, group=True)
 
 
 @ray.remote(max_restarts=-1)
@@ -107,14 +102,6 @@ class RedisActor:
 
 def _state_path(cfg: Config) -> Path:
     return cfg.run.path.absolute() / "ray.json"
-
-
-def _load(args: argparse.Namespace) -> Config | None:
-    try:
-        return load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return None
 
 
 def _absolute_paths(cfg: Config) -> None:
@@ -240,9 +227,7 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
 
 
 def up(args: argparse.Namespace) -> int:
-    cfg = _load(args)
-    if cfg is None:
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     _absolute_paths(cfg)
     run_dir = cfg.run.path
@@ -250,10 +235,7 @@ def up(args: argparse.Namespace) -> int:
     if _state_path(cfg).exists():
         print(f"error: {_state_path(cfg)} exists: the run is up; `rollwave down -c ...` first", file=sys.stderr)
         return 2
-    if cfg.model.init_if_missing and not (cfg.model.path / "config.json").exists():
-        from core.tiny_model import build_tiny_model  # once here, not raced by every component
-
-        build_tiny_model(cfg.model.path, seed=cfg.model.seed)
+    ensure_model(cfg.model)  # once here, not raced by every component
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     state: dict[str, Any] = {"namespace": f"rollwave-{cfg.run.name}", "actors": []}
     try:
@@ -275,9 +257,7 @@ def up(args: argparse.Namespace) -> int:
 
 
 def down(args: argparse.Namespace) -> int:
-    cfg = _load(args)
-    if cfg is None:
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     path = _state_path(cfg)
     if not path.exists():

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from buffer.schema import Sample, TrajectoryGroup
-from core.config import Config, ConfigError, load_config
+from core.config import Config, ConfigError, load_config_or_exit
 from core.tiny_model import ensure_model
 from core.trajectory import masked_spans
 
@@ -105,8 +105,8 @@ async def _rollout(args: argparse.Namespace, cfg: Config, model_dir: Path, url: 
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = load_config_or_exit(args.config, args.overrides)
     try:
-        cfg = load_config(args.config, args.overrides)
         model_dir = _model_dir(cfg, args.model)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -144,7 +144,7 @@ def test_renewed_leases_are_not_reclaimed(redis_server: EmbeddedRedis) -> None:
 
 def test_failures_requeue_then_dead_letter_with_error(redis_server: EmbeddedRedis) -> None:
     q = queue(redis_server, max_attempts=2)
-    st = StalenessControl(client(redis_server), KEYS, max_staleness=0, groups_per_step=4)
+    st = StalenessControl(client(redis_server), KEYS, BufferConfig(max_staleness=0, groups_per_step=4))
     [gid] = q.submit("job", tasks(1), "train")
     [e] = q.read("c", 1)
     assert st.try_admit(gid) and st.admitted() == 1

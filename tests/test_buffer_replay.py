@@ -19,7 +19,7 @@ from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.replay import BufferClosed, ReplayBuffer
 from buffer.schema import encode_group
-from buffer.staleness import StalenessControl
+from buffer.staleness import StalenessControl, split_stale
 from buffer.task_queue import TaskQueue
 from core.config import BufferConfig
 
@@ -210,14 +210,14 @@ def test_eval_groups_go_to_their_job_stream_unbounded(redis_server: EmbeddedRedi
 
 def test_stale_groups_acked_release_admission(redis_server: EmbeddedRedis) -> None:
     buf = buffer(redis_server)
-    st = StalenessControl(client(redis_server), KEYS, max_staleness=0, groups_per_step=2)
+    st = StalenessControl(client(redis_server), KEYS, BufferConfig(max_staleness=0, groups_per_step=2))
     assert st.try_admit("job:0:x") and st.try_admit("job:1:x") and not st.try_admit("job:2:x")
     r = client(redis_server)
     r.hdel(KEYS.admitted_ids, "job:0:x", "job:1:x")  # their tasks were acked when the groups were written
     buf.put_many([make_group("job", "job:0:x", version=0), make_group("job", "job:1:x", version=1)])
     st.set_version(1)
     batch = buf.take(2, 0.1)
-    fresh, stale = st.split(batch, version=st.version())
+    fresh, stale = split_stale(batch, st.version(), st.max_staleness, st.metrics)
     assert [g.group_id for _, g in stale] == ["job:0:x"] and len(fresh) == 1
     buf.ack([i for i, _ in batch], [g.group_id for _, g in batch], stale_group_ids=["job:0:x"])
     job = TaskQueue(r, KEYS, BufferConfig()).job("job")
@@ -236,7 +236,7 @@ def test_redis_restart_with_aof_loses_no_acked_group_and_no_pending_task(
         q.ensure_groups()
         buf = ReplayBuffer(r, KEYS, BufferConfig())
         buf.ensure_group()
-        st = StalenessControl(r, KEYS, max_staleness=1, groups_per_step=4)
+        st = StalenessControl(r, KEYS, BufferConfig(max_staleness=1, groups_per_step=4))
         gids = q.submit("job", [{"task_id": f"t{i}", "messages": []} for i in range(4)], "train")
         entries = q.read("srv", 3)
         for e in entries:

@@ -16,7 +16,7 @@ from buffer.metrics import BufferMetrics
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerInfo, ServerRegistry
 from buffer.replay import ReplayBuffer
-from buffer.staleness import StalenessControl, is_stale
+from buffer.staleness import StalenessControl, is_stale, split_stale
 from buffer.task_queue import TaskQueue
 from core.config import BufferConfig
 
@@ -28,8 +28,9 @@ PRODUCER = """
 import sys, redis
 from buffer.keys import Keys
 from buffer.staleness import StalenessControl
+from core.config import BufferConfig
 r = redis.Redis.from_url(sys.argv[1])
-st = StalenessControl(r, Keys("t"), max_staleness=2, groups_per_step=8)
+st = StalenessControl(r, Keys("t"), BufferConfig(max_staleness=2, groups_per_step=8))
 admitted, i = 0, 0
 while not r.exists("stop"):
     i += 1
@@ -38,8 +39,8 @@ print(admitted, flush=True)
 """
 
 
-def control(server: EmbeddedRedis, eta: int = 1, gps: int = 4) -> StalenessControl:
-    return StalenessControl(client(server), KEYS, max_staleness=eta, groups_per_step=gps)
+def control(server: EmbeddedRedis, max_staleness: int = 1, gps: int = 4) -> StalenessControl:
+    return StalenessControl(client(server), KEYS, BufferConfig(max_staleness=max_staleness, groups_per_step=gps))
 
 
 def wait_for(predicate, timeout_s: float = 30.0) -> None:
@@ -50,7 +51,7 @@ def wait_for(predicate, timeout_s: float = 30.0) -> None:
 
 
 def test_admission_bound_follows_the_version(redis_server: EmbeddedRedis) -> None:
-    st = control(redis_server, eta=1, gps=4)
+    st = control(redis_server, max_staleness=1, gps=4)
     assert st.bound(0) == 8 and st.capacity() == 8
     assert [st.try_admit(f"g{i}") for i in range(9)] == [True] * 8 + [False]
     assert st.try_admit("g3")  # already admitted: free
@@ -63,11 +64,11 @@ def test_admission_bound_follows_the_version(redis_server: EmbeddedRedis) -> Non
     assert not st.admit("late", timeout_s=0.05)
     assert st.metrics.admission_waits._value.get() == 1
     with pytest.raises(ValueError, match="groups_per_step"):
-        StalenessControl(client(redis_server), KEYS, max_staleness=1, groups_per_step=0)
+        StalenessControl(client(redis_server), KEYS, BufferConfig(max_staleness=1, groups_per_step=0))
 
 
 def test_eight_concurrent_producers_never_exceed_the_bound(redis_server: EmbeddedRedis) -> None:
-    st = StalenessControl(client(redis_server), KEYS, max_staleness=2, groups_per_step=8)
+    st = StalenessControl(client(redis_server), KEYS, BufferConfig(max_staleness=2, groups_per_step=8))
     r = client(redis_server)
     procs = [
         subprocess.Popen([sys.executable, "-c", PRODUCER, redis_server.url, str(i)], cwd=ROOT,
@@ -94,14 +95,14 @@ def test_eight_concurrent_producers_never_exceed_the_bound(redis_server: Embedde
 
 
 def test_is_stale_and_split(redis_server: EmbeddedRedis) -> None:
-    st = control(redis_server, eta=1)
+    st = control(redis_server, max_staleness=1)
     old, edge, new = (make_group("j", f"j:{v}:x", version=v) for v in (3, 4, 5))
-    assert is_stale(old, version=5, eta=1) and not is_stale(edge, 5, 1) and not is_stale(new, 5, 1)
+    assert is_stale(old, version=5, max_staleness=1) and not is_stale(edge, 5, 1) and not is_stale(new, 5, 1)
     empty = make_group("j", "j:9:x")
     for s in empty.samples:
         s.loss_mask[:] = 0
-    assert not is_stale(empty, version=100, eta=0)
-    fresh, stale = st.split([("1-0", old), ("2-0", edge), ("3-0", new)], version=5)
+    assert not is_stale(empty, version=100, max_staleness=0)
+    fresh, stale = split_stale([("1-0", old), ("2-0", edge), ("3-0", new)], 5, st.max_staleness, st.metrics)
     assert [g for _, g in stale] == [old] and [g for _, g in fresh] == [edge, new]
     assert st.metrics.stale_dropped._value.get() == 1
 

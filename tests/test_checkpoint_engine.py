@@ -29,7 +29,7 @@ from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerInfo, ServerRegistry
 from buffer.staleness import StalenessControl
 from core.checkpoint_format import GRPC_OPTIONS, SERVICE
-from core.config import CheckpointConfig
+from core.config import BufferConfig, CheckpointConfig
 from core.net import free_port
 from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
@@ -515,7 +515,7 @@ def test_push_to_registered_servers_records_the_version(fleet: Fleet, base_model
         registry = ServerRegistry(client, keys)
         for i, engine in enumerate(fleet.engines):
             registry.register(ServerInfo(f"server{i}", engine.url, grpc_address=fleet.addresses[i]))
-        staleness = StalenessControl(client, keys, max_staleness=1, groups_per_step=1)
+        staleness = StalenessControl(client, keys, BufferConfig(max_staleness=1, groups_per_step=1))
         version = fleet.version() + 1
         pusher = CheckpointPusher(fleet.config, registered_servers(registry), staleness.set_version)
         report = pusher.push_model(base_model, version)

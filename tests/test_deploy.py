@@ -278,7 +278,7 @@ def test_promql_check_reports_a_broken_query(tmp_path: Path) -> None:
 
 SIGNALS = {
     "reward": ["rollwave_trainer_reward_mean"],
-    "staleness": ["rollwave_trainer_staleness_bucket", "rollwave_trainer_stale_dropped_total"],
+    "staleness": ["rollwave_trainer_staleness_bucket", "rollwave_buffer_stale_dropped_total"],
     "throughput": ["rollwave_rollout_generated_tokens_total", "rollwave_rollout_groups_completed_total",
                    "rollwave_engine_generated_tokens_total"],
     "pause time": ["rollwave_rollout_pause_duration_seconds_sum", "rollwave_rollout_paused_seconds_total"],

@@ -47,7 +47,7 @@ def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
         "run.name=faults", f"run.dir={tmp_path}", f"model.path={tiny_model_dir}", "model.init_if_missing=false",
         "rollout.n_samples=2", "rollout.max_turns=2", "rollout.max_new_tokens=12", "rollout.heartbeat_s=0.5",
         "rollout.max_concurrent_groups=4", "rollout.shutdown_grace_s=5", "buffer.claim_idle_ms=3000",
-        "buffer.max_staleness=1", "trainer.groups_per_step=4", "trainer.total_steps=1000",
+        "buffer.max_staleness=1", "buffer.groups_per_step=4", "trainer.total_steps=1000",
         "trainer.stop_when_drained=true", "trainer.checkpoint_every=2", "trainer.take_timeout_s=1",
         "trainer.threads=1", "engine.threads=1", "engine.max_batch_size=16", f"checkpoint.stage_dir={tmp_path}/stage",
     ])

@@ -83,7 +83,7 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, tiny_model_dir: Path
     cfg = load_config(None, [
         "run.name=prom", f"run.dir={tmp_path}", f"model.path={model}", "model.init_if_missing=false",
         "rollout.n_samples=2", "rollout.max_turns=2", "rollout.max_new_tokens=40", "rollout.heartbeat_s=0.5",
-        "rollout.max_concurrent_groups=2", "rollout.shutdown_grace_s=2", "trainer.groups_per_step=2",
+        "rollout.max_concurrent_groups=2", "rollout.shutdown_grace_s=2", "buffer.groups_per_step=2",
         "trainer.total_steps=1000", "trainer.stop_when_drained=true", "trainer.take_timeout_s=1",
         "trainer.threads=1", "engine.threads=1", "engine.max_batch_size=8", f"checkpoint.stage_dir={tmp_path}/stage",
         f"api.port={free_port()}",

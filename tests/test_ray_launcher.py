@@ -31,9 +31,9 @@ def _config(tmp_path: Path, model: Path) -> Path:
         "api": {"port": 8000, "token": TOKEN},
         "rollout": {"n_samples": 2, "max_new_tokens": 16, "max_turns": 2, "heartbeat_s": 0.5,
                     "shutdown_grace_s": 5},
-        "buffer": {"claim_idle_ms": 2000},
+        "buffer": {"claim_idle_ms": 2000, "groups_per_step": 2},
         # more steps than the job feeds: the trainer stays up (waiting for data) until `rollwave down`
-        "trainer": {"groups_per_step": 2, "total_steps": 1000, "device": "cpu", "checkpoint_every": 1},
+        "trainer": {"total_steps": 1000, "device": "cpu", "checkpoint_every": 1},
         "checkpoint": {"stage_dir": str(tmp_path / "stage")},
     }
     path = tmp_path / "ray.yaml"

@@ -163,8 +163,8 @@ def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedR
     q.ensure_groups()
     q.submit("bad", [{"task_id": "empty", "messages": []}], "train")  # fails validation: no retries
     gids = submit(redis_server, "job", 2)
-    staleness = StalenessControl(r, KEYS, max_staleness=0, groups_per_step=1)  # bound 1 at version 0
-    w = workers("srv-b", "buffer.max_groups=1", "buffer.max_staleness=0", "trainer.groups_per_step=1",
+    staleness = StalenessControl(r, KEYS, BufferConfig(max_staleness=0, groups_per_step=1))  # bound 1 at version 0
+    w = workers("srv-b", "buffer.max_groups=1", "buffer.max_staleness=0", "buffer.groups_per_step=1",
                 "rollout.max_concurrent_groups=1", "rollout.shutdown_grace_s=0.5")
     wait_for(lambda: r.xlen(KEYS.groups) == 1 and r.xlen(KEYS.tasks_dead) == 1, w)
     [(_, dead)] = r.xrange(KEYS.tasks_dead)

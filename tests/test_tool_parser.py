@@ -1,4 +1,4 @@
-"""Tool-call parsing: SGLang qwen25 behaviour (SGLANG_API.md §4) plus the errors we keep for the model."""
+"""Tool-call parsing: SGLang's qwen25 behaviour plus the errors we keep for the model."""
 
 from __future__ import annotations
 

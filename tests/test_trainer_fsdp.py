@@ -15,12 +15,13 @@ from transformers import AutoModelForCausalLM
 from core.config import TrainerConfig
 from core.net import free_port
 from trainer.batching import collate, rank_plan
-from trainer.parallel import DistContext, close_distributed, init_distributed, iter_full_params, lr_factor
+from trainer.optim import lr_factor
+from trainer.parallel import DistContext, close_distributed, init_distributed, iter_full_params
 from trainer.worker import Trainer
 
 STEPS = 3
+GROUPS = 3
 CFG = {
-    "groups_per_step": 3,
     "total_steps": STEPS,
     "checkpoint_every": STEPS,
     "lr": 1e-3,
@@ -38,7 +39,7 @@ def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Pat
     ctx = init_distributed("cpu")
     try:
         trainer = Trainer(TrainerConfig(**CFG), model_dir, run_dir).start(ctx=ctx)
-        records = [trainer.train(synthetic_groups(seed, CFG["groups_per_step"])) for seed in range(STEPS)]
+        records = [trainer.train(synthetic_groups(seed, GROUPS)) for seed in range(STEPS)]
         params = {name: t.clone() for name, t in iter_full_params(trainer.model) if t is not None}
         trainer.close()
         if rank == 0:
@@ -117,7 +118,7 @@ def test_collate_aligns_to_predicted_tokens_and_rejects_bad_ids() -> None:
     n = len(s.token_ids)
     assert torch.equal(batch.input_ids[1, :n], torch.as_tensor(s.token_ids, dtype=torch.long))
     assert torch.equal(batch.loss_mask[1, : n - 1], torch.as_tensor(s.loss_mask[1:], dtype=torch.bool))
-    assert torch.equal(batch.behav_logprobs[1, : n - 1], torch.as_tensor(s.behaviour_logprobs[1:]))
+    assert torch.equal(batch.behaviour_logprobs[1, : n - 1], torch.as_tensor(s.behaviour_logprobs[1:]))
     assert not batch.loss_mask[1, n - 1 :].any()
     assert batch.group_index.tolist() == [0] * 4 + [1] * 4
     with pytest.raises(ValueError, match=r"group s3-g0\.samples\[0\]\.token_ids: id \d+ outside"):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from buffer.schema import Sample, TrajectoryGroup
-from core.config import TrainerConfig
+from core.config import BufferConfig, TrainerConfig
 from trainer.parallel import DistContext, close_distributed, init_distributed
 from trainer.worker import Trainer
 
@@ -79,8 +79,9 @@ def _even_mass(model: torch.nn.Module, prompts: list[list[int]]) -> float:
 def test_grpo_raises_rewarded_token_mass(
     ctx: DistContext, tiny_model_dir: Path, tmp_path: Path, loss: str, stale: bool
 ) -> None:
-    cfg = TrainerConfig(groups_per_step=GROUPS, total_steps=STEPS, lr=1e-2, loss=loss, device="cpu")
-    trainer = Trainer(cfg, tiny_model_dir, tmp_path, max_staleness=1).start(ctx=ctx)
+    cfg = TrainerConfig(total_steps=STEPS, lr=1e-2, loss=loss, device="cpu")
+    buffer = BufferConfig(max_staleness=1, groups_per_step=GROUPS)
+    trainer = Trainer(cfg, tiny_model_dir, tmp_path, buffer).start(ctx=ctx)
     rng = np.random.default_rng(0)
     vocab = trainer.model.config.vocab_size
     prompts = [rng.integers(3, vocab, 6).tolist() for _ in range(GROUPS)]

@@ -30,7 +30,6 @@ from trainer.worker import Trainer
 
 GPS = 2  # groups per step
 TRAINER = {
-    "groups_per_step": GPS,
     "total_steps": 4,
     "checkpoint_every": 2,
     "keep_checkpoints": 1,
@@ -42,6 +41,7 @@ TRAINER = {
     "device": "cpu",
 }
 ETA = 10
+BUFFER = BufferConfig(max_staleness=ETA, groups_per_step=GPS)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def _train(trainer: Trainer, buffer: ReplayBuffer, steps: int | None = None) -> 
 @pytest.fixture(scope="module")
 def uninterrupted(ctx: DistContext, tiny_model_dir: Path, redis_url: str, tmp_path_factory) -> dict:
     buffer = _filled_buffer(redis_url, "straight")
-    trainer = Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path_factory.mktemp("straight"), max_staleness=ETA)
+    trainer = Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path_factory.mktemp("straight"), BUFFER)
     records = _train(trainer.start(ctx=ctx), buffer)
     trainer.ack_checkpointed(buffer)
     params = dict(iter_full_params(trainer.model))
@@ -93,14 +93,14 @@ def test_crash_and_resume_repeats_the_uninterrupted_losses(
 ) -> None:
     want = uninterrupted["records"]
     buffer = _filled_buffer(redis_url, "crash")
-    crashed = Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path, max_staleness=ETA).start(ctx=ctx)
+    crashed = Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path, BUFFER).start(ctx=ctx)
     first = _train(crashed, buffer, steps=3)  # checkpoint at 2; step 3 trained, never checkpointed nor acked
     crashed.close()
     assert [r["loss"] for r in first] == [r["loss"] for r in want[:3]]
     del crashed, buffer
 
     buffer = ReplayBuffer(redis.Redis.from_url(redis_url), Keys("crash"), BufferConfig(), consumer="trainer")
-    resumed = Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path, max_staleness=ETA).start(resume=True, ctx=ctx)
+    resumed = Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path, BUFFER).start(resume=True, ctx=ctx)
     assert (resumed.step, resumed.version) == (2, 2)
     after = _train(resumed, buffer)
     resumed.ack_checkpointed(buffer)
@@ -111,7 +111,7 @@ def test_crash_and_resume_repeats_the_uninterrupted_losses(
     for name, value in iter_full_params(resumed.model):
         assert torch.equal(value, uninterrupted["params"][name]), name
 
-    client = buffer.r
+    client = buffer.redis
     keys = Keys("crash")
     assert client.xpending(keys.groups, TRAINER_GROUP)["pending"] == 0  # everything trained is acked
     assert client.xlen(keys.groups) == GPS  # only the fifth step's groups are left
@@ -143,14 +143,14 @@ def test_stale_groups_are_dropped_and_acked(ctx: DistContext, tiny_model_dir: Pa
     buffer.ensure_group()
     buffer.put_many(synthetic_groups(0, 4, version=0, run="stale") + synthetic_groups(1, 2, version=1, run="stale"))
     cfg = TrainerConfig(**{**TRAINER, "total_steps": 2, "checkpoint_every": 1})
-    trainer = Trainer(cfg, tiny_model_dir, tmp_path, max_staleness=0).start(ctx=ctx)
+    trainer = Trainer(cfg, tiny_model_dir, tmp_path, BufferConfig(max_staleness=0, groups_per_step=GPS)).start(ctx=ctx)
     records = _train(trainer, buffer)
     trainer.ack_checkpointed(buffer)
     trainer.close()
     assert [r["stale_dropped"] for r in records] == [0, 2]  # at version 1, version-0 groups are too old
     assert records[1]["group_ids"] == ["s1-g0", "s1-g1"]
-    assert trainer.metrics.registry.get_sample_value("rollwave_trainer_stale_dropped_total") == 2
-    assert buffer.r.xlen(Keys("stale").groups) == 0
+    assert trainer.metrics.registry.get_sample_value("rollwave_buffer_stale_dropped_total") == 2
+    assert buffer.redis.xlen(Keys("stale").groups) == 0
 
 
 def _cli(config: Path, *extra: str) -> None:
@@ -175,7 +175,7 @@ def test_cli_resume_and_hf_export(tiny_model_dir: Path, redis_url: str, tmp_path
                 "run": {"name": "cli", "dir": str(tmp_path)},
                 "model": {"path": str(tiny_model_dir), "init_if_missing": False},
                 "redis": {"url": redis_url},
-                "buffer": {"max_staleness": ETA},
+                "buffer": {"max_staleness": ETA, "groups_per_step": GPS},
                 "trainer": {**TRAINER, "total_steps": 2},
             }
         )

@@ -21,11 +21,11 @@ from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
-from core.config import Config, ConfigError, load_config
+from core.config import Config, load_config_or_exit
 from core.metrics import serve_metrics
 from core.tiny_model import ensure_model
 from trainer.checkpoint import Checkpointer, export_hf
-from trainer.checkpoint_pusher import CheckpointPusher
+from trainer.checkpoint_pusher import CheckpointPusher, registered_servers
 from trainer.metrics import RedisStatus
 from trainer.parallel import DistContext, close_distributed, init_distributed
 from trainer.worker import GroupSource, Trainer
@@ -61,12 +61,8 @@ def _connect(
     buffer = ReplayBuffer(client, keys, cfg.buffer, consumer="trainer")
     buffer.ensure_group()
     stack.callback(buffer.close)
-    staleness = StalenessControl(client, keys, cfg.buffer.max_staleness, cfg.trainer.groups_per_step)
-    registry = ServerRegistry(client, keys)
-
-    def servers() -> list[str]:
-        return [s.grpc_address for s in registry.live_servers() if s.grpc_address]
-
+    staleness = StalenessControl(client, keys, cfg.buffer)
+    servers = registered_servers(ServerRegistry(client, keys))
     pusher = CheckpointPusher(cfg.checkpoint, servers, set_version=staleness.set_version)
     stack.callback(pusher.close)
     return buffer, pusher, RedisStatus(client, keys)
@@ -74,11 +70,7 @@ def _connect(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.export_hf is not None:
         checkpoints = Checkpointer(cfg.run.path / "checkpoints", cfg.trainer.keep_checkpoints)
@@ -98,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.trainer,
             cfg.model.path,
             cfg.run.path,
-            max_staleness=cfg.buffer.max_staleness,
+            cfg.buffer,
             temperature=cfg.rollout.temperature,
             pusher=pusher,
         ).start(resume=args.resume, ctx=ctx)

@@ -2,7 +2,7 @@
 
 Tensors are right-padded. With causal attention no real position can attend to a pad that follows it,
 so the model needs no attention mask and its outputs at real positions do not depend on the padding.
-Per-token fields are aligned to the *predicted* token: column t of ``loss_mask``, ``behav_logprobs``,
+Per-token fields are aligned to the *predicted* token: column t of ``loss_mask``, ``behaviour_logprobs``,
 ``token_versions`` and the advantages belongs to ``input_ids[:, t + 1]``, which the logits at position
 t predict; they have L - 1 columns.
 """
@@ -22,14 +22,14 @@ from buffer.schema import TrajectoryGroup
 class Batch:
     """One step's samples, the contract between the collator and the train step.
 
-    ``input_ids`` [B, L]; ``loss_mask`` [B, L-1] bool; ``behav_logprobs`` [B, L-1] fp32;
+    ``input_ids`` [B, L]; ``loss_mask`` [B, L-1] bool; ``behaviour_logprobs`` [B, L-1] fp32;
     ``token_versions`` [B, L-1] int (-1 off the mask); ``rewards`` [B] fp64; ``group_index`` [B]
     (position of the sample's group in the step); ``lengths`` [B] real tokens per row.
     """
 
     input_ids: Tensor
     loss_mask: Tensor
-    behav_logprobs: Tensor
+    behaviour_logprobs: Tensor
     token_versions: Tensor
     rewards: Tensor
     group_index: Tensor
@@ -45,7 +45,7 @@ class Batch:
         return Batch(
             input_ids=self.input_ids[idx, :length],
             loss_mask=self.loss_mask[idx, : length - 1],
-            behav_logprobs=self.behav_logprobs[idx, : length - 1],
+            behaviour_logprobs=self.behaviour_logprobs[idx, : length - 1],
             token_versions=self.token_versions[idx, : length - 1],
             rewards=self.rewards[idx],
             group_index=self.group_index[idx],
@@ -85,7 +85,7 @@ def collate(groups: list[TrajectoryGroup], pad_id: int = 0, vocab_size: int | No
     return Batch(
         input_ids=torch.from_numpy(ids),
         loss_mask=torch.from_numpy(mask[:, 1:].copy()),
-        behav_logprobs=torch.from_numpy(behav[:, 1:].copy()),
+        behaviour_logprobs=torch.from_numpy(behav[:, 1:].copy()),
         token_versions=torch.from_numpy(versions[:, 1:].copy()),
         rewards=torch.tensor([s.reward for _, s in samples], dtype=torch.float64),
         group_index=torch.tensor([group_pos[g.group_id] for g, _ in samples], dtype=torch.long),

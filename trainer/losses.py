@@ -2,7 +2,7 @@
 
 Three policies appear (AReaL's decoupled PPO, arXiv 2505.24298; Hilton et al. arXiv 2110.00641):
 ``logprobs`` = log π_θ (the only input that carries a gradient), ``prox_logprobs`` = log π_prox (the
-trainer's weights at the start of the step, recomputed by the trainer), ``behav_logprobs`` = log π_behav
+trainer's weights at the start of the step, recomputed by the trainer), ``behaviour_logprobs`` = log π_behav
 (what the rollout engine reported when it sampled the token). Every input is [B, T] and aligned to the
 predicted token; ``loss_mask`` is 1 on tokens the policy generated. prox, behav and advantages are
 detached inside each loss, so gradients flow only through ``logprobs``.
@@ -98,7 +98,7 @@ def _prepare(
     logprobs: Tensor, prox: Tensor, behav: Tensor, adv: Tensor, loss_mask: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Check shapes, cast to fp32, detach everything but ``logprobs`` (the stop-gradients)."""
-    named = {"prox_logprobs": prox, "behav_logprobs": behav, "advantages": adv, "loss_mask": loss_mask}
+    named = {"prox_logprobs": prox, "behaviour_logprobs": behav, "advantages": adv, "loss_mask": loss_mask}
     for name, t in named.items():
         if t.shape != logprobs.shape:
             raise ValueError(f"{name}: shape {tuple(t.shape)} differs from logprobs {tuple(logprobs.shape)}")
@@ -109,7 +109,7 @@ def _prepare(
 def decoupled_ppo(
     logprobs: Tensor,
     prox_logprobs: Tensor,
-    behav_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
     advantages: Tensor,
     loss_mask: Tensor,
     *,
@@ -126,7 +126,7 @@ def decoupled_ppo(
     The PPO trust region is measured from the proximal policy; staleness is corrected by the
     behaviour importance weight w, truncated at ``is_cap`` (None: not truncated).
     """
-    logp, prox, behav, adv, mask = _prepare(logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask)
+    logp, prox, behav, adv, mask = _prepare(logprobs, prox_logprobs, behaviour_logprobs, advantages, loss_mask)
     ratio = _masked_exp(logp - prox, mask)
     is_weight = _masked_exp(prox - behav, mask)
     weight = is_weight if is_cap is None else is_weight.clamp(max=is_cap)
@@ -138,7 +138,7 @@ def decoupled_ppo(
 def tis(
     logprobs: Tensor,
     prox_logprobs: Tensor,
-    behav_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
     advantages: Tensor,
     loss_mask: Tensor,
     *,
@@ -157,7 +157,7 @@ def tis(
     gradient is ``min(w, C)·A·∇log π_θ``: the IS weight truncated at C. Multiplying the surrogate by
     ``min(w, C)`` itself would weight each token by ``w·min(w, C)``, counting the correction twice.
     """
-    logp, prox, behav, adv, mask = _prepare(logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask)
+    logp, prox, behav, adv, mask = _prepare(logprobs, prox_logprobs, behaviour_logprobs, advantages, loss_mask)
     ratio = _masked_exp(logp - behav, mask)
     is_weight = _masked_exp(prox - behav, mask)
     per_token, clipped = _clipped_surrogate(ratio, adv, clip_eps, clip_eps_high)
@@ -170,7 +170,7 @@ def tis(
 def icepop(
     logprobs: Tensor,
     prox_logprobs: Tensor,
-    behav_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
     advantages: Tensor,
     loss_mask: Tensor,
     *,
@@ -189,7 +189,7 @@ def icepop(
     Tokens whose weight leaves the window are masked (zero loss, zero gradient), not clamped; they still
     count in the denominator, so the other tokens' weight does not grow when many are masked.
     """
-    logp, prox, behav, adv, mask = _prepare(logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask)
+    logp, prox, behav, adv, mask = _prepare(logprobs, prox_logprobs, behaviour_logprobs, advantages, loss_mask)
     ratio = _masked_exp(logp - behav, mask)
     is_weight = _masked_exp(prox - behav, mask)
     outside = (is_weight < is_low) | (is_weight > is_high)
@@ -202,7 +202,7 @@ def icepop(
 def ppo(
     logprobs: Tensor,
     prox_logprobs: Tensor,
-    behav_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
     advantages: Tensor,
     loss_mask: Tensor,
     *,
@@ -215,9 +215,9 @@ def ppo(
 
     ``L = -min(u·A, clip(u, 1-ε, 1+ε_high)·A)``, ``u = π_θ/π_prox``.
 
-    ``behav_logprobs`` only feeds the metrics (IS ratio, logprob gap).
+    ``behaviour_logprobs`` only feeds the metrics (IS ratio, logprob gap).
     """
-    logp, prox, behav, adv, mask = _prepare(logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask)
+    logp, prox, behav, adv, mask = _prepare(logprobs, prox_logprobs, behaviour_logprobs, advantages, loss_mask)
     ratio = _masked_exp(logp - prox, mask)
     per_token, clipped = _clipped_surrogate(ratio, adv, clip_eps, clip_eps_high)
     loss = aggregate(per_token, mask, loss_agg, denominator)

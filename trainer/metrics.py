@@ -54,9 +54,6 @@ class TrainerMetrics:
             buckets=STALENESS_BUCKETS,
             registry=r,
         )
-        self.stale_dropped = Counter(
-            "rollwave_trainer_stale_dropped_total", "groups older than version - max_staleness", registry=r
-        )
         self.gauges = {n: Gauge(f"rollwave_trainer_{n}", doc, registry=r) for n, doc in _GAUGES.items()}
 
     def observe_step(self, record: dict[str, Any]) -> None:
@@ -64,7 +61,6 @@ class TrainerMetrics:
         self.step_duration.observe(record["step_time_s"])
         self.idle.inc(record["wait_s"])
         self.step.set(record["step"])
-        self.stale_dropped.inc(record["stale_dropped"])
         for lag, count in record["staleness_hist"].items():
             for _ in range(count):
                 self.staleness.observe(int(lag))
@@ -102,7 +98,7 @@ class RedisStatus:
     and one ``steps`` stream entry (the record as JSON under ``metrics``, capped at ``max_steps``)."""
 
     def __init__(self, client: redis.Redis, keys: Keys, max_steps: int = 10_000) -> None:
-        self.r = client
+        self.redis = client
         self.keys = keys
         self.max_steps = max_steps
 
@@ -115,7 +111,7 @@ class RedisStatus:
             "tokens_per_s": record["tokens_per_s"],
             "heartbeat": time.time(),
         }
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=False)
         pipe.hset(self.keys.trainer, mapping=status)
         pipe.xadd(self.keys.steps, {"metrics": json.dumps(record)}, maxlen=self.max_steps, approximate=True)
         pipe.execute()

@@ -1,4 +1,4 @@
-"""Distributed wiring: process group, FSDP2 model, optimizer and LR schedule, full-parameter streaming.
+"""Distributed wiring: process group, FSDP2 model, full-parameter streaming.
 
 One process per rank (torchrun or the Ray launcher sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT);
 gloo and fp32 on CPU, NCCL and bf16 compute (fp32 master weights and gradient reduction) on GPU.
@@ -7,7 +7,6 @@ FSDP2 ``fully_shard`` wraps each decoder layer, then the root (embeddings, final
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,10 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from core.config import TrainerConfig
 from core.net import free_port
 
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
@@ -40,8 +37,6 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -120,36 +115,6 @@ def shard_model(model: PreTrainedModel, ctx: DistContext) -> PreTrainedModel:
         fully_shard(layer, mesh=ctx.mesh, mp_policy=mp)
     fully_shard(model, mesh=ctx.mesh, mp_policy=mp)
     return model
-
-
-def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-
-
-def lr_factor(step: int, cfg: TrainerConfig) -> float:
-    """Multiplier of ``cfg.lr`` at optimizer step ``step`` (0-based): linear warmup over ``warmup_steps``
-    (step s uses (s+1)/warmup), then constant or a cosine decay that reaches 0 at ``total_steps``."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    progress = (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainerConfig) -> LambdaLR:
-    def factor(step: int) -> float:
-        return lr_factor(step, cfg)
-
-    return LambdaLR(optimizer, factor)
-
-
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm (over all shards) and return it before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
 
 
 def hf_name(name: str) -> str:

@@ -27,7 +27,8 @@ from core.config import TrainerConfig
 from trainer import losses
 from trainer.advantages import compute_advantages
 from trainer.batching import Batch, collate, rank_plan
-from trainer.parallel import DistContext, clip_grad_norm
+from trainer.optim import clip_grad_norm
+from trainer.parallel import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ class TrainStep:
         """Policy loss + KL penalty - entropy bonus of one micro-batch, all over the step's denominator."""
         cfg, mask = self.cfg, mb.loss_mask
         kwargs = {"loss_agg": cfg.loss_agg, "denominator": denom, **self.loss_kwargs}
-        pg, metrics = self.loss_fn(logp, prox, mb.behav_logprobs, adv, mask, **kwargs)
+        pg, metrics = self.loss_fn(logp, prox, mb.behaviour_logprobs, adv, mask, **kwargs)
         total = pg
         if cfg.entropy_coef > 0:
             entropy = losses.entropy_from_logits(logits)

@@ -19,13 +19,15 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 from torch import nn
 
+from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
-from buffer.staleness import is_stale
-from core.config import TrainerConfig
+from buffer.staleness import split_stale
+from core.config import BufferConfig, TrainerConfig
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_pusher import PushReport
 from trainer.metrics import MetricsLog, TrainerMetrics
-from trainer.parallel import DistContext, build_optimizer, build_scheduler, init_distributed, load_model
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.parallel import DistContext, init_distributed, load_model
 from trainer.step import TrainStep
 
 log = logging.getLogger(__name__)
@@ -56,8 +58,8 @@ class Trainer:
         cfg: TrainerConfig,
         model_path: Path,
         run_dir: Path,
+        buffer: BufferConfig | None = None,
         *,
-        max_staleness: int | None = None,
         temperature: float = 1.0,
         pusher: Pusher | None = None,
         registry: CollectorRegistry | None = None,
@@ -65,10 +67,11 @@ class Trainer:
         self.cfg = cfg
         self.model_path = Path(model_path)
         self.run_dir = Path(run_dir)
-        self.max_staleness = max_staleness
+        self.buffer = buffer or BufferConfig()
         self.temperature = temperature
         self.pusher = pusher
         self.metrics = TrainerMetrics(registry)
+        self.buffer_metrics = BufferMetrics(self.metrics.registry)
         self.step = 0
         self.version = 0
         self._unacked: list[tuple[str, str]] = []  # (entry id, group id) trained since the last checkpoint
@@ -154,23 +157,20 @@ class Trainer:
         """One buffer read into the pending batch; (the batch, drained) once it holds ``groups_per_step``
         groups, or (with ``stop_when_drained``) whatever it holds once nothing more can arrive."""
         self.ack_checkpointed(source)
-        want = self.cfg.groups_per_step
+        want = self.buffer.groups_per_step
         items = source.take(want - len(self._partial), self.cfg.take_timeout_s)
-        stale = [(e, g.group_id) for e, g in items if self._is_stale(g)]
+        fresh, stale = split_stale(items, self.version, self.buffer.max_staleness, self.buffer_metrics)
         if stale:
-            ids = [g for _, g in stale]
+            ids = [g.group_id for _, g in stale]
             source.ack([e for e, _ in stale], ids, stale_group_ids=ids)
             self._stale_dropped += len(stale)
-        self._partial += [(e, g) for e, g in items if (e, g.group_id) not in stale]
+        self._partial += fresh
         drained = not items and self.cfg.stop_when_drained and source.drained()
         if len(self._partial) < want and not drained:
             return None
         batch, self._partial = self._partial, []
         self._unacked += [(e, g.group_id) for e, g in batch]
         return [g for _, g in batch], drained
-
-    def _is_stale(self, group: TrajectoryGroup) -> bool:
-        return self.max_staleness is not None and is_stale(group, self.version, self.max_staleness)
 
     def train(self, groups: list[TrajectoryGroup], wait_s: float = 0.0) -> dict[str, Any]:
         """One step on ``groups`` (every rank, same groups); then push, record and checkpoint as due."""

@@ -1,4 +1,4 @@
-"""Task sources: where prompts come from. ``load_tasks`` picks one by name (STYLE.md #6)."""
+"""Task sources: where prompts come from. ``load_tasks`` picks one by name."""
 
 from __future__ import annotations
 

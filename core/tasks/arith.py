@@ -3,7 +3,7 @@
 Ten templates with 2-4 digit numbers and 2-3 operations, so the exact answer needs the calculator.
 On four templates a plausible wrong formula exists (``a+b*c`` for ``(a+b)*c``...): the SFT warm start
 uses it in a share of its demonstrations, which gives RL a wrong *choice* the policy can already sample
-and learn away (FACTS.md, "Can a tiny model learn tool use by RL here?").
+and learn away (a measured set-up: RL lifts held-out accuracy where continued SFT does not).
 
 Splits are disjoint by construction: a problem (template + numbers) belongs to ``test`` when a hash of it
 falls in one bucket in ten and to ``train`` otherwise; each split draws from its own seeded stream and

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 
 from core.net import free_port
+from core.process import stop_process
 
 
 class EngineProcess:
@@ -74,13 +75,8 @@ class EngineProcess:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """SIGTERM (uvicorn shuts down gracefully), SIGKILL if it lingers."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            stop_process(self._proc, timeout_s, name=f"engine {self.url}")
         if self._log is not None:
             self._log.close()
             self._log = None

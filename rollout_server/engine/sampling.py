@@ -1,6 +1,6 @@
 """Per-request sampling over a batch of logits, with the behaviour logprobs an RL trainer needs.
 
-Semantics follow SGLang (``srt/sampling/sampling_params.py``, ``srt/layers/sampler.py``):
+Semantics follow SGLang's sampling parameters and sampler:
 temperature below 1e-6 is greedy (then temperature counts as 1); the returned logprob is
 ``log_softmax(logits / temperature)`` of the chosen token, taken before top-k/top-p/min-p truncation.
 Sampling draws one uniform number per row and inverts the CDF of the truncated distribution, so a

@@ -8,7 +8,7 @@ import sys
 
 import uvicorn
 
-from core.config import ConfigError, load_config
+from core.config import load_config_or_exit
 from services.api.app import create_app
 
 
@@ -17,11 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-c", "--config")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(cfg), host=cfg.api.host, port=cfg.api.port, log_level="warning")
     return 0

@@ -33,9 +33,9 @@ class ClusterView:
     """Everything the API reads, from Redis alone, so any number of API replicas agree."""
 
     def __init__(self, client: redis.Redis, keys: Keys, registry: ServerRegistry, queue: TaskQueue) -> None:
-        self.r = client
+        self.redis = client
         self.keys = keys
-        self.registry = registry
+        self.servers = registry
         self.queue = queue
 
     def job(self, job_id: str) -> dict[str, Any]:
@@ -58,14 +58,14 @@ class ClusterView:
         }
 
     def jobs(self) -> list[dict[str, Any]]:
-        ids = sorted(self.r.hgetall(self.keys.jobs).items(), key=lambda kv: float(kv[1]), reverse=True)
+        ids = sorted(self.redis.hgetall(self.keys.jobs).items(), key=lambda kv: float(kv[1]), reverse=True)
         return [self.job(job_id.decode()) for job_id, _created in ids]
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Mark a running job cancelled; servers acknowledge its remaining tasks without rolling them out."""
         job = self.job(job_id)
         if job["state"] == "running":
-            self.r.hset(self.keys.job(job_id), "state", "cancelled")
+            self.redis.hset(self.keys.job(job_id), "state", "cancelled")
             job["state"] = "cancelled"
         return job
 
@@ -78,14 +78,14 @@ class ClusterView:
             if ms == seq == _MAX_ID_PART:
                 return {"items": [], "next": None}
         start = f"({cursor}" if cursor else "-"
-        entries = self.r.xrange(self.keys.trajectories(job_id), start, "+", count=limit)
+        entries = self.redis.xrange(self.keys.trajectories(job_id), start, "+", count=limit)
         items = [json.loads(fields[b"sample"]) for _id, fields in entries]
         nxt = entries[-1][0].decode() if len(entries) == limit else None
         return {"items": items, "next": nxt}
 
     def _pending(self, stream: str, group: str) -> int:
         try:
-            return int(self.r.xpending(stream, group)["pending"])
+            return int(self.redis.xpending(stream, group)["pending"])
         except redis.ResponseError:
             return 0
 
@@ -96,22 +96,22 @@ class ClusterView:
             "groups": (self.keys.groups, TRAINER_GROUP),
         }
         out = {
-            name: {"length": self.r.xlen(key), "pending": self._pending(key, group)}
+            name: {"length": self.redis.xlen(key), "pending": self._pending(key, group)}
             for name, (key, group) in streams.items()
         }
-        out["dead_letters"] = {"length": self.r.xlen(self.keys.tasks_dead), "pending": 0}
+        out["dead_letters"] = {"length": self.redis.xlen(self.keys.tasks_dead), "pending": 0}
         return out
 
     def status(self) -> dict[str, Any]:
         now = time.time()
         servers = [
             {**asdict(info), "alive": alive, "heartbeat_age_s": round(now - info.heartbeat, 3)}
-            for info, alive in self.registry.all_servers()
+            for info, alive in self.servers.all_servers()
         ]
-        trainer = _decode(self.r.hgetall(self.keys.trainer))
+        trainer = _decode(self.redis.hgetall(self.keys.trainer))
         return {
             "run": self.keys.run,
-            "version": int(self.r.get(self.keys.version) or 0),
+            "version": int(self.redis.get(self.keys.version) or 0),
             "servers": servers,
             "trainer": trainer or None,
             "buffer": self.buffer(),
@@ -119,12 +119,12 @@ class ClusterView:
 
     def sample(self) -> dict[str, float | None]:
         """One point of the dashboard's time series (raw counters; the sampler turns them into rates)."""
-        last = self.r.xrevrange(self.keys.steps, "+", "-", count=1)
+        last = self.redis.xrevrange(self.keys.steps, "+", "-", count=1)
         step = json.loads(last[0][1][b"metrics"]) if last else {}
-        stats = [info.stats for info in self.registry.live_servers()]
+        stats = [info.stats for info in self.servers.live_servers()]
         return {
-            "policy_version": float(self.r.get(self.keys.version) or 0),
-            "buffer_depth_groups": float(self.r.xlen(self.keys.groups)),
+            "policy_version": float(self.redis.get(self.keys.version) or 0),
+            "buffer_depth_groups": float(self.redis.xlen(self.keys.groups)),
             "reward_mean": step.get("reward_mean"),
             "trainer_idle_fraction": step.get("idle_fraction"),
             "staleness_mean": step.get("staleness_mean"),

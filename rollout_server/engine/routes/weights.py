@@ -1,0 +1,152 @@
+"""Pause and continue, and the weight updates: from disk, from tensors (in a 0.5.23 session), version only."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from rollout_server.engine.protocol import (
+    ContinueGenerationReq,
+    PauseGenerationReq,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromTensorReq,
+    UpdateWeightVersionReq,
+    WeightUpdateSessionReq,
+)
+from rollout_server.engine.routes import EngineDep, on_engine, result
+from rollout_server.engine.scheduler import Scheduler
+from rollout_server.engine.weights import WeightError, decode_named_tensors, read_hf_dir
+
+SESSION_REQUIRED = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+
+router = APIRouter()
+
+
+class WeightSession:
+    """The 0.5.23 weight-update session: ``update_weights_from_tensor`` only between begin and end."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+
+def _session(request: Request) -> WeightSession:
+    return request.app.state.weight_session
+
+
+@router.post("/pause_generation")
+async def pause_generation(obj: PauseGenerationReq, engine: EngineDep) -> dict[str, str]:
+    await on_engine(engine, lambda: engine.pause(obj.mode))
+    return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+@router.post("/continue_generation")
+async def continue_generation(obj: ContinueGenerationReq, engine: EngineDep) -> dict[str, str]:
+    await on_engine(engine, engine.resume)
+    return {"message": "Generation continued successfully.", "status": "ok"}
+
+
+async def _load(
+    engine: Scheduler,
+    tensors_fn: Callable[[], dict],
+    *,
+    require_all: bool,
+    model_path: str | None,
+    version: str | None,
+    abort_all: bool,
+) -> tuple[bool, str, int]:
+    """Read the tensors off the event loop, then swap them in once the scheduler is between steps."""
+    if abort_all:
+        await on_engine(engine, lambda: engine.abort(None))
+    try:
+        tensors = await asyncio.to_thread(tensors_fn)
+    except WeightError as exc:
+        return False, f"Failed to update weights: {exc}. Rolled back to the previous weights.", 0
+
+    def apply() -> int:
+        paused = engine.in_flight() if engine.paused else 0
+        engine.load_weights(tensors, require_all=require_all, model_path=model_path, version=version)
+        return paused
+
+    try:
+        num_paused = await asyncio.wrap_future(engine.call_when_idle(apply))
+    except WeightError as exc:
+        return False, f"Failed to update weights: {exc}. Rolled back to the previous weights.", 0
+    suffix = f" Weight version updated to {version}." if version is not None else ""
+    return True, "Succeeded to update model weights." + suffix, num_paused
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(obj: UpdateWeightsFromDiskReq, engine: EngineDep) -> JSONResponse:
+    if obj.load_format not in (None, "auto", "safetensors"):
+        ok, msg, n = False, f"load_format {obj.load_format!r} is not supported (use safetensors)", 0
+    else:
+        ok, msg, n = await _load(
+            engine,
+            lambda: read_hf_dir(obj.model_path),
+            require_all=True,
+            model_path=obj.model_path,
+            version=obj.weight_version,
+            abort_all=obj.abort_all_requests,
+        )
+    body = {"success": ok, "message": msg, "num_paused_requests": n}
+    return JSONResponse(body, status_code=200 if ok else 400)
+
+
+@router.post("/begin_weight_update")
+async def begin_weight_update(obj: WeightUpdateSessionReq, request: Request) -> JSONResponse:
+    session = _session(request)
+    if session.open:
+        return result(False, "A weight update session is already open; call end_weight_update() first")
+    session.open = True
+    return result(True, "Success")
+
+
+@router.post("/end_weight_update")
+async def end_weight_update(obj: WeightUpdateSessionReq, request: Request) -> JSONResponse:
+    session = _session(request)
+    if not session.open:
+        return result(False, "No weight update session is open; call begin_weight_update() first")
+    session.open = False
+    return result(True, "Success")
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(
+    obj: UpdateWeightsFromTensorReq, request: Request, engine: EngineDep
+) -> JSONResponse:
+    if not _session(request).open:
+        return result(False, SESSION_REQUIRED)
+    if obj.load_format not in (None, "direct"):
+        return result(False, f"load_format {obj.load_format!r} is not supported (use null or 'direct')")
+    if len(obj.serialized_named_tensors) != 1:
+        return result(
+            False,
+            f"serialized_named_tensors has {len(obj.serialized_named_tensors)} items; "
+            "the embedded engine has one rank and takes exactly one",
+        )
+    payload = obj.serialized_named_tensors[0]
+    ok, msg, _ = await _load(
+        engine,
+        lambda: decode_named_tensors(payload),
+        require_all=False,
+        model_path=None,
+        version=obj.weight_version,
+        abort_all=obj.abort_all_requests,
+    )
+    return result(ok, msg)
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(obj: UpdateWeightVersionReq, engine: EngineDep) -> dict[str, Any]:
+    if obj.abort_all_requests:
+        await on_engine(engine, lambda: engine.abort(None))
+    await on_engine(engine, lambda: engine.set_version(obj.new_version))
+    return {
+        "success": True,
+        "message": f"Weight version updated to {obj.new_version}",
+        "new_version": obj.new_version,
+    }

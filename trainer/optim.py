@@ -1,0 +1,42 @@
+"""The optimizer side of a step: AdamW, the LR schedule (warmup, then constant or cosine), gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from core.config import TrainerConfig
+
+
+def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, cfg: TrainerConfig) -> float:
+    """Multiplier of ``cfg.lr`` at optimizer step ``step`` (0-based): linear warmup over ``warmup_steps``
+    (step s uses (s+1)/warmup), then constant or a cosine decay that reaches 0 at ``total_steps``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainerConfig) -> LambdaLR:
+    def factor(step: int) -> float:
+        return lr_factor(step, cfg)
+
+    return LambdaLR(optimizer, factor)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm (over all shards) and return it before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)

@@ -1,18 +1,13 @@
-"""``rollwave config check``."""
+"""``rollwave config check``: the resolved config on stdout; an invalid one is a ConfigError (exit 2)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from core.config import ConfigError, dump_config, load_config
+from core.config import dump_config, load_config
 
 
 def check(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    sys.stdout.write(dump_config(cfg))
+    sys.stdout.write(dump_config(load_config(args.config, args.overrides)))
     return 0

@@ -34,8 +34,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.redis_server import EmbeddedRedis
-from core.config import Config, ConfigError, dump_config, load_config
+from core.config import Config, dump_config, load_config
 from core.net import free_port, free_port_outside_ephemeral
+from services.cli import CliError
 from services.launcher import ComponentSpec, components, spawn
 
 log = logging.getLogger(__name__)
@@ -107,14 +108,6 @@ class RedisActor:
 
 def _state_path(cfg: Config) -> Path:
     return cfg.run.path.absolute() / "ray.json"
-
-
-def _load(args: argparse.Namespace) -> Config | None:
-    try:
-        return load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return None
 
 
 def _absolute_paths(cfg: Config) -> None:
@@ -240,16 +233,13 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
 
 
 def up(args: argparse.Namespace) -> int:
-    cfg = _load(args)
-    if cfg is None:
-        return 2
+    cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     _absolute_paths(cfg)
     run_dir = cfg.run.path
     run_dir.mkdir(parents=True, exist_ok=True)
     if _state_path(cfg).exists():
-        print(f"error: {_state_path(cfg)} exists: the run is up; `rollwave down -c ...` first", file=sys.stderr)
-        return 2
+        raise CliError(f"{_state_path(cfg)} exists: the run is up; stop it with `rollwave down -c {args.config}` first")
     if cfg.model.init_if_missing and not (cfg.model.path / "config.json").exists():
         from core.tiny_model import build_tiny_model  # once here, not raced by every component
 
@@ -275,9 +265,7 @@ def up(args: argparse.Namespace) -> int:
 
 
 def down(args: argparse.Namespace) -> int:
-    cfg = _load(args)
-    if cfg is None:
-        return 2
+    cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     path = _state_path(cfg)
     if not path.exists():

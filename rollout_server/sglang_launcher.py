@@ -86,7 +86,7 @@ def sglang_version(python: str, timeout_s: float = 120.0) -> str:
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
         raise ValueError(f"{python} cannot import sglang: {last} ({fix})")
-    return proc.stdout.strip()
+    return (proc.stdout.strip().splitlines() or [""])[-1]  # printed last, after anything the import prints
 
 
 def tool_call_parser(version: str | None) -> str:

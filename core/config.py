@@ -209,6 +209,18 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     return f"invalid config{source}:\n  " + "\n  ".join(lines)
 
 
+def read_yaml(path: Path, what: str) -> Any:
+    """A YAML file's content; ConfigError naming the file (and the line) when it is missing or not YAML."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{what} {path} does not exist") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from exc
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults < YAML file < ``key=value`` overrides, validated as one tree."""
     tree: dict[str, Any] = {}
@@ -216,14 +228,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         source = f" from {path}"
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file {path} does not exist") from exc
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f":{mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{path}{where}: not valid YAML: {exc}") from exc
+        loaded = read_yaml(path, "config file")
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

@@ -1,18 +1,28 @@
 """``rollwave engine sglang``: start SGLang with the flags an RL rollout engine needs.
 
 SGLang runs in its own environment (it pins a CUDA torch and its own transformers), so the Python that
-runs it is a flag. The command keeps SGLang on loopback by default, sets the starting
-``--weight-version`` (every reply carries it), parses Qwen2.5 tool calls, and, when the engine shares
-GPUs with the trainer (``--colocate``), enables torch_memory_saver so ``/release_memory_occupation``
-really frees memory. The tokenizer stays on (no ``--skip-tokenizer-init``): stop strings such as
-``</tool_call>`` and the ``text`` of replies need it.
+runs it is a flag, checked first: it must import sglang. The command keeps SGLang on loopback by default,
+sets the starting ``--weight-version`` (every reply carries it), parses Qwen2.5 tool calls under the
+parser name the installed SGLang prefers, and, when the engine shares GPUs with the trainer
+(``--colocate``), enables torch_memory_saver so ``/release_memory_occupation`` really frees memory. The
+tokenizer stays on (no ``--skip-tokenizer-init``): stop strings such as ``</tool_call>`` and the
+``text`` of replies need it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+
+from packaging.version import InvalidVersion, Version
+
+# SGLang 0.5.3.post1 named the Qwen2.5 tool-call parser ``qwen`` and logs ``qwen25`` as deprecated; older
+# releases know only ``qwen25``. Every release rollwave supports (>= 0.5.6, pyproject's sglang extra)
+# has ``qwen``, so it is the default when the version is unknown.
+QWEN_RENAMED_IN = Version("0.5.3.post1")
+DEFAULT_TOOL_CALL_PARSER = "qwen"
 
 
 def build_command(
@@ -25,9 +35,12 @@ def build_command(
     mem_fraction: float | None = None,
     colocate: bool = False,
     python: str = sys.executable,
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
     extra: list[str] | None = None,
 ) -> list[str]:
     """The ``python -m sglang.launch_server ...`` argv."""
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
     if tp < 1:
         raise ValueError(f"--tp must be at least 1, got {tp}")
     if mem_fraction is not None and not 0 < mem_fraction < 1:
@@ -43,7 +56,7 @@ def build_command(
         "--port",
         str(port),
         "--tool-call-parser",
-        "qwen25",
+        tool_call_parser,
     ]
     if weight_version is not None:
         cmd += ["--weight-version", weight_version]
@@ -56,7 +69,37 @@ def build_command(
     return cmd + list(extra or [])
 
 
-def command_from_args(args: argparse.Namespace) -> list[str]:
+def sglang_version(python: str, timeout_s: float = 120.0) -> str:
+    """The version of sglang that ``python`` imports; ValueError saying why not, and to fix ``--python``."""
+    fix = "install sglang there, or point --python at the Python of the environment that has it"
+    try:
+        proc = subprocess.run(
+            [python, "-c", "import sglang; print(sglang.__version__)"],
+            capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
+        )
+    except FileNotFoundError:
+        raise ValueError(f"--python {python}: no such program ({fix})") from None
+    except PermissionError:
+        raise ValueError(f"--python {python}: not executable ({fix})") from None
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"--python {python}: importing sglang took over {timeout_s:.0f}s ({fix})") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        raise ValueError(f"{python} cannot import sglang: {last} ({fix})")
+    return (proc.stdout.strip().splitlines() or [""])[-1]  # printed last, after anything the import prints
+
+
+def tool_call_parser(version: str | None) -> str:
+    """SGLang's name for the Qwen2.5 tool-call parser in that release (``None``: not known)."""
+    if version is None:
+        return DEFAULT_TOOL_CALL_PARSER
+    try:
+        return "qwen" if Version(version) >= QWEN_RENAMED_IN else "qwen25"
+    except InvalidVersion:
+        return DEFAULT_TOOL_CALL_PARSER
+
+
+def command_from_args(args: argparse.Namespace, parser: str = DEFAULT_TOOL_CALL_PARSER) -> list[str]:
     extra = list(args.extra)
     if extra[:1] == ["--"]:
         extra = extra[1:]
@@ -69,13 +112,27 @@ def command_from_args(args: argparse.Namespace) -> list[str]:
         mem_fraction=args.mem_fraction,
         colocate=args.colocate,
         python=args.python,
+        tool_call_parser=parser,
         extra=extra,
     )
 
 
 def cli_sglang(args: argparse.Namespace) -> int:
-    """Replace this process with SGLang (signals and exit code are SGLang's own)."""
-    cmd = command_from_args(args)
+    """Replace this process with SGLang (signals and exit code are SGLang's own).
+
+    ``--dry-run`` prints the command even when ``--python`` cannot import sglang (a one-line warning on
+    stderr says so, and that the parser name is the default); a real run is then an error (exit 2).
+    """
+    command_from_args(args)  # flags first: a bad --port is the error to report, not a missing sglang
+    try:
+        version: str | None = sglang_version(args.python)
+    except ValueError as exc:
+        if not args.dry_run:
+            raise
+        print(f"warning: {exc}; --tool-call-parser {DEFAULT_TOOL_CALL_PARSER} assumes sglang >= {QWEN_RENAMED_IN}",
+              file=sys.stderr)
+        version = None
+    cmd = command_from_args(args, tool_call_parser(version))
     if args.dry_run:
         print(" ".join(cmd))
         return 0

@@ -6,11 +6,14 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from tqdm import tqdm
+
+from core.config import read_yaml
+from services.cli import CliError
 
 
 def _client(args: argparse.Namespace) -> httpx.Client:
@@ -19,19 +22,38 @@ def _client(args: argparse.Namespace) -> httpx.Client:
 
 
 def _get(client: httpx.Client, path: str, **params: Any) -> Any:
-    reply = client.get(path, params=params)
-    if reply.status_code >= 400:
-        raise SystemExit(f"error: GET {path}: HTTP {reply.status_code}: {reply.text}")
-    return reply.json()
+    return _json(client.get(path, params=params))
+
+
+def _json(reply: httpx.Response) -> Any:
+    """The reply's body, or a CliError naming what the API refused (exit 2 for 4xx, 1 for 5xx)."""
+    if reply.status_code < 400:
+        return reply.json()
+    status, what = reply.status_code, f"{reply.request.method} {reply.request.url.path}"
+    try:
+        body = reply.json()
+    except ValueError:  # not the rollwave API, or a proxy in front of it
+        body = None
+    detail = body.get("detail", reply.text) if isinstance(body, dict) else reply.text[:200] or reply.reason_phrase
+    if isinstance(detail, list):  # FastAPI's validation errors: name each field
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'body'}: {e.get('msg')}" for e in detail
+        )
+    hint = {
+        401: " (pass the run's api.token with --token or ROLLWAVE_TOKEN)",
+        404: " (`rollwave jobs` lists the jobs; is --api the rollwave API?)",
+        422: " (fix that field)",
+    }.get(status, "")
+    raise CliError(f"{what}: the API answered HTTP {status}: {detail}{hint}", 2 if status < 500 else 1)
 
 
 def job_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The job body: a YAML file's, with any flags given laid over it."""
     body: dict[str, Any] = {}
     if args.file:
-        loaded = yaml.safe_load(open(args.file))
+        loaded = read_yaml(Path(args.file), "job file")
         if not isinstance(loaded, dict):
-            raise SystemExit(f"error: {args.file}: a job file must be a mapping")
+            raise CliError(f"{args.file}: a job file must be a mapping (the body of POST /v1/jobs)")
         body = loaded
     source = body.setdefault("source", {})
     for flag, key in (("source", "kind"), ("path", "path"), ("split", "split"), ("limit", "limit"), ("seed", "seed")):
@@ -49,11 +71,7 @@ def job_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def submit(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        reply = client.post("/v1/jobs", json=job_from_args(args))
-        if reply.status_code >= 400:
-            print(f"error: HTTP {reply.status_code}: {reply.text}", file=sys.stderr)
-            return 2
-        job = reply.json()
+        job = _json(client.post("/v1/jobs", json=job_from_args(args)))
         print(f"job {job['job_id']} ({job['kind']}): {job['progress']['submitted']} tasks")
         if args.wait:
             job = wait_for_job(client, job["job_id"])
@@ -110,6 +128,7 @@ def _status_table(status: dict[str, Any]) -> str:
 
 
 def status(args: argparse.Namespace) -> int:
+    """One table, or with ``--watch`` a table redrawn until Ctrl-C (the way to leave it, so exit 0)."""
     with _client(args) as client:
         while True:
             table = _status_table(_get(client, "/v1/status"))
@@ -118,7 +137,10 @@ def status(args: argparse.Namespace) -> int:
                 return 0
             sys.stdout.write("\x1b[2J\x1b[H" + table + "\n")
             sys.stdout.flush()
-            time.sleep(args.interval)
+            try:
+                time.sleep(args.interval)
+            except KeyboardInterrupt:
+                return 0
 
 
 def trajectories(args: argparse.Namespace) -> int:

@@ -34,10 +34,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.redis_server import EmbeddedRedis
-from core.config import Config, dump_config, load_config_or_exit
+from core.config import Config, dump_config, load_config
 from core.net import free_port, free_port_outside_ephemeral
 from core.process import stop_process
 from core.tiny_model import ensure_model
+from services.cli import CliError
 from services.launcher import ComponentSpec, components, spawn
 
 log = logging.getLogger(__name__)
@@ -227,14 +228,13 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
 
 
 def up(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     _absolute_paths(cfg)
     run_dir = cfg.run.path
     run_dir.mkdir(parents=True, exist_ok=True)
     if _state_path(cfg).exists():
-        print(f"error: {_state_path(cfg)} exists: the run is up; `rollwave down -c ...` first", file=sys.stderr)
-        return 2
+        raise CliError(f"{_state_path(cfg)} exists: the run is up; stop it with `rollwave down -c {args.config}` first")
     ensure_model(cfg.model)  # once here, not raced by every component
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     state: dict[str, Any] = {"namespace": f"rollwave-{cfg.run.name}", "actors": []}
@@ -257,7 +257,7 @@ def up(args: argparse.Namespace) -> int:
 
 
 def down(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     path = _state_path(cfg)
     if not path.exists():

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sysconfig
+from pathlib import Path
+
 import pytest
 
-from rollout_server.sglang_launcher import build_command, command_from_args
+from rollout_server.sglang_launcher import build_command, command_from_args, tool_call_parser
 from services.cli import build_parser, main
 
 
@@ -21,7 +26,7 @@ def test_defaults_bind_loopback_and_parse_qwen_tool_calls() -> None:
         "--port",
         "30001",
         "--tool-call-parser",
-        "qwen25",
+        "qwen",
     ]
 
 
@@ -46,10 +51,38 @@ def test_rl_flags_and_extra_args() -> None:
     assert "--enable-memory-saver" not in build_command("m", 1)
 
 
-@pytest.mark.parametrize(("kw", "needle"), [({"tp": 0}, "--tp"), ({"mem_fraction": 1.5}, "--mem-fraction")])
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [({"tp": 0}, "--tp"), ({"mem_fraction": 1.5}, "--mem-fraction"), ({"port": 0}, "--port"),
+     ({"port": 65536}, "--port")],
+)
 def test_bad_values_are_named(kw: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
-        build_command("m", 1, **kw)
+        build_command("m", **{"port": 1, **kw})
+
+
+@pytest.mark.parametrize(
+    ("version", "parser"),
+    [("0.4.10.post2", "qwen25"), ("0.5.3", "qwen25"), ("0.5.3.post1", "qwen"), ("0.5.6", "qwen"), ("0.5.23", "qwen"),
+     (None, "qwen"), ("not-a-version", "qwen")],
+)
+def test_tool_call_parser_is_the_name_that_release_prefers(version: str | None, parser: str) -> None:
+    assert tool_call_parser(version) == parser
+
+
+@pytest.mark.parametrize(("version", "parser"), [("0.5.2", "qwen25"), ("0.5.23", "qwen")])
+def test_dry_run_asks_the_python_it_will_run(version: str, parser: str, tmp_path: Path) -> None:
+    """The version comes from ``--python``'s own ``import sglang`` (here a package that only has a version)."""
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    proc = subprocess.run(
+        [str(Path(sysconfig.get_path("scripts")) / "rollwave"), "engine", "sglang", "--model", "m", "--port", "30000",
+         "--dry-run"],
+        env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stderr == ""
+    cmd = proc.stdout.split()
+    assert cmd[cmd.index("--tool-call-parser") + 1] == parser
 
 
 def test_cli_builds_the_same_command(capsys: pytest.CaptureFixture) -> None:

@@ -33,12 +33,12 @@ CFG = {
 }
 
 
-def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Path, out: Path) -> None:
+def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Path, out: Path, cfg: dict) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two ranks on two cores
     ctx = init_distributed("cpu")
     try:
-        trainer = Trainer(TrainerConfig(**CFG), model_dir, run_dir).start(ctx=ctx)
+        trainer = Trainer(TrainerConfig(**cfg), model_dir, run_dir).start(ctx=ctx)
         records = [trainer.train(synthetic_groups(seed, GROUPS)) for seed in range(STEPS)]
         params = {name: t.clone() for name, t in iter_full_params(trainer.model) if t is not None}
         trainer.close()
@@ -48,16 +48,19 @@ def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Pat
         close_distributed()
 
 
-def _spawn(world: int, model_dir: Path, tmp_path: Path) -> dict:
+def _spawn(world: int, model_dir: Path, tmp_path: Path, cfg: dict) -> dict:
     out = tmp_path / f"world{world}.pt"
-    args = (world, free_port(), model_dir, tmp_path / f"run{world}", out)
+    args = (world, free_port(), model_dir, tmp_path / f"run{world}", out, cfg)
     mp.spawn(_train_ranks, args=args, nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 
-def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
-    one = _spawn(1, tiny_model_dir, tmp_path)
-    two = _spawn(2, tiny_model_dir, tmp_path)
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path, minibatches: int) -> None:
+    """Also with 2 minibatches, where each is sharded on its own: π_prox must be that of the rows trained."""
+    cfg = {**CFG, "ppo_minibatches": minibatches}
+    one = _spawn(1, tiny_model_dir, tmp_path, cfg)
+    two = _spawn(2, tiny_model_dir, tmp_path, cfg)
     for a, b in zip(one["records"], two["records"], strict=True):
         for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "is_ratio_mean", "is_ratio_max", "logprob_gap"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key

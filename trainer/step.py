@@ -121,10 +121,11 @@ class TrainStep:
         updates = cfg.ppo_minibatches
         if updates > len(batch):
             raise ValueError(f"trainer.ppo_minibatches: {updates} exceeds the step's {len(batch)} samples")
-        prox = self.proximal_logprobs(batch) if updates > 1 else None
+        minibatches = _split(len(batch), updates)
+        prox = self.proximal_logprobs(batch, minibatches) if updates > 1 else None
         acc = _Accumulator(self.ctx.device)
         lr = self.scheduler.get_last_lr()[0]
-        norms = [self._update(batch, adv, rows, prox, acc) for rows in _split(len(batch), updates)]
+        norms = [self._update(batch, adv, rows, prox, acc) for rows in minibatches]
         self.scheduler.step()
         out = batch_stats(groups, batch, policy_version) | acc.reduce(updates)
         elapsed = time.perf_counter() - start
@@ -140,15 +141,18 @@ class TrainStep:
         return losses.logprobs_from_logits(logits, mb.input_ids[:, 1:]), logits
 
     @torch.no_grad()
-    def proximal_logprobs(self, batch: Batch) -> Tensor:
-        """log π_prox [B, L-1] of this rank's rows (0 elsewhere): a no-grad pass with the current weights."""
+    def proximal_logprobs(self, batch: Batch, minibatches: list[list[int]] | None = None) -> Tensor:
+        """log π_prox [B, L-1] of the rows this rank trains (0 elsewhere): a no-grad pass with the current
+        weights over the very micro-batches ``_update`` runs for each minibatch (default: the whole batch as
+        one), since each minibatch is sharded across ranks on its own."""
         prox = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.ctx.device)
         lengths = batch.lengths.tolist()
-        for rows in self._plan(list(range(len(batch))), lengths):
-            mb = self._micro_batch(batch, rows)
-            logp, _ = self._forward_logprobs(self.model, mb)
-            if rows:
-                prox[rows, : logp.shape[1]] = logp
+        for minibatch in minibatches or [list(range(len(batch)))]:
+            for rows in self._plan(minibatch, lengths):
+                mb = self._micro_batch(batch, rows)
+                logp, _ = self._forward_logprobs(self.model, mb)
+                if rows:
+                    prox[rows, : logp.shape[1]] = logp
         return prox
 
     def _plan(self, rows: list[int], lengths: list[int]) -> list[list[int]]:

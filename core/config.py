@@ -111,7 +111,10 @@ class TrainerConfig(Section):
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     clip_eps: float = Field(0.2, gt=0)
     clip_eps_high: float | None = Field(None, gt=0, description="asymmetric upper clip; None uses clip_eps")
-    is_cap: float | None = Field(5.0, gt=0, description="truncate the behaviour IS weight at this value")
+    is_cap: float | None = Field(5.0, gt=0, description="decoupled_ppo/tis: cap on the IS weight π_prox/π_behav")
+    is_cap_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="above is_cap: truncate the weight to is_cap, or mask the token (weight 0, as AReaL)"
+    )
     is_low: float = Field(0.5, ge=0, description="icepop: mask tokens whose ratio is below")
     is_high: float = Field(2.0, gt=0, description="icepop: mask tokens whose ratio is above")
     advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"

@@ -109,7 +109,7 @@ class TrainStep:
         self.loss_fn = losses.POLICY_LOSSES[cfg.loss]
         self.loss_kwargs: dict[str, Any] = {"clip_eps": cfg.clip_eps, "clip_eps_high": cfg.clip_eps_high}
         if cfg.loss in ("decoupled_ppo", "tis"):
-            self.loss_kwargs["is_cap"] = cfg.is_cap
+            self.loss_kwargs.update(is_cap=cfg.is_cap, is_cap_mode=cfg.is_cap_mode)
         if cfg.loss == "icepop":
             self.loss_kwargs.update(is_low=cfg.is_low, is_high=cfg.is_high)
 

@@ -94,7 +94,11 @@ class BufferConfig(Section):
     max_staleness: int = Field(
         2, ge=0, description="AReaL's η: groups may be this many versions old (admission bound and trainer filter)"
     )
-    groups_per_step: int = Field(8, ge=1, description="groups in one trainer step: the unit of staleness admission")
+    groups_per_step: int = Field(8, ge=1, description="groups in one trainer step")
+    push_every: int = Field(
+        1, ge=1, description="trainer steps per policy version: the trainer pushes every k steps, so a version "
+        "spans push_every × groups_per_step groups (the unit of staleness admission)"
+    )
     claim_idle_ms: int = Field(30_000, ge=100, description="pending entries idle this long are reclaimed")
     max_attempts: int = Field(3, ge=1, description="deliveries of a task before it is dead-lettered")
 
@@ -128,7 +132,6 @@ class TrainerConfig(Section):
     stop_when_drained: bool = Field(
         False, description="finite data: when no train task or group is left, train the last partial batch and stop"
     )
-    push_every: int = Field(1, ge=1, description="push weights every k steps")
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"

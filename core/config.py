@@ -69,7 +69,9 @@ class RolloutConfig(Section):
     max_turns: int = Field(4, ge=1)
     max_new_tokens: int = Field(64, ge=1, description="per assistant turn")
     max_total_tokens: int = Field(512, ge=16, description="prompt + all turns")
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(
+        1.0, gt=0, description="train sampling temperature (groups record it; the trainer divides logits by it)"
+    )
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     max_concurrent_groups: int = Field(8, ge=1, description="train groups in flight per server")

@@ -122,7 +122,9 @@ class AgentLoop:
         n = self.config.n_samples if n is None else n
         samples = await asyncio.gather(*(self.run_episode(task, i, prompt_ids, queued) for i in range(n)))
         self.metrics.groups_completed.inc()
-        return TrajectoryGroup(run=run, job_id=job_id, task_id=task.task_id, samples=list(samples))
+        return TrajectoryGroup(
+            run=run, job_id=job_id, task_id=task.task_id, samples=list(samples), temperature=self.config.temperature
+        )
 
     async def run_episode(self, task: Any, sample_index: int, prompt_ids: list[int], queued: float) -> Sample:
         ep = Episode(sample_index, TrajectoryBuilder(prompt_ids), [dict(m) for m in task.messages], queued)

@@ -181,9 +181,11 @@ def test_multi_turn_loss_mask_decodes_to_the_policy_turns(tokenizer: Any) -> Non
         ("The answer is 42.", "stop"),
     ]
     engine = ScriptedEngine(tokenizer, script)
-    loop = _loop(engine, tokenizer)
+    loop = _loop(engine, tokenizer, temperature=0.6)
     task = _task(["calculator", "check_answer"])
-    (s,) = _group(loop, task).samples
+    group = _group(loop, task)
+    (s,) = group.samples
+    assert group.temperature == 0.6  # the trainer scales this group's logits by it
 
     assert (s.finish_reason, s.num_turns, s.reward) == ("stop", 3, 1.0)
     assert [(t.name, t.ok) for t in s.tool_calls] == [("calculator", True), ("check_answer", True)]
@@ -206,6 +208,7 @@ def test_multi_turn_loss_mask_decodes_to_the_policy_turns(tokenizer: Any) -> Non
         n = len(call["input_ids"])
         assert s.token_ids[:n].tolist() == call["input_ids"]
         assert call["sampling_params"]["max_new_tokens"] == min(64, 512 - n)
+        assert call["sampling_params"]["temperature"] == 0.6
     # behaviour logprobs and the version switch inside each turn
     mask = s.loss_mask.astype(bool)
     assert (s.behaviour_logprobs[mask] == -0.5).all()

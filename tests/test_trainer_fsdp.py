@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -98,6 +99,28 @@ def test_proximal_shortcut_equals_no_grad_recompute(ctx: DistContext, tiny_model
         assert logp.requires_grad
         assert torch.equal(logp.detach(), prox[rows, : logp.shape[1]])
     trainer.close()
+
+
+def test_each_group_is_scored_at_its_own_sampling_temperature(
+    ctx: DistContext, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Behaviour logprobs drawn at 0.5 and 2.0 in one batch: π_prox matches them only if each group's logits
+    are divided by its own temperature (the trainer's default, 1.0, stands in for groups without one)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    groups = synthetic_groups(5, 3)
+    for group, temperature in zip(groups, (0.5, 2.0, None), strict=True):
+        group.temperature = temperature
+        for s in group.samples:
+            ids = torch.as_tensor(s.token_ids, dtype=torch.long)[None]
+            with torch.no_grad():
+                logits = model(ids).logits[0, :-1].float() / (temperature or 1.0)
+            forced = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].numpy()
+            s.behaviour_logprobs = np.where(s.loss_mask[1:] > 0, forced, 0.0)
+            s.behaviour_logprobs = np.r_[0.0, s.behaviour_logprobs].astype(np.float32)
+    trainer = Trainer(TrainerConfig(**{**CFG, "kl_coef": 0.0}), tiny_model_dir, tmp_path).start(ctx=ctx)
+    record = trainer.train(groups)
+    trainer.close()
+    assert record["logprob_gap"] < 1e-5 and abs(record["is_ratio_mean"] - 1) < 1e-5
 
 
 def test_minibatches_recompute_prox_and_clip(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -115,7 +115,7 @@ class TrainStep:
 
     def __call__(self, groups: list[TrajectoryGroup], policy_version: int) -> dict[str, Any]:
         start = time.perf_counter()
-        batch = collate(groups, self.pad_id, self.vocab_size)
+        batch = collate(groups, self.pad_id, self.vocab_size, self.temperature)
         cfg = self.cfg
         adv = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, cfg.advantage, cfg.std_norm)
         updates = cfg.ppo_minibatches
@@ -134,10 +134,9 @@ class TrainStep:
         return out
 
     def _forward_logprobs(self, model: nn.Module, mb: Batch) -> tuple[Tensor, Tensor]:
-        """(logprobs [b, l-1] fp32, logits [b, l-1, V] scaled by 1/temperature) of the micro-batch."""
-        logits = model(input_ids=mb.input_ids).logits[:, :-1].float()
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
+        """(logprobs [b, l-1] fp32, logits [b, l-1, V] scaled by 1/temperature of each row's group) of the
+        micro-batch: the distribution the rollout sampled from, so π_θ, π_prox and π_behav are comparable."""
+        logits = model(input_ids=mb.input_ids).logits[:, :-1].float() / mb.temperatures[:, None, None]
         return losses.logprobs_from_logits(logits, mb.input_ids[:, 1:]), logits
 
     @torch.no_grad()

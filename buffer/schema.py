@@ -19,6 +19,8 @@ import numpy as np
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
+FAILED_FINISH_REASONS = ("error", "abort", "reward_error")  # the episode has no valid outcome
+
 ARRAY_DTYPES: dict[str, np.dtype] = {
     "token_ids": np.dtype("<i4"),
     "loss_mask": np.dtype("u1"),
@@ -68,6 +70,11 @@ class Sample:
     def __post_init__(self) -> None:
         for name, dtype in ARRAY_DTYPES.items():
             setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
+
+    @property
+    def failed(self) -> bool:
+        """The episode failed (engine error, abort, tool setup, reward function): it must not be trained on."""
+        return self.finish_reason in FAILED_FINISH_REASONS
 
     @property
     def num_generated(self) -> int:

@@ -103,7 +103,8 @@ class ReplayBuffer:
         self.metrics = metrics or BufferMetrics()
         self._put = client.register_script(_PUT)
         self._ack = client.register_script(_ACK)
-        self._reclaimer = Reclaimer(client, keys.groups, TRAINER_GROUP, consumer, config.claim_idle_ms)
+        self._reclaimer = Reclaimer(client, keys.groups, TRAINER_GROUP, consumer, config.claim_idle_ms,
+                                    own_every_s=config.claim_idle_ms / 1000)
         self._held: dict[str, tuple[str, str]] = {}  # entry id -> (group id, job id): taken, not yet acked
         self._closed = threading.Event()
 
@@ -197,16 +198,17 @@ class ReplayBuffer:
     def take(self, max_groups: int, timeout_s: float) -> list[tuple[str, TrajectoryGroup]]:
         """Up to ``max_groups`` (entry id, group), waiting at most ``timeout_s`` to fill the batch.
 
-        Pending groups of a dead trainer (or of this consumer's previous life) come first. Groups already
+        Pending groups of a dead trainer (or of this consumer's previous life, or whose ack Redis lost: this
+        consumer's own pending entries are scanned again every ``claim_idle_ms``) come first. Groups already
         consumed, or held by this process, are acked away as duplicates; malformed entries are moved aside."""
         deadline = time.monotonic() + timeout_s
         claimed, deleted = self._reclaimer.claim(max_groups)
         if deleted:
             log.warning("%s: %d pending group(s) had been deleted from the stream; acked them away",
                         self.keys.groups, deleted)
-        if claimed:
-            self.metrics.redeliveries.labels(stream="groups").inc(len(claimed))
-        out = self._accept([(entry_id, fields) for entry_id, _n, fields in claimed])
+        out = self._accept([(entry_id, fields) for entry_id, _n, fields in claimed if entry_id not in self._held])
+        if out:
+            self.metrics.redeliveries.labels(stream="groups").inc(len(out))
         while len(out) < max_groups:
             block = int((deadline - time.monotonic()) * 1000)
             reply = self.redis.xreadgroup(

@@ -104,6 +104,22 @@ def test_trainer_dies_before_ack_groups_come_back_and_train_once(redis_server: E
     assert buf.metrics.redeliveries.labels(stream="groups")._value.get() == 3
 
 
+def test_the_live_trainer_finds_again_a_group_whose_ack_redis_lost(redis_server: EmbeddedRedis) -> None:
+    """An entry pending for this consumer that the live process does not hold (its ack was lost in a Redis
+    restart with appendfsync everysec) comes back within ``claim_idle_ms``; entries it holds do not."""
+    buf = buffer(redis_server)
+    r = client(redis_server)
+    [held] = fill(buf, 1, job="a")
+    assert [g.group_id for _, g in buf.take(1, 0.1)] == [held]  # the start-up scan of own entries is done
+    fill(buf, 1, job="b")
+    r.xreadgroup(TRAINER_GROUP, "trainer", {KEYS.groups: ">"}, count=1)  # pending as ours, unknown to buf
+    time.sleep(0.4)
+    [(entry_id, got)] = buf.take(5, 0.5)
+    assert got.group_id == "b:0:x"  # not the held group again
+    assert buf.metrics.redeliveries.labels(stream="groups")._value.get() == 1
+    assert buf.ack([entry_id], [got.group_id]) == 1
+
+
 def test_groups_already_trained_or_held_are_skipped(redis_server: EmbeddedRedis) -> None:
     buf = buffer(redis_server)
     r = client(redis_server)

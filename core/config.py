@@ -103,6 +103,10 @@ class BufferConfig(Section):
     )
     claim_idle_ms: int = Field(30_000, ge=100, description="pending entries idle this long are reclaimed")
     max_attempts: int = Field(3, ge=1, description="deliveries of a task before it is dead-lettered")
+    dedup_window: int = Field(
+        100_000, ge=1, description="consumed train group ids remembered (groups:state) to drop late duplicate "
+        "writes; older ones are forgotten, which bounds the hash"
+    )
 
 
 class TrainerConfig(Section):

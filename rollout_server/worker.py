@@ -150,8 +150,8 @@ class RolloutWorker:
         with a failed episode is not written: the task fails and is rolled out again (``buffer.max_attempts``)."""
         try:
             job = await self._call(self.tasks.job, entry.job_id)
-            if job.get("state") == "cancelled":
-                await self._call(self.tasks.dead_letter, entry, f"job {entry.job_id} was cancelled")
+            if job.get("state") == "cancelled":  # acked and counted, not dead-lettered: it did not fail
+                await self._call(self.tasks.cancel, entry)
                 return
             loop, tools = self._agent_loop(entry.job_id, job.get("spec"))
             task = Task.model_validate({**entry.task, "task_id": entry.group_id})

@@ -55,6 +55,11 @@ class Keys:
         """Hash group_id -> ``w`` (written) | ``t`` (consumed by the trainer): the de-duplication record."""
         return self.prefix + "groups:state"
 
+    @property
+    def groups_consumed(self) -> str:
+        """List of consumed group ids, oldest first: ``groups:state`` keeps the last ``buffer.dedup_window``."""
+        return self.prefix + "groups:consumed"
+
     def eval(self, job_id: str) -> str:
         """Groups of an eval job: read by the API, never trained on."""
         return f"{self.prefix}eval:{job_id}"

@@ -2,6 +2,9 @@
 
 One record per task holds the n samples of one prompt, so group-relative advantages need no
 cross-server join. Arrays travel as raw little-endian buffers with a dtype fixed by the schema.
+
+Schema versions: 2 adds the group's sampling ``temperature``; a version-1 group decodes with
+``temperature=None`` (not recorded: the trainer falls back to its configured ``rollout.temperature``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+
+FAILED_FINISH_REASONS = ("error", "abort", "reward_error")  # the episode has no valid outcome
 
 ARRAY_DTYPES: dict[str, np.dtype] = {
     "token_ids": np.dtype("<i4"),
@@ -66,6 +72,11 @@ class Sample:
             setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
 
     @property
+    def failed(self) -> bool:
+        """The episode failed (engine error, abort, tool setup, reward function): it must not be trained on."""
+        return self.finish_reason in FAILED_FINISH_REASONS
+
+    @property
     def num_generated(self) -> int:
         return int(self.loss_mask.sum())
 
@@ -90,7 +101,10 @@ class Sample:
 
 @dataclass
 class TrajectoryGroup:
-    """The n samples of one task; ``group_id`` (= ``task_id``) is the idempotency key."""
+    """The n samples of one task; ``group_id`` (= ``task_id``) is the idempotency key.
+
+    ``temperature`` is the one the samples were drawn at, so the trainer scales the logits of this group by
+    it (None: not recorded, the trainer's default)."""
 
     run: str
     job_id: str
@@ -98,6 +112,7 @@ class TrajectoryGroup:
     samples: list[Sample]
     kind: str = "train"
     created: float = field(default_factory=time.time)
+    temperature: float | None = None
 
     @property
     def group_id(self) -> str:
@@ -114,6 +129,8 @@ class TrajectoryGroup:
     def validate(self) -> None:
         if not self.samples:
             raise SchemaError(f"group {self.group_id}: has no samples")
+        if self.temperature is not None and not (isinstance(self.temperature, int | float) and self.temperature >= 0):
+            raise SchemaError(f"group {self.group_id}.temperature: {self.temperature!r} is not a number >= 0")
         for i, sample in enumerate(self.samples):
             sample.validate(f"group {self.group_id}.samples[{i}]")
 
@@ -182,9 +199,11 @@ def decode_group(data: bytes) -> TrajectoryGroup:
     if not isinstance(wire, dict):
         raise SchemaError(f"trajectory group: expected a map, got {type(wire).__name__}")
     version = wire.pop("schema_version", None)
-    if version != SCHEMA_VERSION:
-        raise SchemaError(f"trajectory group: schema_version {version!r} is not supported (want {SCHEMA_VERSION})")
-    _check_fields(wire, _REQUIRED_GROUP, _GROUP_FIELDS, "trajectory group")
+    if version not in READABLE_VERSIONS:
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        raise SchemaError(f"trajectory group: schema_version {version!r} is not supported (want {readable})")
+    known = _GROUP_FIELDS if version == SCHEMA_VERSION else [f for f in _GROUP_FIELDS if f != "temperature"]
+    _check_fields(wire, _REQUIRED_GROUP, known, "trajectory group")
     if not isinstance(wire["samples"], list):
         raise SchemaError("trajectory group.samples: expected a list")
     where = f"group {wire['task_id']}"

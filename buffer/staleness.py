@@ -1,9 +1,11 @@
 """Staleness control (AReaL's η = ``buffer.max_staleness``, arXiv 2505.24298): admission on the rollout side, a
-filter on the trainer's. Both read the one ``buffer`` config section (``max_staleness``, ``groups_per_step``).
+filter on the trainer's. Both read the one ``buffer`` config section (``max_staleness``, ``groups_per_step``,
+``push_every``).
 
 Admission: a server starts a new train group only while
-``admitted < (version + max_staleness + 1) * groups_per_step``,
-checked and incremented in one Lua call, so concurrent servers never overshoot. An admitted group id is
+``admitted < (version + max_staleness + 1) * groups_per_step * push_every``:
+a version spans ``push_every`` trainer steps, so the trainer needs that many steps' groups to reach the next
+one. Checked and incremented in one Lua call, so concurrent servers never overshoot. An admitted group id is
 remembered until its task is done, so a redelivered task is not admitted twice; a group that never reaches
 training (dead-lettered task, dropped as stale) gives its slot back, so the bound counts groups in flight
 or trained, as AReaL's ``StalenessManager`` does.
@@ -25,7 +27,7 @@ from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
 from core.config import BufferConfig
 
-# KEYS: admitted, version, admitted ids. ARGV: group id, max_staleness, groups_per_step.
+# KEYS: admitted, version, admitted ids. ARGV: group id, max_staleness, groups per version.
 _ADMIT = """
 if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return 1 end
 local version = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -86,14 +88,14 @@ class StalenessControl:
         self.redis = client
         self.keys = keys
         self.max_staleness = cfg.max_staleness
-        self.groups_per_step = cfg.groups_per_step
+        self.groups_per_version = cfg.groups_per_step * cfg.push_every
         self.metrics = metrics or BufferMetrics()
         self._admit = client.register_script(_ADMIT)
         self._release = client.register_script(_RELEASE)
         self._set_version = client.register_script(_SET_VERSION)
 
     def bound(self, version: int) -> int:
-        return (version + self.max_staleness + 1) * self.groups_per_step
+        return (version + self.max_staleness + 1) * self.groups_per_version
 
     def version(self) -> int:
         """The latest committed policy version (0 before the first commit)."""
@@ -114,7 +116,7 @@ class StalenessControl:
     def try_admit(self, group_id: str) -> bool:
         """Admit one group if the bound allows; a group id admitted before is admitted again at no cost."""
         keys = [self.keys.admitted, self.keys.version, self.keys.admitted_ids]
-        return bool(self._admit(keys, [group_id, self.max_staleness, self.groups_per_step]))
+        return bool(self._admit(keys, [group_id, self.max_staleness, self.groups_per_version]))
 
     def admit(self, group_id: str, stop: threading.Event | None = None, timeout_s: float | None = None) -> bool:
         """Wait (polling with backoff) until the group is admitted; False if ``stop`` is set or time runs out."""

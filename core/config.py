@@ -69,7 +69,9 @@ class RolloutConfig(Section):
     max_turns: int = Field(4, ge=1)
     max_new_tokens: int = Field(64, ge=1, description="per assistant turn")
     max_total_tokens: int = Field(512, ge=16, description="prompt + all turns")
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(
+        1.0, gt=0, description="train sampling temperature (groups record it; the trainer divides logits by it)"
+    )
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     max_concurrent_groups: int = Field(8, ge=1, description="train groups in flight per server")
@@ -94,9 +96,17 @@ class BufferConfig(Section):
     max_staleness: int = Field(
         2, ge=0, description="AReaL's η: groups may be this many versions old (admission bound and trainer filter)"
     )
-    groups_per_step: int = Field(8, ge=1, description="groups in one trainer step: the unit of staleness admission")
+    groups_per_step: int = Field(8, ge=1, description="groups in one trainer step")
+    push_every: int = Field(
+        1, ge=1, description="trainer steps per policy version: the trainer pushes every k steps, so a version "
+        "spans push_every × groups_per_step groups (the unit of staleness admission)"
+    )
     claim_idle_ms: int = Field(30_000, ge=100, description="pending entries idle this long are reclaimed")
     max_attempts: int = Field(3, ge=1, description="deliveries of a task before it is dead-lettered")
+    dedup_window: int = Field(
+        100_000, ge=1, description="consumed train group ids remembered (groups:state) to drop late duplicate "
+        "writes; older ones are forgotten, which bounds the hash"
+    )
 
 
 class TrainerConfig(Section):
@@ -111,7 +121,10 @@ class TrainerConfig(Section):
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     clip_eps: float = Field(0.2, gt=0)
     clip_eps_high: float | None = Field(None, gt=0, description="asymmetric upper clip; None uses clip_eps")
-    is_cap: float | None = Field(5.0, gt=0, description="truncate the behaviour IS weight at this value")
+    is_cap: float | None = Field(5.0, gt=0, description="decoupled_ppo/tis: cap on the IS weight π_prox/π_behav")
+    is_cap_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="above is_cap: truncate the weight to is_cap, or mask the token (weight 0, as AReaL)"
+    )
     is_low: float = Field(0.5, ge=0, description="icepop: mask tokens whose ratio is below")
     is_high: float = Field(2.0, gt=0, description="icepop: mask tokens whose ratio is above")
     advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
@@ -125,7 +138,6 @@ class TrainerConfig(Section):
     stop_when_drained: bool = Field(
         False, description="finite data: when no train task or group is left, train the last partial batch and stop"
     )
-    push_every: int = Field(1, ge=1, description="push weights every k steps")
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"

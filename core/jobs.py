@@ -2,7 +2,8 @@
 
 The spec is validated whole (and its tasks loaded) before anything is written, so a rejected job
 leaves nothing behind. The worker reads the stored spec and fills what it leaves out from its own
-``RolloutConfig``.
+``RolloutConfig``. A train job's sampling temperature travels with each of its groups, and the trainer
+scales that group's logits by it.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class JobSpec(Strict):
 
     @model_validator(mode="after")
     def _eval_defaults(self) -> JobSpec:
+        if self.kind == "train" and self.sampling.temperature == 0:
+            raise ValueError("sampling.temperature: 0 (greedy) cannot be trained on: every sample of a task would be "
+                             "the same and greedy tokens have no logprobs; use > 0, or kind=eval")
         if self.kind == "eval":
             if self.n_samples is None:
                 self.n_samples = 1

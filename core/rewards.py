@@ -5,8 +5,9 @@ tries ``#### N``, ``\\boxed{N}``, "the answer is N", then the last number in the
 compared exactly as decimals after dropping ``$``, thousands commas and a trailing period, so
 ``1,600`` matches ``1600`` and ``18.0`` matches ``18``.
 
-A reward function that raises or returns garbage never stops the server: the sample gets reward 0.0,
-``reward_info["error"]`` says why, and the failure is counted.
+A reward function that raises or returns garbage never stops the server, and never yields a made-up
+reward: ``score`` raises ``RewardError`` saying why, and the agent loop marks the episode failed
+(``finish_reason`` ``reward_error``), so its group is rolled out again instead of trained on reward 0.
 """
 
 from __future__ import annotations
@@ -111,15 +112,18 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+class RewardError(RuntimeError):
+    """The reward function raised, or returned something that is not a reward: the episode has none."""
+
+
 class RewardComputer:
     """Scores finished episodes. The config names the default function; a task's ``reward["kind"]``
     may pick another *built-in* (import paths come only from the operator's config, never from tasks).
     """
 
-    def __init__(self, spec: str = "gsm8k", on_error: Callable[[], None] | None = None) -> None:
+    def __init__(self, spec: str = "gsm8k") -> None:
         self.default = load_reward_fn(spec)
         self.spec = spec
-        self._on_error = on_error
 
     def _pick(self, task: Any) -> RewardFn:
         kind = task.reward.get("kind")
@@ -133,16 +137,14 @@ class RewardComputer:
     async def score(
         self, task: Any, messages: list[dict[str, Any]], final_text: str, tool_rewards: list[float]
     ) -> tuple[float, dict[str, Any]]:
-        """``(reward, reward_info)``; never raises: a failing function gives ``(0.0, {"error": ...})``."""
+        """``(reward, reward_info)``; a failing function raises ``RewardError`` with the reason (and logs it)."""
         try:
             out = await self._pick(task)(task, messages, final_text, tool_rewards)
             reward, info = out if isinstance(out, tuple) else (out, {})
             if isinstance(reward, bool) or not isinstance(reward, int | float) or not isinstance(info, dict):
                 raise TypeError(f"reward function returned {out!r}; want a float or (float, dict)")
             return float(reward), dict(info)
-        except Exception as exc:  # user code: recorded on the sample and counted, never fatal
+        except Exception as exc:  # user code: the episode fails with the reason, the server goes on
             task_id = getattr(task, "task_id", "?")
             log.warning("reward for task %s failed: %s: %s", task_id, type(exc).__name__, exc)
-            if self._on_error is not None:
-                self._on_error()
-            return 0.0, {"error": f"{type(exc).__name__}: {exc}"}
+            raise RewardError(f"{type(exc).__name__}: {exc}") from exc

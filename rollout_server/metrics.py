@@ -33,7 +33,12 @@ class RolloutMetrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
-        self.reward_errors = Counter(_P + "reward_errors", "Reward functions that raised", registry=r)
+        self.failed = Counter(
+            _P + "failed",
+            "Episodes that failed (engine, abort, tool, reward); their group is rolled out again, never trained",
+            ["reason"],
+            registry=r,
+        )
         self.reward = Histogram(
             _P + "reward", "Episode rewards", buckets=(-1.0, -0.5, 0.0, 0.25, 0.5, 0.75, 1.0, 2.0), registry=r
         )

@@ -146,11 +146,12 @@ class RolloutWorker:
                  len(self.engines))
 
     async def _handle(self, entry: TaskEntry) -> None:
-        """One task -> one group written (or the task handed back, failed or dead-lettered, never lost)."""
+        """One task -> one group written (or the task handed back, failed or dead-lettered, never lost). A group
+        with a failed episode is not written: the task fails and is rolled out again (``buffer.max_attempts``)."""
         try:
             job = await self._call(self.tasks.job, entry.job_id)
-            if job.get("state") == "cancelled":
-                await self._call(self.tasks.dead_letter, entry, f"job {entry.job_id} was cancelled")
+            if job.get("state") == "cancelled":  # acked and counted, not dead-lettered: it did not fail
+                await self._call(self.tasks.cancel, entry)
                 return
             loop, tools = self._agent_loop(entry.job_id, job.get("spec"))
             task = Task.model_validate({**entry.task, "task_id": entry.group_id})
@@ -161,8 +162,15 @@ class RolloutWorker:
             with self._generating():
                 group = await loop.run_group(task, run=self.run_name, job_id=entry.job_id)
             group.kind = entry.kind
-            if self._stopping.is_set() and any(s.finish_reason in ("error", "abort") for s in group.samples):
+            failed = [s for s in group.samples if s.failed]
+            if failed and self._stopping.is_set() and any(s.finish_reason in ("error", "abort") for s in failed):
                 await self._call(self.tasks.hand_back, entry)  # the engine went away under a shutdown
+                return
+            if failed:  # no outcome for some samples: never trained as reward 0; rolled out again, or dead-lettered
+                first = failed[0].reward_info["error"]
+                error = f"{len(failed)} of {len(group.samples)} episodes failed; first: {first}"
+                log.warning("group %s: %s", entry.group_id, error)
+                await self._call(self.tasks.fail, entry, error)
                 return
             await self._put(group, entry)
         except ValidationError as exc:  # a bad task or job spec will not get better: no retries

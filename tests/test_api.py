@@ -70,6 +70,7 @@ def test_eval_job_defaults_to_greedy_single_sample(api: httpx.Client) -> None:
         ({"source": {"kind": "arith", "limit": 0}}, "limit"),
         ({"source": {"kind": "arith", "limit": 2}, "n_samples": 0}, "n_samples"),
         ({"source": {"kind": "arith", "limit": 2}, "sampling": {"top_p": 2}}, "top_p"),
+        ({"source": {"kind": "arith", "limit": 2}, "sampling": {"temperature": 0}}, "sampling.temperature"),
         ({"source": {"kind": "arith", "limit": 2}, "surprise": 1}, "surprise"),
         ({"source": {"kind": "jsonl", "path": "/nonexistent/tasks.jsonl"}}, "source"),
         ({"source": {"kind": "inline", "tasks": [{"task_id": "a", "messages": []}]}}, "messages"),

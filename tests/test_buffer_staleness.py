@@ -67,6 +67,13 @@ def test_admission_bound_follows_the_version(redis_server: EmbeddedRedis) -> Non
         StalenessControl(client(redis_server), KEYS, BufferConfig(max_staleness=1, groups_per_step=0))
 
 
+def test_a_version_spans_push_every_steps_of_groups(redis_server: EmbeddedRedis) -> None:
+    cfg = BufferConfig(max_staleness=1, groups_per_step=4, push_every=3)
+    st = StalenessControl(client(redis_server), KEYS, cfg)
+    assert st.bound(0) == 24 and st.bound(1) == 36  # (version + η + 1) × 4 groups × 3 steps
+    assert sum(st.try_admit(f"g{i}") for i in range(30)) == 24
+
+
 def test_eight_concurrent_producers_never_exceed_the_bound(redis_server: EmbeddedRedis) -> None:
     st = StalenessControl(client(redis_server), KEYS, BufferConfig(max_staleness=2, groups_per_step=8))
     r = client(redis_server)

@@ -3,8 +3,8 @@
 The whole pipeline runs as real processes (two rollout servers with their embedded engines and
 checkpoint receivers, one trainer pushing a version every step, the embedded Redis). The run must
 complete and the accounting hold exactly: tasks submitted = groups trained + groups dropped as stale
-+ tasks dead-lettered, with no group id trained twice, and every rollout server (the restarted one
-included) serving the trainer's last version.
++ tasks dead-lettered + tasks cancelled (none here), with no group id trained twice, and every rollout
+server (the restarted one included) serving the trainer's last version.
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
         job = TaskQueue(client, keys, cfg.buffer).job("faults")
         submitted, trained = int(job["submitted"]), int(job.get("trained", 0))
         stale, dead = int(job.get("stale_dropped", 0)), int(job.get("dead_lettered", 0))
+        cancelled = int(job.get("cancelled", 0))
         assert submitted == N_TASKS
-        assert submitted == trained + stale + dead, job
+        assert submitted == trained + stale + dead + cancelled, job
         steps: dict[int, list[str]] = {}
         for line in (tmp_path / "faults" / "metrics.jsonl").read_text().splitlines():
             record = json.loads(line)

@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 
-from core.rewards import RewardComputer, extract_answer, gsm8k_reward, load_reward_fn
+from core.rewards import RewardComputer, RewardError, extract_answer, gsm8k_reward, load_reward_fn
 from core.tasks import Task
-from rollout_server.metrics import RolloutMetrics
 
 GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
@@ -90,16 +89,16 @@ def sync_reward(task: Task, messages: list[dict], final_text: str, tool_rewards:
 
 
 def _score(spec: str, task: Task, text: str = "", tool_rewards: list[float] | None = None):
-    metrics = RolloutMetrics()
-    computer = RewardComputer(spec, on_error=metrics.reward_errors.inc)
-    out = asyncio.run(computer.score(task, [], text, tool_rewards or []))
-    errors = metrics.registry.get_sample_value("rollwave_rollout_reward_errors_total")
-    return out, errors
+    """(the score, None), or (None, the RewardError's message) when the function failed."""
+    try:
+        return asyncio.run(RewardComputer(spec).score(task, [], text, tool_rewards or [])), None
+    except RewardError as exc:
+        return None, str(exc)
 
 
 def test_builtin_gsm8k_and_tool_rewards() -> None:
-    (reward, info), errors = _score("gsm8k", _task(kind="gsm8k", ground_truth="42"), "The answer is 42.")
-    assert (reward, info["extracted"], errors) == (1.0, "42", 0.0)
+    (reward, info), error = _score("gsm8k", _task(kind="gsm8k", ground_truth="42"), "The answer is 42.")
+    assert (reward, info["extracted"], error) == (1.0, "42", None)
     (reward, _), _ = _score(
         "gsm8k", _task(kind="gsm8k", ground_truth="42", mode="strict"), "The answer is 42."
     )
@@ -119,15 +118,11 @@ def test_custom_reward_by_import_path() -> None:
     assert _score(f"{__name__}:float_reward", _task())[0] == (2.0, {})
 
 
-def test_failing_rewards_mark_the_sample_and_are_counted() -> None:
-    (reward, info), errors = _score(f"{__name__}:broken_reward", _task())
-    assert (reward, errors) == (0.0, 1.0) and info["error"] == "RuntimeError: judge is down"
-    (reward, info), errors = _score(f"{__name__}:garbage_reward", _task())
-    assert (reward, errors) == (0.0, 1.0) and "want a float" in info["error"]
-    (reward, info), errors = _score("gsm8k", _task(kind="gsm8k"))
-    assert (reward, errors) == (0.0, 1.0) and "no ground_truth" in info["error"]
-    (reward, info), errors = _score("gsm8k", _task(kind="os:system"))
-    assert (reward, errors) == (0.0, 1.0) and "not a built-in" in info["error"]
+def test_failing_rewards_raise_a_reward_error_never_a_made_up_zero() -> None:
+    assert _score(f"{__name__}:broken_reward", _task()) == (None, "RuntimeError: judge is down")
+    assert "want a float" in _score(f"{__name__}:garbage_reward", _task())[1]
+    assert "no ground_truth" in _score("gsm8k", _task(kind="gsm8k"))[1]
+    assert "not a built-in" in _score("gsm8k", _task(kind="os:system"))[1]
 
 
 def test_bad_reward_specs_are_rejected_up_front() -> None:

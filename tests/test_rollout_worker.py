@@ -24,6 +24,8 @@ from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
 from core.config import BufferConfig
+from core.jobs import JobSpec, TaskSource
+from core.net import free_port
 from core.tasks import load_tasks
 from rollout_server.engine.process import EngineProcess
 
@@ -181,3 +183,31 @@ def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedR
     assert back[b"gid"].decode() == gids[1] and back[b"attempts"] == b"0"
     assert r.xlen(KEYS.groups) == 1
     assert staleness.admitted() == 2 and r.hexists(KEYS.admitted_ids, gids[1])  # it keeps its slot
+
+
+def test_failed_episodes_are_dead_letters_and_a_cancelled_job_is_not(redis_server: EmbeddedRedis, workers) -> None:
+    """A reward function that raises: the group is not written with reward 0; the task is retried, then
+    dead-lettered with the reason, and every failed episode is counted. A cancelled job's tasks are acked
+    and counted ``cancelled``: dead letters mean failures only."""
+    r = client(redis_server)
+    q = TaskQueue(r, KEYS, BufferConfig())
+    q.ensure_groups()
+    submit(redis_server, "gone", 3)
+    r.hset(KEYS.job("gone"), "state", "cancelled")
+    spec = JobSpec(source=TaskSource(kind="arith", split="train", limit=1), reward="tests.reward_helpers:judge_down")
+    tasks = [t.model_dump(mode="json") for t in spec.source.load()]
+    for task in tasks:  # no task-level reward kind: the job's reward function scores them
+        task["reward"].pop("kind", None)
+    [gid] = q.submit("judged", tasks, "train", spec.model_dump_json())
+    port = free_port()
+    w = workers("srv-f", "buffer.max_attempts=2", f"rollout.metrics_port={port}")
+    wait_for(lambda: r.xlen(KEYS.tasks_dead) == 1, w)
+    [(_, dead)] = r.xrange(KEYS.tasks_dead)
+    assert dead[b"gid"].decode() == gid and dead[b"deliveries"] == b"2"
+    assert b"2 of 2 episodes failed; first: RuntimeError: the judge is down" in dead[b"error"]
+    assert r.xlen(KEYS.groups) == 0 and q.job("judged")["dead_lettered"] == "1"
+    gone = q.job("gone")
+    assert (gone["cancelled"], gone.get("dead_lettered"), gone["state"]) == ("3", None, "cancelled")
+    assert r.xlen(KEYS.tasks("train")) == 0 and r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 0
+    scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    assert 'rollwave_rollout_failed_total{reason="reward"} 4.0' in scraped  # 2 episodes × 2 attempts

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,8 +12,9 @@ import pytest
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.rewards import RewardComputer, extract_answer, gsm8k_reward, load_reward_fn
 from services.tasks import Task
+from services.tasks.gsm8k import BUNDLED
 
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = BUNDLED / "test.jsonl"
 
 
 def _gsm8k_items() -> list[tuple[str, str]]:

@@ -2,7 +2,7 @@
 
 The stack runs as real processes (``services.launcher``): one rollout server with its embedded
 engine and checkpoint receiver, one trainer rank pushing a version every step, and the API, on the
-embedded Redis. Prometheus (Debian's ``/usr/bin/prometheus``) scrapes them with the jobs of
+embedded Redis. Prometheus (Debian's package, from PATH) scrapes them with the jobs of
 ``deploy/prometheus/prometheus.yml``, targets replaced by the stack's 127.0.0.1 ports. The policy is
 the tiny model after a short SFT warm start, so it really calls the calculator and the tool panels
 have samples. Each query of ``deploy/grafana/dashboards/rollwave.json`` must return at least one

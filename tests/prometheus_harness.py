@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,11 +22,10 @@ from typing import Any
 import httpx
 import yaml
 
-from services.net import free_port
-
 REPO = Path(__file__).resolve().parent.parent
 PROJECT_SCRAPE_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "rollwave.json"
+LISTENING = re.compile(r'msg="Listening on".*?address=127\.0\.0\.1:(\d+)')
 
 
 
@@ -97,25 +97,26 @@ class PrometheusHarness:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.work_dir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
-        self.port = free_port()
         argv = [
             binary,
             f"--config.file={config_path}",
             f"--storage.tsdb.path={self.work_dir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--web.listen-address=127.0.0.1:0",  # any free port; its log says which
             "--storage.tsdb.retention.time=1h",
-            "--log.level=warn",
+            "--log.level=info",
         ]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._client = httpx.Client(base_url=self.url, timeout=10.0)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
                 self.close()
                 raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self._log_tail()}")
+            if self._client is None and (bound := LISTENING.search(self.log_path.read_text(errors="replace"))):
+                self.port = int(bound.group(1))
+                self._client = httpx.Client(base_url=self.url, timeout=10.0)
             try:
-                if self._client.get("/-/ready").status_code == 200:
+                if self._client is not None and self._client.get("/-/ready").status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from net_helpers import refused_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from buffer.schema import TrajectoryGroup, decode_group, encode_group
@@ -36,7 +37,6 @@ from rollout_server.tools.calculator import CalculatorTool
 from rollout_server.tools.check_answer import CheckAnswerTool
 from rollout_server.trajectory import ChatRenderer, masked_spans
 from services.config import RolloutConfig
-from services.net import free_port
 from services.tasks import Task, load_tasks
 
 CALC = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
@@ -329,11 +329,12 @@ def test_each_limit_ends_the_episode_with_its_reason(
 
 
 def test_episode_failures_do_not_stop_the_group(tokenizer: Any) -> None:
-    dead = EngineClient(f"http://127.0.0.1:{free_port()}", retries=0)
-    try:
-        (s,) = _group(_loop(dead, tokenizer), _task(["calculator"])).samples
-    finally:
-        asyncio.run(dead.aclose())
+    with refused_port() as port:
+        dead = EngineClient(f"http://127.0.0.1:{port}", retries=0)
+        try:
+            (s,) = _group(_loop(dead, tokenizer), _task(["calculator"])).samples
+        finally:
+            asyncio.run(dead.aclose())
     assert (s.finish_reason, s.num_turns, s.num_generated) == ("error", 0, 0)
     assert "cannot connect" in s.reward_info["error"]
 

@@ -22,6 +22,7 @@ import grpc
 import httpx
 import pytest
 import torch
+from net_helpers import refused_port
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from buffer.keys import Keys
@@ -35,7 +36,7 @@ from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient
 from services.config import CheckpointConfig
-from services.net import free_port
+from services.net import free_port_outside_ephemeral
 from trainer.checkpoint_pusher import (
     CheckpointPusher,
     TensorMeta,
@@ -287,7 +288,8 @@ def test_fsdp2_ranks_push_gathered_weights(fleet: Fleet, base_model: PreTrainedM
     before = [greedy_engine(e.url) for e in fleet.engines]
     version = fleet.version() + 1
     model = perturbed(tiny_model_dir, seed=100 + version, out=tmp_path / "new")
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_outside_ephemeral())}
+    env = {**os.environ, "WORLD_SIZE": "2", **rendezvous}
     args = [sys.executable, "-c", RANK_SCRIPT, str(tmp_path / "new"), str(version), TOKEN,
             str(fleet.config.stage_dir), *fleet.addresses]
     ranks = [subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
@@ -465,11 +467,12 @@ def test_versions_only_go_up_newer_stage_supersedes_and_abort(fleet: Fleet, base
 
 def test_unreachable_server_is_retried_and_reported_while_others_commit(fleet: Fleet,
                                                                        base_model: PreTrainedModel) -> None:
-    dead = f"127.0.0.1:{free_port()}"
     version = fleet.version() + 1
-    pusher = CheckpointPusher(fleet.config, [*fleet.addresses, dead], set_version=lambda v: None)
-    report = pusher.push_model(base_model, version)
-    pusher.close()
+    with refused_port() as port:
+        dead = f"127.0.0.1:{port}"
+        pusher = CheckpointPusher(fleet.config, [*fleet.addresses, dead], set_version=lambda v: None)
+        report = pusher.push_model(base_model, version)
+        pusher.close()
     assert report is not None and not report.ok and report.version_written
     by_address = {s.address: s for s in report.servers}
     assert "UNAVAILABLE" in by_address[dead].error and by_address[dead].stage_attempts == fleet.config.retries + 1

@@ -13,9 +13,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from buffer_helpers import client
+from net_helpers import bound_socket
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
@@ -181,3 +183,33 @@ def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedR
     assert back[b"gid"].decode() == gids[1] and back[b"attempts"] == b"0"
     assert r.xlen(KEYS.groups) == 1
     assert staleness.admitted() == 2 and r.hexists(KEYS.admitted_ids, gids[1])  # it keeps its slot
+
+
+def test_bound_ports_are_published_and_busy_configured_ports_waited_for(redis_server: EmbeddedRedis, workers) -> None:
+    """Engine port 0: the registry holds the port it got. The gRPC and metrics ports are configured and busy:
+    the server waits for each (logging it), then serves on exactly that port."""
+    grpc_busy, metrics_busy = bound_socket(), bound_socket()
+    for sock in (grpc_busy, metrics_busy):
+        sock.listen()
+    grpc_port, metrics_port = grpc_busy.getsockname()[1], metrics_busy.getsockname()[1]
+    registry = ServerRegistry(client(redis_server), KEYS)
+    try:
+        w = workers("srv-p", f"rollout.grpc_port={grpc_port}", f"rollout.metrics_port={metrics_port}",
+                    own_engine=True)
+        for sock, port in ((grpc_busy, grpc_port), (metrics_busy, metrics_port)):
+            wait_for(lambda p=port: f"port {p} on 127.0.0.1 is in use; retrying" in w.log(), w)
+            time.sleep(0.5)
+            assert w.proc.poll() is None and registry.live_servers() == []  # still waiting, not dead
+            sock.close()
+        wait_for(lambda: bool(registry.live_servers()), w)
+    finally:
+        grpc_busy.close()
+        metrics_busy.close()
+    [info] = registry.live_servers()
+    assert info.grpc_address == f"127.0.0.1:{grpc_port}" and info.metrics_address == f"127.0.0.1:{metrics_port}"
+    assert "rollwave_rollout_" in httpx.get(f"http://{info.metrics_address}/metrics").text
+    assert httpx.get(info.engine_url + "/health").status_code == 200 and not info.engine_url.endswith(":0")
+    with grpc.insecure_channel(info.grpc_address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=10)
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(60) == 0, w.log()

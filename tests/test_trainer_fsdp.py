@@ -13,7 +13,7 @@ from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM
 
 from services.config import TrainerConfig
-from services.net import free_port
+from services.net import free_port_outside_ephemeral
 from trainer.batching import collate, rank_plan
 from trainer.parallel import DistContext, close_distributed, init_distributed, iter_full_params, lr_factor
 from trainer.worker import Trainer
@@ -49,7 +49,7 @@ def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Pat
 
 def _spawn(world: int, model_dir: Path, tmp_path: Path) -> dict:
     out = tmp_path / f"world{world}.pt"
-    args = (world, free_port(), model_dir, tmp_path / f"run{world}", out)
+    args = (world, free_port_outside_ephemeral(), model_dir, tmp_path / f"run{world}", out)
     mp.spawn(_train_ranks, args=args, nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 

@@ -10,6 +10,7 @@ import uvicorn
 
 from services.api.app import create_app
 from services.config import ConfigError, load_config
+from services.net import listen_socket
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(cfg), host=cfg.api.host, port=cfg.api.port, log_level="warning")
+    sock = listen_socket(cfg.api.host, cfg.api.port, "api")
+    url = f"http://{cfg.api.host}:{sock.getsockname()[1]}"
+    logging.getLogger("services.api").info("serving on %s", url)
+    uvicorn.Server(uvicorn.Config(create_app(cfg, url=url), log_level="warning")).run(sockets=[sock])
     return 0
 
 

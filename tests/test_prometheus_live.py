@@ -76,7 +76,7 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, tiny_model_dir: Path
         "run.name=prom", f"run.dir={tmp_path}", f"model.path={model}", "model.init_if_missing=false",
         "rollout.n_samples=2", "rollout.max_turns=2", "rollout.max_new_tokens=40", "rollout.heartbeat_s=0.5",
         "rollout.max_concurrent_groups=2", "rollout.shutdown_grace_s=2", "trainer.groups_per_step=2",
-        "trainer.total_steps=1000", "trainer.stop_when_drained=true", "trainer.take_timeout_s=1",
+        "trainer.total_steps=1000", "trainer.take_timeout_s=1",
         "trainer.threads=1", "engine.threads=1", "engine.max_batch_size=8", f"checkpoint.stage_dir={tmp_path}/stage",
         "api.port=0",  # every port is 0: Prometheus scrapes what the components published
     ])
@@ -85,8 +85,10 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, tiny_model_dir: Path
     specs = components(cfg, config_path, redis_server.url, rollout_servers=1, trainer_ranks=1, api=True)
     keys = Keys(cfg.run.name)
     r = client(redis_server)
+    job = {"kind": "train", "name": "prom", "source": {"kind": "arith", "split": "train", "limit": N_TASKS, "seed": 7}}
     with LocalStack(specs, tmp_path / "logs") as stack:
         api_url = published_api_url(r, keys, timeout_s=90)
+        assert httpx.post(f"{api_url}/v1/jobs", json=job, timeout=30).status_code == 201
         [server] = _wait("rollout-0 registered", ServerRegistry(r, keys).live_servers, stack, None, timeout_s=120)
         trainer_metrics = _wait("the trainer's metrics address", lambda: r.hget(keys.trainer, "metrics_address"),
                                 stack, None, timeout_s=120).decode()
@@ -97,18 +99,12 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, tiny_model_dir: Path
             "rollwave-engine": [server.engine_url.removeprefix("http://")],
         }
         assert all(t[0].startswith("127.0.0.1:") and not t[0].endswith(":0") for t in targets.values()), targets
-        with PrometheusHarness(targets, tmp_path / "prometheus") as prom, \
-                httpx.Client(base_url=api_url, timeout=30) as api:
-            _run_jobs_and_check_panels(api, stack, prom, queries)
+        with PrometheusHarness(targets, tmp_path / "prometheus") as prom:
+            _check_panels(stack, prom, queries)
         assert stack.restarts == {spec.name: 0 for spec in specs}
 
 
-def _run_jobs_and_check_panels(api: httpx.Client, stack: LocalStack, prom: PrometheusHarness,
-                               queries: list[str]) -> None:
-    job = {"kind": "train", "name": "prom", "source": {"kind": "arith", "split": "train", "limit": N_TASKS,
-                                                       "seed": 7}}
-    assert api.post("/v1/jobs", json=job).status_code == 201
-
+def _check_panels(stack: LocalStack, prom: PrometheusHarness, queries: list[str]) -> None:
     def seen(expr: str) -> Callable[[], bool]:
         return lambda: bool(prom.query(expr))
 

@@ -12,7 +12,7 @@ TEST_PACKAGES  := prometheus:prometheus promtool:prometheus chromium:chromium ip
 DEMO_PACKAGES  := unshare:util-linux
 BENCH_PACKAGES := redis-benchmark:redis-tools
 
-.PHONY: install demo test lint proto bench clean
+.PHONY: install demo test stress lint proto bench clean
 
 # $(call system_packages,COMMAND:PACKAGE ...): apt-get install, as root or else through sudo, the packages
 # whose command is not on PATH, without letting Debian start their daemons (a policy-rc.d that refuses, for
@@ -54,6 +54,10 @@ demo: install
 test: install
 	$(call system_packages,$(TEST_PACKAGES))
 	$(BIN)/python -m pytest -x -q
+
+stress: install
+	$(call system_packages,$(TEST_PACKAGES))
+	tests/stress.sh
 
 lint: install
 	$(BIN)/ruff check .

@@ -98,8 +98,13 @@ class Keys:
 
     @property
     def trainer(self) -> str:
-        """Hash: the trainer's step, version and heartbeat (written by rank 0)."""
+        """Hash: the trainer's step, version, heartbeat and metrics address (written by rank 0)."""
         return self.prefix + "trainer"
+
+    @property
+    def api(self) -> str:
+        """Hash: where the API that started last listens (``url``, ``pid``), for whoever started it."""
+        return self.prefix + "api"
 
     @property
     def steps(self) -> str:

@@ -23,6 +23,7 @@ class ServerInfo:
     server_id: str
     engine_url: str
     grpc_address: str = ""
+    metrics_address: str = ""  # host:port of its Prometheus metrics, as bound ("" when not served)
     version: int = 0
     started: float = field(default_factory=time.time)
     heartbeat: float = field(default_factory=time.time)

@@ -53,7 +53,7 @@ class EngineConfig(Section):
     backend: Literal["embedded", "sglang"] = "embedded"
     urls: list[str] = Field(default_factory=list, description="engine base URLs to use instead of starting one")
     host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    port: int = Field(0, ge=0, le=65535, description="embedded engine; 0 picks a free port (published in the registry)")
     max_batch_size: int = Field(64, ge=1)
     max_context: int = Field(1024, ge=16, description="prompt + generation tokens per request")
     request_timeout_s: float = Field(600.0, gt=0)
@@ -79,7 +79,7 @@ class RolloutConfig(Section):
     tools: Path | None = Field(None, description="tool config YAML; None uses the built-in tools")
     reward: str = Field("gsm8k", description="gsm8k | tool | <module:function>")
     grpc_host: str = "127.0.0.1"
-    grpc_port: int = Field(0, ge=0, le=65535)
+    grpc_port: int = Field(0, ge=0, le=65535, description="checkpoint receiver; 0 picks a free port (published)")
     heartbeat_s: float = Field(2.0, gt=0)
     server_id: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.-]+$", description="consumer name in Redis; None uses <host>-<pid>"
@@ -87,7 +87,9 @@ class RolloutConfig(Section):
     shutdown_grace_s: float = Field(
         30.0, ge=0, description="on SIGTERM, in-flight groups get this long to finish, then are handed back"
     )
-    metrics_port: int = Field(0, ge=0, le=65535, description="0 disables the metrics server")
+    metrics_port: int | None = Field(
+        0, ge=0, le=65535, description="0 picks a free port (published in the registry); null: no metrics server"
+    )
     metrics_host: str = Field("127.0.0.1", description="0.0.0.0 in containers, so Prometheus can scrape")
 
 
@@ -142,7 +144,9 @@ class TrainerConfig(Section):
     keep_checkpoints: int = Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int = Field(0, ge=0, description="torch intra-op threads per rank (0: torch's default)")
-    metrics_port: int = Field(0, ge=0, le=65535)
+    metrics_port: int | None = Field(
+        0, ge=0, le=65535, description="rank 0; 0 picks a free port (published in the trainer status); null: none"
+    )
     metrics_host: str = Field("127.0.0.1", description="0.0.0.0 in containers, so Prometheus can scrape")
 
     @model_validator(mode="after")
@@ -162,7 +166,7 @@ class CheckpointConfig(Section):
 
 class ApiConfig(Section):
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port (published in Redis)")
     token: str | None = Field(None, description="bearer token; None disables auth")
 
 

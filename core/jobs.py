@@ -28,7 +28,9 @@ class TaskSource(Strict):
     """Where a job's tasks come from: a named source or tasks given inline."""
 
     kind: Literal["arith", "gsm8k", "jsonl", "inline"] = "arith"
-    path: str | None = Field(None, description="gsm8k/jsonl: a .jsonl file or a directory of {split}.jsonl")
+    path: str | None = Field(
+        None, description="gsm8k/jsonl: a .jsonl file or a directory of {split}.jsonl; gsm8k defaults to data/gsm8k"
+    )
     split: str | None = Field(None, description="train or test")
     limit: int | None = Field(None, ge=1, le=100_000, description="how many tasks")
     offset: int = Field(0, ge=0, le=100_000, description="skip this many tasks first (arith generates them)")
@@ -42,8 +44,8 @@ class TaskSource(Strict):
                 raise ValueError("kind=inline needs a non-empty `tasks` list")
         elif self.tasks is not None:
             raise ValueError(f"`tasks` is only allowed with kind=inline, not kind={self.kind}")
-        if self.kind in ("gsm8k", "jsonl") and not self.path:
-            raise ValueError(f"kind={self.kind} needs `path`")
+        if self.kind == "jsonl" and not self.path:
+            raise ValueError("kind=jsonl needs `path`")
         if self.kind == "arith" and self.limit is None:
             raise ValueError("kind=arith needs `limit` (the number of generated problems)")
         return self

@@ -67,9 +67,12 @@ async def serve(cfg: Config) -> None:
         )
         worker.info.grpc_address = await asyncio.to_thread(receiver.start)
         stack.callback(receiver.stop)
-        if cfg.rollout.metrics_port:
-            server = serve_metrics(metrics.registry, host=cfg.rollout.metrics_host, port=cfg.rollout.metrics_port)
+        rc = cfg.rollout
+        if rc.metrics_port is not None:
+            server = await asyncio.to_thread(serve_metrics, metrics.registry, "rollout", rc.metrics_host,
+                                             rc.metrics_port)
             stack.callback(server.shutdown)
+            worker.info.metrics_address = f"{rc.metrics_host}:{server.server_port}"
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)

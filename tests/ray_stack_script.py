@@ -138,7 +138,7 @@ def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
         trainer_pid, api_pid = (ray.get(ray.get_actor(n).pid.remote(), timeout=30) for n in ("trainer-0", "api"))
         result["component_pgids"] = [old_pid, new_pid, trainer_pid, api_pid]
         environ = dict(v.split("=", 1) for v in Path(f"/proc/{trainer_pid}/environ").read_text().split("\0") if v)
-        result["trainer_master_port"] = int(environ["MASTER_PORT"])
+        result["trainer_env"] = {k: environ.get(k) for k in ("WORLD_SIZE", "MASTER_PORT")}
     finally:
         ray.shutdown()
     again = wait_for("rollout-0 registered again",

@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from net_helpers import refused_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from buffer.schema import TrajectoryGroup, decode_group, encode_group
 from core.config import RolloutConfig
-from core.net import free_port
 from core.rewards import RewardComputer
 from core.tasks import Task, load_tasks
 from core.trajectory import ChatRenderer, masked_spans
@@ -338,12 +338,13 @@ def test_each_limit_ends_the_episode_with_its_reason(
 
 
 def test_episode_failures_do_not_stop_the_group(tokenizer: Any) -> None:
-    dead = EngineClient(f"http://127.0.0.1:{free_port()}", retries=0)
-    loop = _loop(dead, tokenizer)
-    try:
-        (s,) = _group(loop, _task(["calculator"])).samples
-    finally:
-        asyncio.run(dead.aclose())
+    with refused_port() as port:
+        dead = EngineClient(f"http://127.0.0.1:{port}", retries=0)
+        try:
+            loop = _loop(dead, tokenizer)
+            (s,) = _group(loop, _task(["calculator"])).samples
+        finally:
+            asyncio.run(dead.aclose())
     assert (s.finish_reason, s.num_turns, s.num_generated, s.failed) == ("error", 0, 0, True)
     assert "cannot connect" in s.reward_info["error"]
     assert loop.metrics.registry.get_sample_value("rollwave_rollout_failed_total", {"reason": "engine"}) == 1

@@ -15,7 +15,6 @@ from core.config import load_config
 from services.api import create_app
 from tests.http_harness import serve_app
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
 TOKEN = "s3cret"
 
 
@@ -55,10 +54,10 @@ def test_create_get_list_cancel(api: httpx.Client) -> None:
 
 
 def test_eval_job_defaults_to_greedy_single_sample(api: httpx.Client) -> None:
-    reply = api.post("/v1/jobs", json={"kind": "eval", "source": {"kind": "gsm8k", "path": str(GSM8K),
-                                                                   "split": "test", "limit": 3}})
+    reply = api.post("/v1/jobs", json={"kind": "eval", "source": {"kind": "gsm8k", "split": "test", "limit": 3}})
     assert reply.status_code == 201, reply.text
     spec = reply.json()["spec"]
+    assert reply.json()["progress"]["submitted"] == 3 and spec["source"]["path"] is None  # the bundled copy
     assert spec["n_samples"] == 1 and spec["sampling"]["temperature"] == 0.0
 
 
@@ -73,6 +72,7 @@ def test_eval_job_defaults_to_greedy_single_sample(api: httpx.Client) -> None:
         ({"source": {"kind": "arith", "limit": 2}, "sampling": {"temperature": 0}}, "sampling.temperature"),
         ({"source": {"kind": "arith", "limit": 2}, "surprise": 1}, "surprise"),
         ({"source": {"kind": "jsonl", "path": "/nonexistent/tasks.jsonl"}}, "source"),
+        ({"source": {"kind": "jsonl"}}, "path"),
         ({"source": {"kind": "inline", "tasks": [{"task_id": "a", "messages": []}]}}, "messages"),
     ],
 )

@@ -22,6 +22,7 @@ import grpc
 import httpx
 import pytest
 import torch
+from net_helpers import refused_port
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from buffer.keys import Keys
@@ -30,7 +31,7 @@ from buffer.registry import ServerInfo, ServerRegistry
 from buffer.staleness import StalenessControl
 from core.checkpoint_format import GRPC_OPTIONS, SERVICE
 from core.config import BufferConfig, CheckpointConfig
-from core.net import free_port
+from core.net import free_port_outside_ephemeral
 from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
 from rollout_server.checkpoint_receiver import CheckpointReceiver
@@ -287,7 +288,8 @@ def test_fsdp2_ranks_push_gathered_weights(fleet: Fleet, base_model: PreTrainedM
     before = [greedy_engine(e.url) for e in fleet.engines]
     version = fleet.version() + 1
     model = perturbed(tiny_model_dir, seed=100 + version, out=tmp_path / "new")
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_outside_ephemeral())}
+    env = {**os.environ, "WORLD_SIZE": "2", **rendezvous}
     args = [sys.executable, "-c", RANK_SCRIPT, str(tmp_path / "new"), str(version), TOKEN,
             str(fleet.config.stage_dir), *fleet.addresses]
     ranks = [subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
@@ -465,11 +467,12 @@ def test_versions_only_go_up_newer_stage_supersedes_and_abort(fleet: Fleet, base
 
 def test_unreachable_server_is_retried_and_reported_while_others_commit(fleet: Fleet,
                                                                        base_model: PreTrainedModel) -> None:
-    dead = f"127.0.0.1:{free_port()}"
     version = fleet.version() + 1
-    pusher = CheckpointPusher(fleet.config, [*fleet.addresses, dead], set_version=lambda v: None)
-    report = pusher.push_model(base_model, version)
-    pusher.close()
+    with refused_port() as port:
+        dead = f"127.0.0.1:{port}"
+        pusher = CheckpointPusher(fleet.config, [*fleet.addresses, dead], set_version=lambda v: None)
+        report = pusher.push_model(base_model, version)
+        pusher.close()
     assert report is not None and not report.ok and report.version_written
     by_address = {s.address: s for s in report.servers}
     assert "UNAVAILABLE" in by_address[dead].error and by_address[dead].stage_attempts == fleet.config.retries + 1

@@ -160,9 +160,8 @@ def test_cli_prints_jobs_status_and_trajectories(live: Live) -> None:
 
 def test_gsm8k_eval_job_through_the_api_reports_accuracy(live: Live) -> None:
     """Issue 9.5: an eval job over the real GSM8K test file, with the calculator tool, through the API."""
-    gsm8k = ROOT.parent / "shared/data/gsm8k/test.jsonl"
     body = {"kind": "eval", "name": "gsm8k", "tools": ["calculator"], "sampling": {"max_new_tokens": 16},
-            "source": {"kind": "gsm8k", "path": str(gsm8k), "limit": 4}}
+            "source": {"kind": "gsm8k", "split": "test", "limit": 4}}
     reply = live.api.post("/v1/jobs", json=body)
     assert reply.status_code == 201, reply.text
     job_id = reply.json()["job_id"]

@@ -232,7 +232,7 @@ def test_gpu_image_builds_on_sglang_without_reinstalling_torch() -> None:
 
 def test_prometheus_config_passes_promtool() -> None:
     promtool = shutil.which("promtool")
-    assert promtool, "promtool not found: install the Debian package `prometheus` (.ci/run does)"
+    assert promtool, "promtool not found: install the Debian package `prometheus` (`make test` does)"
     path = DEPLOY / "prometheus" / "prometheus.yml"
     done = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -10,6 +10,7 @@ server (the restarted one included) serving the trainer's last version.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,6 @@ from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
 from core.config import dump_config, load_config
 from core.jobs import JobSpec, TaskSource
-from core.net import free_port
 from services.launcher import LocalStack, components
 
 pytestmark = pytest.mark.slow
@@ -41,8 +41,8 @@ def wait_for(what: str, cond: Callable[[], bool], stack: LocalStack, timeout_s: 
 
 
 def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
-    port = free_port()
-    server = EmbeddedRedis(tmp_path / "redis", aof=True, appendfsync="always", port=port).start()
+    server = EmbeddedRedis(tmp_path / "redis", aof=True, appendfsync="always").start()
+    port = server.port  # the components know this URL: Redis comes back on it
     cfg = load_config(None, [
         "run.name=faults", f"run.dir={tmp_path}", f"model.path={tiny_model_dir}", "model.init_if_missing=false",
         "rollout.n_samples=2", "rollout.max_turns=2", "rollout.max_new_tokens=12", "rollout.heartbeat_s=0.5",
@@ -67,10 +67,18 @@ def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
             return 0
 
     specs = components(cfg, config_path, server.url, rollout_servers=2, api=False)
+    registry = ServerRegistry(client, keys)
     try:
         with LocalStack(specs, tmp_path / "logs") as stack:
             wait_for("trainer step 2", lambda: step() >= 2, stack)
+            killed = time.time()
             stack.kill("rollout-0")
+            # Hold the trainer until rollout-0 is back: else, on a loaded machine, rollout-1 can drain the job
+            # before the restarted server registers, and no push is left to bring it to the last version.
+            stack.kill("trainer-0", signal.SIGSTOP)
+            wait_for("rollout-0 back in the registry", lambda: any(
+                s.server_id == "rollout-0" and s.started > killed for s in registry.live_servers()), stack)
+            stack.kill("trainer-0", signal.SIGCONT)
             wait_for("trainer step 5", lambda: step() >= 5, stack)
             stack.kill("trainer-0")
             wait_for("the trainer back past step 7", lambda: step() >= 7, stack)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,9 +14,9 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from net_helpers import bound_socket
 from safetensors.torch import load_file
 
-from core.net import free_port
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient, EngineError, encode_named_tensors
 
@@ -146,25 +147,28 @@ def sglang_056_stub(with_version: bool = True) -> tuple[FastAPI, list[str]]:
 
 
 @asynccontextmanager
-async def serve(app: FastAPI, port: int, delay_s: float = 0.0) -> AsyncIterator[str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+async def serve(app: FastAPI, sock: socket.socket | None = None, delay_s: float = 0.0) -> AsyncIterator[str]:
+    """Serve ``app`` on ``sock`` (bound, not yet listening: refused until the server starts) after ``delay_s``."""
+    sock = sock or bound_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
 
     async def start() -> None:
         await asyncio.sleep(delay_s)
-        await server.serve()
+        await server.serve(sockets=[sock])
 
     task = asyncio.create_task(start())
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         await task
+        sock.close()
 
 
 def test_sglang_056_shapes_are_normalised() -> None:
     async def run() -> None:
         app, seen = sglang_056_stub()
-        async with serve(app, free_port()) as url, EngineClient(url, backoff_s=0.05) as client:
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as client:
             await client.wait_ready(10)
             assert await client.weight_version() == "stub-v1"
             out = await client.generate(PROMPT, {"max_new_tokens": 3})
@@ -182,7 +186,7 @@ def test_sglang_056_shapes_are_normalised() -> None:
 def test_servers_without_versions_give_none() -> None:
     async def run() -> None:
         app, _ = sglang_056_stub(with_version=False)
-        async with serve(app, free_port()) as url, EngineClient(url, backoff_s=0.05) as client:
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as client:
             await client.wait_ready(10)
             assert await client.weight_version() is None
             out = await client.generate(PROMPT)
@@ -193,7 +197,8 @@ def test_servers_without_versions_give_none() -> None:
 
 def test_connection_errors_are_retried_then_reported() -> None:
     async def run() -> None:
-        port = free_port()
+        sock = bound_socket()
+        port = sock.getsockname()[1]
         async with EngineClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.01) as client:
             assert not await client.health()
             with pytest.raises(EngineError) as exc:
@@ -203,7 +208,7 @@ def test_connection_errors_are_retried_then_reported() -> None:
                 await client.wait_ready(0.3)
         app, _ = sglang_056_stub()
         async with (
-            serve(app, port, delay_s=0.5),
+            serve(app, sock, delay_s=0.5),
             EngineClient(f"http://127.0.0.1:{port}", retries=10, backoff_s=0.05) as client,
         ):
             out = await client.generate(PROMPT)  # refused at first, answered once the server is up

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from core.rewards import RewardComputer, RewardError, extract_answer, gsm8k_reward, load_reward_fn
 from core.tasks import Task
+from core.tasks.gsm8k import BUNDLED
 
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = BUNDLED / "test.jsonl"
 
 
 def _gsm8k_items() -> list[tuple[str, str]]:

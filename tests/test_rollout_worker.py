@@ -13,9 +13,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from buffer_helpers import client
+from net_helpers import bound_socket
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
@@ -25,7 +27,6 @@ from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
 from core.config import BufferConfig
 from core.jobs import JobSpec, TaskSource
-from core.net import free_port
 from core.tasks import load_tasks
 from rollout_server.engine.process import EngineProcess
 
@@ -199,8 +200,7 @@ def test_failed_episodes_are_dead_letters_and_a_cancelled_job_is_not(redis_serve
     for task in tasks:  # no task-level reward kind: the job's reward function scores them
         task["reward"].pop("kind", None)
     [gid] = q.submit("judged", tasks, "train", spec.model_dump_json())
-    port = free_port()
-    w = workers("srv-f", "buffer.max_attempts=2", f"rollout.metrics_port={port}")
+    w = workers("srv-f", "buffer.max_attempts=2", "rollout.metrics_port=0")
     wait_for(lambda: r.xlen(KEYS.tasks_dead) == 1, w)
     [(_, dead)] = r.xrange(KEYS.tasks_dead)
     assert dead[b"gid"].decode() == gid and dead[b"deliveries"] == b"2"
@@ -209,5 +209,36 @@ def test_failed_episodes_are_dead_letters_and_a_cancelled_job_is_not(redis_serve
     gone = q.job("gone")
     assert (gone["cancelled"], gone.get("dead_lettered"), gone["state"]) == ("3", None, "cancelled")
     assert r.xlen(KEYS.tasks("train")) == 0 and r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 0
-    scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    [info] = [s for s in ServerRegistry(r, KEYS).live_servers() if s.server_id == "srv-f"]
+    scraped = httpx.get(f"http://{info.metrics_address}/metrics", timeout=10).text
     assert 'rollwave_rollout_failed_total{reason="reward"} 4.0' in scraped  # 2 episodes × 2 attempts
+
+
+def test_bound_ports_are_published_and_busy_configured_ports_waited_for(redis_server: EmbeddedRedis, workers) -> None:
+    """Engine port 0: the registry holds the port it got. The gRPC and metrics ports are configured and busy:
+    the server waits for each (logging it), then serves on exactly that port."""
+    grpc_busy, metrics_busy = bound_socket(), bound_socket()
+    for sock in (grpc_busy, metrics_busy):
+        sock.listen()
+    grpc_port, metrics_port = grpc_busy.getsockname()[1], metrics_busy.getsockname()[1]
+    registry = ServerRegistry(client(redis_server), KEYS)
+    try:
+        w = workers("srv-p", f"rollout.grpc_port={grpc_port}", f"rollout.metrics_port={metrics_port}",
+                    own_engine=True)
+        for sock, port in ((grpc_busy, grpc_port), (metrics_busy, metrics_port)):
+            wait_for(lambda p=port: f"port {p} on 127.0.0.1 is in use; retrying" in w.log(), w)
+            time.sleep(0.5)
+            assert w.proc.poll() is None and registry.live_servers() == []  # still waiting, not dead
+            sock.close()
+        wait_for(lambda: bool(registry.live_servers()), w)
+    finally:
+        grpc_busy.close()
+        metrics_busy.close()
+    [info] = registry.live_servers()
+    assert info.grpc_address == f"127.0.0.1:{grpc_port}" and info.metrics_address == f"127.0.0.1:{metrics_port}"
+    assert "rollwave_rollout_" in httpx.get(f"http://{info.metrics_address}/metrics").text
+    assert httpx.get(info.engine_url + "/health").status_code == 200 and not info.engine_url.endswith(":0")
+    with grpc.insecure_channel(info.grpc_address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=10)
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(60) == 0, w.log()

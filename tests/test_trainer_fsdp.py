@@ -14,7 +14,7 @@ from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM
 
 from core.config import TrainerConfig
-from core.net import free_port
+from core.net import free_port_outside_ephemeral
 from trainer.batching import collate, rank_plan
 from trainer.optim import lr_factor
 from trainer.parallel import DistContext, close_distributed, init_distributed, iter_full_params
@@ -51,7 +51,7 @@ def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Pat
 
 def _spawn(world: int, model_dir: Path, tmp_path: Path, cfg: dict) -> dict:
     out = tmp_path / f"world{world}.pt"
-    args = (world, free_port(), model_dir, tmp_path / f"run{world}", out, cfg)
+    args = (world, free_port_outside_ephemeral(), model_dir, tmp_path / f"run{world}", out, cfg)
     mp.spawn(_train_ranks, args=args, nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 

@@ -95,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
             pusher=pusher,
         ).start(resume=args.resume, ctx=ctx)
         stack.callback(trainer.close)
-        if ctx.is_main and cfg.trainer.metrics_port:
-            tc = cfg.trainer
-            server = serve_metrics(trainer.metrics.registry, host=tc.metrics_host, port=tc.metrics_port)
+        tc = cfg.trainer
+        if ctx.is_main and tc.metrics_port is not None:
+            server = serve_metrics(trainer.metrics.registry, "trainer", tc.metrics_host, tc.metrics_port)
             stack.callback(server.shutdown)
+            if status is not None:
+                status.publish_metrics_address(f"{tc.metrics_host}:{server.server_port}")
         log.info("rank %d/%d training from step %d", ctx.rank, ctx.world_size, trainer.step)
         while not trainer.done:
             groups, waited = trainer.next_batch(source)

@@ -22,7 +22,7 @@ def load_tasks(
 
     ``arith`` is generated (``split`` train|test, ``seed`` picks the stream, ``limit`` defaults to 1000);
     ``gsm8k`` and ``jsonl`` read ``path`` (a file, or a directory holding ``{split}.jsonl``) in file order,
-    and ignore ``seed``.
+    and ignore ``seed``; ``gsm8k`` without a path reads the repository's ``data/gsm8k``.
     """
     if source == "arith":
         from core.tasks import arith

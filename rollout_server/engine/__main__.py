@@ -1,13 +1,18 @@
-"""``python -m rollout_server.engine --model DIR --host 127.0.0.1 --port P``: serve one model over HTTP."""
+"""``python -m rollout_server.engine --model DIR --host 127.0.0.1 --port P``: serve one model over HTTP.
+
+``--fd N`` serves on a listening socket the parent bound (``EngineProcess``) instead of binding one.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 import torch
 import uvicorn
 
+from core.net import listen_socket
 from rollout_server.engine.protocol import GenerateSpec
 from rollout_server.engine.scheduler import Scheduler
 from rollout_server.engine.server import create_app
@@ -18,7 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rollout_server.engine", description=__doc__)
     p.add_argument("--model", required=True, help="HF model directory (safetensors + tokenizer)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (logged); a busy one is retried")
+    p.add_argument("--fd", type=int, help="an inherited listening socket to serve on (then --host/--port are unused)")
     p.add_argument("--weight-version", default="default", help="version reported until the first update")
     p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     p.add_argument("--max-context", type=int, default=1024, help="prompt + new tokens per request")
@@ -47,14 +53,14 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
     )
     spec = GenerateSpec(tokenizer, model.config.vocab_size, max_context, eos_ids)
-    uvicorn.run(
-        create_app(engine, spec),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
+    if args.fd is not None:
+        sock = socket.socket(fileno=args.fd)
+    else:
+        sock = listen_socket(args.host, args.port, "engine")
+        logging.getLogger("rollout_server.engine").warning("serving on %s:%d", args.host, sock.getsockname()[1])
+    config = uvicorn.Config(create_app(engine, spec), log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=10)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""Run the embedded engine as a child process (``python -m rollout_server.engine``) and stop it again."""
+"""Run the embedded engine as a child process (``python -m rollout_server.engine``) and stop it again.
+
+The listening socket is bound here and handed to the child (``--fd``), so the URL is known before the
+child starts and no other process can take the port in between.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from core.net import free_port
+from core.net import listen_socket
 from core.process import stop_process
 
 
@@ -30,18 +34,14 @@ class EngineProcess:
         log_path: Path | None = None,
     ) -> None:
         self.host = host
-        self.port = port or free_port(host)
-        self.url = f"http://{host}:{self.port}"
+        self.port = port
+        self.url = ""
         self._cmd = [
             sys.executable,
             "-m",
             "rollout_server.engine",
             "--model",
             str(model),
-            "--host",
-            host,
-            "--port",
-            str(self.port),
             "--weight-version",
             weight_version,
             "--max-batch-size",
@@ -57,9 +57,15 @@ class EngineProcess:
         self._log = None
 
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
+        """Bind (port 0: any free port; a busy fixed one is retried), start the child, wait for /health."""
+        sock = listen_socket(self.host, self.port, "engine")
+        self.port = sock.getsockname()[1]
+        self.url = f"http://{self.host}:{self.port}"
         self._log = open(self._log_path, "ab") if self._log_path else None  # noqa: SIM115
         out = self._log or subprocess.DEVNULL
-        self._proc = subprocess.Popen(self._cmd, stdout=out, stderr=subprocess.STDOUT)
+        with sock:  # the child holds its own copy; ours is closed once it runs
+            self._proc = subprocess.Popen([*self._cmd, "--fd", str(sock.fileno())], stdout=out,
+                                          stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

@@ -9,6 +9,7 @@ import sys
 import uvicorn
 
 from core.config import load_config_or_exit
+from core.net import listen_socket
 from services.api.app import create_app
 
 
@@ -19,7 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = load_config_or_exit(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(cfg), host=cfg.api.host, port=cfg.api.port, log_level="warning")
+    sock = listen_socket(cfg.api.host, cfg.api.port, "api")
+    url = f"http://{cfg.api.host}:{sock.getsockname()[1]}"
+    logging.getLogger("services.api").info("serving on %s", url)
+    uvicorn.Server(uvicorn.Config(create_app(cfg, url=url), log_level="warning")).run(sockets=[sock])
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -59,8 +60,12 @@ def _auth(request: Request) -> None:
 State = Annotated[ApiState, Depends(_state)]
 
 
-def create_app(cfg: Config, client: redis.Redis | None = None) -> FastAPI:
-    """The API for one run. Without ``client`` it connects per ``cfg.redis`` (embedded Redis if no URL)."""
+def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None = None) -> FastAPI:
+    """The API for one run. Without ``client`` it connects per ``cfg.redis`` (embedded Redis if no URL).
+
+    ``url``, where this API is served, is published under ``Keys.api``: with ``api.port=0`` that is how
+    the launcher that started it finds it.
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -70,6 +75,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None) -> FastAPI:
             conn, owned = connect(cfg.redis, cfg.run.path)
         api = ApiState(cfg, conn)
         api.queue.ensure_groups()
+        if url is not None:
+            conn.hset(api.keys.api, mapping={"url": url, "pid": os.getpid()})
         app.state.api = api
         sampler = asyncio.create_task(api.sampler.run())
         try:

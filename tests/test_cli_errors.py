@@ -59,7 +59,7 @@ BAD_INPUT = [  # (argv, what the error line must name); {tmp} is the test's dire
     (["engine", "sglang", "--model", "m", "--port", "http"], "argument --port: invalid int value: 'http'"),
     (["engine", "sglang", "--model", "m", "--port", "1", "--python", "{tmp}/py"], "--python {tmp}/py: no such program"),
     (["rollout", "--task", "nosuch"], "unknown task source 'nosuch'; valid: arith, gsm8k, jsonl"),
-    (["rollout", "--task", "gsm8k"], "task source 'gsm8k' needs a path"),
+    (["rollout", "--task", "gsm8k", "--path", "/nonexistent/gsm8k"], "task source 'gsm8k': no such file: /nonexistent/gsm8k"),
     (["rollout", "--task", "jsonl", "--path", "{tmp}/none.jsonl"], "no such file: {tmp}/none.jsonl"),
     (["rollout", "--task", "arith", "--model", "{tmp}/nomodel"], "--model: {tmp}/nomodel does not exist"),
     (["rollout", "--task", "arith", "-c", "{tmp}/missing.yaml"], "config file {tmp}/missing.yaml does not exist"),

@@ -104,7 +104,7 @@ class RedisStatus:
 
     def publish_metrics_address(self, address: str) -> None:
         """Where rank 0 serves its Prometheus metrics, as bound (``trainer.metrics_port=0`` picks any)."""
-        self.r.hset(self.keys.trainer, "metrics_address", address)
+        self.redis.hset(self.keys.trainer, "metrics_address", address)
 
     def publish(self, record: dict[str, Any], version: int) -> None:
         status = {

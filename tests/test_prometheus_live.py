@@ -1,8 +1,9 @@
 """Every Grafana panel query returns data from a running stack, evaluated by a real Prometheus.
 
 The stack runs as real processes (``services.launcher``): one rollout server with its embedded
-engine and checkpoint receiver, one trainer rank pushing a version every step, and the API, on the
-embedded Redis. Prometheus (Debian's ``/usr/bin/prometheus``) scrapes them with the jobs of
+engine (on loopback, keyed; the server passes its metrics on at ``/engine/0/metrics``) and checkpoint
+receiver, one trainer rank pushing a version every step, and the API, on the embedded Redis.
+Prometheus (Debian's ``/usr/bin/prometheus``) scrapes them with the jobs of
 ``deploy/prometheus/prometheus.yml``, targets replaced by the stack's 127.0.0.1 ports. The policy is
 the tiny model after a short SFT warm start, so it really calls the calculator and the tool panels
 have samples. Each query of ``deploy/grafana/dashboards/rollwave.json`` must return at least one
@@ -25,7 +26,7 @@ from buffer.redis_server import EmbeddedRedis
 from core.config import dump_config, load_config
 from core.net import free_port
 from core.tasks import load_tasks
-from services.launcher import ComponentSpec, LocalStack, components
+from services.launcher import ComponentSpec, LocalStack, components, ensure_checkpoint_token
 from trainer.sft import warm_start
 
 N_TASKS = 400  # far more than the test consumes: the trainer must still be running when Prometheus is asked
@@ -88,6 +89,7 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, tiny_model_dir: Path
         "trainer.threads=1", "engine.threads=1", "engine.max_batch_size=8", f"checkpoint.stage_dir={tmp_path}/stage",
         f"api.port={free_port()}",
     ])
+    ensure_checkpoint_token(cfg)
     config_path = tmp_path / "config.yaml"
     config_path.write_text(dump_config(cfg))
     specs = components(cfg, config_path, redis_server.url, rollout_servers=1, trainer_ranks=1, api=True)
@@ -96,7 +98,8 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, tiny_model_dir: Path
         "rollwave-api": [f"127.0.0.1:{cfg.api.port}"],
         "rollwave-trainer": [f"127.0.0.1:{_port(by_name['trainer-0'], 'trainer.metrics_port')}"],
         "rollwave-rollout": [f"127.0.0.1:{_port(by_name['rollout-0'], 'rollout.metrics_port')}"],
-        "rollwave-engine": [f"127.0.0.1:{_port(by_name['rollout-0'], 'engine.port')}"],
+        # the engine listens on loopback with a key; its rollout server passes its metrics on
+        "rollwave-engine": [f"127.0.0.1:{_port(by_name['rollout-0'], 'rollout.metrics_port')}"],
     }
     with LocalStack(specs, tmp_path / "logs") as stack, \
             PrometheusHarness(targets, tmp_path / "prometheus") as prom, \

@@ -1,13 +1,21 @@
-"""``python -m rollout_server.engine --model DIR --host 127.0.0.1 --port P``: serve one model over HTTP."""
+"""``python -m rollout_server.engine --model DIR --host 127.0.0.1 --port P``: serve one model over HTTP.
+
+The API key comes from the environment (``ROLLWAVE_ENGINE_API_KEY``), never the command line; without one
+the engine serves loopback only.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 
 import torch
 import uvicorn
 
+from core.net import is_loopback
+from rollout_server.engine import ENGINE_KEY_ENV
 from rollout_server.engine.protocol import GenerateSpec
 from rollout_server.engine.scheduler import Scheduler
 from rollout_server.engine.server import create_app
@@ -31,6 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    api_key = os.environ.get(ENGINE_KEY_ENV) or None
+    if api_key is None and not is_loopback(args.host):
+        print(f"error: --host {args.host} is not loopback: set {ENGINE_KEY_ENV} so callers need the key",
+              file=sys.stderr)
+        raise SystemExit(2)
     logging.basicConfig(level=args.log_level.upper())
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -48,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     spec = GenerateSpec(tokenizer, model.config.vocab_size, max_context, eos_ids)
     uvicorn.run(
-        create_app(engine, spec),
+        create_app(engine, spec, api_key),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -11,10 +12,15 @@ import httpx
 
 from core.net import free_port
 from core.process import stop_process
+from rollout_server.engine import ENGINE_KEY_ENV
 
 
 class EngineProcess:
-    """One embedded engine server; ``start`` blocks until ``/health`` answers, ``close`` stops it."""
+    """One embedded engine server; ``start`` blocks until ``/health`` answers, ``close`` stops it.
+
+    ``api_key`` reaches the child in its environment (not its argv, which any local user can read); every
+    caller then sends it (``EngineClient(url, api_key=...)``).
+    """
 
     def __init__(
         self,
@@ -28,8 +34,10 @@ class EngineProcess:
         threads: int = 0,
         extra_args: list[str] | None = None,
         log_path: Path | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.host = host
+        self.api_key = api_key
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self._cmd = [
@@ -59,13 +67,17 @@ class EngineProcess:
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
         self._log = open(self._log_path, "ab") if self._log_path else None  # noqa: SIM115
         out = self._log or subprocess.DEVNULL
-        self._proc = subprocess.Popen(self._cmd, stdout=out, stderr=subprocess.STDOUT)
+        env = {k: v for k, v in os.environ.items() if k != ENGINE_KEY_ENV}
+        if self.api_key is not None:
+            env[ENGINE_KEY_ENV] = self.api_key
+        self._proc = subprocess.Popen(self._cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"engine exited with code {self._proc.returncode}: {' '.join(self._cmd)}")
             try:
-                if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
+                if httpx.get(self.url + "/health", headers=headers, timeout=5.0).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

@@ -107,7 +107,9 @@ class AgentLoop:
         self.tools = tools
         self.config = config
         self.metrics = metrics if metrics is not None else RolloutMetrics()
-        self.reward = reward if reward is not None else RewardComputer(config.reward, self.metrics.reward_errors.inc)
+        self.reward = reward if reward is not None else RewardComputer(
+            config.reward, self.metrics.reward_errors.inc, config.reward_allowlist
+        )
 
     async def run_group(
         self, task: Any, *, run: str, job_id: str, n: int | None = None, queued: float | None = None

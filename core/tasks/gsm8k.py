@@ -6,6 +6,7 @@ Read from disk only: nothing is downloaded. The gold is the number after ``####`
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from core.tasks.base import SYSTEM_PROMPT, Task, field, gold_tools_kwargs, read_jsonl, split_file, window
 
@@ -14,10 +15,15 @@ _ANNOTATION = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
 
 
 def load(
-    path: str | None, split: str | None = None, *, limit: int | None = None, offset: int = 0
+    path: str | None,
+    split: str | None = None,
+    *,
+    limit: int | None = None,
+    offset: int = 0,
+    root: Path | None = None,
 ) -> list[Task]:
     """Every row is validated (a bad row anywhere fails loudly), then ``offset``/``limit`` pick the window."""
-    file = split_file("gsm8k", path, split)
+    file = split_file("gsm8k", path, split, root)
     name = split or file.stem
     tasks = []
     for line, row in read_jsonl(file):

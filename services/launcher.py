@@ -3,7 +3,9 @@
 ``components(...)`` is the one description of a stack (Redis aside): R rollout servers, W trainer
 ranks and the API, each a ``python -m`` command. ``LocalStack`` runs it as child processes and
 restarts one that dies (the demo, the end-to-end tests); ``services.ray_launcher`` places the same
-commands in Ray actors.
+commands in Ray actors. Secrets reach each component in its environment, and only those it needs (the
+config file it reads has them masked): the trainer and the rollout servers the checkpoint token (and the
+engine key), the API its token.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,13 +24,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from buffer.redis_server import MALLOC_ENV
-from core.config import Config
+from core.config import SECRETS, Config, secret_env
 from core.net import free_port
 from core.process import stop_process
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
+SECRET_VARS = frozenset(SECRETS.values())
 
+
+def ensure_checkpoint_token(cfg: Config) -> None:
+    """A launcher starts both ends of the checkpoint plane, so with no token configured it makes one for the run."""
+    if cfg.checkpoint.token is None:
+        cfg.checkpoint.token = secrets.token_urlsafe(32)
+        log.info("checkpoint.token is not set: made one for this run (its components get it in their environment)")
 
 
 
@@ -57,12 +67,14 @@ def components(
     """The processes of a run. Ports are chosen here so a restarted process comes back on the same ones."""
     py = sys.executable
     common = [f"redis.url={redis_url}"]
+    checkpoint_env = secret_env(cfg, "checkpoint.token")
     specs: list[ComponentSpec] = []
     gpu = 1.0 if cfg.trainer.device == "cuda" else 0.0
     master_port = free_port(host)
     for rank in range(trainer_ranks):
         env = {
             **MALLOC_ENV,
+            **checkpoint_env,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(trainer_ranks),
@@ -81,10 +93,11 @@ def components(
             f"engine.port={free_port(host)}",
             f"rollout.metrics_port={free_port(host)}",
         ]
-        specs.append(ComponentSpec(f"rollout-{i}", argv, dict(MALLOC_ENV)))
+        env = {**MALLOC_ENV, **checkpoint_env, **secret_env(cfg, "engine.api_key")}
+        specs.append(ComponentSpec(f"rollout-{i}", argv, env))
     if api:
         argv = [py, "-m", "services.api", "-c", str(config_path), *common]
-        specs.append(ComponentSpec("api", argv, num_cpus=0.5))
+        specs.append(ComponentSpec("api", argv, secret_env(cfg, "api.token"), num_cpus=0.5))
     return specs
 
 
@@ -96,9 +109,10 @@ def _die_with_parent() -> None:
 def spawn(spec: ComponentSpec, log_dir: Path, base_env: Mapping[str, str]) -> subprocess.Popen:
     """Start one component in its own process group, logging to ``log_dir/<name>.log``."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    inherited = {k: v for k, v in base_env.items() if k not in SECRET_VARS}  # a component gets only its own
     with open(log_dir / f"{spec.name}.log", "ab") as out:
         return subprocess.Popen(
-            spec.argv, env={**base_env, **spec.env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
+            spec.argv, env={**inherited, **spec.env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
         )
 

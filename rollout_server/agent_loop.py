@@ -251,7 +251,8 @@ class AgentLoop:
         latency = time.perf_counter() - start
         if result.reward is not None:
             ep.tool_rewards.append(float(result.reward))
-        self.metrics.tool_calls.labels(tool=call.name, outcome="ok" if result.ok else "error").inc()
+        outcome = "ok" if result.ok else "refused" if result.refused else "error"
+        self.metrics.tool_calls.labels(tool=call.name, outcome=outcome).inc()
         self.metrics.tool_latency.labels(tool=call.name).observe(latency)
         return result, ToolCallRecord(name=call.name, ok=result.ok, error=result.error, latency_s=latency)
 

@@ -114,6 +114,12 @@ def _absolute_paths(cfg: Config) -> None:
         cfg.redis.data_dir = cfg.redis.data_dir.absolute()
     if cfg.rollout.tools is not None:
         cfg.rollout.tools = cfg.rollout.tools.absolute()
+    cfg.api.data_root = cfg.api.data_root.absolute()
+    for section in (cfg.api, cfg.checkpoint):
+        if section.token_file is not None:
+            section.token_file = section.token_file.absolute()
+    if cfg.engine.api_key_file is not None:
+        cfg.engine.api_key_file = cfg.engine.api_key_file.absolute()
 
 
 def start_head(num_cpus: int, log_path: Path, timeout_s: float = 120.0) -> dict[str, Any]:

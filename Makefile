@@ -8,8 +8,8 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 
 # Debian/Ubuntu packages as command:package; a package is installed only when its command is missing.
 VENV_PACKAGES   = $(shell $(PY) -c 'import ensurepip' 2>/dev/null || echo ensurepip:python3-venv)
-TEST_PACKAGES  := prometheus:prometheus promtool:prometheus chromium:chromium ip:iproute2 unshare:util-linux
-DEMO_PACKAGES  := unshare:util-linux
+TEST_PACKAGES  := prometheus:prometheus promtool:prometheus chromium:chromium ip:iproute2 unshare:util-linux bwrap:bubblewrap
+DEMO_PACKAGES  := unshare:util-linux bwrap:bubblewrap
 BENCH_PACKAGES := redis-benchmark:redis-tools
 
 .PHONY: install demo test stress lint proto bench clean

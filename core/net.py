@@ -9,6 +9,7 @@ it is busy, for a bounded time, then fails naming the component and the port.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import random
 import socket
@@ -19,6 +20,19 @@ from typing import TypeVar
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 BIND_RETRY_S = 30.0  # how long a busy configured port is waited for (a restart's old socket, a slow exit)
+
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 with or without brackets) is this machine's loopback."""
+    host = host.strip("[]").lower()
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class PortBusyError(OSError):

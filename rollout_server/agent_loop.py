@@ -114,7 +114,7 @@ class AgentLoop:
         self.tools = tools
         self.config = config
         self.metrics = metrics if metrics is not None else RolloutMetrics()
-        self.reward = reward if reward is not None else RewardComputer(config.reward)
+        self.reward = reward if reward is not None else RewardComputer(config.reward, config.reward_allowlist)
 
     async def run_group(
         self, task: Any, *, run: str, job_id: str, n: int | None = None, queued: float | None = None
@@ -262,7 +262,8 @@ class AgentLoop:
         latency = time.perf_counter() - start
         if result.reward is not None:
             ep.tool_rewards.append(float(result.reward))
-        self.metrics.tool_calls.labels(tool=call.name, outcome="ok" if result.ok else "error").inc()
+        outcome = "ok" if result.ok else "refused" if result.refused else "error"
+        self.metrics.tool_calls.labels(tool=call.name, outcome=outcome).inc()
         self.metrics.tool_latency.labels(tool=call.name).observe(latency)
         return result, ToolCallRecord(name=call.name, ok=result.ok, error=result.error, latency_s=latency)
 

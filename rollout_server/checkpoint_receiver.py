@@ -324,7 +324,7 @@ class CheckpointReceiver:
         retried for a bounded time (``bind_retrying``; the wait blocks this loop, which serves nothing yet)."""
         # Without SO_REUSEPORT (on by default in gRPC) a second receiver on a busy port fails instead of sharing it.
         options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
-        server = grpc.aio.server(interceptors=[TokenInterceptor(self.config.token)], options=options)
+        server = grpc.aio.server(interceptors=[TokenInterceptor(self.config.token.get_secret_value())], options=options)
         server.add_generic_rpc_handlers((self.service.handlers(),))
         self.port = bind_retrying(partial(self._add_port, server), "checkpoint receiver", self.host, self.port)
         await server.start()
@@ -356,12 +356,14 @@ class ReceiverThread:
     """
 
     def __init__(self, config: CheckpointConfig, model_dir: Path, engine_urls: list[str], server_name: str,
-                 host: str, port: int, metrics: CheckpointMetrics, timeout_s: float = 600.0):
+                 host: str, port: int, metrics: CheckpointMetrics, timeout_s: float = 600.0,
+                 engine_api_key: str | None = None):
         self._make = lambda engine: CheckpointReceiver(
             config, model_dir, engine, engine_urls[0], server_name, host=host, port=port, metrics=metrics
         )
         self._urls = engine_urls
         self._timeout_s = timeout_s
+        self._engine_api_key = engine_api_key
         self._ready: Future[str] = Future()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -373,7 +375,7 @@ class ReceiverThread:
         return self._ready.result(timeout_s)
 
     async def _main(self) -> None:
-        engines = [EngineClient(url, timeout_s=self._timeout_s) for url in self._urls]
+        engines = [EngineClient(url, timeout_s=self._timeout_s, api_key=self._engine_api_key) for url in self._urls]
         receiver = self._make(EngineGroup(engines))
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         try:

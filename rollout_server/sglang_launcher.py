@@ -7,22 +7,37 @@ parser name the installed SGLang prefers, and, when the engine shares GPUs with 
 (``--colocate``), enables torch_memory_saver so ``/release_memory_occupation`` really frees memory. The
 tokenizer stays on (no ``--skip-tokenizer-init``): stop strings such as ``</tool_call>`` and the
 ``text`` of replies need it.
+
+An API key (``--api-key-file``, or ``ROLLWAVE_ENGINE_API_KEY``) reaches SGLang's ``--api-key`` through the
+environment: SGLang reads it from its argv, so a two-line bootstrap inserts it there inside the
+interpreter, and it never shows in the process's command line. Off loopback a key is required.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
+
+from core.net import is_loopback
+from rollout_server.engine import ENGINE_KEY_ENV
 
 # SGLang 0.5.3.post1 named the Qwen2.5 tool-call parser ``qwen`` and logs ``qwen25`` as deprecated; older
 # releases know only ``qwen25``. Every release rollwave supports (>= 0.5.6, pyproject's sglang extra)
 # has ``qwen``, so it is the default when the version is unknown.
 QWEN_RENAMED_IN = Version("0.5.3.post1")
 DEFAULT_TOOL_CALL_PARSER = "qwen"
+# ``python -c`` this instead of ``-m sglang.launch_server`` to give SGLang the key from the environment.
+LAUNCH_WITH_KEY_FROM_ENV = (
+    "import os, runpy, sys; "
+    f"sys.argv[1:1] = ['--api-key', os.environ.pop({ENGINE_KEY_ENV!r})]; "
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)"
+)
 
 
 def build_command(
@@ -37,8 +52,10 @@ def build_command(
     python: str = sys.executable,
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
     extra: list[str] | None = None,
+    key_from_env: bool = False,
 ) -> list[str]:
-    """The ``python -m sglang.launch_server ...`` argv."""
+    """The ``python -m sglang.launch_server ...`` argv; with ``key_from_env`` SGLang's ``--api-key`` is taken
+    from ``ROLLWAVE_ENGINE_API_KEY`` when it starts (see ``LAUNCH_WITH_KEY_FROM_ENV``)."""
     if not 1 <= port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {port}")
     if tp < 1:
@@ -47,8 +64,7 @@ def build_command(
         raise ValueError(f"--mem-fraction must be in (0, 1), got {mem_fraction}")
     cmd = [
         python,
-        "-m",
-        "sglang.launch_server",
+        *(["-c", LAUNCH_WITH_KEY_FROM_ENV] if key_from_env else ["-m", "sglang.launch_server"]),
         "--model-path",
         model,
         "--host",
@@ -99,6 +115,16 @@ def tool_call_parser(version: str | None) -> str:
         return DEFAULT_TOOL_CALL_PARSER
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The engine's key from ``--api-key-file``, else the environment; ValueError for a non-loopback
+    ``--host`` without one (anyone who reaches SGLang could replace its weights)."""
+    key = Path(args.api_key_file).read_text().strip() if args.api_key_file else os.environ.get(ENGINE_KEY_ENV)
+    if not key and not is_loopback(args.host):
+        raise ValueError(f"--host {args.host} is not loopback: give SGLang an API key in {ENGINE_KEY_ENV} or "
+                         "--api-key-file (and the rollout servers the same engine.api_key)")
+    return key or None
+
+
 def command_from_args(args: argparse.Namespace, parser: str = DEFAULT_TOOL_CALL_PARSER) -> list[str]:
     extra = list(args.extra)
     if extra[:1] == ["--"]:
@@ -114,6 +140,7 @@ def command_from_args(args: argparse.Namespace, parser: str = DEFAULT_TOOL_CALL_
         python=args.python,
         tool_call_parser=parser,
         extra=extra,
+        key_from_env=api_key(args) is not None,
     )
 
 
@@ -134,6 +161,8 @@ def cli_sglang(args: argparse.Namespace) -> int:
         version = None
     cmd = command_from_args(args, tool_call_parser(version))
     if args.dry_run:
-        print(" ".join(cmd))
+        print(shlex.join(cmd))
         return 0
-    os.execvp(cmd[0], cmd)
+    key = api_key(args)
+    env = {**os.environ, ENGINE_KEY_ENV: key} if key else dict(os.environ)
+    os.execvpe(cmd[0], cmd, env)

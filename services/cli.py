@@ -104,7 +104,7 @@ def _config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 def _api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api", default=os.environ.get("ROLLWAVE_API", DEFAULT_API), help="API base URL (env ROLLWAVE_API)")
-    p.add_argument("--token", default=os.environ.get("ROLLWAVE_TOKEN"), help="bearer token (env ROLLWAVE_TOKEN)")
+    p.add_argument("--token-file", help="file holding the API's bearer token (default: env ROLLWAVE_API_TOKEN)")
 
 
 def _command(sub, name: str, summary: str, example: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -151,9 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = _command(
         esub, "sglang", "start an SGLang server with the flags RL rollouts need",
         "rollwave engine sglang --python /opt/sglang/bin/python --model Qwen/Qwen2.5-7B-Instruct --port 30000",
-        description="Start an SGLang server with the flags RL rollouts need: loopback by default, a starting\n"
-        "weight version, the Qwen tool-call parser the installed SGLang prefers, and --enable-memory-saver\n"
-        "when it shares GPUs with the trainer. It first checks that --python can import sglang.",
+        description="Start an SGLang server with the flags RL rollouts need: loopback by default (off loopback an\n"
+        "API key, handed over in the environment), a starting weight version, the Qwen tool-call parser the\n"
+        "installed SGLang prefers, and --enable-memory-saver when it shares GPUs with the trainer. It first\n"
+        "checks that --python can import sglang.",
     )
     e.add_argument("--model", required=True, help="HF model directory or hub id (on the GPU host)")
     e.add_argument("--port", type=int, required=True, help="port to serve on (1..65535)")
@@ -163,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--mem-fraction", type=float, help="SGLang's --mem-fraction-static")
     e.add_argument("--colocate", action="store_true", help="shares GPUs with the trainer: --enable-memory-saver")
     e.add_argument("--python", default=sys.executable, help="the Python of the environment that has sglang")
+    e.add_argument("--api-key-file", help="file holding SGLang's --api-key (default: env ROLLWAVE_ENGINE_API_KEY); "
+                   "needed off loopback")
     e.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     e.add_argument("extra", nargs=argparse.REMAINDER, help="after --: passed to sglang.launch_server as is")
     e.set_defaults(func=_handler("rollout_server.sglang_launcher:cli_sglang"))
@@ -208,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float)
     p.add_argument("--max-turns", type=int)
     p.add_argument("--tools", help="comma-separated tool names")
-    p.add_argument("--reward", help="gsm8k | tool | module:function")
+    p.add_argument("--reward", help="a built-in (gsm8k, tool, tool_last) or a rollout.reward_allowlist name")
     p.add_argument("--wait", action="store_true", help="show progress until the job is done")
     _api_args(p)
     p.set_defaults(func=_handler("services.client_cmd:submit"))
@@ -221,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_handler("services.client_cmd:status"))
 
     p = _command(sub, "jobs", "list jobs with their progress, reward and accuracy", "rollwave jobs --api http://head:8000")
+    p.add_argument("--limit", type=int, default=50, help="jobs per page, newest first")
+    p.add_argument("--all", action="store_true", help="follow every page")
     _api_args(p)
     p.set_defaults(func=_handler("services.client_cmd:jobs"))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,12 +13,22 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from core.config import read_yaml
+from core.config import SECRETS, read_yaml
 from services.cli import CliError
+
+TOKEN_ENV = SECRETS["api.token"]
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The API token from ``--token-file``, else the environment: never from the command line, which others can read."""
+    if args.token_file:
+        return Path(args.token_file).read_text().strip()
+    return os.environ.get(TOKEN_ENV) or None
 
 
 def _client(args: argparse.Namespace) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    token = _token(args)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.Client(base_url=args.api, headers=headers, timeout=60)
 
 
@@ -40,7 +51,7 @@ def _json(reply: httpx.Response) -> Any:
             f"{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'body'}: {e.get('msg')}" for e in detail
         )
     hint = {
-        401: " (pass the run's api.token with --token or ROLLWAVE_TOKEN)",
+        401: f" (give the run's api.token in {TOKEN_ENV} or --token-file)",
         404: " (`rollwave jobs` lists the jobs; is --api the rollwave API?)",
         422: " (fix that field)",
     }.get(status, "")
@@ -109,8 +120,16 @@ def _job_rows(jobs: list[dict[str, Any]]) -> list[str]:
 
 
 def jobs(args: argparse.Namespace) -> int:
+    """A page of jobs, newest first; ``--all`` follows the pages to the oldest."""
     with _client(args) as client:
-        print("\n".join(_job_rows(_get(client, "/v1/jobs")["jobs"])))
+        page = _get(client, "/v1/jobs", limit=args.limit)
+        listed = page["jobs"]
+        while args.all and page["next"]:
+            page = _get(client, "/v1/jobs", cursor=page["next"], limit=args.limit)
+            listed += page["jobs"]
+        print("\n".join(_job_rows(listed)))
+        if page["next"]:
+            print(f"(more: rollwave jobs --all, or --limit above {args.limit})")
     return 0
 
 

@@ -40,8 +40,9 @@ from core.config import Config, dump_config, load_config
 from core.net import free_port_outside_ephemeral
 from core.process import stop_process
 from core.tiny_model import ensure_model
+from services.api.app import check_api_config
 from services.cli import CliError
-from services.launcher import ComponentSpec, components, published_api_url, spawn
+from services.launcher import ComponentSpec, components, ensure_checkpoint_token, published_api_url, spawn
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
@@ -123,6 +124,12 @@ def _absolute_paths(cfg: Config) -> None:
         cfg.redis.data_dir = cfg.redis.data_dir.absolute()
     if cfg.rollout.tools is not None:
         cfg.rollout.tools = cfg.rollout.tools.absolute()
+    cfg.api.data_root = cfg.api.data_root.absolute()
+    for section in (cfg.api, cfg.checkpoint):
+        if section.token_file is not None:
+            section.token_file = section.token_file.absolute()
+    if cfg.engine.api_key_file is not None:
+        cfg.engine.api_key_file = cfg.engine.api_key_file.absolute()
 
 
 def start_head(num_cpus: int, log_path: Path, timeout_s: float = 120.0) -> dict[str, Any]:
@@ -246,8 +253,10 @@ def up(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     if _state_path(cfg).exists():
         raise CliError(f"{_state_path(cfg)} exists: the run is up; stop it with `rollwave down -c {args.config}` first")
+    check_api_config(cfg)
+    ensure_checkpoint_token(cfg)
     ensure_model(cfg.model)  # once here, not raced by every component
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    (run_dir / "config.yaml").write_text(dump_config(cfg))  # secrets masked; components get theirs as env
     state: dict[str, Any] = {"namespace": f"rollwave-{cfg.run.name}", "actors": []}
     try:
         redis_url = _launch(cfg, args, state, run_dir)

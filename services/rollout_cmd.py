@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,8 @@ def render_group(group: TrajectoryGroup, tokenizer: Any, color: bool = False) ->
 
 
 async def _rollout(
-    args: argparse.Namespace, cfg: Config, task: Task, tools: ToolRegistry, model_dir: Path, url: str
+    args: argparse.Namespace, cfg: Config, task: Task, tools: ToolRegistry, model_dir: Path, url: str,
+    api_key: str | None,
 ) -> TrajectoryGroup:
     from transformers import AutoTokenizer
 
@@ -95,7 +97,7 @@ async def _rollout(
     from rollout_server.engine_client import EngineClient
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    async with EngineClient(url, timeout_s=cfg.engine.request_timeout_s) as client:
+    async with EngineClient(url, timeout_s=cfg.engine.request_timeout_s, api_key=api_key) as client:
         await client.wait_ready()
         loop = AgentLoop(client, tokenizer, tools, cfg.rollout)
         group = await loop.run_group(task, run=cfg.run.name, job_id="cli", n=args.n)
@@ -117,15 +119,17 @@ def run(args: argparse.Namespace) -> int:
     tools = ToolRegistry.from_file(cfg.rollout.tools)
     model_dir = _model_dir(cfg, args.model)
     url = args.engine_url or (cfg.engine.urls[0] if cfg.engine.urls else None)
+    key = cfg.engine.api_key.get_secret_value() if cfg.engine.api_key is not None else None
     if url is not None:
-        asyncio.run(_rollout(args, cfg, task, tools, model_dir, url))
+        asyncio.run(_rollout(args, cfg, task, tools, model_dir, url, key))
         return 0
     from rollout_server.engine.process import EngineProcess
 
     print(f"starting the embedded engine on {model_dir}", file=sys.stderr)
     engine = EngineProcess(
-        model_dir, host="127.0.0.1", max_batch_size=cfg.engine.max_batch_size, max_context=cfg.engine.max_context
+        model_dir, host="127.0.0.1", max_batch_size=cfg.engine.max_batch_size, max_context=cfg.engine.max_context,
+        api_key=key or secrets.token_urlsafe(32),
     )
     with engine:
-        asyncio.run(_rollout(args, cfg, task, tools, model_dir, engine.url))
+        asyncio.run(_rollout(args, cfg, task, tools, model_dir, engine.url, engine.api_key))
     return 0

@@ -16,6 +16,7 @@ Two kinds of episodes, on purpose:
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from rollout_server.metrics import RolloutMetrics
 from rollout_server.tools import Tool, ToolRegistry, ToolResult
 from rollout_server.tools.calculator import CalculatorTool
 from rollout_server.tools.check_answer import CheckAnswerTool
+from rollout_server.tools.python_tool import PythonTool
 
 CALC = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
 CHECK = '<tool_call>\n{{"name": "check_answer", "arguments": {{"answer": "{}"}}}}\n</tool_call>'
@@ -364,3 +366,19 @@ def test_tool_reward_in_the_loop(tokenizer: Any) -> None:
     loop.reward = RewardComputer("tool_last")
     (s,) = _group(loop, _task(["check_answer"], kind="tool_last")).samples
     assert s.reward == 1.0 and s.reward_info == {"tool_rewards": [0.0, 1.0]}
+
+
+def test_a_python_tool_without_its_sandbox_is_refused_and_counted(
+    tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap: the sandbox cannot be set up
+    ran = tmp_path / "ran"
+    call = json.dumps({"name": "python", "arguments": {"code": f"open({str(ran)!r}, 'w')"}})
+    script = [(f"<tool_call>\n{call}\n</tool_call>", "stop"), ("The answer is 4.", "stop")]
+    loop = _loop(ScriptedEngine(tokenizer, script), tokenizer, tools=[PythonTool()], max_new_tokens=256)
+    (s,) = _group(loop, _task(["python"], ground_truth=None, kind="gsm8k")).samples
+    [tool_text] = [m["content"] for m in s.messages if m["role"] == "tool"]
+    assert tool_text == "Error: sandbox unavailable: bwrap not found: install the Debian package bubblewrap"
+    value = loop.metrics.registry.get_sample_value
+    assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "refused"}) == 1
+    assert not ran.exists()

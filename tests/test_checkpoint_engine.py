@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ import httpx
 import pytest
 import torch
 from net_helpers import refused_port
+from pydantic import SecretStr
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from buffer.keys import Keys
@@ -47,7 +49,7 @@ from trainer.checkpoint_pusher import (
 )
 from trainer.parallel import iter_full_params
 
-TOKEN = "test-token"
+TOKEN = secrets.token_urlsafe(32)
 PROMPTS = [[5, 17, 99, 4], [300, 2, 41]]
 WAIT_S = 60.0
 
@@ -431,7 +433,7 @@ def test_wrong_or_missing_token_is_unauthenticated(fleet: Fleet, base_model: Pre
     with grpc.insecure_channel(fleet.addresses[0]) as channel, pytest.raises(grpc.RpcError) as info:
         pb_grpc.CheckpointEngineStub(channel).Commit(pb.CommitRequest(version=99), timeout=WAIT_S)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    report = fleet.pusher(token="wrong").push_model(base_model, fleet.version() + 1)
+    report = fleet.pusher(token=SecretStr("wrong")).push_model(base_model, fleet.version() + 1)
     assert report is not None
     assert all("UNAUTHENTICATED" in s.error and s.stage_attempts == 1 for s in report.servers)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shlex
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from services.cli import build_parser, main
 
 ROLLWAVE = Path(sysconfig.get_path("scripts")) / "rollwave"
 DEMO = Path(__file__).resolve().parents[1] / "configs/demo.yaml"
-TOKEN = "cli-s3cret"
+TOKEN = secrets.token_urlsafe(32)
 
 
 def rollwave(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -59,7 +60,8 @@ BAD_INPUT = [  # (argv, what the error line must name); {tmp} is the test's dire
     (["engine", "sglang", "--model", "m", "--port", "http"], "argument --port: invalid int value: 'http'"),
     (["engine", "sglang", "--model", "m", "--port", "1", "--python", "{tmp}/py"], "--python {tmp}/py: no such program"),
     (["rollout", "--task", "nosuch"], "unknown task source 'nosuch'; valid: arith, gsm8k, jsonl"),
-    (["rollout", "--task", "gsm8k", "--path", "/nonexistent/gsm8k"], "task source 'gsm8k': no such file: /nonexistent/gsm8k"),
+    (["rollout", "--task", "gsm8k", "--path", "/nonexistent/gsm8k"],
+     "task source 'gsm8k': no such file: /nonexistent/gsm8k"),
     (["rollout", "--task", "jsonl", "--path", "{tmp}/none.jsonl"], "no such file: {tmp}/none.jsonl"),
     (["rollout", "--task", "arith", "--model", "{tmp}/nomodel"], "--model: {tmp}/nomodel does not exist"),
     (["rollout", "--task", "arith", "-c", "{tmp}/missing.yaml"], "config file {tmp}/missing.yaml does not exist"),
@@ -124,15 +126,29 @@ def live_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["jobs"], "GET /v1/jobs: the API answered HTTP 401: missing or wrong bearer token (pass the run's api.token"),
-        (["trajectories", "nosuchjob", "--token", TOKEN], "HTTP 404: job 'nosuchjob' not found"),
-        (["submit", "--source", "arith", "--limit", "0", "--token", TOKEN], "HTTP 422: source.limit: Input should be"),
-        (["submit", "--limit", "2", "--n", "0", "--token", TOKEN], "HTTP 422: n_samples: Input should be greater"),
-        (["submit", "--source", "jsonl", "--token", TOKEN], "HTTP 422: source: Value error, kind=jsonl needs `path`"),
+        (["trajectories", "nosuchjob"], "HTTP 404: job 'nosuchjob' not found"),
+        (["submit", "--source", "arith", "--limit", "0"], "HTTP 422: source.limit: Input should be"),
+        (["submit", "--limit", "2", "--n", "0"], "HTTP 422: n_samples: Input should be greater"),
+        (["submit", "--source", "jsonl"], "HTTP 422: source: Value error, kind=jsonl needs `path`"),
+        (["submit", "--limit", "2", "--reward", "os:system"], "HTTP 422: reward: Value error, reward 'os:system'"),
+        (["jobs", "--token-file", "/nonexistent/token"], "/nonexistent/token: No such file or directory"),
     ],
 )
 def test_api_refusals_are_one_line_naming_the_problem(argv: list[str], needle: str, live_api: str, tmp_path: Path):
-    assert_one_error_line(rollwave(*argv, "--api", live_api, cwd=tmp_path), 2, needle)
+    proc = rollwave(*argv, "--api", live_api, cwd=tmp_path, env={"ROLLWAVE_API_TOKEN": TOKEN})
+    assert_one_error_line(proc, 2, needle)
+
+
+def test_a_missing_or_wrong_token_says_where_to_give_it(live_api: str, tmp_path: Path) -> None:
+    hint = "HTTP 401: missing or wrong bearer token (give the run's api.token in ROLLWAVE_API_TOKEN or --token-file)"
+    assert_one_error_line(rollwave("jobs", "--api", live_api, cwd=tmp_path), 2, hint)
+    wrong = tmp_path / "token"
+    wrong.write_text("x" * 40 + "\n")
+    assert_one_error_line(rollwave("jobs", "--api", live_api, "--token-file", str(wrong), cwd=tmp_path), 2, hint)
+    right = tmp_path / "right"
+    right.write_text(TOKEN + "\n")
+    proc = rollwave("jobs", "--api", live_api, "--token-file", str(right), cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith("JOB "), proc.stderr
 
 
 def test_debug_shows_the_traceback(dead_api: str, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -29,7 +30,8 @@ from tests.chromium_harness import dump_dom, elements
 from tests.http_harness import serve_app
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "dash-token"
+TOKEN = secrets.token_urlsafe(32)
+DATA = ROOT.parent / "shared/data"
 SERVER_ID = "dash-0"
 EVAL_TASKS = 3
 # Series the cluster above feeds without a trainer; the trainer's (reward, staleness, idle) stay empty.
@@ -73,15 +75,17 @@ def live(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
     tmp = tmp_path_factory.mktemp("dashboard")
     with EmbeddedRedis(tmp / "redis", aof=False) as redis_server:
         overrides = [
-            "run.name=dash", f"run.dir={tmp}", f"redis.url={redis_server.url}", f"api.token={TOKEN}",
+            "run.name=dash", f"run.dir={tmp}", f"redis.url={redis_server.url}",
             f"model.path={tiny_model_dir}", "model.init_if_missing=false", "rollout.n_samples=2",
             "rollout.max_new_tokens=16", "rollout.max_turns=2", "rollout.heartbeat_s=0.5",
             f"rollout.server_id={SERVER_ID}",
         ]
+        api_cfg = load_config(None, [*overrides, f"api.token={TOKEN}", f"api.data_root={DATA}"])
         log = tmp / "rollout.log"
-        with serve_app(create_app(load_config(None, overrides))) as url, open(log, "wb") as out:
+        env = {**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
+        with serve_app(create_app(api_cfg)) as url, open(log, "wb") as out:
             server = subprocess.Popen([sys.executable, "-m", "rollout_server", *overrides], cwd=ROOT, stdout=out,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+                                      stderr=subprocess.STDOUT, start_new_session=True, env=env)
             try:
                 with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as api:
                     yield _run_jobs(url, api, server, log)
@@ -133,8 +137,8 @@ def test_dashboard_draws_live_charts_jobs_and_servers(live: Live) -> None:
 
 
 def _rollwave(live: Live, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "services.cli", *args, "--api", live.url, "--token", TOKEN],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "services.cli", *args, "--api", live.url], cwd=ROOT,
+                          env={**os.environ, "ROLLWAVE_API_TOKEN": TOKEN}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

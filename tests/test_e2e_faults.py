@@ -24,7 +24,7 @@ from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
 from core.config import dump_config, load_config
 from core.jobs import JobSpec, TaskSource
-from services.launcher import LocalStack, components
+from services.launcher import LocalStack, components, ensure_checkpoint_token
 
 pytestmark = pytest.mark.slow
 N_TASKS = 96
@@ -51,6 +51,7 @@ def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
         "trainer.stop_when_drained=true", "trainer.checkpoint_every=2", "trainer.take_timeout_s=1",
         "trainer.threads=1", "engine.threads=1", "engine.max_batch_size=16", f"checkpoint.stage_dir={tmp_path}/stage",
     ])
+    ensure_checkpoint_token(cfg)
     config_path = tmp_path / "config.yaml"
     config_path.write_text(dump_config(cfg))
     keys = Keys(cfg.run.name)

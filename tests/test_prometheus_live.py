@@ -1,7 +1,8 @@
 """Every Grafana panel query returns data from a running stack, evaluated by a real Prometheus.
 
 The stack runs as real processes (``services.launcher``): one rollout server with its embedded
-engine and checkpoint receiver, one trainer rank pushing a version every step, and the API, on the
+engine (on loopback, keyed; the server passes its metrics on at ``/engine/0/metrics``) and
+checkpoint receiver, one trainer rank pushing a version every step, and the API, on the
 embedded Redis, every port 0. Prometheus (Debian's package, from PATH) scrapes them with the jobs
 of ``deploy/prometheus/prometheus.yml``, targets replaced by the addresses the components published in
 Redis. The policy is the tiny model after a short SFT warm start, so it really calls the calculator
@@ -28,7 +29,7 @@ from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerRegistry
 from core.config import dump_config, load_config
 from core.tasks import load_tasks
-from services.launcher import LocalStack, components, published_api_url
+from services.launcher import LocalStack, components, ensure_checkpoint_token, published_api_url
 from trainer.sft import warm_start
 
 N_TASKS = 400  # far more than the test consumes: the trainer must still be running when Prometheus is asked
@@ -80,6 +81,7 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, tiny_model_dir: Path
         "trainer.threads=1", "engine.threads=1", "engine.max_batch_size=8", f"checkpoint.stage_dir={tmp_path}/stage",
         "api.port=0",  # every port is 0: Prometheus scrapes what the components published
     ])
+    ensure_checkpoint_token(cfg)
     config_path = tmp_path / "config.yaml"
     config_path.write_text(dump_config(cfg))
     specs = components(cfg, config_path, redis_server.url, rollout_servers=1, trainer_ranks=1, api=True)
@@ -96,7 +98,8 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, tiny_model_dir: Path
             "rollwave-api": [api_url.removeprefix("http://")],
             "rollwave-trainer": [trainer_metrics],
             "rollwave-rollout": [server.metrics_address],
-            "rollwave-engine": [server.engine_url.removeprefix("http://")],
+            # the engine listens on loopback with a key; its rollout server passes its metrics on
+            "rollwave-engine": [server.metrics_address],
         }
         assert all(t[0].startswith("127.0.0.1:") and not t[0].endswith(":0") for t in targets.values()), targets
         with PrometheusHarness(targets, tmp_path / "prometheus") as prom:

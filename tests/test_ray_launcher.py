@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,15 +21,17 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "ray-token"
 LOOPBACK = ("127.", "0:0:0:0:0:0:0:1")
 
 
 def _config(tmp_path: Path, model: Path) -> Path:
+    token_file = tmp_path / "api-token"
+    token_file.write_text(secrets.token_urlsafe(32) + "\n")
+    token_file.chmod(0o600)
     cfg = {
         "run": {"name": "raytest", "dir": str(tmp_path / "runs")},
         "model": {"path": str(model), "init_if_missing": False},
-        "api": {"port": 8000, "token": TOKEN},
+        "api": {"port": 8000, "token_file": str(token_file)},
         "rollout": {"n_samples": 2, "max_new_tokens": 16, "max_turns": 2, "heartbeat_s": 0.5,
                     "shutdown_grace_s": 5},
         "buffer": {"claim_idle_ms": 2000, "groups_per_step": 2},
@@ -71,6 +74,9 @@ def test_up_jobs_restart_down_in_a_loopback_namespace(tmp_path: Path, tiny_model
     assert result["submitted"] == [201, 201], report
     assert result["eval"]["accuracy"] is not None and result["eval"]["progress"]["completed"] == 4, report
     assert int(result["trainer"]["step"]) >= 1, report
+    # secrets: each component gets only its own, in its environment; none is on a command line or in config.yaml
+    assert result["secrets"] == {"trainer_env": ["ROLLWAVE_CHECKPOINT_TOKEN"], "api_env": ["ROLLWAVE_API_TOKEN"],
+                                 "api_has_its_token": True, "in_argv": [], "in_config_yaml": []}, report
     restart = result["restart"]
     assert restart["new_pid"] != restart["old_pid"] and restart["started"][1] > restart["started"][0], report
     assert restart["old_left"] == [], report

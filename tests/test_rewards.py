@@ -8,7 +8,10 @@ import re
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
+from core.config import ConfigError, load_config
+from core.jobs import JobSpec
 from core.rewards import RewardComputer, RewardError, extract_answer, gsm8k_reward, load_reward_fn
 from core.tasks import Task
 from core.tasks.gsm8k import BUNDLED
@@ -88,10 +91,14 @@ def sync_reward(task: Task, messages: list[dict], final_text: str, tool_rewards:
     return 1.0
 
 
+ALLOWLIST = {name: f"{__name__}:{name}" for name in ("good_reward", "float_reward", "broken_reward",
+                                                      "garbage_reward", "sync_reward")}
+
+
 def _score(spec: str, task: Task, text: str = "", tool_rewards: list[float] | None = None):
     """(the score, None), or (None, the RewardError's message) when the function failed."""
     try:
-        return asyncio.run(RewardComputer(spec).score(task, [], text, tool_rewards or [])), None
+        return asyncio.run(RewardComputer(spec, allowlist=ALLOWLIST).score(task, [], text, tool_rewards or [])), None
     except RewardError as exc:
         return None, str(exc)
 
@@ -113,22 +120,42 @@ def test_builtin_gsm8k_and_tool_rewards() -> None:
     assert _score("gsm8k", _task(kind="tool"), tool_rewards=[1.0])[0][0] == 1.0
 
 
-def test_custom_reward_by_import_path() -> None:
-    assert _score(f"{__name__}:good_reward", _task(), "abc")[0] == (0.5, {"len": 3})
-    assert _score(f"{__name__}:float_reward", _task())[0] == (2.0, {})
+def test_custom_reward_by_allowlisted_name() -> None:
+    assert _score("good_reward", _task(), "abc")[0] == (0.5, {"len": 3})
+    assert _score("float_reward", _task())[0] == (2.0, {})
 
 
 def test_failing_rewards_raise_a_reward_error_never_a_made_up_zero() -> None:
-    assert _score(f"{__name__}:broken_reward", _task()) == (None, "RuntimeError: judge is down")
-    assert "want a float" in _score(f"{__name__}:garbage_reward", _task())[1]
+    assert _score("broken_reward", _task()) == (None, "RuntimeError: judge is down")
+    assert "want a float" in _score("garbage_reward", _task())[1]
     assert "no ground_truth" in _score("gsm8k", _task(kind="gsm8k"))[1]
     assert "not a built-in" in _score("gsm8k", _task(kind="os:system"))[1]
 
 
 def test_bad_reward_specs_are_rejected_up_front() -> None:
-    with pytest.raises(ValueError, match="nor module:function"):
-        load_reward_fn("nonsense")
+    with pytest.raises(ValueError, match="nor in rollout.reward_allowlist"):
+        load_reward_fn("nonsense", ALLOWLIST)
     with pytest.raises(ValueError, match="cannot import"):
-        load_reward_fn("no_such_module_xyz:fn")
+        load_reward_fn("gone", {"gone": "no_such_module_xyz:fn"})
     with pytest.raises(ValueError, match="async"):
-        load_reward_fn(f"{__name__}:sync_reward")
+        load_reward_fn("sync_reward", ALLOWLIST)
+
+
+def test_only_the_operator_allowlist_imports_code() -> None:
+    """An import path is never a reward name: not for a job, not for the server, not without the allowlist."""
+    for name in ("os:system", f"{__name__}:good_reward", "good_reward"):
+        with pytest.raises(ValueError, match="not a built-in"):
+            load_reward_fn(name)
+    with pytest.raises(ValidationError, match="never an import path"):
+        JobSpec(source={"kind": "arith", "limit": 1}, reward="os:system")
+    assert JobSpec(source={"kind": "arith", "limit": 1}, reward="good_reward").reward == "good_reward"
+    with pytest.raises(ConfigError, match="rollout.reward_allowlist"):
+        load_config(None, ["rollout.reward=good_reward"])
+    with pytest.raises(ConfigError, match="not a built-in"):
+        load_config(None, ["rollout.reward_allowlist={gsm8k: os:system}"])
+    with pytest.raises(ConfigError, match="not module:function"):
+        load_config(None, ["rollout.reward_allowlist={mine: os.system}"])
+    cfg = load_config(None, [f"rollout.reward_allowlist={{good_reward: '{__name__}:good_reward'}}",
+                             "rollout.reward=good_reward"])
+    assert asyncio.run(RewardComputer(cfg.rollout.reward, allowlist=cfg.rollout.reward_allowlist).score(
+        _task(), [], "abcd", [])) == (0.5, {"len": 4})

@@ -6,6 +6,8 @@ mid-task (another worker finishes the task, its group is written once) and shuts
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -32,6 +34,7 @@ from rollout_server.engine.process import EngineProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = Keys("t")
+CHECKPOINT_TOKEN = secrets.token_urlsafe(32)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,8 @@ class Worker:
             f"rollout.server_id={name}", "buffer.claim_idle_ms=1000", *extra,
         ]
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            env = {**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": CHECKPOINT_TOKEN}
+            self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -111,7 +115,8 @@ def test_worker_serves_then_finishes_in_flight_group_on_sigterm(redis_server: Em
     [(_, ev)] = r.xrange(KEYS.eval("ev"))
     assert ev[b"gid"].decode() == eval_gid
     [info] = ServerRegistry(client(redis_server), KEYS).live_servers()
-    assert info.server_id == "srv-a" and httpx.get(info.engine_url + "/health").status_code == 200
+    assert info.server_id == "srv-a"
+    assert httpx.get(info.engine_url + "/health").status_code == 401  # its own engine: up, and only for its key
     w.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     assert w.proc.poll() is None  # still draining: its in-flight group waits for room

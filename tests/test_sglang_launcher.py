@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -108,3 +111,49 @@ def test_cli_builds_the_same_command(capsys: pytest.CaptureFixture) -> None:
     )
     assert main([*argv[:-3], "--dry-run"]) == 0
     assert capsys.readouterr().out.split() == build_command("m", 30000, weight_version="v1", colocate=True, python="py")
+
+
+def _fake_sglang(root: Path) -> None:
+    """A ``sglang`` package whose launch_server prints what SGLang would see: its argv, and the process's."""
+    (root / "sglang").mkdir()
+    (root / "sglang" / "__init__.py").write_text("__version__ = '0.5.23'\n")
+    (root / "sglang" / "launch_server.py").write_text(
+        "import json, os, sys\n"
+        "if __name__ == '__main__':\n"
+        "    print(json.dumps({'argv': sys.argv[1:], 'cmdline': open('/proc/self/cmdline').read(),\n"
+        "                      'env': 'ROLLWAVE_ENGINE_API_KEY' in os.environ}))\n"
+    )
+
+
+def _sglang(root: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if k != "ROLLWAVE_ENGINE_API_KEY"}
+    return subprocess.run(
+        [str(Path(sysconfig.get_path("scripts")) / "rollwave"), "engine", "sglang", "--model", "m", "--port", "30000",
+         "--python", sys.executable, *args],
+        env={**clean, "PYTHONPATH": str(root), **env}, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_the_api_key_reaches_sglang_through_the_environment_not_argv(tmp_path: Path) -> None:
+    _fake_sglang(tmp_path)
+    key = secrets.token_urlsafe(32)
+    proc = _sglang(tmp_path, "--host", "10.0.0.5", env={"ROLLWAVE_ENGINE_API_KEY": key})
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["argv"][:2] == ["--api-key", key] and seen["argv"][seen["argv"].index("--host") + 1] == "10.0.0.5"
+    assert key not in seen["cmdline"] and not seen["env"]  # and SGLang's own children do not inherit it
+    key_file = tmp_path / "key"
+    key_file.write_text(key + "\n")
+    proc = _sglang(tmp_path, "--host", "0.0.0.0", "--api-key-file", str(key_file), env={})
+    assert proc.returncode == 0 and json.loads(proc.stdout)["argv"][:2] == ["--api-key", key], proc.stderr
+    dry = _sglang(tmp_path, "--dry-run", env={"ROLLWAVE_ENGINE_API_KEY": key})
+    assert dry.returncode == 0 and key not in dry.stdout and "--api-key" in dry.stdout
+
+
+def test_off_loopback_sglang_needs_a_key(tmp_path: Path) -> None:
+    _fake_sglang(tmp_path)
+    proc = _sglang(tmp_path, "--host", "0.0.0.0", env={})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: --host 0.0.0.0 is not loopback: give SGLang an API key"), proc.stderr
+    on_loopback = _sglang(tmp_path, env={})
+    assert on_loopback.returncode == 0 and "--api-key" not in json.loads(on_loopback.stdout)["argv"]

@@ -21,7 +21,7 @@ from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
-from core.config import Config, load_config_or_exit
+from core.config import Config, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
 from core.tiny_model import ensure_model
 from trainer.checkpoint import Checkpointer, export_hf
@@ -70,7 +70,9 @@ def _connect(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    cfg = load_config_or_exit(args.config, args.overrides)
+    pushes = args.export_hf is None
+    cfg = load_config_or_exit(args.config, args.overrides,
+                              check=lambda c: require_secret(c, "checkpoint.token") if pushes else None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.export_hf is not None:
         checkpoints = Checkpointer(cfg.run.path / "checkpoints", cfg.trainer.keep_checkpoints)

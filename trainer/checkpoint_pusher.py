@@ -230,7 +230,7 @@ class CheckpointPusher:
         self.config = config
         self._servers = servers if callable(servers) else (lambda: list(servers))
         self._set_version = set_version
-        self._metadata = [("authorization", f"Bearer {config.token}")]
+        self._metadata = [("authorization", f"Bearer {config.token.get_secret_value()}")]
         self._channels: dict[str, grpc.Channel] = {}
 
     def _channel(self, address: str) -> grpc.Channel:

@@ -19,13 +19,18 @@ BUNDLED = Path(__file__).resolve().parents[2] / "data" / "gsm8k"
 
 
 def load(
-    path: str | None, split: str | None = None, *, limit: int | None = None, offset: int = 0
+    path: str | None,
+    split: str | None = None,
+    *,
+    limit: int | None = None,
+    offset: int = 0,
+    root: Path | None = None,
 ) -> list[Task]:
     """Every row is validated (a bad row anywhere fails loudly), then ``offset``/``limit`` pick the window.
 
-    ``path`` None reads the bundled ``data/gsm8k/{split}.jsonl``.
+    ``path`` None reads the bundled ``data/gsm8k/{split}.jsonl`` (the project's own data: no root applies).
     """
-    file = split_file("gsm8k", path or str(BUNDLED), split)
+    file = split_file("gsm8k", path, split, root) if path else split_file("gsm8k", str(BUNDLED), split)
     name = split or file.stem
     tasks = []
     for line, row in read_jsonl(file):

@@ -6,6 +6,7 @@ child starts and no other process can take the port in between.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -15,10 +16,15 @@ import httpx
 
 from core.net import listen_socket
 from core.process import stop_process
+from rollout_server.engine import ENGINE_KEY_ENV
 
 
 class EngineProcess:
-    """One embedded engine server; ``start`` blocks until ``/health`` answers, ``close`` stops it."""
+    """One embedded engine server; ``start`` blocks until ``/health`` answers, ``close`` stops it.
+
+    ``api_key`` reaches the child in its environment (not its argv, which any local user can read); every
+    caller then sends it (``EngineClient(url, api_key=...)``).
+    """
 
     def __init__(
         self,
@@ -32,8 +38,10 @@ class EngineProcess:
         threads: int = 0,
         extra_args: list[str] | None = None,
         log_path: Path | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.host = host
+        self.api_key = api_key
         self.port = port
         self.url = ""
         self._cmd = [
@@ -63,15 +71,19 @@ class EngineProcess:
         self.url = f"http://{self.host}:{self.port}"
         self._log = open(self._log_path, "ab") if self._log_path else None  # noqa: SIM115
         out = self._log or subprocess.DEVNULL
+        env = {k: v for k, v in os.environ.items() if k != ENGINE_KEY_ENV}
+        if self.api_key is not None:
+            env[ENGINE_KEY_ENV] = self.api_key
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         with sock:  # the child holds its own copy; ours is closed once it runs
             self._proc = subprocess.Popen([*self._cmd, "--fd", str(sock.fileno())], stdout=out,
-                                          stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),))
+                                          stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),), env=env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"engine exited with code {self._proc.returncode}: {' '.join(self._cmd)}")
             try:
-                if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
+                if httpx.get(self.url + "/health", headers=headers, timeout=5.0).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

@@ -200,12 +200,13 @@ def test_failed_episodes_are_dead_letters_and_a_cancelled_job_is_not(redis_serve
     q.ensure_groups()
     submit(redis_server, "gone", 3)
     r.hset(KEYS.job("gone"), "state", "cancelled")
-    spec = JobSpec(source=TaskSource(kind="arith", split="train", limit=1), reward="tests.reward_helpers:judge_down")
+    spec = JobSpec(source=TaskSource(kind="arith", split="train", limit=1), reward="judge_down")
     tasks = [t.model_dump(mode="json") for t in spec.source.load()]
     for task in tasks:  # no task-level reward kind: the job's reward function scores them
         task["reward"].pop("kind", None)
     [gid] = q.submit("judged", tasks, "train", spec.model_dump_json())
-    w = workers("srv-f", "buffer.max_attempts=2", "rollout.metrics_port=0")
+    w = workers("srv-f", "buffer.max_attempts=2", "rollout.metrics_port=0",
+                'rollout.reward_allowlist={"judge_down": "tests.reward_helpers:judge_down"}')
     wait_for(lambda: r.xlen(KEYS.tasks_dead) == 1, w)
     [(_, dead)] = r.xrange(KEYS.tasks_dead)
     assert dead[b"gid"].decode() == gid and dead[b"deliveries"] == b"2"

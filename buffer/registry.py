@@ -23,6 +23,7 @@ class ServerInfo:
     server_id: str
     engine_url: str
     grpc_address: str = ""
+    openai_url: str = ""  # the episode endpoint agents call (agent jobs)
     version: int = 0
     started: float = field(default_factory=time.time)
     heartbeat: float = field(default_factory=time.time)

@@ -73,6 +73,10 @@ class JobSpec(Strict):
     max_turns: int | None = Field(None, ge=1, le=64)
     tools: list[str] | None = Field(None, description="tool names; None uses each task's own list")
     reward: str | None = Field(None, description="gsm8k | tool | module:function; None uses the server's")
+    agent: str | None = Field(
+        None, description="module:function of an OpenAI-client agent run once per sample (the job is then an "
+        "agent job); servers run only entrypoints in their rollout.agent_allowlist"
+    )
     name: str | None = Field(None, max_length=200)
 
     @field_validator("reward")
@@ -82,6 +86,13 @@ class JobSpec(Strict):
         if reward is not None and reward not in BUILTIN_REWARDS and not _IMPORT_PATH.fullmatch(reward):
             raise ValueError(f"reward {reward!r}: not a built-in ({', '.join(BUILTIN_REWARDS)}) nor module:function")
         return reward
+
+    @field_validator("agent")
+    @classmethod
+    def _agent_name(cls, agent: str | None) -> str | None:
+        if agent is not None and not _IMPORT_PATH.fullmatch(agent):
+            raise ValueError(f"agent {agent!r}: not module:function")
+        return agent
 
     @model_validator(mode="after")
     def _eval_defaults(self) -> JobSpec:

@@ -66,6 +66,9 @@ async def serve(cfg: Config) -> None:
             CheckpointMetrics(metrics.registry), cfg.engine.request_timeout_s,
         )
         worker.info.grpc_address = await asyncio.to_thread(receiver.start)
+        worker.info.openai_url = await stack.enter_async_context(
+            worker.episodes.serving(cfg.rollout.openai_host, cfg.rollout.openai_port)
+        )
         stack.callback(receiver.stop)
         if cfg.rollout.metrics_port:
             server = serve_metrics(metrics.registry, host=cfg.rollout.metrics_host, port=cfg.rollout.metrics_port)

@@ -221,6 +221,8 @@ class EpisodeStore:
         self.episodes.pop(ep.episode_id, None)
         self.metrics.inflight_requests.dec()
         async with ep.lock:  # a request still in flight finishes first
+            if ep.builder is None:
+                self.fail(ep, "agent_error", "the agent made no request")
             builder = ep.builder or TrajectoryBuilder(self.renderer.prompt_ids(ep.task.messages, None))
             if ep.failure is not None:
                 reason, message = ep.failure

@@ -11,7 +11,9 @@ engine saw. An agent that edited its history is still answered, but its episode 
 ``history_mismatch``, counted, and never trained.
 
 Sampling (temperature, top_p, top_k, the max_new_tokens cap) is the job's, whatever the request says,
-so behaviour logprobs match what the trainer assumes. Streaming sends the finished turn as
+so behaviour logprobs match what the trainer assumes. ``tool_choice`` selects which calls are parsed
+(``none``: none; a named function: only it); generation is not constrained, so ``required`` cannot force
+a call. Streaming sends the finished turn as
 OpenAI-shaped chunks (the engine client has no token stream).
 """
 
@@ -216,10 +218,14 @@ class EpisodeStore:
         if ep.failure is None:
             ep.failure = (reason, message)
 
+    def discard(self, ep: AgentEpisode) -> None:
+        """End the episode without a Sample (its run was cancelled); later requests get 404."""
+        if self.episodes.pop(ep.episode_id, None) is not None:
+            self.metrics.inflight_requests.dec()
+
     async def close(self, ep: AgentEpisode) -> Sample:
         """The episode as a Sample; the reward is the posted one, else the job's reward function."""
-        self.episodes.pop(ep.episode_id, None)
-        self.metrics.inflight_requests.dec()
+        self.discard(ep)
         async with ep.lock:  # a request still in flight finishes first
             if ep.builder is None:
                 self.fail(ep, "agent_error", "the agent made no request")

@@ -263,8 +263,13 @@ class RolloutWorker:
 
         async def one(index: int) -> Any:
             ep = self.episodes.open(task, index, loop.config, loop.engine, loop.reward, queued)
-            outcome = await run_agent(entrypoint, task, self.episodes.base_url(ep), ep.key,
-                                      timeout_s=self.config.agent_timeout_s, memory_mb=self.config.agent_memory_mb)
+            try:
+                outcome = await run_agent(entrypoint, task, self.episodes.base_url(ep), ep.key,
+                                          timeout_s=self.config.agent_timeout_s,
+                                          memory_mb=self.config.agent_memory_mb)
+            except asyncio.CancelledError:
+                self.episodes.discard(ep)
+                raise
             self.metrics.agent_runs.labels(outcome=outcome.failure or "ok").inc()
             if outcome.failure is not None:
                 log.warning("group %s sample %d: %s", entry.group_id, index, outcome.error)

@@ -28,9 +28,9 @@ from core.tiny_model import build_tiny_model
 from services.launcher import LocalStack, components
 from trainer.sft import warm_start
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 AGENT = "rollout_server.agents.calculator_agent:run"
-STEPS, GROUPS, SAMPLES, EVAL_TASKS = 12, 4, 8, 48
+SFT_STEPS, STEPS, GROUPS, SAMPLES, EVAL_TASKS = 500, 12, 4, 8, 48
 
 
 def wait_for(what: str, cond: Callable[[], bool], stack: LocalStack, timeout_s: float) -> None:
@@ -45,7 +45,7 @@ def wait_for(what: str, cond: Callable[[], bool], stack: LocalStack, timeout_s: 
 
 def test_openai_client_agent_learns_arith(tmp_path: Path) -> None:
     base = build_tiny_model(tmp_path / "base", seed=0)
-    model = warm_start(base, tmp_path / "sft", load_tasks("arith", split="train", limit=4000, seed=1), steps=700)
+    model = warm_start(base, tmp_path / "sft", load_tasks("arith", split="train", limit=4000, seed=1), steps=SFT_STEPS)
     cfg = load_config(None, [
         "run.name=agent", f"run.dir={tmp_path}", f"model.path={model}", "model.init_if_missing=false",
         f"rollout.n_samples={SAMPLES}", "rollout.max_new_tokens=48", "rollout.max_total_tokens=384",

@@ -141,6 +141,14 @@ class RolloutConfig(Section):
         0, ge=0, le=65535, description="0 picks a free port (published in the registry); null: no metrics server"
     )
     metrics_host: str = Field("127.0.0.1", description="0.0.0.0 in containers, so Prometheus can scrape")
+    openai_host: str = Field("127.0.0.1", description="the OpenAI-compatible episode endpoint's address")
+    openai_port: int = Field(0, ge=0, le=65535, description="its port; 0 picks a free one (published in the registry)")
+    openai_model: str = Field("rollwave", min_length=1, description="the model name agents must send")
+    agent_allowlist: list[str] = Field(
+        default_factory=list, description="module:function agent entrypoints jobs may name (operator-chosen)"
+    )
+    agent_timeout_s: float = Field(300.0, gt=0, description="wall-clock limit of one agent run")
+    agent_memory_mb: int = Field(2048, ge=64, description="address-space limit (RLIMIT_AS) of one agent process")
 
     @field_validator("reward_allowlist")
     @classmethod

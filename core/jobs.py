@@ -8,6 +8,7 @@ scales that group's logits by it.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from core.config import RolloutConfig
 from core.rewards import REWARD_NAME
 from core.tasks import Task, load_tasks
+
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
 
 MAX_INLINE_TASKS = 10_000
 
@@ -80,6 +83,10 @@ class JobSpec(Strict):
     reward: str | None = Field(
         None, description="a built-in (gsm8k, tool, tool_last) or a rollout.reward_allowlist name; None: the server's"
     )
+    agent: str | None = Field(
+        None, description="module:function of an OpenAI-client agent run once per sample (the job is then an "
+        "agent job); servers run only entrypoints in their rollout.agent_allowlist"
+    )
     name: str | None = Field(None, max_length=200)
 
     @field_validator("reward")
@@ -93,6 +100,13 @@ class JobSpec(Strict):
                 "in rollout.reward_allowlist), never an import path"
             )
         return reward
+
+    @field_validator("agent")
+    @classmethod
+    def _agent_name(cls, agent: str | None) -> str | None:
+        if agent is not None and not _IMPORT_PATH.fullmatch(agent):
+            raise ValueError(f"agent {agent!r}: not module:function")
+        return agent
 
     @model_validator(mode="after")
     def _eval_defaults(self) -> JobSpec:

@@ -102,6 +102,9 @@ async def serve(cfg: Config) -> None:
             CheckpointMetrics(metrics.registry), cfg.engine.request_timeout_s, engine_api_key=key,
         )
         worker.info.grpc_address = await asyncio.to_thread(receiver.start)
+        worker.info.openai_url = await stack.enter_async_context(
+            worker.episodes.serving(cfg.rollout.openai_host, cfg.rollout.openai_port)
+        )
         stack.callback(receiver.stop)
         rc = cfg.rollout
         if rc.metrics_port is not None:

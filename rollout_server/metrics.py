@@ -54,6 +54,18 @@ class RolloutMetrics:
         self.busy_seconds = Counter(
             _P + "busy_seconds", "Time with at least one admitted group generating", registry=r
         )
+        self.openai_requests = Counter(
+            _P + "openai_requests", "OpenAI-compatible endpoint requests by outcome", ["outcome"], registry=r
+        )
+        self.history_mismatches = Counter(
+            _P + "history_mismatches",
+            "Agent requests whose history differs from the recorded episode (the episode is not trained)",
+            registry=r,
+        )
+        self.agent_runs = Counter(_P + "agent_runs", "Agent entrypoint runs by outcome", ["outcome"], registry=r)
+        self.samples_excluded = Counter(
+            _P + "samples_excluded", "Agent samples left out of a train group, by reason", ["reason"], registry=r
+        )
 
     def total(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples matching ``labels`` (for the registry heartbeat's dashboard stats)."""

@@ -25,16 +25,11 @@ from buffer.redis_server import EmbeddedRedis
 from core.config import dump_config, load_config
 from core.net import free_port
 from core.tasks import load_tasks
-from services.launcher import ComponentSpec, LocalStack, components
+from services.launcher import LocalStack, components
+from tests.stack_helpers import port_of
 from trainer.sft import warm_start
 
 N_TASKS = 400  # far more than the test consumes: the trainer must still be running when Prometheus is asked
-
-
-def _port(spec: ComponentSpec, key: str) -> int:
-    """The port a component was given as a ``key=PORT`` override on its command line."""
-    [value] = [a.split("=", 1)[1] for a in spec.argv if a.startswith(f"{key}=")]
-    return int(value)
 
 
 def _sample_values(prom: PrometheusHarness, expr: str) -> list[float]:
@@ -65,7 +60,7 @@ def _no_data(prom: PrometheusHarness, queries: list[str]) -> dict[str, list[floa
 def test_only_trainer_rank_0_gets_a_metrics_port(tmp_path: Path) -> None:
     specs = {s.name: s for s in components(load_config(), tmp_path / "c.yaml", "redis://127.0.0.1:1/0",
                                            trainer_ranks=2, api=False)}
-    assert _port(specs["trainer-0"], "trainer.metrics_port") > 0
+    assert port_of(specs["trainer-0"], "trainer.metrics_port") > 0
     assert not [a for a in specs["trainer-1"].argv if a.startswith("trainer.metrics_port=")]
 
 
@@ -94,9 +89,9 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, tiny_model_dir: Path
     by_name = {s.name: s for s in specs}
     targets = {
         "rollwave-api": [f"127.0.0.1:{cfg.api.port}"],
-        "rollwave-trainer": [f"127.0.0.1:{_port(by_name['trainer-0'], 'trainer.metrics_port')}"],
-        "rollwave-rollout": [f"127.0.0.1:{_port(by_name['rollout-0'], 'rollout.metrics_port')}"],
-        "rollwave-engine": [f"127.0.0.1:{_port(by_name['rollout-0'], 'engine.port')}"],
+        "rollwave-trainer": [f"127.0.0.1:{port_of(by_name['trainer-0'], 'trainer.metrics_port')}"],
+        "rollwave-rollout": [f"127.0.0.1:{port_of(by_name['rollout-0'], 'rollout.metrics_port')}"],
+        "rollwave-engine": [f"127.0.0.1:{port_of(by_name['rollout-0'], 'engine.port')}"],
     }
     with LocalStack(specs, tmp_path / "logs") as stack, \
             PrometheusHarness(targets, tmp_path / "prometheus") as prom, \

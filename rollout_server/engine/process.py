@@ -56,6 +56,12 @@ class EngineProcess:
         self._proc: subprocess.Popen | None = None
         self._log = None
 
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError(f"engine at {self.url} was not started")
+        return self._proc.pid
+
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
         self._log = open(self._log_path, "ab") if self._log_path else None  # noqa: SIM115
         out = self._log or subprocess.DEVNULL

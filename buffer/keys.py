@@ -92,6 +92,11 @@ class Keys:
     def servers(self) -> str:
         return self.prefix + "servers"
 
+    @property
+    def pushes(self) -> str:
+        """Hash server_id -> JSON: the last weight push to that server (written by the trainer's pusher)."""
+        return self.prefix + "pushes"
+
     def server_alive(self, server_id: str) -> str:
         """Heartbeat key with a TTL: the server is live while it exists."""
         return f"{self.prefix}server:{server_id}:alive"

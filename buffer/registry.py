@@ -2,7 +2,9 @@
 
 ``servers`` is a hash server_id -> JSON record; each server also keeps a key with a TTL alive by
 heart-beating. A server whose key expired is dead even if its record is still there (it crashed
-without deregistering); the trainer's pusher and the API read ``live_servers()``.
+without deregistering); the trainer's pusher and the API read ``live_servers()``. The trainer records
+the outcome of its last weight push to each server in ``pushes`` (a server whose push failed is a
+straggler), apart from the record the server itself rewrites at every heartbeat.
 """
 
 from __future__ import annotations
@@ -31,6 +33,24 @@ class ServerInfo:
     stats: dict[str, float] = field(default_factory=dict)  # counters for the dashboard (tokens, tool errors)
 
 
+@dataclass
+class PushRecord:
+    """The last weight push to one server: the version, whether it committed, and if not the stage (connect,
+    stage, commit), the reason and the error; ``serves`` is the version the server served at the end."""
+
+    version: int
+    ok: bool
+    stage: str = ""
+    reason: str = ""
+    error: str = ""
+    serves: int = 0
+    at: float = field(default_factory=time.time)
+
+    @property
+    def straggler(self) -> bool:
+        return not self.ok
+
+
 class ServerRegistry:
     """Register, heartbeat and list rollout servers; a server is live for ``ttl_s`` after its last beat."""
 
@@ -56,8 +76,16 @@ class ServerRegistry:
     def deregister(self, server_id: str) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.hdel(self.keys.servers, server_id)
+        pipe.hdel(self.keys.pushes, server_id)
         pipe.delete(self.keys.server_alive(server_id))
         pipe.execute()
+
+    def record_push(self, server_id: str, record: PushRecord) -> None:
+        self.redis.hset(self.keys.pushes, server_id, json.dumps(asdict(record)))
+
+    def pushes(self) -> dict[str, PushRecord]:
+        """The last push to each server, by server id."""
+        return {k.decode(): PushRecord(**json.loads(v)) for k, v in self.redis.hgetall(self.keys.pushes).items()}
 
     def all_servers(self) -> list[tuple[ServerInfo, bool]]:
         """Every registered server with whether it is live, sorted by id."""

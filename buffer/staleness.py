@@ -3,9 +3,12 @@ filter on the trainer's. Both read the one ``buffer`` config section (``max_stal
 ``push_every``).
 
 Admission: a server starts a new train group only while
-``admitted < (version + max_staleness + 1) * groups_per_step * push_every``:
+``admitted < (min(version, served) + max_staleness + 1) * groups_per_step * push_every``:
 a version spans ``push_every`` trainer steps, so the trainer needs that many steps' groups to reach the next
-one. Checked and incremented in one Lua call, so concurrent servers never overshoot. An admitted group id is
+one. Checked and incremented in one Lua call, so concurrent servers never overshoot. ``version`` is the
+published version (a quorum of servers committed it) and ``served`` the version the admitting server itself
+serves: a server that missed pushes is held to its own weights, so it stops taking work whose every token
+would reach the trainer already stale, and starts again once a push catches it up. An admitted group id is
 remembered until its task is done, so a redelivered task is not admitted twice; a group that never reaches
 training (dead-lettered task, dropped as stale) gives its slot back, so the bound counts groups in flight
 or trained, as AReaL's ``StalenessManager`` does.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import redis
 
@@ -27,10 +30,12 @@ from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
 from core.config import BufferConfig
 
-# KEYS: admitted, version, admitted ids. ARGV: group id, max_staleness, groups per version.
+# KEYS: admitted, version, admitted ids. ARGV: group id, max_staleness, groups per version, served version ('' if
+# unknown).
 _ADMIT = """
 if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return 1 end
 local version = tonumber(redis.call('GET', KEYS[2]) or '0')
+if ARGV[4] ~= '' then version = math.min(version, tonumber(ARGV[4])) end
 local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
 if admitted < (version + tonumber(ARGV[2]) + 1) * tonumber(ARGV[3]) then
   redis.call('INCR', KEYS[1])
@@ -94,7 +99,10 @@ class StalenessControl:
         self._release = client.register_script(_RELEASE)
         self._set_version = client.register_script(_SET_VERSION)
 
-    def bound(self, version: int) -> int:
+    def bound(self, version: int, served: int | None = None) -> int:
+        """How many groups may be admitted in all, by a server serving ``served`` (None: unknown)."""
+        if served is not None:
+            version = min(version, served)
         return (version + self.max_staleness + 1) * self.groups_per_version
 
     def version(self) -> int:
@@ -108,23 +116,27 @@ class StalenessControl:
     def admitted(self) -> int:
         return int(self.redis.get(self.keys.admitted) or 0)
 
-    def capacity(self) -> int:
+    def capacity(self, served: int | None = None) -> int:
         """How many more groups would be admitted now (a hint; ``try_admit`` is the atomic check)."""
         version, admitted = self.redis.mget(self.keys.version, self.keys.admitted)
-        return max(0, self.bound(int(version or 0)) - int(admitted or 0))
+        return max(0, self.bound(int(version or 0), served) - int(admitted or 0))
 
-    def try_admit(self, group_id: str) -> bool:
-        """Admit one group if the bound allows; a group id admitted before is admitted again at no cost."""
+    def try_admit(self, group_id: str, served: int | None = None) -> bool:
+        """Admit one group if the bound allows (for a server serving ``served``; None: unknown); a group id
+        admitted before is admitted again at no cost."""
         keys = [self.keys.admitted, self.keys.version, self.keys.admitted_ids]
-        return bool(self._admit(keys, [group_id, self.max_staleness, self.groups_per_version]))
+        args = [group_id, self.max_staleness, self.groups_per_version, "" if served is None else int(served)]
+        return bool(self._admit(keys, args))
 
-    def admit(self, group_id: str, stop: threading.Event | None = None, timeout_s: float | None = None) -> bool:
-        """Wait (polling with backoff) until the group is admitted; False if ``stop`` is set or time runs out."""
+    def admit(self, group_id: str, stop: threading.Event | None = None, timeout_s: float | None = None,
+              served: Callable[[], int] | None = None) -> bool:
+        """Wait (polling with backoff) until the group is admitted; False if ``stop`` is set or time runs out.
+        ``served()`` is read at every try: a lagging server is admitted as soon as a push catches it up."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay = 0.01
         stop = stop or threading.Event()
         waited = False
-        while not self.try_admit(group_id):
+        while not self.try_admit(group_id, None if served is None else served()):
             if not waited:
                 self.metrics.admission_waits.inc()
                 waited = True

@@ -24,6 +24,7 @@ DTYPES: dict[str, tuple[str, int]] = {
 }
 _FROM_SAFETENSORS = {st: name for name, (st, _) in DTYPES.items()}
 SERVICE = pb.DESCRIPTOR.services_by_name["CheckpointEngine"].full_name
+REASON_KEY = "rollwave-reason"  # trailing metadata of a refused call: why, in one word (the metrics' reason label)
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
@@ -99,7 +100,8 @@ def parse_chunk(message: bytes) -> tuple[str, int, memoryview]:
 
 
 class StageError(Exception):
-    """A rejected stage; ``reason`` labels the failure metric, the message names the tensor."""
+    """A rejected Stage or Commit; ``reason`` labels the failure metrics (both sides), the message names the
+    tensor or what failed."""
 
     def __init__(self, reason: str, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
         super().__init__(message)

@@ -241,8 +241,26 @@ class CheckpointConfig(Section):
     token_file: Path | None = Field(None, description="file holding checkpoint.token")
     stage_dir: Path = Field(Path("/dev/shm/rollwave"), description="staging area (tmpfs)")
     chunk_bytes: int = Field(1 << 20, ge=4096, le=16 << 20)
-    timeout_s: float = Field(120.0, gt=0)
-    retries: int = Field(2, ge=0)
+    connect_timeout_s: float = Field(10.0, gt=0, description="deadline for a server's gRPC connection to be ready")
+    stage_timeout_s: float = Field(
+        10.0, gt=0, description="fixed part of a Stage's deadline; the deadline adds bytes / min_throughput_mib_s"
+    )
+    min_throughput_mib_s: float = Field(
+        50.0, gt=0, description="a server that stages slower than this misses its Stage deadline (a straggler)"
+    )
+    commit_timeout_s: float = Field(300.0, gt=0, description="deadline of a Commit: pause, load, continue")
+    retries: int = Field(2, ge=0, description="more tries of a Stage refused as unavailable, or of a failed Commit")
+    quorum: int | Literal["majority", "all"] = Field(
+        "majority",
+        description="servers that must commit a version before it is published (rw:<run>:version, admission): "
+        "majority of the live servers (1 when there is one), all of them, or a number",
+    )
+
+    @model_validator(mode="after")
+    def _positive_quorum(self) -> CheckpointConfig:
+        if isinstance(self.quorum, int) and self.quorum < 1:
+            raise ValueError("quorum must be majority, all or a number >= 1")
+        return self
 
 
 class ApiConfig(Section):

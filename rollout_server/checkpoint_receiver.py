@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from core.checkpoint_format import (
     GRPC_OPTIONS,
+    REASON_KEY,
     SERVICE,
     StagedFile,
     StageError,
@@ -128,7 +129,7 @@ class CheckpointService:
                 version, received = await self._stage(request_iterator)
             except StageError as exc:
                 self.metrics.stage_failures.labels(exc.reason).inc()
-                await context.abort(exc.code, str(exc))
+                await context.abort(exc.code, str(exc), trailing_metadata=((REASON_KEY, exc.reason),))
             except asyncio.CancelledError:
                 self.metrics.stage_failures.labels("stream").inc()
                 raise
@@ -205,31 +206,40 @@ class CheckpointService:
             shutil.rmtree(old, ignore_errors=True)
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitReply:
+        """The swap runs shielded from the call: a pusher that gives up (its deadline passed) never leaves
+        the engine paused or the state half-changed; the swap finishes and the version serves."""
+        commit = asyncio.ensure_future(self._commit(request.version))
+        commit.add_done_callback(lambda task: task.cancelled() or task.exception())
+        try:
+            return await asyncio.shield(commit)
+        except StageError as exc:
+            await context.abort(exc.code, str(exc), trailing_metadata=((REASON_KEY, exc.reason),))
+
+    async def _commit(self, version: int) -> pb.CommitReply:
         async with self._commit_lock:
             state = self._state
-            if request.version != state.staged or state.staged_dir is None:
+            if version != state.staged or state.staged_dir is None:
                 self.metrics.commit_failures.labels("version").inc()
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"version {request.version} is not staged (staged {state.staged}, "
-                                    f"current {state.current})")
+                raise StageError("version", f"version {version} is not staged (staged {state.staged}, "
+                                            f"current {state.current})", grpc.StatusCode.FAILED_PRECONDITION)
             path = state.staged_dir
-            state.staged, state.staged_dir, state.committing = -1, None, request.version
-            swap = await self._swap(path, request.version)
+            state.staged, state.staged_dir, state.committing = -1, None, version
+            swap = await self._swap(path, version)
             state.committing = -1
             if swap.loaded:
                 old = state.current_dir
-                state.current, state.current_dir = request.version, path
-                self.metrics.version.set(request.version)
+                state.current, state.current_dir = version, path
+                self.metrics.version.set(version)
             elif state.staged_dir is None:  # keep it staged so the pusher can retry the Commit
-                old, state.staged, state.staged_dir = None, request.version, path
+                old, state.staged, state.staged_dir = None, version, path
             else:  # a newer version was staged meanwhile
                 old = path
             if old is not None and old.parent == self.stage_root:
                 shutil.rmtree(old, ignore_errors=True)
             if swap.error:
                 self.metrics.commit_failures.labels(swap.reason).inc()
-                await context.abort(grpc.StatusCode.INTERNAL, f"version {request.version}: {swap.error}")
-            return pb.CommitReply(version=request.version, pause_seconds=swap.pause_s, load_seconds=swap.load_s)
+                raise StageError(swap.reason, f"version {version}: {swap.error}", grpc.StatusCode.INTERNAL)
+            return pb.CommitReply(version=version, pause_seconds=swap.pause_s, load_seconds=swap.load_s)
 
     async def _swap(self, path: Path, version: int) -> _Swap:
         """pause(retract) -> update_weights_from_disk -> continue; continue even when the load fails.

@@ -138,13 +138,14 @@ class RolloutWorker:
         n_eval = sum(1 for e in self._inflight.values() if e.kind == "eval")
         free = [("eval", self.config.max_concurrent_eval_groups - n_eval)]
         free_train = self.config.max_concurrent_groups - (len(self._inflight) - n_eval)
-        if free_train > 0 and await self._call(self.staleness.capacity) > 0:
+        if free_train > 0 and await self._call(self.staleness.capacity, self.info.version) > 0:
             free.append(("train", free_train))
         return [(kind, n) for kind, n in free if n > 0]
 
     async def _start(self) -> None:
         await self._call(self.tasks.ensure_groups)
         await self._call(self.replay.ensure_group)
+        self.info.version = await self._engine_version()
         await self._call(self.servers.register, self.info)
         log.info("rollout worker %s serving run %s with %d engine(s)", self.consumer, self.run_name,
                  len(self.engines))
@@ -164,7 +165,8 @@ class RolloutWorker:
                 task = task.model_copy(update={"tools": spec.tools})
             if spec is not None and spec.agent is not None:
                 self._check_agent(spec.agent)
-            if entry.kind == "train" and not await self._call(self.staleness.admit, entry.group_id, self._stopping):
+            if entry.kind == "train" and not await self._call(self.staleness.admit, entry.group_id, self._stopping,
+                                                              None, lambda: self.info.version):
                 await self._call(self.tasks.hand_back, entry)
                 return
             with self._generating():

@@ -133,14 +133,29 @@ def jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _last_push(push: dict[str, Any] | None) -> str:
+    if push is None:
+        return "-"
+    if push["ok"]:
+        return f"v{push['version']} ok"
+    return f"v{push['version']} FAILED {push['stage']}/{push['reason']}"
+
+
 def _status_table(status: dict[str, Any]) -> str:
-    lines = [f"run {status['run']}   policy version {status['version']}"]
+    lines = [f"run {status['run']}   policy version {status['version']} (published)"]
     trainer = status["trainer"] or {}
-    lines.append(f"trainer: step {trainer.get('step', '-')}  version {trainer.get('version', '-')}")
-    lines.append(f"{'SERVER':14} {'ALIVE':6} {'VERSION':>8} {'BEAT AGE':>9}  ENGINE")
+    lines.append(f"trainer: step {trainer.get('step', '-')}  version {trainer.get('version', '-')}  "
+                 f"pushed {trainer.get('pushed_version', '-')}")
+    lines.append(f"{'SERVER':14} {'ALIVE':6} {'VERSION':>8} {'BEAT AGE':>9}  {'LAST PUSH':28} ENGINE")
     for s in status["servers"]:
         age = f"{s['heartbeat_age_s']:.1f}s"
-        lines.append(f"{s['server_id']:14} {str(s['alive']):6} {s['version']:>8} {age:>9}  {s['engine_url']}")
+        push = _last_push(s["last_push"])
+        lines.append(f"{s['server_id']:14} {str(s['alive']):6} {s['version']:>8} {age:>9}  {push:28} "
+                     f"{s['engine_url']}")
+    stragglers = [s for s in status["servers"] if s["straggler"]]
+    for s in stragglers:
+        lines.append(f"straggler {s['server_id']}: serves v{s['last_push']['serves']}, last push failed: "
+                     f"{s['last_push']['error']}")
     depths = [f"{k} {v['length']} ({v['pending']} pending)" for k, v in status["buffer"].items()]
     lines.append("buffer: " + "  ".join(depths))
     return "\n".join(lines)

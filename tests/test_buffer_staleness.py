@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,6 +73,21 @@ def test_a_version_spans_push_every_steps_of_groups(redis_server: EmbeddedRedis)
     st = StalenessControl(client(redis_server), KEYS, cfg)
     assert st.bound(0) == 24 and st.bound(1) == 36  # (version + η + 1) × 4 groups × 3 steps
     assert sum(st.try_admit(f"g{i}") for i in range(30)) == 24
+
+
+def test_a_lagging_server_is_held_to_the_version_it_serves(redis_server: EmbeddedRedis) -> None:
+    """Admission uses ``min(published, served)``: a server that missed pushes stops taking work that could only
+    reach the trainer stale, and takes it again once a push catches it up."""
+    st = control(redis_server, max_staleness=1, gps=4)
+    assert st.set_version(3) == 3
+    assert [st.try_admit(f"g{i}", served=3) for i in range(12)] == [True] * 12  # (3 + 1 + 1) * 4 = 20 allowed
+    assert st.bound(3, served=1) == 12 and st.capacity(served=1) == 0 and st.capacity(served=3) == 8
+    assert not st.try_admit("lag", served=1)
+    assert st.try_admit("ahead", served=9)  # a server ahead of the quorum is held to the published version
+    served = [1]
+    threading.Timer(0.3, lambda: served.__setitem__(0, 3)).start()  # a push lands while it waits
+    assert st.admit("lag", timeout_s=30, served=lambda: served[0])
+    assert st.admitted() == 14
 
 
 def test_eight_concurrent_producers_never_exceed_the_bound(redis_server: EmbeddedRedis) -> None:

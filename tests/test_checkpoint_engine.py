@@ -7,6 +7,7 @@ in a background thread (as in a rollout server); the pusher streams from a real 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import shutil
@@ -39,15 +40,9 @@ from proto import checkpoint_pb2_grpc as pb_grpc
 from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient
-from trainer.checkpoint_pusher import (
-    CheckpointPusher,
-    TensorMeta,
-    build_manifest,
-    iter_chunks,
-    model_metas,
-    registered_servers,
-)
+from trainer.checkpoint_pusher import CheckpointPusher, PushRound, registered_servers
 from trainer.parallel import iter_full_params
+from trainer.snapshot import BufferPool, Snapshot, TensorMeta, model_metas, take_snapshot
 
 TOKEN = secrets.token_urlsafe(32)
 PROMPTS = [[5, 17, 99, 4], [300, 2, 41]]
@@ -68,7 +63,8 @@ class Fleet:
 
     def __init__(self, model_dir: Path, stage_dir: Path):
         self.model_dir = model_dir
-        self.config = CheckpointConfig(token=TOKEN, stage_dir=stage_dir, chunk_bytes=64 << 10, retries=1)
+        self.config = CheckpointConfig(token=TOKEN, stage_dir=stage_dir, chunk_bytes=64 << 10, retries=1,
+                                       connect_timeout_s=1.0)
         self.engines = [EngineProcess(model_dir) for _ in range(2)]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -117,9 +113,7 @@ class Fleet:
         return CheckpointPusher(self.config.model_copy(update=overrides), self.addresses)
 
     def status(self, i: int, token: str = TOKEN) -> pb.StatusReply:
-        with grpc.insecure_channel(self.addresses[i]) as channel:
-            return pb_grpc.CheckpointEngineStub(channel).Status(
-                pb.StatusRequest(), metadata=[("authorization", f"Bearer {token}")], timeout=WAIT_S)
+        return status_of(self.addresses[i], token)
 
     def version(self) -> int:
         versions = {self.status(i).current_version for i in range(2)}
@@ -134,6 +128,32 @@ class Fleet:
             if line.startswith("rollwave_engine_paused_seconds_total "):
                 return version, float(line.split()[1])
         raise AssertionError("engine /metrics has no rollwave_engine_paused_seconds_total")
+
+
+AUTH = [("authorization", f"Bearer {TOKEN}")]
+
+
+def status_of(address: str, token: str = TOKEN) -> pb.StatusReply:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.CheckpointEngineStub(channel).Status(
+            pb.StatusRequest(), metadata=[("authorization", f"Bearer {token}")], timeout=WAIT_S)
+
+
+def snapshot_of(model: torch.nn.Module, version: int) -> Snapshot:
+    return take_snapshot(version, model_metas(model), iter_full_params(model), BufferPool())  # type: ignore[arg-type]
+
+
+def stage_raw(address: str, chunks: Iterator[bytes]) -> pb.StageReply:
+    """One Stage call with the given serialized chunks (no pusher): raises grpc.RpcError when refused."""
+    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        stage = channel.stream_unary(f"/{SERVICE}/Stage", response_deserializer=pb.StageReply.FromString)
+        return stage(chunks, metadata=AUTH, timeout=WAIT_S)
+
+
+def commit_raw(address: str, version: int) -> pb.CommitReply:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.CheckpointEngineStub(channel).Commit(pb.CommitRequest(version=version), metadata=AUTH,
+                                                            timeout=WAIT_S)
 
 
 def greedy_engine(url: str) -> list[list[int]]:
@@ -221,38 +241,46 @@ def test_generation_continues_during_stage_and_commit_serves_new_weights(
     old_engine_version = fleet.engine_state(0)[0]
     version = old_version + 1
     model = perturbed(tiny_model_dir, seed=version, out=tmp_path / "new")
-    metas = model_metas(model)
-    pusher = fleet.pusher()
+    snapshot = snapshot_of(model, version)
     stage_roots = [r.service.stage_root for r in fleet.receivers]
     seen_mid_stage: list[list[str]] = []
+    half = threading.Barrier(3)
 
     with Traffic([e.url for e in fleet.engines]) as traffic:
 
-        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        def held(chunks: Iterator[bytes]) -> Iterator[bytes]:
             """Hold the stream open half way until both engines finish requests meanwhile."""
-            for i, item in enumerate(iter_full_params(model)):
-                if i == len(metas) // 2:
-                    wait_for(lambda: all((r / f"v{version}.partial").is_dir() for r in stage_roots),
-                             "both servers to be mid-stage")
-                    mid = time.monotonic()
-                    wait_for(lambda mid=mid: all(traffic.finished_after(e, mid) for e in range(2)),
-                             "requests to finish on both engines during the stage")
-                    assert all((r / f"v{version}.partial").is_dir() for r in stage_roots)
-                    seen_mid_stage.extend(traffic.finished_after(e, mid) for e in range(2))
-                yield item
+            for i, chunk in enumerate(chunks):
+                if i == snapshot.nbytes // (2 * 4096):
+                    half.wait(WAIT_S)
+                    half.wait(WAIT_S)
+                yield chunk
 
-        report = pusher.stage(version, metas, tensors)
-        assert [s.error for s in report.servers] == ["", ""]
+        replies: dict[int, pb.StageReply] = {}
+        streams = [threading.Thread(target=lambda i=i: replies.update({i: stage_raw(
+            fleet.addresses[i], held(snapshot.chunks(4096)))})) for i in range(2)]
+        for t in streams:
+            t.start()
+        half.wait(WAIT_S)
+        wait_for(lambda: all((r / f"v{version}.partial").is_dir() for r in stage_roots), "both servers mid-stage")
+        mid = time.monotonic()
+        wait_for(lambda: all(traffic.finished_after(e, mid) for e in range(2)),
+                 "requests to finish on both engines during the stage")
+        assert all((r / f"v{version}.partial").is_dir() for r in stage_roots)
+        seen_mid_stage.extend(traffic.finished_after(e, mid) for e in range(2))
+        half.wait(WAIT_S)
+        for t in streams:
+            t.join()
+        assert [replies[i].bytes_received for i in range(2)] == [snapshot.nbytes] * 2
         assert all(fleet.status(i).staged_version == version for i in range(2))
-        pusher.commit(report)
-        pusher.close()
+        commits = [commit_raw(a, version) for a in fleet.addresses]
         after_commit = time.monotonic()
         wait_for(lambda: all(traffic.finished_after(e, after_commit) for e in range(2)),
                  "requests to finish after the commit")
 
     assert not traffic.errors
     assert seen_mid_stage and all(v == old_engine_version for vs in seen_mid_stage for v in vs)
-    assert all(s.ok and s.pause_seconds > 0 and s.bytes == sum(m.nbytes for m in metas) for s in report.servers)
+    assert all(c.pause_seconds > 0 for c in commits)
     expected = greedy_reference(model)
     for i, engine in enumerate(fleet.engines):
         assert fleet.status(i).current_version == version and fleet.status(i).staged_version == -1
@@ -276,9 +304,10 @@ ctx = init_distributed("cpu")
 model = load_model(model_dir, ctx)
 config = CheckpointConfig(token=token, stage_dir=Path(stage_dir), chunk_bytes=65536)
 pusher = CheckpointPusher(config, addresses if ctx.is_main else [])
-report = pusher.push_model(model, int(version))
+pushed = pusher.push_model(model, version=int(version))
 if ctx.is_main:
-    print("ok" if report.ok else report, flush=True)
+    pushed.wait(60)
+    print("ok" if pushed.ok else [s.error for s in pushed.servers], flush=True)
 pusher.close()
 close_distributed()
 """
@@ -286,7 +315,7 @@ close_distributed()
 
 def test_fsdp2_ranks_push_gathered_weights(fleet: Fleet, base_model: PreTrainedModel, tmp_path: Path,
                                            tiny_model_dir: Path) -> None:
-    """Two gloo ranks shard the model with FSDP2; rank 0 streams each gathered parameter."""
+    """Two gloo ranks shard the model with FSDP2; rank 0 snapshots each gathered parameter and pushes."""
     before = [greedy_engine(e.url) for e in fleet.engines]
     version = fleet.version() + 1
     model = perturbed(tiny_model_dir, seed=100 + version, out=tmp_path / "new")
@@ -305,30 +334,36 @@ def test_fsdp2_ranks_push_gathered_weights(fleet: Fleet, base_model: PreTrainedM
     assert fleet.version() == version
 
 
-PUSHER_SCRIPT = """
-import sys, time
+STREAM_SCRIPT = """
+import sys, threading, time
 from pathlib import Path
-import torch
+import grpc, torch
 from transformers import AutoModelForCausalLM
-from core.config import CheckpointConfig
-from trainer.checkpoint_pusher import CheckpointPusher, model_metas
+from core.checkpoint_format import GRPC_OPTIONS, SERVICE
 from trainer.parallel import iter_full_params
+from trainer.snapshot import BufferPool, model_metas, take_snapshot
 
-model_dir, version, token, stage_dir, *addresses = sys.argv[1:]
+model_dir, version, token, *addresses = sys.argv[1:]
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-with torch.no_grad():
-    for p in model.parameters():
-        p.add_(1.0)
-config = CheckpointConfig(token=token, stage_dir=Path(stage_dir), chunk_bytes=4096)
+snapshot = take_snapshot(int(version), model_metas(model), iter_full_params(model), BufferPool())
 
-def tensors():
-    for i, item in enumerate(iter_full_params(model)):
+def cut(chunks, started):
+    for i, chunk in enumerate(chunks):
         if i == 4:
-            print("streaming", flush=True)
+            started.release()
             time.sleep(3600)
-        yield item
+        yield chunk
 
-CheckpointPusher(config, addresses).push(int(version), model_metas(model), tensors)
+started = threading.Semaphore(0)
+for address in addresses:
+    channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    stage = channel.stream_unary(f"/{SERVICE}/Stage")
+    threading.Thread(target=stage, args=(cut(snapshot.chunks(4096), started),),
+                     kwargs={"metadata": [("authorization", f"Bearer {token}")]}, daemon=True).start()
+for _ in addresses:
+    started.acquire()
+print("streaming", flush=True)
+time.sleep(3600)
 """
 
 
@@ -339,8 +374,8 @@ def test_killed_pusher_leaves_servers_on_old_version(fleet: Fleet, tmp_path: Pat
     failures = [r.metrics.registry.get_sample_value("rollwave_rollout_stage_failures_total", {"reason": "stream"})
                 or 0.0 for r in fleet.receivers]
     partials = [r.service.stage_root / f"v{version + 1}.partial" for r in fleet.receivers]
-    proc = subprocess.Popen([sys.executable, "-c", PUSHER_SCRIPT, str(fleet.model_dir), str(version + 1), TOKEN,
-                             str(fleet.config.stage_dir), *fleet.addresses], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", STREAM_SCRIPT, str(fleet.model_dir), str(version + 1), TOKEN,
+                             *fleet.addresses], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "streaming"
         wait_for(lambda: all(p.is_dir() for p in partials), "both servers to be mid-stage")
@@ -378,11 +413,13 @@ def test_bad_manifests_are_rejected_without_a_pause(fleet: Fleet, base_model: Pr
     version = fleet.version()
     pusher = fleet.pusher()
     for name, metas, tensors in _bad_manifests(base_model):
-        report = pusher.push(version + 1, metas, lambda m=metas, t=tensors: ((x.name, t[x.name]) for x in m))
-        for server in report.servers:
-            assert not server.ok and "INVALID_ARGUMENT" in server.error and f"tensor {name}" in server.error, server
+        pushed = pusher.push(metas, ((m.name, tensors[m.name]) for m in metas), version=version + 1).wait(WAIT_S)
+        for server in pushed.servers:
+            assert not server.ok and (server.stage, server.reason) == ("stage", "manifest"), server
+            assert "INVALID_ARGUMENT" in server.error and f"tensor {name}" in server.error, server
             assert server.stage_attempts == 1
-        assert not report.version_written
+        assert not pushed.published
+    assert pusher.published == 0
     pusher.close()
     for i in range(2):
         assert fleet.engine_state(i) == states[i]
@@ -390,32 +427,27 @@ def test_bad_manifests_are_rejected_without_a_pause(fleet: Fleet, base_model: Pr
         assert list(fleet.receivers[i].service.stage_root.glob("*.partial")) == []
 
 
-def _stage_raw(address: str, chunks: list[bytes]) -> grpc.RpcError:
-    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
-        stage = channel.stream_unary(f"/{SERVICE}/Stage")
-        with pytest.raises(grpc.RpcError) as info:
-            stage(iter(chunks), metadata=[("authorization", f"Bearer {TOKEN}")], timeout=WAIT_S)
+def _refused(address: str, chunks: list[bytes]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        stage_raw(address, iter(chunks))
     return info.value
 
 
 def test_corrupt_data_and_offsets_are_rejected_without_a_pause(fleet: Fleet, base_model: PreTrainedModel) -> None:
     states = [fleet.engine_state(i) for i in range(2)]
     version = fleet.version()
-    metas = model_metas(base_model)
-    manifest = build_manifest(version + 1, metas)
-    crcs: list[int] = []
-    data = list(iter_chunks(metas, iter_full_params(base_model), 4096, crcs))
-    trailer = pb.Chunk(trailer=pb.Trailer(crc32=crcs, checksum="")).SerializeToString()
-    head = pb.Chunk(manifest=manifest).SerializeToString()
+    head, *data, trailer = snapshot_of(base_model, version + 1).chunks(4096)
+    manifest = pb.Chunk.FromString(head).manifest
 
     hit = len(data) // 2
     corrupt = pb.Chunk.FromString(data[hit])
     corrupt.data = bytes([corrupt.data[0] ^ 0xFF]) + corrupt.data[1:]
     owner = next(t.name for t in manifest.tensors if t.offset <= corrupt.offset < t.offset + t.nbytes)
-    err = _stage_raw(fleet.addresses[0], [head, *data[:hit], corrupt.SerializeToString(), *data[hit + 1:], trailer])
+    err = _refused(fleet.addresses[0], [head, *data[:hit], corrupt.SerializeToString(), *data[hit + 1:], trailer])
     assert err.code() == grpc.StatusCode.DATA_LOSS and f"tensor {owner}: crc32" in err.details()
+    assert dict(err.trailing_metadata())["rollwave-reason"] == "checksum"
 
-    err = _stage_raw(fleet.addresses[1], [head, *data[:hit], *data[hit + 1:], trailer])
+    err = _refused(fleet.addresses[1], [head, *data[:hit], *data[hit + 1:], trailer])
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected offset" in err.details()
 
     for i in range(2):
@@ -433,80 +465,101 @@ def test_wrong_or_missing_token_is_unauthenticated(fleet: Fleet, base_model: Pre
     with grpc.insecure_channel(fleet.addresses[0]) as channel, pytest.raises(grpc.RpcError) as info:
         pb_grpc.CheckpointEngineStub(channel).Commit(pb.CommitRequest(version=99), timeout=WAIT_S)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    report = fleet.pusher(token=SecretStr("wrong")).push_model(base_model, fleet.version() + 1)
-    assert report is not None
-    assert all("UNAUTHENTICATED" in s.error and s.stage_attempts == 1 for s in report.servers)
+    pusher = fleet.pusher(token=SecretStr("wrong"))
+    pushed = pusher.push_model(base_model, version=fleet.version() + 1)
+    assert pushed is not None
+    pushed.wait(WAIT_S)
+    pusher.close()
+    assert all("UNAUTHENTICATED" in s.error and (s.stage, s.reason) == ("connect", "unauthenticated")
+               for s in pushed.servers)
 
 
 def test_versions_only_go_up_newer_stage_supersedes_and_abort(fleet: Fleet, base_model: PreTrainedModel) -> None:
     version = fleet.version()
-    pusher = fleet.pusher()
-    metas = model_metas(base_model)
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor | None]]:
-        return iter_full_params(base_model)
-
-    report = pusher.stage(version, metas, tensors)
-    assert all("FAILED_PRECONDITION" in s.error for s in report.servers)
-    assert not pusher.stage(version + 1, metas, tensors).servers[0].error
-    assert not pusher.stage(version + 2, metas, tensors).servers[0].error
+    address = fleet.addresses[0]
+    err = _refused(address, list(snapshot_of(base_model, version).chunks(4096)))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    stage_raw(address, snapshot_of(base_model, version + 1).chunks(4096))
+    stage_raw(address, snapshot_of(base_model, version + 2).chunks(4096))
     root = fleet.receivers[0].service.stage_root
     assert fleet.status(0).staged_version == version + 2 and not (root / f"v{version + 1}").exists()
-    with grpc.insecure_channel(fleet.addresses[0]) as channel:
+    with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.CheckpointEngineStub(channel)
-        auth = [("authorization", f"Bearer {TOKEN}")]
         with pytest.raises(grpc.RpcError) as info:
-            stub.Commit(pb.CommitRequest(version=version + 1), metadata=auth, timeout=WAIT_S)
+            stub.Commit(pb.CommitRequest(version=version + 1), metadata=AUTH, timeout=WAIT_S)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert not stub.Abort(pb.AbortRequest(version=version + 1), metadata=auth).dropped
-        assert stub.Abort(pb.AbortRequest(version=version + 2), metadata=auth).dropped
+        assert dict(info.value.trailing_metadata())["rollwave-reason"] == "version"
+        assert not stub.Abort(pb.AbortRequest(version=version + 1), metadata=AUTH).dropped
+        assert stub.Abort(pb.AbortRequest(version=version + 2), metadata=AUTH).dropped
     assert fleet.status(0).staged_version == -1 and not (root / f"v{version + 2}").exists()
-    assert fleet.status(1).staged_version == version + 2
-    assert not pusher.stage(version + 1, metas, tensors).servers[1].error  # the latest stage wins
-    assert fleet.status(1).staged_version == version + 1
-    pusher.close()
+    stage_raw(address, snapshot_of(base_model, version + 2).chunks(4096))
+    stage_raw(address, snapshot_of(base_model, version + 1).chunks(4096))  # the latest stage wins
+    assert fleet.status(0).staged_version == version + 1
+    with grpc.insecure_channel(address) as channel:
+        assert pb_grpc.CheckpointEngineStub(channel).Abort(pb.AbortRequest(version=version + 1), metadata=AUTH).dropped
 
 
-def test_unreachable_server_is_retried_and_reported_while_others_commit(fleet: Fleet,
-                                                                       base_model: PreTrainedModel) -> None:
+@pytest.mark.parametrize("quorum,published", [("majority", True), ("all", False), (2, True), (3, False)])
+def test_quorum_publishes_without_an_unreachable_server(
+    fleet: Fleet, base_model: PreTrainedModel, quorum: str | int, published: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two live servers and one nobody answers at: the version is published once the quorum committed;
+    otherwise the error names every server that failed, with its stage and reason."""
     version = fleet.version() + 1
+    written: list[int] = []
     with refused_port() as port:
         dead = f"127.0.0.1:{port}"
-        pusher = CheckpointPusher(fleet.config, [*fleet.addresses, dead], set_version=lambda v: None)
-        report = pusher.push_model(base_model, version)
+        pusher = CheckpointPusher(fleet.config.model_copy(update={"quorum": quorum}), [*fleet.addresses, dead],
+                                  set_version=written.append)
+        pushed = pusher.push_model(base_model, version=version)
+        assert pushed is not None
+        pushed.wait(WAIT_S)
         pusher.close()
-    assert report is not None and not report.ok and report.version_written
-    by_address = {s.address: s for s in report.servers}
-    assert "UNAVAILABLE" in by_address[dead].error and by_address[dead].stage_attempts == fleet.config.retries + 1
+    by_address = {s.address: s for s in pushed.servers}
+    assert (by_address[dead].stage, by_address[dead].reason) == ("connect", "timeout")
+    assert f"server {dead} ({dead}): connect: no answer within its 1 s deadline" in by_address[dead].error
     assert all(by_address[a].ok and by_address[a].stage_attempts == 1 for a in fleet.addresses)
     assert fleet.version() == version
+    assert pushed.published == published and written == ([version] if published else [])
+    failures = pusher.metrics.registry.get_sample_value(
+        "rollwave_trainer_push_failures_total", {"server": dead, "stage": "connect", "reason": "timeout"})
+    assert failures == 1
+    unpublished = pusher.metrics.registry.get_sample_value("rollwave_trainer_push_unpublished_total")
+    assert unpublished == (0 if published else 1)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    if published:
+        assert not errors
+    else:
+        assert errors == [f"version {version} not published: committed on 2 of 3 servers, quorum 3. "
+                          f"{by_address[dead].error}"]
 
 
 def test_failed_load_continues_on_old_weights_and_reports(fleet: Fleet, base_model: PreTrainedModel) -> None:
     before = [greedy_engine(e.url) for e in fleet.engines]
     version = fleet.version()
-    pusher = fleet.pusher()
-    report = pusher.stage(version + 1, model_metas(base_model), lambda: iter_full_params(base_model))
+    address = fleet.addresses[0]
+    stage_raw(address, snapshot_of(base_model, version + 1).chunks(4096))
     staged = fleet.receivers[0].service.stage_root / f"v{version + 1}"
     (staged / "model.safetensors").unlink()
-    pusher.commit(report)
-    pusher.close()
-    broken, fine = report.servers
-    assert not broken.ok and "load failed" in broken.error and broken.commit_attempts == fleet.config.retries + 1
-    assert fine.ok
-    status = fleet.status(0)
-    assert (status.current_version, status.staged_version) == (version, version + 1)
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError) as info:
+            commit_raw(address, version + 1)
+        assert info.value.code() == grpc.StatusCode.INTERNAL and "load failed" in info.value.details()
+        assert dict(info.value.trailing_metadata())["rollwave-reason"] == "load"
+        status = fleet.status(0)  # still staged, so a retried Commit can work
+        assert (status.current_version, status.staged_version) == (version, version + 1)
     assert fleet.engine_state(0)[0] == str(version)
     assert greedy_engine(fleet.engines[0].url) == before[0]
     assert fleet.receivers[0].metrics.registry.get_sample_value(
-        "rollwave_rollout_commit_failures_total", {"reason": "load"}) == fleet.config.retries + 1
-    with grpc.insecure_channel(fleet.addresses[0]) as channel:
-        auth = [("authorization", f"Bearer {TOKEN}")]
-        assert pb_grpc.CheckpointEngineStub(channel).Abort(pb.AbortRequest(version=version + 1), metadata=auth).dropped
+        "rollwave_rollout_commit_failures_total", {"reason": "load"}) == 2
+    with grpc.insecure_channel(address) as channel:
+        assert pb_grpc.CheckpointEngineStub(channel).Abort(pb.AbortRequest(version=version + 1), metadata=AUTH).dropped
     assert not staged.exists()
     catch_up = CheckpointPusher(fleet.config, fleet.addresses[:1])
-    assert catch_up.push_model(base_model, version + 1).ok
+    assert catch_up.push_model(base_model, version=version + 1).wait(WAIT_S).ok
     catch_up.close()
+    assert fleet.status(0).current_version == version + 1
+    assert fleet.pusher().push_model(base_model, version=version + 2).wait(WAIT_S).ok  # both level again
 
 
 def test_push_to_registered_servers_records_the_version(fleet: Fleet, base_model: PreTrainedModel,
@@ -518,17 +571,146 @@ def test_push_to_registered_servers_records_the_version(fleet: Fleet, base_model
         client = redis.Redis.from_url(server.url)
         keys = Keys("cktest")
         registry = ServerRegistry(client, keys)
+        version = fleet.version()
         for i, engine in enumerate(fleet.engines):
-            registry.register(ServerInfo(f"server{i}", engine.url, grpc_address=fleet.addresses[i]))
+            registry.register(ServerInfo(f"server{i}", engine.url, grpc_address=fleet.addresses[i], version=version))
         staleness = StalenessControl(client, keys, BufferConfig(max_staleness=1, groups_per_step=1))
-        version = fleet.version() + 1
-        pusher = CheckpointPusher(fleet.config, registered_servers(registry), staleness.set_version)
-        report = pusher.push_model(base_model, version)
+        pusher = CheckpointPusher(fleet.config, registered_servers(registry), staleness.set_version,
+                                  record=registry.record_push)
+        pushed = pusher.push_model(base_model)  # numbered above the versions the servers report serving
+        assert pushed is not None and pushed.version == version + 1
+        pushed.wait(WAIT_S)
         pusher.close()
-        assert report is not None and report.ok and report.version_written
-        assert sorted(s.address for s in report.servers) == sorted(fleet.addresses)
-        assert int(client.get(keys.version)) == version
+        assert pushed.ok and pushed.published and pusher.published == version + 1
+        assert sorted(s.server_id for s in pushed.servers) == ["server0", "server1"]
+        assert int(client.get(keys.version)) == version + 1
+        records = registry.pushes()
+        assert sorted(records) == ["server0", "server1"]
+        assert all(r.ok and not r.straggler and r.version == r.serves == version + 1 for r in records.values())
         client.close()
     finally:
         server.stop()
     assert [greedy_engine(e.url) for e in fleet.engines] == [greedy_reference(base_model)] * 2
+
+
+def test_stage_deadline_grows_with_bytes_over_min_throughput(fleet: Fleet, base_model: PreTrainedModel) -> None:
+    """Stage's deadline is ``stage_timeout_s`` + bytes / ``min_throughput_mib_s``: a server slower than that
+    minimum misses it (here every server: the deadline is about a millisecond), and commits with the defaults."""
+    version = fleet.version() + 1
+    strict = CheckpointPusher(fleet.config.model_copy(update={"stage_timeout_s": 1e-3, "min_throughput_mib_s": 1e6}),
+                              fleet.addresses)
+    missed = strict.push_model(base_model, version=version)
+    assert missed is not None
+    missed.wait(WAIT_S)
+    strict.close()
+    assert all((s.stage, s.reason) == ("stage", "timeout") and s.stage_attempts == 1 for s in missed.servers)
+    assert all("stage: no answer within its 0.00" in s.error for s in missed.servers), missed.servers
+    assert fleet.version() == version - 1 and not missed.published
+    pusher = fleet.pusher()
+    assert pusher.push_model(base_model, version=version).wait(WAIT_S).ok
+    pusher.close()
+    assert fleet.version() == version
+
+
+RECEIVER_SCRIPT = """
+import asyncio, sys
+from pathlib import Path
+from core.config import CheckpointConfig
+from rollout_server.checkpoint_receiver import CheckpointReceiver
+from rollout_server.engine_client import EngineClient
+
+async def main(model, engine_url, stage_dir, token):
+    async with EngineClient(engine_url) as client:
+        receiver = CheckpointReceiver(CheckpointConfig(token=token, stage_dir=Path(stage_dir)), Path(model), client,
+                                      engine_url, "frozen")
+        print(await receiver.start(), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await receiver.stop()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@contextlib.contextmanager
+def lone_server(model_dir: Path, stage_dir: Path) -> Iterator[tuple[EngineProcess, subprocess.Popen, str]]:
+    """A third server, outside the fleet: its own engine, and its receiver in a process of its own (so either
+    can be frozen). Yields the engine, the receiver process and its address; both are continued and stopped."""
+    engine = EngineProcess(model_dir).start()
+    proc = subprocess.Popen([sys.executable, "-c", RECEIVER_SCRIPT, str(model_dir), engine.url, str(stage_dir), TOKEN],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield engine, proc, proc.stdout.readline().strip()
+    finally:
+        for pid in (proc.pid, engine.pid):
+            os.kill(pid, signal.SIGCONT)
+        proc.communicate(timeout=WAIT_S)
+        engine.close()
+
+
+def test_frozen_server_misses_its_deadline_then_gets_only_the_newest_version(
+    fleet: Fleet, base_model: PreTrainedModel, tiny_model_dir: Path
+) -> None:
+    """A third server's receiver is frozen with SIGSTOP: it misses its deadline while the others commit and the
+    version is published; versions pushed meanwhile are not replayed to it after SIGCONT: the watcher brings it
+    the newest one."""
+    with lone_server(tiny_model_dir, fleet.config.stage_dir) as (_, proc, frozen):
+        pusher = CheckpointPusher(fleet.config, [*fleet.addresses, frozen])
+        version = fleet.version() + 1
+        rounds: list[PushRound] = []
+
+        def push() -> PushRound:
+            pushed = pusher.push_model(base_model, version=version + len(rounds))
+            assert pushed is not None
+            rounds.append(pushed)
+            return pushed
+
+        assert push().wait(WAIT_S).ok  # every channel is connected before the freeze
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            stalled = push().wait(WAIT_S)
+            by_address = {s.address: s for s in stalled.servers}
+            assert (by_address[frozen].stage, by_address[frozen].reason) == ("connect", "timeout")
+            assert "connect: no answer within its 1 s deadline" in by_address[frozen].error
+            assert stalled.published and pusher.published == stalled.version == fleet.version()
+            for _ in range(3):  # pushed faster than the frozen server fails them: one at least waits and is replaced
+                push()
+            for pushed in rounds:
+                pushed.wait(WAIT_S)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        newest = rounds[-1].version
+        wait_for(lambda: status_of(frozen).current_version == newest, "the frozen server to catch up")
+        pusher.close()
+        results = [r for r in pusher.take_results() if r.address == frozen]
+        assert sorted(r.version for r in results if r.ok) == [version, newest]
+        skipped = [r.version for r in results if r.skipped]
+        failed = [r.version for r in results if not (r.ok or r.skipped)]
+        assert skipped and newest not in skipped and sorted(skipped + failed) == list(range(version + 1, newest + 1))
+        assert pusher.metrics.registry.get_sample_value(
+            "rollwave_trainer_push_failures_total", {"server": frozen, "stage": "connect", "reason": "timeout"}
+        ) == len(failed)
+
+
+def test_commit_deadline_then_the_late_commit_lands(base_model: PreTrainedModel, tiny_model_dir: Path,
+                                                   fleet: Fleet) -> None:
+    """The engine (not the receiver) is frozen: Stage succeeds, Commit misses ``commit_timeout_s``. The swap
+    runs on, shielded from the abandoned call: after SIGCONT the version serves and the engine generates."""
+    with lone_server(tiny_model_dir, fleet.config.stage_dir) as (engine, _, address):
+        pusher = CheckpointPusher(fleet.config.model_copy(update={"commit_timeout_s": 1.0}), [address])
+        assert pusher.push_model(base_model, version=1).wait(WAIT_S).ok
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            late = pusher.push_model(base_model, version=2)
+            assert late is not None
+            [result] = late.wait(WAIT_S).servers
+            assert (result.stage, result.reason) == ("commit", "timeout"), result
+            assert "commit: no answer within its 1 s deadline" in result.error
+            assert status_of(address).current_version == 1
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+        wait_for(lambda: status_of(address).current_version == 2, "the late commit to land")
+        assert httpx.get(engine.url + "/model_info", timeout=WAIT_S).json()["weight_version"] == "2"
+        assert greedy_engine(engine.url) == greedy_reference(base_model)  # not left paused
+        assert pusher.push_model(base_model, version=3).wait(WAIT_S).ok
+        pusher.close()

@@ -22,8 +22,11 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
+from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
+from buffer.registry import PushRecord, ServerRegistry
 from core.config import load_config
 from services.api import create_app
 from tests.chromium_harness import dump_dom, elements
@@ -44,6 +47,7 @@ class Live:
     api: httpx.Client
     eval_id: str
     train_id: str
+    redis_url: str
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, server: subprocess.Popen, log: Path) -> Any:
@@ -88,12 +92,12 @@ def live(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
                                       stderr=subprocess.STDOUT, start_new_session=True, env=env)
             try:
                 with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as api:
-                    yield _run_jobs(url, api, server, log)
+                    yield _run_jobs(url, api, server, log, redis_server.url)
             finally:
                 _stop(server)
 
 
-def _run_jobs(url: str, api: httpx.Client, server: subprocess.Popen, log: Path) -> Live:
+def _run_jobs(url: str, api: httpx.Client, server: subprocess.Popen, log: Path, redis_url: str) -> Live:
     """An eval job run to the end and a small train job whose groups wait in the buffer (no trainer)."""
 
     def alive() -> bool:
@@ -111,7 +115,7 @@ def _run_jobs(url: str, api: httpx.Client, server: subprocess.Popen, log: Path) 
     series = lambda: api.get("/v1/metrics/summary").json()["series"]  # noqa: E731
     wait_for("every fed series sampled", lambda: all(any(v is not None for v in series()[n]) for n in FED_SERIES),
              30, server, log)
-    return Live(url, api, eval_id, train_id)
+    return Live(url, api, eval_id, train_id, redis_url)
 
 
 def _section(html: str, element_id: str) -> str:
@@ -134,6 +138,29 @@ def test_dashboard_draws_live_charts_jobs_and_servers(live: Live) -> None:
     jobs = _section(html, "jobs")
     assert live.eval_id in jobs and live.train_id in jobs and "held-out" in jobs and "done" in jobs
     assert SERVER_ID in _section(html, "status")
+
+
+def test_a_straggler_shows_in_the_api_dashboard_and_cli(live: Live) -> None:
+    """The trainer's pusher records each push in the registry; a failed one marks the server a straggler."""
+    registry = ServerRegistry(redis.Redis.from_url(live.redis_url), Keys("dash"))
+    error = f"server {SERVER_ID} (127.0.0.1:1): connect: no answer within its 10 s deadline"
+    registry.record_push(SERVER_ID, PushRecord(version=7, ok=False, stage="connect", reason="timeout", error=error,
+                                               serves=5))
+    try:
+        status = live.api.get("/v1/status").json()
+        [server] = [s for s in status["servers"] if s["server_id"] == SERVER_ID]
+        assert server["straggler"] and status["stragglers"] == [SERVER_ID]
+        assert server["last_push"]["reason"] == "timeout" and server["last_push"]["serves"] == 5
+
+        html = dump_dom(f"{live.url}/#token={TOKEN}", virtual_time_ms=5000)
+        assert f"v7 failed at connect (timeout), serves v5: {error}" in _section(html, "status")
+
+        lines = _rollwave(live, "status").splitlines()
+        assert any(line.split()[:2] == [SERVER_ID, "True"] and "v7 FAILED connect/timeout" in line for line in lines)
+        assert f"straggler {SERVER_ID}: serves v5, last push failed: {error}" in lines
+    finally:
+        registry.record_push(SERVER_ID, PushRecord(version=8, ok=True, serves=8))
+    assert live.api.get("/v1/status").json()["stragglers"] == []
 
 
 def _rollwave(live: Live, *args: str) -> str:

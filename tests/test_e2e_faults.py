@@ -4,15 +4,14 @@ The whole pipeline runs as real processes (two rollout servers with their embedd
 checkpoint receivers, one trainer pushing a version every step, the embedded Redis). The run must
 complete and the accounting hold exactly: tasks submitted = groups trained + groups dropped as stale
 + tasks dead-lettered + tasks cancelled (none here), with no group id trained twice, and every rollout
-server (the restarted one included) serving the trainer's last version.
+server (the restarted one included) serving the trainer's last version. A feeder keeps tasks coming until
+the trainer is back from its kill (so the run outlasts the restarts, however slow the machine), then the
+run drains.
 """
 
 from __future__ import annotations
 
-import json
-import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,21 +22,10 @@ from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
 from core.config import dump_config, load_config
-from core.jobs import JobSpec, TaskSource
 from services.launcher import LocalStack, components, ensure_checkpoint_token
+from tests.stack_helpers import Feeder, trained_group_ids, wait_for
 
 pytestmark = pytest.mark.slow
-N_TASKS = 96
-
-
-def wait_for(what: str, cond: Callable[[], bool], stack: LocalStack, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                             for p in sorted(stack.log_dir.glob("*.log")))
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.25)
 
 
 def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -58,8 +46,7 @@ def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
     client = redis.Redis.from_url(server.url)
     queue = TaskQueue(client, keys, cfg.buffer)
     queue.ensure_groups()
-    spec = JobSpec(source=TaskSource(kind="arith", split="train", limit=N_TASKS, seed=3))
-    queue.submit("faults", [t.model_dump() for t in spec.source.load()], "train", spec.model_dump_json())
+    registry = ServerRegistry(client, keys)
 
     def step() -> int:
         try:
@@ -71,38 +58,33 @@ def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
     registry = ServerRegistry(client, keys)
     try:
         with LocalStack(specs, tmp_path / "logs") as stack:
-            wait_for("trainer step 2", lambda: step() >= 2, stack)
-            killed = time.time()
-            stack.kill("rollout-0")
-            # Hold the trainer until rollout-0 is back: else, on a loaded machine, rollout-1 can drain the job
-            # before the restarted server registers, and no push is left to bring it to the last version.
-            stack.kill("trainer-0", signal.SIGSTOP)
-            wait_for("rollout-0 back in the registry", lambda: any(
-                s.server_id == "rollout-0" and s.started > killed for s in registry.live_servers()), stack)
-            stack.kill("trainer-0", signal.SIGCONT)
-            wait_for("trainer step 5", lambda: step() >= 5, stack)
-            stack.kill("trainer-0")
-            wait_for("the trainer back past step 7", lambda: step() >= 7, stack)
+            with Feeder(client, keys, queue, "faults") as feeder:  # the run lasts until the faults are done
+                wait_for("trainer step 2", lambda: step() >= 2, stack)
+                stack.kill("rollout-0")
+                killed = time.time()
+                wait_for("trainer step 5", lambda: step() >= 5, stack)
+                wait_for("rollout-0 back", lambda: any(s.server_id == "rollout-0" and s.started > killed
+                                                       for s in registry.live_servers()), stack)
+                killed_at = step()
+                stack.kill("trainer-0")
+                wait_for("the trainer back, two steps further", lambda: step() >= killed_at + 2, stack)
             server.stop()
             server = EmbeddedRedis(tmp_path / "redis", aof=True, appendfsync="always", port=port).start()
             client = redis.Redis.from_url(server.url)
+            registry = ServerRegistry(client, keys)
             wait_for("the trainer to drain the job", lambda: stack.finished("trainer-0"), stack, timeout_s=300)
             assert stack.restarts["rollout-0"] >= 1 and stack.restarts["trainer-0"] >= 1
             final_version = int(client.hget(keys.trainer, "version"))
             wait_for("both servers at the last version", lambda: sorted(
-                s.version for s in ServerRegistry(client, keys).live_servers()) == [final_version] * 2, stack, 60)
+                s.version for s in registry.live_servers()) == [final_version] * 2, stack, 60)
 
         job = TaskQueue(client, keys, cfg.buffer).job("faults")
         submitted, trained = int(job["submitted"]), int(job.get("trained", 0))
         stale, dead = int(job.get("stale_dropped", 0)), int(job.get("dead_lettered", 0))
         cancelled = int(job.get("cancelled", 0))
-        assert submitted == N_TASKS
+        assert submitted == feeder.submitted
         assert submitted == trained + stale + dead + cancelled, job
-        steps: dict[int, list[str]] = {}
-        for line in (tmp_path / "faults" / "metrics.jsonl").read_text().splitlines():
-            record = json.loads(line)
-            steps[record["step"]] = record["group_ids"]  # a step redone after the resume replaces the lost one
-        trained_ids = [g for s in sorted(steps) for g in steps[s]]
+        trained_ids = trained_group_ids(tmp_path / "faults")
         assert len(trained_ids) == len(set(trained_ids)) == trained
     finally:
         server.stop()

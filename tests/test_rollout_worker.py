@@ -165,7 +165,14 @@ def test_sigkilled_worker_task_is_finished_by_another_and_written_once(
     assert survivor.proc.wait(60) == 0, survivor.log()
 
 
-def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedRedis, workers) -> None:
+def serve_version(engine_url: str, model: Path, version: int) -> None:
+    """What a commit does to the engine: load weights (the same ones here) labelled ``version``."""
+    body = {"model_path": str(model), "weight_version": str(version)}
+    assert httpx.post(engine_url + "/update_weights_from_disk", json=body, timeout=60).json()["success"]
+
+
+def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedRedis, workers, engine_url: str,
+                                                         tiny_model_dir: Path) -> None:
     r = client(redis_server)
     q = TaskQueue(r, KEYS, BufferConfig())
     q.ensure_groups()
@@ -180,8 +187,14 @@ def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedR
     time.sleep(1.0)
     assert staleness.admitted() == 1 and r.xlen(KEYS.groups) == 1  # the second task waits for the policy
     assert pending(redis_server, "srv-b") == 0 and r.xlen(KEYS.tasks("train")) == 1
-    staleness.set_version(1)  # the trainer committed: one more group may start
-    wait_for(lambda: pending(redis_server, "srv-b") == 1, w)  # rolled out, waiting for room in the buffer
+    staleness.set_version(1)  # a quorum committed version 1, but this server still serves version 0
+    time.sleep(1.0)
+    assert staleness.admitted() == 1 and pending(redis_server, "srv-b") == 0
+    serve_version(engine_url, tiny_model_dir, 1)  # its commit lands: one more group may start
+    try:
+        wait_for(lambda: pending(redis_server, "srv-b") == 1, w)  # rolled out, waiting for room in the buffer
+    finally:
+        serve_version(engine_url, tiny_model_dir, 0)
     w.proc.send_signal(signal.SIGTERM)
     assert w.proc.wait(60) == 0, w.log()
     assert r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 0

@@ -189,7 +189,8 @@ def test_cli_resume_and_hf_export(tiny_model_dir: Path, redis_url: str, tmp_path
     assert all(r["push_servers_ok"] == 0 and 0 <= r["idle_fraction"] <= 1 for r in lines)  # no servers here
     client, keys = redis.Redis.from_url(redis_url), Keys("cli")
     status = {k.decode(): v.decode() for k, v in client.hgetall(keys.trainer).items()}
-    assert (status["step"], status["version"]) == ("4", "4")
+    # No server ever committed, so nothing was published; each run pushed at its start and after each step.
+    assert (status["step"], status["version"], status["pushed_version"]) == ("4", "0", "3")
     assert [json.loads(f[b"metrics"])["step"] for _, f in client.xrange(keys.steps)] == [1, 2, 3, 4]
 
     out = tmp_path / "hf"

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from buffer.keys import Keys
 from buffer.redis_server import connect
@@ -45,10 +46,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _connect(
-    cfg: Config, ctx: DistContext, stack: contextlib.ExitStack
+    cfg: Config, ctx: DistContext, stack: contextlib.ExitStack, metrics: CollectorRegistry
 ) -> tuple[GroupSource | None, CheckpointPusher, RedisStatus | None]:
-    """Rank 0: the replay buffer, a pusher to the live servers and the status sink for the API; other
-    ranks: a pusher that only takes part in the gathers."""
+    """Rank 0: the replay buffer, a pusher to the live servers (recording each push in the registry) and the
+    status sink for the API; other ranks: a pusher that only takes part in the gathers."""
     if not ctx.is_main:
         pusher = CheckpointPusher(cfg.checkpoint, [])
         stack.callback(pusher.close)
@@ -62,8 +63,10 @@ def _connect(
     buffer.ensure_group()
     stack.callback(buffer.close)
     staleness = StalenessControl(client, keys, cfg.buffer)
-    servers = registered_servers(ServerRegistry(client, keys))
-    pusher = CheckpointPusher(cfg.checkpoint, servers, set_version=staleness.set_version)
+    registry = ServerRegistry(client, keys)
+    pusher = CheckpointPusher(cfg.checkpoint, registered_servers(registry), staleness.set_version,
+                              record=registry.record_push, registry=metrics, pin_memory=ctx.device.type == "cuda")
+    pusher.published = staleness.version()  # numbering continues above what this run published before
     stack.callback(pusher.close)
     return buffer, pusher, RedisStatus(client, keys)
 
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_distributed(cfg.trainer.device)
     with contextlib.ExitStack() as stack:
         stack.callback(close_distributed)
-        source, pusher, status = _connect(cfg, ctx, stack)
+        metrics = CollectorRegistry()
+        source, pusher, status = _connect(cfg, ctx, stack, metrics)
         trainer = Trainer(
             cfg.trainer,
             cfg.model.path,
@@ -95,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.buffer,
             temperature=cfg.rollout.temperature,
             pusher=pusher,
+            registry=metrics,
         ).start(resume=args.resume, ctx=ctx)
         stack.callback(trainer.close)
         tc = cfg.trainer
@@ -110,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                 break
             record = trainer.train(groups, waited)
             if status is not None:
-                status.publish(record, trainer.version)
+                status.publish(record, trainer.version, pusher.last_pushed)
                 log.info("step %d: loss %.4f reward %.3f", record["step"], record["loss"], record["reward_mean"])
         trainer.finish(source)
+        if status is not None:
+            status.versions(trainer.version, pusher.last_pushed)
     return 0
 
 

@@ -1,361 +1,518 @@
-"""Checkpoint pusher: streams one policy version to every rollout server, then commits everywhere.
+"""Checkpoint pusher: each new policy version goes to every live rollout server in the background.
 
-The manifest (names, dtypes, shapes, packed offsets) comes from parameter metadata, so each
-tensor is gathered once: its bytes go out in ~1 MiB chunks to all servers concurrently (one
-stream per server fed from the same serialized chunks) and its crc32 travels in the trailer.
-Rank 0 holds one parameter (plus a few queued chunks per server) at a time, never the model.
+``push_model`` is the only part on the training step's path: every rank takes part in the per-parameter
+all-gathers, and rank 0 copies the gathered tensors into a host snapshot (``trainer.snapshot``). From there
+one thread per server streams it (Stage), then commits it, each call with its own deadline: connect
+(``connect_timeout_s``), Stage (``stage_timeout_s`` + bytes / ``min_throughput_mib_s``) and Commit
+(``commit_timeout_s``). A frozen or slow server therefore costs the trainer nothing; it misses versions.
+
+A version is published (``set_version``: ``rw:<run>:version``, which admission reads) once ``quorum`` of the
+servers live at that moment committed it: checked at each commit, and again by the watcher as the live set
+changes (a frozen server that leaves it no longer holds the newest version back). A server that missed
+versions gets only the newest on its next push, never the ones between: a server's thread keeps one pending
+snapshot, and a newer one replaces it. The watcher re-offers the newest version to every live server that
+does not serve it yet (a restarted server, or a straggler after its back-off), so a server that comes back
+catches up without waiting for the next training step.
+
+Every failed push is logged naming the server and the stage, counted in
+``rollwave_trainer_push_failures_total{server,stage,reason}`` and recorded (``record``, the registry's
+per-server push results that ``rollwave status``, the API and the dashboard show). A version that no quorum
+committed is an error in the log, listing each server's reason.
 """
 
 from __future__ import annotations
 
-import queue
+import logging
 import threading
 import time
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import grpc
+import redis
 import torch
 import torch.distributed as dist
+from prometheus_client import CollectorRegistry, Counter
 
-from buffer.registry import ServerRegistry
-from core.checkpoint_format import DTYPES, GRPC_OPTIONS, SERVICE, trailer_checksum
+from buffer.registry import PushRecord, ServerRegistry
+from core.checkpoint_format import GRPC_OPTIONS, REASON_KEY, SERVICE
 from core.config import CheckpointConfig
 from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
-from trainer.parallel import hf_name, iter_full_params
+from trainer.parallel import iter_full_params
+from trainer.snapshot import BufferPool, Snapshot, TensorMeta, model_metas, take_snapshot
 
+log = logging.getLogger(__name__)
 _STAGE_METHOD = f"/{SERVICE}/Stage"
-_QUEUE_DEPTH = 8
-# Stage failures that another attempt cannot fix (a bad manifest, an old version, a wrong token).
-_FINAL = {None, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
-Agree = Callable[[list[str]], list[str]]
-
-
-def _alone(addresses: list[str]) -> list[str]:
-    return addresses
+WATCH_S = 1.0  # how often the watcher lists the live servers and re-offers the newest version
+BACKOFF_S = (1.0, 30.0)  # a server's back-off after a failed push: first, longest (doubling)
+# Failures that another try of the same version cannot fix: the server refused it, or it timed out
+# (a straggler waits for its back-off and then gets the newest version instead).
+_FINAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
+          grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+_REASONS = {grpc.StatusCode.DEADLINE_EXCEEDED: "timeout", grpc.StatusCode.UNAVAILABLE: "unavailable",
+            grpc.StatusCode.UNAUTHENTICATED: "unauthenticated", grpc.StatusCode.PERMISSION_DENIED: "unauthenticated",
+            grpc.StatusCode.INVALID_ARGUMENT: "rejected", grpc.StatusCode.FAILED_PRECONDITION: "rejected",
+            grpc.StatusCode.DATA_LOSS: "checksum"}
 
 
 @dataclass(frozen=True)
-class TensorMeta:
-    """What the manifest needs of one parameter, known without gathering it."""
+class Target:
+    """A rollout server to push to, and the version it reports serving (registry heartbeat)."""
 
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    @property
-    def nbytes(self) -> int:
-        if self.dtype_name not in DTYPES:
-            raise ValueError(f"tensor {self.name}: dtype {self.dtype_name} cannot be pushed "
-                             f"(supported: {', '.join(DTYPES)})")
-        return DTYPES[self.dtype_name][1] * int(torch.Size(self.shape).numel())
+    server_id: str
+    address: str
+    version: int = 0
 
 
 @dataclass
-class ServerPush:
-    """Outcome of one push on one server."""
+class PushResult:
+    """One version on one server: committed, failed (at ``stage``: connect, stage, commit) or skipped
+    because a newer version replaced it before its turn."""
 
+    server_id: str
     address: str
+    version: int
     ok: bool = False
+    skipped: bool = False
+    stage: str = ""
+    reason: str = ""
     error: str = ""
+    serves: int = 0
     bytes: int = 0
     stage_seconds: float = 0.0
     pause_seconds: float = 0.0
     load_seconds: float = 0.0
     stage_attempts: int = 0
     commit_attempts: int = 0
-    retry: bool = field(default=False, repr=False)
+    finished: float = 0.0
+
+    def record(self) -> PushRecord:
+        return PushRecord(version=self.version, ok=self.ok, stage=self.stage, reason=self.reason, error=self.error,
+                          serves=self.serves, at=self.finished)
 
 
-@dataclass
-class PushReport:
-    version: int
-    servers: list[ServerPush] = field(default_factory=list)
-    seconds: float = 0.0
-    version_written: bool = False
+class PushRound:
+    """One version's fan-out to the servers that were live when it was taken; ``wait()`` for all of them."""
+
+    def __init__(self, version: int, targets: Sequence[Target], snapshot_seconds: float):
+        self.version = version
+        self.targets = list(targets)
+        self.snapshot_seconds = snapshot_seconds
+        self.results: dict[str, PushResult] = {}
+        self.commits = 0  # by any server, catch-ups included
+        self.published = False
+        self.reported = False
+        self._done = threading.Event()
+        if not self.targets:
+            self._done.set()
+
+    @property
+    def servers(self) -> list[PushResult]:
+        return [self.results[t.server_id] for t in self.targets if t.server_id in self.results]
 
     @property
     def ok(self) -> bool:
-        return bool(self.servers) and all(s.ok for s in self.servers)
+        return self.final and bool(self.targets) and all(s.ok for s in self.servers)
+
+    @property
+    def final(self) -> bool:
+        return self._done.is_set()
+
+    def add(self, result: PushResult) -> None:
+        self.commits += result.ok
+        if any(t.server_id == result.server_id for t in self.targets):
+            self.results.setdefault(result.server_id, result)
+            if len(self.results) == len(self.targets):
+                self._done.set()
+
+    def wait(self, timeout_s: float | None = None) -> PushRound:
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"push of version {self.version}: servers still pending after {timeout_s} s")
+        return self
 
 
-def model_metas(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[TensorMeta]:
-    """Manifest entries in ``iter_full_params`` order, from parameter metadata alone (a DTensor's
-    ``shape`` is the full, unsharded one), so nothing is gathered to build the manifest."""
-    return [TensorMeta(hf_name(name), _cast_dtype(p.dtype, dtype), tuple(p.shape))
-            for name, p in model.named_parameters()]
+class PushMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.failures = Counter("rollwave_trainer_push_failures", "failed pushes of a version to a server",
+                                ["server", "stage", "reason"], registry=self.registry)
+        self.unpublished = Counter("rollwave_trainer_push_unpublished", "versions that no quorum committed",
+                                   registry=self.registry)
 
 
-def registered_servers(registry: ServerRegistry) -> Callable[[], list[str]]:
-    """The gRPC addresses of the registry's live rollout servers, read again at every push."""
-    return lambda: [s.grpc_address for s in registry.live_servers() if s.grpc_address]
+class _Failed(Exception):
+    def __init__(self, stage: str, reason: str, error: str):
+        super().__init__(error)
+        self.stage, self.reason = stage, reason
 
 
-def _broadcast_from_rank0(addresses: list[str]) -> list[str]:
-    box = [addresses]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _failure(stage: str, exc: grpc.RpcError, deadline_s: float) -> _Failed:
+    code = exc.code()
+    reason = dict(exc.trailing_metadata() or ()).get(REASON_KEY) or _REASONS.get(code, "failed")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return _Failed(stage, "timeout", f"{stage}: no answer within its {deadline_s:.3g} s deadline")
+    return _Failed(stage, str(reason), f"{stage}: {code.name}: {exc.details()}")
 
 
-def build_manifest(version: int, metas: Sequence[TensorMeta]) -> pb.Manifest:
-    """Tensors packed back to back in manifest order (the layout the receiver requires)."""
-    manifest = pb.Manifest(version=version)
-    offset = 0
-    for m in metas:
-        manifest.tensors.add(name=m.name, dtype=m.dtype_name, shape=list(m.shape), offset=offset,
-                             nbytes=m.nbytes)
-        offset += m.nbytes
-    manifest.total_bytes = offset
-    return manifest
+class _Link:
+    """The pushes to one server, in a thread of its own: at most one in flight and one pending."""
 
-
-def _cast_dtype(have: torch.dtype, want: torch.dtype | None) -> torch.dtype:
-    return want if want is not None and have.is_floating_point else have
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def encode_data_chunk(offset: int, pieces: Sequence[memoryview]) -> bytes:
-    """A serialized ``Chunk{offset, data}`` built with one copy of the payload.
-
-    Protobuf wire format: field 3 (offset, varint) then field 2 (data, length-delimited);
-    ``Chunk.SerializeToString`` would need the joined bytes first, a second copy per chunk.
-    """
-    size = sum(p.nbytes for p in pieces)
-    return b"".join([b"\x18", _varint(offset), b"\x12", _varint(size), *pieces])
-
-
-def iter_chunks(metas: Sequence[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int,
-                crcs: list[int]) -> Iterator[bytes]:
-    """Serialized data chunks of ``chunk_bytes`` (the last may be short), filling ``crcs`` as it goes."""
-    pieces: list[memoryview] = []
-    filled = offset = 0
-    count = 0
-    for meta, (name, tensor) in zip(metas, tensors, strict=True):
-        if name != meta.name or tuple(tensor.shape) != meta.shape:
-            raise ValueError(f"tensor {name} {list(tensor.shape)} arrived where the manifest has "
-                             f"{meta.name} {list(meta.shape)}")
-        flat = tensor.detach().to("cpu", meta.dtype).contiguous().reshape(-1)
-        view = memoryview(flat.view(torch.uint8).numpy())
-        crcs.append(zlib.crc32(view))
-        count += 1
-        pos = 0
-        while pos < view.nbytes:
-            take = min(chunk_bytes - filled, view.nbytes - pos)
-            pieces.append(view[pos:pos + take])
-            filled += take
-            pos += take
-            if filled == chunk_bytes:
-                yield encode_data_chunk(offset, pieces)
-                offset += filled
-                pieces, filled = [], 0
-    if pieces:
-        yield encode_data_chunk(offset, pieces)
-    if count != len(metas):
-        raise ValueError(f"{count} tensors arrived for a manifest of {len(metas)}")
-
-
-class _StageStream:
-    """One server's Stage call, fed from a bounded queue by the producer thread."""
-
-    def __init__(self, address: str, channel: grpc.Channel, metadata: list[tuple[str, str]], timeout: float):
-        self.address = address
-        self.reply: pb.StageReply | None = None
-        self.code: grpc.StatusCode | None = None
-        self.error = ""
-        self._queue: queue.Queue[bytes | None] = queue.Queue(_QUEUE_DEPTH)
-        self._done = threading.Event()
-        self._call = channel.stream_unary(_STAGE_METHOD, request_serializer=None,
-                                          response_deserializer=pb.StageReply.FromString)
-        self._thread = threading.Thread(target=self._run, args=(metadata, timeout), daemon=True,
-                                        name=f"stage-{address}")
+    def __init__(self, target: Target, pusher: CheckpointPusher):
+        self.target = target
+        self.committed = 0
+        self.retry_at = 0.0
+        self._backoff = BACKOFF_S[0]
+        self._pusher = pusher
+        self._config = pusher.config
+        self._pending: Snapshot | None = None
+        self._busy = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._channel = grpc.insecure_channel(target.address, options=GRPC_OPTIONS)
+        self._stage = self._channel.stream_unary(_STAGE_METHOD, request_serializer=None,
+                                                 response_deserializer=pb.StageReply.FromString)
+        self._stub = pb_grpc.CheckpointEngineStub(self._channel)
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"push-{target.server_id}")
         self._thread.start()
 
-    def _requests(self) -> Iterator[bytes]:
-        while not self._done.is_set():
-            try:
-                item = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if item is None:
-                return
-            yield item
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._busy and self._pending is None
 
-    def _run(self, metadata: list[tuple[str, str]], timeout: float) -> None:
-        try:
-            self.reply = self._call(self._requests(), metadata=metadata, timeout=timeout)
-        except grpc.RpcError as exc:
-            self.code = exc.code()
-            self.error = f"Stage: {exc.code().name}: {exc.details()}"
-        finally:
-            self._done.set()
-
-    def send(self, item: bytes | None) -> None:
-        """Queue one serialized chunk (None ends the stream); a no-op once the call has ended."""
-        while not self._done.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def finish(self) -> None:
-        self.send(None)
-        self._thread.join()
-
-
-class CheckpointPusher:
-    """Pushes versions to the servers ``servers()`` lists (gRPC ``host:port``), then records the version.
-
-    ``set_version(v)`` runs once at least one server committed ``v`` (writes ``rw:<run>:version``).
-    """
-
-    def __init__(self, config: CheckpointConfig, servers: Sequence[str] | Callable[[], Sequence[str]],
-                 set_version: Callable[[int], None] | None = None):
-        self.config = config
-        self._servers = servers if callable(servers) else (lambda: list(servers))
-        self._set_version = set_version
-        self._metadata = [("authorization", f"Bearer {config.token.get_secret_value()}")]
-        self._channels: dict[str, grpc.Channel] = {}
-
-    def _channel(self, address: str) -> grpc.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        return self._channels[address]
+    def offer(self, snapshot: Snapshot) -> None:
+        """Push ``snapshot`` next; one still pending is skipped (only the newest version is worth sending)."""
+        with self._cond:
+            replaced, self._pending = self._pending, snapshot.acquire()
+            self._cond.notify()
+        if replaced is not None:
+            self._pusher._finish(self._result(replaced.version, skipped=True))
+            replaced.release()
 
     def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
+        """Stop (``join()`` waits for the thread): the channel's close cancels a call in flight."""
+        with self._cond:
+            self._closed = True
+            pending, self._pending = self._pending, None
+            self._cond.notify()
+        if pending is not None:  # its round still hears from this server
+            self._pusher._finish(self._result(pending.version, skipped=True))
+            pending.release()
+        self._channel.close()
 
-    def push_model(self, model: torch.nn.Module, version: int,
-                   dtype: torch.dtype | None = None) -> PushReport | None:
-        """Push ``model`` (FSDP2-sharded or plain) as ``version``; every rank calls this.
+    def join(self) -> None:
+        self._thread.join()
 
-        Rank 0 streams and returns the report; the other ranks only take part in the per-parameter
-        all-gathers of each stage pass (rank 0 broadcasts which servers need another pass) and return None.
-        ``dtype`` casts floating tensors to the served model's dtype (e.g. bf16 weights from fp32 masters).
-        """
-        metas = model_metas(model, dtype)
-
-        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            return iter_full_params(model)  # type: ignore[return-value]  # never None on rank 0
-
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return self.push(version, metas, tensors)
-        if dist.get_rank() == 0:
-            return self.push(version, metas, tensors, _broadcast_from_rank0)
-        pending = _broadcast_from_rank0([])
-        for _ in range(self.config.retries + 1):
-            if not pending:
-                break
-            for _name_and_none in iter_full_params(model):
-                pass
-            pending = _broadcast_from_rank0([])
-        return None
-
-    def push(self, version: int, metas: Sequence[TensorMeta],
-             tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], agree: Agree = _alone) -> PushReport:
-        """Stage on every server, commit on those that staged, then record the version.
-
-        ``tensors()`` yields the full tensors in ``metas`` order; it is called once per stage pass.
-        ``agree`` makes every rank see rank 0's list of servers to re-stream (identity when unsharded).
-        """
-        start = time.monotonic()
-        report = self.stage(version, metas, tensors, agree)
-        self.commit(report)
-        if self._set_version is not None and any(s.ok for s in report.servers):
-            self._set_version(version)
-            report.version_written = True
-        report.seconds = time.monotonic() - start
-        return report
-
-    def stage(self, version: int, metas: Sequence[TensorMeta],
-              tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], agree: Agree = _alone) -> PushReport:
-        """Stream the version to every server; a server that failed with a transient error is
-        re-streamed (all of them in one more pass) up to ``retries`` times."""
-        report = PushReport(version, [ServerPush(a) for a in self._servers()])
-        by_address = {s.address: s for s in report.servers}
-        manifest = pb.Chunk(manifest=build_manifest(version, metas)).SerializeToString()
-        pending = agree(list(by_address))
-        for _ in range(self.config.retries + 1):
-            if not pending:
-                break
-            for address in pending:
-                by_address[address].stage_attempts += 1
-            self._stage_pass(manifest, metas, tensors(), [by_address[a] for a in pending])
-            pending = agree([a for a in pending if by_address[a].retry])
-        return report
-
-    def commit(self, report: PushReport) -> None:
-        """Commit concurrently on every server that staged ``report.version``."""
-        staged = [s for s in report.servers if not s.error]
-        with ThreadPoolExecutor(max(1, len(staged))) as pool:
-            list(pool.map(lambda s: self._commit(s, report.version), staged))
-
-    def _stage_pass(self, manifest: bytes, metas: Sequence[TensorMeta],
-                    tensors: Iterable[tuple[str, torch.Tensor]], targets: list[ServerPush]) -> None:
-        streams = [_StageStream(t.address, self._channel(t.address), self._metadata, self.config.timeout_s)
-                   for t in targets]
-        crcs: list[int] = []
-        try:  # every tensor is iterated even when all streams failed: other ranks gather in step
-            for s in streams:
-                s.send(manifest)
-            for chunk in iter_chunks(metas, tensors, self.config.chunk_bytes, crcs):
-                for s in streams:
-                    s.send(chunk)
-            trailer = pb.Chunk(trailer=pb.Trailer(crc32=crcs, checksum=trailer_checksum(crcs)))
-            for s in streams:
-                s.send(trailer.SerializeToString())
-        finally:
-            for s in streams:
-                s.finish()
-        for target, s in zip(targets, streams, strict=True):
-            target.error, target.retry = s.error, s.code not in _FINAL
-            if s.reply is not None:
-                target.bytes, target.stage_seconds = s.reply.bytes_received, s.reply.seconds
-
-    def _commit(self, server: ServerPush, version: int) -> None:
-        """Commit with retries (backing off); a failed load stays staged on the server, so a retry can work."""
-        stub = pb_grpc.CheckpointEngineStub(self._channel(server.address))
-        for attempt in range(self.config.retries + 1):
-            if attempt:
-                time.sleep(min(0.2 * 2**attempt, 5.0))
-            server.commit_attempts += 1
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                snapshot, self._pending, self._busy = self._pending, None, True
             try:
-                reply = stub.Commit(pb.CommitRequest(version=version), metadata=self._metadata,
-                                    timeout=self.config.timeout_s)
+                result = self._push(snapshot)
+            finally:
+                snapshot.release()
+            self._settle(result)
+            self._pusher._finish(result)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _settle(self, result: PushResult) -> None:
+        if result.ok:
+            self.committed, self._backoff, self.retry_at = result.version, BACKOFF_S[0], 0.0
+        else:
+            self.retry_at = time.monotonic() + self._backoff
+            self._backoff = min(2 * self._backoff, BACKOFF_S[1])
+
+    def _result(self, version: int, **kw: object) -> PushResult:
+        return PushResult(self.target.server_id, self.target.address, version, serves=self.target.version,
+                          finished=time.time(), **kw)  # type: ignore[arg-type]
+
+    def _newer_pending(self) -> bool:
+        with self._cond:
+            return self._pending is not None or self._closed
+
+    def _push(self, snapshot: Snapshot) -> PushResult:
+        result = self._result(snapshot.version)
+        try:
+            result.serves = self._connect()
+            if result.serves != snapshot.version:  # equal: a commit that outlived its deadline landed
+                self._stage_version(snapshot, result)
+                self._commit(snapshot.version, result)
+        except _Failed as failed:
+            result.stage, result.reason = failed.stage, failed.reason
+            result.error = f"server {self.target.server_id} ({self.target.address}): {failed}"
+        else:
+            result.ok, result.serves = True, snapshot.version
+        result.finished = time.time()
+        return result
+
+    def _connect(self) -> int:
+        """The version the server serves, asked once the channel is up: a server that cannot be reached, or
+        is reached but does not answer (frozen), fails here within ``connect_timeout_s``."""
+        timeout = self._config.connect_timeout_s
+        try:
+            status = self._stub.Status(pb.StatusRequest(), metadata=self._pusher.metadata, timeout=timeout,
+                                       wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise _failure("connect", exc, timeout) from None
+        return status.current_version
+
+    def _stage_version(self, snapshot: Snapshot, result: PushResult) -> None:
+        cfg = self._config
+        deadline = cfg.stage_timeout_s + snapshot.nbytes / (cfg.min_throughput_mib_s * 2**20)
+        for attempt in range(cfg.retries + 1):
+            result.stage_attempts += 1
+            try:
+                reply = self._stage(snapshot.chunks(cfg.chunk_bytes), metadata=self._pusher.metadata,
+                                    timeout=deadline)
             except grpc.RpcError as exc:
-                server.error = f"Commit: {exc.code().name}: {exc.details()}"
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and self._committed(stub, version):
-                    server.ok, server.error = True, ""
-                    return
-                if exc.code() in _FINAL:
-                    return
+                if exc.code() in _FINAL or attempt == cfg.retries or self._newer_pending():
+                    raise _failure("stage", exc, deadline) from None
+                time.sleep(min(0.2 * 2**attempt, 5.0))
                 continue
-            server.ok, server.error = True, ""
-            server.pause_seconds, server.load_seconds = reply.pause_seconds, reply.load_seconds
+            result.bytes, result.stage_seconds = reply.bytes_received, reply.seconds
             return
 
-    def _committed(self, stub: pb_grpc.CheckpointEngineStub, version: int) -> bool:
+    def _commit(self, version: int, result: PushResult) -> None:
+        """Commit with retries (backing off); a failed load stays staged on the server, so a retry can work."""
+        cfg = self._config
+        for attempt in range(cfg.retries + 1):
+            if attempt:
+                time.sleep(min(0.2 * 2**attempt, 5.0))
+            result.commit_attempts += 1
+            try:
+                reply = self._stub.Commit(pb.CommitRequest(version=version), metadata=self._pusher.metadata,
+                                          timeout=cfg.commit_timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and self._serves(version):
+                    return
+                if exc.code() in _FINAL or attempt == cfg.retries:
+                    raise _failure("commit", exc, cfg.commit_timeout_s) from None
+                continue
+            result.pause_seconds, result.load_seconds = reply.pause_seconds, reply.load_seconds
+            return
+
+    def _serves(self, version: int) -> bool:
         """A retried Commit whose first try landed finds the version already current."""
         try:
-            status = stub.Status(pb.StatusRequest(), metadata=self._metadata, timeout=self.config.timeout_s)
+            status = self._stub.Status(pb.StatusRequest(), metadata=self._pusher.metadata,
+                                       timeout=self._config.connect_timeout_s)
         except grpc.RpcError:
             return False
         return status.current_version == version
+
+
+def registered_servers(registry: ServerRegistry) -> Callable[[], list[Target]]:
+    """The registry's live rollout servers with a gRPC address, read again at every push."""
+    return lambda: [Target(s.server_id, s.grpc_address, s.version) for s in registry.live_servers()
+                    if s.grpc_address]
+
+
+def quorum_of(setting: int | str, live: int) -> int:
+    """Commits a version needs: ``majority`` of ``live`` (1 when there is one or none), ``all``, or a number."""
+    if setting == "majority":
+        return live // 2 + 1
+    if setting == "all":
+        return max(live, 1)
+    return int(setting)
+
+
+class CheckpointPusher:
+    """Pushes versions to the servers that ``servers()`` lists (``Target``s, or plain ``host:port``s)."""
+
+    def __init__(self, config: CheckpointConfig, servers: Sequence[str] | Callable[[], Sequence[Target]],
+                 set_version: Callable[[int], object] | None = None, *,
+                 record: Callable[[str, PushRecord], None] | None = None,
+                 registry: CollectorRegistry | None = None, pin_memory: bool = False):
+        self.config = config
+        if callable(servers):
+            self._servers = servers
+        else:
+            static = [Target(a, a) for a in servers]
+            self._servers = lambda: static
+        self._set_version = set_version
+        self._record = record
+        self.metrics = PushMetrics(registry)
+        self.metadata = [("authorization", f"Bearer {config.token.get_secret_value()}")]
+        self.published = 0
+        self.last_pushed = 0
+        self._newest: Snapshot | None = None
+        self._rounds: dict[int, PushRound] = {}
+        self._links: dict[str, _Link] = {}
+        self._live: list[Target] = []
+        self._finished: deque[PushResult] = deque(maxlen=4096)
+        self._pool = BufferPool(pin=pin_memory)
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def push_model(self, model: torch.nn.Module, dtype: torch.dtype | None = None,
+                   version: int | None = None) -> PushRound | None:
+        """Snapshot ``model`` (FSDP2-sharded or plain) as ``version`` (default: the next) and hand it to the
+        servers; every rank calls this (the all-gathers are collectives), rank 0 pushes and gets the round,
+        others get None. ``dtype`` casts floating tensors (e.g. to bf16 weights from fp32 masters)."""
+        if dist.is_initialized() and dist.get_rank() != 0:
+            for _ in iter_full_params(model):
+                pass
+            return None
+        return self.push(model_metas(model, dtype), iter_full_params(model), version)  # type: ignore[arg-type]
+
+    def push(self, metas: Sequence[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],
+             version: int | None = None) -> PushRound:
+        """Snapshot ``tensors`` (in ``metas`` order) as ``version`` (default: above every version pushed,
+        published or served) and offer it to every live server; returns at once."""
+        start = time.perf_counter()
+        targets = self._list_servers()
+        if version is None:
+            version = max([self.last_pushed, self.published, *(t.version for t in targets)]) + 1
+        snapshot = take_snapshot(version, metas, tensors, self._pool)
+        rnd = PushRound(version, targets, time.perf_counter() - start)
+        with self._lock:
+            self.last_pushed = max(self.last_pushed, version)
+            self._rounds[version] = rnd
+            for old in [v for v, r in self._rounds.items() if v < version and r.final]:
+                del self._rounds[old]
+            previous, self._newest = self._newest, snapshot
+            for target in targets:
+                self._link(target).offer(snapshot)
+        if previous is not None:
+            previous.release()
+        if not targets:
+            log.warning("version %d: no live rollout server to push it to; servers get it when they register",
+                        version)
+        self._start_watcher()
+        return rnd
+
+    def take_results(self) -> list[PushResult]:
+        """Results that arrived since the last call (for the step's record)."""
+        with self._lock:
+            done = list(self._finished)
+            self._finished.clear()
+        return done
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until no push is pending or in flight (default: one push's deadlines); False on timeout."""
+        if timeout_s is None:
+            cfg = self.config
+            nbytes = self._newest.nbytes if self._newest is not None else 0
+            timeout_s = (cfg.connect_timeout_s + cfg.stage_timeout_s + nbytes / (cfg.min_throughput_mib_s * 2**20)
+                         + cfg.commit_timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not all(link.idle for link in list(self._links.values())):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+            newest, self._newest = self._newest, None
+        for link in links:
+            link.close()
+        for link in links:
+            link.join()
+        if newest is not None:
+            newest.release()
+
+    def _link(self, target: Target) -> _Link:
+        link = self._links.get(target.address)
+        if link is None or link.target.server_id != target.server_id:
+            if link is not None:  # another server now listens there
+                link.close()
+            link = self._links[target.address] = _Link(target, self)
+        link.target = target
+        return link
+
+    def _list_servers(self) -> list[Target]:
+        try:
+            self._live = list(self._servers())
+        except redis.RedisError as exc:
+            log.warning("cannot list the rollout servers (%s); pushing to the last known ones", exc)
+        return self._live
+
+    def _start_watcher(self) -> None:
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, daemon=True, name="push-watcher")
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        """Every ``WATCH_S``: catch up the live servers, publish what the live set's quorum now holds."""
+        while not self._stop.wait(WATCH_S):
+            targets = self._list_servers()
+            with self._lock:
+                self._catch_up(targets)
+                quorum = quorum_of(self.config.quorum, len(targets))
+                ready = [r.version for r in self._rounds.values() if not r.published and r.commits >= quorum]
+            if ready:
+                self._publish(max(ready))
+
+    def _catch_up(self, targets: list[Target]) -> None:
+        """Offer the newest version to live servers that lack it and are not backing off; drop the links of
+        servers that left."""
+        newest, now = self._newest, time.monotonic()
+        for target in targets:
+            link = self._link(target)
+            if newest is None or max(target.version, link.committed) >= newest.version:
+                continue
+            if link.idle and now >= link.retry_at:
+                link.offer(newest)
+        addresses = {t.address for t in targets}
+        for address in [a for a, link in self._links.items() if a not in addresses and link.idle]:
+            self._links.pop(address).close()
+
+    def _finish(self, result: PushResult) -> None:
+        """Account one result: metrics, the registry record, the log, the version's quorum."""
+        if not result.skipped:
+            if not result.ok:
+                self.metrics.failures.labels(result.server_id, result.stage, result.reason).inc()
+                log.warning("push of version %d failed: %s", result.version, result.error)
+            if self._record is not None:
+                try:
+                    self._record(result.server_id, result.record())
+                except redis.RedisError as exc:
+                    log.warning("cannot record the push result of %s: %s", result.server_id, exc)
+        with self._lock:
+            self._finished.append(result)
+            rnd = self._rounds.get(result.version)
+            if rnd is None:
+                return
+            rnd.add(result)
+            quorum = quorum_of(self.config.quorum, len(self._live))
+            publish = not rnd.published and rnd.commits >= quorum
+            rnd.published |= publish
+            report = rnd.final and not rnd.published and not rnd.reported
+            rnd.reported |= report
+        if publish:
+            self._publish(result.version)
+        if report and any(not s.ok and not s.skipped for s in rnd.servers):
+            self.metrics.unpublished.inc()
+            reasons = "; ".join(s.error or f"server {s.server_id}: skipped for a newer version"
+                                for s in rnd.servers if not s.ok)
+            where = f"on {rnd.commits} of {len(rnd.targets)} servers" if rnd.commits else "on no server"
+            log.error("version %d not published: committed %s, quorum %d. %s", rnd.version, where, quorum, reasons)
+
+    def _publish(self, version: int) -> None:
+        with self._lock:
+            for rnd in self._rounds.values():
+                rnd.published |= rnd.version <= version
+            if version <= self.published:
+                return
+            self.published = version
+        log.info("version %d published", version)
+        if self._set_version is not None:
+            try:
+                self._set_version(version)
+            except redis.RedisError as exc:
+                log.error("version %d committed by a quorum but not recorded in Redis: %s", version, exc)
+

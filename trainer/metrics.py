@@ -106,10 +106,12 @@ class RedisStatus:
         """Where rank 0 serves its Prometheus metrics, as bound (``trainer.metrics_port=0`` picks any)."""
         self.redis.hset(self.keys.trainer, "metrics_address", address)
 
-    def publish(self, record: dict[str, Any], version: int) -> None:
+    def publish(self, record: dict[str, Any], version: int, pushed: int) -> None:
+        """One step, with the published ``version`` (a quorum serves it) and the newest ``pushed`` one."""
         status = {
             "step": record["step"],
             "version": version,
+            "pushed_version": pushed,
             "reward_mean": record["reward_mean"],
             "loss": record["loss"],
             "tokens_per_s": record["tokens_per_s"],
@@ -119,3 +121,8 @@ class RedisStatus:
         pipe.hset(self.keys.trainer, mapping=status)
         pipe.xadd(self.keys.steps, {"metrics": json.dumps(record)}, maxlen=self.max_steps, approximate=True)
         pipe.execute()
+
+    def versions(self, version: int, pushed: int) -> None:
+        """The versions alone (after the last pushes landed, when no step follows)."""
+        self.redis.hset(self.keys.trainer, mapping={"version": version, "pushed_version": pushed,
+                                                    "heartbeat": time.time()})

@@ -5,6 +5,13 @@ are acked only after a checkpoint that covers the step which used them, so a cra
 its entries stay pending and come back first (``ReplayBuffer.take`` reclaims this consumer's own pending
 entries). The checkpoint records those entries, and a resumed trainer acks them again before reading,
 so a group trained before the checkpoint is not trained twice.
+
+Versions: with a pusher, ``version`` is the newest version a quorum of rollout servers committed (the
+pusher publishes it in the background; rank 0 reads it before each batch and shares it with the batch),
+so staleness is measured against weights that really serve. The trainer pushes its weights when it
+starts (every server then serves them, a resumed trainer's included) and every ``push_every`` steps; it
+never waits for a push. Without a pusher (tests that sample from the trainer's own model) the version
+counts the trainer's own updates.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from buffer.schema import TrajectoryGroup
 from buffer.staleness import split_stale
 from core.config import BufferConfig, TrainerConfig
 from trainer.checkpoint import Checkpointer
-from trainer.checkpoint_pusher import PushReport
+from trainer.checkpoint_pusher import PushResult, PushRound
 from trainer.metrics import MetricsLog, TrainerMetrics
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel import DistContext, init_distributed, load_model
@@ -44,10 +51,17 @@ class GroupSource(Protocol):
 
 
 class Pusher(Protocol):
-    """Streams a new policy version to the rollout servers (``trainer.checkpoint_pusher.CheckpointPusher``);
-    every rank calls it (gathering full parameters is a collective); rank 0 gets the report."""
+    """Hands new policy versions to the rollout servers in the background
+    (``trainer.checkpoint_pusher.CheckpointPusher``). Every rank calls ``push_model`` (gathering full parameters
+    is a collective); rank 0 gets the round. ``published`` is the newest version a quorum of servers committed."""
 
-    def push_model(self, model: nn.Module, version: int) -> PushReport | None: ...
+    published: int
+
+    def push_model(self, model: nn.Module) -> PushRound | None: ...
+
+    def take_results(self) -> list[PushResult]: ...
+
+    def flush(self, timeout_s: float | None = None) -> bool: ...
 
 
 class Trainer:
@@ -110,6 +124,9 @@ class Trainer:
             self._log = MetricsLog(self.run_dir / "metrics.jsonl").start()
             self.metrics.step.set(self.step)
             self.metrics.version.set(self.version)
+        if self.pusher is not None:
+            self.pusher.published = max(self.pusher.published, self.version)
+            self.pusher.push_model(self.model)
         return self
 
     def restore(self, path: Path | None = None) -> bool:
@@ -150,15 +167,19 @@ class Trainer:
             if self.ctx.world_size > 1:
                 dist.broadcast_object_list(payload, src=0)
             if payload[0] is not None:
-                groups, self._drained = payload[0]
+                groups, self._drained, self.version = payload[0]
                 return groups, time.perf_counter() - start
 
-    def _read(self, source: GroupSource) -> tuple[list[TrajectoryGroup], bool] | None:
-        """One buffer read into the pending batch; (the batch, drained) once it holds ``groups_per_step``
-        groups, or (with ``stop_when_drained``) whatever it holds once nothing more can arrive."""
+    def _read(self, source: GroupSource) -> tuple[list[TrajectoryGroup], bool, int] | None:
+        """One buffer read into the pending batch; (the batch, drained, version) once it holds
+        ``groups_per_step`` groups, or (with ``stop_when_drained``) whatever it holds once nothing more can
+        arrive. The version is read after the take, so a group is never judged by an older version than
+        the one it was admitted under."""
         self.ack_checkpointed(source)
         want = self.buffer.groups_per_step
         items = source.take(want - len(self._partial), self.cfg.take_timeout_s)
+        if self.pusher is not None:
+            self.version = max(self.version, self.pusher.published)
         fresh, stale = split_stale(items, self.version, self.buffer.max_staleness, self.buffer_metrics)
         if stale:
             ids = [g.group_id for _, g in stale]
@@ -170,7 +191,7 @@ class Trainer:
             return None
         batch, self._partial = self._partial, []
         self._unacked += [(e, g.group_id) for e, g in batch]
-        return [g for _, g in batch], drained
+        return [g for _, g in batch], drained, self.version
 
     def train(self, groups: list[TrajectoryGroup], wait_s: float = 0.0) -> dict[str, Any]:
         """One step on ``groups`` (every rank, same groups); then push, record and checkpoint as due."""
@@ -181,9 +202,9 @@ class Trainer:
         self._stale_dropped = 0
         self.step += 1
         if self.step % self.buffer.push_every == 0:
-            self.version += 1
             record.update(self._push())
         if self.ctx.is_main:
+            record.update(self._push_outcomes())
             self.metrics.observe_step(record)
             self.metrics.version.set(self.version)
             assert self._log is not None
@@ -193,16 +214,24 @@ class Trainer:
         return record
 
     def _push(self) -> dict[str, Any]:
-        """Push the new version (every rank); rank 0's figures for the step's record."""
+        """Hand the new weights to the pusher (every rank); rank 0's figures for the step's record."""
+        if self.pusher is None:
+            self.version += 1
+            return {}
+        pushed = self.pusher.push_model(self.model)
+        if pushed is None:
+            return {}
+        return {"pushed_version": pushed.version, "push_snapshot_s": pushed.snapshot_seconds}
+
+    def _push_outcomes(self) -> dict[str, Any]:
+        """Pushes that finished since the last step: their commit pauses and failures."""
         if self.pusher is None:
             return {}
-        report = self.pusher.push_model(self.model, self.version)
-        if report is None:
-            return {}
+        results = [r for r in self.pusher.take_results() if not r.skipped]
         return {
-            "push_s": report.seconds,
-            "push_servers_ok": sum(s.ok for s in report.servers),
-            "push_pause_ms": [s.pause_seconds * 1000 for s in report.servers if s.ok],
+            "push_servers_ok": sum(r.ok for r in results),
+            "push_failures": sum(not r.ok for r in results),
+            "push_pause_ms": [r.pause_seconds * 1000 for r in results if r.ok],
         }
 
     def save_checkpoint(self) -> Path:
@@ -214,11 +243,15 @@ class Trainer:
         return path
 
     def finish(self, source: GroupSource | None) -> None:
-        """Checkpoint what was trained since the last checkpoint, then (rank 0) ack it all."""
+        """Checkpoint what was trained since the last checkpoint, then (rank 0) ack it all and let the last
+        pushes land (each within its deadlines)."""
         if self._unacked:
             self.save_checkpoint()
         if source is not None:
             self.ack_checkpointed(source)
+        if self.pusher is not None and self.ctx.is_main:
+            self.pusher.flush()
+            self.version = max(self.version, self.pusher.published)
 
     def ack_checkpointed(self, source: GroupSource) -> None:
         """Ack the entries of groups a checkpoint covers (rank 0; idempotent)."""

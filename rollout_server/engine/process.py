@@ -64,6 +64,12 @@ class EngineProcess:
         self._proc: subprocess.Popen | None = None
         self._log = None
 
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError(f"engine at {self.url} was not started")
+        return self._proc.pid
+
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
         """Bind (port 0: any free port; a busy fixed one is retried), start the child, wait for /health."""
         sock = listen_socket(self.host, self.port, "engine")

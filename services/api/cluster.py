@@ -119,16 +119,23 @@ class ClusterView:
         return out
 
     def status(self) -> dict[str, Any]:
+        """The run at a glance. ``version`` is the published one (a quorum of servers committed it); each
+        server carries its ``last_push`` (None before the trainer pushed to it) and ``straggler`` (its last
+        push failed: ``last_push`` says at which stage, why, and the version it serves)."""
         now = time.time()
-        servers = [
-            {**asdict(info), "alive": alive, "heartbeat_age_s": round(now - info.heartbeat, 3)}
-            for info, alive in self.servers.all_servers()
-        ]
+        pushes = self.servers.pushes()
+        servers = []
+        for info, alive in self.servers.all_servers():
+            push = pushes.get(info.server_id)
+            servers.append({**asdict(info), "alive": alive, "heartbeat_age_s": round(now - info.heartbeat, 3),
+                            "straggler": push is not None and push.straggler,
+                            "last_push": asdict(push) if push is not None else None})
         trainer = _decode(self.redis.hgetall(self.keys.trainer))
         return {
             "run": self.keys.run,
             "version": int(self.redis.get(self.keys.version) or 0),
             "servers": servers,
+            "stragglers": [s["server_id"] for s in servers if s["straggler"]],
             "trainer": trainer or None,
             "buffer": self.buffer(),
         }

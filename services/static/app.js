@@ -12,7 +12,8 @@
   const TOKEN_KEY = "rollwave.token";
   const JOB_COLUMNS = ["job_id", "name", "kind", "source", "state", "tasks", "samples", "trained", "reward_mean",
                        "accuracy", "stale_dropped", "dead_lettered", "cancelled", "created"];
-  const STATUS_COLUMNS = ["name", "server_id", "alive", "version", "heartbeat_age_s", "engine_url", "grpc_address"];
+  const STATUS_COLUMNS = ["name", "server_id", "alive", "version", "straggler", "last_push", "heartbeat_age_s",
+                          "engine_url", "grpc_address"];
   const FORMAT = {
     trainer_idle_fraction: (v) => `${(v * 100).toFixed(1)}%`,
     pause_ms: (v) => `${v.toFixed(1)} ms`,
@@ -155,8 +156,15 @@
     return node;
   }
 
+  // A server's last weight push: "v12 ok", or "v12 failed at connect (timeout), serves v9: <error>".
+  function formatPush(push) {
+    if (push.ok) return `v${push.version} ok`;
+    return `v${push.version} failed at ${push.stage} (${push.reason}), serves v${push.serves}: ${push.error}`;
+  }
+
   function formatCell(key, value) {
     if (value === null || value === undefined) return "–";
+    if (key === "last_push" && typeof value === "object") return formatPush(value);
     if (typeof value === "number") {
       const isTime = /(heartbeat|started|created|finished|_at|_ts|time)$/.test(key) && value > 1e9;
       return isTime ? `${formatNumber(Date.now() / 1000 - value)} s ago` : formatNumber(value);

@@ -1,0 +1,66 @@
+"""What the end-to-end tests share: waiting on a running stack, and a feeder that keeps a job's tasks coming."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+from buffer.keys import ROLLOUT_GROUP, Keys
+from buffer.task_queue import TaskQueue
+from core.jobs import JobSpec, TaskSource
+from services.launcher import LocalStack
+
+
+def wait_for(what: str, cond: Callable[[], bool], stack: LocalStack, timeout_s: float = 240.0) -> None:
+    """Poll ``cond``; on timeout fail with the tail of every component's log."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                             for p in sorted(stack.log_dir.glob("*.log")))
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        time.sleep(0.25)
+
+
+class Feeder:
+    """Keeps ``queued`` arith tasks of job ``job_id`` waiting for a rollout server until stopped, so a run
+    lasts as long as a test needs it to, whatever the machine's speed; ``submitted`` counts them all."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, queue: TaskQueue, job_id: str, queued: int = 16):
+        self.client, self.keys, self.queue, self.job_id, self.queued = client, keys, queue, job_id, queued
+        self.spec = JobSpec(source=TaskSource(kind="arith", split="train", limit=queued, seed=3))
+        self.tasks = [t.model_dump() for t in self.spec.source.load()]
+        self.submitted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="feeder")
+
+    def _run(self) -> None:
+        stream = self.keys.tasks("train")
+        while not self._stop.wait(0.2):
+            waiting = self.client.xlen(stream) - self.client.xpending(stream, ROLLOUT_GROUP)["pending"]
+            if waiting < self.queued:
+                self.submitted += len(self.queue.submit(self.job_id, self.tasks[: self.queued - waiting], "train",
+                                                        self.spec.model_dump_json()))
+
+    def __enter__(self) -> Feeder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def trained_group_ids(run_dir: Path) -> list[str]:
+    """Group ids of every step in ``metrics.jsonl``, in step order (a step redone after a resume replaces the
+    lost one)."""
+    steps: dict[int, list[str]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps[record["step"]] = record["group_ids"]
+    return [g for s in sorted(steps) for g in steps[s]]

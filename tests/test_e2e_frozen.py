@@ -1,0 +1,144 @@
+"""End to end: one of two rollout servers frozen with SIGSTOP while the trainer pushes every step (issue 22).
+
+The whole pipeline runs as real processes (two rollout servers with their embedded engines and checkpoint
+receivers, one trainer, the API, the embedded Redis). A feeder keeps the task queue topped up until the
+frozen server's fate is settled, then the run drains. During the freeze the trainer must keep stepping at no
+less than half its rate before the freeze, and the frozen server must show as a straggler (API, CLI). Then:
+
+- ``sigcont``: the server resumes and serves the trainer's newest version within one push, without being
+  sent the versions it missed;
+- ``sigkill``: the server is killed instead; its restart gets the newest version the same way;
+- ``never``: it stays frozen; it leaves the live set and the run completes without it.
+
+In every case the accounting is exact: tasks submitted = groups trained + dropped as stale + dead-lettered,
+and no group is trained twice.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from buffer.keys import Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.registry import ServerRegistry
+from buffer.task_queue import TaskQueue
+from core.config import dump_config, load_config
+from services.launcher import LocalStack, components, ensure_checkpoint_token, published_api_url
+from tests.stack_helpers import Feeder, trained_group_ids, wait_for
+
+pytestmark = pytest.mark.slow
+FREEZE_S = 60.0  # how long the server stays frozen (the issue's probe: one minute)
+BEFORE_S = 20.0  # the window before the freeze that sets the trainer's reference rate
+FROZEN = "rollout-1"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def commits(address: str) -> float:
+    """Commits the rollout server made since it started (its pause histogram's count)."""
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    [line] = [x for x in text.splitlines() if x.startswith("rollwave_rollout_pause_duration_seconds_count")]
+    return float(line.split()[1])
+
+
+@pytest.mark.parametrize("after", ["sigcont", "sigkill", "never"])
+def test_a_frozen_server_never_stops_training(tmp_path: Path, tiny_model_dir: Path, after: str) -> None:
+    server = EmbeddedRedis(tmp_path / "redis", aof=False).start()
+    cfg = load_config(None, [
+        "run.name=frozen", f"run.dir={tmp_path}", f"model.path={tiny_model_dir}", "model.init_if_missing=false",
+        "rollout.n_samples=2", "rollout.max_turns=2", "rollout.max_new_tokens=12", "rollout.heartbeat_s=2",
+        "rollout.max_concurrent_groups=4", "rollout.shutdown_grace_s=5", "buffer.claim_idle_ms=3000",
+        "buffer.max_staleness=1", "buffer.groups_per_step=4", "trainer.total_steps=100000",
+        "trainer.stop_when_drained=true", "trainer.checkpoint_every=5", "trainer.take_timeout_s=1",
+        "trainer.threads=1", "engine.threads=1", "engine.max_batch_size=16", f"checkpoint.stage_dir={tmp_path}/stage",
+        "checkpoint.connect_timeout_s=2", "checkpoint.stage_timeout_s=5", "checkpoint.commit_timeout_s=10",
+        "api.port=0",
+    ])
+    ensure_checkpoint_token(cfg)
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(dump_config(cfg))
+    keys = Keys(cfg.run.name)
+    client = redis.Redis.from_url(server.url)
+    queue = TaskQueue(client, keys, cfg.buffer)
+    queue.ensure_groups()
+    registry = ServerRegistry(client, keys)
+
+    def trainer(field: str) -> int:
+        return int(client.hget(keys.trainer, field) or 0)
+
+    def served() -> dict[str, int]:
+        return {s.server_id: s.version for s in registry.live_servers()}
+
+    def steps_in(seconds: float) -> float:
+        start, t0 = trainer("step"), time.monotonic()
+        time.sleep(seconds)
+        return (trainer("step") - start) / (time.monotonic() - t0)
+
+    def metrics_address(server_id: str) -> str:
+        return {s.server_id: s.metrics_address for s in registry.live_servers()}[server_id]
+
+    def status() -> dict:
+        return httpx.get(f"{api}/v1/status", timeout=10).json()
+
+    stack = LocalStack(components(cfg, config_path, server.url, rollout_servers=2, api=True), tmp_path / "logs")
+    frozen = False
+    try:
+        stack.start()
+        api = published_api_url(client, keys)
+        with Feeder(client, keys, queue, "frozen") as feeder:
+            wait_for("both servers at a pushed version", lambda: sorted(served()) == ["rollout-0", FROZEN]
+                     and min(served().values()) >= 1 and trainer("step") >= 2, stack)
+            before = steps_in(BEFORE_S)
+            commits_before = commits(metrics_address(FROZEN))
+            stack.kill(FROZEN, signal.SIGSTOP)
+            frozen, frozen_at, step_at_freeze = True, time.monotonic(), trainer("step")
+            pushed_at_freeze = trainer("pushed_version")
+            wait_for("the frozen server marked a straggler", lambda: FROZEN in status()["stragglers"], stack, 30)
+            [record] = [s["last_push"] for s in status()["servers"] if s["server_id"] == FROZEN]
+            assert record["reason"] == "timeout" and record["stage"] in ("connect", "stage", "commit"), record
+            cli = subprocess.run([sys.executable, "-m", "services.cli", "status", "--api", api], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=60, check=True).stdout
+            assert f"straggler {FROZEN}: serves v" in cli, cli
+            wait_for("the frozen server to leave the live set", lambda: FROZEN not in served(), stack, 30)
+            time.sleep(max(0.0, frozen_at + FREEZE_S - time.monotonic()))
+            during = (trainer("step") - step_at_freeze) / (time.monotonic() - frozen_at)
+            assert during >= before / 2, (before, during)
+            assert trainer("pushed_version") >= pushed_at_freeze + 10  # versions it missed
+            if after == "never":
+                assert sorted(served()) == ["rollout-0"]
+            else:
+                stack.kill(FROZEN, signal.SIGCONT if after == "sigcont" else signal.SIGKILL)
+                frozen = False
+                wait_for("the server back in the live set", lambda: FROZEN in served(), stack, 120)
+                newest = trainer("pushed_version")
+                wait_for("the server at the newest version", lambda: served().get(FROZEN, 0) >= newest, stack, 60)
+                landed = commits(metrics_address(FROZEN)) - (commits_before if after == "sigcont" else 0)
+                assert landed <= 2, landed  # the catch-up (and a commit cut by the freeze), no replay
+                wait_for("the next version published", lambda: int(client.get(keys.version) or 0) > newest, stack,
+                         60)
+                assert not status()["stragglers"]
+        wait_for("the trainer to drain the job", lambda: stack.finished("trainer-0"), stack, timeout_s=300)
+        if after == "never":
+            assert sorted(served()) == ["rollout-0"]
+        assert stack.restarts["trainer-0"] == 0
+
+        job = queue.job("frozen")
+        trained, stale = int(job.get("trained", 0)), int(job.get("stale_dropped", 0))
+        dead = int(job.get("dead_lettered", 0))
+        assert int(job["submitted"]) == feeder.submitted
+        assert feeder.submitted == trained + stale + dead, job
+        trained_ids = trained_group_ids(tmp_path / "frozen")
+        assert len(trained_ids) == len(set(trained_ids)) == trained
+    finally:
+        if frozen:  # a stopped process would sit on its SIGTERM until the stack's kill timeout
+            os.killpg(stack.pid(FROZEN), signal.SIGCONT)
+        stack.close()
+        server.stop()

@@ -1,0 +1,178 @@
+"""One policy version frozen for pushing: its bytes in manifest order, shared by every server's Stage stream.
+
+Training goes on while versions stream to the servers, so each version is copied once (a per-parameter
+all-gather on FSDP2, cast to the pushed dtype as it lands) into a host buffer that the streams read. The
+buffer goes back to a small pool when the last stream lets go of it: a fresh multi-GiB buffer would cost its
+page faults (or a pinned allocation) on the training step's path every push. The per-tensor crc32s that
+trail the data are computed once, by the first stream that reaches the end, off the training path.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from core.checkpoint_format import DTYPES, trailer_checksum
+from proto import checkpoint_pb2 as pb
+from trainer.parallel import hf_name
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What the manifest needs of one parameter, known without gathering it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype_name not in DTYPES:
+            raise ValueError(f"tensor {self.name}: dtype {self.dtype_name} cannot be pushed "
+                             f"(supported: {', '.join(DTYPES)})")
+        return DTYPES[self.dtype_name][1] * int(torch.Size(self.shape).numel())
+
+
+def model_metas(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[TensorMeta]:
+    """Manifest entries in ``iter_full_params`` order, from parameter metadata alone (a DTensor's
+    ``shape`` is the full, unsharded one), so nothing is gathered to build the manifest."""
+    return [TensorMeta(hf_name(name), _cast_dtype(p.dtype, dtype), tuple(p.shape))
+            for name, p in model.named_parameters()]
+
+
+def _cast_dtype(have: torch.dtype, want: torch.dtype | None) -> torch.dtype:
+    return want if want is not None and have.is_floating_point else have
+
+
+def build_manifest(version: int, metas: Sequence[TensorMeta]) -> pb.Manifest:
+    """Tensors packed back to back in manifest order (the layout the receiver requires)."""
+    manifest = pb.Manifest(version=version)
+    offset = 0
+    for m in metas:
+        manifest.tensors.add(name=m.name, dtype=m.dtype_name, shape=list(m.shape), offset=offset,
+                             nbytes=m.nbytes)
+        offset += m.nbytes
+    manifest.total_bytes = offset
+    return manifest
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_data_chunk(offset: int, pieces: Sequence[memoryview]) -> bytes:
+    """A serialized ``Chunk{offset, data}`` built with one copy of the payload.
+
+    Protobuf wire format: field 3 (offset, varint) then field 2 (data, length-delimited);
+    ``Chunk.SerializeToString`` would need the joined bytes first, a second copy per chunk.
+    """
+    size = sum(p.nbytes for p in pieces)
+    return b"".join([b"\x18", _varint(offset), b"\x12", _varint(size), *pieces])
+
+
+class BufferPool:
+    """Host buffers for snapshots, reused; ``pin`` allocates page-locked memory (fast GPU -> host copies)."""
+
+    def __init__(self, pin: bool = False, keep: int = 2):
+        self.pin = pin
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() == nbytes:
+                    return self._free.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            del self._free[:-self.keep]
+
+
+class Snapshot:
+    """One version's bytes, read-only, with a reference count: the pusher holds the newest, each server's
+    stream holds the one it sends; the buffer returns to the pool when the count reaches zero."""
+
+    def __init__(self, version: int, metas: Sequence[TensorMeta], buffer: torch.Tensor, pool: BufferPool):
+        self.version = version
+        self.metas = list(metas)
+        self.nbytes = buffer.numel()
+        self.manifest = pb.Chunk(manifest=build_manifest(version, metas)).SerializeToString()
+        self._buffer: torch.Tensor | None = buffer
+        self._pool = pool
+        self._refs = 1
+        self._trailer: bytes | None = None
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Snapshot:
+        with self._lock:
+            if self._refs == 0:
+                raise RuntimeError(f"snapshot of version {self.version} used after its release")
+            self._refs += 1
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            buffer = self._buffer if self._refs == 0 else None
+            if buffer is not None:
+                self._buffer = None
+        if buffer is not None:
+            self._pool.give(buffer)
+
+    def _view(self) -> memoryview:
+        if self._buffer is None:
+            raise RuntimeError(f"snapshot of version {self.version} read after its release")
+        return memoryview(self._buffer.numpy())
+
+    def trailer(self) -> bytes:
+        """The serialized trailer chunk (per-tensor crc32s), computed on first use."""
+        with self._lock:
+            if self._trailer is None:
+                view, crcs, offset = self._view(), [], 0
+                for meta in self.metas:
+                    crcs.append(zlib.crc32(view[offset:offset + meta.nbytes]))
+                    offset += meta.nbytes
+                trailer = pb.Trailer(crc32=crcs, checksum=trailer_checksum(crcs))
+                self._trailer = pb.Chunk(trailer=trailer).SerializeToString()
+            return self._trailer
+
+    def chunks(self, chunk_bytes: int) -> Iterator[bytes]:
+        """A whole Stage stream: the manifest, ``chunk_bytes`` slices of data, the trailer."""
+        yield self.manifest
+        view = self._view()
+        for offset in range(0, self.nbytes, chunk_bytes):
+            yield encode_data_chunk(offset, [view[offset:offset + chunk_bytes]])
+        yield self.trailer()
+
+
+def take_snapshot(version: int, metas: Sequence[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],
+                  pool: BufferPool) -> Snapshot:
+    """Copy ``tensors`` (in ``metas`` order) into a pooled buffer, each cast to its manifest dtype on its own
+    device first, so the only full copy is the buffer itself."""
+    buffer = pool.take(sum(m.nbytes for m in metas))
+    offset = 0
+    for meta, (name, tensor) in zip(metas, tensors, strict=True):
+        if name != meta.name or tuple(tensor.shape) != meta.shape:
+            raise ValueError(f"tensor {name} {list(tensor.shape)} arrived where the manifest has "
+                             f"{meta.name} {list(meta.shape)}")
+        flat = tensor.detach().to(meta.dtype).contiguous().reshape(-1).view(torch.uint8)
+        buffer[offset:offset + meta.nbytes].copy_(flat)
+        offset += meta.nbytes
+    return Snapshot(version, metas, buffer, pool)

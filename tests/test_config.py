@@ -37,7 +37,7 @@ def test_layering_defaults_file_overrides(tmp_path: Path) -> None:
         (["nosuch.section=1"], "nosuch: unknown key"),
         (["trainer.is_low=3", "trainer.is_high=2"], "trainer:"),
         (["trainer"], "expected dotted.key=value"),
-        (["checkpoint.quorum=0"], "checkpoint: Value error, quorum must be majority, all or a number >= 1"),
+        (["checkpoint.quorum=0"], "checkpoint: quorum must be majority, all or a number >= 1"),
         (["checkpoint.quorum=most"], "checkpoint.quorum"),
         (["checkpoint.min_throughput_mib_s=0"], "checkpoint.min_throughput_mib_s:"),
         (["checkpoint.connect_timeout_s=0"], "checkpoint.connect_timeout_s:"),

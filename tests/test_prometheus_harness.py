@@ -42,7 +42,7 @@ def test_generated_config_keeps_the_project_jobs_settings() -> None:
     assert set(jobs) == {"rollwave-engine", "rollwave-api"}
     engine = jobs["rollwave-engine"]
     assert engine["static_configs"] == [{"targets": ["127.0.0.1:1234"]}]
-    assert engine["scrape_interval"] == "1s" and engine["metrics_path"] == "/engine/0/metrics"  # passed on by the rollout server
+    assert engine["scrape_interval"] == "1s" and engine["metrics_path"] == "/engine/0/metrics"
     assert jobs["rollwave-api"]["static_configs"] == [{"targets": ["127.0.0.1:5678"]}]
 
 

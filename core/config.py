@@ -25,6 +25,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     field_validator,
@@ -281,6 +282,7 @@ class ApiConfig(Section):
 
 
 class Config(Section):
+    _masked_unset: frozenset[str] = PrivateAttr(default=frozenset())  # masked in the file, given nowhere else
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     redis: RedisConfig = RedisConfig()
@@ -351,8 +353,12 @@ def read_yaml(path: Path, what: str) -> Any:
         raise ConfigError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from exc
 
 
-def _resolve_secrets(tree: dict[str, Any], env: Mapping[str, str]) -> None:
-    """Fill each secret the tree leaves unset (or masked) from ``<key>_file``, else from its environment variable."""
+def _resolve_secrets(tree: dict[str, Any], env: Mapping[str, str]) -> frozenset[str]:
+    """Fill each secret the tree leaves unset (or masked) from ``<key>_file``, else from its environment variable.
+
+    A masked secret with neither stays unset and is returned: a component that needs it refuses to start
+    (``require_secret``), one that does not (the API and the checkpoint token) runs."""
+    masked: set[str] = set()
     for dotted, var in SECRETS.items():
         section_name, field = dotted.split(".")
         section = tree.get(section_name, {})
@@ -370,16 +376,20 @@ def _resolve_secrets(tree: dict[str, Any], env: Mapping[str, str]) -> None:
                 raise ConfigError(f"{dotted}_file: cannot read {file}: {exc.strerror or exc}") from None
         elif env.get(var):
             value = env[var]
-        elif value == MASK:
-            raise ConfigError(f"{dotted}: the config holds a masked secret; give it in {var} or {dotted}_file")
-        if value is not None:
+        elif value == MASK:  # a dumped config: unset here; a component that needs it says where to put it
+            value = None
+            masked.add(dotted)
+        if value is not None or field in section:
             tree[section_name] = {**section, field: value}
+    return frozenset(masked)
 
 
 def require_secret(cfg: Config, dotted: str) -> str:
     """The secret a starting component needs; a ConfigError saying where to put it when it is not set."""
     section, field = dotted.split(".")
     secret = getattr(getattr(cfg, section), field)
+    if dotted in cfg._masked_unset:
+        raise ConfigError(f"{dotted}: the config holds a masked secret; give it in {SECRETS[dotted]} or {dotted}_file")
     if secret is None:
         raise ConfigError(f"{dotted} is not set: give it in {SECRETS[dotted]} or {dotted}_file ({GENERATE_HINT})")
     return secret.get_secret_value()
@@ -415,11 +425,13 @@ def load_config(
     for item in overrides or []:
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
-    _resolve_secrets(tree, os.environ if env is None else env)
+    masked = _resolve_secrets(tree, os.environ if env is None else env)
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, source)) from None
+    cfg._masked_unset = masked
+    return cfg
 
 
 def load_config_or_exit(

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from core.config import MASK, ConfigError, dump_config, load_config, require_secret
+from services.api.app import check_api_config
 from services.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,8 +107,12 @@ def test_dumped_configs_mask_secrets_and_read_them_back_from_the_environment(tmp
     path.write_text(dumped)
     back = load_config(path, env={"ROLLWAVE_API_TOKEN": SECRET, "ROLLWAVE_CHECKPOINT_TOKEN": "c" * 40})
     assert back.api.token.get_secret_value() == SECRET and back.checkpoint.token.get_secret_value() == "c" * 40
+    trainer_view = load_config(path, env={"ROLLWAVE_CHECKPOINT_TOKEN": "c" * 40})  # a trainer gets no API token
+    assert trainer_view.api.token is None and require_secret(trainer_view, "checkpoint.token") == "c" * 40
     with pytest.raises(ConfigError, match="api.token: the config holds a masked secret; give it in ROLLWAVE_API_TOKEN"):
-        load_config(path, env={"ROLLWAVE_CHECKPOINT_TOKEN": "c" * 40})
+        require_secret(trainer_view, "api.token")
+    with pytest.raises(ConfigError, match="api.token: the config holds a masked secret"):
+        check_api_config(trainer_view)  # the API never runs without the token the operator set
 
 
 def test_config_check_prints_secrets_masked(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -31,7 +31,7 @@ from buffer.keys import Keys
 from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
-from core.config import Config, ConfigError
+from core.config import Config, ConfigError, require_secret
 from core.jobs import JobSpec
 from core.net import is_loopback
 from core.rewards import BUILTIN as BUILTIN_REWARDS
@@ -45,7 +45,10 @@ Refuse = Callable[[str, Scope], None]
 
 
 def check_api_config(cfg: Config) -> None:
-    """An API reachable from other hosts must have a token: ConfigError when it would bind off loopback without."""
+    """An API reachable from other hosts must have a token: ConfigError when it would bind off loopback without,
+    or when the config holds a masked token given nowhere else (never run without the token an operator set)."""
+    if "api.token" in cfg._masked_unset:
+        require_secret(cfg, "api.token")
     if cfg.api.token is None and not is_loopback(cfg.api.host):
         raise ConfigError(
             f"api.token is not set and api.host={cfg.api.host} is not loopback: anyone who reaches it could submit "

@@ -256,7 +256,8 @@ def test_bound_ports_are_published_and_busy_configured_ports_waited_for(redis_se
     [info] = registry.live_servers()
     assert info.grpc_address == f"127.0.0.1:{grpc_port}" and info.metrics_address == f"127.0.0.1:{metrics_port}"
     assert "rollwave_rollout_" in httpx.get(f"http://{info.metrics_address}/metrics").text
-    assert httpx.get(info.engine_url + "/health").status_code == 200 and not info.engine_url.endswith(":0")
+    assert not info.engine_url.endswith(":0")
+    assert httpx.get(info.engine_url + "/health").status_code == 401  # bound and serving, only for its key
     with grpc.insecure_channel(info.grpc_address) as channel:
         grpc.channel_ready_future(channel).result(timeout=10)
     w.proc.send_signal(signal.SIGTERM)

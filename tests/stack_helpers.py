@@ -16,14 +16,19 @@ from core.jobs import JobSpec, TaskSource
 from services.launcher import LocalStack
 
 
+def log_tails(stack: LocalStack, names: list[str] | None = None, chars: int = 3000) -> str:
+    """The end of each component's log (every incarnation appends to it), for a failing assertion's message."""
+    paths = sorted(stack.log_dir.glob("*.log"))
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}"
+                     for p in paths if names is None or p.stem in names)
+
+
 def wait_for(what: str, cond: Callable[[], bool], stack: LocalStack, timeout_s: float = 240.0) -> None:
     """Poll ``cond``; on timeout fail with the tail of every component's log."""
     deadline = time.monotonic() + timeout_s
     while not cond():
         if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                             for p in sorted(stack.log_dir.glob("*.log")))
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+            raise AssertionError(f"timed out waiting for {what}\n{log_tails(stack)}")
         time.sleep(0.25)
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 from buffer_helpers import client
 from prometheus_harness import PrometheusHarness, load_dashboard, panel_queries
+from stack_helpers import log_tails
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
@@ -45,9 +46,7 @@ def _wait(what: str, cond: Callable[[], Any], stack: LocalStack, prom: Prometheu
     while not (got := cond()):
         if time.monotonic() > deadline:
             health = [(t["labels"]["job"], t["health"], t["lastError"]) for t in prom.targets()] if prom else []
-            logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
-                             for p in sorted(stack.log_dir.glob("*.log")))
-            raise AssertionError(f"timed out waiting for {what}; targets {health}\n{logs}")
+            raise AssertionError(f"timed out waiting for {what}; targets {health}\n{log_tails(stack)}")
         time.sleep(0.5)
     return got
 
@@ -104,7 +103,8 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, tiny_model_dir: Path
         assert all(t[0].startswith("127.0.0.1:") and not t[0].endswith(":0") for t in targets.values()), targets
         with PrometheusHarness(targets, tmp_path / "prometheus") as prom:
             _check_panels(stack, prom, queries)
-        assert stack.restarts == {spec.name: 0 for spec in specs}
+        restarted = [name for name, n in stack.restarts.items() if n]
+        assert not restarted, log_tails(stack, restarted, chars=8000)
 
 
 def _check_panels(stack: LocalStack, prom: PrometheusHarness, queries: list[str]) -> None:

@@ -13,7 +13,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added Sample.versions_approximate; version 1 groups still decode (False)
+READABLE_VERSIONS = (1, 2)
 
 ARRAY_DTYPES: dict[str, np.dtype] = {
     "token_ids": np.dtype("<i4"),
@@ -42,7 +43,9 @@ class Sample:
     """One trajectory: prompt + every turn as token ids, with what the trainer needs per token.
 
     ``loss_mask`` is 1 only on tokens the policy generated; ``behaviour_logprobs`` and
-    ``token_versions`` are defined there (0 and -1 elsewhere).
+    ``token_versions`` are defined there (0 and -1 elsewhere). ``versions_approximate``: the engine gave no
+    per-token versions (SGLang < 0.5.23), so every token of a turn carries the version current when its
+    request started; a weight swap during the request makes that label older than some tokens.
     """
 
     sample_index: int
@@ -60,6 +63,7 @@ class Sample:
     queued: float = 0.0
     started: float = 0.0
     finished: float = 0.0
+    versions_approximate: bool = False
 
     def __post_init__(self) -> None:
         for name, dtype in ARRAY_DTYPES.items():
@@ -182,8 +186,9 @@ def decode_group(data: bytes) -> TrajectoryGroup:
     if not isinstance(wire, dict):
         raise SchemaError(f"trajectory group: expected a map, got {type(wire).__name__}")
     version = wire.pop("schema_version", None)
-    if version != SCHEMA_VERSION:
-        raise SchemaError(f"trajectory group: schema_version {version!r} is not supported (want {SCHEMA_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise SchemaError(f"trajectory group: schema_version {version!r} is not supported "
+                          f"(want one of {', '.join(map(str, READABLE_VERSIONS))})")
     _check_fields(wire, _REQUIRED_GROUP, _GROUP_FIELDS, "trajectory group")
     if not isinstance(wire["samples"], list):
         raise SchemaError("trajectory group.samples: expected a list")

@@ -24,6 +24,7 @@ from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
 from core.config import BufferConfig
+from core.net import free_port
 from core.tasks import load_tasks
 from rollout_server.engine.process import EngineProcess
 
@@ -194,3 +195,21 @@ def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedR
     assert back[b"gid"].decode() == gids[1] and back[b"attempts"] == b"0"
     assert r.xlen(KEYS.groups) == 1
     assert staleness.admitted() == 2 and r.hexists(KEYS.admitted_ids, gids[1])  # it keeps its slot
+
+
+def test_startup_refuses_an_unready_engine_or_a_non_integer_version(
+    redis_server: EmbeddedRedis, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """``engine.ready_timeout_s`` bounds the wait for the engine; an engine that reports a version rollwave
+    cannot number (SGLang's default ``default``) is refused at startup, naming it."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    base = [sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp_path}",
+            f"redis.url={redis_server.url}", f"model.path={tiny_model_dir}"]
+    proc = subprocess.run([*base, f"engine.urls=[{dead}]", "engine.ready_timeout_s=1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"error: engine.ready_timeout_s: {dead}/health: not healthy after 1s" in proc.stderr
+    with EngineProcess(tiny_model_dir, weight_version="default", threads=1) as engine:
+        proc = subprocess.run([*base, f"engine.urls=[{engine.url}]"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+    assert proc.returncode == 2
+    assert f"error: engine.urls: {engine.url}: weight version 'default' is not an integer" in proc.stderr

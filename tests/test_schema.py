@@ -67,8 +67,19 @@ def test_truncated_bytes() -> None:
 def test_wrong_schema_version() -> None:
     wire = msgpack.unpackb(encode_group(make_group()))
     wire["schema_version"] = SCHEMA_VERSION + 1
-    with pytest.raises(SchemaError, match="schema_version 2 is not supported"):
+    with pytest.raises(SchemaError, match="schema_version 3 is not supported"):
         decode_group(msgpack.packb(wire))
+
+
+def test_schema_version_1_still_decodes_without_approximate_versions() -> None:
+    group = make_group()
+    group.samples[0].versions_approximate = True
+    assert decode_group(encode_group(group)).samples[0].versions_approximate
+    wire = msgpack.unpackb(encode_group(make_group()))
+    wire["schema_version"] = 1
+    for sample in wire["samples"]:
+        del sample["versions_approximate"]
+    assert not any(s.versions_approximate for s in decode_group(msgpack.packb(wire)).samples)
 
 
 @pytest.mark.parametrize("field", ["token_ids", "prompt_len", "loss_mask"])

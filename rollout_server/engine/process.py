@@ -1,4 +1,6 @@
-"""Run the embedded engine as a child process (``python -m rollout_server.engine``) and stop it again."""
+"""Run the embedded engine as a child process (``python -m rollout_server.engine``) and stop it again.
+
+It starts at weight version ``0``: rollwave's versions are integers (the pusher numbers them)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ class EngineProcess:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        weight_version: str = "default",
+        weight_version: str = "0",
+        dtype: str = "auto",
         max_batch_size: int = 64,
         max_context: int = 1024,
         threads: int = 0,
@@ -44,6 +47,8 @@ class EngineProcess:
             str(self.port),
             "--weight-version",
             weight_version,
+            "--dtype",
+            dtype,
             "--max-batch-size",
             str(max_batch_size),
             "--max-context",

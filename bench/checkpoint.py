@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import mmap
 import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -42,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "1073741824",
               "MALLOC_TOP_PAD_": "67108864"}
-TOKEN = "bench-token"
+TOKEN = os.environ.setdefault("ROLLWAVE_CHECKPOINT_TOKEN", secrets.token_urlsafe(32))  # children inherit it
 SLICE = 1 << 20
 
 

@@ -32,7 +32,7 @@ from core.config import dump_config, load_config
 from core.jobs import JobSpec, TaskSource
 from core.tasks import load_tasks
 from core.tiny_model import build_tiny_model
-from services.launcher import LocalStack, components
+from services.launcher import LocalStack, components, ensure_checkpoint_token
 from trainer.sft import warm_start
 
 
@@ -42,6 +42,7 @@ def run_mode(mode: str, model: Path, root: Path, steps: int, overrides: list[str
         f"trainer.total_steps={steps}", "trainer.checkpoint_every=1000", "engine.threads=1",
         "trainer.threads=1", *overrides,
     ])
+    ensure_checkpoint_token(cfg)
     run_dir = cfg.run.path
     run_dir.mkdir(parents=True)
     config_path = run_dir / "config.yaml"

@@ -55,6 +55,11 @@ class Keys:
         """Hash group_id -> ``w`` (written) | ``t`` (consumed by the trainer): the de-duplication record."""
         return self.prefix + "groups:state"
 
+    @property
+    def groups_consumed(self) -> str:
+        """List of consumed group ids, oldest first: ``groups:state`` keeps the last ``buffer.dedup_window``."""
+        return self.prefix + "groups:consumed"
+
     def eval(self, job_id: str) -> str:
         """Groups of an eval job: read by the API, never trained on."""
         return f"{self.prefix}eval:{job_id}"
@@ -98,8 +103,13 @@ class Keys:
 
     @property
     def trainer(self) -> str:
-        """Hash: the trainer's step, version and heartbeat (written by rank 0)."""
+        """Hash: the trainer's step, version, heartbeat and metrics address (written by rank 0)."""
         return self.prefix + "trainer"
+
+    @property
+    def api(self) -> str:
+        """Hash: where the API that started last listens (``url``, ``pid``), for whoever started it."""
+        return self.prefix + "api"
 
     @property
     def steps(self) -> str:

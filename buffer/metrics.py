@@ -28,6 +28,10 @@ class BufferMetrics:
         self.stale_dropped = Counter(
             "rollwave_buffer_stale_dropped_total", "groups dropped by the trainer as too stale", registry=r
         )
+        self.cancelled = Counter(
+            "rollwave_buffer_cancelled_total", "tasks and groups of cancelled jobs acked without rollout or training",
+            ["stream"], registry=r,
+        )
         self.admission_waits = Counter(
             "rollwave_buffer_admission_waits_total", "groups that waited for staleness admission", registry=r
         )

@@ -8,6 +8,7 @@ writes survive a crash of the server (``appendfsync always``) or of the machine 
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import shutil
@@ -20,7 +21,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from core.config import RedisConfig
-from core.net import free_port
+from core.net import BIND_RETRY_S, bind_retrying, free_port_outside_ephemeral
 from core.process import stop_process
 
 UNIX_PATH_MAX = 107
@@ -68,6 +69,7 @@ class EmbeddedRedis:
         host: str = "127.0.0.1",
         binary: Path | None = None,
         start_timeout_s: float = 30.0,
+        bind_timeout_s: float = BIND_RETRY_S,
     ) -> None:
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync {appendfsync!r}: expected always, everysec or no")
@@ -79,6 +81,7 @@ class EmbeddedRedis:
         self.port = port
         self.binary = binary
         self.start_timeout_s = start_timeout_s
+        self.bind_timeout_s = bind_timeout_s
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -121,27 +124,50 @@ class EmbeddedRedis:
             return "(no log)"
 
     def start(self) -> EmbeddedRedis:
-        """Start the server (on a fresh free port when ``port`` is 0) and wait until it answers PING."""
+        """Start the server and wait until it answers PING.
+
+        redis-server cannot bind port 0, so with ``port`` 0 a free port below the ephemeral range is tried
+        (another on EADDRINUSE); a fixed port (or the one it had, when started again) is retried while busy.
+        """
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"redis-server already running (pid {self.proc.pid})")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        if self.unix_socket and len(str(self.socket_path)) > UNIX_PATH_MAX:
-            raise RedisStartError(f"unix socket path {self.socket_path} is longer than {UNIX_PATH_MAX} bytes")
-        pick_port = not self.unix_socket and self.port == 0
-        for _attempt in range(3):
-            if pick_port:
-                self.port = free_port(self.host)
-            self.proc = subprocess.Popen(
-                self._argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                env={**MALLOC_ENV, **os.environ},
-            )
-            if self._wait_ready():
-                return self
-            if not pick_port or "Address already in use" not in self._log_tail():
-                break
-            self.port = 0
+        if self.unix_socket:
+            if len(str(self.socket_path)) > UNIX_PATH_MAX:
+                raise RedisStartError(f"unix socket path {self.socket_path} is longer than {UNIX_PATH_MAX} bytes")
+            return self._launch()
+        if self.port:
+            return bind_retrying(self._launch_on, "redis-server", self.host, self.port, self.bind_timeout_s)
+        for _attempt in range(5):
+            try:
+                return self._launch_on(free_port_outside_ephemeral(self.host))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+        raise RedisStartError(f"redis-server: every port tried on {self.host} was taken")
+
+    def _launch_on(self, port: int) -> EmbeddedRedis:
+        self.port = port
+        return self._launch()
+
+    def _launch(self) -> EmbeddedRedis:
+        """One redis-server process; OSError(EADDRINUSE) when its port was busy, else RedisStartError."""
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self.proc = subprocess.Popen(
+            self._argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env={**MALLOC_ENV, **os.environ},
+        )
+        if self._wait_ready():
+            return self
         stderr = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
         self.stop()
+        this_run = b""
+        if self.log_path.exists():
+            with self.log_path.open("rb") as f:
+                f.seek(log_start)
+                this_run = f.read()
+        if b"Address already in use" in this_run:
+            raise OSError(errno.EADDRINUSE, f"redis-server: {self.url}: address already in use")
         raise RedisStartError(f"redis-server did not start ({self.url}):\n{stderr}{self._log_tail()}")
 
     def _wait_ready(self) -> bool:

@@ -25,6 +25,8 @@ class ServerInfo:
     server_id: str
     engine_url: str
     grpc_address: str = ""
+    metrics_address: str = ""  # host:port of its Prometheus metrics, as bound ("" when not served)
+    openai_url: str = ""  # the episode endpoint agents call (agent jobs)
     version: int = 0
     started: float = field(default_factory=time.time)
     heartbeat: float = field(default_factory=time.time)

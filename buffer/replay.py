@@ -7,7 +7,9 @@ Exactly-once effect over at-least-once delivery:
   group ids consumed in the same call, and ``take`` skips ids already consumed or held, so a group is
   trained on once even when the trainer dies between take and ack.
 Bounded: a put waits while ``max_groups`` groups are not yet delivered to the trainer. Nothing is ever
-trimmed: an entry leaves the stream only when the trainer acks it. Eval groups go to ``eval:<job>``.
+trimmed: an entry leaves the stream only when the trainer acks it, and its id leaves ``groups:state`` once
+``dedup_window`` newer groups were consumed. Groups of a cancelled job are acked away unread, counted
+``cancelled``. Eval groups go to ``eval:<job>``.
 """
 
 from __future__ import annotations
@@ -56,13 +58,15 @@ end
 return fresh
 """
 
-# KEYS: groups stream, group state, admitted counter. ARGV: job key prefix, then (entry id, gid, stale, job)
-# quadruples; an empty job is looked up in the entry. Only entries still pending count, so acking twice
-# changes nothing. Returns how many were acked.
+# KEYS: groups stream, group state, admitted counter, consumed ids list. ARGV: job key prefix, dedup window,
+# then (entry id, gid, outcome, job) quadruples; outcome is the job counter: trained, stale_dropped or cancelled
+# (the last two give their admission slot back); an empty job is looked up in the entry. Only entries still
+# pending count, so acking twice changes nothing. Consumed ids beyond the window leave groups:state.
+# Returns how many were acked.
 _ACK = """
 local acked = 0
-for i = 2, #ARGV, 4 do
-  local id, gid, stale, job = ARGV[i], ARGV[i + 1], ARGV[i + 2] == '1', ARGV[i + 3]
+for i = 3, #ARGV, 4 do
+  local id, gid, outcome, job = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   if redis.call('XACK', KEYS[1], '""" + TRAINER_GROUP + """', id) == 1 then
     if job == '' then
       local e = redis.call('XRANGE', KEYS[1], id, id)[1]
@@ -72,10 +76,14 @@ for i = 2, #ARGV, 4 do
     end
     redis.call('XDEL', KEYS[1], id)
     redis.call('HSET', KEYS[2], gid, 't')
-    if stale and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
-    if job ~= '' then redis.call('HINCRBY', ARGV[1] .. job, stale and 'stale_dropped' or 'trained', 1) end
+    redis.call('RPUSH', KEYS[4], gid)
+    if outcome ~= 'trained' and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
+    if job ~= '' then redis.call('HINCRBY', ARGV[1] .. job, outcome, 1) end
     acked = acked + 1
   end
+end
+for _ = 1, redis.call('LLEN', KEYS[4]) - tonumber(ARGV[2]) do
+  redis.call('HDEL', KEYS[2], redis.call('LPOP', KEYS[4]))
 end
 return acked
 """
@@ -103,7 +111,8 @@ class ReplayBuffer:
         self.metrics = metrics or BufferMetrics()
         self._put = client.register_script(_PUT)
         self._ack = client.register_script(_ACK)
-        self._reclaimer = Reclaimer(client, keys.groups, TRAINER_GROUP, consumer, config.claim_idle_ms)
+        self._reclaimer = Reclaimer(client, keys.groups, TRAINER_GROUP, consumer, config.claim_idle_ms,
+                                    own_every_s=config.claim_idle_ms / 1000)
         self._held: dict[str, tuple[str, str]] = {}  # entry id -> (group id, job id): taken, not yet acked
         self._closed = threading.Event()
 
@@ -197,16 +206,17 @@ class ReplayBuffer:
     def take(self, max_groups: int, timeout_s: float) -> list[tuple[str, TrajectoryGroup]]:
         """Up to ``max_groups`` (entry id, group), waiting at most ``timeout_s`` to fill the batch.
 
-        Pending groups of a dead trainer (or of this consumer's previous life) come first. Groups already
+        Pending groups of a dead trainer (or of this consumer's previous life, or whose ack Redis lost: this
+        consumer's own pending entries are scanned again every ``claim_idle_ms``) come first. Groups already
         consumed, or held by this process, are acked away as duplicates; malformed entries are moved aside."""
         deadline = time.monotonic() + timeout_s
         claimed, deleted = self._reclaimer.claim(max_groups)
         if deleted:
             log.warning("%s: %d pending group(s) had been deleted from the stream; acked them away",
                         self.keys.groups, deleted)
-        if claimed:
-            self.metrics.redeliveries.labels(stream="groups").inc(len(claimed))
-        out = self._accept([(entry_id, fields) for entry_id, _n, fields in claimed])
+        out = self._accept([(entry_id, fields) for entry_id, _n, fields in claimed if entry_id not in self._held])
+        if out:
+            self.metrics.redeliveries.labels(stream="groups").inc(len(out))
         while len(out) < max_groups:
             block = int((deadline - time.monotonic()) * 1000)
             reply = self.redis.xreadgroup(
@@ -238,6 +248,7 @@ class ReplayBuffer:
                 decoded.append((entry_id, decode_group(fields[b"g"])))
             except SchemaError as exc:
                 self._move_malformed(entry_id, fields, f"group entry {entry_id}: {exc}")
+        decoded = self._drop_cancelled(decoded)
         if not decoded:
             return []
         states = self.redis.hmget(self.keys.group_state, [g.group_id for _, g in decoded])
@@ -260,6 +271,21 @@ class ReplayBuffer:
             self.metrics.duplicates_dropped.inc(len(duplicates))
         return out
 
+    def _drop_cancelled(self, items: list[tuple[str, TrajectoryGroup]]) -> list[tuple[str, TrajectoryGroup]]:
+        """Ack away the groups of cancelled jobs (job counter ``cancelled``, admission slot given back, never
+        trained); returns the others."""
+        jobs = sorted({g.job_id for _, g in items})
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            pipe.hget(self.keys.job(job), "state")
+        cancelled = {job for job, state in zip(jobs, pipe.execute(), strict=True) if state == b"cancelled"}
+        dropped = [(e, g.group_id, "cancelled", g.job_id) for e, g in items if g.job_id in cancelled]
+        if dropped:
+            acked = self._ack_outcomes(dropped)
+            self.metrics.cancelled.labels(stream="groups").inc(acked)
+            log.info("dropped %d group(s) of cancelled job(s) %s", acked, ", ".join(sorted(cancelled)))
+        return [(e, g) for e, g in items if g.job_id not in cancelled]
+
     def _move_malformed(self, entry_id: str, fields: dict[bytes, bytes], error: str) -> None:
         raw = {b"f." + k: v for k, v in fields.items()}
         pipe = self.redis.pipeline(transaction=True)
@@ -277,12 +303,20 @@ class ReplayBuffer:
         if len(entry_ids) != len(group_ids):
             raise ValueError(f"ack: {len(entry_ids)} entry ids but {len(group_ids)} group ids")
         stale = set(stale_group_ids)
-        args: list[str] = [self.keys.job_prefix]
+        items = []
         for entry_id, gid in zip(entry_ids, group_ids, strict=True):
             held = self._held.get(entry_id)
             job = held[1] if held is not None and held[0] == gid else ""
-            args += [entry_id, gid, "1" if gid in stale else "0", job]
-        acked = int(self._ack([self.keys.groups, self.keys.group_state, self.keys.admitted], args))
-        for entry_id in entry_ids:
+            items.append((entry_id, gid, "stale_dropped" if gid in stale else "trained", job))
+        return self._ack_outcomes(items)
+
+    def _ack_outcomes(self, items: Sequence[tuple[str, str, str, str]]) -> int:
+        """Ack (entry id, group id, job counter, job id) items in one Lua call; forget them as held."""
+        args: list[str | int] = [self.keys.job_prefix, self.config.dedup_window]
+        for item in items:
+            args += item
+        keys = [self.keys.groups, self.keys.group_state, self.keys.admitted, self.keys.groups_consumed]
+        acked = int(self._ack(keys, args))
+        for entry_id, *_ in items:
             self._held.pop(entry_id, None)
         return acked

@@ -2,6 +2,10 @@
 
 One record per task holds the n samples of one prompt, so group-relative advantages need no
 cross-server join. Arrays travel as raw little-endian buffers with a dtype fixed by the schema.
+
+Schema versions: 2 adds the group's sampling ``temperature``; a version-1 group decodes with
+``temperature=None`` (not recorded: the trainer falls back to its configured ``rollout.temperature``).
+3 adds ``Sample.versions_approximate``; an older group decodes with ``False``.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2 added Sample.versions_approximate; version 1 groups still decode (False)
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+
+FAILED_FINISH_REASONS = ("error", "abort", "reward_error")  # the episode has no valid outcome
 
 ARRAY_DTYPES: dict[str, np.dtype] = {
     "token_ids": np.dtype("<i4"),
@@ -70,6 +76,11 @@ class Sample:
             setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
 
     @property
+    def failed(self) -> bool:
+        """The episode failed (engine error, abort, tool setup, reward function): it must not be trained on."""
+        return self.finish_reason in FAILED_FINISH_REASONS
+
+    @property
     def num_generated(self) -> int:
         return int(self.loss_mask.sum())
 
@@ -94,7 +105,10 @@ class Sample:
 
 @dataclass
 class TrajectoryGroup:
-    """The n samples of one task; ``group_id`` (= ``task_id``) is the idempotency key."""
+    """The n samples of one task; ``group_id`` (= ``task_id``) is the idempotency key.
+
+    ``temperature`` is the one the samples were drawn at, so the trainer scales the logits of this group by
+    it (None: not recorded, the trainer's default)."""
 
     run: str
     job_id: str
@@ -102,6 +116,7 @@ class TrajectoryGroup:
     samples: list[Sample]
     kind: str = "train"
     created: float = field(default_factory=time.time)
+    temperature: float | None = None
 
     @property
     def group_id(self) -> str:
@@ -118,6 +133,8 @@ class TrajectoryGroup:
     def validate(self) -> None:
         if not self.samples:
             raise SchemaError(f"group {self.group_id}: has no samples")
+        if self.temperature is not None and not (isinstance(self.temperature, int | float) and self.temperature >= 0):
+            raise SchemaError(f"group {self.group_id}.temperature: {self.temperature!r} is not a number >= 0")
         for i, sample in enumerate(self.samples):
             sample.validate(f"group {self.group_id}.samples[{i}]")
 
@@ -151,8 +168,8 @@ def _check_fields(d: Any, required: list[str], known: list[str], where: str) -> 
         raise SchemaError(f"{where}: unknown field(s) {', '.join(unknown)}")
 
 
-def _sample_from_wire(d: dict[str, Any], where: str) -> Sample:
-    _check_fields(d, _REQUIRED_SAMPLE, _SAMPLE_FIELDS, where)
+def _sample_from_wire(d: dict[str, Any], known: list[str], where: str) -> Sample:
+    _check_fields(d, _REQUIRED_SAMPLE, known, where)
     kwargs = dict(d)
     for name, dtype in ARRAY_DTYPES.items():
         raw = kwargs[name]
@@ -187,13 +204,16 @@ def decode_group(data: bytes) -> TrajectoryGroup:
         raise SchemaError(f"trajectory group: expected a map, got {type(wire).__name__}")
     version = wire.pop("schema_version", None)
     if version not in READABLE_VERSIONS:
-        raise SchemaError(f"trajectory group: schema_version {version!r} is not supported "
-                          f"(want one of {', '.join(map(str, READABLE_VERSIONS))})")
-    _check_fields(wire, _REQUIRED_GROUP, _GROUP_FIELDS, "trajectory group")
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        raise SchemaError(f"trajectory group: schema_version {version!r} is not supported (want {readable})")
+    known = _GROUP_FIELDS if version >= 2 else [f for f in _GROUP_FIELDS if f != "temperature"]
+    _check_fields(wire, _REQUIRED_GROUP, known, "trajectory group")
     if not isinstance(wire["samples"], list):
         raise SchemaError("trajectory group.samples: expected a list")
     where = f"group {wire['task_id']}"
-    wire["samples"] = [_sample_from_wire(s, f"{where}.samples[{i}]") for i, s in enumerate(wire["samples"])]
+    sample_known = _SAMPLE_FIELDS if version >= 3 else [f for f in _SAMPLE_FIELDS if f != "versions_approximate"]
+    wire["samples"] = [_sample_from_wire(s, sample_known, f"{where}.samples[{i}]")
+                       for i, s in enumerate(wire["samples"])]
     group = TrajectoryGroup(**wire)
     group.validate()
     return group

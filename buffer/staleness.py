@@ -1,12 +1,14 @@
 """Staleness control (AReaL's η = ``buffer.max_staleness``, arXiv 2505.24298): admission on the rollout side, a
-filter on the trainer's. Both read the one ``buffer`` config section (``max_staleness``, ``groups_per_step``).
+filter on the trainer's. Both read the one ``buffer`` config section (``max_staleness``, ``groups_per_step``,
+``push_every``).
 
 Admission: a server starts a new train group only while
-``admitted < (min(version, served) + max_staleness + 1) * groups_per_step``,
-checked and incremented in one Lua call, so concurrent servers never overshoot. ``version`` is the published
-version (a quorum of servers committed it) and ``served`` the version the admitting server itself serves: a
-server that missed pushes is held to its own weights, so it stops taking work whose every token would reach
-the trainer already stale, and starts again once a push catches it up. An admitted group id is
+``admitted < (min(version, served) + max_staleness + 1) * groups_per_step * push_every``:
+a version spans ``push_every`` trainer steps, so the trainer needs that many steps' groups to reach the next
+one. Checked and incremented in one Lua call, so concurrent servers never overshoot. ``version`` is the
+published version (a quorum of servers committed it) and ``served`` the version the admitting server itself
+serves: a server that missed pushes is held to its own weights, so it stops taking work whose every token
+would reach the trainer already stale, and starts again once a push catches it up. An admitted group id is
 remembered until its task is done, so a redelivered task is not admitted twice; a group that never reaches
 training (dead-lettered task, dropped as stale) gives its slot back, so the bound counts groups in flight
 or trained, as AReaL's ``StalenessManager`` does.
@@ -28,7 +30,7 @@ from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
 from core.config import BufferConfig
 
-# KEYS: admitted, version, admitted ids. ARGV: group id, max_staleness, groups_per_step, served version ('' if
+# KEYS: admitted, version, admitted ids. ARGV: group id, max_staleness, groups per version, served version ('' if
 # unknown).
 _ADMIT = """
 if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return 1 end
@@ -91,7 +93,7 @@ class StalenessControl:
         self.redis = client
         self.keys = keys
         self.max_staleness = cfg.max_staleness
-        self.groups_per_step = cfg.groups_per_step
+        self.groups_per_version = cfg.groups_per_step * cfg.push_every
         self.metrics = metrics or BufferMetrics()
         self._admit = client.register_script(_ADMIT)
         self._release = client.register_script(_RELEASE)
@@ -101,7 +103,7 @@ class StalenessControl:
         """How many groups may be admitted in all, by a server serving ``served`` (None: unknown)."""
         if served is not None:
             version = min(version, served)
-        return (version + self.max_staleness + 1) * self.groups_per_step
+        return (version + self.max_staleness + 1) * self.groups_per_version
 
     def version(self) -> int:
         """The latest committed policy version (0 before the first commit)."""
@@ -123,7 +125,7 @@ class StalenessControl:
         """Admit one group if the bound allows (for a server serving ``served``; None: unknown); a group id
         admitted before is admitted again at no cost."""
         keys = [self.keys.admitted, self.keys.version, self.keys.admitted_ids]
-        args = [group_id, self.max_staleness, self.groups_per_step, "" if served is None else int(served)]
+        args = [group_id, self.max_staleness, self.groups_per_version, "" if served is None else int(served)]
         return bool(self._admit(keys, args))
 
     def admit(self, group_id: str, stop: threading.Event | None = None, timeout_s: float | None = None,

@@ -59,14 +59,24 @@ Claimed = tuple[str, int, dict[bytes, bytes]]
 
 
 class Reclaimer:
-    """Claims pending entries of one stream for one consumer: first, once, its own entries left by a previous
-    life of the consumer (paged with a cursor), then entries that other consumers left idle too long."""
+    """Claims pending entries of one stream for one consumer: first its own entries left by a previous life of
+    the consumer (paged with a cursor), then entries that other consumers left idle too long.
 
-    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, claim_idle_ms: int) -> None:
+    The own scan runs once at start, and again every ``own_every_s`` if given: an entry whose ack Redis lost
+    (AOF ``everysec``, a restart) is pending for this live consumer, which no longer knows it, and nothing else
+    would ever hand it back. The caller skips the entries it still holds.
+    """
+
+    def __init__(
+        self, client: redis.Redis, stream: str, group: str, consumer: str, claim_idle_ms: int,
+        own_every_s: float | None = None,
+    ) -> None:
         self.stream = stream
         self.args = [group, consumer, claim_idle_ms]
         self._script = client.register_script(RECLAIM_LUA)
         self._own_cursor: str | None = "-"
+        self._own_every_s = own_every_s
+        self._next_own = 0.0
         self._scan_every_s = claim_idle_ms / 4000  # nothing becomes claimable faster than claim_idle_ms
         self._next_scan = 0.0
 
@@ -74,12 +84,17 @@ class Reclaimer:
         """Up to ``count`` entries as (id, deliveries, fields), and how many were deleted while pending."""
         out: list[Claimed] = []
         deleted = 0
+        now = time.monotonic()
+        if self._own_cursor is None and self._own_every_s is not None and now >= self._next_own:
+            self._own_cursor = "-"
         if self._own_cursor is not None:
             got, deleted, last = self._script([self.stream], [*self.args, count, "own", self._own_cursor])
             out = self._parse(got)
             self._own_cursor = None if len(got) + deleted < count else "(" + last.decode()
+            if self._own_cursor is None and self._own_every_s is not None:
+                self._next_own = now + self._own_every_s
         want = count - len(out)
-        if want > 0 and time.monotonic() >= self._next_scan:
+        if want > 0 and now >= self._next_scan:
             got, more, _ = self._script([self.stream], [*self.args, want, "idle", "-"])
             out += self._parse(got)
             deleted += more

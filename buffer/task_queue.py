@@ -60,6 +60,15 @@ if redis.call('HDEL', KEYS[5], ARGV[3]) == 1 then redis.call('DECR', KEYS[4]) en
 return 1
 """
 
+# Ack one delivery of a cancelled job's task, only if still pending: counted ``cancelled``, admission released.
+_CANCEL = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HINCRBY', KEYS[2], 'cancelled', 1)
+if redis.call('HDEL', KEYS[4], ARGV[3]) == 1 then redis.call('DECR', KEYS[3]) end
+return 1
+"""
+
 # Put a pending task back at the tail as a new entry carrying its attempt count; admission is kept.
 _REQUEUE = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
@@ -96,6 +105,7 @@ class TaskQueue:
         self.metrics = metrics or BufferMetrics()
         self._submit = client.register_script(_SUBMIT)
         self._dead_letter = client.register_script(_DEAD_LETTER)
+        self._cancel = client.register_script(_CANCEL)
         self._requeue = client.register_script(_REQUEUE)
         self._renew = client.register_script(RENEW_LUA)
         self._reclaimers: dict[tuple[str, str], Reclaimer] = {}
@@ -136,13 +146,16 @@ class TaskQueue:
 
     def job(self, job_id: str) -> dict[str, str]:
         """The job hash: ``spec`` (JSON), ``kind``, ``state`` and counters (``submitted``, ``completed``,
-        ``dead_lettered``, ``trained``, ``stale_dropped``, ``samples``, ``reward_sum``), as strings. A running job whose
-        every task has a written group or a dead letter reads as ``done``."""
-        job = {k.decode(): v.decode() for k, v in self.redis.hgetall(self.keys.job(job_id)).items()}
-        finished = int(job.get("completed", 0)) + int(job.get("dead_lettered", 0))
-        if job.get("state") == "running" and finished >= int(job.get("submitted", 0)):
-            job["state"] = "done"
-        return job
+        ``dead_lettered``, ``cancelled``, ``trained``, ``stale_dropped``, ``samples``, ``reward_sum``), as strings. A
+        running job whose every task has a written group or a dead letter reads as ``done``."""
+        return _job_state(self.redis.hgetall(self.keys.job(job_id)))
+
+    def jobs(self, job_ids: Sequence[str]) -> list[dict[str, str]]:
+        """``job`` of each id, read in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.keys.job(job_id))
+        return [_job_state(raw) for raw in pipe.execute()]
 
     def read(
         self, consumer: str, count: int, block_ms: int = 0, kinds: Sequence[str] = ("eval", "train")
@@ -238,6 +251,15 @@ class TaskQueue:
             self.metrics.dead_letters.inc()
         return moved
 
+    def cancel(self, entry: TaskEntry) -> bool:
+        """Ack a task of a cancelled job without rolling it out: the job counts it ``cancelled`` (not a dead
+        letter: dead letters are failures). False if it was no longer pending."""
+        keys = [entry.stream, self.keys.job(entry.job_id), self.keys.admitted, self.keys.admitted_ids]
+        done = bool(self._cancel(keys, [ROLLOUT_GROUP, entry.entry_id, entry.group_id]))
+        if done:
+            self.metrics.cancelled.labels(stream="tasks").inc()
+        return done
+
     def fail(self, entry: TaskEntry, error: str) -> bool:
         """Record a failed attempt: requeue the task with the error, or dead-letter it once attempts are spent.
 
@@ -263,3 +285,12 @@ class TaskQueue:
             kept = {i.decode() for i in self._renew([stream], [ROLLOUT_GROUP, consumer, *(e.entry_id for e in group)])}
             lost += [e for e in group if e.entry_id not in kept]
         return lost
+
+
+def _job_state(raw: dict[bytes, bytes]) -> dict[str, str]:
+    """A job hash decoded, ``state`` reading ``done`` once every task is finished."""
+    job = {k.decode(): v.decode() for k, v in raw.items()}
+    finished = int(job.get("completed", 0)) + int(job.get("dead_lettered", 0))
+    if job.get("state") == "running" and finished >= int(job.get("submitted", 0)):
+        job["state"] = "done"
+    return job

@@ -2,16 +2,57 @@
 
 Layering is defaults < file < dotted command-line overrides (``trainer.lr=1e-5``). Unknown keys, wrong
 types and bad values are errors naming the full dotted key.
+
+Secrets (``SECRETS``: the API token, the checkpoint token, the engine API key) have no defaults. Each
+is read from the config, else from ``<key>_file``, else from its environment variable; a dumped config
+masks them (``MASK``), and a masked value read back means "take it from the file or the environment".
+Launchers hand secrets to components in the environment, never on a command line. Which component needs
+which secret is checked when that component starts (``require_secret``), not here: the trainer never
+needs the API token.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from core.rewards import BUILTIN as BUILTIN_REWARDS
+from core.rewards import IMPORT_PATH, REWARD_NAME
+
+MIN_SECRET_CHARS = 32
+MASK = "**********"  # how pydantic prints a SecretStr, and so how dump_config writes one
+# dotted key -> the environment variable it is read from when neither the key nor <key>_file is set
+SECRETS: dict[str, str] = {
+    "api.token": "ROLLWAVE_API_TOKEN",
+    "checkpoint.token": "ROLLWAVE_CHECKPOINT_TOKEN",
+    "engine.api_key": "ROLLWAVE_ENGINE_API_KEY",
+}
+GENERATE_HINT = "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+def _long_enough(secret: SecretStr) -> SecretStr:
+    if len(secret.get_secret_value()) < MIN_SECRET_CHARS:
+        raise ValueError(f"must be at least {MIN_SECRET_CHARS} characters ({GENERATE_HINT})")
+    return secret
+
+
+Secret = Annotated[SecretStr, AfterValidator(_long_enough)]
 
 
 class ConfigError(ValueError):
@@ -68,8 +109,12 @@ class RedisConfig(Section):
 class EngineConfig(Section):
     backend: Literal["embedded", "sglang"] = "embedded"
     urls: list[str] = Field(default_factory=list, description="engine base URLs to use instead of starting one")
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    host: str = Field("127.0.0.1", description="embedded engine bind address; not loopback needs engine.api_key")
+    api_key: Secret | None = Field(
+        None, description="bearer key of the engines (SGLang --api-key); env ROLLWAVE_ENGINE_API_KEY"
+    )
+    api_key_file: Path | None = Field(None, description="file holding engine.api_key")
+    port: int = Field(0, ge=0, le=65535, description="embedded engine; 0 picks a free port (published in the registry)")
     max_batch_size: int = Field(64, ge=1)
     max_context: int = Field(1024, ge=16, description="prompt + generation tokens per request")
     request_timeout_s: float = Field(600.0, gt=0)
@@ -92,24 +137,62 @@ class RolloutConfig(Section):
     max_turns: int = Field(4, ge=1)
     max_new_tokens: int = Field(64, ge=1, description="per assistant turn")
     max_total_tokens: int = Field(512, ge=16, description="prompt + all turns")
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(
+        1.0, gt=0, description="train sampling temperature (groups record it; the trainer divides logits by it)"
+    )
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1 (the whole vocabulary) or >= 1, as SGLang requires")
     max_concurrent_groups: int = Field(8, ge=1, description="train groups in flight per server")
     max_concurrent_eval_groups: int = Field(64, ge=1, description="eval groups in flight (usually 1 sample each)")
     tools: Path | None = Field(None, description="tool config YAML; None uses the built-in tools")
-    reward: str = Field("gsm8k", description="gsm8k | tool | <module:function>")
+    reward: str = Field("gsm8k", description="a built-in (gsm8k, tool, tool_last) or a reward_allowlist name")
+    reward_allowlist: dict[str, str] = Field(
+        default_factory=dict,
+        description="custom reward functions the operator allows, name -> module:function; jobs pick them by name",
+    )
     grpc_host: str = "127.0.0.1"
-    grpc_port: int = Field(0, ge=0, le=65535)
+    grpc_port: int = Field(0, ge=0, le=65535, description="checkpoint receiver; 0 picks a free port (published)")
     heartbeat_s: float = Field(2.0, gt=0)
     server_id: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9_.-]+$", description="consumer name in Redis; None uses <host>-<pid>"
+        None,
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$",  # not . or ..: it names a directory under checkpoint.stage_dir
+        description="consumer name in Redis; None uses <host>-<pid>",
     )
     shutdown_grace_s: float = Field(
         30.0, ge=0, description="on SIGTERM, in-flight groups get this long to finish, then are handed back"
     )
-    metrics_port: int = Field(0, ge=0, le=65535, description="0 disables the metrics server")
+    metrics_port: int | None = Field(
+        0, ge=0, le=65535, description="0 picks a free port (published in the registry); null: no metrics server"
+    )
     metrics_host: str = Field("127.0.0.1", description="0.0.0.0 in containers, so Prometheus can scrape")
+    openai_host: str = Field("127.0.0.1", description="the OpenAI-compatible episode endpoint's address")
+    openai_port: int = Field(0, ge=0, le=65535, description="its port; 0 picks a free one (published in the registry)")
+    openai_model: str = Field("rollwave", min_length=1, description="the model name agents must send")
+    agent_allowlist: list[str] = Field(
+        default_factory=list, description="module:function agent entrypoints jobs may name (operator-chosen)"
+    )
+    agent_timeout_s: float = Field(300.0, gt=0, description="wall-clock limit of one agent run")
+    agent_memory_mb: int = Field(2048, ge=64, description="address-space limit (RLIMIT_AS) of one agent process")
+
+    @field_validator("reward_allowlist")
+    @classmethod
+    def _allowlist(cls, allowlist: dict[str, str]) -> dict[str, str]:
+        for name, path in allowlist.items():
+            if not REWARD_NAME.fullmatch(name) or name in BUILTIN_REWARDS:
+                builtins = ", ".join(BUILTIN_REWARDS)
+                raise ValueError(f"{name!r}: a name must be an identifier and not a built-in ({builtins})")
+            if not IMPORT_PATH.fullmatch(path):
+                raise ValueError(f"{name}: {path!r} is not module:function")
+        return allowlist
+
+    @model_validator(mode="after")
+    def _known_reward(self) -> RolloutConfig:
+        if self.reward not in BUILTIN_REWARDS and self.reward not in self.reward_allowlist:
+            raise ValueError(
+                f"reward {self.reward!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}) "
+                "nor a name in rollout.reward_allowlist"
+            )
+        return self
 
     @model_validator(mode="after")
     def _sampling(self) -> RolloutConfig:
@@ -122,9 +205,17 @@ class BufferConfig(Section):
     max_staleness: int = Field(
         2, ge=0, description="AReaL's η: groups may be this many versions old (admission bound and trainer filter)"
     )
-    groups_per_step: int = Field(8, ge=1, description="groups in one trainer step: the unit of staleness admission")
+    groups_per_step: int = Field(8, ge=1, description="groups in one trainer step")
+    push_every: int = Field(
+        1, ge=1, description="trainer steps per policy version: the trainer pushes every k steps, so a version "
+        "spans push_every × groups_per_step groups (the unit of staleness admission)"
+    )
     claim_idle_ms: int = Field(30_000, ge=100, description="pending entries idle this long are reclaimed")
     max_attempts: int = Field(3, ge=1, description="deliveries of a task before it is dead-lettered")
+    dedup_window: int = Field(
+        100_000, ge=1, description="consumed train group ids remembered (groups:state) to drop late duplicate "
+        "writes; older ones are forgotten, which bounds the hash"
+    )
 
 
 class TrainerConfig(Section):
@@ -139,7 +230,10 @@ class TrainerConfig(Section):
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     clip_eps: float = Field(0.2, gt=0)
     clip_eps_high: float | None = Field(None, gt=0, description="asymmetric upper clip; None uses clip_eps")
-    is_cap: float | None = Field(5.0, gt=0, description="truncate the behaviour IS weight at this value")
+    is_cap: float | None = Field(5.0, gt=0, description="decoupled_ppo/tis: cap on the IS weight π_prox/π_behav")
+    is_cap_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="above is_cap: truncate the weight to is_cap, or mask the token (weight 0, as AReaL)"
+    )
     is_low: float = Field(0.5, ge=0, description="icepop: mask tokens whose ratio is below")
     is_high: float = Field(2.0, gt=0, description="icepop: mask tokens whose ratio is above")
     advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
@@ -153,12 +247,13 @@ class TrainerConfig(Section):
     stop_when_drained: bool = Field(
         False, description="finite data: when no train task or group is left, train the last partial batch and stop"
     )
-    push_every: int = Field(1, ge=1, description="push weights every k steps")
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int = Field(0, ge=0, description="torch intra-op threads per rank (0: torch's default)")
-    metrics_port: int = Field(0, ge=0, le=65535)
+    metrics_port: int | None = Field(
+        0, ge=0, le=65535, description="rank 0; 0 picks a free port (published in the trainer status); null: none"
+    )
     metrics_host: str = Field("127.0.0.1", description="0.0.0.0 in containers, so Prometheus can scrape")
 
     @model_validator(mode="after")
@@ -169,7 +264,10 @@ class TrainerConfig(Section):
 
 
 class CheckpointConfig(Section):
-    token: str = Field("rollwave-dev-token", min_length=1, description="shared token in gRPC metadata")
+    token: Secret | None = Field(
+        None, description="bearer token of the checkpoint plane (gRPC metadata); env ROLLWAVE_CHECKPOINT_TOKEN"
+    )
+    token_file: Path | None = Field(None, description="file holding checkpoint.token")
     stage_dir: Path = Field(Path("/dev/shm/rollwave"), description="staging area (tmpfs)")
     chunk_bytes: int = Field(1 << 20, ge=4096, le=16 << 20)
     connect_timeout_s: float = Field(10.0, gt=0, description="deadline for a server's gRPC connection to be ready")
@@ -202,11 +300,23 @@ class CheckpointConfig(Section):
 
 class ApiConfig(Section):
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    token: str | None = Field(None, description="bearer token; None disables auth")
+    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port (published in Redis)")
+    token: Secret | None = Field(
+        None, description="bearer token (env ROLLWAVE_API_TOKEN); required unless the API binds loopback"
+    )
+    token_file: Path | None = Field(None, description="file holding api.token")
+    allowed_hosts: list[str] = Field(
+        ["127.0.0.1", "localhost", "[::1]"],
+        min_length=1,
+        description="Host headers the API answers (DNS rebinding guard); *.example.com wildcards work",
+    )
+    data_root: Path = Field(Path("data"), description="source.path of a job must lie under this directory")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="larger request bodies are refused (413)")
+    max_job_tasks: int = Field(100_000, ge=1, description="tasks in one job, inline or loaded")
 
 
 class Config(Section):
+    _masked_unset: frozenset[str] = PrivateAttr(default=frozenset())  # masked in the file, given nowhere else
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     redis: RedisConfig = RedisConfig()
@@ -238,10 +348,13 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 
 
 def parse_override(item: str) -> tuple[str, Any]:
-    """``a.b=value`` with the value read as YAML (so numbers, bools and lists work)."""
+    """``a.b=value`` with the value read as YAML (so numbers, bools and lists work); a secret's value is
+    taken as written (YAML would cut ``abc #x`` to ``abc``)."""
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not p for p in key.split(".")):
         raise ConfigError(f"override {item!r}: expected dotted.key=value")
+    if key in SECRETS:
+        return key, raw
     try:
         value = yaml.safe_load(raw) if raw else ""
     except yaml.YAMLError as exc:
@@ -253,29 +366,91 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
-        got = "" if err["type"] == "extra_forbidden" else f" (got {err.get('input')!r})"
+        quiet = err["type"] == "extra_forbidden" or key in SECRETS  # never echo a secret
+        got = "" if quiet else f" (got {err.get('input')!r})"
         lines.append(f"{key}: {msg}{got}")
     return f"invalid config{source}:\n  " + "\n  ".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults < YAML file < ``key=value`` overrides, validated as one tree."""
+def read_yaml(path: Path, what: str) -> Any:
+    """A YAML file's content; ConfigError naming the file (and the line) when it is missing or not YAML."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{what} {path} does not exist") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from exc
+
+
+def _resolve_secrets(tree: dict[str, Any], env: Mapping[str, str]) -> frozenset[str]:
+    """Fill each secret the tree leaves unset (or masked) from ``<key>_file``, else from its environment variable.
+
+    A masked secret with neither stays unset and is returned: a component that needs it refuses to start
+    (``require_secret``), one that does not (the API and the checkpoint token) runs."""
+    masked: set[str] = set()
+    for dotted, var in SECRETS.items():
+        section_name, field = dotted.split(".")
+        section = tree.get(section_name, {})
+        if not isinstance(section, dict):
+            continue  # validation names the problem
+        value, file = section.get(field), section.get(f"{field}_file")
+        if value is not None and value != MASK:
+            if file is not None:
+                raise ConfigError(f"{dotted}: set {dotted} or {dotted}_file, not both")
+            continue
+        if file is not None:
+            try:
+                value = Path(file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"{dotted}_file: cannot read {file}: {exc.strerror or exc}") from None
+        elif env.get(var):
+            value = env[var]
+        elif value == MASK:  # a dumped config: unset here; a component that needs it says where to put it
+            value = None
+            masked.add(dotted)
+        if value is not None or field in section:
+            tree[section_name] = {**section, field: value}
+    return frozenset(masked)
+
+
+def require_secret(cfg: Config, dotted: str) -> str:
+    """The secret a starting component needs; a ConfigError saying where to put it when it is not set."""
+    section, field = dotted.split(".")
+    secret = getattr(getattr(cfg, section), field)
+    if dotted in cfg._masked_unset:
+        raise ConfigError(f"{dotted}: the config holds a masked secret; give it in {SECRETS[dotted]} or {dotted}_file")
+    if secret is None:
+        raise ConfigError(f"{dotted} is not set: give it in {SECRETS[dotted]} or {dotted}_file ({GENERATE_HINT})")
+    return secret.get_secret_value()
+
+
+def secret_env(cfg: Config, *dotted: str) -> dict[str, str]:
+    """The named secrets that are set, as the environment variables a component reads them from."""
+    out = {}
+    for key in dotted:
+        section, field = key.split(".")
+        secret = getattr(getattr(cfg, section), field)
+        if secret is not None:
+            out[SECRETS[key]] = secret.get_secret_value()
+    return out
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, env: Mapping[str, str] | None = None
+) -> Config:
+    """Defaults < YAML file < ``key=value`` overrides, validated as one tree; unset secrets come from their
+    ``_file`` or from ``env`` (default ``os.environ``)."""
     tree: dict[str, Any] = {}
     source = ""
     if path is not None:
         path = Path(path)
         source = f" from {path}"
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file {path} does not exist") from exc
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f":{mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{path}{where}: not valid YAML: {exc}") from exc
+        loaded = read_yaml(path, "config file")
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -284,20 +459,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
+    masked = _resolve_secrets(tree, os.environ if env is None else env)
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, source)) from None
+    cfg._masked_unset = masked
+    return cfg
 
 
-def load_config_or_exit(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """``load_config`` for a command line: a bad config is one line on stderr naming the key, and exit 2."""
+def load_config_or_exit(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    check: Callable[[Config], object] | None = None,
+) -> Config:
+    """``load_config`` for a command line: a bad config is one line on stderr naming the key, and exit 2.
+    ``check`` adds what the starting component needs (``require_secret``); its ConfigError exits the same way."""
     try:
-        return load_config(path, overrides)
+        cfg = load_config(path, overrides)
+        if check is not None:
+            check(cfg)
+        return cfg
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
 def dump_config(cfg: Config) -> str:
+    """The config as YAML, secrets masked: safe to print and to write into the run directory."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -2,21 +2,25 @@
 
 The spec is validated whole (and its tasks loaded) before anything is written, so a rejected job
 leaves nothing behind. The worker reads the stored spec and fills what it leaves out from its own
-``RolloutConfig``.
+``RolloutConfig``. A train job's sampling temperature travels with each of its groups, and the trainer
+scales that group's logits by it.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from core.config import RolloutConfig, check_sampling
-from core.rewards import BUILTIN as BUILTIN_REWARDS
+from core.rewards import REWARD_NAME
 from core.tasks import Task, load_tasks
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
+
+MAX_INLINE_TASKS = 10_000
 
 
 class Strict(BaseModel):
@@ -27,12 +31,14 @@ class TaskSource(Strict):
     """Where a job's tasks come from: a named source or tasks given inline."""
 
     kind: Literal["arith", "gsm8k", "jsonl", "inline"] = "arith"
-    path: str | None = Field(None, description="gsm8k/jsonl: a .jsonl file or a directory of {split}.jsonl")
+    path: str | None = Field(
+        None, description="gsm8k/jsonl: a .jsonl file or a directory of {split}.jsonl; gsm8k defaults to data/gsm8k"
+    )
     split: str | None = Field(None, description="train or test")
     limit: int | None = Field(None, ge=1, le=100_000, description="how many tasks")
     offset: int = Field(0, ge=0, le=100_000, description="skip this many tasks first (arith generates them)")
     seed: int = 0
-    tasks: list[Task] | None = Field(None, description="inline tasks (kind=inline)")
+    tasks: list[Task] | None = Field(None, max_length=MAX_INLINE_TASKS, description="inline tasks (kind=inline)")
 
     @model_validator(mode="after")
     def _check(self) -> TaskSource:
@@ -41,18 +47,20 @@ class TaskSource(Strict):
                 raise ValueError("kind=inline needs a non-empty `tasks` list")
         elif self.tasks is not None:
             raise ValueError(f"`tasks` is only allowed with kind=inline, not kind={self.kind}")
-        if self.kind in ("gsm8k", "jsonl") and not self.path:
-            raise ValueError(f"kind={self.kind} needs `path`")
+        if self.kind == "jsonl" and not self.path:
+            raise ValueError("kind=jsonl needs `path`")
         if self.kind == "arith" and self.limit is None:
             raise ValueError("kind=arith needs `limit` (the number of generated problems)")
         return self
 
-    def load(self) -> list[Task]:
+    def load(self, data_root: Path | None = None) -> list[Task]:
+        """The tasks; with ``data_root``, a ``path`` is read relative to it and must not lead out of it."""
         if self.kind == "inline":
             assert self.tasks is not None
             return list(self.tasks)
         return load_tasks(
-            self.kind, path=self.path, split=self.split, limit=self.limit, seed=self.seed, offset=self.offset
+            self.kind, path=self.path, split=self.split, limit=self.limit, seed=self.seed, offset=self.offset,
+            root=data_root,
         )
 
 
@@ -78,19 +86,39 @@ class JobSpec(Strict):
     sampling: SamplingSpec = SamplingSpec()
     max_turns: int | None = Field(None, ge=1, le=64)
     tools: list[str] | None = Field(None, description="tool names; None uses each task's own list")
-    reward: str | None = Field(None, description="gsm8k | tool | module:function; None uses the server's")
+    reward: str | None = Field(
+        None, description="a built-in (gsm8k, tool, tool_last) or a rollout.reward_allowlist name; None: the server's"
+    )
+    agent: str | None = Field(
+        None, description="module:function of an OpenAI-client agent run once per sample (the job is then an "
+        "agent job); servers run only entrypoints in their rollout.agent_allowlist"
+    )
     name: str | None = Field(None, max_length=200)
 
     @field_validator("reward")
     @classmethod
     def _reward_name(cls, reward: str | None) -> str | None:
-        """Reject what no worker could load (the worker imports module:function itself)."""
-        if reward is not None and reward not in BUILTIN_REWARDS and not _IMPORT_PATH.fullmatch(reward):
-            raise ValueError(f"reward {reward!r}: not a built-in ({', '.join(BUILTIN_REWARDS)}) nor module:function")
+        """A name, never an import path: which functions exist is the operator's choice (the API checks the
+        name against the run's allowlist)."""
+        if reward is not None and not REWARD_NAME.fullmatch(reward):
+            raise ValueError(
+                f"reward {reward!r}: a job names a reward function (a built-in or one the operator allowlisted "
+                "in rollout.reward_allowlist), never an import path"
+            )
         return reward
+
+    @field_validator("agent")
+    @classmethod
+    def _agent_name(cls, agent: str | None) -> str | None:
+        if agent is not None and not _IMPORT_PATH.fullmatch(agent):
+            raise ValueError(f"agent {agent!r}: not module:function")
+        return agent
 
     @model_validator(mode="after")
     def _eval_defaults(self) -> JobSpec:
+        if self.kind == "train" and self.sampling.temperature == 0:
+            raise ValueError("sampling.temperature: 0 (greedy) cannot be trained on: every sample of a task would be "
+                             "the same and greedy tokens have no logprobs; use > 0, or kind=eval")
         if self.kind == "eval":
             if self.n_samples is None:
                 self.n_samples = 1

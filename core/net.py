@@ -1,23 +1,96 @@
-"""Network helpers shared by every component: servers bind loopback unless configured otherwise."""
+"""Network helpers shared by every component: servers bind loopback unless configured otherwise.
+
+Ports are never picked by one process and bound by another later (that port can be taken in
+between). A component binds port 0 and publishes the address it got (registry, trainer status, API
+record in Redis); a port fixed by config (compose, Helm) is bound with SO_REUSEADDR and retried while
+it is busy, for a bounded time, then fails naming the component and the port.
+"""
 
 from __future__ import annotations
 
+import errno
+import ipaddress
+import logging
 import random
 import socket
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+BIND_RETRY_S = 30.0  # how long a busy configured port is waited for (a restart's old socket, a slow exit)
+
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the caller binds it next)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 with or without brackets) is this machine's loopback."""
+    host = host.strip("[]").lower()
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class PortBusyError(OSError):
+    """A configured port stayed in use for the whole retry window."""
+
+
+def bind_retrying(bind: Callable[[int], T], component: str, host: str, port: int,
+                  timeout_s: float = BIND_RETRY_S) -> T:
+    """``bind(port)``, retried with backoff while it raises EADDRINUSE on a fixed port.
+
+    Port 0 is not retried: the kernel picks a free port, which cannot collide.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while True:
+        try:
+            return bind(port)
+        except OSError as exc:
+            if port == 0 or exc.errno != errno.EADDRINUSE:
+                raise
+            if time.monotonic() >= deadline:
+                raise PortBusyError(
+                    errno.EADDRINUSE,
+                    f"{component}: port {port} on {host} still in use after {timeout_s:.0f} s "
+                    "(stop what holds it, or configure port 0 to take any free one)",
+                ) from exc
+            if delay == 0.05:
+                log.warning("%s: port %d on %s is in use; retrying for up to %.0f s", component, port, host, timeout_s)
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 1.0)
+
+
+def listen_socket(host: str, port: int, component: str, timeout_s: float = BIND_RETRY_S) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (SO_REUSEADDR; a busy fixed port is retried, see ``bind_retrying``).
+
+    Hand it to the server (uvicorn's ``sockets=``); ``getsockname()`` says which port it got.
+    """
+
+    def bind(p: int) -> socket.socket:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, p))
+            sock.listen(socket.SOMAXCONN)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    return bind_retrying(bind, component, host, port, timeout_s)
 
 
 def free_port_outside_ephemeral(host: str = "127.0.0.1", low: int = 20_000, high: int = 32_000) -> int:
     """A free port below the kernel's ephemeral range (32768+) and above Ray's worker ports (10002-19999).
 
-    For a port handed to a process that binds it only later, alongside others that bind port 0 (Ray's
-    own servers): an ephemeral port from ``free_port`` could be taken in between, one from here cannot.
+    Only for a port every process of a group must know before any of them starts (the Ray head's, the
+    trainer ranks' rendezvous): no port-0 bind can take it in between.
     """
     rng = random.Random()
     for _ in range(200):

@@ -5,8 +5,12 @@ tries ``#### N``, ``\\boxed{N}``, "the answer is N", then the last number in the
 compared exactly as decimals after dropping ``$``, thousands commas and a trailing period, so
 ``1,600`` matches ``1600`` and ``18.0`` matches ``18``.
 
-A reward function that raises or returns garbage never stops the server: the sample gets reward 0.0,
-``reward_info["error"]`` says why, and the failure is counted.
+A reward function that raises or returns garbage never stops the server, and never yields a made-up
+reward: ``score`` raises ``RewardError`` saying why, and the agent loop marks the episode failed
+(``finish_reason`` ``reward_error``), so its group is rolled out again instead of trained on reward 0.
+
+Custom functions are imported only from the operator's ``rollout.reward_allowlist`` (name -> module:function);
+jobs and tasks name a function, they never give an import path.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import importlib
 import inspect
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -27,6 +31,8 @@ _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(" + _NUM + ")", re.IGNORECASE)
 _NUMBER = re.compile(_NUM)
 MODES = ("strict", "flexible")
+REWARD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
 
 RewardFn = Callable[..., Awaitable[float | tuple[float, dict[str, Any]]]]
 
@@ -91,35 +97,40 @@ async def _tool_last(task: Any, messages: list[dict[str, Any]], final_text: str,
 BUILTIN: dict[str, RewardFn] = {"gsm8k": _gsm8k, "tool": _tool_max, "tool_last": _tool_last}
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """A built-in name (``gsm8k``, ``tool`` = max tool reward, ``tool_last``) or ``module:function``.
+def load_reward_fn(name: str, allowlist: Mapping[str, str] | None = None) -> RewardFn:
+    """A built-in (``gsm8k``, ``tool`` = max tool reward, ``tool_last``) or a name of ``allowlist``
+    (the operator's ``rollout.reward_allowlist``: name -> ``module:function``).
 
     A custom function is ``async def fn(task, sample_messages, final_text, tool_rewards)`` returning
     a float or ``(float, dict)``.
     """
-    if spec in BUILTIN:
-        return BUILTIN[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward {spec!r}: not a built-in ({', '.join(BUILTIN)}) nor module:function")
+    if name in BUILTIN:
+        return BUILTIN[name]
+    path = (allowlist or {}).get(name)
+    if path is None:
+        raise ValueError(f"reward {name!r}: not a built-in ({', '.join(BUILTIN)}) nor in rollout.reward_allowlist")
+    module_name, _, attr = path.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"reward {spec!r}: cannot import: {exc}") from exc
+        raise ValueError(f"reward {name!r} ({path}): cannot import: {exc}") from exc
     if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"reward {spec!r}: must be an async function")
+        raise ValueError(f"reward {name!r} ({path}): must be an async function")
     return fn
+
+
+class RewardError(RuntimeError):
+    """The reward function raised, or returned something that is not a reward: the episode has none."""
 
 
 class RewardComputer:
     """Scores finished episodes. The config names the default function; a task's ``reward["kind"]``
-    may pick another *built-in* (import paths come only from the operator's config, never from tasks).
+    may pick another *built-in* (custom functions come only from the operator's allowlist, never from tasks).
     """
 
-    def __init__(self, spec: str = "gsm8k", on_error: Callable[[], None] | None = None) -> None:
-        self.default = load_reward_fn(spec)
+    def __init__(self, spec: str = "gsm8k", allowlist: Mapping[str, str] | None = None) -> None:
+        self.default = load_reward_fn(spec, allowlist)
         self.spec = spec
-        self._on_error = on_error
 
     def _pick(self, task: Any) -> RewardFn:
         kind = task.reward.get("kind")
@@ -133,16 +144,14 @@ class RewardComputer:
     async def score(
         self, task: Any, messages: list[dict[str, Any]], final_text: str, tool_rewards: list[float]
     ) -> tuple[float, dict[str, Any]]:
-        """``(reward, reward_info)``; never raises: a failing function gives ``(0.0, {"error": ...})``."""
+        """``(reward, reward_info)``; a failing function raises ``RewardError`` with the reason (and logs it)."""
         try:
             out = await self._pick(task)(task, messages, final_text, tool_rewards)
             reward, info = out if isinstance(out, tuple) else (out, {})
             if isinstance(reward, bool) or not isinstance(reward, int | float) or not isinstance(info, dict):
                 raise TypeError(f"reward function returned {out!r}; want a float or (float, dict)")
             return float(reward), dict(info)
-        except Exception as exc:  # user code: recorded on the sample and counted, never fatal
+        except Exception as exc:  # user code: the episode fails with the reason, the server goes on
             task_id = getattr(task, "task_id", "?")
             log.warning("reward for task %s failed: %s: %s", task_id, type(exc).__name__, exc)
-            if self._on_error is not None:
-                self._on_error()
-            return 0.0, {"error": f"{type(exc).__name__}: {exc}"}
+            raise RewardError(f"{type(exc).__name__}: {exc}") from exc

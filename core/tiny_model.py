@@ -16,7 +16,6 @@ import json
 import random
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -229,12 +228,8 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
 
 
 def cli_init(args: argparse.Namespace) -> int:
-    """``rollwave model init --out DIR [--seed N]``; exit 2 if DIR holds something else."""
-    try:
-        out = build_tiny_model(Path(args.out), seed=args.seed)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    """``rollwave model init --out DIR [--seed N]``; a ValueError (exit 2) if DIR holds something else."""
+    out = build_tiny_model(Path(args.out), seed=args.seed)
     model = Qwen2ForCausalLM.from_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny model (seed {args.seed}) in {out}: {params:,} parameters, vocab {model.config.vocab_size}")

@@ -3,6 +3,10 @@
 Connects to Redis (``REDIS_URL`` / ``redis.url``, else an embedded redis-server), uses the engines in
 ``engine.urls`` or starts the embedded engine as a child process, and runs the worker until SIGTERM
 or SIGINT, then shuts down gracefully (see ``rollout_server.worker``).
+
+Every engine call carries ``engine.api_key``; an embedded engine started here without one gets a key made
+for it, so no other process on the host can drive it. Engines stay off the network: their metrics are
+served, with the key, on this server's metrics port under ``/engine/<i>/metrics``.
 """
 
 from __future__ import annotations
@@ -10,14 +14,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import secrets
 import signal
 import sys
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
 
 from buffer.redis_server import connect
-from core.config import Config, ConfigError, EngineConfig, load_config_or_exit
+from core.config import Config, ConfigError, EngineConfig, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
+from core.net import is_loopback
 from core.tiny_model import ensure_model
 from rollout_server.agent_loop import parse_version
 from rollout_server.checkpoint_receiver import CheckpointMetrics, ReceiverThread
@@ -31,17 +41,43 @@ log = logging.getLogger("rollout_server")
 
 
 
-async def engine_urls(cfg: EngineConfig, model: Path, stack: AsyncExitStack) -> list[str]:
-    """``engine.urls``, or the URL of an embedded engine started here (stopped with ``stack``)."""
+ENGINE_METRICS_TIMEOUT_S = 10.0
+
+
+def check_engines(cfg: EngineConfig) -> None:
+    """An engine reached over the network must want a key: refuse ``engine.urls`` off loopback without one."""
+    remote = [url for url in cfg.urls if not is_loopback(urlsplit(url).hostname or "")]
+    if remote and cfg.api_key is None:
+        raise ConfigError(f"engine.urls: {', '.join(remote)} is not loopback: set engine.api_key "
+                          "(env ROLLWAVE_ENGINE_API_KEY) and start the engine with it")
+
+
+async def engine_urls(cfg: EngineConfig, model: Path, stack: AsyncExitStack) -> tuple[list[str], str | None]:
+    """``engine.urls`` and ``engine.api_key``, or the URL and key of an embedded engine started here
+    (stopped with ``stack``)."""
+    key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
     if cfg.urls:
-        return cfg.urls
+        return cfg.urls, key
     if cfg.backend != "embedded":
         raise ConfigError(f"engine.urls: engine.backend={cfg.backend} needs the URLs of running servers")
     engine = EngineProcess(model, host=cfg.host, port=cfg.port, max_batch_size=cfg.max_batch_size,
-                           max_context=cfg.max_context, threads=cfg.threads, dtype=cfg.dtype)
+                           max_context=cfg.max_context, threads=cfg.threads, dtype=cfg.dtype,
+                           api_key=key or secrets.token_urlsafe(32))
     await asyncio.to_thread(engine.start, cfg.ready_timeout_s)
     stack.callback(engine.close)
-    return [engine.url]
+    return [engine.url], engine.api_key
+
+
+def engine_metrics(url: str, key: str | None) -> Callable[[], tuple[str, bytes]]:
+    """Fetches an engine's ``/metrics`` with its key, for the metrics server to pass on."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def fetch() -> tuple[str, bytes]:
+        reply = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=ENGINE_METRICS_TIMEOUT_S)
+        reply.raise_for_status()
+        return reply.headers.get("content-type", "text/plain"), reply.content
+
+    return fetch
 
 
 async def serve(cfg: Config) -> None:
@@ -51,8 +87,8 @@ async def serve(cfg: Config) -> None:
         if redis_server is not None:
             stack.callback(redis_server.stop)
         model = await asyncio.to_thread(ensure_model, cfg.model)
-        urls = await engine_urls(cfg.engine, model, stack)
-        engines = [EngineClient(url, timeout_s=cfg.engine.request_timeout_s) for url in urls]
+        urls, key = await engine_urls(cfg.engine, model, stack)
+        engines = [EngineClient(url, timeout_s=cfg.engine.request_timeout_s, api_key=key) for url in urls]
         for engine in engines:
             stack.push_async_callback(engine.aclose)
             try:
@@ -70,17 +106,29 @@ async def serve(cfg: Config) -> None:
                                 tokenizer, ToolRegistry.from_file(cfg.rollout.tools), metrics)
         receiver = ReceiverThread(
             cfg.checkpoint, model, urls, worker.consumer, cfg.rollout.grpc_host, cfg.rollout.grpc_port,
-            CheckpointMetrics(metrics.registry), cfg.engine.request_timeout_s,
+            CheckpointMetrics(metrics.registry), cfg.engine.request_timeout_s, engine_api_key=key,
         )
         worker.info.grpc_address = await asyncio.to_thread(receiver.start)
+        worker.info.openai_url = await stack.enter_async_context(
+            worker.episodes.serving(cfg.rollout.openai_host, cfg.rollout.openai_port)
+        )
         stack.callback(receiver.stop)
-        if cfg.rollout.metrics_port:
-            server = serve_metrics(metrics.registry, host=cfg.rollout.metrics_host, port=cfg.rollout.metrics_port)
+        rc = cfg.rollout
+        if rc.metrics_port is not None:
+            proxies = {f"/engine/{i}/metrics": engine_metrics(url, key) for i, url in enumerate(urls)}
+            server = await asyncio.to_thread(serve_metrics, metrics.registry, "rollout", rc.metrics_host,
+                                             rc.metrics_port, proxies)
             stack.callback(server.shutdown)
+            worker.info.metrics_address = f"{rc.metrics_host}:{server.server_port}"
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)
         await worker.run()
+
+
+def _check(cfg: Config) -> None:
+    require_secret(cfg, "checkpoint.token")
+    check_engines(cfg.engine)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    cfg = load_config_or_exit(args.config, args.overrides)
+    cfg = load_config_or_exit(args.config, args.overrides, check=_check)
     try:
         asyncio.run(serve(cfg))
     except ConfigError as exc:

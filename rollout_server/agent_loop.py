@@ -8,7 +8,10 @@ Token-in/token-out (see ``trajectory.py``): the engine's ``output_ids`` are appe
 with their behaviour logprobs and the policy version of each token. Every limit ends the episode
 with its own ``finish_reason``: ``stop`` (answered), ``length`` (a turn hit ``max_new_tokens``),
 ``max_total_tokens`` (the context budget), ``max_turns``, ``abort`` (the engine aborted the
-request) or ``error`` (the engine failed, or a tool could not be set up).
+request), ``error`` (the engine failed, or a tool could not be set up) or ``reward_error`` (the
+reward function failed). The last three are failures (``Sample.failed``), counted in
+``rollwave_rollout_failed_total{reason}``: such an episode has no outcome, so the worker rolls its
+group out again rather than let it be trained as reward 0.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import httpx
 
 from buffer.schema import Sample, ToolCallRecord, TrajectoryGroup
 from core.config import RolloutConfig
-from core.rewards import RewardComputer
+from core.rewards import RewardComputer, RewardError
 from core.trajectory import ChatRenderer, TrajectoryBuilder, Turn
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
@@ -97,10 +100,14 @@ class Episode:
     finish_reason: str = ""
     final_text: str = ""
     error: str | None = None
+    failure: str = ""  # what failed (engine, abort, tool, reward); "" when the episode has an outcome
     started: float = field(default_factory=time.time)
 
-    def finish(self, reason: str, state: State = State.COMPLETED, error: str | None = None) -> None:
-        self.finish_reason, self.state, self.error = reason, state, error
+    def finish(self, reason: str) -> None:
+        self.finish_reason, self.state = reason, State.COMPLETED
+
+    def fail(self, failure: str, error: str, reason: str = "error") -> None:
+        self.finish_reason, self.state, self.error, self.failure = reason, State.FAILED, error, failure
 
 
 class AgentLoop:
@@ -121,7 +128,7 @@ class AgentLoop:
         self.tools = tools
         self.config = config
         self.metrics = metrics if metrics is not None else RolloutMetrics()
-        self.reward = reward if reward is not None else RewardComputer(config.reward, self.metrics.reward_errors.inc)
+        self.reward = reward if reward is not None else RewardComputer(config.reward, config.reward_allowlist)
 
     async def run_group(
         self, task: Any, *, run: str, job_id: str, n: int | None = None, queued: float | None = None
@@ -136,7 +143,9 @@ class AgentLoop:
         n = self.config.n_samples if n is None else n
         samples = await asyncio.gather(*(self.run_episode(task, i, prompt_ids, queued) for i in range(n)))
         self.metrics.groups_completed.inc()
-        return TrajectoryGroup(run=run, job_id=job_id, task_id=task.task_id, samples=list(samples))
+        return TrajectoryGroup(
+            run=run, job_id=job_id, task_id=task.task_id, samples=list(samples), temperature=self.config.temperature
+        )
 
     async def run_episode(self, task: Any, sample_index: int, prompt_ids: list[int], queued: float) -> Sample:
         ep = Episode(sample_index, TrajectoryBuilder(prompt_ids), [dict(m) for m in task.messages], queued)
@@ -148,10 +157,14 @@ class AgentLoop:
                 calls, errors = await self._generate(task, ep)
                 if ep.state is State.CALLING_TOOLS:
                     await self._call_tools(task, ep, calls, errors)
+            reward, info = 0.0, {}
             if ep.state is State.COMPLETED:
-                reward, info = await self.reward.score(task, ep.messages, ep.final_text, ep.tool_rewards)
-            else:
-                reward, info = 0.0, {"error": ep.error or ep.finish_reason}
+                try:
+                    reward, info = await self.reward.score(task, ep.messages, ep.final_text, ep.tool_rewards)
+                except RewardError as exc:
+                    ep.fail("reward", str(exc), reason="reward_error")
+            if ep.failure:
+                info = {"error": ep.error}
         finally:
             await self._release_tools(ep)
             self.metrics.inflight_requests.dec()
@@ -164,7 +177,7 @@ class AgentLoop:
             try:
                 await self.tools.get(name).create(instance_id, **kwargs)
             except Exception as exc:  # user tool code: the episode fails with the reason, the group goes on
-                ep.finish("error", State.FAILED, f"tool {name}: create failed: {type(exc).__name__}: {exc}")
+                ep.fail("tool", f"tool {name}: create failed: {type(exc).__name__}: {exc}")
                 return
             ep.instance_ids[name] = instance_id
 
@@ -199,7 +212,7 @@ class AgentLoop:
             )
             turn = turn_from_reply(reply)
         except (EngineError, httpx.HTTPError, EngineReplyError) as exc:
-            ep.finish("error", State.FAILED, f"engine: {type(exc).__name__}: {exc}")
+            ep.fail("engine", f"engine: {type(exc).__name__}: {exc}")
             return [], []
         ep.builder.add_generated(turn)
         ep.num_turns += 1
@@ -210,7 +223,7 @@ class AgentLoop:
         ep.final_text = text
         if reason == "abort":
             ep.messages.append({"role": "assistant", "content": text})
-            ep.finish("abort", State.FAILED, "the engine aborted the request")
+            ep.fail("abort", "the engine aborted the request", reason="abort")
             return [], []
         normal_text, calls, errors = parse_tool_calls(text, task.tools)
         if reason == "length" or not closed or not (calls or errors):
@@ -263,14 +276,18 @@ class AgentLoop:
         latency = time.perf_counter() - start
         if result.reward is not None:
             ep.tool_rewards.append(float(result.reward))
-        self.metrics.tool_calls.labels(tool=call.name, outcome="ok" if result.ok else "error").inc()
+        outcome = "ok" if result.ok else "refused" if result.refused else "error"
+        self.metrics.tool_calls.labels(tool=call.name, outcome=outcome).inc()
         self.metrics.tool_latency.labels(tool=call.name).observe(latency)
         return result, ToolCallRecord(name=call.name, ok=result.ok, error=result.error, latency_s=latency)
 
     def _sample(self, ep: Episode, reward: float, info: dict[str, Any]) -> Sample:
         self.metrics.finish_reasons.labels(reason=ep.finish_reason).inc()
         self.metrics.episode_turns.observe(ep.num_turns)
-        self.metrics.reward.observe(reward)
+        if ep.failure:
+            self.metrics.failed.labels(reason=ep.failure).inc()
+        else:
+            self.metrics.reward.observe(reward)
         return Sample(
             sample_index=ep.sample_index,
             prompt_len=ep.builder.prompt_len,

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +37,7 @@ from core.checkpoint_format import (
     served_tensor_specs,
 )
 from core.config import CheckpointConfig
+from core.net import bind_retrying, listen_socket
 from proto import checkpoint_pb2 as pb
 from rollout_server.engine_client import EngineClient, EngineError, EngineGroup
 
@@ -366,15 +368,24 @@ class CheckpointReceiver:
         return self.service.current_version
 
     async def start(self) -> str:
-        """Serve and return ``host:port``."""
-        server = grpc.aio.server(interceptors=[TokenInterceptor(self.config.token)], options=GRPC_OPTIONS)
+        """Serve and return ``host:port`` (to publish): port 0 takes any free port, a busy fixed one is
+        retried for a bounded time (``bind_retrying``; the wait blocks this loop, which serves nothing yet)."""
+        # Without SO_REUSEPORT (on by default in gRPC) a second receiver on a busy port fails instead of sharing it.
+        options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+        server = grpc.aio.server(interceptors=[TokenInterceptor(self.config.token.get_secret_value())], options=options)
         server.add_generic_rpc_handlers((self.service.handlers(),))
-        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind the checkpoint receiver to {self.host}")
+        self.port = bind_retrying(partial(self._add_port, server), "checkpoint receiver", self.host, self.port)
         await server.start()
         self._server = server
         return self.address
+
+    def _add_port(self, server: grpc.aio.Server, port: int) -> int:
+        try:
+            return server.add_insecure_port(f"{self.host}:{port}")
+        except RuntimeError:
+            # gRPC only says "Failed to bind"; a plain bind raises EADDRINUSE (retried) if the port is busy.
+            listen_socket(self.host, port, "checkpoint receiver", timeout_s=0).close()
+            raise
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop serving and delete this server's staging area (the served model dir is never touched)."""
@@ -393,12 +404,14 @@ class ReceiverThread:
     """
 
     def __init__(self, config: CheckpointConfig, model_dir: Path, engine_urls: list[str], server_name: str,
-                 host: str, port: int, metrics: CheckpointMetrics, timeout_s: float = 600.0):
+                 host: str, port: int, metrics: CheckpointMetrics, timeout_s: float = 600.0,
+                 engine_api_key: str | None = None):
         self._make = lambda engine: CheckpointReceiver(
             config, model_dir, engine, engine_urls[0], server_name, host=host, port=port, metrics=metrics
         )
         self._urls = engine_urls
         self._timeout_s = timeout_s
+        self._engine_api_key = engine_api_key
         self._ready: Future[str] = Future()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -410,7 +423,7 @@ class ReceiverThread:
         return self._ready.result(timeout_s)
 
     async def _main(self) -> None:
-        engines = [EngineClient(url, timeout_s=self._timeout_s) for url in self._urls]
+        engines = [EngineClient(url, timeout_s=self._timeout_s, api_key=self._engine_api_key) for url in self._urls]
         receiver = self._make(EngineGroup(engines))
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         try:

@@ -22,7 +22,7 @@ class RolloutMetrics:
         self.inflight_requests = Gauge(_P + "inflight_requests", "Episodes in progress", registry=r)
         self.tool_calls = Counter(
             _P + "tool_calls",
-            "Tool calls by tool and outcome (ok, error, parse_error)",
+            "Tool calls by tool and outcome (ok, error, refused, parse_error)",
             ["tool", "outcome"],
             registry=r,
         )
@@ -33,7 +33,12 @@ class RolloutMetrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
-        self.reward_errors = Counter(_P + "reward_errors", "Reward functions that raised", registry=r)
+        self.failed = Counter(
+            _P + "failed",
+            "Episodes that failed (engine, abort, tool, reward); their group is rolled out again, never trained",
+            ["reason"],
+            registry=r,
+        )
         self.reward = Histogram(
             _P + "reward", "Episode rewards", buckets=(-1.0, -0.5, 0.0, 0.25, 0.5, 0.75, 1.0, 2.0), registry=r
         )
@@ -48,6 +53,18 @@ class RolloutMetrics:
         )
         self.busy_seconds = Counter(
             _P + "busy_seconds", "Time with at least one admitted group generating", registry=r
+        )
+        self.openai_requests = Counter(
+            _P + "openai_requests", "OpenAI-compatible endpoint requests by outcome", ["outcome"], registry=r
+        )
+        self.history_mismatches = Counter(
+            _P + "history_mismatches",
+            "Agent requests whose history differs from the recorded episode (the episode is not trained)",
+            registry=r,
+        )
+        self.agent_runs = Counter(_P + "agent_runs", "Agent entrypoint runs by outcome", ["outcome"], registry=r)
+        self.samples_excluded = Counter(
+            _P + "samples_excluded", "Agent samples left out of a train group, by reason", ["reason"], registry=r
         )
 
     def total(self, name: str, **labels: str) -> float:

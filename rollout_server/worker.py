@@ -32,14 +32,17 @@ from buffer.keys import Keys
 from buffer.metrics import BufferMetrics
 from buffer.registry import ServerInfo, ServerRegistry
 from buffer.replay import BufferClosed, ReplayBuffer
+from buffer.schema import TrajectoryGroup
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskEntry, TaskQueue
 from core.config import BufferConfig, RolloutConfig
 from core.jobs import JobSpec, rollout_settings
 from core.tasks import Task
 from rollout_server.agent_loop import AgentLoop, parse_version
+from rollout_server.agent_runner import run_agent
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
+from rollout_server.openai_api import FAILED_REASONS, EpisodeStore
 from rollout_server.tools import ToolRegistry
 
 log = logging.getLogger(__name__)
@@ -85,6 +88,7 @@ class RolloutWorker:
         self.servers = ServerRegistry(client, self.keys, ttl_s=3 * rollout.heartbeat_s)
         self.consumer = rollout.server_id or default_server_id()
         self.info = ServerInfo(self.consumer, engine_url=engines[0].base_url)
+        self.episodes = EpisodeStore(tokenizer, rollout.openai_model, self.metrics)
         self._generating_now = 0
         self._busy_since = 0.0
         self.lease_s = min(rollout.heartbeat_s, buffer.claim_idle_ms / 3000)
@@ -147,28 +151,46 @@ class RolloutWorker:
                  len(self.engines))
 
     async def _handle(self, entry: TaskEntry) -> None:
-        """One task -> one group written (or the task handed back, failed or dead-lettered, never lost)."""
+        """One task -> one group written (or the task handed back, failed or dead-lettered, never lost). A group
+        with a failed episode is not written: the task fails and is rolled out again (``buffer.max_attempts``)."""
         try:
             job = await self._call(self.tasks.job, entry.job_id)
-            if job.get("state") == "cancelled":
-                await self._call(self.tasks.dead_letter, entry, f"job {entry.job_id} was cancelled")
+            if job.get("state") == "cancelled":  # acked and counted, not dead-lettered: it did not fail
+                await self._call(self.tasks.cancel, entry)
                 return
-            loop, tools = self._agent_loop(entry.job_id, job.get("spec"))
+            spec = JobSpec.model_validate_json(job["spec"]) if job.get("spec") else None
+            loop = self._agent_loop(entry.job_id, spec)
             task = Task.model_validate({**entry.task, "task_id": entry.group_id})
-            task = task.model_copy(update={"tools": tools}) if tools is not None else task
+            if spec is not None and spec.tools is not None:
+                task = task.model_copy(update={"tools": spec.tools})
+            if spec is not None and spec.agent is not None:
+                self._check_agent(spec.agent)
             if entry.kind == "train" and not await self._call(self.staleness.admit, entry.group_id, self._stopping,
                                                               None, lambda: self.info.version):
                 await self._call(self.tasks.hand_back, entry)
                 return
             with self._generating():
-                group = await loop.run_group(task, run=self.run_name, job_id=entry.job_id)
+                if spec is not None and spec.agent is not None:
+                    group = await self._agent_group(spec.agent, loop, task, entry)
+                else:
+                    group = await loop.run_group(task, run=self.run_name, job_id=entry.job_id)
             group.kind = entry.kind
-            if self._stopping.is_set() and any(s.finish_reason in ("error", "abort") for s in group.samples):
+            failed = [s for s in group.samples if s.failed]
+            if failed and self._stopping.is_set() and any(s.finish_reason in ("error", "abort") for s in failed):
                 await self._call(self.tasks.hand_back, entry)  # the engine went away under a shutdown
+                return
+            if failed:  # no outcome for some samples: never trained as reward 0; rolled out again, or dead-lettered
+                first = failed[0].reward_info["error"]
+                error = f"{len(failed)} of {len(group.samples)} episodes failed; first: {first}"
+                log.warning("group %s: %s", entry.group_id, error)
+                await self._call(self.tasks.fail, entry, error)
                 return
             await self._put(group, entry)
         except ValidationError as exc:  # a bad task or job spec will not get better: no retries
             await self._call(self.tasks.dead_letter, entry, f"invalid task or job spec: {exc}")
+        except PermissionError as exc:  # nor will an agent this server does not allow
+            log.warning("group %s refused: %s", entry.group_id, exc)
+            await self._call(self.tasks.dead_letter, entry, str(exc))
         except BufferClosed:
             await self._call(self.tasks.hand_back, entry)
         except asyncio.CancelledError:
@@ -224,12 +246,10 @@ class RolloutWorker:
                       maxlen=TRAJECTORY_LOG_LEN, approximate=True)
         pipe.execute()
 
-    def _agent_loop(self, job_id: str, spec_json: str | None) -> tuple[AgentLoop, list[str] | None]:
-        """The agent loop with a job's settings on the next engine (round robin), and the job's tool list
-        (None: each task's own). Cached per job and engine."""
+    def _agent_loop(self, job_id: str, spec: JobSpec | None) -> AgentLoop:
+        """The agent loop with a job's settings on the next engine (round robin). Cached per job and engine."""
         engine_index = self._next_engine % len(self.engines)
         self._next_engine += 1
-        spec = JobSpec.model_validate_json(spec_json) if spec_json else None
         key = (job_id, engine_index)
         if key not in self._loops:
             config = rollout_settings(spec, self.config) if spec else self.config
@@ -238,7 +258,48 @@ class RolloutWorker:
             self._loops[key] = AgentLoop(
                 self.engines[engine_index], self.tokenizer, self.tools, config, metrics=self.metrics
             )
-        return self._loops[key], spec.tools if spec else None
+        return self._loops[key]
+
+    def _check_agent(self, entrypoint: str) -> None:
+        """Jobs may only name agents the operator allowed: a job must not choose what code a server runs."""
+        if entrypoint not in self.config.agent_allowlist:
+            self.metrics.agent_runs.labels(outcome="refused").inc()
+            raise PermissionError(f"agent {entrypoint!r} is not in this server's rollout.agent_allowlist")
+
+    async def _agent_group(self, entrypoint: str, loop: AgentLoop, task: Task, entry: TaskEntry) -> TrajectoryGroup:
+        """The job's agent run once per sample against the episode endpoint. A train group keeps only the
+        samples that can be trained (not failed, not edited); an eval group keeps all (failed score 0)."""
+        queued = time.time()
+
+        async def one(index: int) -> Any:
+            ep = self.episodes.open(task, index, loop.config, loop.engine, loop.reward, queued)
+            try:
+                outcome = await run_agent(entrypoint, task, self.episodes.base_url(ep), ep.key,
+                                          timeout_s=self.config.agent_timeout_s,
+                                          memory_mb=self.config.agent_memory_mb)
+            except asyncio.CancelledError:
+                self.episodes.discard(ep)
+                raise
+            self.metrics.agent_runs.labels(outcome=outcome.failure or "ok").inc()
+            if outcome.failure is not None:
+                log.warning("group %s sample %d: %s", entry.group_id, index, outcome.error)
+                self.episodes.fail(ep, outcome.failure, outcome.error)
+            elif outcome.reward is not None and ep.reward is None:
+                ep.reward = (outcome.reward, {"source": "agent"})
+            return await self.episodes.close(ep)
+
+        samples = list(await asyncio.gather(*(one(i) for i in range(loop.config.n_samples))))
+        if entry.kind == "train":
+            for sample in samples:
+                if sample.finish_reason in FAILED_REASONS:
+                    self.metrics.samples_excluded.labels(reason=sample.finish_reason).inc()
+            kept = [s for s in samples if s.finish_reason not in FAILED_REASONS]
+            if not kept:
+                raise RuntimeError(f"all {len(samples)} agent samples failed; first: "
+                                   f"{samples[0].reward_info.get('error')}")
+            samples = kept
+        self.metrics.groups_completed.inc()
+        return TrajectoryGroup(run=self.run_name, job_id=entry.job_id, task_id=task.task_id, samples=samples)
 
     async def _heartbeat_loop(self) -> None:
         """Registry heartbeat, lease renewal of held tasks and buffer gauges, every ``lease_s``."""

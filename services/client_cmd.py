@@ -4,34 +4,67 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from tqdm import tqdm
+
+from core.config import SECRETS, read_yaml
+from services.cli import CliError
+
+TOKEN_ENV = SECRETS["api.token"]
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The API token from ``--token-file``, else the environment: never from the command line, which others can read."""
+    if args.token_file:
+        return Path(args.token_file).read_text().strip()
+    return os.environ.get(TOKEN_ENV) or None
 
 
 def _client(args: argparse.Namespace) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    token = _token(args)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.Client(base_url=args.api, headers=headers, timeout=60)
 
 
 def _get(client: httpx.Client, path: str, **params: Any) -> Any:
-    reply = client.get(path, params=params)
-    if reply.status_code >= 400:
-        raise SystemExit(f"error: GET {path}: HTTP {reply.status_code}: {reply.text}")
-    return reply.json()
+    return _json(client.get(path, params=params))
+
+
+def _json(reply: httpx.Response) -> Any:
+    """The reply's body, or a CliError naming what the API refused (exit 2 for 4xx, 1 for 5xx)."""
+    if reply.status_code < 400:
+        return reply.json()
+    status, what = reply.status_code, f"{reply.request.method} {reply.request.url.path}"
+    try:
+        body = reply.json()
+    except ValueError:  # not the rollwave API, or a proxy in front of it
+        body = None
+    detail = body.get("detail", reply.text) if isinstance(body, dict) else reply.text[:200] or reply.reason_phrase
+    if isinstance(detail, list):  # FastAPI's validation errors: name each field
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'body'}: {e.get('msg')}" for e in detail
+        )
+    hint = {
+        401: f" (give the run's api.token in {TOKEN_ENV} or --token-file)",
+        404: " (`rollwave jobs` lists the jobs; is --api the rollwave API?)",
+        422: " (fix that field)",
+    }.get(status, "")
+    raise CliError(f"{what}: the API answered HTTP {status}: {detail}{hint}", 2 if status < 500 else 1)
 
 
 def job_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The job body: a YAML file's, with any flags given laid over it."""
     body: dict[str, Any] = {}
     if args.file:
-        loaded = yaml.safe_load(open(args.file))
+        loaded = read_yaml(Path(args.file), "job file")
         if not isinstance(loaded, dict):
-            raise SystemExit(f"error: {args.file}: a job file must be a mapping")
+            raise CliError(f"{args.file}: a job file must be a mapping (the body of POST /v1/jobs)")
         body = loaded
     source = body.setdefault("source", {})
     for flag, key in (("source", "kind"), ("path", "path"), ("split", "split"), ("limit", "limit"), ("seed", "seed")):
@@ -49,11 +82,7 @@ def job_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def submit(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        reply = client.post("/v1/jobs", json=job_from_args(args))
-        if reply.status_code >= 400:
-            print(f"error: HTTP {reply.status_code}: {reply.text}", file=sys.stderr)
-            return 2
-        job = reply.json()
+        job = _json(client.post("/v1/jobs", json=job_from_args(args)))
         print(f"job {job['job_id']} ({job['kind']}): {job['progress']['submitted']} tasks")
         if args.wait:
             job = wait_for_job(client, job["job_id"])
@@ -91,8 +120,16 @@ def _job_rows(jobs: list[dict[str, Any]]) -> list[str]:
 
 
 def jobs(args: argparse.Namespace) -> int:
+    """A page of jobs, newest first; ``--all`` follows the pages to the oldest."""
     with _client(args) as client:
-        print("\n".join(_job_rows(_get(client, "/v1/jobs")["jobs"])))
+        page = _get(client, "/v1/jobs", limit=args.limit)
+        listed = page["jobs"]
+        while args.all and page["next"]:
+            page = _get(client, "/v1/jobs", cursor=page["next"], limit=args.limit)
+            listed += page["jobs"]
+        print("\n".join(_job_rows(listed)))
+        if page["next"]:
+            print(f"(more: rollwave jobs --all, or --limit above {args.limit})")
     return 0
 
 
@@ -125,6 +162,7 @@ def _status_table(status: dict[str, Any]) -> str:
 
 
 def status(args: argparse.Namespace) -> int:
+    """One table, or with ``--watch`` a table redrawn until Ctrl-C (the way to leave it, so exit 0)."""
     with _client(args) as client:
         while True:
             table = _status_table(_get(client, "/v1/status"))
@@ -133,7 +171,10 @@ def status(args: argparse.Namespace) -> int:
                 return 0
             sys.stdout.write("\x1b[2J\x1b[H" + table + "\n")
             sys.stdout.flush()
-            time.sleep(args.interval)
+            try:
+                time.sleep(args.interval)
+            except KeyboardInterrupt:
+                return 0
 
 
 def trajectories(args: argparse.Namespace) -> int:

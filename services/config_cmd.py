@@ -1,14 +1,13 @@
-"""``rollwave config check``."""
+"""``rollwave config check``: the resolved config on stdout; an invalid one is a ConfigError (exit 2)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from core.config import dump_config, load_config_or_exit
+from core.config import dump_config, load_config
 
 
 def check(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args.config, args.overrides)
-    sys.stdout.write(dump_config(cfg))
+    sys.stdout.write(dump_config(load_config(args.config, args.overrides)))
     return 0

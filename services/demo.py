@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import secrets
 import signal
 import sys
 import time
@@ -17,15 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 from tqdm import tqdm
 
+from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from core.config import Config, dump_config, load_config
-from core.net import free_port
 from core.tasks import load_tasks
 from core.tiny_model import build_tiny_model
 from services.client_cmd import wait_for_job
-from services.launcher import LocalStack, components
+from services.launcher import LocalStack, components, ensure_checkpoint_token, published_api_url
 from services.report import learning_curve, summarize
 from trainer.sft import warm_start
 
@@ -103,14 +105,18 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float) -> dict[
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     cfg.model.path = _sft(cfg, run_dir, sft_steps)
-    cfg.api.port = free_port(cfg.api.host)
+    cfg.api.port = 0  # any free port; the API publishes the one it bound
+    if cfg.api.token is None:
+        cfg.api.token = secrets.token_urlsafe(32)
+    ensure_checkpoint_token(cfg)
     config_path = run_dir / "config.yaml"
-    config_path.write_text(dump_config(cfg))
+    config_path.write_text(dump_config(cfg))  # secrets masked: the components get theirs in the environment
+    auth = {"Authorization": f"Bearer {cfg.api.token.get_secret_value()}"}
     with EmbeddedRedis(run_dir / "redis", aof=cfg.redis.aof) as redis_server:
         specs = components(cfg, config_path, redis_server.url, trainer_args=())
-        with LocalStack(specs, run_dir / "logs") as stack, httpx.Client(
-            base_url=f"http://{cfg.api.host}:{cfg.api.port}", timeout=30
-        ) as api:
+        with LocalStack(specs, run_dir / "logs") as stack, redis.Redis.from_url(redis_server.url) as client, \
+                httpx.Client(base_url=published_api_url(client, Keys(cfg.run.name)), headers=auth,
+                             timeout=30) as api:
             _wait_ready(api)
             before = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out before RL")
             rl_started = time.monotonic()

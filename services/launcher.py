@@ -4,6 +4,13 @@
 ranks and the API, each a ``python -m`` command. ``LocalStack`` runs it as child processes and
 restarts one that dies (the demo, the end-to-end tests); ``services.ray_launcher`` places the same
 commands in Ray actors.
+
+No component is handed a port: each binds what its config says (0 by default: any free port) and
+publishes what it bound in Redis (the registry, the trainer status, ``Keys.api``), so a restarted one
+never waits for its old port. The trainer ranks' rendezvous port is the exception: every rank must know
+it before any starts.
+Secrets reach each component in its environment, and only those it needs (the config file it reads has them
+masked): the trainer and the rollout servers the checkpoint token (and the engine key), the API its token.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,14 +28,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
+from buffer.keys import Keys
 from buffer.redis_server import MALLOC_ENV
-from core.config import Config
-from core.net import free_port
+from core.config import SECRETS, Config, secret_env
+from core.net import free_port_outside_ephemeral
 from core.process import stop_process
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
+SECRET_VARS = frozenset(SECRETS.values())
 
+
+def ensure_checkpoint_token(cfg: Config) -> None:
+    """A launcher starts both ends of the checkpoint plane, so with no token configured it makes one for the run."""
+    if cfg.checkpoint.token is None:
+        cfg.checkpoint.token = secrets.token_urlsafe(32)
+        log.info("checkpoint.token is not set: made one for this run (its components get it in their environment)")
 
 
 
@@ -46,7 +64,7 @@ class ComponentSpec:
 def components(
     cfg: Config,
     config_path: Path,
-    redis_url: str,
+    redis_url: str | None,
     *,
     rollout_servers: int = 1,
     trainer_ranks: int = 1,
@@ -54,38 +72,40 @@ def components(
     host: str = "127.0.0.1",
     trainer_args: tuple[str, ...] = ("--resume",),
 ) -> list[ComponentSpec]:
-    """The processes of a run. Ports are chosen here so a restarted process comes back on the same ones."""
+    """The processes of a run; ``redis_url`` None leaves Redis to ``REDIS_URL`` in their environment."""
     py = sys.executable
-    common = [f"redis.url={redis_url}"]
+    common = [f"redis.url={redis_url}"] if redis_url else []
+    checkpoint_env = secret_env(cfg, "checkpoint.token")
     specs: list[ComponentSpec] = []
     gpu = 1.0 if cfg.trainer.device == "cuda" else 0.0
-    master_port = free_port(host)
+    pool = {"WORLD_SIZE": str(trainer_ranks)}
+    if trainer_ranks > 1:  # a pool of one needs no rendezvous
+        pool.update(MASTER_ADDR=host, MASTER_PORT=str(free_port_outside_ephemeral(host)))
     for rank in range(trainer_ranks):
-        env = {
-            **MALLOC_ENV,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(trainer_ranks),
-            "MASTER_ADDR": host,
-            "MASTER_PORT": str(master_port),
-        }
+        env = {**MALLOC_ENV, **checkpoint_env, **pool, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         argv = [py, "-m", "trainer", "-c", str(config_path), *trainer_args, *common]
-        if rank == 0:  # only rank 0 records and serves the trainer's metrics
-            argv.append(f"trainer.metrics_port={free_port(host)}")
         specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu))
     for i in range(rollout_servers):
-        argv = [
-            py, "-m", "rollout_server", "-c", str(config_path), *common,
-            f"rollout.server_id=rollout-{i}",
-            f"rollout.grpc_port={free_port(host)}",
-            f"engine.port={free_port(host)}",
-            f"rollout.metrics_port={free_port(host)}",
-        ]
-        specs.append(ComponentSpec(f"rollout-{i}", argv, dict(MALLOC_ENV)))
+        argv = [py, "-m", "rollout_server", "-c", str(config_path), *common, f"rollout.server_id=rollout-{i}"]
+        env = {**MALLOC_ENV, **checkpoint_env, **secret_env(cfg, "engine.api_key")}
+        specs.append(ComponentSpec(f"rollout-{i}", argv, env))
     if api:
         argv = [py, "-m", "services.api", "-c", str(config_path), *common]
-        specs.append(ComponentSpec("api", argv, num_cpus=0.5))
+        specs.append(ComponentSpec("api", argv, secret_env(cfg, "api.token"), num_cpus=0.5))
     return specs
+
+
+def published_api_url(client: redis.Redis, keys: Keys, timeout_s: float = 120.0) -> str:
+    """The URL the run's API published once it had bound its port (``api.port=0`` takes any free one).
+
+    A caller that starts the API on a run that had one before deletes ``keys.api`` first.
+    """
+    deadline = time.monotonic() + timeout_s
+    while (url := client.hget(keys.api, "url")) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the API of run {keys.run} published no address within {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return url.decode()
 
 
 def _die_with_parent() -> None:
@@ -96,9 +116,10 @@ def _die_with_parent() -> None:
 def spawn(spec: ComponentSpec, log_dir: Path, base_env: Mapping[str, str]) -> subprocess.Popen:
     """Start one component in its own process group, logging to ``log_dir/<name>.log``."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    inherited = {k: v for k, v in base_env.items() if k not in SECRET_VARS}  # a component gets only its own
     with open(log_dir / f"{spec.name}.log", "ab") as out:
         return subprocess.Popen(
-            spec.argv, env={**base_env, **spec.env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
+            spec.argv, env={**inherited, **spec.env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
         )
 

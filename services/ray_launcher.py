@@ -30,15 +30,19 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import redis
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
-from core.config import Config, dump_config, load_config_or_exit
-from core.net import free_port, free_port_outside_ephemeral
+from core.config import Config, dump_config, load_config
+from core.net import free_port_outside_ephemeral
 from core.process import stop_process
 from core.tiny_model import ensure_model
-from services.launcher import ComponentSpec, components, spawn
+from services.api.app import check_api_config
+from services.cli import CliError
+from services.launcher import ComponentSpec, components, ensure_checkpoint_token, published_api_url, spawn
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
@@ -88,10 +92,18 @@ class ComponentActor:
 
 @ray.remote(max_restarts=-1)
 class RedisActor:
-    """The embedded Redis in an actor: AOF on, in the run directory, so a restart loses nothing."""
+    """The embedded Redis in an actor: AOF on, in the run directory, so a restart loses nothing.
+
+    Port 0 takes a free port; the components are given the URL, so a restarted actor comes back on the
+    port it had (recorded in the data directory), waiting for it if it is busy (``EmbeddedRedis``).
+    """
 
     def __init__(self, data_dir: str, port: int, aof: bool) -> None:
+        record = Path(data_dir) / "port"
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            port = int(record.read_text())
         self.server = EmbeddedRedis(Path(data_dir), aof=aof, port=port, host=HOST).start()
+        record.write_text(str(self.server.port))
 
     def url(self) -> str:
         return self.server.url
@@ -112,6 +124,12 @@ def _absolute_paths(cfg: Config) -> None:
         cfg.redis.data_dir = cfg.redis.data_dir.absolute()
     if cfg.rollout.tools is not None:
         cfg.rollout.tools = cfg.rollout.tools.absolute()
+    cfg.api.data_root = cfg.api.data_root.absolute()
+    for section in (cfg.api, cfg.checkpoint):
+        if section.token_file is not None:
+            section.token_file = section.token_file.absolute()
+    if cfg.engine.api_key_file is not None:
+        cfg.engine.api_key_file = cfg.engine.api_key_file.absolute()
 
 
 def start_head(num_cpus: int, log_path: Path, timeout_s: float = 120.0) -> dict[str, Any]:
@@ -193,23 +211,24 @@ def _stop_all(state: dict[str, Any]) -> None:
 
 def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_dir: Path) -> str:
     """Redis (unless external), then the components in one placement group; returns the Redis URL."""
-    redis_url = os.environ.get("REDIS_URL") or cfg.redis.url
-    redis_port = cfg.redis.port or free_port(HOST)
-    specs = components(cfg, run_dir / "config.yaml", redis_url or f"redis://{HOST}:{redis_port}/0",
+    specs = components(cfg, run_dir / "config.yaml", None,  # Redis comes through REDIS_URL, set below
                        rollout_servers=args.rollout_servers, trainer_ranks=args.trainer_ranks)
-    forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    for spec in specs:
-        spec.env = {**forwarded, **spec.env}
     if not os.environ.get("RAY_ADDRESS"):
         wanted = math.ceil(sum(s.num_cpus for s in specs)) + 1  # + the Redis actor
         state.update(start_head(max(wanted, os.cpu_count() or 1), run_dir / "logs" / "ray-head.log"))
     _connect(state)
+    redis_url = os.environ.get("REDIS_URL") or cfg.redis.url
     if not redis_url:
         actor = RedisActor.options(name="redis", lifetime="detached").remote(
-            str(cfg.redis.data_dir or run_dir / "redis"), redis_port, cfg.redis.aof
+            str(cfg.redis.data_dir or run_dir / "redis"), cfg.redis.port, cfg.redis.aof
         )
         state["actors"].append("redis")
         redis_url = ray.get(actor.url.remote(), timeout=120)
+    with redis.Redis.from_url(redis_url) as client:  # the API publishes its address afresh
+        client.delete(Keys(cfg.run.name).api)
+    forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    for spec in specs:
+        spec.env = {**forwarded, **spec.env, "REDIS_URL": redis_url}
     bundles = [{"CPU": s.num_cpus, **({"GPU": s.num_gpus} if s.num_gpus else {})} for s in specs]
     pg = placement_group(bundles, strategy="PACK", name=state["namespace"], lifetime="detached")
     state["placement_group"] = state["namespace"]
@@ -227,16 +246,17 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
 
 
 def up(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     _absolute_paths(cfg)
     run_dir = cfg.run.path
     run_dir.mkdir(parents=True, exist_ok=True)
     if _state_path(cfg).exists():
-        print(f"error: {_state_path(cfg)} exists: the run is up; `rollwave down -c ...` first", file=sys.stderr)
-        return 2
+        raise CliError(f"{_state_path(cfg)} exists: the run is up; stop it with `rollwave down -c {args.config}` first")
+    check_api_config(cfg)
+    ensure_checkpoint_token(cfg)
     ensure_model(cfg.model)  # once here, not raced by every component
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    (run_dir / "config.yaml").write_text(dump_config(cfg))  # secrets masked; components get theirs as env
     state: dict[str, Any] = {"namespace": f"rollwave-{cfg.run.name}", "actors": []}
     try:
         redis_url = _launch(cfg, args, state, run_dir)
@@ -245,8 +265,15 @@ def up(args: argparse.Namespace) -> int:
         raise
     _state_path(cfg).write_text(json.dumps(state))
     ray.shutdown()
+    try:
+        with redis.Redis.from_url(redis_url) as client:
+            api = published_api_url(client, Keys(cfg.run.name))
+    except TimeoutError as exc:
+        print(f"error: {exc} (see {run_dir / 'logs' / 'api.log'}); the rest is up: `rollwave down` stops it",
+              file=sys.stderr)
+        return 1
     print(f"rollwave up: run {cfg.run.name}: {', '.join(state['actors'])}; redis {redis_url}; "
-          f"API http://{cfg.api.host}:{cfg.api.port}; logs {run_dir / 'logs'}")
+          f"API {api}; logs {run_dir / 'logs'}")
     if args.foreground:
         try:
             while True:
@@ -257,7 +284,7 @@ def up(args: argparse.Namespace) -> int:
 
 
 def down(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     path = _state_path(cfg)
     if not path.exists():

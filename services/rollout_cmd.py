@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
 
 from buffer.schema import Sample, TrajectoryGroup
-from core.config import Config, ConfigError, load_config_or_exit
-from core.tiny_model import ensure_model
+from core.config import Config, ConfigError, load_config
+from core.tasks import Task, load_tasks
 from core.trajectory import masked_spans
+from rollout_server.tools import ToolRegistry
 
 _DIM, _GREEN, _RESET = "\033[2m", "\033[32m", "\033[0m"
 
@@ -24,6 +26,8 @@ _DIM, _GREEN, _RESET = "\033[2m", "\033[32m", "\033[0m"
 def _model_dir(cfg: Config, model: str | None) -> Path:
     """``--model`` as given (it must exist), else the config's model, built when missing."""
     if model is None:
+        from core.tiny_model import ensure_model  # torch and transformers: only once the input checks out
+
         return ensure_model(cfg.model)
     if not Path(model).exists():
         raise ConfigError(f"--model: {model} does not exist")
@@ -83,44 +87,49 @@ def render_group(group: TrajectoryGroup, tokenizer: Any, color: bool = False) ->
     return "\n".join(lines)
 
 
-async def _rollout(args: argparse.Namespace, cfg: Config, model_dir: Path, url: str) -> TrajectoryGroup:
+async def _rollout(
+    args: argparse.Namespace, cfg: Config, task: Task, tools: ToolRegistry, model_dir: Path, url: str,
+    api_key: str | None,
+) -> TrajectoryGroup:
     from transformers import AutoTokenizer
 
-    from core.tasks import load_tasks
     from rollout_server.agent_loop import AgentLoop
     from rollout_server.engine_client import EngineClient
-    from rollout_server.tools import ToolRegistry
 
-    tasks = load_tasks(args.task, path=args.path, split=args.split, limit=1, seed=cfg.run.seed, offset=args.index)
-    if not tasks:
-        raise ConfigError(f"task source {args.task!r} has no task at index {args.index}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tools = ToolRegistry.from_file(cfg.rollout.tools)
-    async with EngineClient(url, timeout_s=cfg.engine.request_timeout_s) as client:
+    async with EngineClient(url, timeout_s=cfg.engine.request_timeout_s, api_key=api_key) as client:
         await client.wait_ready()
         loop = AgentLoop(client, tokenizer, tools, cfg.rollout)
-        group = await loop.run_group(tasks[0], run=cfg.run.name, job_id="cli", n=args.n)
+        group = await loop.run_group(task, run=cfg.run.name, job_id="cli", n=args.n)
     print(render_group(group, tokenizer, color=sys.stdout.isatty()))
     return group
 
 
+def _task(args: argparse.Namespace, cfg: Config) -> Task:
+    """The task to roll out, read before anything starts, so a wrong --task or --path fails at once."""
+    tasks = load_tasks(args.task, path=args.path, split=args.split, limit=1, seed=cfg.run.seed, offset=args.index)
+    if not tasks:
+        raise ConfigError(f"task source {args.task!r} has no task at index {args.index}")
+    return tasks[0]
+
+
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args.config, args.overrides)
-    try:
-        model_dir = _model_dir(cfg, args.model)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
+    task = _task(args, cfg)
+    tools = ToolRegistry.from_file(cfg.rollout.tools)
+    model_dir = _model_dir(cfg, args.model)
     url = args.engine_url or (cfg.engine.urls[0] if cfg.engine.urls else None)
+    key = cfg.engine.api_key.get_secret_value() if cfg.engine.api_key is not None else None
     if url is not None:
-        asyncio.run(_rollout(args, cfg, model_dir, url))
+        asyncio.run(_rollout(args, cfg, task, tools, model_dir, url, key))
         return 0
     from rollout_server.engine.process import EngineProcess
 
     print(f"starting the embedded engine on {model_dir}", file=sys.stderr)
     engine = EngineProcess(
-        model_dir, host="127.0.0.1", max_batch_size=cfg.engine.max_batch_size, max_context=cfg.engine.max_context
+        model_dir, host="127.0.0.1", max_batch_size=cfg.engine.max_batch_size, max_context=cfg.engine.max_context,
+        api_key=key or secrets.token_urlsafe(32),
     )
     with engine:
-        asyncio.run(_rollout(args, cfg, model_dir, engine.url))
+        asyncio.run(_rollout(args, cfg, task, tools, model_dir, engine.url, engine.api_key))
     return 0

@@ -36,7 +36,7 @@ def chromium_binary() -> str:
         path = shutil.which(name)
         if path:
             return path
-    raise FileNotFoundError("chromium not found: install the Debian package `chromium` (.ci/run does)")
+    raise FileNotFoundError("chromium not found: install the Debian package `chromium` (`make test` does)")
 
 
 def dump_dom(url: str, virtual_time_ms: int = 5000, timeout_s: float = 60.0, window: str = "1280,900") -> str:

@@ -9,15 +9,15 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from core.net import free_port
+from core.net import listen_socket
 
 
 @contextmanager
 def serve_app(app, host: str = "127.0.0.1") -> Iterator[str]:
     """Yield the base URL while the server runs; shut it down (lifespan included) on exit."""
-    port = free_port(host)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = listen_socket(host, 0, "test server")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -25,7 +25,8 @@ def serve_app(app, host: str = "127.0.0.1") -> Iterator[str]:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     try:
-        yield f"http://{host}:{port}"
+        yield f"http://{host}:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(30)
+        sock.close()

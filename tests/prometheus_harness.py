@@ -1,14 +1,16 @@
 """A real Prometheus for tests, plus the Grafana-dashboard helpers that the integration tests share.
 
-``PrometheusHarness`` runs Debian's ``/usr/bin/prometheus`` on 127.0.0.1 with a generated config: the
-scrape jobs of ``deploy/prometheus/prometheus.yml`` (same names, paths and relabelling) with their
-targets replaced by the 127.0.0.1 ports a test started, scraped every second.
+``PrometheusHarness`` runs ``prometheus`` from PATH (Debian's package, which ``make test`` installs) on
+127.0.0.1 with a generated config: the scrape jobs of ``deploy/prometheus/prometheus.yml`` (same names,
+paths and relabelling) with their targets replaced by the 127.0.0.1 ports a test started, scraped every
+second.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,12 +22,10 @@ from typing import Any
 import httpx
 import yaml
 
-from core.net import free_port
-
 REPO = Path(__file__).resolve().parent.parent
 PROJECT_SCRAPE_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "rollwave.json"
-PROMETHEUS_BIN = "/usr/bin/prometheus"
+LISTENING = re.compile(r'msg="Listening on".*?address=127\.0\.0\.1:(\d+)')
 
 
 
@@ -72,7 +72,7 @@ class PrometheusHarness:
         work_dir: Path,
         base: Path | None = PROJECT_SCRAPE_CONFIG,
         interval: str = "1s",
-        binary: str = PROMETHEUS_BIN,
+        binary: str = "prometheus",
     ) -> None:
         self.config = scrape_config(targets, base, interval)
         self.work_dir = work_dir
@@ -90,32 +90,33 @@ class PrometheusHarness:
         return self.work_dir / "prometheus.log"
 
     def start(self, timeout_s: float = 30.0) -> PrometheusHarness:
-        if not (Path(self.binary).is_file() and os.access(self.binary, os.X_OK)):
-            raise FileNotFoundError(
-                f"{self.binary} not found: install the Debian package `prometheus` (.ci/run does)"
-            )
+        binary = shutil.which(self.binary)
+        if binary is None:
+            raise FileNotFoundError(f"{self.binary} not found on PATH: install the Debian package `prometheus` "
+                                    "(`make test` does)")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.work_dir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
-        self.port = free_port()
         argv = [
-            self.binary,
+            binary,
             f"--config.file={config_path}",
             f"--storage.tsdb.path={self.work_dir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--web.listen-address=127.0.0.1:0",  # any free port; its log says which
             "--storage.tsdb.retention.time=1h",
-            "--log.level=warn",
+            "--log.level=info",
         ]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._client = httpx.Client(base_url=self.url, timeout=10.0)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
                 self.close()
                 raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self._log_tail()}")
+            if self._client is None and (bound := LISTENING.search(self.log_path.read_text(errors="replace"))):
+                self.port = int(bound.group(1))
+                self._client = httpx.Client(base_url=self.url, timeout=10.0)
             try:
-                if self._client.get("/-/ready").status_code == 200:
+                if self._client is not None and self._client.get("/-/ready").status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
@@ -201,7 +202,7 @@ def promql_errors(queries: Sequence[str], work_dir: Path) -> list[str]:
     """
     promtool = shutil.which("promtool")
     if promtool is None:
-        raise FileNotFoundError("promtool not found: install the Debian package `prometheus` (.ci/run does)")
+        raise FileNotFoundError("promtool not found: install the Debian package `prometheus` (`make test` does)")
     errors = []
     for i, expr in enumerate(queries):
         rules = {"groups": [{"name": "check", "rules": [{"record": f"rollwave:check_{i}", "expr": expr}]}]}

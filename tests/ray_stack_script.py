@@ -102,6 +102,33 @@ def alive_in(pgids: set[int], needle: str) -> list[str]:
     return found
 
 
+def _environ(pid: int) -> dict[str, str]:
+    return dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if v)
+
+
+def _secrets_report(cfg: Config, trainer_env: dict[str, str], api_env: dict[str, str]) -> dict[str, Any]:
+    """Which component got which secret in its environment, and where the secrets' values show up that they
+    must not: any process's command line, the run's config.yaml."""
+    api_token = cfg.api.token.get_secret_value() if cfg.api.token else ""
+    checkpoint_token = trainer_env.get("ROLLWAVE_CHECKPOINT_TOKEN", "")
+    cmdlines = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmdlines.append(path.read_bytes())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    dumped = (cfg.run.path / "config.yaml").read_text()
+    return {
+        "trainer_env": sorted(k for k in trainer_env if k.startswith("ROLLWAVE_")),
+        "api_env": sorted(k for k in api_env if k.startswith("ROLLWAVE_")),
+        "api_has_its_token": api_env.get("ROLLWAVE_API_TOKEN") == api_token != "",
+        "in_argv": [name for name, value in (("api", api_token), ("checkpoint", checkpoint_token))
+                    if not value or any(value.encode() in c for c in cmdlines)],
+        "in_config_yaml": [name for name, value in (("api", api_token), ("checkpoint", checkpoint_token))
+                           if not value or value in dumped],
+    }
+
+
 def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
     """Jobs through the API, a trainer step, then SIGKILL the rollout server and watch it come back."""
     import ray
@@ -137,8 +164,9 @@ def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
                            and p, 90)
         trainer_pid, api_pid = (ray.get(ray.get_actor(n).pid.remote(), timeout=30) for n in ("trainer-0", "api"))
         result["component_pgids"] = [old_pid, new_pid, trainer_pid, api_pid]
-        environ = dict(v.split("=", 1) for v in Path(f"/proc/{trainer_pid}/environ").read_text().split("\0") if v)
-        result["trainer_master_port"] = int(environ["MASTER_PORT"])
+        environ = _environ(trainer_pid)
+        result["trainer_env"] = {k: environ.get(k) for k in ("WORLD_SIZE", "MASTER_PORT")}
+        result["secrets"] = _secrets_report(cfg, environ, _environ(api_pid))
     finally:
         ray.shutdown()
     again = wait_for("rollout-0 registered again",
@@ -151,7 +179,7 @@ def main() -> int:
     cfg = load_config(sys.argv[1])
     config = str(Path(sys.argv[1]).absolute())
     result: dict[str, Any] = {"up": rollwave("up", "-c", config, "--rollout-servers", "1", "--trainer-ranks", "1")}
-    headers = {"Authorization": f"Bearer {cfg.api.token}"} if cfg.api.token else {}
+    headers = {"Authorization": f"Bearer {cfg.api.token.get_secret_value()}"} if cfg.api.token else {}
     try:
         if result["up"]["rc"] == 0:
             state = json.loads((cfg.run.path / "ray.json").read_text())

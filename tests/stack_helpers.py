@@ -13,13 +13,7 @@ import redis
 from buffer.keys import ROLLOUT_GROUP, Keys
 from buffer.task_queue import TaskQueue
 from core.jobs import JobSpec, TaskSource
-from services.launcher import ComponentSpec, LocalStack
-
-
-def port_of(spec: ComponentSpec, key: str) -> int:
-    """The port a component was given as a ``key=PORT`` override on its command line."""
-    [value] = [a.split("=", 1)[1] for a in spec.argv if a.startswith(f"{key}=")]
-    return int(value)
+from services.launcher import LocalStack
 
 
 def wait_for(what: str, cond: Callable[[], bool], stack: LocalStack, timeout_s: float = 240.0) -> None:

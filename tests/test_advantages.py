@@ -53,12 +53,14 @@ def _ref_tokens(kind: str, rewards: np.ndarray, group: np.ndarray, mask: np.ndar
             for j in range(mask.shape[1]):
                 out[i, j] = per_sample[i] if mask[i, j] else 0.0
         return out
-    tokens = [per_sample[i] for i in range(mask.shape[0]) for j in range(mask.shape[1]) if mask[i, j]]
+    sizes = np.bincount(group)
+    signal = [sizes[group[i]] > 1 and np.ptp(rewards[group == group[i]]) > 0 for i in range(len(rewards))]
+    tokens = [per_sample[i] for i in range(mask.shape[0]) for j in range(mask.shape[1]) if mask[i, j] and signal[i]]
     mu = sum(tokens) / len(tokens)
     sigma = math.sqrt(sum((v - mu) ** 2 for v in tokens) / len(tokens))
     for i in range(mask.shape[0]):
         for j in range(mask.shape[1]):
-            out[i, j] = (per_sample[i] - mu) / (sigma + EPS) if mask[i, j] else 0.0
+            out[i, j] = (per_sample[i] - mu) / (sigma + EPS) if mask[i, j] and signal[i] else 0.0
     return out
 
 
@@ -77,9 +79,8 @@ def test_matches_reference(kind: str, std_norm: bool) -> None:
 def test_equal_rewards_singletons_and_masked_rows_are_exactly_zero(kind: str) -> None:
     rewards, group, mask = _batch(1)
     got = compute_advantages(torch.tensor(rewards), torch.tensor(group), torch.tensor(mask), kind=kind)
-    if kind != "reinforce_pp":  # whitening shifts every token by the batch mean
-        assert torch.all(got[torch.tensor(group == 2)] == 0)
-        assert torch.all(got[torch.tensor(group == 1)] == 0)
+    assert torch.all(got[torch.tensor(group == 2)] == 0)  # REINFORCE++ too: whitening skips groups without signal
+    assert torch.all(got[torch.tensor(group == 1)] == 0)
     assert torch.all(got[~torch.tensor(mask)] == 0)
     same = torch.full((6,), 0.1, dtype=torch.float64)  # 0.1·3/3 != 0.1 in floating point
     idx = torch.tensor([0, 0, 0, 1, 1, 1])

@@ -16,6 +16,7 @@ Two kinds of episodes, on purpose:
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from net_helpers import refused_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from buffer.schema import TrajectoryGroup, decode_group, encode_group
 from core.config import RolloutConfig
-from core.net import free_port
 from core.rewards import RewardComputer
 from core.tasks import Task, load_tasks
 from core.trajectory import ChatRenderer, TrajectoryBuilder, masked_spans
@@ -38,6 +39,7 @@ from rollout_server.metrics import RolloutMetrics
 from rollout_server.tools import Tool, ToolRegistry, ToolResult
 from rollout_server.tools.calculator import CalculatorTool
 from rollout_server.tools.check_answer import CheckAnswerTool
+from rollout_server.tools.python_tool import PythonTool
 
 CALC = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
 CHECK = '<tool_call>\n{{"name": "check_answer", "arguments": {{"answer": "{}"}}}}\n</tool_call>'
@@ -203,9 +205,11 @@ def test_multi_turn_loss_mask_decodes_to_the_policy_turns(tokenizer: Any) -> Non
         ("The answer is 42.", "stop"),
     ]
     engine = ScriptedEngine(tokenizer, script)
-    loop = _loop(engine, tokenizer)
+    loop = _loop(engine, tokenizer, temperature=0.6)
     task = _task(["calculator", "check_answer"])
-    (s,) = _group(loop, task).samples
+    group = _group(loop, task)
+    (s,) = group.samples
+    assert group.temperature == 0.6  # the trainer scales this group's logits by it
 
     assert (s.finish_reason, s.num_turns, s.reward) == ("stop", 3, 1.0)
     assert [(t.name, t.ok) for t in s.tool_calls] == [("calculator", True), ("check_answer", True)]
@@ -228,6 +232,7 @@ def test_multi_turn_loss_mask_decodes_to_the_policy_turns(tokenizer: Any) -> Non
         n = len(call["input_ids"])
         assert s.token_ids[:n].tolist() == call["input_ids"]
         assert call["sampling_params"]["max_new_tokens"] == min(64, 512 - n)
+        assert call["sampling_params"]["temperature"] == 0.6
     # behaviour logprobs and the version switch inside each turn
     mask = s.loss_mask.astype(bool)
     assert (s.behaviour_logprobs[mask] == -0.5).all()
@@ -290,7 +295,7 @@ def test_tool_errors_are_answered_counted_and_the_episode_goes_on(tokenizer: Any
     )
     (s,) = _group(loop, _task(["calculator", "flaky"], ground_truth=None, kind="gsm8k")).samples
 
-    assert (s.finish_reason, s.num_turns) == ("stop", 2)
+    assert (s.finish_reason, s.num_turns) == ("reward_error", 2)  # answered, but the reward spec is broken
     tool_texts = [m["content"] for m in s.messages if m["role"] == "tool"]
     assert tool_texts[0].startswith("Error: invalid JSON in tool call")
     assert tool_texts[1].startswith("Error: unknown tool 'web' (available: calculator, flaky)")
@@ -318,9 +323,10 @@ def test_tool_errors_are_answered_counted_and_the_episode_goes_on(tokenizer: Any
     assert value("rollwave_rollout_tool_calls_total", {"tool": "calculator", "outcome": "error"}) == 2
     assert value("rollwave_rollout_tool_calls_total", {"tool": "calculator", "outcome": "ok"}) == 1
     assert value("rollwave_rollout_tool_latency_seconds_count", {"tool": "flaky"}) == 1
-    # the reward spec lacks a ground truth: the sample is marked, the failure counted, nothing raised
-    assert s.reward == 0.0 and "no ground_truth" in s.reward_info["error"]
-    assert value("rollwave_rollout_reward_errors_total") == 1
+    # the reward spec lacks a ground truth: the sample is marked failed (never trained), counted, nothing raised
+    assert s.failed and "no ground_truth" in s.reward_info["error"]
+    assert value("rollwave_rollout_failed_total", {"reason": "reward"}) == 1
+    assert value("rollwave_rollout_reward_count") == 0  # a failure is not a reward of 0
 
 
 @pytest.mark.parametrize(
@@ -340,8 +346,13 @@ def test_each_limit_ends_the_episode_with_its_reason(
     task = _task(["calculator"])
     prompt_len = len(ChatRenderer(tokenizer).prompt_ids(task.messages, [CalculatorTool().schema]))
     cfg = {k: prompt_len + int(v.split("+")[1]) if isinstance(v, str) else v for k, v in config.items()}
-    (s,) = _group(_loop(ScriptedEngine(tokenizer, script), tokenizer, **cfg), task).samples
+    loop = _loop(ScriptedEngine(tokenizer, script), tokenizer, **cfg)
+    (s,) = _group(loop, task).samples
     assert (s.finish_reason, s.num_turns) == (reason, turns)
+    assert s.failed == (reason == "abort")
+    assert loop.metrics.registry.get_sample_value("rollwave_rollout_failed_total", {"reason": "abort"}) == (
+        1 if reason == "abort" else None
+    )
     assert len(s.token_ids) <= cfg.get("max_total_tokens", 512)
     assert s.loss_mask[-1] == 1  # a trajectory never ends on tokens nobody will generate after
     if reason == "abort":
@@ -351,16 +362,21 @@ def test_each_limit_ends_the_episode_with_its_reason(
 
 
 def test_episode_failures_do_not_stop_the_group(tokenizer: Any) -> None:
-    dead = EngineClient(f"http://127.0.0.1:{free_port()}", retries=0)
-    try:
-        (s,) = _group(_loop(dead, tokenizer), _task(["calculator"])).samples
-    finally:
-        asyncio.run(dead.aclose())
-    assert (s.finish_reason, s.num_turns, s.num_generated) == ("error", 0, 0)
+    with refused_port() as port:
+        dead = EngineClient(f"http://127.0.0.1:{port}", retries=0)
+        try:
+            loop = _loop(dead, tokenizer)
+            (s,) = _group(loop, _task(["calculator"])).samples
+        finally:
+            asyncio.run(dead.aclose())
+    assert (s.finish_reason, s.num_turns, s.num_generated, s.failed) == ("error", 0, 0, True)
     assert "cannot connect" in s.reward_info["error"]
+    assert loop.metrics.registry.get_sample_value("rollwave_rollout_failed_total", {"reason": "engine"}) == 1
 
-    (s,) = _group(_loop(ScriptedEngine(tokenizer, []), tokenizer), _task(["check_answer"], ground_truth=None)).samples
-    assert s.finish_reason == "error" and "ground_truth" in s.reward_info["error"]
+    loop = _loop(ScriptedEngine(tokenizer, []), tokenizer)
+    (s,) = _group(loop, _task(["check_answer"], ground_truth=None)).samples
+    assert s.finish_reason == "error" and s.failed and "ground_truth" in s.reward_info["error"]
+    assert loop.metrics.registry.get_sample_value("rollwave_rollout_failed_total", {"reason": "tool"}) == 1
 
     with pytest.raises(ValueError, match="task t-1: unknown tool 'python'; configured: calculator, check_answer"):
         _group(_loop(ScriptedEngine(tokenizer, []), tokenizer), _task(["python"]))
@@ -372,3 +388,19 @@ def test_tool_reward_in_the_loop(tokenizer: Any) -> None:
     loop.reward = RewardComputer("tool_last")
     (s,) = _group(loop, _task(["check_answer"], kind="tool_last")).samples
     assert s.reward == 1.0 and s.reward_info == {"tool_rewards": [0.0, 1.0]}
+
+
+def test_a_python_tool_without_its_sandbox_is_refused_and_counted(
+    tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap: the sandbox cannot be set up
+    ran = tmp_path / "ran"
+    call = json.dumps({"name": "python", "arguments": {"code": f"open({str(ran)!r}, 'w')"}})
+    script = [(f"<tool_call>\n{call}\n</tool_call>", "stop"), ("The answer is 4.", "stop")]
+    loop = _loop(ScriptedEngine(tokenizer, script), tokenizer, tools=[PythonTool()], max_new_tokens=256)
+    (s,) = _group(loop, _task(["python"], ground_truth=None, kind="gsm8k")).samples
+    [tool_text] = [m["content"] for m in s.messages if m["role"] == "tool"]
+    assert tool_text == "Error: sandbox unavailable: bwrap not found: install the Debian package bubblewrap"
+    value = loop.metrics.registry.get_sample_value
+    assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "refused"}) == 1
+    assert not ran.exists()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import secrets
+import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -11,12 +15,13 @@ import redis
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
-from core.config import load_config
+from core.config import ConfigError, load_config
+from core.jobs import MAX_INLINE_TASKS
+from core.tasks.gsm8k import BUNDLED
 from services.api import create_app
 from tests.http_harness import serve_app
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
-TOKEN = "s3cret"
+TOKEN = secrets.token_urlsafe(32)
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +30,29 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield server.url
 
 
+@contextmanager
+def serve(redis_url: str, run: str, *overrides: str, client: redis.Redis | None = None) -> Iterator[httpx.Client]:
+    """The API of run ``run`` (token ``TOKEN`` unless overridden) and an authorized client of it."""
+    cfg = load_config(None, [f"run.name={run}", f"redis.url={redis_url}", f"api.token={TOKEN}", *overrides], env={})
+    with serve_app(create_app(cfg, client)) as url:
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as api:
+            api.run = run  # type: ignore[attr-defined]
+            yield api
+
+
 @pytest.fixture
-def api(redis_url: str, request: pytest.FixtureRequest) -> Iterator[httpx.Client]:
+def data_root(tmp_path: Path) -> Path:
+    root = tmp_path / "data"
+    (root / "gsm8k").mkdir(parents=True)
+    shutil.copy(BUNDLED / "test.jsonl", root / "gsm8k" / "test.jsonl")
+    return root
+
+
+@pytest.fixture
+def api(redis_url: str, data_root: Path, request: pytest.FixtureRequest) -> Iterator[httpx.Client]:
     run = f"api-{request.node.name}".replace("[", "-").replace("]", "")[:60]
-    cfg = load_config(None, [f"run.name={run}", f"redis.url={redis_url}", f"api.token={TOKEN}"])
-    with serve_app(create_app(cfg)) as url:
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as client:
-            client.run = run  # type: ignore[attr-defined]
-            yield client
+    with serve(redis_url, run, f"api.data_root={data_root}") as client:
+        yield client
     redis.Redis.from_url(redis_url).close()
 
 
@@ -55,10 +75,10 @@ def test_create_get_list_cancel(api: httpx.Client) -> None:
 
 
 def test_eval_job_defaults_to_greedy_single_sample(api: httpx.Client) -> None:
-    reply = api.post("/v1/jobs", json={"kind": "eval", "source": {"kind": "gsm8k", "path": str(GSM8K),
-                                                                   "split": "test", "limit": 3}})
+    reply = api.post("/v1/jobs", json={"kind": "eval", "source": {"kind": "gsm8k", "split": "test", "limit": 3}})
     assert reply.status_code == 201, reply.text
     spec = reply.json()["spec"]
+    assert reply.json()["progress"]["submitted"] == 3 and spec["source"]["path"] is None  # the bundled copy
     assert spec["n_samples"] == 1 and spec["sampling"]["temperature"] == 0.0
 
 
@@ -70,8 +90,10 @@ def test_eval_job_defaults_to_greedy_single_sample(api: httpx.Client) -> None:
         ({"source": {"kind": "arith", "limit": 0}}, "limit"),
         ({"source": {"kind": "arith", "limit": 2}, "n_samples": 0}, "n_samples"),
         ({"source": {"kind": "arith", "limit": 2}, "sampling": {"top_p": 2}}, "top_p"),
+        ({"source": {"kind": "arith", "limit": 2}, "sampling": {"temperature": 0}}, "sampling.temperature"),
         ({"source": {"kind": "arith", "limit": 2}, "surprise": 1}, "surprise"),
         ({"source": {"kind": "jsonl", "path": "/nonexistent/tasks.jsonl"}}, "source"),
+        ({"source": {"kind": "jsonl"}}, "path"),
         ({"source": {"kind": "inline", "tasks": [{"task_id": "a", "messages": []}]}}, "messages"),
     ],
 )
@@ -82,8 +104,8 @@ def test_invalid_jobs_get_422_naming_the_field_and_leave_nothing(api: httpx.Clie
     assert api.get("/v1/jobs").json()["jobs"] == []
 
 
-def test_malformed_jsonl_names_file_and_line(api: httpx.Client, tmp_path: Path) -> None:
-    path = tmp_path / "tasks.jsonl"
+def test_malformed_jsonl_names_file_and_line(api: httpx.Client, data_root: Path) -> None:
+    path = data_root / "tasks.jsonl"
     path.write_text('{"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}}\n{oops\n')
     reply = api.post("/v1/jobs", json={"source": {"kind": "jsonl", "path": str(path)}})
     assert reply.status_code == 422
@@ -91,12 +113,140 @@ def test_malformed_jsonl_names_file_and_line(api: httpx.Client, tmp_path: Path) 
     assert api.get("/v1/jobs").json()["jobs"] == []
 
 
+def _refused(api: httpx.Client, reason: str) -> float:
+    for line in api.get("/metrics").text.splitlines():
+        if line.startswith(f'rollwave_api_requests_refused_total{{reason="{reason}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_auth(api: httpx.Client) -> None:
     base = str(api.base_url)
-    assert httpx.get(f"{base}/v1/jobs").status_code == 401
-    assert httpx.get(f"{base}/v1/jobs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer"}, {"Authorization": TOKEN},
+                    {"Authorization": f"Basic {TOKEN}"}):  # "Bearer " arrives as "Bearer": HTTP trims the space
+        assert httpx.get(f"{base}/v1/jobs", headers=headers).status_code == 401, headers
+    assert _refused(api, "auth") == 5
     assert httpx.get(f"{base}/healthz").status_code == 200
     assert api.get("/v1/jobs").status_code == 200
+
+
+def test_a_non_loopback_api_needs_a_token(redis_url: str) -> None:
+    cfg = load_config(None, [f"redis.url={redis_url}", "api.host=0.0.0.0"], env={})
+    with pytest.raises(ConfigError, match="api.token is not set and api.host=0.0.0.0 is not loopback"):
+        create_app(cfg)
+    create_app(load_config(None, [f"redis.url={redis_url}", "api.host=127.0.0.1"], env={}))
+
+
+def test_host_header_guards_against_dns_rebinding(redis_url: str) -> None:
+    """A tokenless API on loopback answers only Host names of this machine: a page that rebinds its own name
+    to 127.0.0.1 gets 400. The unauthenticated ops probes answer any Host (kubelet uses the pod IP)."""
+    cfg = load_config(None, ["run.name=api-host", f"redis.url={redis_url}"], env={})
+    with serve_app(create_app(cfg)) as url:
+        port = url.rsplit(":", 1)[1]
+        assert httpx.get(f"{url}/v1/jobs").status_code == 200
+        assert httpx.get(f"{url}/v1/jobs", headers={"Host": f"localhost:{port}"}).status_code == 200
+        evil = {"Host": f"rebind.attacker.example:{port}"}
+        assert httpx.get(f"{url}/v1/jobs", headers=evil).status_code == 400
+        assert httpx.get(f"{url}/", headers=evil).status_code == 400
+        assert httpx.get(f"{url}/healthz", headers=evil).status_code == 200
+        assert httpx.get(f"{url}/metrics", headers={"Host": "10.1.2.3:8000"}).status_code == 200
+        assert 'rollwave_api_requests_refused_total{reason="host"} 2.0' in httpx.get(f"{url}/metrics").text
+    with serve(redis_url, "api-host2", "api.allowed_hosts=[api.internal, '*.svc.example']") as api:
+        assert api.get("/v1/jobs", headers={"Host": "api.internal"}).status_code == 200
+        assert api.get("/v1/jobs", headers={"Host": "rw-api.ml.svc.example"}).status_code == 200
+        assert api.get("/v1/jobs").status_code == 400  # 127.0.0.1 is no longer in the list
+
+
+def test_request_bodies_are_bounded(redis_url: str) -> None:
+    job = {"kind": "train", "source": {"kind": "arith", "limit": 2}, "name": ""}
+    with serve(redis_url, "api-body", "api.max_body_bytes=2048") as api:
+        assert api.post("/v1/jobs", json=job).status_code == 201
+        big = {**job, "name": "x" * 190, "source": {**job["source"], "pad": "y" * 4000}}
+        reply = api.post("/v1/jobs", json=big)
+        assert reply.status_code == 413 and "over 2048 bytes" in reply.text
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it streams in
+            yield b'{"kind": "train", "name": "'
+            for _ in range(10):
+                yield b"z" * 500
+            yield b'", "source": {"kind": "arith", "limit": 1}}'
+
+        reply = api.post("/v1/jobs", content=chunks(), headers={"Content-Type": "application/json"})
+        assert reply.status_code == 413
+        assert _refused(api, "body_size") == 2
+        assert len(api.get("/v1/jobs").json()["jobs"]) == 1
+
+
+def test_job_size_is_capped(redis_url: str) -> None:
+    with serve(redis_url, "api-cap", "api.max_job_tasks=3") as api:
+        reply = api.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 4}})
+        assert reply.status_code == 422 and "at most api.max_job_tasks=3" in reply.text
+        inline = [{"task_id": f"t{i}", "messages": [{"role": "user", "content": "q"}], "reward": {}} for i in range(4)]
+        assert api.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": inline}}).status_code == 422
+        assert api.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 3}}).status_code == 201
+    with serve(redis_url, "api-inline") as api:  # the schema's own bound on inline tasks, whatever the config
+        inline = [{"task_id": f"t{i}", "messages": [{"role": "user", "content": "q"}], "reward": {}}
+                  for i in range(MAX_INLINE_TASKS + 1)]
+        reply = api.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": inline}})
+        assert reply.status_code == 422 and "at most 10000 items" in reply.text
+
+
+def test_jobs_read_files_only_under_the_data_root(api: httpx.Client, data_root: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text('{"prompt": [{"role": "user", "content": "secret"}], "reward_model": {"ground_truth": "1"}}\n')
+    (data_root / "link.jsonl").symlink_to(outside)
+    escapes = (str(outside), "../outside.jsonl", "link.jsonl", "/etc/passwd", str(data_root / ".." / "outside.jsonl"))
+    for path in escapes:
+        reply = api.post("/v1/jobs", json={"source": {"kind": "jsonl", "path": path}})
+        assert reply.status_code == 422 and "outside the data root" in reply.text, (path, reply.text)
+    assert api.get("/v1/jobs").json()["jobs"] == []
+    (data_root / "ok.jsonl").write_bytes(outside.read_bytes())
+    for path in ("ok.jsonl", str(data_root / "ok.jsonl")):
+        assert api.post("/v1/jobs", json={"source": {"kind": "jsonl", "path": path}}).status_code == 201, path
+
+
+def test_jobs_name_only_rewards_the_run_allows(redis_url: str) -> None:
+    with serve(redis_url, "api-rewards", "rollout.reward_allowlist={judge: 'tests.test_rewards:good_reward'}") as api:
+        source = {"kind": "arith", "limit": 1}
+        for reward, status in (("judge", 201), ("tool", 201), ("nope", 422), ("os:system", 422),
+                               ("tests.test_rewards:good_reward", 422)):
+            reply = api.post("/v1/jobs", json={"source": source, "reward": reward})
+            assert reply.status_code == status, (reward, reply.text)
+            if status == 422:
+                assert "reward" in reply.text
+
+
+def test_jobs_are_listed_a_page_at_a_time_in_two_round_trips(redis_url: str) -> None:
+    client = CountingRedis.from_url(redis_url)
+    with serve(redis_url, "api-pages", client=client) as api:
+        ids = [api.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 1}}).json()["job_id"]
+               for _ in range(25)]
+        newest_first = ids[::-1]
+        client.calls = 0
+        page = api.get("/v1/jobs", params={"limit": 10}).json()
+        assert client.calls == 2  # the job index, then every job of the page in one pipeline
+        listed = [j["job_id"] for j in page["jobs"]]
+        while page["next"]:
+            page = api.get("/v1/jobs", params={"limit": 10, "cursor": page["next"]}).json()
+            listed += [j["job_id"] for j in page["jobs"]]
+        assert listed == newest_first
+        assert [j["job_id"] for j in api.get("/v1/jobs").json()["jobs"]] == newest_first
+        assert api.get("/v1/jobs", params={"cursor": "nosuchjob"}).status_code == 422
+        assert api.get("/v1/jobs", params={"limit": 201}).status_code == 422
+
+
+class CountingRedis(redis.Redis):
+    """redis-py's client, counting round trips (a pipeline is one)."""
+
+    calls = 0
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        self.calls += 1
+        return super().execute_command(*args, **options)
+
+    def pipeline(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return super().pipeline(*args, **kwargs)
 
 
 def test_ops_endpoints(api: httpx.Client) -> None:

@@ -16,6 +16,7 @@ offset+limit problems, ~6 s per 100k here), which is why ``TaskSource.offset`` h
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from core.config import load_config
 from services.api import create_app
 from tests.http_harness import serve_app
 
-TOKEN = "fuzz-token"
+TOKEN = secrets.token_urlsafe(32)
 RUN = "fuzz"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

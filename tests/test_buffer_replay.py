@@ -104,6 +104,52 @@ def test_trainer_dies_before_ack_groups_come_back_and_train_once(redis_server: E
     assert buf.metrics.redeliveries.labels(stream="groups")._value.get() == 3
 
 
+def test_the_live_trainer_finds_again_a_group_whose_ack_redis_lost(redis_server: EmbeddedRedis) -> None:
+    """An entry pending for this consumer that the live process does not hold (its ack was lost in a Redis
+    restart with appendfsync everysec) comes back within ``claim_idle_ms``; entries it holds do not."""
+    buf = buffer(redis_server)
+    r = client(redis_server)
+    [held] = fill(buf, 1, job="a")
+    assert [g.group_id for _, g in buf.take(1, 0.1)] == [held]  # the start-up scan of own entries is done
+    fill(buf, 1, job="b")
+    r.xreadgroup(TRAINER_GROUP, "trainer", {KEYS.groups: ">"}, count=1)  # pending as ours, unknown to buf
+    time.sleep(0.4)
+    [(entry_id, got)] = buf.take(5, 0.5)
+    assert got.group_id == "b:0:x"  # not the held group again
+    assert buf.metrics.redeliveries.labels(stream="groups")._value.get() == 1
+    assert buf.ack([entry_id], [got.group_id]) == 1
+
+
+def test_groups_state_keeps_the_last_dedup_window_consumed_ids(redis_server: EmbeddedRedis) -> None:
+    buf = buffer(redis_server, dedup_window=2)
+    r = client(redis_server)
+    gids = fill(buf, 5)
+    trained: list[str] = []
+    train_until(buf, 5, trained)
+    assert r.hgetall(KEYS.group_state) == {b"job:3:x": b"t", b"job:4:x": b"t"}  # bounded, newest kept
+    assert r.lrange(KEYS.groups_consumed, 0, -1) == [b"job:3:x", b"job:4:x"]
+    assert buf.put_many([make_group("job", gids[4])]) == [0]  # a late duplicate inside the window: dropped
+    assert buf.put_many([make_group("job", gids[0])]) == [1]  # one older than the window is forgotten
+
+
+def test_groups_of_a_cancelled_job_are_acked_away_and_counted(redis_server: EmbeddedRedis) -> None:
+    """Written but not yet trained when the job was cancelled: dropped at take, counted, slots given back."""
+    buf = buffer(redis_server)
+    r = client(redis_server)
+    st = StalenessControl(r, KEYS, BufferConfig())
+    for gid in ("gone:0:x", "gone:1:x", "kept:0:x"):
+        assert st.try_admit(gid)
+    r.hdel(KEYS.admitted_ids, "gone:0:x", "gone:1:x", "kept:0:x")  # their tasks were acked with the writes
+    fill(buf, 2, job="gone")
+    fill(buf, 1, job="kept")
+    r.hset(KEYS.job("gone"), "state", "cancelled")
+    assert [g.group_id for _, g in buf.take(5, 0.2)] == ["kept:0:x"]
+    job = TaskQueue(r, KEYS, BufferConfig()).job("gone")
+    assert (job["cancelled"], job.get("trained"), job.get("dead_lettered")) == ("2", None, None)
+    assert st.admitted() == 1 and r.xlen(KEYS.groups) == 1
+    assert buf.metrics.cancelled.labels(stream="groups")._value.get() == 2
+
+
 def test_groups_already_trained_or_held_are_skipped(redis_server: EmbeddedRedis) -> None:
     buf = buffer(redis_server)
     r = client(redis_server)

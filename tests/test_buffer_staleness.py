@@ -68,6 +68,13 @@ def test_admission_bound_follows_the_version(redis_server: EmbeddedRedis) -> Non
         StalenessControl(client(redis_server), KEYS, BufferConfig(max_staleness=1, groups_per_step=0))
 
 
+def test_a_version_spans_push_every_steps_of_groups(redis_server: EmbeddedRedis) -> None:
+    cfg = BufferConfig(max_staleness=1, groups_per_step=4, push_every=3)
+    st = StalenessControl(client(redis_server), KEYS, cfg)
+    assert st.bound(0) == 24 and st.bound(1) == 36  # (version + η + 1) × 4 groups × 3 steps
+    assert sum(st.try_admit(f"g{i}") for i in range(30)) == 24
+
+
 def test_a_lagging_server_is_held_to_the_version_it_serves(redis_server: EmbeddedRedis) -> None:
     """Admission uses ``min(published, served)``: a server that missed pushes stops taking work that could only
     reach the trainer stale, and takes it again once a push catches it up."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,8 @@ import grpc
 import httpx
 import pytest
 import torch
+from net_helpers import refused_port
+from pydantic import SecretStr
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from buffer.keys import Keys
@@ -31,7 +34,7 @@ from buffer.registry import ServerInfo, ServerRegistry
 from buffer.staleness import StalenessControl
 from core.checkpoint_format import GRPC_OPTIONS, SERVICE
 from core.config import BufferConfig, CheckpointConfig
-from core.net import free_port
+from core.net import free_port_outside_ephemeral
 from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
 from rollout_server.checkpoint_receiver import CheckpointReceiver
@@ -41,7 +44,7 @@ from trainer.checkpoint_pusher import CheckpointPusher, PushRound, registered_se
 from trainer.parallel import iter_full_params
 from trainer.snapshot import BufferPool, Snapshot, TensorMeta, model_metas, take_snapshot
 
-TOKEN = "test-token"
+TOKEN = secrets.token_urlsafe(32)
 PROMPTS = [[5, 17, 99, 4], [300, 2, 41]]
 WAIT_S = 60.0
 
@@ -316,7 +319,8 @@ def test_fsdp2_ranks_push_gathered_weights(fleet: Fleet, base_model: PreTrainedM
     before = [greedy_engine(e.url) for e in fleet.engines]
     version = fleet.version() + 1
     model = perturbed(tiny_model_dir, seed=100 + version, out=tmp_path / "new")
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_outside_ephemeral())}
+    env = {**os.environ, "WORLD_SIZE": "2", **rendezvous}
     args = [sys.executable, "-c", RANK_SCRIPT, str(tmp_path / "new"), str(version), TOKEN,
             str(fleet.config.stage_dir), *fleet.addresses]
     ranks = [subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
@@ -466,7 +470,7 @@ def test_wrong_or_missing_token_is_unauthenticated(fleet: Fleet, base_model: Pre
     with grpc.insecure_channel(fleet.addresses[0]) as channel, pytest.raises(grpc.RpcError) as info:
         pb_grpc.CheckpointEngineStub(channel).Commit(pb.CommitRequest(version=99), timeout=WAIT_S)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    pusher = fleet.pusher(token="wrong")
+    pusher = fleet.pusher(token=SecretStr("wrong"))
     pushed = pusher.push_model(base_model, version=fleet.version() + 1)
     assert pushed is not None
     pushed.wait(WAIT_S)
@@ -506,16 +510,16 @@ def test_quorum_publishes_without_an_unreachable_server(
 ) -> None:
     """Two live servers and one nobody answers at: the version is published once the quorum committed;
     otherwise the error names every server that failed, with its stage and reason."""
-    dead = f"127.0.0.1:{free_port()}"
     version = fleet.version() + 1
     written: list[int] = []
-    config = fleet.config.model_copy(update={"quorum": quorum, "connect_timeout_s": 1.0})
-    pusher = CheckpointPusher(config, [*fleet.addresses, dead],
-                              set_version=written.append)
-    pushed = pusher.push_model(base_model, version=version)
-    assert pushed is not None
-    pushed.wait(WAIT_S)
-    pusher.close()
+    with refused_port() as port:
+        dead = f"127.0.0.1:{port}"
+        config = fleet.config.model_copy(update={"quorum": quorum, "connect_timeout_s": 1.0})
+        pusher = CheckpointPusher(config, [*fleet.addresses, dead], set_version=written.append)
+        pushed = pusher.push_model(base_model, version=version)
+        assert pushed is not None
+        pushed.wait(WAIT_S)
+        pusher.close()
     by_address = {s.address: s for s in pushed.servers}
     assert (by_address[dead].stage, by_address[dead].reason) == ("connect", "timeout")
     assert f"server {dead} ({dead}): connect: no answer within its 1 s deadline" in by_address[dead].error

@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from core.config import ConfigError, load_config
+from core.config import MASK, ConfigError, dump_config, load_config, require_secret
 from core.jobs import JobSpec
 from core.tiny_model import ensure_model
+from services.api.app import check_api_config
 from services.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,8 +41,8 @@ def test_layering_defaults_file_overrides(tmp_path: Path) -> None:
         (["nosuch.section=1"], "nosuch: unknown key"),
         (["trainer.is_low=3", "trainer.is_high=2"], "trainer:"),
         (["trainer"], "expected dotted.key=value"),
-        (["checkpoint.quorum=0"], "checkpoint: Value error, quorum must be majority, all or a number >= 1"),
-        (["rollout.top_k=0"], "rollout: Value error, top_k must be -1 (disable), or at least 1, got 0"),
+        (["checkpoint.quorum=0"], "checkpoint: quorum must be majority, all or a number >= 1"),
+        (["rollout.top_k=0"], "rollout: top_k must be -1 (disable), or at least 1, got 0"),
         (["rollout.top_p=0"], "rollout.top_p:"),
         (["engine.dtype=int8"], "engine.dtype:"),
         (["engine.ready_timeout_s=0"], "engine.ready_timeout_s:"),
@@ -68,9 +69,7 @@ def test_cli_config_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["config", "check", "-c", str(ROOT / "configs/demo.yaml"), "trainer.lr=2e-5"]) == 0
     out = capsys.readouterr().out
     assert "lr: 2.0e-05" in out
-    with pytest.raises(SystemExit) as exited:  # exit 2, as argparse exits on a usage error
-        main(["config", "check", "-c", str(ROOT / "configs/demo.yaml"), "api.port=http"])
-    assert exited.value.code == 2
+    assert main(["config", "check", "-c", str(ROOT / "configs/demo.yaml"), "api.port=http"]) == 2
     assert "api.port" in capsys.readouterr().err
 
 
@@ -94,3 +93,71 @@ def test_a_job_refuses_what_sglang_would() -> None:
 def test_sync_mode_is_async_with_zero_staleness() -> None:
     assert load_config(None, ["rollout.mode=sync", "buffer.max_staleness=3"]).buffer.max_staleness == 0
     assert load_config(None, ["buffer.max_staleness=3"]).buffer.max_staleness == 3
+
+
+SECRET = "s" * 31 + "#x y"  # 35 characters; YAML would cut it at " #"
+
+
+@pytest.mark.parametrize("key", ["api.token", "checkpoint.token", "engine.api_key"])
+def test_secret_overrides_are_plain_strings_never_echoed(key: str) -> None:
+    section, field = key.split(".")
+    cfg = load_config(None, [f"{key}={SECRET}"], env={})
+    assert getattr(getattr(cfg, section), field).get_secret_value() == SECRET
+    for short in ("", "abc #x"):
+        with pytest.raises(ConfigError, match=f"{key}: must be at least 32 characters") as err:
+            load_config(None, [f"{key}={short}"], env={})
+        assert "got" not in str(err.value)
+
+
+def test_secrets_come_from_a_file_or_the_environment(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET + "\n")
+    env = {"ROLLWAVE_API_TOKEN": "e" * 40, "ROLLWAVE_CHECKPOINT_TOKEN": "c" * 40, "ROLLWAVE_ENGINE_API_KEY": "k" * 40}
+    cfg = load_config(None, [f"api.token_file={token_file}"], env=env)
+    assert cfg.api.token.get_secret_value() == SECRET  # the file wins over the environment
+    assert cfg.checkpoint.token.get_secret_value() == "c" * 40 and cfg.engine.api_key.get_secret_value() == "k" * 40
+    nothing = load_config(None, [], env={})
+    assert nothing.api.token is nothing.checkpoint.token is nothing.engine.api_key is None
+    with pytest.raises(ConfigError, match="set checkpoint.token or checkpoint.token_file, not both"):
+        load_config(None, [f"checkpoint.token={SECRET}", f"checkpoint.token_file={token_file}"], env={})
+    with pytest.raises(ConfigError, match="engine.api_key_file: cannot read .*absent"):
+        load_config(None, [f"engine.api_key_file={tmp_path / 'absent'}"], env={})
+
+
+def test_dumped_configs_mask_secrets_and_read_them_back_from_the_environment(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"api.token={SECRET}", f"checkpoint.token={'c' * 40}"], env={})
+    dumped = dump_config(cfg)
+    assert SECRET not in dumped and "c" * 40 not in dumped and dumped.count(MASK) == 2
+    path = tmp_path / "config.yaml"
+    path.write_text(dumped)
+    back = load_config(path, env={"ROLLWAVE_API_TOKEN": SECRET, "ROLLWAVE_CHECKPOINT_TOKEN": "c" * 40})
+    assert back.api.token.get_secret_value() == SECRET and back.checkpoint.token.get_secret_value() == "c" * 40
+    trainer_view = load_config(path, env={"ROLLWAVE_CHECKPOINT_TOKEN": "c" * 40})  # a trainer gets no API token
+    assert trainer_view.api.token is None and require_secret(trainer_view, "checkpoint.token") == "c" * 40
+    with pytest.raises(ConfigError, match="api.token: the config holds a masked secret; give it in ROLLWAVE_API_TOKEN"):
+        require_secret(trainer_view, "api.token")
+    with pytest.raises(ConfigError, match="api.token: the config holds a masked secret"):
+        check_api_config(trainer_view)  # the API never runs without the token the operator set
+
+
+def test_config_check_prints_secrets_masked(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLWAVE_CHECKPOINT_TOKEN", "c" * 40)
+    assert main(["config", "check", "-c", str(ROOT / "configs/demo.yaml"), f"api.token={SECRET}"]) == 0
+    out = capsys.readouterr().out
+    assert SECRET not in out and "c" * 40 not in out and f"token: '{MASK}'" in out
+
+
+def test_require_secret_says_where_to_put_it() -> None:
+    cfg = load_config(None, [], env={})
+    with pytest.raises(ConfigError, match=r"checkpoint.token is not set: give it in ROLLWAVE_CHECKPOINT_TOKEN or "
+                                          r"checkpoint.token_file \(generate one with"):
+        require_secret(cfg, "checkpoint.token")
+    assert require_secret(load_config(None, [f"checkpoint.token={SECRET}"], env={}), "checkpoint.token") == SECRET
+
+
+@pytest.mark.parametrize("server_id", ["..", ".", ".hidden", "a/b", "../x", ""])
+def test_server_id_cannot_name_a_path_outside_the_stage_dir(server_id: str) -> None:
+    with pytest.raises(ConfigError, match="rollout.server_id"):
+        load_config(None, [f"rollout.server_id='{server_id}'"])
+    assert load_config(None, ["rollout.server_id=rollout-0.a..b_c"]).rollout.server_id == "rollout-0.a..b_c"

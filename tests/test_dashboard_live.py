@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -32,7 +33,8 @@ from tests.chromium_harness import dump_dom, elements
 from tests.http_harness import serve_app
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "dash-token"
+TOKEN = secrets.token_urlsafe(32)
+DATA = ROOT.parent / "shared/data"
 SERVER_ID = "dash-0"
 EVAL_TASKS = 3
 # Series the cluster above feeds without a trainer; the trainer's (reward, staleness, idle) stay empty.
@@ -77,15 +79,17 @@ def live(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
     tmp = tmp_path_factory.mktemp("dashboard")
     with EmbeddedRedis(tmp / "redis", aof=False) as redis_server:
         overrides = [
-            "run.name=dash", f"run.dir={tmp}", f"redis.url={redis_server.url}", f"api.token={TOKEN}",
+            "run.name=dash", f"run.dir={tmp}", f"redis.url={redis_server.url}",
             f"model.path={tiny_model_dir}", "model.init_if_missing=false", "rollout.n_samples=2",
             "rollout.max_new_tokens=16", "rollout.max_turns=2", "rollout.heartbeat_s=0.5",
             f"rollout.server_id={SERVER_ID}",
         ]
+        api_cfg = load_config(None, [*overrides, f"api.token={TOKEN}", f"api.data_root={DATA}"])
         log = tmp / "rollout.log"
-        with serve_app(create_app(load_config(None, overrides))) as url, open(log, "wb") as out:
+        env = {**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
+        with serve_app(create_app(api_cfg)) as url, open(log, "wb") as out:
             server = subprocess.Popen([sys.executable, "-m", "rollout_server", *overrides], cwd=ROOT, stdout=out,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+                                      stderr=subprocess.STDOUT, start_new_session=True, env=env)
             try:
                 with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as api:
                     yield _run_jobs(url, api, server, log, redis_server.url)
@@ -160,8 +164,8 @@ def test_a_straggler_shows_in_the_api_dashboard_and_cli(live: Live) -> None:
 
 
 def _rollwave(live: Live, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "services.cli", *args, "--api", live.url, "--token", TOKEN],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "services.cli", *args, "--api", live.url], cwd=ROOT,
+                          env={**os.environ, "ROLLWAVE_API_TOKEN": TOKEN}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -187,9 +191,8 @@ def test_cli_prints_jobs_status_and_trajectories(live: Live) -> None:
 
 def test_gsm8k_eval_job_through_the_api_reports_accuracy(live: Live) -> None:
     """Issue 9.5: an eval job over the real GSM8K test file, with the calculator tool, through the API."""
-    gsm8k = ROOT.parent / "shared/data/gsm8k/test.jsonl"
     body = {"kind": "eval", "name": "gsm8k", "tools": ["calculator"], "sampling": {"max_new_tokens": 16},
-            "source": {"kind": "gsm8k", "path": str(gsm8k), "limit": 4}}
+            "source": {"kind": "gsm8k", "split": "test", "limit": 4}}
     reply = live.api.post("/v1/jobs", json=body)
     assert reply.status_code == 201, reply.text
     job_id = reply.json()["job_id"]

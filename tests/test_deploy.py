@@ -5,9 +5,13 @@ What is checked:
   its references resolve (services, volumes, bind-mounted files, Dockerfiles); the profiles hold what
   they promise (embedded engine on CPU; SGLang servers with GPU reservations on GPU); every rollwave
   command's overrides load with the run config through core.config; Prometheus targets are
-  compose services on the ports they expose.
-- The Dockerfiles COPY only files that exist and that their .dockerignore lets through, install torch
-  from the CPU index (CPU image) and never reinstall it (GPU image). Images are not built here.
+  compose services on the ports they expose. Security: secrets have no defaults and reach each
+  container, only its own, in its environment; engines listen on loopback (the embedded one a child,
+  each SGLang server sharing its rollout server's network namespace); only the trainer mounts runs/
+  and nothing but model-init writes the models.
+- The Dockerfiles COPY every package and only files that exist and that their .dockerignore lets
+  through, install torch from the CPU index (CPU image) and never reinstall it (GPU image), install
+  bubblewrap and run as an unprivileged uid. Images are not built here.
 - prometheus.yml passes `promtool check config`; every Grafana panel query parses with promtool
   (as a recording rule); the dashboard covers the design's signals and names metrics that the
   components define; provisioning points at the dashboard and datasource that exist.
@@ -26,6 +30,7 @@ import json
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +41,8 @@ from helm_lint import lint_chart
 from prometheus_harness import load_dashboard, panel_queries, promql_errors
 from pydantic import BaseModel
 
-from core.config import Config, load_config
+from core.config import SECRETS, Config, load_config, require_secret
+from core.net import is_loopback
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -49,8 +55,8 @@ DS_UID = "rollwave-prometheus"
 
 
 def _interpolate(text: str) -> str:
-    """Compose's ``${VAR:-default}`` with no environment: the default."""
-    return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: m.group(2) or "", text)
+    """Compose's ``${VAR:-default}`` with no environment: the default (``${VAR:?error}``: empty)."""
+    return re.sub(r"\$\{(\w+)(?::?([-?])([^}]*))?\}", lambda m: m.group(3) if m.group(2) == "-" else "", text)
 
 
 def _config_key_exists(dotted: str) -> bool:
@@ -141,12 +147,13 @@ def test_compose_profiles_run_the_embedded_engine_on_cpu_and_sglang_on_gpu() -> 
     used = set()
     for name, cmd in gpu_rollout.items():
         assert "engine.backend=sglang" in cmd, name
-        cfg = load_config(None, [a for a in cmd if a.startswith("engine.urls=")])
-        for url in cfg.engine.urls:
-            host, port = re.fullmatch(r"http://([\w-]+):(\d+)", url).groups()
-            assert host in engines and port in gpu[host]["expose"], f"{name}: {url} is no SGLang service"
-            assert f"--port={port}" in engines[host]
-            used.add(host)
+        engine = gpu[name]["network_mode"].removeprefix("service:")  # one network namespace, like a pod
+        assert engine in engines, f"{name} shares no SGLang server's network namespace"
+        [url] = load_config(None, [a for a in cmd if a.startswith("engine.urls=")]).engine.urls
+        port = re.fullmatch(r"http://127\.0\.0\.1:(\d+)", url).group(1)
+        assert f"--port={port}" in engines[engine] and "--host=127.0.0.1" in engines[engine], name
+        assert f"rollout.grpc_host={engine}" in cmd and "50051" in gpu[engine]["expose"], name
+        used.add(engine)
     assert used == set(engines), "every SGLang server has a rollout server"
 
 
@@ -187,6 +194,47 @@ def test_prometheus_targets_are_compose_services_on_exposed_ports() -> None:
                     assert f"metrics_port={port}" in cmd or port in (DEPLOY / "config" / "run.yaml").read_text()
 
 
+NEEDS = {"services.api": "ROLLWAVE_API_TOKEN", "trainer": "ROLLWAVE_CHECKPOINT_TOKEN",
+         "rollout_server": "ROLLWAVE_CHECKPOINT_TOKEN"}
+
+
+def test_compose_hands_each_container_only_its_own_secret_from_the_environment() -> None:
+    raw = (DEPLOY / "docker-compose.yml").read_text()
+    assert "rollwave-dev-token" not in raw and "ROLLWAVE_TOKEN" not in raw
+    for name, cmd in _rollwave_commands().items():
+        module = cmd[cmd.index("-m") + 1]
+        env = SERVICES[name]["environment"]
+        secrets = {k: v for k, v in env.items() if k in SECRETS.values()}
+        assert secrets == {NEEDS[module]: f"${{{NEEDS[module]}:?set {NEEDS[module]} to 32+ random characters "
+                                          "(deploy/README.md)}"}, name  # no default: compose refuses without it
+        assert not [a for a in cmd if "token" in a or "api_key" in a], f"{name}: a secret on the command line"
+        start = cmd.index("-c") + 2
+        overrides = [a for a in cmd[start:] if "=" in a and not a.startswith("-")]
+        cfg = load_config(DEPLOY / "config" / "run.yaml", overrides, env={NEEDS[module]: "x" * 40})
+        key = "api.token" if module == "services.api" else "checkpoint.token"
+        assert require_secret(cfg, key) == "x" * 40, name
+
+
+def test_compose_keeps_engines_on_loopback() -> None:
+    for name, svc in SERVICES.items():
+        cmd = [_interpolate(str(a)) for a in svc.get("command") or []]
+        assert "30000" not in [str(p) for p in svc.get("expose") or []] and not svc.get("ports", [""])[0].endswith(
+            ":30000"), name
+        assert not [a for a in cmd if a.startswith(("engine.host=", "--host=0", "engine.urls=[http://sglang"))], name
+        if "/config/run.yaml" in cmd:
+            overrides = [a for a in cmd[cmd.index("-c") + 2:] if "=" in a and not a.startswith("-")]
+            assert is_loopback(load_config(DEPLOY / "config" / "run.yaml", overrides, env={}).engine.host), name
+
+
+def test_compose_mounts_what_each_container_needs_and_no_more() -> None:
+    for name, svc in SERVICES.items():
+        mounts = {v.split(":")[0]: v for v in svc.get("volumes") or []}
+        if "models" in mounts:
+            assert mounts["models"].endswith(":ro") == (name != "model-init"), f"{name}: {mounts['models']}"
+        if "runs" in mounts:  # checkpoints (loaded on --resume): written and read by the trainer only
+            assert "trainer" in [_interpolate(str(a)) for a in svc["command"]], name
+
+
 # ---- Dockerfiles ------------------------------------------------------------------------------
 
 
@@ -208,6 +256,21 @@ def test_dockerfile_copies_files_that_exist_and_are_sent(name: str) -> None:
         for src in sources:
             assert (REPO / src).exists(), f"{name}: COPY {src} does not exist"
             assert src.rstrip("/") in allowed, f"{name}: COPY {src} is excluded by {name}.dockerignore"
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.gpu"])
+def test_images_hold_every_package_run_unprivileged_and_can_sandbox(name: str) -> None:
+    lines, _ = _dockerfile(name)
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    copied = {ln.split()[1].rstrip("/") for ln in lines if ln.startswith("COPY ")}
+    assert {p.rstrip("*") for p in packages["include"]} <= copied
+    [user] = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
+    uid, _, gid = user.partition(":")
+    assert int(uid) >= 1000 and int(gid) >= 1000, "a numeric, unprivileged uid:gid (Kubernetes checks runAsNonRoot)"
+    assert lines.index(f"USER {user}") > max(i for i, ln in enumerate(lines) if ln.startswith("RUN "))
+    assert any("apt-get install" in ln and "bubblewrap" in ln for ln in lines), "the python tool's sandbox"
+    cmd = next(ln for ln in lines if ln.startswith("CMD "))
+    assert "0.0.0.0" not in cmd and "30000" not in next(ln for ln in lines if ln.startswith("EXPOSE "))
 
 
 def test_cpu_image_pins_the_cpu_torch_build() -> None:
@@ -232,7 +295,7 @@ def test_gpu_image_builds_on_sglang_without_reinstalling_torch() -> None:
 
 def test_prometheus_config_passes_promtool() -> None:
     promtool = shutil.which("promtool")
-    assert promtool, "promtool not found: install the Debian package `prometheus` (.ci/run does)"
+    assert promtool, "promtool not found: install the Debian package `prometheus` (`make test` does)"
     path = DEPLOY / "prometheus" / "prometheus.yml"
     done = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -430,5 +493,6 @@ def test_chart_sets_only_run_config_keys_that_exist() -> None:
     args = []
     for path in (CHART / "templates").glob("*.yaml"):
         args += re.findall(r'(?:^\s*- |")([a-z_]+\.[a-z_]+)=', path.read_text(), re.M)
-    assert "rollout.server_id" in args and "checkpoint.token" in args
+    assert "rollout.server_id" in args
+    assert not [a for a in args if a in SECRETS], "secrets reach containers as environment variables only"
     assert [k for k in keys + args if not _config_key_exists(k)] == []

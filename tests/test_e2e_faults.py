@@ -3,9 +3,10 @@
 The whole pipeline runs as real processes (two rollout servers with their embedded engines and
 checkpoint receivers, one trainer pushing a version every step, the embedded Redis). The run must
 complete and the accounting hold exactly: tasks submitted = groups trained + groups dropped as stale
-+ tasks dead-lettered, with no group id trained twice, and every rollout server (the restarted one
-included) serving the trainer's last version. A feeder keeps tasks coming until the trainer is back
-from its kill (so the run outlasts the restarts, however slow the machine), then the run drains.
++ tasks dead-lettered + tasks cancelled (none here), with no group id trained twice, and every rollout
+server (the restarted one included) serving the trainer's last version. A feeder keeps tasks coming until
+the trainer is back from its kill (so the run outlasts the restarts, however slow the machine), then the
+run drains.
 """
 
 from __future__ import annotations
@@ -21,16 +22,15 @@ from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
 from core.config import dump_config, load_config
-from core.net import free_port
-from services.launcher import LocalStack, components
+from services.launcher import LocalStack, components, ensure_checkpoint_token
 from tests.stack_helpers import Feeder, trained_group_ids, wait_for
 
 pytestmark = pytest.mark.slow
 
 
 def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
-    port = free_port()
-    server = EmbeddedRedis(tmp_path / "redis", aof=True, appendfsync="always", port=port).start()
+    server = EmbeddedRedis(tmp_path / "redis", aof=True, appendfsync="always").start()
+    port = server.port  # the components know this URL: Redis comes back on it
     cfg = load_config(None, [
         "run.name=faults", f"run.dir={tmp_path}", f"model.path={tiny_model_dir}", "model.init_if_missing=false",
         "rollout.n_samples=2", "rollout.max_turns=2", "rollout.max_new_tokens=12", "rollout.heartbeat_s=0.5",
@@ -39,6 +39,7 @@ def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
         "trainer.stop_when_drained=true", "trainer.checkpoint_every=2", "trainer.take_timeout_s=1",
         "trainer.threads=1", "engine.threads=1", "engine.max_batch_size=16", f"checkpoint.stage_dir={tmp_path}/stage",
     ])
+    ensure_checkpoint_token(cfg)
     config_path = tmp_path / "config.yaml"
     config_path.write_text(dump_config(cfg))
     keys = Keys(cfg.run.name)
@@ -54,6 +55,7 @@ def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
             return 0
 
     specs = components(cfg, config_path, server.url, rollout_servers=2, api=False)
+    registry = ServerRegistry(client, keys)
     try:
         with LocalStack(specs, tmp_path / "logs") as stack:
             with Feeder(client, keys, queue, "faults") as feeder:  # the run lasts until the faults are done
@@ -79,8 +81,9 @@ def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
         job = TaskQueue(client, keys, cfg.buffer).job("faults")
         submitted, trained = int(job["submitted"]), int(job.get("trained", 0))
         stale, dead = int(job.get("stale_dropped", 0)), int(job.get("dead_lettered", 0))
+        cancelled = int(job.get("cancelled", 0))
         assert submitted == feeder.submitted
-        assert submitted == trained + stale + dead, job
+        assert submitted == trained + stale + dead + cancelled, job
         trained_ids = trained_group_ids(tmp_path / "faults")
         assert len(trained_ids) == len(set(trained_ids)) == trained
     finally:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,9 +15,9 @@ import uvicorn
 from engine_helpers import encode_named_tensors
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from net_helpers import bound_socket, refused_port
 from safetensors.torch import load_file
 
-from core.net import free_port
 from rollout_server.agent_loop import turn_from_reply
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient, EngineError
@@ -169,25 +170,28 @@ def sglang_056_stub(with_version: bool = True, gate: asyncio.Event | None = None
 
 
 @asynccontextmanager
-async def serve(app: FastAPI, port: int, delay_s: float = 0.0) -> AsyncIterator[str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+async def serve(app: FastAPI, sock: socket.socket | None = None, delay_s: float = 0.0) -> AsyncIterator[str]:
+    """Serve ``app`` on ``sock`` (bound, not yet listening: refused until the server starts) after ``delay_s``."""
+    sock = sock or bound_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
 
     async def start() -> None:
         await asyncio.sleep(delay_s)
-        await server.serve()
+        await server.serve(sockets=[sock])
 
     task = asyncio.create_task(start())
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         await task
+        sock.close()
 
 
 def test_sglang_056_shapes_are_normalised() -> None:
     async def run() -> None:
         app, seen, _ = sglang_056_stub()
-        async with serve(app, free_port()) as url, EngineClient(url, backoff_s=0.05) as client:
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as client:
             await client.wait_ready(10)
             assert await client.weight_version() == "stub-v1"
             out = await client.generate(PROMPT, {"max_new_tokens": 3})
@@ -210,7 +214,7 @@ def test_a_056_reply_across_a_pause_is_labelled_with_the_version_at_its_start() 
     async def run() -> None:
         gate = asyncio.Event()
         app, _, continued = sglang_056_stub(gate=gate)
-        async with serve(app, free_port()) as url, EngineClient(url, backoff_s=0.05) as client, \
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as client, \
                 EngineClient(url, backoff_s=0.05) as receiver:
             await client.wait_ready(10)
             await receiver.update_weights_from_disk("/staged/v1", weight_version="1")
@@ -236,7 +240,7 @@ def test_a_056_reply_across_a_pause_is_labelled_with_the_version_at_its_start() 
 def test_servers_without_versions_give_none() -> None:
     async def run() -> None:
         app, _, _ = sglang_056_stub(with_version=False)
-        async with serve(app, free_port()) as url, EngineClient(url, backoff_s=0.05) as client:
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as client:
             await client.wait_ready(10)
             assert await client.weight_version() is None
             out = await client.generate(PROMPT)
@@ -247,10 +251,12 @@ def test_servers_without_versions_give_none() -> None:
 
 def test_wait_ready_logs_its_progress(caplog: pytest.LogCaptureFixture) -> None:
     async def run() -> None:
-        url = f"http://127.0.0.1:{free_port()}"
-        async with EngineClient(url, retries=0) as client:
-            with caplog.at_level("INFO", logger="rollout_server.engine_client"), pytest.raises(EngineError) as exc:
-                await client.wait_ready(1.0, log_every_s=0.3)
+        with refused_port() as port:
+            url = f"http://127.0.0.1:{port}"
+            async with EngineClient(url, retries=0) as client:
+                with caplog.at_level("INFO", logger="rollout_server.engine_client"), \
+                        pytest.raises(EngineError) as exc:
+                    await client.wait_ready(1.0, log_every_s=0.3)
         assert "not healthy after 1s" in str(exc.value) and url in str(exc.value)
         assert sum(f"waiting for the engine at {url} to be healthy" in r.getMessage() for r in caplog.records) >= 2
 
@@ -259,7 +265,8 @@ def test_wait_ready_logs_its_progress(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_connection_errors_are_retried_then_reported() -> None:
     async def run() -> None:
-        port = free_port()
+        sock = bound_socket()
+        port = sock.getsockname()[1]
         async with EngineClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.01) as client:
             assert not await client.health()
             with pytest.raises(EngineError) as exc:
@@ -269,7 +276,7 @@ def test_connection_errors_are_retried_then_reported() -> None:
                 await client.wait_ready(0.3)
         app, _, _ = sglang_056_stub()
         async with (
-            serve(app, port, delay_s=0.5),
+            serve(app, sock, delay_s=0.5),
             EngineClient(f"http://127.0.0.1:{port}", retries=10, backoff_s=0.05) as client,
         ):
             out = await client.generate(PROMPT)  # refused at first, answered once the server is up

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine.protocol import ContractError, GenerateSpec, build_requests
+from rollout_server.engine.routes import generate, info, weights
+from rollout_server.engine_client import EngineClient
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
 LONG = {"max_new_tokens": 900, "temperature": 1.0, "ignore_eos": True}
@@ -295,3 +301,45 @@ def test_bf16_weights_served_on_cpu(tiny_model_dir: Path) -> None:
         reply = post(proc.url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "1"})
         assert reply.json()["success"], reply.text
         assert gen(proc.url, PROMPT, {"max_new_tokens": 4, "temperature": 0})["output_ids"] == out["output_ids"]
+
+
+def test_with_a_key_every_route_needs_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SGLang's ``--api-key`` behaviour, on every route (SGLang exempts /health and /metrics; not here)."""
+    key = secrets.token_urlsafe(32)
+    routes = [(path, method) for module in (generate, info, weights) for route in module.router.routes
+              for path, methods in [(route.path, route.methods)] for method in sorted(methods)]
+    assert {"/update_weights_from_disk", "/generate", "/pause_generation", "/health", "/metrics"} <= {
+        p for p, _ in routes}
+    planted = tmp_path / "planted"  # what an attacker would load: refused before it is even looked at
+    with EngineProcess(tiny_model_dir, threads=1, api_key=key) as proc:
+        for path, method in routes:
+            body = {"model_path": str(planted)} if method in ("POST", "PUT") else None
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+                reply = httpx.request(method, proc.url + path, json=body, headers=headers, timeout=30)
+                assert (reply.status_code, reply.json()) == (401, {"error": "Unauthorized"}), (path, method, headers)
+        auth = {"Authorization": f"Bearer {key}"}
+        assert httpx.get(proc.url + "/health", headers=auth).status_code == 200
+        assert "rollwave_engine_generated_tokens_total" in httpx.get(proc.url + "/metrics", headers=auth).text
+
+        async def through_the_client() -> tuple[str, dict]:
+            async with EngineClient(proc.url, api_key=key) as client:
+                return await client.weight_version(), await client.generate(PROMPT, {"max_new_tokens": 2})
+
+        version, reply = asyncio.run(through_the_client())
+        assert version == "0" and len(reply["output_ids"]) == 2
+        cmdlines = []
+        for path in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                cmdlines.append(path.read_bytes())
+            except OSError:  # gone meanwhile
+                continue
+        assert any(b"rollout_server.engine" in c for c in cmdlines)
+        assert not any(key.encode() in c for c in cmdlines)  # handed over in the environment
+
+
+def test_off_loopback_the_engine_needs_a_key(tiny_model_dir: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "ROLLWAVE_ENGINE_API_KEY"}
+    proc = subprocess.run([sys.executable, "-m", "rollout_server.engine", "--model", str(tiny_model_dir),
+                           "--host", "0.0.0.0", "--port", "1"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "error: --host 0.0.0.0 is not loopback: set ROLLWAVE_ENGINE_API_KEY" in proc.stderr

@@ -2,13 +2,17 @@
 
 No cluster is contacted (``lookup`` returns nothing), so what is checked is the rendered manifests:
 they parse, pods only mount volumes they define and probe ports they declare, the knobs of
-values.yaml (replicas, GPUs, Redis URL, token secret, engine backend, ServiceMonitors) land where
-they should, and every rollwave container's command line loads with the rendered run config through
-core.config. Kubernetes' own API validation and scheduling are not exercised.
+values.yaml (replicas, GPUs, Redis URL, secrets, engine backend, ServiceMonitors) land where
+they should, every rollwave container's command line loads with the rendered run config through
+core.config, and the security settings hold: each container gets only its own secret and none on a
+command line, engines stay on loopback, every pod runs unprivileged with a read-only root, and the
+NetworkPolicies let only the trainer reach the receivers. Kubernetes' own API validation and
+scheduling are not exercised.
 """
 
 from __future__ import annotations
 
+import base64
 import re
 from pathlib import Path
 from typing import Any
@@ -17,11 +21,12 @@ import helm_python as helm
 import pytest
 import yaml
 
-from core.config import Config, load_config
+from core.config import Config, load_config, require_secret
 
 CHART = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "rollwave"
 PROMETHEUS = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "prometheus.yml"
-ENV = {"POD_NAME": "rw-rollwave-rollout-0", "POD_IP": "10.1.2.3", "ROLLWAVE_TOKEN": "s3cret", "POD_INDEX": "0"}
+ENV = {"POD_NAME": "rw-rollwave-rollout-0", "POD_IP": "10.1.2.3", "POD_INDEX": "0"}
+SECRETS = {"ROLLWAVE_API_TOKEN": "a" * 48, "ROLLWAVE_CHECKPOINT_TOKEN": "c" * 48}
 
 
 def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -45,14 +50,22 @@ def containers(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in spec.get("initContainers", []) + spec["containers"]}
 
 
-def run_config(docs: list[dict[str, Any]], tmp_path: Path, argv: list[str]) -> Config:
-    """The config a container's ``-c /config/run.yaml key=value ...`` command line would load."""
+def secret_env(container: dict[str, Any]) -> dict[str, str]:
+    """The secrets a container gets from the chart's Secret: variable -> key."""
+    return {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in container.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+def run_config(
+    docs: list[dict[str, Any]], tmp_path: Path, argv: list[str], env: dict[str, str] | None = None
+) -> Config:
+    """The config a container's ``-c /config/run.yaml key=value ...`` command line would load, with ``env``."""
     path = tmp_path / "run.yaml"
     path.write_text(find(docs, "ConfigMap", "-config")["data"]["run.yaml"])
     start = argv.index("/config/run.yaml") + 1
     overrides = [re.sub(r"\$\((\w+)\)", lambda m: ENV[m.group(1)], a) for a in argv[start:] if "=" in a
                  and not a.startswith("-")]
-    return load_config(path, overrides)
+    return load_config(path, overrides, env=env or {})
 
 
 def test_helm_lint_finds_no_problems() -> None:
@@ -67,7 +80,11 @@ def test_default_values_render_a_complete_cpu_stack(tmp_path: Path) -> None:
     assert kinds == [
         ("ConfigMap", "rw-rollwave-config"),
         ("Deployment", "rw-rollwave-api"),
-        ("Secret", "rw-rollwave-token"),
+        ("NetworkPolicy", "rw-rollwave-api"),
+        ("NetworkPolicy", "rw-rollwave-redis"),
+        ("NetworkPolicy", "rw-rollwave-rollout"),
+        ("NetworkPolicy", "rw-rollwave-trainer"),
+        ("Secret", "rw-rollwave-secrets"),
         ("Service", "rw-rollwave-api"),
         ("Service", "rw-rollwave-redis"),
         ("Service", "rw-rollwave-rollout"),
@@ -83,8 +100,9 @@ def test_default_values_render_a_complete_cpu_stack(tmp_path: Path) -> None:
     for doc in docs:
         for container in containers(doc).values() if doc["kind"] in ("Deployment", "StatefulSet") else []:
             assert "nvidia.com/gpu" not in container.get("resources", {}).get("limits", {}), container["name"]
-    secret = find(docs, "Secret", "-token")
-    assert len(secret["data"]["token"]) >= 40
+    secret = find(docs, "Secret", "-secrets")
+    api_token, checkpoint_token = (base64.b64decode(secret["data"][k]) for k in ("api-token", "checkpoint-token"))
+    assert len(api_token) == len(checkpoint_token) == 48 and api_token != checkpoint_token
 
 
 def test_every_rollwave_command_loads_with_the_rendered_config(tmp_path: Path) -> None:
@@ -98,11 +116,14 @@ def test_every_rollwave_command_loads_with_the_rendered_config(tmp_path: Path) -
                 argv = container.get("command", []) + container.get("args", [])
                 if "/config/run.yaml" not in argv:
                     continue
-                cfg = run_config(docs, tmp_path, argv)
                 module = argv[argv.index("-m") + 1]
+                own = "ROLLWAVE_API_TOKEN" if module == "services.api" else "ROLLWAVE_CHECKPOINT_TOKEN"
+                assert secret_env(container) == {own: own.removeprefix("ROLLWAVE_").lower().replace("_", "-")}
+                assert not [a for a in argv if "token" in a.lower() or "$(ROLLWAVE" in a], argv
+                cfg = run_config(docs, tmp_path, argv, {own: SECRETS[own]})
                 assert cfg.redis.url == "redis://rw-rollwave-redis:6379/0" and cfg.run.dir == Path("/runs")
-                token = cfg.api.token if module == "services.api" else cfg.checkpoint.token
-                assert token == ENV["ROLLWAVE_TOKEN"], module
+                required = "api.token" if module == "services.api" else "checkpoint.token"
+                assert require_secret(cfg, required) == SECRETS[own], module
                 seen.add(module)
         assert seen == {"services.api", "rollout_server", "trainer"}
 
@@ -122,8 +143,8 @@ def test_pods_mount_defined_volumes_and_probe_declared_ports() -> None:
                 for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                     port = container.get(probe, {}).get("httpGet", {}).get("port")
                     assert port is None or port in ports, (container["name"], probe, port)
-                    if port is not None:  # SGLang's /health answers after 1 s; Kubernetes' default is 1 s
-                        assert container[probe]["timeoutSeconds"] >= 3, (container["name"], probe)
+                    if probe in container:  # SGLang's /health answers after 1 s; Kubernetes' default is 1 s
+                        assert container[probe].get("timeoutSeconds", 1) >= 3, (container["name"], probe)
 
 
 def test_sglang_startup_budget_fits_a_big_model() -> None:
@@ -170,12 +191,14 @@ def test_trainer_pool_spans_nodes_with_gpus(tmp_path: Path) -> None:
 
 def test_external_redis_and_existing_secret(tmp_path: Path) -> None:
     docs = render({"redis": {"url": "rediss://redis.example:6380/2"},
-                   "token": {"existingSecret": "my-token", "existingSecretKey": "api"}})
+                   "secrets": {"existingSecret": "my-secrets", "apiTokenKey": "api", "checkpointTokenKey": "ckpt"}})
     assert not [d for d in docs if "redis" in d["metadata"]["name"] or d["kind"] == "Secret"]
     api = containers(find(docs, "Deployment", "-api"))["api"]
     env = {e["name"]: e for e in api["env"]}
     assert env["REDIS_URL"]["value"] == "rediss://redis.example:6380/2"
-    assert env["ROLLWAVE_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "my-token", "key": "api"}
+    assert env["ROLLWAVE_API_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "my-secrets", "key": "api"}
+    trainer = containers(find(docs, "StatefulSet", "-trainer"))["trainer"]
+    assert secret_env(trainer) == {"ROLLWAVE_CHECKPOINT_TOKEN": "ckpt"}
     assert run_config(docs, tmp_path, api["command"] + api["args"]).redis.url == "rediss://redis.example:6380/2"
 
 
@@ -206,3 +229,86 @@ def test_service_monitors_use_the_prometheus_job_names() -> None:
 def test_schema_violations_are_rejected_by_helm() -> None:
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match="engine/backend"):
         chart.validate_schema({"engine": {"backend": "vllm"}})
+
+
+WORKLOADS = ("Deployment", "StatefulSet")
+
+
+def test_pods_run_unprivileged_on_a_read_only_root() -> None:
+    for values in ({}, {"engine": {"backend": "sglang"}, "trainer": {"gpusPerNode": 2}}):
+        for doc in render(values):
+            if doc["kind"] not in WORKLOADS:
+                continue
+            pod = doc["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+            mounts_tmp = doc["metadata"]["name"].endswith("-redis") or any(
+                v["name"] == "tmp" and "emptyDir" in v for v in pod["volumes"])
+            assert mounts_tmp, doc["metadata"]["name"]
+            for container in containers(doc).values():
+                ctx = container["securityContext"]
+                assert ctx == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                               "capabilities": {"drop": ["ALL"]}}, container["name"]
+
+
+def test_engines_listen_on_loopback_and_have_no_port_or_service(tmp_path: Path) -> None:
+    for values in ({}, {"engine": {"backend": "sglang"}}):
+        docs = render(values)
+        rollout = find(docs, "StatefulSet", "-rollout")
+        pod = containers(rollout)
+        server = pod["rollout-server"]
+        cfg = run_config(docs, tmp_path, server["command"] + server["args"])
+        assert cfg.engine.host == "127.0.0.1" and all("127.0.0.1" in url for url in cfg.engine.urls)
+        for container in pod.values():
+            assert {p["name"] for p in container.get("ports", [])} <= {"grpc", "metrics"}, container["name"]
+        service = find(docs, "Service", "-rollout")
+        assert {p["name"] for p in service["spec"]["ports"]} == {"grpc", "metrics"}
+        if "sglang" in pod:
+            assert "--host=127.0.0.1" in pod["sglang"]["args"] and not [a for a in pod["sglang"]["args"]
+                                                                       if a.startswith("--host=0")]
+            assert "exec" in pod["sglang"]["startupProbe"] and "exec" in pod["sglang"]["readinessProbe"]
+
+
+def test_the_rendezvous_port_stays_internal() -> None:
+    docs = render({"trainer": {"nodes": 2}})
+    trainer = containers(find(docs, "StatefulSet", "-trainer"))["trainer"]
+    assert "rendezvous" in {p["name"] for p in trainer["ports"]}
+    services = [d for d in docs if d["kind"] == "Service"]
+    assert not [p for d in services for p in d["spec"]["ports"] if p.get("targetPort") == "rendezvous"
+                or p["port"] == 29500]
+    policy = find(docs, "NetworkPolicy", "-trainer")["spec"]
+    [peers, metrics] = policy["ingress"]
+    assert peers == {"from": [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "rollwave", "app.kubernetes.io/instance": "rw",
+        "app.kubernetes.io/component": "trainer"}}}]}
+    assert metrics == {"ports": [{"port": "metrics"}]}
+
+
+def test_only_the_trainer_reaches_the_checkpoint_receivers() -> None:
+    scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    docs = render({"networkPolicy": {"metricsFrom": [scraper]}})
+    policy = find(docs, "NetworkPolicy", "-rollout")["spec"]
+    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "rollout"
+    assert policy["policyTypes"] == ["Ingress"]
+    [grpc, metrics] = policy["ingress"]
+    assert grpc["ports"] == [{"port": "grpc"}]
+    [peer] = grpc["from"]
+    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "trainer"
+    assert metrics == {"ports": [{"port": "metrics"}], "from": [scraper]}
+    rollout = containers(find(docs, "StatefulSet", "-rollout"))["rollout-server"]
+    assert {p["name"] for p in rollout["ports"]} == {"grpc", "metrics"}  # every port the pod has is covered
+    redis = find(docs, "NetworkPolicy", "-redis")["spec"]["ingress"][0]
+    assert redis["from"][0]["podSelector"]["matchExpressions"][0]["values"] == ["api", "rollout", "trainer"]
+    assert not [d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"]
+
+
+def test_the_api_answers_its_service_names(tmp_path: Path) -> None:
+    docs = render()
+    api = containers(find(docs, "Deployment", "-api"))["api"]
+    cfg = run_config(docs, tmp_path, api["command"] + api["args"])
+    assert {"127.0.0.1", "localhost", "rw-rollwave-api", "rw-rollwave-api.ml.svc.cluster.local"} <= set(
+        cfg.api.allowed_hosts)
+    assert cfg.api.data_root == Path("/data")
+    assert "data" not in {v["name"] for v in find(docs, "Deployment", "-api")["spec"]["template"]["spec"]["volumes"]}
+    with_data = find(render({"api": {"dataClaim": "tasks"}}), "Deployment", "-api")["spec"]["template"]["spec"]
+    [volume] = [v for v in with_data["volumes"] if v["name"] == "data"]
+    assert volume["persistentVolumeClaim"] == {"claimName": "tasks", "readOnly": True}

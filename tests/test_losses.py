@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from torch import Tensor
 
 from trainer import losses
 
@@ -37,7 +38,7 @@ def _inputs(seed: int, extreme: bool = False, b: int = 6, t: int = 9) -> dict[st
     return {"logp": logp, "prox": prox, "behav": behav, "adv": adv, "mask": mask}
 
 
-def _ref_token(kind: str, lp: float, px: float, bh: float, a: float) -> tuple[float, float]:
+def _ref_token(kind: str, lp: float, px: float, bh: float, a: float, cap_mode: str) -> tuple[float, float]:
     """(loss, d loss / d lp) of one token, written out by hand."""
 
     def surrogate(ratio: float) -> tuple[float, float]:
@@ -48,13 +49,13 @@ def _ref_token(kind: str, lp: float, px: float, bh: float, a: float) -> tuple[fl
 
     w = math.exp(px - bh)
     if kind == "decoupled_ppo":
-        scale = min(w, CAP)
+        scale = min(w, CAP) if cap_mode == "truncate" else (w if w <= CAP else 0.0)
         value, grad = surrogate(math.exp(lp - px))
     elif kind == "ppo":
         scale = 1.0
         value, grad = surrogate(math.exp(lp - px))
     elif kind == "tis":
-        scale = min(1.0, CAP / w)
+        scale = min(1.0, CAP / w) if cap_mode == "truncate" else float(w <= CAP)
         value, grad = surrogate(math.exp(lp - bh))
     elif kind == "icepop":
         scale = 1.0 if LOW <= w <= HIGH else 0.0
@@ -86,7 +87,7 @@ def _ref_aggregate(values: list[list[float]], mask: list[list[bool]], mode: str)
     return total, dvals
 
 
-def _reference(kind: str, x: dict[str, torch.Tensor], mode: str) -> tuple[float, torch.Tensor]:
+def _reference(kind: str, x: dict[str, torch.Tensor], mode: str, cap_mode: str = "truncate") -> tuple[float, Tensor]:
     b, t = x["mask"].shape
     vals = [[0.0] * t for _ in range(b)]
     grads = [[0.0] * t for _ in range(b)]
@@ -95,16 +96,16 @@ def _reference(kind: str, x: dict[str, torch.Tensor], mode: str) -> tuple[float,
         for j in range(t):
             if mask[i][j]:
                 args = (x[k][i, j].item() for k in ("logp", "prox", "behav", "adv"))
-                vals[i][j], grads[i][j] = _ref_token(kind, *args)
+                vals[i][j], grads[i][j] = _ref_token(kind, *args, cap_mode)
     loss, dagg = _ref_aggregate(vals, mask, mode)
     grad = torch.tensor([[grads[i][j] * dagg[i][j] for j in range(t)] for i in range(b)], dtype=torch.float64)
     return loss, grad
 
 
-def _call(kind: str, x: dict[str, torch.Tensor], mode: str, **extra):
+def _call(kind: str, x: dict[str, torch.Tensor], mode: str, cap_mode: str = "truncate", **extra):
     kwargs = {"clip_eps": CLIP, "clip_eps_high": CLIP_HIGH, "loss_agg": mode, **extra}
     if kind in ("decoupled_ppo", "tis"):
-        kwargs["is_cap"] = CAP
+        kwargs.update(is_cap=CAP, is_cap_mode=cap_mode)
     if kind == "icepop":
         kwargs.update(is_low=LOW, is_high=HIGH)
     fn = losses.POLICY_LOSSES[kind]
@@ -125,6 +126,27 @@ def test_policy_loss_matches_reference(kind: str, mode: str, extreme: bool) -> N
         loss.backward()
         torch.testing.assert_close(x["logp"].grad, want_grad, rtol=1e-4, atol=1e-6)
         assert all(torch.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("kind", ["decoupled_ppo", "tis"])
+@pytest.mark.parametrize("mode", MODES)
+def test_cap_mask_mode_drops_tokens_above_the_cap(kind: str, mode: str) -> None:
+    """AReaL's variant: a token whose IS weight exceeds the cap gets no loss and no gradient."""
+    for seed in range(3):
+        x = _inputs(seed, extreme=True)
+        x["logp"] = x["logp"].clone().requires_grad_(True)
+        loss, metrics = _call(kind, x, mode, cap_mode="mask")
+        want, want_grad = _reference(kind, x, mode, cap_mode="mask")
+        assert loss.item() == pytest.approx(want, rel=1e-5, abs=1e-6)
+        if kind == "decoupled_ppo":  # (tis truncated at C/w with w ≈ e^20 is ~0 on those tokens as well)
+            assert loss.item() != pytest.approx(_reference(kind, x, mode)[0], rel=1e-3)
+        loss.backward()
+        torch.testing.assert_close(x["logp"].grad, want_grad, rtol=1e-4, atol=1e-6)
+        over = (torch.exp(x["prox"] - x["behav"]) > CAP) & x["mask"]
+        assert over.any() and torch.all(x["logp"].grad[over] == 0)
+        assert metrics["masked_fraction"].item() == pytest.approx(over.sum().item() / x["mask"].sum().item())
+    with pytest.raises(ValueError, match="is_cap_mode: unknown mode 'clip'"):
+        _call(kind, _inputs(0), "token-mean", cap_mode="clip")
 
 
 @pytest.mark.parametrize("kind", sorted(losses.POLICY_LOSSES))

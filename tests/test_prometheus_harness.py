@@ -16,7 +16,7 @@ def test_harness_scrapes_a_metrics_server_and_answers_queries(tmp_path: Path) ->
     events = Counter("rollwave_test_events", "events seen by the test", ["kind"], registry=registry)
     events.labels(kind="ok").inc(3)
     Gauge("rollwave_test_version", "a gauge", registry=registry).set(7)
-    server = serve_metrics(registry, "127.0.0.1", 0)
+    server = serve_metrics(registry, "test", "127.0.0.1", 0)
     try:
         target = f"127.0.0.1:{server.server_port}"
         with PrometheusHarness({"rollwave-trainer": [target]}, tmp_path / "prom") as prom:
@@ -42,7 +42,7 @@ def test_generated_config_keeps_the_project_jobs_settings() -> None:
     assert set(jobs) == {"rollwave-engine", "rollwave-api"}
     engine = jobs["rollwave-engine"]
     assert engine["static_configs"] == [{"targets": ["127.0.0.1:1234"]}]
-    assert engine["scrape_interval"] == "1s" and engine["metrics_path"] == "/metrics"
+    assert engine["scrape_interval"] == "1s" and engine["metrics_path"] == "/engine/0/metrics"
     assert jobs["rollwave-api"]["static_configs"] == [{"targets": ["127.0.0.1:5678"]}]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,15 +21,17 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "ray-token"
 LOOPBACK = ("127.", "0:0:0:0:0:0:0:1")
 
 
 def _config(tmp_path: Path, model: Path) -> Path:
+    token_file = tmp_path / "api-token"
+    token_file.write_text(secrets.token_urlsafe(32) + "\n")
+    token_file.chmod(0o600)
     cfg = {
         "run": {"name": "raytest", "dir": str(tmp_path / "runs")},
         "model": {"path": str(model), "init_if_missing": False},
-        "api": {"port": 8000, "token": TOKEN},
+        "api": {"port": 8000, "token_file": str(token_file)},
         "rollout": {"n_samples": 2, "max_new_tokens": 16, "max_turns": 2, "heartbeat_s": 0.5,
                     "shutdown_grace_s": 5},
         "buffer": {"claim_idle_ms": 2000, "groups_per_step": 2},
@@ -67,17 +70,21 @@ def test_up_jobs_restart_down_in_a_loopback_namespace(tmp_path: Path, tiny_model
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     report = json.dumps(result, indent=1)[-8000:]
     assert result["up"]["rc"] == 0 and "error" not in result, report
+    assert "API http://127.0.0.1:8000;" in result["up"]["out"], report  # the address the API published
     assert result["submitted"] == [201, 201], report
     assert result["eval"]["accuracy"] is not None and result["eval"]["progress"]["completed"] == 4, report
     assert int(result["trainer"]["step"]) >= 1, report
+    # secrets: each component gets only its own, in its environment; none is on a command line or in config.yaml
+    assert result["secrets"] == {"trainer_env": ["ROLLWAVE_CHECKPOINT_TOKEN"], "api_env": ["ROLLWAVE_API_TOKEN"],
+                                 "api_has_its_token": True, "in_argv": [], "in_config_yaml": []}, report
     restart = result["restart"]
     assert restart["new_pid"] != restart["old_pid"] and restart["started"][1] > restart["started"][0], report
     assert restart["old_left"] == [], report
-    # Everything listens on loopback, but torch's c10d TCPStore (the trainer's rendezvous on MASTER_PORT),
-    # which always binds the wildcard address: torch has no option to bind it to one address.
-    wildcard = [s for s in result["listening_up"] if not s["addr"].startswith(LOOPBACK)]
-    assert len(result["listening_up"]) > len(wildcard), report
-    assert all(s["port"] == result["trainer_master_port"] and "-m trainer" in s["owner"] for s in wildcard), report
+    # Everything listens on loopback. A pool of one trainer rank has no rendezvous: no c10d TCPStore, which
+    # would bind the wildcard address on MASTER_PORT (torch has no option to bind it to one address).
+    assert result["trainer_env"] == {"WORLD_SIZE": "1", "MASTER_PORT": None}, report
+    assert result["listening_up"], report
+    assert [s for s in result["listening_up"] if not s["addr"].startswith(LOOPBACK)] == [], report
     assert result["down"]["rc"] == 0, report
     assert result["left_after_down"] == [] and result["listening_after_down"] == [], report
     assert not result["state_file_left"], report

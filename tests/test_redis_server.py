@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import socket
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ from buffer_helpers import client
 
 from buffer.redis_server import EmbeddedRedis, RedisStartError, connect, find_redis_server
 from core.config import RedisConfig
+from core.net import PortBusyError
 
 
 def test_finds_a_redis_server_binary() -> None:
@@ -66,13 +70,26 @@ def test_aof_keeps_acknowledged_writes_across_restart(tmp_path: Path, crash: boo
         server.stop()
 
 
-def test_start_failure_reports_the_log(tmp_path: Path) -> None:
+def test_a_busy_fixed_port_is_waited_for_then_named(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(RedisStartError, match="did not start"):
-            EmbeddedRedis(tmp_path / "r", port=port, start_timeout_s=5).start()
+        started = time.monotonic()
+        with pytest.raises(PortBusyError, match=f"redis-server: port {port} on 127.0.0.1 still in use after 2 s"):
+            EmbeddedRedis(tmp_path / "r", port=port, bind_timeout_s=2).start()
+        assert time.monotonic() - started >= 2
+        threading.Timer(1.0, busy.close).start()  # freed while the server retries: it comes up on that port
+        server = EmbeddedRedis(tmp_path / "r", port=port, bind_timeout_s=30).start()
+    try:
+        assert server.port == port and client(server).ping()
+    finally:
+        server.stop()
+
+
+def test_start_failure_reports_the_log(tmp_path: Path) -> None:
+    with pytest.raises(RedisStartError, match="did not start"):
+        EmbeddedRedis(tmp_path / "r", binary=Path(sys.executable), start_timeout_s=5).start()
 
 
 def test_connect_uses_url_env_or_starts_embedded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

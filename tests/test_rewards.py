@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
-from core.rewards import RewardComputer, extract_answer, gsm8k_reward, load_reward_fn
+from core.config import ConfigError, load_config
+from core.jobs import JobSpec
+from core.rewards import RewardComputer, RewardError, extract_answer, gsm8k_reward, load_reward_fn
 from core.tasks import Task
-from rollout_server.metrics import RolloutMetrics
+from core.tasks.gsm8k import BUNDLED
 
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = BUNDLED / "test.jsonl"
 
 
 def _gsm8k_items() -> list[tuple[str, str]]:
@@ -89,17 +91,21 @@ def sync_reward(task: Task, messages: list[dict], final_text: str, tool_rewards:
     return 1.0
 
 
+ALLOWLIST = {name: f"{__name__}:{name}" for name in ("good_reward", "float_reward", "broken_reward",
+                                                      "garbage_reward", "sync_reward")}
+
+
 def _score(spec: str, task: Task, text: str = "", tool_rewards: list[float] | None = None):
-    metrics = RolloutMetrics()
-    computer = RewardComputer(spec, on_error=metrics.reward_errors.inc)
-    out = asyncio.run(computer.score(task, [], text, tool_rewards or []))
-    errors = metrics.registry.get_sample_value("rollwave_rollout_reward_errors_total")
-    return out, errors
+    """(the score, None), or (None, the RewardError's message) when the function failed."""
+    try:
+        return asyncio.run(RewardComputer(spec, allowlist=ALLOWLIST).score(task, [], text, tool_rewards or [])), None
+    except RewardError as exc:
+        return None, str(exc)
 
 
 def test_builtin_gsm8k_and_tool_rewards() -> None:
-    (reward, info), errors = _score("gsm8k", _task(kind="gsm8k", ground_truth="42"), "The answer is 42.")
-    assert (reward, info["extracted"], errors) == (1.0, "42", 0.0)
+    (reward, info), error = _score("gsm8k", _task(kind="gsm8k", ground_truth="42"), "The answer is 42.")
+    assert (reward, info["extracted"], error) == (1.0, "42", None)
     (reward, _), _ = _score(
         "gsm8k", _task(kind="gsm8k", ground_truth="42", mode="strict"), "The answer is 42."
     )
@@ -114,26 +120,42 @@ def test_builtin_gsm8k_and_tool_rewards() -> None:
     assert _score("gsm8k", _task(kind="tool"), tool_rewards=[1.0])[0][0] == 1.0
 
 
-def test_custom_reward_by_import_path() -> None:
-    assert _score(f"{__name__}:good_reward", _task(), "abc")[0] == (0.5, {"len": 3})
-    assert _score(f"{__name__}:float_reward", _task())[0] == (2.0, {})
+def test_custom_reward_by_allowlisted_name() -> None:
+    assert _score("good_reward", _task(), "abc")[0] == (0.5, {"len": 3})
+    assert _score("float_reward", _task())[0] == (2.0, {})
 
 
-def test_failing_rewards_mark_the_sample_and_are_counted() -> None:
-    (reward, info), errors = _score(f"{__name__}:broken_reward", _task())
-    assert (reward, errors) == (0.0, 1.0) and info["error"] == "RuntimeError: judge is down"
-    (reward, info), errors = _score(f"{__name__}:garbage_reward", _task())
-    assert (reward, errors) == (0.0, 1.0) and "want a float" in info["error"]
-    (reward, info), errors = _score("gsm8k", _task(kind="gsm8k"))
-    assert (reward, errors) == (0.0, 1.0) and "no ground_truth" in info["error"]
-    (reward, info), errors = _score("gsm8k", _task(kind="os:system"))
-    assert (reward, errors) == (0.0, 1.0) and "not a built-in" in info["error"]
+def test_failing_rewards_raise_a_reward_error_never_a_made_up_zero() -> None:
+    assert _score("broken_reward", _task()) == (None, "RuntimeError: judge is down")
+    assert "want a float" in _score("garbage_reward", _task())[1]
+    assert "no ground_truth" in _score("gsm8k", _task(kind="gsm8k"))[1]
+    assert "not a built-in" in _score("gsm8k", _task(kind="os:system"))[1]
 
 
 def test_bad_reward_specs_are_rejected_up_front() -> None:
-    with pytest.raises(ValueError, match="nor module:function"):
-        load_reward_fn("nonsense")
+    with pytest.raises(ValueError, match="nor in rollout.reward_allowlist"):
+        load_reward_fn("nonsense", ALLOWLIST)
     with pytest.raises(ValueError, match="cannot import"):
-        load_reward_fn("no_such_module_xyz:fn")
+        load_reward_fn("gone", {"gone": "no_such_module_xyz:fn"})
     with pytest.raises(ValueError, match="async"):
-        load_reward_fn(f"{__name__}:sync_reward")
+        load_reward_fn("sync_reward", ALLOWLIST)
+
+
+def test_only_the_operator_allowlist_imports_code() -> None:
+    """An import path is never a reward name: not for a job, not for the server, not without the allowlist."""
+    for name in ("os:system", f"{__name__}:good_reward", "good_reward"):
+        with pytest.raises(ValueError, match="not a built-in"):
+            load_reward_fn(name)
+    with pytest.raises(ValidationError, match="never an import path"):
+        JobSpec(source={"kind": "arith", "limit": 1}, reward="os:system")
+    assert JobSpec(source={"kind": "arith", "limit": 1}, reward="good_reward").reward == "good_reward"
+    with pytest.raises(ConfigError, match="rollout.reward_allowlist"):
+        load_config(None, ["rollout.reward=good_reward"])
+    with pytest.raises(ConfigError, match="not a built-in"):
+        load_config(None, ["rollout.reward_allowlist={gsm8k: os:system}"])
+    with pytest.raises(ConfigError, match="not module:function"):
+        load_config(None, ["rollout.reward_allowlist={mine: os.system}"])
+    cfg = load_config(None, [f"rollout.reward_allowlist={{good_reward: '{__name__}:good_reward'}}",
+                             "rollout.reward=good_reward"])
+    assert asyncio.run(RewardComputer(cfg.rollout.reward, allowlist=cfg.rollout.reward_allowlist).score(
+        _task(), [], "abcd", [])) == (0.5, {"len": 4})

@@ -6,6 +6,8 @@ mid-task (another worker finishes the task, its group is written once) and shuts
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -13,9 +15,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from buffer_helpers import client
+from net_helpers import bound_socket, refused_port
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
@@ -24,12 +28,13 @@ from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
 from core.config import BufferConfig
-from core.net import free_port
+from core.jobs import JobSpec, TaskSource
 from core.tasks import load_tasks
 from rollout_server.engine.process import EngineProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = Keys("t")
+CHECKPOINT_TOKEN = secrets.token_urlsafe(32)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +57,8 @@ class Worker:
             f"rollout.server_id={name}", "buffer.claim_idle_ms=1000", *extra,
         ]
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            env = {**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": CHECKPOINT_TOKEN}
+            self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -109,7 +115,8 @@ def test_worker_serves_then_finishes_in_flight_group_on_sigterm(redis_server: Em
     [(_, ev)] = r.xrange(KEYS.eval("ev"))
     assert ev[b"gid"].decode() == eval_gid
     [info] = ServerRegistry(client(redis_server), KEYS).live_servers()
-    assert info.server_id == "srv-a" and httpx.get(info.engine_url + "/health").status_code == 200
+    assert info.server_id == "srv-a"
+    assert httpx.get(info.engine_url + "/health").status_code == 401  # its own engine: up, and only for its key
     w.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     assert w.proc.poll() is None  # still draining: its in-flight group waits for room
@@ -197,19 +204,82 @@ def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedR
     assert staleness.admitted() == 2 and r.hexists(KEYS.admitted_ids, gids[1])  # it keeps its slot
 
 
+def test_failed_episodes_are_dead_letters_and_a_cancelled_job_is_not(redis_server: EmbeddedRedis, workers) -> None:
+    """A reward function that raises: the group is not written with reward 0; the task is retried, then
+    dead-lettered with the reason, and every failed episode is counted. A cancelled job's tasks are acked
+    and counted ``cancelled``: dead letters mean failures only."""
+    r = client(redis_server)
+    q = TaskQueue(r, KEYS, BufferConfig())
+    q.ensure_groups()
+    submit(redis_server, "gone", 3)
+    r.hset(KEYS.job("gone"), "state", "cancelled")
+    spec = JobSpec(source=TaskSource(kind="arith", split="train", limit=1), reward="judge_down")
+    tasks = [t.model_dump(mode="json") for t in spec.source.load()]
+    for task in tasks:  # no task-level reward kind: the job's reward function scores them
+        task["reward"].pop("kind", None)
+    [gid] = q.submit("judged", tasks, "train", spec.model_dump_json())
+    w = workers("srv-f", "buffer.max_attempts=2", "rollout.metrics_port=0",
+                'rollout.reward_allowlist={"judge_down": "tests.reward_helpers:judge_down"}')
+    wait_for(lambda: r.xlen(KEYS.tasks_dead) == 1, w)
+    [(_, dead)] = r.xrange(KEYS.tasks_dead)
+    assert dead[b"gid"].decode() == gid and dead[b"deliveries"] == b"2"
+    assert b"2 of 2 episodes failed; first: RuntimeError: the judge is down" in dead[b"error"]
+    assert r.xlen(KEYS.groups) == 0 and q.job("judged")["dead_lettered"] == "1"
+    gone = q.job("gone")
+    assert (gone["cancelled"], gone.get("dead_lettered"), gone["state"]) == ("3", None, "cancelled")
+    assert r.xlen(KEYS.tasks("train")) == 0 and r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 0
+    [info] = [s for s in ServerRegistry(r, KEYS).live_servers() if s.server_id == "srv-f"]
+    scraped = httpx.get(f"http://{info.metrics_address}/metrics", timeout=10).text
+    assert 'rollwave_rollout_failed_total{reason="reward"} 4.0' in scraped  # 2 episodes × 2 attempts
+
+
+def test_bound_ports_are_published_and_busy_configured_ports_waited_for(redis_server: EmbeddedRedis, workers) -> None:
+    """Engine port 0: the registry holds the port it got. The gRPC and metrics ports are configured and busy:
+    the server waits for each (logging it), then serves on exactly that port."""
+    grpc_busy, metrics_busy = bound_socket(), bound_socket()
+    for sock in (grpc_busy, metrics_busy):
+        sock.listen()
+    grpc_port, metrics_port = grpc_busy.getsockname()[1], metrics_busy.getsockname()[1]
+    registry = ServerRegistry(client(redis_server), KEYS)
+    try:
+        w = workers("srv-p", f"rollout.grpc_port={grpc_port}", f"rollout.metrics_port={metrics_port}",
+                    own_engine=True)
+        for sock, port in ((grpc_busy, grpc_port), (metrics_busy, metrics_port)):
+            wait_for(lambda p=port: f"port {p} on 127.0.0.1 is in use; retrying" in w.log(), w)
+            time.sleep(0.5)
+            assert w.proc.poll() is None and registry.live_servers() == []  # still waiting, not dead
+            sock.close()
+        wait_for(lambda: bool(registry.live_servers()), w)
+    finally:
+        grpc_busy.close()
+        metrics_busy.close()
+    [info] = registry.live_servers()
+    assert info.grpc_address == f"127.0.0.1:{grpc_port}" and info.metrics_address == f"127.0.0.1:{metrics_port}"
+    assert "rollwave_rollout_" in httpx.get(f"http://{info.metrics_address}/metrics").text
+    assert not info.engine_url.endswith(":0")
+    assert httpx.get(info.engine_url + "/health").status_code == 401  # bound and serving, only for its key
+    with grpc.insecure_channel(info.grpc_address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=10)
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(60) == 0, w.log()
+
+
 def test_startup_refuses_an_unready_engine_or_a_non_integer_version(
     redis_server: EmbeddedRedis, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     """``engine.ready_timeout_s`` bounds the wait for the engine; an engine that reports a version rollwave
     cannot number (SGLang's default ``default``) is refused at startup, naming it."""
-    dead = f"http://127.0.0.1:{free_port()}"
     base = [sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp_path}",
             f"redis.url={redis_server.url}", f"model.path={tiny_model_dir}"]
-    proc = subprocess.run([*base, f"engine.urls=[{dead}]", "engine.ready_timeout_s=1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and f"error: engine.ready_timeout_s: {dead}/health: not healthy after 1s" in proc.stderr
+    env = {**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": CHECKPOINT_TOKEN}
+    with refused_port() as port:
+        dead = f"http://127.0.0.1:{port}"
+        proc = subprocess.run([*base, f"engine.urls=[{dead}]", "engine.ready_timeout_s=1"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"error: engine.ready_timeout_s: {dead}/health: not healthy after 1s" in proc.stderr
     with EngineProcess(tiny_model_dir, weight_version="default", threads=1) as engine:
-        proc = subprocess.run([*base, f"engine.urls=[{engine.url}]"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)
-    assert proc.returncode == 2
+        proc = subprocess.run([*base, f"engine.urls=[{engine.url}]"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
     assert f"error: engine.urls: {engine.url}: weight version 'default' is not an integer" in proc.stderr

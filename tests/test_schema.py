@@ -41,13 +41,13 @@ def make_group(n: int = 3, length: int = 20, prompt_len: int = 6) -> TrajectoryG
                 finished=3.0,
             )
         )
-    return TrajectoryGroup(run="r", job_id="j", task_id="t-1", samples=samples)
+    return TrajectoryGroup(run="r", job_id="j", task_id="t-1", samples=samples, temperature=0.7)
 
 
 def test_round_trip_is_exact() -> None:
     group = make_group()
     back = decode_group(encode_group(group))
-    assert back.group_id == "t-1" and back.run == "r" and back.job_id == "j"
+    assert back.group_id == "t-1" and back.run == "r" and back.job_id == "j" and back.temperature == 0.7
     for a, b in zip(group.samples, back.samples, strict=True):
         for name in ("token_ids", "loss_mask", "behaviour_logprobs", "token_versions"):
             got, want = getattr(b, name), getattr(a, name)
@@ -67,16 +67,34 @@ def test_truncated_bytes() -> None:
 def test_wrong_schema_version() -> None:
     wire = msgpack.unpackb(encode_group(make_group()))
     wire["schema_version"] = SCHEMA_VERSION + 1
-    with pytest.raises(SchemaError, match="schema_version 3 is not supported"):
+    with pytest.raises(SchemaError, match=r"schema_version 4 is not supported \(want 1, 2, 3\)"):
         decode_group(msgpack.packb(wire))
 
 
-def test_schema_version_1_still_decodes_without_approximate_versions() -> None:
+def test_version_1_groups_decode_without_a_temperature() -> None:
+    """A group written before the temperature was recorded: the trainer uses its own default for it."""
+    wire = msgpack.unpackb(encode_group(make_group()))
+    wire["schema_version"] = 1
+    for sample in wire["samples"]:
+        del sample["versions_approximate"]
+    with pytest.raises(SchemaError, match=r"unknown field\(s\) temperature"):
+        decode_group(msgpack.packb(wire))
+    del wire["temperature"]
+    assert decode_group(msgpack.packb(wire)).temperature is None
+    wire["schema_version"] = SCHEMA_VERSION
+    wire["temperature"] = -1.0
+    with pytest.raises(SchemaError, match=r"group t-1\.temperature: -1\.0 is not a number >= 0"):
+        decode_group(msgpack.packb(wire))
+
+
+def test_version_2_groups_decode_without_approximate_versions() -> None:
     group = make_group()
     group.samples[0].versions_approximate = True
     assert decode_group(encode_group(group)).samples[0].versions_approximate
     wire = msgpack.unpackb(encode_group(make_group()))
-    wire["schema_version"] = 1
+    wire["schema_version"] = 2
+    with pytest.raises(SchemaError, match=r"unknown field\(s\) versions_approximate"):
+        decode_group(msgpack.packb(wire))
     for sample in wire["samples"]:
         del sample["versions_approximate"]
     assert not any(s.versions_approximate for s in decode_group(msgpack.packb(wire)).samples)

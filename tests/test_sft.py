@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -42,3 +43,13 @@ def test_warm_start_lowers_the_loss(tiny_model_dir: Path, tmp_path: Path) -> Non
             return sft_loss(model, *_batch(examples, tokenizer.pad_token_id)).item()
 
     assert loss_of(out) < 0.5 * loss_of(tiny_model_dir)
+
+
+def test_warm_start_stops_at_its_time_budget(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tasks = load_tasks("arith", split="train", limit=16)
+    seen: list[int] = []
+    started = time.monotonic()
+    out = warm_start(tiny_model_dir, tmp_path / "sft", tasks, steps=100_000, batch_size=4, max_seconds=1.0,
+                     progress=lambda step, _loss: seen.append(step))
+    assert time.monotonic() - started < 30 and 0 < len(seen) < 100_000
+    assert f"steps={len(seen)} " in (out / "sft.txt").read_text()

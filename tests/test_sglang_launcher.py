@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
 import pytest
 
-from rollout_server.sglang_launcher import build_command, command_from_args
+from rollout_server.sglang_launcher import build_command, command_from_args, tool_call_parser
 from services.cli import build_parser, main
 
 
@@ -21,7 +29,7 @@ def test_defaults_bind_loopback_and_parse_qwen_tool_calls() -> None:
         "--port",
         "30001",
         "--tool-call-parser",
-        "qwen25",
+        "qwen",
         "--weight-version",
         "0",
     ]
@@ -48,10 +56,38 @@ def test_rl_flags_and_extra_args() -> None:
     assert "--enable-memory-saver" not in build_command("m", 1)
 
 
-@pytest.mark.parametrize(("kw", "needle"), [({"tp": 0}, "--tp"), ({"mem_fraction": 1.5}, "--mem-fraction")])
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [({"tp": 0}, "--tp"), ({"mem_fraction": 1.5}, "--mem-fraction"), ({"port": 0}, "--port"),
+     ({"port": 65536}, "--port")],
+)
 def test_bad_values_are_named(kw: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
-        build_command("m", 1, **kw)
+        build_command("m", **{"port": 1, **kw})
+
+
+@pytest.mark.parametrize(
+    ("version", "parser"),
+    [("0.4.10.post2", "qwen25"), ("0.5.3", "qwen25"), ("0.5.3.post1", "qwen"), ("0.5.6", "qwen"), ("0.5.23", "qwen"),
+     (None, "qwen"), ("not-a-version", "qwen")],
+)
+def test_tool_call_parser_is_the_name_that_release_prefers(version: str | None, parser: str) -> None:
+    assert tool_call_parser(version) == parser
+
+
+@pytest.mark.parametrize(("version", "parser"), [("0.5.2", "qwen25"), ("0.5.23", "qwen")])
+def test_dry_run_asks_the_python_it_will_run(version: str, parser: str, tmp_path: Path) -> None:
+    """The version comes from ``--python``'s own ``import sglang`` (here a package that only has a version)."""
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    proc = subprocess.run(
+        [str(Path(sysconfig.get_path("scripts")) / "rollwave"), "engine", "sglang", "--model", "m", "--port", "30000",
+         "--dry-run"],
+        env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stderr == ""
+    cmd = proc.stdout.split()
+    assert cmd[cmd.index("--tool-call-parser") + 1] == parser
 
 
 def test_cli_builds_the_same_command(capsys: pytest.CaptureFixture) -> None:
@@ -84,3 +120,49 @@ def test_a_non_integer_weight_version_is_refused(capsys: pytest.CaptureFixture) 
         main(["engine", "sglang", "--model", "m", "--port", "1", "--weight-version", "step0", "--dry-run"])
     assert exit_.value.code == 2
     assert "weight version 'step0' is not an integer" in capsys.readouterr().err
+
+
+def _fake_sglang(root: Path) -> None:
+    """A ``sglang`` package whose launch_server prints what SGLang would see: its argv, and the process's."""
+    (root / "sglang").mkdir()
+    (root / "sglang" / "__init__.py").write_text("__version__ = '0.5.23'\n")
+    (root / "sglang" / "launch_server.py").write_text(
+        "import json, os, sys\n"
+        "if __name__ == '__main__':\n"
+        "    print(json.dumps({'argv': sys.argv[1:], 'cmdline': open('/proc/self/cmdline').read(),\n"
+        "                      'env': 'ROLLWAVE_ENGINE_API_KEY' in os.environ}))\n"
+    )
+
+
+def _sglang(root: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if k != "ROLLWAVE_ENGINE_API_KEY"}
+    return subprocess.run(
+        [str(Path(sysconfig.get_path("scripts")) / "rollwave"), "engine", "sglang", "--model", "m", "--port", "30000",
+         "--python", sys.executable, *args],
+        env={**clean, "PYTHONPATH": str(root), **env}, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_the_api_key_reaches_sglang_through_the_environment_not_argv(tmp_path: Path) -> None:
+    _fake_sglang(tmp_path)
+    key = secrets.token_urlsafe(32)
+    proc = _sglang(tmp_path, "--host", "10.0.0.5", env={"ROLLWAVE_ENGINE_API_KEY": key})
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["argv"][:2] == ["--api-key", key] and seen["argv"][seen["argv"].index("--host") + 1] == "10.0.0.5"
+    assert key not in seen["cmdline"] and not seen["env"]  # and SGLang's own children do not inherit it
+    key_file = tmp_path / "key"
+    key_file.write_text(key + "\n")
+    proc = _sglang(tmp_path, "--host", "0.0.0.0", "--api-key-file", str(key_file), env={})
+    assert proc.returncode == 0 and json.loads(proc.stdout)["argv"][:2] == ["--api-key", key], proc.stderr
+    dry = _sglang(tmp_path, "--dry-run", env={"ROLLWAVE_ENGINE_API_KEY": key})
+    assert dry.returncode == 0 and key not in dry.stdout and "--api-key" in dry.stdout
+
+
+def test_off_loopback_sglang_needs_a_key(tmp_path: Path) -> None:
+    _fake_sglang(tmp_path)
+    proc = _sglang(tmp_path, "--host", "0.0.0.0", env={})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: --host 0.0.0.0 is not loopback: give SGLang an API key"), proc.stderr
+    on_loopback = _sglang(tmp_path, env={})
+    assert on_loopback.returncode == 0 and "--api-key" not in json.loads(on_loopback.stdout)["argv"]

@@ -12,8 +12,7 @@ import pytest
 
 from core.tasks import SOURCES, Task, load_tasks
 from core.tasks.arith import TEMPLATES, demonstration, evaluate
-
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+from core.tasks.gsm8k import BUNDLED
 
 
 def _write(path: Path, rows: list[object]) -> Path:
@@ -107,8 +106,9 @@ def test_wrong_formulas_appear_at_the_requested_rate_on_four_templates() -> None
         demonstration(gsm, rng)
 
 
-def test_gsm8k_test_file_loads_with_its_gold() -> None:
-    tasks = load_tasks("gsm8k", path=str(GSM8K), split="test")
+def test_gsm8k_test_file_loads_with_its_gold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the bundled copy is found from the package, not the working directory
+    tasks = load_tasks("gsm8k", split="test")
     assert len(tasks) == 1319 and len({t.task_id for t in tasks}) == 1319
     first = tasks[0]
     assert first.task_id == "gsm8k-test-1" and first.reward == {"kind": "gsm8k", "ground_truth": "18"}
@@ -117,8 +117,10 @@ def test_gsm8k_test_file_loads_with_its_gold() -> None:
     assert first.tools == ["calculator"]
     assert first.tools_kwargs["check_answer"]["create_kwargs"]["ground_truth"] == "18"
     assert all(re.fullmatch(r"-?\d+(\.\d+)?", t.reward["ground_truth"]) for t in tasks)
-    by_file = load_tasks("gsm8k", path=str(GSM8K / "test.jsonl"), limit=3, offset=2)
+    by_file = load_tasks("gsm8k", path=str(BUNDLED / "test.jsonl"), limit=3, offset=2)
     assert [t.model_dump() for t in by_file] == [t.model_dump() for t in tasks[2:5]]
+    train = load_tasks("gsm8k")
+    assert len(train) == 7473 and train[0].task_id == "gsm8k-train-1"
 
 
 def test_gsm8k_strips_commas_and_reports_bad_rows(tmp_path: Path) -> None:
@@ -144,7 +146,7 @@ def test_gsm8k_strips_commas_and_reports_bad_rows(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "valid.jsonl"))):
         load_tasks("gsm8k", path=str(tmp_path), split="valid")
     with pytest.raises(ValueError, match="needs a path"):
-        load_tasks("gsm8k")
+        load_tasks("jsonl")
 
 
 def test_jsonl_reads_verl_rows(tmp_path: Path) -> None:

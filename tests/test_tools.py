@@ -1,25 +1,29 @@
-"""Tools: exact calculator, GSM8K answer tool, YAML registry, and the python sandbox's limits.
+"""Tools: exact calculator, GSM8K answer tool, YAML registry, and the python sandbox.
 
-The sandbox tests run real subprocesses: reading outside the private dir, opening a socket to a
-real server on 127.0.0.1, running too long, spinning the CPU and allocating too much must all fail.
+The sandbox tests are escape attempts run in the real bubblewrap sandbox, each of which must be contained:
+reading /etc/passwd, the model dir or a host file, writing outside the working directory, reaching a real
+Redis on 127.0.0.1, a fork bomb, a 4 GB allocation, an endless loop, 100 MB of output, reading the
+environment and /proc of its parent, killing its parent, and a session-leading child started through
+``_posixsubprocess.fork_exec`` that should outlive the timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from core.tasks.arith import CALCULATOR_SCHEMA
 from rollout_server.tools import Tool, ToolConfigError, ToolRegistry, ToolResult
 from rollout_server.tools.calculator import CalculatorError, CalculatorTool, evaluate, format_number
 from rollout_server.tools.check_answer import CheckAnswerTool
-from rollout_server.tools.python_tool import PythonTool, detect_netns_prefix
+from rollout_server.tools.python_tool import PythonTool
 
 
 def run(coro: Any) -> Any:
@@ -161,6 +165,18 @@ def _py(code: str, **kwargs: Any) -> ToolResult:
     return run(PythonTool(**kwargs).execute("i", {"code": code}))
 
 
+def _running(marker: str) -> list[str]:
+    """Host processes whose command line holds ``marker``."""
+    found = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker.encode() in path.read_bytes():
+                found.append(path.parent.name)
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
 def test_python_runs_code_with_imports_and_its_own_files() -> None:
     code = "import json, numpy as np\nopen('a.txt', 'w').write('hi')\n"
     out = _py(code + "print(json.dumps(int(np.arange(4).sum())), open('a.txt').read())")
@@ -171,100 +187,167 @@ def test_python_runs_code_with_imports_and_its_own_files() -> None:
     assert not not_code.ok and not_code.error == "python: code must be a string"
 
 
-def test_python_cannot_read_outside_its_directory(tmp_path: Path) -> None:
+def test_the_sandbox_is_a_separate_user_in_its_own_namespaces() -> None:
+    out = _py("import os, socket\n"
+              "print(os.getuid(), os.getgid(), os.getgroups(), socket.gethostname(), os.getcwd())\n"
+              "print(sorted(os.listdir('/')))\n"
+              "print(sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
+              "print([l.split()[0] for l in open('/proc/net/dev').read().splitlines()[2:]])")
+    assert out.ok, out.text
+    ids, root, pids, interfaces = out.text.splitlines()
+    assert ids == "65534 65534 [] sandbox /sandbox"
+    assert not {"etc", "home", "var", "run", "srv", "opt", "mnt"} & set(eval(root))
+    assert eval(pids) == ["1", "2"]  # bwrap's init and the snippet: nothing of the host
+    assert eval(interfaces) == ["lo:"]  # down, and nothing else
+
+
+def test_reading_host_files_fails(tmp_path: Path, tiny_model_dir: Path) -> None:
     secret = tmp_path / "secret.txt"
     secret.write_text("top secret")
     for code in (
-        f"print(open({str(secret)!r}).read())",
+        "print(open('/etc/passwd').read())",
         "print(open('/etc/hostname').read())",
-        "print(open('../../../../etc/hostname').read())",
-        f"import pathlib; print(pathlib.Path({str(secret)!r}).read_text())",
-        f"import os; print(os.listdir({str(tmp_path)!r}))",
-        "import os; os.chdir('/'); print(os.listdir('.'))",
-        "import subprocess; print(subprocess.run(['cat', '/etc/hostname'], capture_output=True).stdout)",
-        "import os; os.system('cat /etc/hostname')",
-        "import ctypes; print(ctypes.CDLL(None).open)",
-        f"import site, importlib; open({str(tmp_path / 'w.txt')!r}, 'w').write('x')",
+        f"print(open({str(secret)!r}).read())",
+        f"import os; print(os.listdir({str(tiny_model_dir)!r}))",
+        f"print(open({str(tiny_model_dir / 'config.json')!r}).read())",
+        "print(open('../../../../etc/passwd').read())",
     ):
         out = _py(code)
-        assert not out.ok and "PermissionError: sandbox" in out.text, code
-        assert "top secret" not in out.text
-    assert not (tmp_path / "w.txt").exists()
+        assert not out.ok and "FileNotFoundError" in out.text, (code, out.text)
+        assert "top secret" not in out.text and "root:" not in out.text
 
 
-def test_python_cannot_open_a_socket() -> None:
-    async def scenario() -> tuple[list[ToolResult], int]:
-        connections = 0
-
-        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            nonlocal connections
-            connections += 1
-            writer.close()
-
-        server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        snippets = [
-            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')",
-            f"import socket\ns = socket.socket()\ns.connect(('127.0.0.1', {port}))\nprint('connected')",
-        ]
-        try:
-            outs = [await PythonTool().execute("i", {"code": code}) for code in snippets]
-        finally:
-            server.close()
-            await server.wait_closed()
-        return outs, connections
-
-    outs, connections = run(scenario())
-    for out in outs:
-        assert not out.ok and "PermissionError: sandbox: socket." in out.text and "connected" not in out.text
-    assert connections == 0
+def test_writing_outside_its_directory_fails(tmp_path: Path) -> None:
+    target = tmp_path / "planted.txt"
+    for code, error in (
+        (f"open({str(target)!r}, 'w').write('x')", "FileNotFoundError"),
+        (f"open({sys.prefix + '/planted.txt'!r}, 'w').write('x')", "Read-only file system"),
+        ("open('/usr/lib/planted.txt', 'w').write('x')", "Read-only file system"),
+        ("open('/planted.txt', 'w').write('x')", "Read-only file system"),
+        ("import os; os.mkdir('/proc/x')", "Error"),
+    ):
+        out = _py(code)
+        assert not out.ok and error in out.text, (code, out.text)
+    assert not target.exists() and not Path(sys.prefix, "planted.txt").exists()
+    assert _py("open('/tmp/t', 'w').write('x'); open('w', 'w').write('y'); print('ok')").ok  # its own space
 
 
-def test_network_namespace_has_no_network() -> None:
-    """The namespace layer alone (no audit hook): where ``unshare`` works here, loopback is down."""
-    prefix = detect_netns_prefix()
-    if not prefix:  # no namespaces on this machine: the audit hook above is the only guard
-        return
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        code = (
-            "import socket\n"
-            "try:\n"
-            f"    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-            "    print('connected')\n"
-            "except OSError as exc:\n"
-            "    print(type(exc).__name__)\n"
-        )
-        inside = subprocess.run(
-            [*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=30
-        )
-        outside = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
-    assert outside.stdout.strip() == "connected"
-    assert inside.returncode == 0 and inside.stdout.strip() in {"OSError", "ConnectionRefusedError"}, inside
+def test_no_network_not_even_a_redis_on_loopback(redis_server: Any) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    before = client.info("stats")["total_connections_received"]
+    host, port = "127.0.0.1", redis_server.url.rsplit(":", 1)[1].split("/")[0]
+    for code in (
+        f"import socket\nsocket.create_connection(({host!r}, {port}), timeout=2)\nprint('connected')",
+        f"import redis\nprint(redis.Redis(host={host!r}, port={port}, socket_timeout=2).ping())",
+        "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('connected')",
+    ):
+        out = _py(code)
+        assert not out.ok and "connected" not in out.text and "True" not in out.text, out.text
+        assert "Error" in out.text and ("refused" in out.text or "unreachable" in out.text), out.text
+    assert client.info("stats")["total_connections_received"] == before
+    client.close()
 
 
-def test_python_is_killed_when_it_runs_too_long() -> None:
-    out = _py("import time\nprint('start', flush=True)\ntime.sleep(60)", timeout_s=1.0)
-    assert not out.ok and out.error == "timed out after 1s and was killed"
-    assert out.text.startswith("start\n")
+def test_the_environment_and_the_parent_stay_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "s3cret-" + "x" * 32
+    monkeypatch.setenv("ROLLWAVE_CHECKPOINT_TOKEN", secret)
+    code = (
+        "import os\n"
+        "print(dict(os.environ))\n"
+        f"for pid in (os.getppid(), {os.getpid()}, 1):\n"
+        "    for name in ('environ', 'cmdline'):\n"
+        "        try:\n"
+        "            print(pid, name, open(f'/proc/{pid}/{name}', 'rb').read())\n"
+        "        except OSError as exc:\n"
+        "            print(pid, name, type(exc).__name__)\n"
+    )
+    out = _py(code, max_output_bytes=1 << 20)
+    assert out.ok and secret not in out.text, out.text
+    assert f"{os.getpid()} environ FileNotFoundError" in out.text  # the host's processes are not there
+    assert "1 environ PermissionError" in out.text  # bwrap's own init belongs to another user
 
 
-def test_python_is_killed_when_it_burns_cpu() -> None:
+def test_killing_its_parent_or_anything_else_fails() -> None:
+    for code in (
+        "import os, signal; os.kill(os.getppid(), signal.SIGKILL); print('sent')",
+        "import os, signal; os.kill(-1, signal.SIGKILL); print('sent')",
+        f"import os, signal; os.kill({os.getpid()}, signal.SIGKILL); print('sent')",
+    ):
+        out = _py(code)
+        assert not out.ok and "sent" not in out.text and ("PermissionError" in out.text or "ProcessLookupError"
+                                                          in out.text), out.text
+
+
+def test_a_fork_bomb_is_contained() -> None:
+    code = (
+        "import os\n"
+        "failed = 0\n"
+        "while True:\n"
+        "    try:\n"
+        "        os.fork()\n"
+        "    except OSError:\n"
+        "        failed += 1\n"
+        "        if failed == 1:\n"
+        "            print('fork refused', flush=True)\n"
+    )
+    memory_mb = 300 + os.getpid() % 97  # its processes' command lines carry this number: find leftovers by it
+    started = time.monotonic()
+    out = _py(code, timeout_s=3, max_processes=8, memory_mb=memory_mb)
+    assert time.monotonic() - started < 10
+    assert not out.ok and out.error == "timed out after 3s and was killed" and "fork refused" in out.text
+    assert _running(f" {memory_mb << 20} ") == []
+
+
+def test_a_session_leader_started_through_fork_exec_dies_with_the_sandbox() -> None:
+    """The audit-hook sandbox missed ``_posixsubprocess.fork_exec`` and a child in a new session outlived
+    its kill; here the child runs in the same sandbox and goes with its pid namespace."""
+    marker = f"rollwave-escape-{os.getpid()}-{time.monotonic_ns()}"
+    code = (
+        "import _posixsubprocess, subprocess, sys\n"
+        "spawned = []\n"
+        "def spy(*args):  # subprocess hands fork_exec its arguments; call the real one with them\n"
+        "    spawned.append(_posixsubprocess.fork_exec(*args))\n"
+        "    return spawned[-1]\n"
+        "subprocess._fork_exec = spy\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import os, time; print(os.getuid(), flush=True); '\n"
+        f"                          'time.sleep(600)  # {marker}'], start_new_session=True)\n"
+        "print('fork_exec', len(spawned), flush=True)\n"
+        "child.wait()\n"
+    )
+    out = _py(code, timeout_s=3)
+    assert out.error == "timed out after 3s and was killed"
+    assert "fork_exec 1" in out.text and "65534" in out.text, out.text
+    assert _running(marker) == []
+
+
+def test_allocating_4_gb_is_stopped() -> None:
+    out = _py("x = bytearray(4 * 1024 ** 3)\nprint('allocated')", memory_mb=256)
+    assert not out.ok and out.error == "memory limit of 256 MiB exceeded" and "allocated" not in out.text
+
+
+def test_an_endless_loop_is_stopped() -> None:
     out = _py("while True:\n    pass", cpu_s=1, timeout_s=30)
     assert not out.ok and out.error == "CPU limit of 1s exceeded and was killed"
+    out = _py("import time\nprint('start', flush=True)\ntime.sleep(60)", timeout_s=1.0)
+    assert not out.ok and out.error == "timed out after 1s and was killed" and out.text.startswith("start\n")
 
 
-def test_python_is_stopped_when_it_allocates_too_much() -> None:
-    out = _py("x = bytearray(1024 ** 3)\nprint('allocated')", memory_mb=256)
-    assert not out.ok and out.error == "memory limit of 256 MiB exceeded"
-    assert "allocated" not in out.text
+def test_100_mb_of_output_is_cut_and_the_sandbox_stopped() -> None:
+    started = time.monotonic()
+    out = _py("print('x' * 100_000_000)", max_output_bytes=100, timeout_s=20)
+    assert time.monotonic() - started < 10
+    assert not out.ok and out.error == "printed more than 100 bytes and was killed"
+    assert out.text == "x" * 100 + f"\n[output truncated at 100 bytes]\nError: {out.error}"
 
 
-def test_python_output_is_truncated() -> None:
-    out = _py("print('x' * 100000)", max_output_bytes=100)
-    assert out.ok and out.text == "x" * 100 + "\n[output truncated at 100 bytes]"
+def test_without_a_sandbox_the_tool_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap here
+    tool = PythonTool()
+    ran = tmp_path / "ran"
+    out = run(tool.execute("i", {"code": f"open({str(ran)!r}, 'w')"}))
+    assert not out.ok and out.refused and out.error == "sandbox unavailable: bwrap not found: install the Debian " \
+        "package bubblewrap"
+    assert not ran.exists()
 
 
 def test_python_does_not_block_the_event_loop() -> None:

@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -13,7 +14,7 @@ from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM
 
 from core.config import TrainerConfig
-from core.net import free_port
+from core.net import free_port_outside_ephemeral
 from trainer.batching import collate, rank_plan
 from trainer.optim import lr_factor
 from trainer.parallel import DistContext, close_distributed, init_distributed, iter_full_params
@@ -33,12 +34,12 @@ CFG = {
 }
 
 
-def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Path, out: Path) -> None:
+def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Path, out: Path, cfg: dict) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two ranks on two cores
     ctx = init_distributed("cpu")
     try:
-        trainer = Trainer(TrainerConfig(**CFG), model_dir, run_dir).start(ctx=ctx)
+        trainer = Trainer(TrainerConfig(**cfg), model_dir, run_dir).start(ctx=ctx)
         records = [trainer.train(synthetic_groups(seed, GROUPS)) for seed in range(STEPS)]
         params = {name: t.clone() for name, t in iter_full_params(trainer.model) if t is not None}
         trainer.close()
@@ -48,16 +49,19 @@ def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Pat
         close_distributed()
 
 
-def _spawn(world: int, model_dir: Path, tmp_path: Path) -> dict:
+def _spawn(world: int, model_dir: Path, tmp_path: Path, cfg: dict) -> dict:
     out = tmp_path / f"world{world}.pt"
-    args = (world, free_port(), model_dir, tmp_path / f"run{world}", out)
+    args = (world, free_port_outside_ephemeral(), model_dir, tmp_path / f"run{world}", out, cfg)
     mp.spawn(_train_ranks, args=args, nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 
-def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
-    one = _spawn(1, tiny_model_dir, tmp_path)
-    two = _spawn(2, tiny_model_dir, tmp_path)
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path, minibatches: int) -> None:
+    """Also with 2 minibatches, where each is sharded on its own: π_prox must be that of the rows trained."""
+    cfg = {**CFG, "ppo_minibatches": minibatches}
+    one = _spawn(1, tiny_model_dir, tmp_path, cfg)
+    two = _spawn(2, tiny_model_dir, tmp_path, cfg)
     for a, b in zip(one["records"], two["records"], strict=True):
         for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "is_ratio_mean", "is_ratio_max", "logprob_gap"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
@@ -95,6 +99,28 @@ def test_proximal_shortcut_equals_no_grad_recompute(ctx: DistContext, tiny_model
         assert logp.requires_grad
         assert torch.equal(logp.detach(), prox[rows, : logp.shape[1]])
     trainer.close()
+
+
+def test_each_group_is_scored_at_its_own_sampling_temperature(
+    ctx: DistContext, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Behaviour logprobs drawn at 0.5 and 2.0 in one batch: π_prox matches them only if each group's logits
+    are divided by its own temperature (the trainer's default, 1.0, stands in for groups without one)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    groups = synthetic_groups(5, 3)
+    for group, temperature in zip(groups, (0.5, 2.0, None), strict=True):
+        group.temperature = temperature
+        for s in group.samples:
+            ids = torch.as_tensor(s.token_ids, dtype=torch.long)[None]
+            with torch.no_grad():
+                logits = model(ids).logits[0, :-1].float() / (temperature or 1.0)
+            forced = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].numpy()
+            s.behaviour_logprobs = np.where(s.loss_mask[1:] > 0, forced, 0.0)
+            s.behaviour_logprobs = np.r_[0.0, s.behaviour_logprobs].astype(np.float32)
+    trainer = Trainer(TrainerConfig(**{**CFG, "kl_coef": 0.0}), tiny_model_dir, tmp_path).start(ctx=ctx)
+    record = trainer.train(groups)
+    trainer.close()
+    assert record["logprob_gap"] < 1e-5 and abs(record["is_ratio_mean"] - 1) < 1e-5
 
 
 def test_minibatches_recompute_prox_and_clip(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:

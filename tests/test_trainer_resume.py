@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -154,7 +155,7 @@ def test_stale_groups_are_dropped_and_acked(ctx: DistContext, tiny_model_dir: Pa
 
 
 def _cli(config: Path, *extra: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
     env.pop("REDIS_URL", None)
     proc = subprocess.run(
         [sys.executable, "-m", "trainer", "-c", str(config), *extra],

@@ -22,7 +22,7 @@ from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
-from core.config import Config, load_config_or_exit
+from core.config import Config, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
 from core.tiny_model import ensure_model
 from trainer.checkpoint import Checkpointer, export_hf
@@ -73,7 +73,9 @@ def _connect(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    cfg = load_config_or_exit(args.config, args.overrides)
+    pushes = args.export_hf is None
+    cfg = load_config_or_exit(args.config, args.overrides,
+                              check=lambda c: require_secret(c, "checkpoint.token") if pushes else None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.export_hf is not None:
         checkpoints = Checkpointer(cfg.run.path / "checkpoints", cfg.trainer.keep_checkpoints)
@@ -100,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             registry=metrics,
         ).start(resume=args.resume, ctx=ctx)
         stack.callback(trainer.close)
-        if ctx.is_main and cfg.trainer.metrics_port:
-            tc = cfg.trainer
-            server = serve_metrics(trainer.metrics.registry, host=tc.metrics_host, port=tc.metrics_port)
+        tc = cfg.trainer
+        if ctx.is_main and tc.metrics_port is not None:
+            server = serve_metrics(trainer.metrics.registry, "trainer", tc.metrics_host, tc.metrics_port)
             stack.callback(server.shutdown)
+            if status is not None:
+                status.publish_metrics_address(f"{tc.metrics_host}:{server.server_port}")
         log.info("rank %d/%d training from step %d", ctx.rank, ctx.world_size, trainer.step)
         while not trainer.done:
             groups, waited = trainer.next_batch(source)

@@ -64,20 +64,23 @@ def rloo(rewards: Tensor, group_index: Tensor) -> Tensor:
 
 def reinforce_pp_baseline(rewards: Tensor, group_index: Tensor, loss_mask: Tensor, eps: float = 1e-6) -> Tensor:
     """REINFORCE++-baseline (Hu et al. arXiv 2501.03262, OpenRLHF): subtract the group mean, then
-    whiten over every loss-masked token of the batch: ``Â = (A - μ_tok) / (σ_tok + eps)``.
+    whiten over the loss-masked tokens of the batch: ``Â = (A - μ_tok) / (σ_tok + eps)``.
 
-    μ_tok and σ_tok (population) are taken over tokens, so long answers weigh more, as in OpenRLHF.
-    Returns per-token advantages [B, T], 0 off the mask.
+    μ_tok and σ_tok (population) are taken over tokens, so long answers weigh more, as in OpenRLHF, but
+    only over groups with signal: a group whose rewards are all equal (or of one sample) carries no
+    information and keeps advantage exactly 0 after whitening, as in GRPO and RLOO (OpenRLHF would
+    shift it to -μ_tok/σ_tok). Returns per-token advantages [B, T], 0 off the mask.
     """
     _, mean = _size_and_mean(rewards, group_index)
-    centred = torch.where(_has_signal(rewards, group_index), rewards - mean, torch.zeros_like(rewards))
+    signal = _has_signal(rewards, group_index)
     mask = loss_mask.bool()
-    per_token = centred[:, None].expand(mask.shape)
-    tokens = mask.sum().clamp(min=1)
-    mu = torch.where(mask, per_token, 0.0).sum() / tokens
-    var = torch.where(mask, (per_token - mu).square(), 0.0).sum() / tokens
+    tokens_mask = mask & signal[:, None]
+    per_token = (rewards - mean)[:, None].expand(mask.shape)
+    tokens = tokens_mask.sum().clamp(min=1)
+    mu = torch.where(tokens_mask, per_token, 0.0).sum() / tokens
+    var = torch.where(tokens_mask, (per_token - mu).square(), 0.0).sum() / tokens
     whitened = (per_token - mu) / (var.sqrt() + eps)
-    return torch.where(mask, whitened, 0.0)
+    return torch.where(tokens_mask, whitened, 0.0)
 
 
 def compute_advantages(

@@ -24,7 +24,8 @@ class Batch:
 
     ``input_ids`` [B, L]; ``loss_mask`` [B, L-1] bool; ``behaviour_logprobs`` [B, L-1] fp32;
     ``token_versions`` [B, L-1] int (-1 off the mask); ``rewards`` [B] fp64; ``group_index`` [B]
-    (position of the sample's group in the step); ``lengths`` [B] real tokens per row.
+    (position of the sample's group in the step); ``lengths`` [B] real tokens per row; ``temperatures``
+    [B] fp32, the sampling temperature of the row's group (its logits are divided by it).
     """
 
     input_ids: Tensor
@@ -34,6 +35,7 @@ class Batch:
     rewards: Tensor
     group_index: Tensor
     lengths: Tensor
+    temperatures: Tensor
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -50,18 +52,25 @@ class Batch:
             rewards=self.rewards[idx],
             group_index=self.group_index[idx],
             lengths=self.lengths[idx],
+            temperatures=self.temperatures[idx],
         )
 
     def to(self, device: torch.device) -> Batch:
         return Batch(**{k: v.to(device) for k, v in vars(self).items()})
 
 
-def collate(groups: list[TrajectoryGroup], pad_id: int = 0, vocab_size: int | None = None) -> Batch:
+def collate(
+    groups: list[TrajectoryGroup], pad_id: int = 0, vocab_size: int | None = None, temperature: float = 1.0
+) -> Batch:
     """Stack every sample of ``groups`` (in order) into one right-padded ``Batch``; token ids must lie
-    in [0, vocab_size)."""
+    in [0, vocab_size). ``temperature`` stands in for groups that do not record theirs (schema 1)."""
     samples = [(g, s) for g in groups for s in g.samples]
     if not samples:
         raise ValueError("collate: the step has no samples")
+    temps = {g.group_id: temperature if g.temperature is None else g.temperature for g in groups}
+    for gid, t in temps.items():
+        if t <= 0:
+            raise ValueError(f"group {gid}.temperature: {t} cannot be trained on (greedy samples have no logprobs)")
     length = max(max(len(s.token_ids) for _, s in samples), 2)
     b = len(samples)
     ids = np.full((b, length), pad_id, dtype=np.int64)
@@ -90,6 +99,7 @@ def collate(groups: list[TrajectoryGroup], pad_id: int = 0, vocab_size: int | No
         rewards=torch.tensor([s.reward for _, s in samples], dtype=torch.float64),
         group_index=torch.tensor([group_pos[g.group_id] for g, _ in samples], dtype=torch.long),
         lengths=torch.tensor([len(s.token_ids) for _, s in samples], dtype=torch.long),
+        temperatures=torch.tensor([temps[g.group_id] for g, _ in samples], dtype=torch.float32),
     )
 
 

@@ -346,7 +346,7 @@ class CheckpointPusher:
         self._set_version = set_version
         self._record = record
         self.metrics = PushMetrics(registry)
-        self.metadata = [("authorization", f"Bearer {config.token}")]
+        self.metadata = [("authorization", f"Bearer {config.token.get_secret_value()}")]
         self.published = 0
         self.last_pushed = 0
         self.served_dtypes: dict[str, torch.dtype] | None = None  # by tensor name, from the servers' Status

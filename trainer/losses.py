@@ -21,6 +21,7 @@ from torch import Tensor
 
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 KLEstimator = Literal["k1", "k2", "k3", "low-var-kl"]
+IsCapMode = Literal["truncate", "mask"]
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
@@ -94,6 +95,15 @@ def _metrics(
     }
 
 
+def _over_cap(is_weight: Tensor, is_cap: float | None, mode: IsCapMode) -> Tensor | None:
+    """Tokens whose IS weight exceeds ``is_cap`` when ``mode`` masks them (None: nothing is masked)."""
+    if mode not in ("truncate", "mask"):
+        raise ValueError(f"is_cap_mode: unknown mode {mode!r} (valid: truncate, mask)")
+    if is_cap is None or mode == "truncate":
+        return None
+    return is_weight > is_cap
+
+
 def _prepare(
     logprobs: Tensor, prox: Tensor, behav: Tensor, adv: Tensor, loss_mask: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -116,23 +126,33 @@ def decoupled_ppo(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     is_cap: float | None = None,
+    is_cap_mode: IsCapMode = "truncate",
     loss_agg: LossAgg = "token-mean",
     denominator: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO (AReaL, arXiv 2505.24298; Hilton et al. 2021), per token:
 
-    ``L = -w · min(u·A, clip(u, 1-ε, 1+ε_high)·A)``, ``u = π_θ/π_prox``, ``w = min(π_prox/π_behav, is_cap)``.
+    ``L = -w · min(u·A, clip(u, 1-ε, 1+ε_high)·A)``, ``u = π_θ/π_prox``, ``w = π_prox/π_behav`` capped:
+
+    - ``is_cap_mode="truncate"``: ``w = min(π_prox/π_behav, is_cap)`` (Hilton et al.'s truncation);
+    - ``is_cap_mode="mask"``: ``w = 0`` where ``π_prox/π_behav > is_cap`` (AReaL's code: the token is
+      dropped, but still counts in the denominator); ``masked_fraction`` reports how many.
 
     The PPO trust region is measured from the proximal policy; staleness is corrected by the
-    behaviour importance weight w, truncated at ``is_cap`` (None: not truncated).
+    behaviour importance weight w (``is_cap`` None: not capped).
     """
     logp, prox, behav, adv, mask = _prepare(logprobs, prox_logprobs, behaviour_logprobs, advantages, loss_mask)
     ratio = _masked_exp(logp - prox, mask)
     is_weight = _masked_exp(prox - behav, mask)
-    weight = is_weight if is_cap is None else is_weight.clamp(max=is_cap)
+    over = _over_cap(is_weight, is_cap, is_cap_mode)
+    if over is not None:
+        weight = torch.where(over, torch.zeros((), device=is_weight.device), is_weight)
+    else:
+        weight = is_weight if is_cap is None else is_weight.clamp(max=is_cap)
     per_token, clipped = _clipped_surrogate(ratio, adv, clip_eps, clip_eps_high)
     loss = aggregate(weight * per_token, mask, loss_agg, denominator)
-    return loss, _metrics(mask, is_weight, clipped, prox - behav, None)
+    kept = clipped if over is None else clipped & ~over
+    return loss, _metrics(mask, is_weight, kept, prox - behav, over)
 
 
 def tis(
@@ -145,6 +165,7 @@ def tis(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     is_cap: float | None = 5.0,
+    is_cap_mode: IsCapMode = "truncate",
     loss_agg: LossAgg = "token-mean",
     denominator: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -156,15 +177,20 @@ def tis(
     The ratio r already carries the behaviour IS weight (r = w at the start of the step), so its
     gradient is ``min(w, C)·A·∇log π_θ``: the IS weight truncated at C. Multiplying the surrogate by
     ``min(w, C)`` itself would weight each token by ``w·min(w, C)``, counting the correction twice.
+    With ``is_cap_mode="mask"`` the factor is ``1[w ≤ C]`` instead: tokens above the cap are dropped.
     """
     logp, prox, behav, adv, mask = _prepare(logprobs, prox_logprobs, behaviour_logprobs, advantages, loss_mask)
     ratio = _masked_exp(logp - behav, mask)
     is_weight = _masked_exp(prox - behav, mask)
     per_token, clipped = _clipped_surrogate(ratio, adv, clip_eps, clip_eps_high)
-    if is_cap is not None:
+    over = _over_cap(is_weight, is_cap, is_cap_mode)
+    if over is not None:
+        per_token = torch.where(over, torch.zeros((), device=per_token.device), per_token)
+        clipped = clipped & ~over
+    elif is_cap is not None:
         per_token = per_token * (is_cap / is_weight).clamp(max=1.0)
     loss = aggregate(per_token, mask, loss_agg, denominator)
-    return loss, _metrics(mask, is_weight, clipped, prox - behav, None)
+    return loss, _metrics(mask, is_weight, clipped, prox - behav, over)
 
 
 def icepop(

@@ -102,6 +102,10 @@ class RedisStatus:
         self.keys = keys
         self.max_steps = max_steps
 
+    def publish_metrics_address(self, address: str) -> None:
+        """Where rank 0 serves its Prometheus metrics, as bound (``trainer.metrics_port=0`` picks any)."""
+        self.redis.hset(self.keys.trainer, "metrics_address", address)
+
     def publish(self, record: dict[str, Any], version: int, pushed: int) -> None:
         """One step, with the published ``version`` (a quorum serves it) and the newest ``pushed`` one."""
         status = {

@@ -7,6 +7,7 @@ FSDP2 ``fully_shard`` wraps each decoder layer, then the root (embeddings, final
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from core.net import free_port
+from core.net import bind_retrying
 
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
@@ -50,23 +51,38 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def _join_env_group(backend: str) -> None:
+    """``env://`` rendezvous; rank 0 binds MASTER_PORT, retried while it is busy (e.g. by the rank it
+    replaces), so a restarted pool does not die on its old port."""
+
+    def join(_port: int) -> None:
+        try:
+            dist.init_process_group(backend, init_method="env://")
+        except dist.DistNetworkError as exc:
+            if "EADDRINUSE" in str(exc):
+                raise OSError(errno.EADDRINUSE, str(exc)) from exc
+            raise
+
+    bind_retrying(join, "trainer rendezvous (MASTER_PORT)", os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+
+
 def init_distributed(device: str = "auto") -> DistContext:
     """Join (or create) the process group from torchrun's environment.
 
-    A lone process without RANK/WORLD_SIZE becomes a 1-rank group on a free loopback port, so
-    ``python -m trainer`` runs without torchrun. An existing group (tests with ``mp.spawn``) is reused.
+    A pool of one (no RANK/WORLD_SIZE, or WORLD_SIZE=1) needs no rendezvous: its store is in-process,
+    so ``python -m trainer`` runs without torchrun and binds no port. An existing group (tests with
+    ``mp.spawn``) is reused.
     """
     dev = resolve_device(device)
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
             if missing:
-                raise ValueError(f"RANK/WORLD_SIZE are set but {', '.join(missing)} is not")
-            dist.init_process_group(backend, init_method="env://")
+                raise ValueError(f"WORLD_SIZE is set but {', '.join(missing)} is not")
+            _join_env_group(backend)
         else:
-            init = f"tcp://127.0.0.1:{free_port()}"
-            dist.init_process_group(backend, init_method=init, rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     world = dist.get_world_size()

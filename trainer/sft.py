@@ -72,8 +72,12 @@ def warm_start(
     wrong_formula_rate: float = 0.7,
     seed: int = 0,
     progress: Callable[[int, float], None] | None = None,
+    max_seconds: float | None = None,
 ) -> Path:
-    """SFT the model at ``model_dir`` on demonstrations of ``tasks``; save to ``out_dir`` (HF format)."""
+    """SFT the model at ``model_dir`` on demonstrations of ``tasks``; save to ``out_dir`` (HF format).
+
+    ``max_seconds`` stops earlier, after the step that reaches that wall time (a budget rather than a count:
+    bench/learning.py gives SFT the wall time of the RL arms)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -86,13 +90,17 @@ def warm_start(
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     started = time.monotonic()
+    done = 0
     for step in range(steps):
+        if max_seconds is not None and time.monotonic() - started >= max_seconds:
+            break
         ids, mask, attn = _batch(rng.sample(examples, min(batch_size, len(examples))), tokenizer.pad_token_id)
         loss = sft_loss(model, ids, mask, attn)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
+        done = step + 1
         if progress is not None:
             progress(step + 1, loss.item())
     model.eval()
@@ -100,7 +108,7 @@ def warm_start(
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     (out_dir / "sft.txt").write_text(
-        f"steps={steps} batch_size={batch_size} lr={lr} examples={len(examples)} "
+        f"steps={done} batch_size={batch_size} lr={lr} examples={len(examples)} "
         f"wrong_formula_rate={wrong_formula_rate} seconds={time.monotonic() - started:.1f}\n"
     )
     return out_dir

@@ -109,22 +109,23 @@ class TrainStep:
         self.loss_fn = losses.POLICY_LOSSES[cfg.loss]
         self.loss_kwargs: dict[str, Any] = {"clip_eps": cfg.clip_eps, "clip_eps_high": cfg.clip_eps_high}
         if cfg.loss in ("decoupled_ppo", "tis"):
-            self.loss_kwargs["is_cap"] = cfg.is_cap
+            self.loss_kwargs.update(is_cap=cfg.is_cap, is_cap_mode=cfg.is_cap_mode)
         if cfg.loss == "icepop":
             self.loss_kwargs.update(is_low=cfg.is_low, is_high=cfg.is_high)
 
     def __call__(self, groups: list[TrajectoryGroup], policy_version: int) -> dict[str, Any]:
         start = time.perf_counter()
-        batch = collate(groups, self.pad_id, self.vocab_size)
+        batch = collate(groups, self.pad_id, self.vocab_size, self.temperature)
         cfg = self.cfg
         adv = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, cfg.advantage, cfg.std_norm)
         updates = cfg.ppo_minibatches
         if updates > len(batch):
             raise ValueError(f"trainer.ppo_minibatches: {updates} exceeds the step's {len(batch)} samples")
-        prox = self.proximal_logprobs(batch) if updates > 1 else None
+        minibatches = _split(len(batch), updates)
+        prox = self.proximal_logprobs(batch, minibatches) if updates > 1 else None
         acc = _Accumulator(self.ctx.device)
         lr = self.scheduler.get_last_lr()[0]
-        norms = [self._update(batch, adv, rows, prox, acc) for rows in _split(len(batch), updates)]
+        norms = [self._update(batch, adv, rows, prox, acc) for rows in minibatches]
         self.scheduler.step()
         out = batch_stats(groups, batch, policy_version) | acc.reduce(updates)
         elapsed = time.perf_counter() - start
@@ -133,22 +134,24 @@ class TrainStep:
         return out
 
     def _forward_logprobs(self, model: nn.Module, mb: Batch) -> tuple[Tensor, Tensor]:
-        """(logprobs [b, l-1] fp32, logits [b, l-1, V] scaled by 1/temperature) of the micro-batch."""
-        logits = model(input_ids=mb.input_ids).logits[:, :-1].float()
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
+        """(logprobs [b, l-1] fp32, logits [b, l-1, V] scaled by 1/temperature of each row's group) of the
+        micro-batch: the distribution the rollout sampled from, so π_θ, π_prox and π_behav are comparable."""
+        logits = model(input_ids=mb.input_ids).logits[:, :-1].float() / mb.temperatures[:, None, None]
         return losses.logprobs_from_logits(logits, mb.input_ids[:, 1:]), logits
 
     @torch.no_grad()
-    def proximal_logprobs(self, batch: Batch) -> Tensor:
-        """log π_prox [B, L-1] of this rank's rows (0 elsewhere): a no-grad pass with the current weights."""
+    def proximal_logprobs(self, batch: Batch, minibatches: list[list[int]] | None = None) -> Tensor:
+        """log π_prox [B, L-1] of the rows this rank trains (0 elsewhere): a no-grad pass with the current
+        weights over the very micro-batches ``_update`` runs for each minibatch (default: the whole batch as
+        one), since each minibatch is sharded across ranks on its own."""
         prox = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.ctx.device)
         lengths = batch.lengths.tolist()
-        for rows in self._plan(list(range(len(batch))), lengths):
-            mb = self._micro_batch(batch, rows)
-            logp, _ = self._forward_logprobs(self.model, mb)
-            if rows:
-                prox[rows, : logp.shape[1]] = logp
+        for minibatch in minibatches or [list(range(len(batch)))]:
+            for rows in self._plan(minibatch, lengths):
+                mb = self._micro_batch(batch, rows)
+                logp, _ = self._forward_logprobs(self.model, mb)
+                if rows:
+                    prox[rows, : logp.shape[1]] = logp
         return prox
 
     def _plan(self, rows: list[int], lengths: list[int]) -> list[list[int]]:

@@ -201,7 +201,7 @@ class Trainer:
         record["group_ids"] = [g.group_id for g in groups]
         self._stale_dropped = 0
         self.step += 1
-        if self.step % self.cfg.push_every == 0:
+        if self.step % self.buffer.push_every == 0:
             record.update(self._push())
         if self.ctx.is_main:
             record.update(self._push_outcomes())

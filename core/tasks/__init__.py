@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from core.tasks.base import SYSTEM_PROMPT, Task
 
 SOURCES = ("arith", "gsm8k", "jsonl")
@@ -17,12 +19,14 @@ def load_tasks(
     limit: int | None = None,
     seed: int = 0,
     offset: int = 0,
+    root: Path | None = None,
 ) -> list[Task]:
     """Tasks ``offset .. offset+limit`` of a source.
 
     ``arith`` is generated (``split`` train|test, ``seed`` picks the stream, ``limit`` defaults to 1000);
     ``gsm8k`` and ``jsonl`` read ``path`` (a file, or a directory holding ``{split}.jsonl``) in file order,
-    and ignore ``seed``.
+    and ignore ``seed``; ``gsm8k`` without a path reads the repository's ``data/gsm8k``; with ``root``, ``path``
+    is read under it and may not lead out of it.
     """
     if source == "arith":
         from core.tasks import arith
@@ -31,9 +35,9 @@ def load_tasks(
     if source == "gsm8k":
         from core.tasks import gsm8k
 
-        return gsm8k.load(path, split, limit=limit, offset=offset)
+        return gsm8k.load(path, split, limit=limit, offset=offset, root=root)
     if source == "jsonl":
         from core.tasks import jsonl
 
-        return jsonl.load(path, split, limit=limit, offset=offset)
+        return jsonl.load(path, split, limit=limit, offset=offset, root=root)
     raise ValueError(f"unknown task source {source!r}; valid: {', '.join(SOURCES)}")

@@ -42,15 +42,21 @@ def gold_tools_kwargs(ground_truth: str) -> dict[str, dict[str, Any]]:
     return {"check_answer": {"create_kwargs": {"ground_truth": ground_truth}}}
 
 
-def split_file(source: str, path: str | None, split: str | None) -> Path:
-    """``path`` itself if it is a file, else ``path/{split}.jsonl`` (split defaults to ``train``)."""
+def split_file(source: str, path: str | None, split: str | None, root: Path | None = None) -> Path:
+    """``path`` itself if it is a file, else ``path/{split}.jsonl`` (split defaults to ``train``).
+
+    With ``root`` (the API's ``api.data_root``) a relative ``path`` is read under ``root``, and the file,
+    symlinks resolved, must lie under it: a job cannot make the API read any other file on its host.
+    """
     if path is None:
         raise ValueError(
             f"task source {source!r} needs a path: a .jsonl file or a directory of {{split}}.jsonl"
         )
-    p = Path(path)
+    p = Path(path) if root is None else Path(root) / path
     if p.is_dir():
         p = p / f"{split or 'train'}.jsonl"
+    if root is not None and not p.resolve().is_relative_to(Path(root).resolve()):
+        raise ValueError(f"task source {source!r}: {path!r} lies outside the data root {root}")
     if not p.is_file():
         raise FileNotFoundError(f"task source {source!r}: no such file: {p}")
     return p

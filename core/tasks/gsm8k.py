@@ -1,23 +1,36 @@
 """GSM8K from its jsonl files (``question``; ``answer`` with ``<<a*b=c>>`` annotations, ending ``#### N``).
 
-Read from disk only: nothing is downloaded. The gold is the number after ``####`` with commas removed.
+Read from disk only: nothing is downloaded. Without a path, the copy the repository carries in
+``data/gsm8k/`` (MIT, from openai/grade-school-math) is read. The gold is the number after ``####``
+with commas removed.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from core.tasks.base import SYSTEM_PROMPT, Task, field, gold_tools_kwargs, read_jsonl, split_file, window
 
 _GOLD = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
 _ANNOTATION = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
+# Found from this file, not the working directory, so any command run from anywhere in a checkout finds it.
+BUNDLED = Path(__file__).resolve().parents[2] / "data" / "gsm8k"
 
 
 def load(
-    path: str | None, split: str | None = None, *, limit: int | None = None, offset: int = 0
+    path: str | None,
+    split: str | None = None,
+    *,
+    limit: int | None = None,
+    offset: int = 0,
+    root: Path | None = None,
 ) -> list[Task]:
-    """Every row is validated (a bad row anywhere fails loudly), then ``offset``/``limit`` pick the window."""
-    file = split_file("gsm8k", path, split)
+    """Every row is validated (a bad row anywhere fails loudly), then ``offset``/``limit`` pick the window.
+
+    ``path`` None reads the bundled ``data/gsm8k/{split}.jsonl`` (the project's own data: no root applies).
+    """
+    file = split_file("gsm8k", path, split, root) if path else split_file("gsm8k", str(BUNDLED), split)
     name = split or file.stem
     tasks = []
     for line, row in read_jsonl(file):

@@ -18,10 +18,15 @@ _ROLES = ("system", "user", "assistant", "tool")
 
 
 def load(
-    path: str | None, split: str | None = None, *, limit: int | None = None, offset: int = 0
+    path: str | None,
+    split: str | None = None,
+    *,
+    limit: int | None = None,
+    offset: int = 0,
+    root: Path | None = None,
 ) -> list[Task]:
     """Every row is validated (a bad row anywhere fails loudly), then ``offset``/``limit`` pick the window."""
-    file = split_file("jsonl", path, split)
+    file = split_file("jsonl", path, split, root)
     tasks: list[Task] = []
     first_line: dict[str, int] = {}
     for line, row in read_jsonl(file):

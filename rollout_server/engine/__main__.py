@@ -1,13 +1,23 @@
-"""``python -m rollout_server.engine --model DIR --host 127.0.0.1 --port P``: serve one model over HTTP."""
+"""``python -m rollout_server.engine --model DIR --host 127.0.0.1 --port P``: serve one model over HTTP.
+
+``--fd N`` serves on a listening socket the parent bound (``EngineProcess``) instead of binding one.
+The API key comes from the environment (``ROLLWAVE_ENGINE_API_KEY``), never the command line; without one
+the engine serves loopback only.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
+import sys
 
 import torch
 import uvicorn
 
+from core.net import is_loopback, listen_socket
+from rollout_server.engine import ENGINE_KEY_ENV
 from rollout_server.engine.protocol import GenerateSpec
 from rollout_server.engine.scheduler import Scheduler
 from rollout_server.engine.server import create_app
@@ -18,7 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rollout_server.engine", description=__doc__)
     p.add_argument("--model", required=True, help="HF model directory (safetensors + tokenizer)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (logged); a busy one is retried")
+    p.add_argument("--fd", type=int, help="an inherited listening socket to serve on (then --host/--port are unused)")
     p.add_argument("--weight-version", default="default",
                    help="version reported until the first update (SGLang's default; rollwave starts it with 0)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -34,6 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    api_key = os.environ.get(ENGINE_KEY_ENV) or None
+    if api_key is None and not is_loopback(args.host):
+        print(f"error: --host {args.host} is not loopback: set {ENGINE_KEY_ENV} so callers need the key",
+              file=sys.stderr)
+        raise SystemExit(2)
     logging.basicConfig(level=args.log_level.upper())
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -50,14 +66,14 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
     )
     spec = GenerateSpec(tokenizer, model.config.vocab_size, max_context, eos_ids)
-    uvicorn.run(
-        create_app(engine, spec),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
+    if args.fd is not None:
+        sock = socket.socket(fileno=args.fd)
+    else:
+        sock = listen_socket(args.host, args.port, "engine")
+        logging.getLogger("rollout_server.engine").warning("serving on %s:%d", args.host, sock.getsockname()[1])
+    config = uvicorn.Config(create_app(engine, spec, api_key), log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=10)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

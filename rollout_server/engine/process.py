@@ -1,9 +1,13 @@
 """Run the embedded engine as a child process (``python -m rollout_server.engine``) and stop it again.
 
-It starts at weight version ``0``: rollwave's versions are integers (the pusher numbers them)."""
+The listening socket is bound here and handed to the child (``--fd``), so the URL is known before the
+child starts and no other process can take the port in between. It starts at weight version ``0``:
+rollwave's versions are integers (the pusher numbers them).
+"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -11,12 +15,17 @@ from pathlib import Path
 
 import httpx
 
-from core.net import free_port
+from core.net import listen_socket
 from core.process import stop_process
+from rollout_server.engine import ENGINE_KEY_ENV
 
 
 class EngineProcess:
-    """One embedded engine server; ``start`` blocks until ``/health`` answers, ``close`` stops it."""
+    """One embedded engine server; ``start`` blocks until ``/health`` answers, ``close`` stops it.
+
+    ``api_key`` reaches the child in its environment (not its argv, which any local user can read); every
+    caller then sends it (``EngineClient(url, api_key=...)``).
+    """
 
     def __init__(
         self,
@@ -31,20 +40,18 @@ class EngineProcess:
         threads: int = 0,
         extra_args: list[str] | None = None,
         log_path: Path | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.host = host
-        self.port = port or free_port(host)
-        self.url = f"http://{host}:{self.port}"
+        self.api_key = api_key
+        self.port = port
+        self.url = ""
         self._cmd = [
             sys.executable,
             "-m",
             "rollout_server.engine",
             "--model",
             str(model),
-            "--host",
-            host,
-            "--port",
-            str(self.port),
             "--weight-version",
             weight_version,
             "--dtype",
@@ -68,15 +75,25 @@ class EngineProcess:
         return self._proc.pid
 
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
+        """Bind (port 0: any free port; a busy fixed one is retried), start the child, wait for /health."""
+        sock = listen_socket(self.host, self.port, "engine")
+        self.port = sock.getsockname()[1]
+        self.url = f"http://{self.host}:{self.port}"
         self._log = open(self._log_path, "ab") if self._log_path else None  # noqa: SIM115
         out = self._log or subprocess.DEVNULL
-        self._proc = subprocess.Popen(self._cmd, stdout=out, stderr=subprocess.STDOUT)
+        env = {k: v for k, v in os.environ.items() if k != ENGINE_KEY_ENV}
+        if self.api_key is not None:
+            env[ENGINE_KEY_ENV] = self.api_key
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        with sock:  # the child holds its own copy; ours is closed once it runs
+            self._proc = subprocess.Popen([*self._cmd, "--fd", str(sock.fileno())], stdout=out,
+                                          stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),), env=env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"engine exited with code {self._proc.returncode}: {' '.join(self._cmd)}")
             try:
-                if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
+                if httpx.get(self.url + "/health", headers=headers, timeout=5.0).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

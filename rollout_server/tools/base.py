@@ -15,12 +15,14 @@ from typing import Any, ClassVar
 
 @dataclass
 class ToolResult:
-    """What one call returns: the text shown to the model, an optional reward, and the outcome."""
+    """What one call returns: the text shown to the model, an optional reward, and the outcome; ``refused``:
+    the tool would not run at all (its sandbox cannot be set up here)."""
 
     text: str
     reward: float | None = None
     ok: bool = True
     error: str | None = None
+    refused: bool = False
 
     @classmethod
     def failure(cls, error: str) -> ToolResult:

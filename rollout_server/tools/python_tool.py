@@ -1,103 +1,62 @@
-"""``python``: run a snippet in a sandboxed subprocess and return its output.
+"""``python``: run a snippet in a bubblewrap sandbox and return its output.
 
-Layers, strongest first (each is checked by tests/test_tools.py):
+The boundary is the kernel's, set up by bubblewrap (``bwrap``, Debian package ``bubblewrap``):
 
-- **No network**: the child runs in a new network namespace (``unshare --user --map-root-user
-  --net``, or ``unshare --net`` as root) where not even loopback is up. Where neither works the
-  audit hook below still refuses to create sockets.
-- **Resources**: ``RLIMIT_AS`` (memory), ``RLIMIT_CPU`` (CPU seconds), ``RLIMIT_FSIZE`` (file size),
-  set before the snippet runs and not raisable by it; a wall-clock timeout kills the process group.
-- **Files and processes**: ``python -I -B`` (isolated: no env vars, no user site, cwd not on the path)
-  with a ``sys.addaudithook`` installed before the snippet runs. It denies opening, listing or
-  changing into anything outside the private temp dir (the Python installation's own library dirs
-  stay readable, read-only, so imports work), creating sockets, starting processes, ``gc``
-  introspection, and native symbol lookups and raw-address access through ``ctypes`` (ctypes still
-  imports, numpy needs it; its raw-memory helpers are removed). An audit hook guards against a
-  model's mistakes and casual escapes, not against hostile native code; the network namespace and
-  the rlimits are the hard limits.
+- **Namespaces**: pid, network, mount, ipc, uts and cgroup (where the kernel has it) are new. There is no
+  network at all, not even loopback; the snippet sees only its own processes (a fresh ``/proc``).
+- **Files**: a new root holding, read-only, only the interpreter (``sys.base_prefix``, ``sys.prefix``) and
+  the shared libraries (``/usr/lib``, ``/usr/lib64``, ``/lib``, ``/lib64``); no ``/etc``, home, model or run
+  directory. The working directory (``/sandbox``) and ``/tmp`` are private tmpfs of ``max_file_mb`` each,
+  gone when the snippet ends; ``/dev`` is minimal.
+- **User**: a separate uid (``sandbox_uid``, 65534). Run as root, bwrap leaves the user namespace alone and
+  the snippet switches to that uid before anything else (root is exempt from ``RLIMIT_NPROC``, so it must
+  not stay root); run as any other user, a new user namespace maps it to that uid, and no further user
+  namespaces can be made inside. The environment is empty but for PATH, HOME, LANG and thread counts.
+- **Processes**: ``--die-with-parent`` and ``--new-session``; rlimits NPROC, AS (memory), CPU, FSIZE,
+  NOFILE and CORE are set before the snippet runs and cannot be raised by it. A wall-clock timeout or
+  output beyond ``max_output_bytes`` kills the sandbox (its pid namespace, so every process in it).
 
-The subprocess runs through ``asyncio.create_subprocess_exec``; output (stdout and stderr merged)
-is read incrementally and cut at ``max_output_bytes``, so the event loop never blocks.
+The snippet arrives on stdin, never in a file or argv. When the sandbox cannot be set up (no bwrap, no
+namespaces allowed here), every call is refused with an error saying why (``ToolResult.refused``, counted
+as ``outcome="refused"`` in ``rollwave_rollout_tool_calls_total``): code never runs outside the sandbox.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
-import tempfile
+from pathlib import PurePosixPath
 from typing import Any
 
 from rollout_server.tools.base import Tool, ToolResult, function_schema
 
+log = logging.getLogger(__name__)
 MEMORY_ERROR_EXIT = 97
+WORKDIR = "/sandbox"
+LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64")
+PROBE_TIMEOUT_S = 30.0
+KILL_WAIT_S = 10.0
 
-# Runs in the child before the snippet: limits, then the audit hook, then the snippet in a fresh namespace.
+# Runs in the sandbox before the snippet: drop root, set the limits, then run what stdin holds.
 _BOOTSTRAP = r"""
 import os, resource, sys, traceback
-_root, _readable = sys.argv[1], sys.argv[6:]
-_mem, _cpu, _fsize, _memory_exit = (int(a) for a in sys.argv[2:6])
-resource.setrlimit(resource.RLIMIT_AS, (_mem, _mem))
+_uid, _mem, _cpu, _fsize, _nproc, _nofile, _memory_exit = (int(a) for a in sys.argv[1:8])
+if os.getuid() == 0:
+    os.setgroups([])
+    os.setgid(_uid)
+    os.setuid(_uid)
+for _limit, _value in ((resource.RLIMIT_AS, _mem), (resource.RLIMIT_FSIZE, _fsize), (resource.RLIMIT_NPROC, _nproc),
+                       (resource.RLIMIT_NOFILE, _nofile), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(_limit, (_value, _value))
 resource.setrlimit(resource.RLIMIT_CPU, (_cpu, _cpu + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (_fsize, _fsize))
-os.chdir(_root)
-with open("main.py", encoding="utf-8") as _f:
-    _source = _f.read()
-
-import ctypes, _ctypes  # numpy needs ctypes; its raw-memory helpers are removed before the snippet runs
-_raw = ("memmove", "memset", "string_at", "wstring_at", "cast")
-for _mod in (ctypes, _ctypes):
-    for _name in _raw + tuple(f"_{n}_addr" for n in _raw):
-        _mod.__dict__.pop(_name, None)
-
-def _install(root, readable):
-    realpath, sep, fsdecode = os.path.realpath, os.sep, os.fsdecode
-    writable_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    denied = frozenset((
-        "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.gethostbyname",
-        "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-        "pty.spawn", "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.cdata", "ctypes.call_function",
-        "resource.setrlimit", "resource.prlimit", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
-        "os.symlink", "os.link", "os.chroot", "sys._current_frames",
-    ))
-    listing = frozenset(("os.listdir", "os.scandir"))
-    changing = frozenset((
-        "os.chdir", "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown",
-        "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.move",
-    ))
-
-    def inside(path, roots):
-        if isinstance(path, int):
-            return True
-        full = realpath(fsdecode(path))
-        return any(full == r or full.startswith(r + sep) for r in roots)
-
-    def hook(event, args):
-        if event in denied:
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "open":
-            path, mode, flags = args
-            if path is None:
-                return
-            writing = any(c in (mode or "") for c in "wax+") or bool((flags or 0) & writable_flags)
-            if not inside(path, (root,) if writing else (root, *readable)):
-                raise PermissionError(f"sandbox: cannot open {path!r} outside the working directory")
-        elif event in listing:
-            if not inside(args[0] if args and args[0] is not None else ".", (root, *readable)):
-                raise PermissionError(f"sandbox: cannot list {args[0]!r} outside the working directory")
-        elif event in changing:
-            paths = args[:2] if event in ("os.rename", "shutil.copyfile", "shutil.move") else args[:1]
-            if not all(inside(p, (root,)) for p in paths):
-                raise PermissionError(f"sandbox: {event} outside the working directory is not allowed")
-
-    sys.addaudithook(hook)
-
-_install(os.path.realpath(_root), tuple(os.path.realpath(p) for p in _readable))
-del _install
+_source = sys.stdin.read()
+sys.stdin.close()
+del _limit, _value
 try:
     exec(compile(_source, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 except MemoryError:
@@ -112,26 +71,12 @@ except BaseException as _exc:
 """
 
 
-def _library_dirs() -> list[str]:
-    """Directories the snippet may read (imports): the stdlib and site-packages of this Python."""
-    paths = sysconfig.get_paths()
-    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    return sorted(d for d in dirs if os.path.isdir(d))
-
-
-def detect_netns_prefix() -> list[str]:
-    """The strongest ``unshare`` wrapper that works here, or ``[]`` (sockets are then refused by the hook)."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return []
-    for prefix in ([unshare, "--user", "--map-root-user", "--net"], [unshare, "--net"]):
-        try:
-            done = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if done.returncode == 0:
-            return prefix
-    return []
+def _read_only_binds() -> list[str]:
+    """What the sandbox's root holds, read-only: the interpreter and the shared libraries it loads."""
+    paths = {os.path.abspath(sys.base_prefix), os.path.abspath(sys.prefix)}
+    paths.update(d for d in LIBRARY_DIRS if os.path.isdir(d) and not os.path.islink(d))
+    ordered = sorted(paths)
+    return [p for p in ordered if not any(p.startswith(q + "/") for q in ordered)]
 
 
 class PythonTool(Tool):
@@ -156,74 +101,141 @@ class PythonTool(Tool):
         memory_mb: int = 512,
         max_file_mb: int = 16,
         max_output_bytes: int = 4096,
-        network_isolation: bool = True,
+        max_processes: int = 16,
+        max_open_files: int = 64,
+        sandbox_uid: int = 65534,
     ) -> None:
         super().__init__(name, schema)
-        if timeout_s <= 0 or cpu_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0 or max_file_mb <= 0:
+        limits = (timeout_s, cpu_s, memory_mb, max_file_mb, max_output_bytes, max_processes, max_open_files)
+        if min(limits) <= 0:
             raise ValueError(f"{self.name}: every limit (timeout_s, cpu_s, memory_mb, ...) must be > 0")
+        if sandbox_uid <= 0:
+            raise ValueError(f"{self.name}: sandbox_uid must be an unprivileged uid, got {sandbox_uid}")
         self.timeout_s = timeout_s
         self.cpu_s = cpu_s
         self.memory_bytes = memory_mb << 20
         self.max_file_bytes = max_file_mb << 20
         self.max_output_bytes = max_output_bytes
-        self.netns_prefix = detect_netns_prefix() if network_isolation else []
-        self._readable = _library_dirs()
+        self.max_processes = max_processes
+        self.max_open_files = max_open_files
+        self.sandbox_uid = sandbox_uid
+        self.unavailable = self._probe()
+        if self.unavailable is not None:
+            log.warning("%s: refusing every call: %s", self.name, self.unavailable)
+
+    def command(self) -> list[str]:
+        """The bwrap command line that runs the bootstrap (the snippet comes on its stdin)."""
+        bwrap = shutil.which("bwrap")
+        if bwrap is None:
+            raise FileNotFoundError("bwrap not found: install the Debian package bubblewrap")
+        argv = [
+            bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--hostname", "sandbox",
+        ]  # fmt: skip
+        if os.geteuid() == 0:  # no user namespace: the bootstrap drops to sandbox_uid (needs these two only)
+            argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        else:
+            argv += ["--unshare-user", "--disable-userns", "--uid", str(self.sandbox_uid), "--gid",
+                     str(self.sandbox_uid)]
+        argv += ["--clearenv"]
+        for key, value in (("PATH", "/usr/bin:/bin"), ("HOME", WORKDIR), ("LANG", "C.UTF-8"),
+                           ("OMP_NUM_THREADS", "1"), ("OPENBLAS_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1")):
+            argv += ["--setenv", key, value]
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        for path, mode in (("/tmp", "1777"), (WORKDIR, "0777")):
+            argv += ["--size", str(self.max_file_bytes), "--perms", mode, "--tmpfs", path]
+        binds = _read_only_binds()
+        for directory in sorted({str(p) for b in binds for p in PurePosixPath(b).parents if str(p) != "/"}):
+            argv += ["--perms", "0755", "--dir", directory]  # traversable by the sandbox uid
+        for path in binds:
+            argv += ["--ro-bind", path, path]
+        for link in LIBRARY_DIRS:
+            if os.path.islink(link):
+                argv += ["--symlink", os.readlink(link), link]
+        limits = (self.sandbox_uid, self.memory_bytes, self.cpu_s, self.max_file_bytes, self.max_processes,
+                  self.max_open_files, MEMORY_ERROR_EXIT)
+        return [*argv, "--remount-ro", "/", "--chdir", WORKDIR, "--", sys.executable, "-I", "-B", "-c", _BOOTSTRAP,
+                *map(str, limits)]
+
+    def _probe(self) -> str | None:
+        """Why the sandbox cannot run here (None when a trivial snippet runs in it as the sandbox uid)."""
+        try:
+            done = subprocess.run(self.command(), input=b"import os; print(os.getuid())", capture_output=True,
+                                  env={}, timeout=PROBE_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"sandbox unavailable: {exc}"
+        if done.returncode != 0 or done.stdout.strip() != str(self.sandbox_uid).encode():
+            last = (done.stderr.decode(errors="replace").strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            return f"sandbox unavailable: {last}"
+        return None
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
         code = arguments.get("code")
         if not isinstance(code, str):
             return ToolResult.failure(f"{self.name}: code must be a string")
-        with tempfile.TemporaryDirectory(prefix="rollwave-py-") as workdir:
-            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-                f.write(code)
-            return await self._run(workdir)
+        if self.unavailable is not None:
+            log.warning("%s: refused a call: %s", self.name, self.unavailable)
+            return ToolResult(f"Error: {self.unavailable}", ok=False, error=self.unavailable, refused=True)
+        return await self._run(code.encode("utf-8", errors="surrogatepass"))
 
-    async def _run(self, workdir: str) -> ToolResult:
-        argv = [
-            *self.netns_prefix, sys.executable, "-I", "-B", "-c", _BOOTSTRAP, workdir,
-            str(self.memory_bytes), str(self.cpu_s), str(self.max_file_bytes), str(MEMORY_ERROR_EXIT),
-            *self._readable,
-        ]  # fmt: skip
-        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+    async def _run(self, code: bytes) -> ToolResult:
         proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
+            *self.command(),
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            cwd=workdir,
-            env=env,
+            env={},
             start_new_session=True,
         )
         output = bytearray()
-        timed_out = False
+        stopped = None
         try:
-            await asyncio.wait_for(self._read(proc, output), timeout=self.timeout_s)
+            await asyncio.wait_for(self._talk(proc, code, output), timeout=self.timeout_s)
+            if len(output) > self.max_output_bytes:
+                stopped = f"printed more than {self.max_output_bytes} bytes and was killed"
         except TimeoutError:
-            timed_out = True
+            stopped = f"timed out after {self.timeout_s:g}s and was killed"
         finally:
             if proc.returncode is None:
-                _kill_group(proc.pid)
-            await proc.wait()
-        return self._result(proc.returncode, bytes(output), timed_out)
+                _kill_group(proc.pid)  # bwrap goes, and with it (--die-with-parent) the sandbox's pid namespace
+            await self._drain(proc)
+        return self._result(proc.returncode, bytes(output), stopped)
 
-    async def _read(self, proc: asyncio.subprocess.Process, output: bytearray) -> None:
-        """Keep the first ``max_output_bytes`` (+1 to know it was cut), drain the rest, wait for exit."""
+    async def _drain(self, proc: asyncio.subprocess.Process) -> None:
+        """Read to EOF, which comes once no process of the sandbox holds its output; then reap bwrap."""
         assert proc.stdout is not None
+        try:
+            async with asyncio.timeout(KILL_WAIT_S):
+                while await proc.stdout.read(65536):
+                    pass
+                await proc.wait()
+        except TimeoutError:
+            raise RuntimeError(f"{self.name}: sandbox {proc.pid} still writes {KILL_WAIT_S:g}s after SIGKILL") from None
+
+    async def _talk(self, proc: asyncio.subprocess.Process, code: bytes, output: bytearray) -> None:
+        """Hand over the snippet, then keep the first ``max_output_bytes`` (+1 to know there was more)."""
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(code)
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it ended before reading everything; its output says why
         while chunk := await proc.stdout.read(65536):
-            room = self.max_output_bytes + 1 - len(output)
-            if room > 0:
-                output += chunk[:room]
+            output += chunk[: self.max_output_bytes + 1 - len(output)]
+            if len(output) > self.max_output_bytes:
+                return
         await proc.wait()
 
-    def _result(self, returncode: int, raw: bytes, timed_out: bool) -> ToolResult:
+    def _result(self, returncode: int, raw: bytes, stopped: str | None) -> ToolResult:
         text = raw[: self.max_output_bytes].decode("utf-8", errors="replace")
         if len(raw) > self.max_output_bytes:
             text += f"\n[output truncated at {self.max_output_bytes} bytes]"
-        if timed_out:
-            error = f"timed out after {self.timeout_s:g}s and was killed"
-        elif returncode == MEMORY_ERROR_EXIT or returncode == -signal.SIGSEGV:
+        if stopped is not None:
+            error = stopped
+        elif returncode in (MEMORY_ERROR_EXIT, 128 + signal.SIGSEGV):  # bwrap exits 128 + the signal that ended it
             error = f"memory limit of {self.memory_bytes >> 20} MiB exceeded"
-        elif returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        elif returncode in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
             error = f"CPU limit of {self.cpu_s}s exceeded and was killed"
         elif returncode != 0:
             error = f"exited with status {returncode}"

@@ -9,7 +9,8 @@ import sys
 import uvicorn
 
 from core.config import load_config_or_exit
-from services.api.app import create_app
+from core.net import listen_socket
+from services.api.app import check_api_config, create_app
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,9 +18,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-c", "--config")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
-    cfg = load_config_or_exit(args.config, args.overrides)
+    cfg = load_config_or_exit(args.config, args.overrides, check=check_api_config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(cfg), host=cfg.api.host, port=cfg.api.port, log_level="warning")
+    sock = listen_socket(cfg.api.host, cfg.api.port, "api")
+    url = f"http://{cfg.api.host}:{sock.getsockname()[1]}"
+    logging.getLogger("services.api").info("serving on %s", url)
+    uvicorn.Server(uvicorn.Config(create_app(cfg, url=url), log_level="warning")).run(sockets=[sock])
     return 0
 
 

@@ -1,9 +1,19 @@
-"""``create_app(config)``: the FastAPI app under ``/v1`` with its lifespan (Redis, the metrics sampler)."""
+"""``create_app(config)``: the FastAPI app under ``/v1`` with its lifespan (Redis, the metrics sampler).
+
+Bounded and guarded: ``/v1`` needs ``api.token`` (a bind off loopback refuses to start without one);
+requests must name an allowed Host (``api.allowed_hosts``, against DNS rebinding; the unauthenticated
+ops probes are exempt, kubelet and Prometheus reach them by pod IP); bodies over ``api.max_body_bytes``
+get 413; jobs read files only under ``api.data_root``, hold at most ``api.max_job_tasks`` tasks and
+name reward functions the run allows. Each refusal is logged and counted.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import secrets
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -13,30 +23,51 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.datastructures import Headers
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from buffer.keys import Keys
 from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
-from core.config import Config
+from core.config import Config, ConfigError, require_secret
 from core.jobs import JobSpec
+from core.net import is_loopback
+from core.rewards import BUILTIN as BUILTIN_REWARDS
 from services.api.cluster import ClusterView, InvalidCursor, NotFound
 from services.api.sampler import MetricsSampler
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
+OPS_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+log = logging.getLogger(__name__)
+Refuse = Callable[[str, Scope], None]
+
+
+def check_api_config(cfg: Config) -> None:
+    """An API reachable from other hosts must have a token: ConfigError when it would bind off loopback without,
+    or when the config holds a masked token given nowhere else (never run without the token an operator set)."""
+    if "api.token" in cfg._masked_unset:
+        require_secret(cfg, "api.token")
+    if cfg.api.token is None and not is_loopback(cfg.api.host):
+        raise ConfigError(
+            f"api.token is not set and api.host={cfg.api.host} is not loopback: anyone who reaches it could submit "
+            "jobs; set ROLLWAVE_API_TOKEN or api.token_file, or bind 127.0.0.1"
+        )
 
 
 class ApiState:
     """What the routes share: the Redis client, the run's keys, the queue and the cluster view."""
 
-    def __init__(self, cfg: Config, client: redis.Redis) -> None:
+    def __init__(self, cfg: Config, client: redis.Redis, registry: CollectorRegistry, refused: Counter) -> None:
         self.cfg = cfg
         self.redis = client
         self.keys = Keys(cfg.run.name)
         self.queue = TaskQueue(client, self.keys, cfg.buffer)
         self.cluster = ClusterView(client, self.keys, ServerRegistry(client, self.keys), self.queue)
         self.sampler = MetricsSampler(self.cluster)
-        self.registry = CollectorRegistry()
+        self.registry = registry
+        self.refused = refused
         self.jobs_submitted = Counter(
             "rollwave_api_jobs_submitted_total", "Jobs accepted", ["kind"], registry=self.registry
         )
@@ -48,19 +79,103 @@ def _state(request: Request) -> ApiState:
 
 
 def _auth(request: Request) -> None:
-    token = request.app.state.api.cfg.api.token
-    if token is None:
+    api: ApiState = request.app.state.api
+    token = api.cfg.api.token
+    if token is None:  # only ever on a loopback bind (check_api_config)
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), token.encode()):
+    if scheme.lower() != "bearer" or not given or not secrets.compare_digest(
+        given.encode(), token.get_secret_value().encode()
+    ):
+        _refused(api.refused)("auth", request.scope)
         raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _refused(counter: Counter) -> Refuse:
+    def refuse(reason: str, scope: Scope) -> None:
+        client = scope.get("client") or ("?", 0)
+        log.warning("refused %s %s from %s: %s", scope.get("method"), scope.get("path"), client[0], reason)
+        counter.labels(reason=reason).inc()
+
+    return refuse
+
+
+class HostGuard:
+    """Starlette's TrustedHostMiddleware on every path but the ops probes; refusals (400) are counted."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: list[str], refuse: Refuse) -> None:
+        self.app = app
+        self.allowed_hosts = allowed_hosts
+        self.refuse = refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPS_PATHS:
+            await self.app(scope, receive, send)
+            return
+        passed = False
+
+        async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+            nonlocal passed
+            passed = True
+            await self.app(scope, receive, send)
+
+        await TrustedHostMiddleware(inner, allowed_hosts=self.allowed_hosts)(scope, receive, send)
+        if not passed:
+            self.refuse("host", scope)
+
+
+class BodyLimit:
+    """413 for a request body over ``max_bytes``: by its Content-Length up front, or counted as it streams in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, refuse: Refuse) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.refuse = refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            self.refuse("body_size", scope)
+            await JSONResponse({"detail": self._detail}, status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # FastAPI passes an HTTPException from the body read through
+                    self.refuse("body_size", scope)
+                    raise HTTPException(413, self._detail)
+            return message
+
+        await self.app(scope, counted, send)
+
+    @property
+    def _detail(self) -> str:
+        return f"request body over {self.max_bytes} bytes (api.max_body_bytes)"
 
 
 State = Annotated[ApiState, Depends(_state)]
 
 
-def create_app(cfg: Config, client: redis.Redis | None = None) -> FastAPI:
-    """The API for one run. Without ``client`` it connects per ``cfg.redis`` (embedded Redis if no URL)."""
+def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None = None) -> FastAPI:
+    """The API for one run. Without ``client`` it connects per ``cfg.redis`` (embedded Redis if no URL).
+
+    ``url``, where this API is served, is published under ``Keys.api``: with ``api.port=0`` that is how
+    the launcher that started it finds it.
+    """
+    check_api_config(cfg)
+    registry = CollectorRegistry()
+    refused = Counter(
+        "rollwave_api_requests_refused_total", "Requests refused (auth, host, body_size)", ["reason"],
+        registry=registry,
+    )
+    refuse = _refused(refused)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -68,8 +183,10 @@ def create_app(cfg: Config, client: redis.Redis | None = None) -> FastAPI:
         conn = client
         if conn is None:
             conn, owned = connect(cfg.redis, cfg.run.path)
-        api = ApiState(cfg, conn)
+        api = ApiState(cfg, conn, registry, refused)
         api.queue.ensure_groups()
+        if url is not None:
+            conn.hset(api.keys.api, mapping={"url": url, "pid": os.getpid()})
         app.state.api = api
         sampler = asyncio.create_task(api.sampler.run())
         try:
@@ -104,24 +221,44 @@ def create_app(cfg: Config, client: redis.Redis | None = None) -> FastAPI:
     def metrics(api: State) -> Response:
         return Response(generate_latest(api.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def reject(api: ApiState, field: str, msg: str) -> HTTPException:
+        api.jobs_rejected.inc()
+        log.warning("job rejected: %s: %s", field, msg)
+        return HTTPException(422, [{"loc": ["body", field], "msg": msg, "type": "value_error"}])
+
     @app.post("/v1/jobs", status_code=201, dependencies=v1, tags=["jobs"])
     def create_job(spec: JobSpec, api: State) -> dict[str, Any]:
+        allowed = {*BUILTIN_REWARDS, *cfg.rollout.reward_allowlist}
+        if spec.reward is not None and spec.reward not in allowed:
+            names = ", ".join(sorted(allowed))
+            raise reject(api, "reward", f"reward {spec.reward!r} is not one this run allows: {names}")
         try:
-            tasks = spec.source.load()
+            tasks = spec.source.load(cfg.api.data_root)
         except (ValueError, OSError) as exc:
-            api.jobs_rejected.inc()
-            raise HTTPException(422, [{"loc": ["body", "source"], "msg": str(exc), "type": "value_error"}]) from None
+            raise reject(api, "source", str(exc)) from None
         if not tasks:
-            api.jobs_rejected.inc()
-            raise HTTPException(422, [{"loc": ["body", "source"], "msg": "no tasks", "type": "value_error"}])
+            raise reject(api, "source", "no tasks")
+        if len(tasks) > cfg.api.max_job_tasks:
+            cap = cfg.api.max_job_tasks
+            raise reject(api, "source", f"{len(tasks)} tasks; a job may hold at most api.max_job_tasks={cap}")
         job_id = secrets.token_hex(6)
         api.queue.submit(job_id, [t.model_dump() for t in tasks], spec.kind, spec.model_dump_json())
         api.jobs_submitted.labels(kind=spec.kind).inc()
         return api.cluster.job(job_id)
 
     @app.get("/v1/jobs", dependencies=v1, tags=["jobs"])
-    def list_jobs(api: State) -> dict[str, Any]:
-        return {"jobs": api.cluster.jobs()}
+    def list_jobs(
+        api: State,
+        cursor: Annotated[
+            str, Query(pattern=r"^[A-Za-z0-9_.:-]{0,128}$", description="`next` of the previous page")
+        ] = "",
+        limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    ) -> dict[str, Any]:
+        """Newest first, a page at a time: ``{"jobs": [...], "next": cursor or null}``."""
+        try:
+            return api.cluster.jobs(cursor, limit)
+        except InvalidCursor as exc:
+            raise HTTPException(422, [{"loc": ["query", "cursor"], "msg": str(exc), "type": "value_error"}]) from None
 
     @app.get("/v1/jobs/{job_id}", dependencies=v1, tags=["jobs"])
     def get_job(job_id: str, api: State) -> dict[str, Any]:
@@ -158,4 +295,6 @@ def create_app(cfg: Config, client: redis.Redis | None = None) -> FastAPI:
         return FileResponse(STATIC / "index.html")
 
     app.mount("/static", StaticFiles(directory=STATIC, check_dir=False), name="static")
+    app.add_middleware(BodyLimit, max_bytes=cfg.api.max_body_bytes, refuse=refuse)
+    app.add_middleware(HostGuard, allowed_hosts=cfg.api.allowed_hosts, refuse=refuse)
     return app

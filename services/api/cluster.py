@@ -22,7 +22,26 @@ class NotFound(LookupError):
 
 
 class InvalidCursor(ValueError):
-    """A trajectories cursor that is not a Redis stream id (each part must fit in 64 bits)."""
+    """A page cursor that names nothing: a trajectories cursor that is no Redis stream id (each part must fit
+    in 64 bits), a jobs cursor that is no job of the run."""
+
+
+def _job_view(job_id: str, h: dict[str, str]) -> dict[str, Any]:
+    """What the API says about a job, from its hash."""
+    progress = {name: int(float(h.get(name, 0))) for name in _COUNTERS}
+    samples = progress["samples"]
+    reward_mean = float(h.get("reward_sum", 0.0)) / samples if samples else None
+    kind, state = h.get("kind", "train"), h.get("state", "running")
+    return {
+        "job_id": job_id,
+        "kind": kind,
+        "state": state,
+        "created": float(h.get("created", 0.0)),
+        "spec": json.loads(h["spec"]) if "spec" in h else None,
+        "progress": progress,
+        "reward_mean": reward_mean,
+        "accuracy": reward_mean if kind == "eval" and state == "done" else None,
+    }
 
 
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
@@ -42,24 +61,21 @@ class ClusterView:
         h = self.queue.job(job_id)  # its state reads ``done`` once every task is written or dead-lettered
         if not h:
             raise NotFound(f"job {job_id!r} not found")
-        progress = {name: int(float(h.get(name, 0))) for name in _COUNTERS}
-        samples = progress["samples"]
-        reward_mean = float(h.get("reward_sum", 0.0)) / samples if samples else None
-        kind, state = h.get("kind", "train"), h.get("state", "running")
-        return {
-            "job_id": job_id,
-            "kind": kind,
-            "state": state,
-            "created": float(h.get("created", 0.0)),
-            "spec": json.loads(h["spec"]) if "spec" in h else None,
-            "progress": progress,
-            "reward_mean": reward_mean,
-            "accuracy": reward_mean if kind == "eval" and state == "done" else None,
-        }
+        return _job_view(job_id, h)
 
-    def jobs(self) -> list[dict[str, Any]]:
-        ids = sorted(self.redis.hgetall(self.keys.jobs).items(), key=lambda kv: float(kv[1]), reverse=True)
-        return [self.job(job_id.decode()) for job_id, _created in ids]
+    def jobs(self, cursor: str = "", limit: int = 50) -> dict[str, Any]:
+        """A page of jobs, newest first, after the job ``cursor`` names; two round trips whatever the page size."""
+        ids = sorted(self.redis.hgetall(self.keys.jobs).items(), key=lambda kv: (-float(kv[1]), kv[0]))
+        order = [job_id.decode() for job_id, _created in ids]
+        start = 0
+        if cursor:
+            try:
+                start = order.index(cursor) + 1
+            except ValueError:
+                raise InvalidCursor(f"cursor {cursor!r} is no job of this run") from None
+        page = order[start : start + limit]
+        jobs = [_job_view(job_id, h) for job_id, h in zip(page, self.queue.jobs(page), strict=True) if h]
+        return {"jobs": jobs, "next": page[-1] if start + limit < len(order) else None}
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Mark a running job cancelled; servers acknowledge its remaining tasks without rolling them out."""

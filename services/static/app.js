@@ -1,13 +1,14 @@
 // rollwave's built-in dashboard: polls the API and draws its own charts (no CDN, no libraries).
 //   GET v1/metrics/summary -> {t: [unix s...], series: {name: [number|null...]}}  (one canvas per series)
 //   GET v1/status          -> cluster status, rendered generically (facts and tables)
-//   GET v1/jobs            -> the jobs table
+//   GET v1/jobs?limit=N    -> the jobs table: the newest page ({jobs, next}; `next` says that more exist)
 // With a bearer token (typed in, or given as #token=... in the URL) every call sends it.
 // Every chart canvas carries data-points = the number of points it drew, for headless tests.
 "use strict";
 
 (() => {
   const POLL_MS = 2000;
+  const JOBS_PAGE = 100;
   const TOKEN_KEY = "rollwave.token";
   const JOB_COLUMNS = ["job_id", "name", "kind", "source", "state", "tasks", "samples", "trained", "reward_mean",
                        "accuracy", "stale_dropped", "dead_lettered", "cancelled", "created"];
@@ -232,13 +233,15 @@
   }
 
   function renderJobs(reply) {
-    const jobs = (Array.isArray(reply) ? reply : reply.jobs || reply.items || []).map(jobRow);
+    const jobs = reply.jobs.map(jobRow);
     const root = document.getElementById("jobs-body");
     if (jobs.length === 0) {
       root.replaceChildren(el("p", "no jobs yet", "muted"));
       return;
     }
-    root.replaceChildren(table(jobs.slice(0, 100), JOB_COLUMNS));
+    const parts = [table(jobs, JOB_COLUMNS)];
+    if (reply.next) parts.push(el("p", `the ${JOBS_PAGE} newest jobs; \`rollwave jobs --all\` lists every one`, "muted"));
+    root.replaceChildren(...parts);
   }
 
   // ---- polling --------------------------------------------------------------------------------
@@ -257,7 +260,7 @@
     const results = await Promise.allSettled([
       getJSON("v1/metrics/summary").then(renderCharts),
       getJSON("v1/status").then(renderStatus),
-      getJSON("v1/jobs").then(renderJobs),
+      getJSON(`v1/jobs?limit=${JOBS_PAGE}`).then(renderJobs),
     ]);
     const failed = results.filter((r) => r.status === "rejected").map((r) => r.reason.message);
     setConnection(failed.length === 0, failed.join("; "));

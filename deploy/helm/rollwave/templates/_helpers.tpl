@@ -39,10 +39,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "rollwave.secretName" -}}
-{{- if .Values.token.existingSecret -}}
-{{- .Values.token.existingSecret -}}
+{{- if .Values.secrets.existingSecret -}}
+{{- .Values.secrets.existingSecret -}}
 {{- else -}}
-{{- printf "%s-token" (include "rollwave.fullname" .) -}}
+{{- printf "%s-secrets" (include "rollwave.fullname" .) -}}
 {{- end -}}
 {{- end -}}
 
@@ -64,18 +64,30 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "rollout" (dict "grpc_port" (int .Values.rollout.grpcPort) "metrics_port" (int .Values.rollout.metricsPort) "metrics_host" "0.0.0.0")
   "trainer" (dict "metrics_port" (int .Values.trainer.metricsPort) "metrics_host" "0.0.0.0" "device" (ternary "cuda" "cpu" (gt (int .Values.trainer.gpusPerNode) 0)))
   "checkpoint" (dict "stage_dir" "/dev/shm/rollwave")
-  "api" (dict "host" "0.0.0.0" "port" (int .Values.api.port))
+  "api" (dict "host" "0.0.0.0" "port" (int .Values.api.port) "data_root" "/data" "allowed_hosts" (include "rollwave.apiHosts" . | fromYamlArray))
 -}}
 {{- toYaml (mergeOverwrite $base (deepCopy .Values.runConfig)) -}}
 {{- end -}}
 
-{{/* Environment every rollwave container gets: the token from the Secret and the Redis URL. */}}
-{{- define "rollwave.env" -}}
-- name: ROLLWAVE_TOKEN
+{{/* Host names the API answers: its Service's in-cluster names, and loopback for kubectl port-forward. */}}
+{{- define "rollwave.apiHosts" -}}
+{{- $svc := printf "%s-api" (include "rollwave.fullname" .) -}}
+{{- list "127.0.0.1" "localhost" $svc (printf "%s.%s" $svc .Release.Namespace) (printf "%s.%s.svc" $svc .Release.Namespace) (printf "%s.%s.svc.cluster.local" $svc .Release.Namespace) | toYaml -}}
+{{- end -}}
+
+{{/* One secret of the chart's Secret as an environment variable: (dict "root" $ "name" VAR "key" KEY). */}}
+{{- define "rollwave.secretEnv" -}}
+- name: {{ .name }}
   valueFrom:
     secretKeyRef:
-      name: {{ include "rollwave.secretName" . }}
-      key: {{ .Values.token.existingSecretKey }}
+      name: {{ include "rollwave.secretName" .root }}
+      key: {{ .key }}
+{{- end -}}
+
+{{/* Environment every rollwave container gets (secrets are added per container, each only its own). */}}
+{{- define "rollwave.env" -}}
+- name: HOME
+  value: /tmp
 - name: REDIS_URL
   value: {{ include "rollwave.redisUrl" . | quote }}
 - name: POD_NAME
@@ -88,11 +100,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
       fieldPath: status.podIP
 {{- end -}}
 
-{{/* Volumes shared by the workloads: the run config and the model. */}}
+{{/* Volumes shared by the workloads: the run config, the model, and /tmp (the root filesystem is read-only). */}}
 {{- define "rollwave.volumes" -}}
 - name: config
   configMap:
     name: {{ include "rollwave.fullname" . }}-config
+- name: tmp
+  emptyDir: {}
 - name: models
 {{- if .Values.model.existingClaim }}
   persistentVolumeClaim:
@@ -110,10 +124,25 @@ initContainers:
     image: {{ include "rollwave.image" . }}
     imagePullPolicy: {{ .Values.image.pullPolicy }}
     command: ["rollwave", "model", "init", "--out", "/models/tiny", "--seed", "0"]
+    env:
+      - name: HOME
+        value: /tmp
+    securityContext:
+      {{- toYaml .Values.containerSecurityContext | nindent 6 }}
     volumeMounts:
       - name: models
         mountPath: /models
+      - name: tmp
+        mountPath: /tmp
 {{- end }}
+{{- end -}}
+
+{{/* The pod securityContext of a rollwave workload; (dict "root" $ "seccomp" PROFILE) overrides its seccomp. */}}
+{{- define "rollwave.podSecurityContext" -}}
+{{- $ctx := deepCopy .root.Values.podSecurityContext -}}
+{{- if .seccomp }}{{- $_ := set $ctx "seccompProfile" .seccomp -}}{{- end -}}
+securityContext:
+  {{- toYaml $ctx | nindent 2 }}
 {{- end -}}
 
 {{- define "rollwave.scheduling" -}}

@@ -1,0 +1,435 @@
+"""An OpenAI-compatible ``/v1/chat/completions`` on the rollout server that records token-exact episodes.
+
+Agents written against the ``openai`` client train unchanged: each sample gets an episode, and the
+agent's base URL is ``http://host:port/episodes/<id>/v1`` with the episode's key as its API key (or the
+plain ``/v1`` with the ``X-Episode-Id`` header). The first call renders the prompt with the chat template;
+every assistant turn appends the engine's ``output_ids`` with their behaviour logprobs and versions
+(``core.trajectory``, as the built-in agent loop does). When the agent re-sends its history, the
+messages already recorded must come back unchanged; only the new ones (tool results, user turns) are
+rendered, as a template delta after the recorded tokens. So the trainer sees exactly the tokens the
+engine saw. An agent that edited its history is still answered, but its episode is marked
+``history_mismatch``, counted, and never trained.
+
+Sampling (temperature, top_p, top_k, the max_new_tokens cap) is the job's, whatever the request says,
+so behaviour logprobs match what the trainer assumes. ``tool_choice`` selects which calls are parsed
+(``none``: none; a named function: only it); generation is not constrained, so ``required`` cannot force
+a call. Streaming sends the finished turn as
+OpenAI-shaped chunks (the engine client has no token stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from buffer.schema import Sample, ToolCallRecord
+from core.config import RolloutConfig
+from core.rewards import RewardComputer
+from core.trajectory import ChatRenderer, TrajectoryBuilder
+from rollout_server.agent_loop import EngineReplyError, turn_from_reply
+from rollout_server.engine_client import EngineClient, EngineError
+from rollout_server.metrics import RolloutMetrics
+from rollout_server.tool_parser import parse_tool_calls
+
+log = logging.getLogger(__name__)
+
+FAILED_REASONS = ("history_mismatch", "agent_error", "agent_timeout", "error")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, code: str, type_: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.type, self.param = status, message, code, type_, param
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its SIGINT/SIGTERM handlers: the rollout server owns the signals (graceful drain)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChatRequest(BaseModel):
+    """The fields we act on; other OpenAI fields are accepted and ignored (see the module docstring)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class RewardRequest(BaseModel):
+    reward: float
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+@dataclass
+class AgentEpisode:
+    """One sample's record while an external agent drives it."""
+
+    episode_id: str
+    key: str
+    task: Any
+    sample_index: int
+    config: RolloutConfig
+    engine: EngineClient
+    reward_fn: RewardComputer
+    queued: float
+    builder: TrajectoryBuilder | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    num_turns: int = 0
+    final_text: str = ""
+    last_reason: str = "stop"
+    reward: tuple[float, dict[str, Any]] | None = None
+    failure: tuple[str, str] | None = None  # (finish_reason, message)
+    started: float = field(default_factory=time.time)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _text(content: Any) -> str:
+    """Message content as text: a string, None, or OpenAI content parts."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def _arguments(raw: Any) -> Any:
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+    return raw
+
+
+def canonical(message: dict[str, Any]) -> dict[str, Any]:
+    """What of a message the recorded tokens depend on (ids and names the client adds are ignored)."""
+    calls = [(c.get("function", {}).get("name"), _arguments(c.get("function", {}).get("arguments")))
+             for c in message.get("tool_calls") or []]
+    return {"role": message.get("role"), "content": _text(message.get("content")).strip(), "tool_calls": calls}
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A client message as the chat template takes it (text content, parsed call arguments)."""
+    out: dict[str, Any] = {"role": message.get("role"), "content": _text(message.get("content"))}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
+                                                               "arguments": _arguments(c["function"]["arguments"])}}
+                             for c in message["tool_calls"]]
+    if message.get("name"):
+        out["name"] = message["name"]
+    return out
+
+
+class EpisodeStore:
+    """Open episodes, the HTTP app that serves them, and closing them into Samples."""
+
+    def __init__(self, tokenizer: Any, model_name: str, metrics: RolloutMetrics | None = None) -> None:
+        self.renderer = ChatRenderer(tokenizer)
+        self.model_name = model_name
+        self.metrics = metrics if metrics is not None else RolloutMetrics()
+        self.episodes: dict[str, AgentEpisode] = {}
+        self.url = ""  # http://host:port, set once the server is bound
+        self.app = self._build_app()
+
+    @contextlib.asynccontextmanager
+    async def serving(self, host: str, port: int, timeout_s: float = 30.0) -> AsyncIterator[str]:
+        """Serve the endpoint on ``host:port`` (0: any free port) in this event loop; yields its URL."""
+        server = _Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off"))
+        task = asyncio.create_task(server.serve())
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            if task.done() or time.monotonic() > deadline:
+                task.cancel()
+                raise RuntimeError(f"episode endpoint: could not listen on {host}:{port} within {timeout_s:.0f}s")
+            await asyncio.sleep(0.01)
+        bound = server.servers[0].sockets[0].getsockname()
+        self.url = f"http://{host}:{bound[1]}"
+        try:
+            yield self.url
+        finally:
+            server.should_exit = True
+            await task
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def open(self, task: Any, sample_index: int, config: RolloutConfig, engine: EngineClient,
+             reward_fn: RewardComputer, queued: float | None = None) -> AgentEpisode:
+        ep = AgentEpisode(
+            episode_id=uuid.uuid4().hex, key="ep-" + secrets.token_urlsafe(24), task=task,
+            sample_index=sample_index, config=config, engine=engine, reward_fn=reward_fn,
+            queued=time.time() if queued is None else queued,
+        )
+        self.episodes[ep.episode_id] = ep
+        self.metrics.inflight_requests.inc()
+        return ep
+
+    def base_url(self, ep: AgentEpisode) -> str:
+        """What the agent passes as the openai client's ``base_url``."""
+        return f"{self.url}/episodes/{ep.episode_id}/v1"
+
+    def fail(self, ep: AgentEpisode, reason: str, message: str) -> None:
+        """Mark the episode failed (it will not be trained); the first failure wins."""
+        if ep.failure is None:
+            ep.failure = (reason, message)
+
+    def discard(self, ep: AgentEpisode) -> None:
+        """End the episode without a Sample (its run was cancelled); later requests get 404."""
+        if self.episodes.pop(ep.episode_id, None) is not None:
+            self.metrics.inflight_requests.dec()
+
+    async def close(self, ep: AgentEpisode) -> Sample:
+        """The episode as a Sample; the reward is the posted one, else the job's reward function."""
+        self.discard(ep)
+        async with ep.lock:  # a request still in flight finishes first
+            if ep.builder is None:
+                self.fail(ep, "agent_error", "the agent made no request")
+            builder = ep.builder or TrajectoryBuilder(self.renderer.prompt_ids(ep.task.messages, None))
+            if ep.failure is not None:
+                reason, message = ep.failure
+                reward, info = 0.0, {"error": message}
+            else:
+                reason = ep.last_reason
+                if ep.reward is not None:
+                    reward, info = ep.reward
+                else:
+                    reward, info = await ep.reward_fn.score(ep.task, ep.messages, ep.final_text, [])
+        self.metrics.finish_reasons.labels(reason=reason).inc()
+        self.metrics.episode_turns.observe(ep.num_turns)
+        self.metrics.reward.observe(reward)
+        return Sample(
+            sample_index=ep.sample_index, prompt_len=builder.prompt_len, **builder.arrays(), reward=reward,
+            reward_info=info, finish_reason=reason, num_turns=ep.num_turns, tool_calls=ep.tool_calls,
+            messages=ep.messages, queued=ep.queued, started=ep.started, finished=time.time(),
+        )
+
+    # ---- HTTP ----------------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="rollwave episode endpoint", docs_url=None, redoc_url=None)
+
+        @app.exception_handler(APIError)
+        async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+            self.metrics.openai_requests.labels(outcome=exc.code).inc()
+            return exc.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+            first = exc.errors()[0] if exc.errors() else {}
+            where = ".".join(str(p) for p in first.get("loc", ())[1:])
+            code = "invalid_tools" if where.startswith("tools") else "invalid_request"
+            return await _api_error(_request, APIError(400, f"{where}: {first.get('msg', 'invalid')}", code,
+                                                       param=where or None))
+
+        @app.post("/episodes/{episode_id}/v1/chat/completions")
+        async def _chat(episode_id: str, body: ChatRequest, authorization: str | None = Header(None)) -> Any:
+            return await self.chat(self._episode(episode_id, authorization), body)
+
+        @app.post("/v1/chat/completions")
+        async def _chat_header(body: ChatRequest, authorization: str | None = Header(None),
+                               x_episode_id: str | None = Header(None)) -> Any:
+            if not x_episode_id:
+                raise APIError(404, "no episode: use the base URL /episodes/<id>/v1 or the X-Episode-Id header",
+                               "episode_not_found")
+            return await self.chat(self._episode(x_episode_id, authorization), body)
+
+        @app.get("/episodes/{episode_id}/v1/models")
+        async def _models(episode_id: str, authorization: str | None = Header(None)) -> dict[str, Any]:
+            self._episode(episode_id, authorization)
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                "owned_by": "rollwave"}]}
+
+        @app.post("/episodes/{episode_id}/reward")
+        async def _reward(episode_id: str, body: RewardRequest,
+                          authorization: str | None = Header(None)) -> dict[str, Any]:
+            ep = self._episode(episode_id, authorization)
+            ep.reward = (body.reward, dict(body.info))
+            return {"ok": True}
+
+        return app
+
+    def _episode(self, episode_id: str, authorization: str | None) -> AgentEpisode:
+        ep = self.episodes.get(episode_id)
+        if ep is None:
+            raise APIError(404, f"episode {episode_id!r} does not exist or is closed", "episode_not_found")
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), ep.key.encode()):
+            raise APIError(401, "invalid API key for this episode", "invalid_api_key", "authentication_error")
+        return ep
+
+    async def chat(self, ep: AgentEpisode, req: ChatRequest) -> Any:
+        if req.model != self.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist (this server serves "
+                                f"{self.model_name!r})", "model_not_found", param="model")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        names = self._tool_names(req, tools)
+        async with ep.lock:
+            if ep.failure is not None and ep.failure[0] != "history_mismatch":
+                raise APIError(409, f"episode {ep.episode_id} has ended: {ep.failure[1]}", "episode_closed")
+            self._extend(ep, req.messages, tools)
+            reply, max_new = await self._generate(ep, req)
+            message, finish = self._record(ep, reply, names, max_new)
+        self.metrics.openai_requests.labels(outcome="ok").inc()
+        completion_id = "chatcmpl-" + uuid.uuid4().hex
+        assert ep.builder is not None
+        usage = {"prompt_tokens": len(ep.builder) - len(reply["output_ids"]),
+                 "completion_tokens": len(reply["output_ids"]), "total_tokens": len(ep.builder)}
+        if req.stream:
+            return StreamingResponse(self._chunks(completion_id, message, finish, usage, req),
+                                     media_type="text/event-stream")
+        return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name, "usage": usage,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}]}
+
+    def _tool_names(self, req: ChatRequest, tools: list[dict[str, Any]] | None) -> set[str]:
+        """The tool names whose calls are parsed: none for ``tool_choice="none"``, one for a named choice."""
+        names = {t["function"]["name"] for t in tools or []}
+        choice = req.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if choice.get("type") != "function" or name not in names:
+                raise APIError(400, f"tool_choice names a function that is not in tools: {name!r}",
+                               "invalid_tool_choice", param="tool_choice")
+            return {name}
+        if choice in ("required",) and not names:
+            raise APIError(400, "tool_choice=required needs tools", "invalid_tool_choice", param="tool_choice")
+        return set() if choice == "none" else names
+
+    def _extend(self, ep: AgentEpisode, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
+        """Grow the recorded tokens by the request's new messages, or mark a history mismatch."""
+        limit = ep.config.max_total_tokens
+        if ep.builder is None:
+            ids = self.renderer.prompt_ids([template_message(m) for m in messages], tools)
+            self._check_context(len(ids), limit)
+            ep.builder, ep.messages, ep.tools = TrajectoryBuilder(ids), [dict(m) for m in messages], tools
+            return
+        n = len(ep.messages)
+        same = tools == ep.tools and [canonical(m) for m in messages[:n]] == [canonical(m) for m in ep.messages]
+        new = messages[n:]
+        if same and new:
+            ids = [] if ep.builder.token_ids[-1] == self.renderer.eos_id else [self.renderer.eos_id]
+            ids += self.renderer.turn_end_suffix + self.renderer.tool_turn_ids([template_message(m) for m in new])
+            self._check_context(len(ep.builder) + len(ids), limit)
+            ep.builder.add_template(ids)
+            ep.messages += [dict(m) for m in new]
+            return
+        if ep.failure is None:
+            self.metrics.history_mismatches.inc()
+            log.warning("episode %s: the agent's history differs from the recorded one; it will not be trained",
+                        ep.episode_id)
+            self.fail(ep, "history_mismatch", "the agent edited its history; the recorded tokens no longer apply")
+        ids = self.renderer.prompt_ids([template_message(m) for m in messages], tools)
+        self._check_context(len(ids), limit)
+        ep.builder, ep.messages, ep.tools = TrajectoryBuilder(ids), [dict(m) for m in messages], tools
+
+    @staticmethod
+    def _check_context(n: int, limit: int) -> None:
+        if n >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your messages "
+                                f"resulted in {n} tokens.", "context_length_exceeded", param="messages")
+
+    async def _generate(self, ep: AgentEpisode, req: ChatRequest) -> tuple[dict[str, Any], int]:
+        cfg = ep.config
+        assert ep.builder is not None
+        asked = req.max_completion_tokens or req.max_tokens or cfg.max_new_tokens
+        max_new = min(asked, cfg.max_new_tokens, cfg.max_total_tokens - len(ep.builder))
+        params = {"max_new_tokens": max_new, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+        try:
+            reply = await ep.engine.generate(ep.builder.token_ids, params, return_logprob=True,
+                                             rid=f"{ep.episode_id}-{ep.num_turns}")
+            turn = turn_from_reply(reply)
+        except (EngineError, httpx.HTTPError, EngineReplyError) as exc:
+            self.fail(ep, "error", f"engine: {type(exc).__name__}: {exc}")
+            raise APIError(503, f"the engine failed: {exc}", "engine_error", "server_error") from exc
+        ep.builder.add_generated(turn)
+        ep.num_turns += 1
+        self.metrics.generated_tokens.inc(len(turn.output_ids))
+        return reply, max_new
+
+    def _record(self, ep: AgentEpisode, reply: dict[str, Any], names: set[str],
+                max_new: int) -> tuple[dict[str, Any], str]:
+        """The assistant message (OpenAI shape) and finish reason of a reply; recorded on the episode."""
+        ids = reply["output_ids"]
+        reason = (reply.get("meta_info", {}).get("finish_reason") or {}).get("type", "stop")
+        closed = bool(ids) and ids[-1] == self.renderer.eos_id
+        text = self.renderer.decode(ids[:-1] if closed else ids)
+        normal_text, calls, _errors = parse_tool_calls(text, names) if closed else (text, [], [])
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = "length" if reason == "length" else "stop"
+        if calls:
+            message["content"] = normal_text or None
+            message["tool_calls"] = [
+                {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                 "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+            ep.tool_calls += [ToolCallRecord(name=c.name, ok=True) for c in calls]
+            finish = "tool_calls"
+        ep.messages.append(message)
+        ep.final_text = text
+        ep.last_reason = "length" if finish == "length" else "stop"
+        if reason == "length" and len(ep.builder or []) >= ep.config.max_total_tokens:
+            ep.last_reason = "max_total_tokens"
+        return message, finish
+
+    async def _chunks(self, completion_id: str, message: dict[str, Any], finish: str, usage: dict[str, int],
+                      req: ChatRequest) -> AsyncIterator[str]:
+        base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.model_name}
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            return "data: " + json.dumps({**base, "choices": [choice]}) + "\n\n"
+
+        yield chunk({"role": "assistant", "content": ""})
+        if message.get("content"):
+            yield chunk({"content": message["content"]})
+        for i, call in enumerate(message.get("tool_calls") or []):
+            yield chunk({"tool_calls": [{"index": i, **call}]})
+        yield chunk({}, finish)
+        if (getattr(req, "stream_options", None) or {}).get("include_usage"):
+            yield "data: " + json.dumps({**base, "choices": [], "usage": usage}) + "\n\n"
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,187 @@
+"""Every ``rollwave`` subcommand with bad input, run as a user runs it (the installed entry point in a
+subprocess): exit 2 for a mistake in the input, 1 for a runtime failure, and exactly one ``error:`` line
+on stderr, never a traceback unless ``--debug`` asks for it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import shlex
+import socket
+import subprocess
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.cli import build_parser, main
+
+ROLLWAVE = Path(sysconfig.get_path("scripts")) / "rollwave"
+DEMO = Path(__file__).resolve().parents[1] / "configs/demo.yaml"
+TOKEN = secrets.token_urlsafe(32)
+
+
+def rollwave(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAVE_")}
+    return subprocess.run(
+        [str(ROLLWAVE), *argv], cwd=cwd, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=120
+    )
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess[str], code: int, needle: str) -> str:
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def dead_api() -> Iterator[str]:
+    """A 127.0.0.1 port that refuses connections: bound (so nothing else takes it) but not listening."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+BAD_INPUT = [  # (argv, what the error line must name); {tmp} is the test's directory, {demo} the demo config
+    (["nosuch"], "invalid choice: 'nosuch'"),
+    (["rollout"], "the following arguments are required: --task"),
+    (["config", "check", "-c", "{tmp}/missing.yaml"], "config file {tmp}/missing.yaml does not exist"),
+    (["config", "check", "-c", "{demo}", "nope.key=1"], "nope: unknown key"),
+    (["config", "check", "-c", "{demo}", "trainer.lr=fast"], "trainer.lr: Input should be a valid number"),
+    (["config", "check", "-c", "{demo}", "trainer.lr"], "expected dotted.key=value"),
+    (["model", "init", "--out", "{tmp}/a-file/model"], "{tmp}/a-file: File exists (remove it or pick another path)"),
+    (["engine", "sglang", "--model", "m", "--port", "0", "--dry-run"], "--port must be in 1..65535, got 0"),
+    (["engine", "sglang", "--model", "m", "--port", "65536"], "--port must be in 1..65535, got 65536"),
+    (["engine", "sglang", "--model", "m", "--port", "http"], "argument --port: invalid int value: 'http'"),
+    (["engine", "sglang", "--model", "m", "--port", "1", "--python", "{tmp}/py"], "--python {tmp}/py: no such program"),
+    (["rollout", "--task", "nosuch"], "unknown task source 'nosuch'; valid: arith, gsm8k, jsonl"),
+    (["rollout", "--task", "gsm8k", "--path", "/nonexistent/gsm8k"],
+     "task source 'gsm8k': no such file: /nonexistent/gsm8k"),
+    (["rollout", "--task", "jsonl", "--path", "{tmp}/none.jsonl"], "no such file: {tmp}/none.jsonl"),
+    (["rollout", "--task", "arith", "--model", "{tmp}/nomodel"], "--model: {tmp}/nomodel does not exist"),
+    (["rollout", "--task", "arith", "-c", "{tmp}/missing.yaml"], "config file {tmp}/missing.yaml does not exist"),
+    (["up", "-c", "{tmp}/missing.yaml"], "config file {tmp}/missing.yaml does not exist"),
+    (["up", "-c", "{demo}", "--rollout-servers", "two"], "argument --rollout-servers: invalid int value"),
+    (["down", "-c", "{demo}", "redis.port=70000"], "redis.port: Input should be less than or equal to 65535"),
+    (["submit", "-f", "{tmp}/missing.yaml"], "job file {tmp}/missing.yaml does not exist"),
+    (["submit", "-f", "{tmp}/bad.yaml"], "{tmp}/bad.yaml:2: not valid YAML"),
+    (["submit", "-f", "{tmp}"], "{tmp}: Is a directory"),
+    (["submit", "--source", "nosuch"], "argument --source: invalid choice: 'nosuch'"),
+    (["jobs", "--api", "localhost:8000"], "--api localhost:8000"),
+    (["trajectories"], "the following arguments are required: job"),
+]
+
+
+@pytest.mark.parametrize(("argv", "needle"), BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "bad.yaml").write_text("kind: [train\n")
+    fill = {"tmp": str(tmp_path), "demo": str(DEMO)}
+    proc = rollwave(*(a.format(**fill) for a in argv), cwd=tmp_path)
+    assert_one_error_line(proc, 2, needle.format(**fill))
+
+
+def test_an_environment_without_sglang_is_named_with_the_fix(tmp_path: Path) -> None:
+    assert importlib.util.find_spec("sglang") is None, "this test needs the CPU environment, which has no sglang"
+    argv = ["engine", "sglang", "--model", "m", "--port", "30000"]
+    line = assert_one_error_line(rollwave(*argv, cwd=tmp_path), 2, "cannot import sglang")
+    assert "No module named 'sglang'" in line and "--python" in line
+    dry = rollwave(*argv, "--dry-run", cwd=tmp_path)
+    assert dry.returncode == 0 and dry.stdout.split()[1:3] == ["-m", "sglang.launch_server"]
+    warning = dry.stderr.splitlines()
+    assert len(warning) == 1 and warning[0].startswith("warning: ") and "cannot import sglang" in warning[0]
+    assert "--tool-call-parser qwen assumes sglang >= 0.5.3.post1" in warning[0]
+
+
+@pytest.mark.parametrize("argv", [["status"], ["jobs"], ["trajectories", "JOB", "--all"], ["submit", "--limit", "2"]])
+def test_an_unreachable_api_says_how_to_start_or_find_it(argv: list[str], dead_api: str, tmp_path: Path) -> None:
+    proc = rollwave(*argv, "--api", dead_api, cwd=tmp_path)
+    line = assert_one_error_line(proc, 1, f"cannot reach the API at {dead_api}")
+    assert "rollwave up" in line and "--api / ROLLWAVE_API" in line
+
+
+def test_rollwave_api_env_names_the_url_it_tried(dead_api: str, tmp_path: Path) -> None:
+    assert_one_error_line(rollwave("jobs", cwd=tmp_path, env={"ROLLWAVE_API": dead_api}), 1, dead_api)
+
+
+@pytest.fixture(scope="module")
+def live_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The real API on a real (embedded) Redis, with a bearer token."""
+    from buffer.redis_server import EmbeddedRedis
+    from core.config import load_config
+    from services.api import create_app
+    from tests.http_harness import serve_app
+
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as redis:
+        cfg = load_config(None, ["run.name=cli-errors", f"redis.url={redis.url}", f"api.token={TOKEN}"])
+        with serve_app(create_app(cfg)) as url:
+            yield url
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["trajectories", "nosuchjob"], "HTTP 404: job 'nosuchjob' not found"),
+        (["submit", "--source", "arith", "--limit", "0"], "HTTP 422: source.limit: Input should be"),
+        (["submit", "--limit", "2", "--n", "0"], "HTTP 422: n_samples: Input should be greater"),
+        (["submit", "--source", "jsonl"], "HTTP 422: source: Value error, kind=jsonl needs `path`"),
+        (["submit", "--limit", "2", "--reward", "os:system"], "HTTP 422: reward: Value error, reward 'os:system'"),
+        (["jobs", "--token-file", "/nonexistent/token"], "/nonexistent/token: No such file or directory"),
+    ],
+)
+def test_api_refusals_are_one_line_naming_the_problem(argv: list[str], needle: str, live_api: str, tmp_path: Path):
+    proc = rollwave(*argv, "--api", live_api, cwd=tmp_path, env={"ROLLWAVE_API_TOKEN": TOKEN})
+    assert_one_error_line(proc, 2, needle)
+
+
+def test_a_missing_or_wrong_token_says_where_to_give_it(live_api: str, tmp_path: Path) -> None:
+    hint = "HTTP 401: missing or wrong bearer token (give the run's api.token in ROLLWAVE_API_TOKEN or --token-file)"
+    assert_one_error_line(rollwave("jobs", "--api", live_api, cwd=tmp_path), 2, hint)
+    wrong = tmp_path / "token"
+    wrong.write_text("x" * 40 + "\n")
+    assert_one_error_line(rollwave("jobs", "--api", live_api, "--token-file", str(wrong), cwd=tmp_path), 2, hint)
+    right = tmp_path / "right"
+    right.write_text(TOKEN + "\n")
+    proc = rollwave("jobs", "--api", live_api, "--token-file", str(right), cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith("JOB "), proc.stderr
+
+
+def test_debug_shows_the_traceback(dead_api: str, tmp_path: Path) -> None:
+    for argv, env in [
+        (["--debug", "status", "--api", dead_api], None),
+        (["status", "--debug", "--api", dead_api], None),
+        (["status", "--api", dead_api], {"ROLLWAVE_DEBUG": "1"}),
+    ]:
+        proc = rollwave(*argv, cwd=tmp_path, env=env)
+        assert proc.returncode == 1
+        assert proc.stderr.startswith("Traceback") and "httpx.ConnectError" in proc.stderr
+        assert proc.stderr.splitlines()[-1].startswith(f"error: cannot reach the API at {dead_api}")
+
+
+COMMANDS = [["config"], ["config", "check"], ["model"], ["model", "init"], ["engine"], ["engine", "sglang"],
+            ["rollout"], ["up"], ["down"], ["submit"], ["status"], ["jobs"], ["trajectories"]]
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=" ".join)
+def test_help_says_what_it_does_with_an_example_that_parses(path: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([*path, "--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    example = help_text.split("example:\n", 1)[1].strip().splitlines()[0]
+    argv = shlex.split(example)
+    assert argv[0] == "rollwave" and argv[1] == path[0]
+    assert build_parser().parse_args(argv[1:]).command == path[0]
+
+
+def test_top_level_help_is_for_users(tmp_path: Path) -> None:
+    proc = rollwave("--help", cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert "trains LLM agents with reinforcement learning" in proc.stdout
+    assert "rollwave up -c configs/demo.yaml" in proc.stdout and "--debug" in proc.stdout
+    assert "dispatcher" not in proc.stdout

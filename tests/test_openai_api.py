@@ -1,0 +1,252 @@
+"""The OpenAI-compatible episode endpoint, driven by the real ``openai`` client over HTTP on 127.0.0.1.
+
+Episodes run against the real embedded engine (tiny model), or against scripted assistant turns
+(``ScriptedEngine``, test data in the engine's reply shape) where a tool call is needed: the untrained
+tiny model never writes one. Chat template, tool parser, trajectory builder and rewards are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from core.config import RolloutConfig
+from core.rewards import RewardComputer
+from core.tasks import Task
+from core.trajectory import ChatRenderer, masked_spans
+from rollout_server.engine.process import EngineProcess
+from rollout_server.engine_client import EngineClient
+from rollout_server.metrics import RolloutMetrics
+from rollout_server.openai_api import AgentEpisode, EpisodeStore
+from tests.test_agent_loop import CALC, ScriptedEngine
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+MESSAGES = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 6 times 7?"}]
+TASK = Task(task_id="t-1", messages=MESSAGES, reward={"kind": "gsm8k", "ground_truth": "42"})
+
+
+class RecordingEngine(EngineClient):
+    """The real engine client, keeping every /generate reply so a test can compare the recorded tokens."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.replies: list[dict[str, Any]] = []
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        reply = await super().generate(*args, **kwargs)
+        self.replies.append(reply)
+        return reply
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir: Path) -> Iterator[str]:
+    with EngineProcess(tiny_model_dir, max_batch_size=8, max_context=1024, threads=1) as engine:
+        yield engine.url
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _config(**overrides: Any) -> RolloutConfig:
+    return RolloutConfig(**{"max_new_tokens": 24, "max_total_tokens": 512, "temperature": 1.0, **overrides})
+
+
+def _run(tokenizer: Any, engine: Any, agent: Callable[[openai.AsyncOpenAI, AgentEpisode, EpisodeStore], Awaitable[Any]],
+         model_name: str = "rollwave", **cfg: Any) -> tuple[Any, EpisodeStore]:
+    """Open one episode, serve it, run ``agent`` with an openai client on its base URL, close it."""
+    store = EpisodeStore(tokenizer, model_name, RolloutMetrics())
+
+    async def main() -> Any:
+        async with store.serving("127.0.0.1", 0):
+            ep = store.open(TASK, 0, _config(**cfg), engine, RewardComputer("gsm8k"))
+            client = openai.AsyncOpenAI(base_url=store.base_url(ep), api_key=ep.key, max_retries=0, timeout=60)
+            try:
+                await agent(client, ep, store)
+            finally:
+                await client.close()
+                sample = await store.close(ep)
+            if isinstance(engine, EngineClient):
+                await engine.aclose()
+            return sample
+
+    return asyncio.run(main()), store
+
+
+def test_tool_calling_episode_is_token_exact(tokenizer: Any, engine_url: str) -> None:
+    """A scripted tool call, then the real engine: OpenAI tool_calls out, the tool result in as a template
+    delta, and the stored tokens are exactly prompt + generated + template, the mask on generated only."""
+    real = RecordingEngine(engine_url)
+    engine = ScriptedEngine(tokenizer, [("Let me compute. " + CALC.format("6*7"), "stop")], fallback=real)
+    seen: dict[str, Any] = {}
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        messages: list[Any] = list(MESSAGES)
+        first = await client.chat.completions.create(model="rollwave", messages=messages, tools=TOOLS)
+        choice = first.choices[0]
+        seen["first"] = choice
+        messages.append(choice.message.model_dump(exclude_none=True))
+        call = choice.message.tool_calls[0]
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "42"})
+        second = await client.chat.completions.create(model="rollwave", messages=messages, tools=TOOLS)
+        seen["second"] = second
+
+    sample, store = _run(tokenizer, engine, agent, max_new_tokens=64)
+    first = seen["first"]
+    assert first.finish_reason == "tool_calls"
+    assert first.message.content == "Let me compute."
+    assert first.message.tool_calls[0].function.name == "calculator"
+    assert json.loads(first.message.tool_calls[0].function.arguments) == {"expression": "6*7"}
+
+    renderer = ChatRenderer(tokenizer)
+    prompt = renderer.prompt_ids(MESSAGES, TOOLS)
+    out1 = tokenizer.encode("Let me compute. " + CALC.format("6*7"), add_special_tokens=False) + [renderer.eos_id]
+    delta = renderer.turn_end_suffix + renderer.tool_turn_ids([{"role": "tool", "content": "42"}])
+    out2 = real.replies[0]["output_ids"]
+    assert engine.calls[1]["input_ids"] == prompt + out1 + delta  # the engine continued from the recorded tokens
+    assert sample.token_ids.tolist() == prompt + out1 + delta + out2
+    assert sample.prompt_len == len(prompt)
+    n1 = len(prompt) + len(out1)
+    expected_spans = [(0, len(prompt), 0), (len(prompt), n1, 1), (n1, n1 + len(delta), 0)]
+    if out2:
+        expected_spans.append((n1 + len(delta), len(sample.token_ids), 1))
+    assert masked_spans(sample.loss_mask) == expected_spans
+    generated = sample.behaviour_logprobs[len(sample.token_ids) - len(out2):].tolist()
+    assert generated == pytest.approx([e[0] for e in real.replies[0]["meta_info"]["output_token_logprobs"]])
+    assert sample.token_versions[len(prompt):len(prompt) + 2].tolist() == [3, 3]
+    assert sample.num_turns == 2 and sample.finish_reason in ("stop", "length")
+    assert [t.name for t in sample.tool_calls] == ["calculator"]
+    assert seen["second"].usage.total_tokens == len(sample.token_ids)
+    assert store.metrics.total("rollwave_rollout_history_mismatches_total") == 0
+
+
+def test_streaming_multi_turn_matches_engine(tokenizer: Any, engine_url: str) -> None:
+    """Streaming and non-streaming calls with a user follow-up: the recorded generated tokens and behaviour
+    logprobs are those the engine returned, turn by turn."""
+    real = RecordingEngine(engine_url)
+    texts: list[str] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        messages: list[Any] = list(MESSAGES)
+        stream = await client.chat.completions.create(model="rollwave", messages=messages, stream=True,
+                                                      stream_options={"include_usage": True})
+        parts, finish = [], None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+        assert finish in ("stop", "length")
+        texts.append("".join(parts))
+        messages += [{"role": "assistant", "content": texts[0]}, {"role": "user", "content": "And 2+2?"}]
+        reply = await client.chat.completions.create(model="rollwave", messages=messages, max_tokens=5)
+        assert reply.usage.completion_tokens <= 5
+        texts.append(reply.choices[0].message.content)
+
+    sample, store = _run(tokenizer, real, agent)
+    renderer = ChatRenderer(tokenizer)
+    generated = [i for i, m in zip(sample.token_ids.tolist(), sample.loss_mask.tolist(), strict=True) if m]
+    logprobs = [p for p, m in zip(sample.behaviour_logprobs.tolist(), sample.loss_mask.tolist(), strict=True) if m]
+    engine_ids = [t for r in real.replies for t in r["output_ids"]]
+    assert generated == engine_ids
+    assert logprobs == pytest.approx([e[0] for r in real.replies for e in r["meta_info"]["output_token_logprobs"]])
+    assert sample.token_ids.tolist()[: sample.prompt_len] == renderer.prompt_ids(MESSAGES, None)
+    assert real.replies[1]["meta_info"]["completion_tokens"] <= 5
+    assert sample.num_turns == 2 and sample.finish_reason != "history_mismatch"
+    assert texts[0] == renderer.decode([t for t in real.replies[0]["output_ids"] if t != renderer.eos_id])
+
+
+def test_edited_history_is_marked_and_counted(tokenizer: Any, engine_url: str) -> None:
+    """An agent that rewrites an earlier assistant turn is still answered, but the episode is not trainable."""
+    real = RecordingEngine(engine_url)
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        first = await client.chat.completions.create(model="rollwave", messages=MESSAGES)
+        edited = (first.choices[0].message.content or "") + " (edited)"
+        messages = [*MESSAGES, {"role": "assistant", "content": edited}, {"role": "user", "content": "go on"}]
+        second = await client.chat.completions.create(model="rollwave", messages=messages)
+        assert second.choices[0].message.role == "assistant"
+
+    sample, store = _run(tokenizer, real, agent)
+    assert sample.finish_reason == "history_mismatch"
+    assert sample.reward == 0.0 and "edited its history" in sample.reward_info["error"]
+    assert store.metrics.total("rollwave_rollout_history_mismatches_total") == 1
+
+
+def test_posted_reward_replaces_the_reward_function(tokenizer: Any) -> None:
+    engine = ScriptedEngine(tokenizer, [("The answer is 41.", "stop")])
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        await client.chat.completions.create(model="policy", messages=MESSAGES)
+        async with httpx.AsyncClient() as http:
+            wrong = await http.post(f"{store.url}/episodes/{ep.episode_id}/reward", json={"reward": 0.7},
+                                    headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401
+            ok = await http.post(f"{store.url}/episodes/{ep.episode_id}/reward", json={"reward": 0.7,
+                                 "info": {"judge": "agent"}}, headers={"Authorization": f"Bearer {ep.key}"})
+            assert ok.status_code == 200
+
+    sample, _ = _run(tokenizer, engine, agent, model_name="policy")
+    assert sample.reward == 0.7 and sample.reward_info == {"judge": "agent"}
+
+
+def test_reward_function_scores_the_final_answer(tokenizer: Any) -> None:
+    """With no posted reward the job's reward function (gsm8k) scores the last assistant turn; the header
+    form of the episode id works like the URL form."""
+    engine = ScriptedEngine(tokenizer, [("The answer is 42.", "stop")])
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        plain = openai.AsyncOpenAI(base_url=store.url + "/v1", api_key=ep.key, max_retries=0,
+                                   default_headers={"X-Episode-Id": ep.episode_id})
+        await plain.chat.completions.create(model="rollwave", messages=MESSAGES)
+        await plain.close()
+
+    sample, _ = _run(tokenizer, engine, agent)
+    assert sample.reward == 1.0 and sample.reward_info["extracted"] == "42"
+    assert sample.finish_reason == "stop"
+
+
+def test_openai_shaped_errors(tokenizer: Any) -> None:
+    engine = ScriptedEngine(tokenizer, [])
+    errors: dict[str, Any] = {}
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        async def error(name: str, call: Awaitable[Any]) -> None:
+            with pytest.raises(openai.APIStatusError) as info:
+                await call
+            errors[name] = info.value
+
+        create = client.chat.completions.create
+        await error("model", create(model="gpt-4o", messages=MESSAGES))
+        await error("tools", create(model="rollwave", messages=MESSAGES, tools=[{"type": "function",
+                                                                                  "function": {"name": "a b"}}]))
+        await error("tool_choice", create(model="rollwave", messages=MESSAGES, tools=TOOLS,
+                                          tool_choice={"type": "function", "function": {"name": "nope"}}))
+        await error("context", create(model="rollwave", messages=[{"role": "user", "content": "word " * 80}]))
+        missing = openai.AsyncOpenAI(base_url=f"{store.url}/episodes/nope/v1", api_key=ep.key, max_retries=0)
+        await error("episode", missing.chat.completions.create(model="rollwave", messages=MESSAGES))
+        await missing.close()
+        bad_key = openai.AsyncOpenAI(base_url=store.base_url(ep), api_key="wrong", max_retries=0)
+        await error("key", bad_key.chat.completions.create(model="rollwave", messages=MESSAGES))
+        await bad_key.close()
+
+    _sample, store = _run(tokenizer, engine, agent, max_total_tokens=64)
+    expected = {"model": (404, "model_not_found"), "tools": (400, "invalid_tools"),
+                "tool_choice": (400, "invalid_tool_choice"), "context": (400, "context_length_exceeded"),
+                "episode": (404, "episode_not_found"), "key": (401, "invalid_api_key")}
+    for name, (status, code) in expected.items():
+        assert (errors[name].status_code, errors[name].code) == (status, code), name
+        assert errors[name].body["message"], name
+    assert "64 tokens" in errors["context"].body["message"]
+    assert engine.calls == []
+    assert store.metrics.total("rollwave_rollout_openai_requests_total", outcome="model_not_found") == 1

@@ -1,0 +1,69 @@
+"""Staleness admission and the trainer together, through a real Redis: with ``buffer.push_every = k`` a
+version spans k steps, and a producer that obeys admission must keep the trainer fed to ``total_steps``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from trainer_helpers import synthetic_groups
+
+from buffer.keys import Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.replay import ReplayBuffer
+from buffer.staleness import StalenessControl
+from core.config import BufferConfig, TrainerConfig
+from trainer.parallel import DistContext, close_distributed, init_distributed
+from trainer.worker import Trainer
+
+GPS = 2
+STEPS = 9
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Iterator[DistContext]:
+    assert "RANK" not in os.environ, "RANK is set; these tests need a lone process"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    context = init_distributed("cpu")
+    yield context
+    close_distributed()
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("push_every", [2, 3])
+def test_push_every_k_steps_reaches_total_steps(
+    ctx: DistContext, tiny_model_dir: Path, redis_server: EmbeddedRedis, tmp_path: Path, push_every: int
+) -> None:
+    """The producer admits and writes every group admission allows, at the committed version, before each
+    step; the step must find a full batch (with the bound of one step per version it ran dry after step 5)."""
+    run = f"k{push_every}"
+    cfg = BufferConfig(max_staleness=2, groups_per_step=GPS, push_every=push_every)
+    client, keys = redis.Redis.from_url(redis_server.url), Keys(run)
+    staleness = StalenessControl(client, keys, cfg)
+    replay = ReplayBuffer(client, keys, cfg)
+    replay.ensure_group()
+    trainer_cfg = TrainerConfig(total_steps=STEPS, checkpoint_every=1, take_timeout_s=0.2, device="cpu")
+    trainer = Trainer(trainer_cfg, tiny_model_dir, tmp_path, cfg).start(ctx=ctx)
+    produced, versions = 0, []
+    while not trainer.done:
+        version = staleness.version()
+        while staleness.try_admit(f"s{produced}-g0"):
+            assert replay.put_many(synthetic_groups(produced, 1, version=version, run=run)) == [1]
+            produced += 1
+        assert produced >= (trainer.step + 1) * GPS, (
+            f"admission ran dry before step {trainer.step + 1}: {produced} groups admitted at version {version}"
+        )
+        groups, _ = trainer.next_batch(replay)
+        record = trainer.train(groups)
+        versions.append(record["policy_version"])
+        staleness.set_version(trainer.version)  # what the rollout servers' commit of the pushed version does
+    trainer.finish(replay)
+    trainer.close()
+    assert trainer.step == STEPS and trainer.version == STEPS // push_every
+    assert versions == [s // push_every for s in range(STEPS)]  # a version spans push_every steps
+    assert produced <= (trainer.version + cfg.max_staleness + 1) * GPS * push_every

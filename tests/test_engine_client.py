@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -11,16 +12,22 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from engine_helpers import encode_named_tensors
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from net_helpers import bound_socket, refused_port
+from pydantic import SecretStr
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
+from core.config import CheckpointConfig
 from rollout_server.agent_loop import turn_from_reply
+from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient, EngineError
+from trainer.checkpoint_pusher import CheckpointPusher
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
 
@@ -233,6 +240,33 @@ def test_a_056_reply_across_a_pause_is_labelled_with_the_version_at_its_start() 
             assert continued == [{"torch_empty_cache": False}]
             await receiver.resume(torch_empty_cache=True)
             assert continued[-1] == {"torch_empty_cache": True}
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("empty_cache", [False, True])
+def test_a_commit_empties_the_cuda_cache_only_when_configured(
+    tiny_model_dir: Path, tmp_path: Path, empty_cache: bool
+) -> None:
+    """A real push and Commit through the checkpoint receiver to an engine shaped like SGLang 0.5.6: the
+    continue after the load says ``torch_empty_cache: false`` unless ``checkpoint.empty_cache_on_resume``."""
+    config = CheckpointConfig(token=SecretStr(secrets.token_urlsafe(32)), stage_dir=tmp_path / "stage",
+                              empty_cache_on_resume=empty_cache)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+    async def run() -> None:
+        app, _, continued = sglang_056_stub()
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+            receiver = CheckpointReceiver(config, tiny_model_dir, engine, url, "stub")
+            address = await receiver.start()
+            pusher = CheckpointPusher(config, [address])
+            try:
+                pushed = await asyncio.to_thread(lambda: pusher.push_model(model, version=1).wait(60))
+            finally:
+                await asyncio.to_thread(pusher.close)
+                await receiver.stop()
+            assert pushed.ok, pushed.servers
+            assert continued == [{"torch_empty_cache": empty_cache}]
 
     asyncio.run(run())
 

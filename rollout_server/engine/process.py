@@ -7,6 +7,7 @@ rollwave's versions are integers (the pusher numbers them).
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -18,6 +19,9 @@ import httpx
 from core.net import listen_socket
 from core.process import stop_process
 from rollout_server.engine import ENGINE_KEY_ENV
+
+log = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 30.0
 
 
 class EngineProcess:
@@ -75,7 +79,8 @@ class EngineProcess:
         return self._proc.pid
 
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
-        """Bind (port 0: any free port; a busy fixed one is retried), start the child, wait for /health."""
+        """Bind (port 0: any free port; a busy fixed one is retried), start the child, wait up to ``timeout_s``
+        for /health (``engine.ready_timeout_s``), logging every 30 s that it still waits."""
         sock = listen_socket(self.host, self.port, "engine")
         self.port = sock.getsockname()[1]
         self.url = f"http://{self.host}:{self.port}"
@@ -88,8 +93,13 @@ class EngineProcess:
         with sock:  # the child holds its own copy; ours is closed once it runs
             self._proc = subprocess.Popen([*self._cmd, "--fd", str(sock.fileno())], stdout=out,
                                           stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),), env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        next_log = started + PROGRESS_EVERY_S
+        while (now := time.monotonic()) < started + timeout_s:
+            if now >= next_log:  # a big checkpoint takes a while to load: say that it is still coming
+                log.info("waiting for the engine at %s to be healthy: %.0f s of %.0f s", self.url, now - started,
+                         timeout_s)
+                next_log += PROGRESS_EVERY_S
             if self._proc.poll() is not None:
                 raise RuntimeError(f"engine exited with code {self._proc.returncode}: {' '.join(self._cmd)}")
             try:

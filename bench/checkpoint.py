@@ -4,7 +4,8 @@
     receiver reports it) against np.copyto of the same number of bytes, both into a warm,
     preallocated buffer and into fresh pages (np.empty each time, so page faults are included).
 (b) Stage throughput (pusher in this process -> gRPC -> receiver process writing the staged
-    safetensors on tmpfs, crc32s on both sides) against raw loopback TCP moving the same bytes
+    safetensors on tmpfs, crc32s on both sides; timed by the receiver, from the manifest to the
+    trailer, since the pusher streams in the background) against raw loopback TCP moving the same bytes
     (sendall of 1 MiB slices -> recv_into a reused buffer in another process). For reference it
     also times a bare gRPC stream of the same 1 MiB messages into a sink that only counts them.
 
@@ -206,13 +207,10 @@ def run(pushes: int, layers: int, engine_threads: int) -> None:
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1e-3)
-            start = time.perf_counter()
-            report = pusher.stage(version, metas, lambda: iter_full_params(model))
-            stage.append(time.perf_counter() - start)
-            pusher.commit(report)
-            server = report.servers[0]
+            [server] = pusher.push(metas, iter_full_params(model), version=version).wait(600).servers
             if not server.ok:
                 raise RuntimeError(f"push of version {version} failed: {server.error}")
+            stage.append(server.stage_seconds)
             pause.append(server.pause_seconds)
             load.append(server.load_seconds)
         pusher.close()

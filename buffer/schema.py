@@ -5,6 +5,7 @@ cross-server join. Arrays travel as raw little-endian buffers with a dtype fixed
 
 Schema versions: 2 adds the group's sampling ``temperature``; a version-1 group decodes with
 ``temperature=None`` (not recorded: the trainer falls back to its configured ``rollout.temperature``).
+3 adds ``Sample.versions_approximate``; an older group decodes with ``False``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 FAILED_FINISH_REASONS = ("error", "abort", "reward_error")  # the episode has no valid outcome
 
@@ -48,7 +49,9 @@ class Sample:
     """One trajectory: prompt + every turn as token ids, with what the trainer needs per token.
 
     ``loss_mask`` is 1 only on tokens the policy generated; ``behaviour_logprobs`` and
-    ``token_versions`` are defined there (0 and -1 elsewhere).
+    ``token_versions`` are defined there (0 and -1 elsewhere). ``versions_approximate``: the engine gave no
+    per-token versions (SGLang < 0.5.23), so every token of a turn carries the version current when its
+    request started; a weight swap during the request makes that label older than some tokens.
     """
 
     sample_index: int
@@ -66,6 +69,7 @@ class Sample:
     queued: float = 0.0
     started: float = 0.0
     finished: float = 0.0
+    versions_approximate: bool = False
 
     def __post_init__(self) -> None:
         for name, dtype in ARRAY_DTYPES.items():
@@ -164,8 +168,8 @@ def _check_fields(d: Any, required: list[str], known: list[str], where: str) -> 
         raise SchemaError(f"{where}: unknown field(s) {', '.join(unknown)}")
 
 
-def _sample_from_wire(d: dict[str, Any], where: str) -> Sample:
-    _check_fields(d, _REQUIRED_SAMPLE, _SAMPLE_FIELDS, where)
+def _sample_from_wire(d: dict[str, Any], known: list[str], where: str) -> Sample:
+    _check_fields(d, _REQUIRED_SAMPLE, known, where)
     kwargs = dict(d)
     for name, dtype in ARRAY_DTYPES.items():
         raw = kwargs[name]
@@ -202,12 +206,14 @@ def decode_group(data: bytes) -> TrajectoryGroup:
     if version not in READABLE_VERSIONS:
         readable = ", ".join(map(str, READABLE_VERSIONS))
         raise SchemaError(f"trajectory group: schema_version {version!r} is not supported (want {readable})")
-    known = _GROUP_FIELDS if version == SCHEMA_VERSION else [f for f in _GROUP_FIELDS if f != "temperature"]
+    known = _GROUP_FIELDS if version >= 2 else [f for f in _GROUP_FIELDS if f != "temperature"]
     _check_fields(wire, _REQUIRED_GROUP, known, "trajectory group")
     if not isinstance(wire["samples"], list):
         raise SchemaError("trajectory group.samples: expected a list")
     where = f"group {wire['task_id']}"
-    wire["samples"] = [_sample_from_wire(s, f"{where}.samples[{i}]") for i, s in enumerate(wire["samples"])]
+    sample_known = _SAMPLE_FIELDS if version >= 3 else [f for f in _SAMPLE_FIELDS if f != "versions_approximate"]
+    wire["samples"] = [_sample_from_wire(s, sample_known, f"{where}.samples[{i}]")
+                       for i, s in enumerate(wire["samples"])]
     group = TrajectoryGroup(**wire)
     group.validate()
     return group

@@ -73,9 +73,25 @@ class RunConfig(Section):
         return self.dir / self.name
 
 
+def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float = 0.0, where: str = "") -> None:
+    """SGLang's sampling checks (``srt/sampling/sampling_params.py``): a value SGLang would refuse fails every
+    episode, so it is refused here first. ``where`` prefixes the key in the message."""
+    if temperature < 0:
+        raise ValueError(f"{where}temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{where}top_p must be in (0, 1], got {top_p}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"{where}min_p must be in [0, 1], got {min_p}")
+    if top_k < 1 and top_k != -1:
+        raise ValueError(f"{where}top_k must be -1 (disable), or at least 1, got {top_k}")
+
+
 class ModelConfig(Section):
     path: Path = Field(Path("runs/model"), description="HF model directory (built by `rollwave model init`)")
-    init_if_missing: bool = Field(True, description="build the tiny model at `path` when it does not exist")
+    init_if_missing: bool = Field(
+        False, description="build the tiny model at `path` when it does not exist (the demo); off: a missing "
+        "model is an error naming model.path"
+    )
     seed: int = 0
 
 
@@ -104,6 +120,13 @@ class EngineConfig(Section):
     request_timeout_s: float = Field(600.0, gt=0)
     sglang_args: list[str] = Field(default_factory=list, description="extra flags for sglang.launch_server")
     threads: int = Field(0, ge=0, description="embedded engine: torch intra-op threads (0: torch's default)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="embedded engine: dtype of the served weights (auto: the checkpoint's, as SGLang)"
+    )
+    ready_timeout_s: float = Field(
+        3600.0, gt=0, description="how long the rollout server waits for its engines' /health (a 70B load "
+        "from network storage takes tens of minutes); progress is logged meanwhile"
+    )
 
 
 class RolloutConfig(Section):
@@ -118,7 +141,7 @@ class RolloutConfig(Section):
         1.0, gt=0, description="train sampling temperature (groups record it; the trainer divides logits by it)"
     )
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, description="-1 (the whole vocabulary) or >= 1, as SGLang requires")
     max_concurrent_groups: int = Field(8, ge=1, description="train groups in flight per server")
     max_concurrent_eval_groups: int = Field(64, ge=1, description="eval groups in flight (usually 1 sample each)")
     tools: Path | None = Field(None, description="tool config YAML; None uses the built-in tools")
@@ -169,6 +192,11 @@ class RolloutConfig(Section):
                 f"reward {self.reward!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}) "
                 "nor a name in rollout.reward_allowlist"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sampling(self) -> RolloutConfig:
+        check_sampling(self.temperature, self.top_p, self.top_k)
         return self
 
 
@@ -250,6 +278,12 @@ class CheckpointConfig(Section):
         50.0, gt=0, description="a server that stages slower than this misses its Stage deadline (a straggler)"
     )
     commit_timeout_s: float = Field(300.0, gt=0, description="deadline of a Commit: pause, load, continue")
+    pause_timeout_s: float = Field(
+        60.0, gt=0, description="receiver: deadline for the engine to pause (and to continue) around a load"
+    )
+    empty_cache_on_resume: bool = Field(
+        False, description="receiver: let continue_generation empty the CUDA cache (SGLang's torch_empty_cache)"
+    )
     retries: int = Field(2, ge=0, description="more tries of a Stage refused as unavailable, or of a failed Commit")
     quorum: int | Literal["majority", "all"] = Field(
         "majority",

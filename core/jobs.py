@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core.config import RolloutConfig
+from core.config import RolloutConfig, check_sampling
 from core.rewards import REWARD_NAME
 from core.tasks import Task, load_tasks
 
@@ -67,8 +67,14 @@ class TaskSource(Strict):
 class SamplingSpec(Strict):
     temperature: float | None = Field(None, ge=0, le=10)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, description="-1 (the whole vocabulary) or >= 1, as SGLang requires")
     max_new_tokens: int | None = Field(None, ge=1, le=32_768)
+
+    @model_validator(mode="after")
+    def _sglang_rules(self) -> SamplingSpec:
+        check_sampling(1.0 if self.temperature is None else self.temperature,
+                       1.0 if self.top_p is None else self.top_p, -1 if self.top_k is None else self.top_k)
+        return self
 
 
 class JobSpec(Strict):

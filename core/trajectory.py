@@ -22,12 +22,14 @@ _DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"
 class Turn:
     """One /generate reply as the trajectory needs it: the contract between the agent loop and the builder.
 
-    ``output_ids``, ``logprobs`` and ``versions`` have one entry per generated token.
+    ``output_ids``, ``logprobs`` and ``versions`` have one entry per generated token; ``approximate``: the
+    versions are the one current when the request started, not the engine's own per-token spans.
     """
 
     output_ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    approximate: bool = False
 
 
 class ChatRenderer:
@@ -91,6 +93,7 @@ class TrajectoryBuilder:
     loss_mask: list[int] = field(init=False)
     logprobs: list[float] = field(init=False)
     versions: list[int] = field(init=False)
+    versions_approximate: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -113,6 +116,7 @@ class TrajectoryBuilder:
         self.loss_mask += [1] * n
         self.logprobs += turn.logprobs
         self.versions += turn.versions
+        self.versions_approximate |= turn.approximate
 
     def add_template(self, ids: list[int]) -> None:
         """Tokens the policy did not generate (tool output, template markup): loss_mask 0."""

@@ -93,11 +93,13 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("current_version", "staged_version", "engine_url")
+    __slots__ = ("current_version", "staged_version", "engine_url", "served")
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     current_version: int
     staged_version: int
     engine_url: str
-    def __init__(self, current_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., engine_url: _Optional[str] = ...) -> None: ...
+    served: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, current_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., engine_url: _Optional[str] = ..., served: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...

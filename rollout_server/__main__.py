@@ -29,9 +29,10 @@ from core.config import Config, ConfigError, EngineConfig, load_config_or_exit, 
 from core.metrics import serve_metrics
 from core.net import is_loopback
 from core.tiny_model import ensure_model
+from rollout_server.agent_loop import parse_version
 from rollout_server.checkpoint_receiver import CheckpointMetrics, ReceiverThread
 from rollout_server.engine.process import EngineProcess
-from rollout_server.engine_client import EngineClient
+from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.tools import ToolRegistry
 from rollout_server.worker import RolloutWorker
@@ -60,9 +61,9 @@ async def engine_urls(cfg: EngineConfig, model: Path, stack: AsyncExitStack) -> 
     if cfg.backend != "embedded":
         raise ConfigError(f"engine.urls: engine.backend={cfg.backend} needs the URLs of running servers")
     engine = EngineProcess(model, host=cfg.host, port=cfg.port, max_batch_size=cfg.max_batch_size,
-                           max_context=cfg.max_context, threads=cfg.threads,
+                           max_context=cfg.max_context, threads=cfg.threads, dtype=cfg.dtype,
                            api_key=key or secrets.token_urlsafe(32))
-    await asyncio.to_thread(engine.start)
+    await asyncio.to_thread(engine.start, cfg.ready_timeout_s)
     stack.callback(engine.close)
     return [engine.url], engine.api_key
 
@@ -90,7 +91,13 @@ async def serve(cfg: Config) -> None:
         engines = [EngineClient(url, timeout_s=cfg.engine.request_timeout_s, api_key=key) for url in urls]
         for engine in engines:
             stack.push_async_callback(engine.aclose)
-            await engine.wait_ready()
+            try:
+                await engine.wait_ready(cfg.engine.ready_timeout_s)
+                parse_version(await engine.weight_version())
+            except EngineError as exc:
+                raise ConfigError(f"engine.ready_timeout_s: {exc}") from None
+            except ValueError as exc:
+                raise ConfigError(f"engine.urls: {engine.base_url}: {exc}") from None
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model)

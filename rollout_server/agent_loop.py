@@ -51,23 +51,37 @@ class EngineReplyError(ValueError):
 
 
 def parse_version(version: Any) -> int:
-    """Engine weight versions are strings; ours are ints. ``"7"`` -> 7; ``"default"`` or unknown -> 0."""
+    """Engine weight versions are strings; ours are integers the pusher numbers. ``"7"`` -> 7; anything else
+    (SGLang's ``"default"``, ``"step0"``, None) is an error: a token with an unknown version cannot be judged
+    for staleness, and reading it as 0 would silently mislabel it."""
     text = str(version).strip()
-    return int(text) if text.lstrip("-").isdigit() else 0
+    if not text.lstrip("-").isdigit():
+        raise ValueError(f"weight version {version!r} is not an integer: rollwave numbers versions 0, 1, 2, ... "
+                         "(start the engine with --weight-version 0)")
+    return int(text)
 
 
 def turn_from_reply(reply: dict[str, Any]) -> Turn:
-    """``output_ids``, behaviour logprobs and per-token versions of one SGLang /generate reply."""
+    """``output_ids``, behaviour logprobs and per-token versions of one SGLang /generate reply (as
+    ``EngineClient`` normalises it: ``weight_versions_approximate`` when the engine gave no spans)."""
     ids = [int(t) for t in reply.get("output_ids") or []]
     meta = reply.get("meta_info") or {}
     entries = meta.get("output_token_logprobs") or []
     if len(entries) != len(ids) or any(int(e[1]) != t for e, t in zip(entries, ids, strict=True)):
         raise EngineReplyError(f"output_token_logprobs ({len(entries)}) do not match output_ids ({len(ids)})")
-    versions = [parse_version(meta.get("weight_version", "default"))] * len(ids)
-    for span in meta.get("weight_versions") or []:
-        start, end = int(span["start"]), min(int(span["end"]), len(ids))
-        versions[start:end] = [parse_version(span["version"])] * max(0, end - start)
-    return Turn(ids, [float(e[0]) for e in entries], versions)
+    spans = meta.get("weight_versions")
+    if ids and not spans:
+        raise EngineReplyError("the reply says no weight version for its tokens (SGLang >= 0.5.6 is required)")
+    versions = [-1] * len(ids)
+    try:
+        for span in spans or []:
+            start, end = int(span["start"]), min(int(span["end"]), len(ids))
+            versions[start:end] = [parse_version(span["version"])] * max(0, end - start)
+    except ValueError as exc:
+        raise EngineReplyError(str(exc)) from None
+    if -1 in versions:
+        raise EngineReplyError(f"weight_versions {spans} do not cover the {len(ids)} output tokens")
+    return Turn(ids, [float(e[0]) for e in entries], versions, bool(meta.get("weight_versions_approximate")))
 
 
 @dataclass
@@ -278,6 +292,7 @@ class AgentLoop:
             sample_index=ep.sample_index,
             prompt_len=ep.builder.prompt_len,
             **ep.builder.arrays(),
+            versions_approximate=ep.builder.versions_approximate,
             reward=reward,
             reward_info=info,
             finish_reason=ep.finish_reason,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import shutil
 import threading
 import time
@@ -40,12 +41,14 @@ from core.net import bind_retrying, listen_socket
 from proto import checkpoint_pb2 as pb
 from rollout_server.engine_client import EngineClient, EngineError, EngineGroup
 
+log = logging.getLogger(__name__)
+
 
 class WeightEngine(Protocol):
     """What Commit needs from the engine client (``rollout_server.engine_client.EngineClient``)."""
 
     async def pause(self, mode: str = ...) -> Any: ...
-    async def resume(self) -> Any: ...
+    async def resume(self, torch_empty_cache: bool = ...) -> Any: ...
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = ...,
                                        flush_cache: bool = ...) -> Any: ...
 
@@ -93,8 +96,9 @@ class _State:
 class CheckpointService:
     """Stage/Commit/Abort/Status over one served model directory and one engine."""
 
-    def __init__(self, model_dir: Path, stage_root: Path, engine: WeightEngine, engine_url: str,
-                 version: int, metrics: CheckpointMetrics):
+    def __init__(self, config: CheckpointConfig, model_dir: Path, stage_root: Path, engine: WeightEngine,
+                 engine_url: str, version: int, metrics: CheckpointMetrics):
+        self.config = config
         self.model_dir = Path(model_dir)
         self.stage_root = Path(stage_root)
         self.engine = engine
@@ -104,6 +108,7 @@ class CheckpointService:
         self._state = _State(current=version, current_dir=self.model_dir)
         self._stage_lock = asyncio.Lock()
         self._commit_lock = asyncio.Lock()
+        self._late: set[asyncio.Task[None]] = set()  # continues owed to pauses that answered late
         metrics.version.set(version)
 
     @property
@@ -238,18 +243,30 @@ class CheckpointService:
                 shutil.rmtree(old, ignore_errors=True)
             if swap.error:
                 self.metrics.commit_failures.labels(swap.reason).inc()
-                raise StageError(swap.reason, f"version {version}: {swap.error}", grpc.StatusCode.INTERNAL)
+                timed_out = swap.reason.endswith("_timeout")
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if timed_out else grpc.StatusCode.INTERNAL
+                raise StageError(swap.reason, f"version {version}: {swap.error}", code)
             return pb.CommitReply(version=version, pause_seconds=swap.pause_s, load_seconds=swap.load_s)
 
     async def _swap(self, path: Path, version: int) -> _Swap:
         """pause(retract) -> update_weights_from_disk -> continue; continue even when the load fails.
 
         The pause is timed from the moment the engine confirms it (generation has stopped; the engine
-        finishes the decode step in progress first) to the moment continue returns."""
+        finishes the decode step in progress first) to the moment continue returns. Pause and continue each
+        have ``pause_timeout_s``: the version is refused, naming the stage; a pause that answers later is
+        followed by its continue before any other swap, so the engine is never left paused."""
+        limit = self.config.pause_timeout_s
+        pause = asyncio.ensure_future(self.engine.pause("retract"))
         try:
-            await self.engine.pause("retract")
+            await asyncio.wait_for(asyncio.shield(pause), limit)
         except EngineError as exc:
             return _Swap(error=f"pause failed, still serving the old weights: {exc}", reason="pause")
+        except TimeoutError:
+            late = asyncio.create_task(self._continue_late(pause))
+            self._late.add(late)
+            late.add_done_callback(self._late.discard)
+            return _Swap(error=f"pause: no answer from the engine within {limit:g} s; still serving the old weights",
+                         reason="pause_timeout")
         swap = _Swap()
         start = load_start = time.monotonic()
         try:
@@ -258,14 +275,33 @@ class CheckpointService:
         except EngineError as exc:
             swap.error, swap.reason = f"load failed, continuing on the old weights: {exc}", "load"
         swap.load_s = time.monotonic() - load_start
-        try:
-            await self.engine.resume()
-        except EngineError as exc:
-            swap.error, swap.reason = f"{swap.error}; continue_generation failed: {exc}".lstrip("; "), "resume"
+        await self._resume(swap)
         swap.pause_s = time.monotonic() - start
         self.metrics.pause_seconds.observe(swap.pause_s)
         self.metrics.paused_seconds.inc(swap.pause_s)
         return swap
+
+    async def _continue_late(self, pause: asyncio.Future[Any]) -> None:
+        """After a pause that missed its deadline: once it lands, continue the engine (holding the commit lock,
+        so no other swap runs in between)."""
+        async with self._commit_lock:
+            try:
+                await pause
+            except EngineError:
+                return
+            swap = _Swap()
+            await self._resume(swap)
+            if swap.error:
+                log.error("engine %s: after a late pause, %s", self.engine_url, swap.error)
+
+    async def _resume(self, swap: _Swap) -> None:
+        limit = self.config.pause_timeout_s
+        try:
+            await asyncio.wait_for(self.engine.resume(self.config.empty_cache_on_resume), limit)
+        except (EngineError, TimeoutError) as exc:
+            why = f"no answer from the engine within {limit:g} s" if isinstance(exc, TimeoutError) else str(exc)
+            swap.error = f"{swap.error}; continue_generation failed: {why}".lstrip("; ")
+            swap.reason = "resume_timeout" if isinstance(exc, TimeoutError) else "resume"
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
         state = self._state
@@ -277,8 +313,10 @@ class CheckpointService:
         return pb.AbortReply(dropped=True)
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
+        served = [pb.TensorSpec(name=name, dtype=dtype, shape=list(shape))
+                  for name, (dtype, shape) in self.served.items()]
         return pb.StatusReply(current_version=self._state.current, staged_version=self._state.staged,
-                              engine_url=self.engine_url)
+                              engine_url=self.engine_url, served=served)
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -317,7 +355,7 @@ class CheckpointReceiver:
         self.metrics = metrics or CheckpointMetrics()
         stage_root = Path(config.stage_dir) / server_name
         shutil.rmtree(stage_root, ignore_errors=True)
-        self.service = CheckpointService(model_dir, stage_root, engine, engine_url, version, self.metrics)
+        self.service = CheckpointService(config, model_dir, stage_root, engine, engine_url, version, self.metrics)
         self._server: grpc.aio.Server | None = None
 
     @property

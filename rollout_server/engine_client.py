@@ -2,22 +2,24 @@
 
 Everything else in rollwave talks to engines only through this class. It smooths over the SGLang
 versions: the weight version is read from ``/model_info`` (0.5.23, embedded) or ``/get_weight_version``
-(0.5.6); replies always carry ``meta_info.weight_versions`` (synthesised from ``weight_version`` when the
-server predates it); ``update_weights_from_tensor`` opens the 0.5.23 weight-update session when the server
-has one. Connection errors are retried with bounded exponential backoff; any other failure raises
-``EngineError`` with the server's status and message.
+(0.5.6); replies always carry ``meta_info.weight_versions``. A server that predates per-token spans
+(0.5.6) gets one span labelled with the version current when the request started (the version this client
+last saw the server serve), and ``meta_info.weight_versions_approximate``: a swap during the request makes
+that label older than the tokens after it, never newer. ``update_weights_from_tensor`` opens the 0.5.23
+weight-update session when the server has one. Connection errors are retried with bounded exponential
+backoff; any other failure raises ``EngineError`` with the server's status and message.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
+import logging
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import httpx
 
+log = logging.getLogger(__name__)
 RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
@@ -29,13 +31,6 @@ class EngineError(RuntimeError):
         self.status = status
         self.message = message
         self.path = path
-
-
-def encode_named_tensors(named_tensors: Iterable[tuple[str, Any]]) -> str:
-    """One ``serialized_named_tensors`` element in the embedded engine's format (base64 safetensors)."""
-    from safetensors.torch import save
-
-    return base64.b64encode(save({name: t.contiguous() for name, t in named_tensors})).decode("ascii")
 
 
 class EngineClient:
@@ -62,6 +57,7 @@ class EngineClient:
         self._backoff_s = backoff_s
         self._has_session: bool | None = None  # 0.5.23's begin/end_weight_update, probed on first use
         self._session_lock = asyncio.Lock()  # one weight-update session at a time from this client
+        self.version: str | None = None  # the weight version this client last saw the server serve
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -89,9 +85,11 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        started = self.version if self.version is not None else await self.weight_version()
         reply = (await self._call("POST", "/generate", body)).json()
         for item in reply if isinstance(reply, list) else [reply]:
-            _normalise(item)
+            _normalise(item, started)
+            self.version = item["meta_info"].get("weight_version", self.version)
         return reply
 
     async def abort(self, rid: str | None = None) -> None:
@@ -103,14 +101,18 @@ class EngineClient:
     async def pause(self, mode: str = "retract") -> None:
         await self._call("POST", "/pause_generation", {"mode": mode})
 
-    async def resume(self) -> None:
-        await self._call("POST", "/continue_generation", {})
+    async def resume(self, torch_empty_cache: bool = False) -> None:
+        """``continue_generation``; SGLang empties the CUDA cache only when asked (its default, for ``{}``,
+        is to empty it at every continue)."""
+        await self._call("POST", "/continue_generation", {"torch_empty_cache": torch_empty_cache})
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
     ) -> dict[str, Any]:
         body = {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache}
-        return _checked(await self._call("POST", "/update_weights_from_disk", body), "/update_weights_from_disk")
+        reply = _checked(await self._call("POST", "/update_weights_from_disk", body), "/update_weights_from_disk")
+        self.version = weight_version if weight_version is not None else self.version
+        return reply
 
     async def update_weights_from_tensor(
         self,
@@ -119,8 +121,8 @@ class EngineClient:
         flush_cache: bool = True,
         load_format: str | None = None,
     ) -> dict[str, Any]:
-        """Send serialized tensors (one element per TP rank; ``encode_named_tensors`` for the embedded
-        engine, ``MultiprocessingSerializer.serialize(..., output_str=True)`` for SGLang)."""
+        """Send serialized tensors, one element per TP rank, in the engine's own format (SGLang:
+        ``MultiprocessingSerializer.serialize(..., output_str=True)``; the embedded engine: docs/engine.md)."""
         body = {
             "serialized_named_tensors": serialized_named_tensors,
             "weight_version": weight_version,
@@ -134,7 +136,9 @@ class EngineClient:
             finally:
                 if opened:
                     await self._call("POST", "/end_weight_update", {})
-        return _checked(reply, "/update_weights_from_tensor")
+        checked = _checked(reply, "/update_weights_from_tensor")
+        self.version = weight_version if weight_version is not None else self.version
+        return checked
 
     async def _begin_session(self) -> bool:
         if self._has_session is False:
@@ -159,7 +163,8 @@ class EngineClient:
                     continue
                 raise
             if "weight_version" in info:
-                return info["weight_version"]
+                self.version = info["weight_version"]
+                return self.version
         return None
 
     async def model_info(self) -> dict[str, Any]:
@@ -182,12 +187,19 @@ class EngineClient:
         except httpx.TransportError:
             return False
 
-    async def wait_ready(self, timeout_s: float = 60.0) -> None:
-        """Poll ``/health`` until it answers 200; raises EngineError after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
+    async def wait_ready(self, timeout_s: float = 3600.0, log_every_s: float = 30.0) -> None:
+        """Poll ``/health`` until it answers 200, logging every ``log_every_s`` that it still waits (a big model
+        takes minutes to load); raises EngineError after ``timeout_s``."""
+        start = time.monotonic()
+        next_log = start + log_every_s
         while not await self.health():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > start + timeout_s:
                 raise EngineError(None, f"not healthy after {timeout_s:.0f}s", self.base_url + "/health")
+            if now >= next_log:
+                log.info("waiting for the engine at %s to be healthy: %.0f s of %.0f s", self.base_url,
+                         now - start, timeout_s)
+                next_log += log_every_s
             await asyncio.sleep(0.1)
 
     # ---- transport -----------------------------------------------------------------------------
@@ -231,14 +243,16 @@ def _checked(resp: httpx.Response, path: str) -> dict[str, Any]:
     return body
 
 
-def _normalise(item: dict[str, Any]) -> None:
-    """Give every reply ``weight_versions`` and ``num_retractions``, whatever the SGLang version."""
-    meta = item.get("meta_info", {})
+def _normalise(item: dict[str, Any], started: str | None) -> None:
+    """Give every reply ``weight_versions`` and ``num_retractions``, whatever the SGLang version; without the
+    server's spans, one span of ``started`` (the version when the request started), marked approximate."""
+    meta = item.setdefault("meta_info", {})
     if "weight_versions" not in meta:
-        version = meta.get("weight_version")
+        version = started if started is not None else meta.get("weight_version")
         end = meta.get("completion_tokens", len(item.get("output_ids", [])))
         spans = [{"version": version, "start": 0, "end": end}] if end else []
         meta["weight_versions"] = None if version is None else spans
+        meta["weight_versions_approximate"] = True
     if "num_retractions" not in meta:
         meta["num_retractions"] = meta.get("total_retractions", 0)
 
@@ -254,8 +268,8 @@ class EngineGroup:
     async def pause(self, mode: str = "retract") -> None:
         await asyncio.gather(*(e.pause(mode) for e in self.engines))
 
-    async def resume(self) -> None:
-        await asyncio.gather(*(e.resume() for e in self.engines))
+    async def resume(self, torch_empty_cache: bool = False) -> None:
+        await asyncio.gather(*(e.resume(torch_empty_cache) for e in self.engines))
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True

@@ -2,7 +2,8 @@
 
 SGLang runs in its own environment (it pins a CUDA torch and its own transformers), so the Python that
 runs it is a flag, checked first: it must import sglang. The command keeps SGLang on loopback by default,
-sets the starting ``--weight-version`` (every reply carries it), parses Qwen2.5 tool calls under the
+sets the starting ``--weight-version`` (every reply carries it; rollwave's versions are integers, 0 by
+default, where SGLang's own default is the string ``default``), parses Qwen2.5 tool calls under the
 parser name the installed SGLang prefers, and, when the engine shares GPUs with the trainer
 (``--colocate``), enables torch_memory_saver so ``/release_memory_occupation`` really frees memory. The
 tokenizer stays on (no ``--skip-tokenizer-init``): stop strings such as ``</tool_call>`` and the
@@ -45,7 +46,7 @@ def build_command(
     port: int,
     *,
     host: str = "127.0.0.1",
-    weight_version: str | None = None,
+    weight_version: int = 0,
     tp: int = 1,
     mem_fraction: float | None = None,
     colocate: bool = False,
@@ -73,9 +74,9 @@ def build_command(
         str(port),
         "--tool-call-parser",
         tool_call_parser,
+        "--weight-version",
+        str(weight_version),
     ]
-    if weight_version is not None:
-        cmd += ["--weight-version", weight_version]
     if tp != 1:
         cmd += ["--tp-size", str(tp)]
     if mem_fraction is not None:

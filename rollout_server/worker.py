@@ -318,10 +318,15 @@ class RolloutWorker:
                 log.warning("heartbeat: %s: %s", type(exc).__name__, exc)
 
     async def _engine_version(self) -> int:
+        """The version the first engine serves; the last one known when it cannot be read, or is not an
+        integer (logged: tokens of such a version are refused by the agent loop anyway)."""
         try:
             return parse_version(await self.engines[0].weight_version())
-        except (httpx.HTTPError, EngineError):
-            return self.info.version
+        except (httpx.HTTPError, EngineError) as exc:
+            log.warning("cannot read the weight version of %s: %s", self.engines[0].base_url, exc)
+        except ValueError as exc:
+            log.error("engine %s: %s", self.engines[0].base_url, exc)
+        return self.info.version
 
     async def _drain(self) -> None:
         """Give in-flight groups ``shutdown_grace_s`` to finish, then hand the rest back."""

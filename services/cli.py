@@ -64,6 +64,15 @@ def _handler(path: str):
     return run
 
 
+def _weight_version(text: str) -> int:
+    from rollout_server.agent_loop import parse_version
+
+    try:
+        return parse_version(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _explain(exc: BaseException, args: argparse.Namespace) -> tuple[str, int]:
     """What went wrong and what to do (one line), and the exit code, for an exception a handler raised."""
     import httpx
@@ -159,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True, help="HF model directory or hub id (on the GPU host)")
     e.add_argument("--port", type=int, required=True, help="port to serve on (1..65535)")
     e.add_argument("--host", default="127.0.0.1")
-    e.add_argument("--weight-version", help="version reported until the first weight update")
+    e.add_argument("--weight-version", type=_weight_version, default=0,
+                   help="version reported until the first weight update (an integer, default 0)")
     e.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     e.add_argument("--mem-fraction", type=float, help="SGLang's --mem-fraction-static")
     e.add_argument("--colocate", action="store_true", help="shares GPUs with the trainer: --enable-memory-saver")

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
 import torch
+from safetensors.torch import save
+
+
+def encode_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """One ``serialized_named_tensors`` element in the embedded engine's own format (base64 safetensors;
+    SGLang's is its MultiprocessingSerializer, which rollwave never sends)."""
+    return base64.b64encode(save({name: t.contiguous() for name, t in named_tensors})).decode("ascii")
 
 
 def post(url: str, path: str, body: Any = None, **kw: Any) -> httpx.Response:

@@ -31,8 +31,8 @@ from buffer.schema import TrajectoryGroup, decode_group, encode_group
 from core.config import RolloutConfig
 from core.rewards import RewardComputer
 from core.tasks import Task, load_tasks
-from core.trajectory import ChatRenderer, masked_spans
-from rollout_server.agent_loop import AgentLoop, parse_version
+from core.trajectory import ChatRenderer, TrajectoryBuilder, masked_spans
+from rollout_server.agent_loop import AgentLoop, EngineReplyError, parse_version, turn_from_reply
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient
 from rollout_server.metrics import RolloutMetrics
@@ -145,8 +145,30 @@ def _teacher_forced_gap(model: Any, sample: Any, temperature: float = 1.0, only:
     return float(np.abs(forced - sample.behaviour_logprobs[positions]).max())
 
 
+def test_turn_versions_approximate_flag_and_refusals() -> None:
+    ids = [5, 6, 7]
+    meta = {"output_token_logprobs": [[-0.5, t, None] for t in ids], "weight_version": "4",
+            "weight_versions": [{"version": "3", "start": 0, "end": 3}], "weight_versions_approximate": True}
+    turn = turn_from_reply({"output_ids": ids, "meta_info": meta})
+    assert turn.versions == [3, 3, 3] and turn.approximate
+    builder = TrajectoryBuilder([1, 2])
+    builder.add_generated(turn)
+    assert builder.versions_approximate
+    with pytest.raises(EngineReplyError, match="weight version 'step0' is not an integer"):
+        turn_from_reply({"output_ids": ids, "meta_info": {
+            **meta, "weight_versions": [{"version": "step0", "start": 0, "end": 3}]}})
+    with pytest.raises(EngineReplyError, match="SGLang >= 0.5.6 is required"):
+        turn_from_reply({"output_ids": ids, "meta_info": {**meta, "weight_versions": None}})
+    with pytest.raises(EngineReplyError, match="do not cover the 3 output tokens"):
+        turn_from_reply({"output_ids": ids, "meta_info": {
+            **meta, "weight_versions": [{"version": "3", "start": 0, "end": 2}]}})
+
+
 def test_parse_version() -> None:
-    assert [parse_version(v) for v in ("7", 3, "default", "step7", " 12 ")] == [7, 3, 0, 0, 12]
+    assert [parse_version(v) for v in ("7", 3, " 12 ")] == [7, 3, 12]
+    for bad in ("default", "step7", None, "1.5"):
+        with pytest.raises(ValueError, match=f"weight version {bad!r} is not an integer"):
+            parse_version(bad)
 
 
 def test_real_episodes_logprobs_match_a_teacher_forced_forward(engine_url: str, tokenizer: Any, model: Any) -> None:

@@ -64,7 +64,7 @@ class Fleet:
     def __init__(self, model_dir: Path, stage_dir: Path):
         self.model_dir = model_dir
         self.config = CheckpointConfig(token=TOKEN, stage_dir=stage_dir, chunk_bytes=64 << 10, retries=1,
-                                       connect_timeout_s=1.0)
+                                       connect_timeout_s=5.0)
         self.engines = [EngineProcess(model_dir) for _ in range(2)]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -405,7 +405,6 @@ def _bad_manifests(model: PreTrainedModel) -> Iterator[tuple[str, list[TensorMet
     yield extra.name, [*metas, extra], {**tensors, extra.name: torch.zeros(4, 4)}
     wrong = TensorMeta(last, torch.float32, (metas[-1].shape[0] + 1,))
     yield last, [*metas[:-1], wrong], {**tensors, last: torch.zeros(wrong.shape)}
-    yield metas[0].name, model_metas(model, torch.float16), tensors
 
 
 def test_bad_manifests_are_rejected_without_a_pause(fleet: Fleet, base_model: PreTrainedModel) -> None:
@@ -449,6 +448,12 @@ def test_corrupt_data_and_offsets_are_rejected_without_a_pause(fleet: Fleet, bas
 
     err = _refused(fleet.addresses[1], [head, *data[:hit], *data[hit + 1:], trailer])
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected offset" in err.details()
+
+    half = {t.name: torch.float16 for t in manifest.tensors}  # a pusher that ignored the served dtypes
+    err = _refused(fleet.addresses[1], list(snapshot_of(base_model, version + 1).chunks(4096, half)))
+    first = manifest.tensors[0].name
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"tensor {first}: dtype float16, served model has float32" in err.details()
 
     for i in range(2):
         assert fleet.engine_state(i) == states[i]
@@ -509,8 +514,8 @@ def test_quorum_publishes_without_an_unreachable_server(
     written: list[int] = []
     with refused_port() as port:
         dead = f"127.0.0.1:{port}"
-        pusher = CheckpointPusher(fleet.config.model_copy(update={"quorum": quorum}), [*fleet.addresses, dead],
-                                  set_version=written.append)
+        config = fleet.config.model_copy(update={"quorum": quorum, "connect_timeout_s": 1.0})
+        pusher = CheckpointPusher(config, [*fleet.addresses, dead], set_version=written.append)
         pushed = pusher.push_model(base_model, version=version)
         assert pushed is not None
         pushed.wait(WAIT_S)
@@ -603,7 +608,8 @@ def test_stage_deadline_grows_with_bytes_over_min_throughput(fleet: Fleet, base_
     assert missed is not None
     missed.wait(WAIT_S)
     strict.close()
-    assert all((s.stage, s.reason) == ("stage", "timeout") and s.stage_attempts == 1 for s in missed.servers)
+    assert all((s.stage, s.reason) == ("stage", "timeout") and s.stage_attempts == 1 for s in missed.servers), \
+        missed.servers
     assert all("stage: no answer within its 0.00" in s.error for s in missed.servers), missed.servers
     assert fleet.version() == version - 1 and not missed.published
     pusher = fleet.pusher()
@@ -619,10 +625,10 @@ from core.config import CheckpointConfig
 from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine_client import EngineClient
 
-async def main(model, engine_url, stage_dir, token):
+async def main(model, engine_url, stage_dir, token, pause_timeout_s):
     async with EngineClient(engine_url) as client:
-        receiver = CheckpointReceiver(CheckpointConfig(token=token, stage_dir=Path(stage_dir)), Path(model), client,
-                                      engine_url, "frozen")
+        config = CheckpointConfig(token=token, stage_dir=Path(stage_dir), pause_timeout_s=float(pause_timeout_s))
+        receiver = CheckpointReceiver(config, Path(model), client, engine_url, "frozen")
         print(await receiver.start(), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         await receiver.stop()
@@ -632,12 +638,13 @@ asyncio.run(main(*sys.argv[1:]))
 
 
 @contextlib.contextmanager
-def lone_server(model_dir: Path, stage_dir: Path) -> Iterator[tuple[EngineProcess, subprocess.Popen, str]]:
+def lone_server(model_dir: Path, stage_dir: Path, pause_timeout_s: float = 60.0
+                ) -> Iterator[tuple[EngineProcess, subprocess.Popen, str]]:
     """A third server, outside the fleet: its own engine, and its receiver in a process of its own (so either
     can be frozen). Yields the engine, the receiver process and its address; both are continued and stopped."""
     engine = EngineProcess(model_dir).start()
-    proc = subprocess.Popen([sys.executable, "-c", RECEIVER_SCRIPT, str(model_dir), engine.url, str(stage_dir), TOKEN],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", RECEIVER_SCRIPT, str(model_dir), engine.url, str(stage_dir), TOKEN,
+                             str(pause_timeout_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         yield engine, proc, proc.stdout.readline().strip()
@@ -671,7 +678,7 @@ def test_frozen_server_misses_its_deadline_then_gets_only_the_newest_version(
             stalled = push().wait(WAIT_S)
             by_address = {s.address: s for s in stalled.servers}
             assert (by_address[frozen].stage, by_address[frozen].reason) == ("connect", "timeout")
-            assert "connect: no answer within its 1 s deadline" in by_address[frozen].error
+            assert "connect: no answer within its 5 s deadline" in by_address[frozen].error
             assert stalled.published and pusher.published == stalled.version == fleet.version()
             for _ in range(3):  # pushed faster than the frozen server fails them: one at least waits and is replaced
                 push()
@@ -713,4 +720,29 @@ def test_commit_deadline_then_the_late_commit_lands(base_model: PreTrainedModel,
         assert httpx.get(engine.url + "/model_info", timeout=WAIT_S).json()["weight_version"] == "2"
         assert greedy_engine(engine.url) == greedy_reference(base_model)  # not left paused
         assert pusher.push_model(base_model, version=3).wait(WAIT_S).ok
+        pusher.close()
+
+
+def test_pause_deadline_names_the_stage_and_the_engine_is_continued_after(
+    base_model: PreTrainedModel, tiny_model_dir: Path, fleet: Fleet
+) -> None:
+    """``checkpoint.pause_timeout_s`` on the receiver: an engine that does not pause in time fails the Commit
+    at once (not after the pusher's Commit deadline), naming the server and the stage; the late pause is then
+    followed by its continue, so the engine generates again and takes the next version."""
+    with lone_server(tiny_model_dir, fleet.config.stage_dir, pause_timeout_s=1.0) as (engine, _, address):
+        pusher = CheckpointPusher(fleet.config.model_copy(update={"commit_timeout_s": 300.0}), [address])
+        assert pusher.push_model(base_model, version=1).wait(WAIT_S).ok
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            late = pusher.push_model(base_model, version=2)
+            assert late is not None
+            [result] = late.wait(WAIT_S).servers
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+        assert (result.stage, result.reason, result.commit_attempts) == ("commit", "pause_timeout", 1), result
+        assert f"server {address} ({address}): commit: DEADLINE_EXCEEDED: version 2: pause: no answer from the " \
+               "engine within 1 s" in result.error
+        assert greedy_engine(engine.url) == greedy_reference(base_model)  # continued after its late pause
+        assert pusher.push_model(base_model, version=3).wait(WAIT_S).ok
+        assert status_of(address).current_version == 3
         pusher.close()

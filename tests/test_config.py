@@ -3,8 +3,11 @@
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from core.config import MASK, ConfigError, dump_config, load_config, require_secret
+from core.jobs import JobSpec
+from core.tiny_model import ensure_model
 from services.api.app import check_api_config
 from services.cli import main
 
@@ -39,6 +42,11 @@ def test_layering_defaults_file_overrides(tmp_path: Path) -> None:
         (["trainer.is_low=3", "trainer.is_high=2"], "trainer:"),
         (["trainer"], "expected dotted.key=value"),
         (["checkpoint.quorum=0"], "checkpoint: quorum must be majority, all or a number >= 1"),
+        (["rollout.top_k=0"], "rollout: top_k must be -1 (disable), or at least 1, got 0"),
+        (["rollout.top_p=0"], "rollout.top_p:"),
+        (["engine.dtype=int8"], "engine.dtype:"),
+        (["engine.ready_timeout_s=0"], "engine.ready_timeout_s:"),
+        (["checkpoint.pause_timeout_s=-1"], "checkpoint.pause_timeout_s:"),
         (["checkpoint.quorum=most"], "checkpoint.quorum"),
         (["checkpoint.min_throughput_mib_s=0"], "checkpoint.min_throughput_mib_s:"),
         (["checkpoint.connect_timeout_s=0"], "checkpoint.connect_timeout_s:"),
@@ -63,6 +71,23 @@ def test_cli_config_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "lr: 2.0e-05" in out
     assert main(["config", "check", "-c", str(ROOT / "configs/demo.yaml"), "api.port=http"]) == 2
     assert "api.port" in capsys.readouterr().err
+
+
+def test_a_missing_model_is_an_error_naming_model_path(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"model.path={tmp_path / 'none'}"])
+    with pytest.raises(ConfigError, match=f"model.path: {tmp_path / 'none'} holds no model"):
+        ensure_model(cfg.model)
+    assert not (tmp_path / "none").exists()
+    built = ensure_model(load_config(None, [f"model.path={tmp_path / 'tiny'}", "model.init_if_missing=true"]).model)
+    assert (built / "config.json").is_file()
+    assert load_config(ROOT / "configs/demo.yaml").model.init_if_missing
+
+
+def test_a_job_refuses_what_sglang_would() -> None:
+    source = {"kind": "arith", "limit": 1}
+    with pytest.raises(ValidationError, match="top_k must be -1"):
+        JobSpec.model_validate({"source": source, "sampling": {"top_k": 0}})
+    assert JobSpec.model_validate({"source": source, "sampling": {"top_k": 5}}).sampling.top_k == 5
 
 
 def test_sync_mode_is_async_with_zero_staleness() -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -11,14 +12,22 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import uvicorn
+from engine_helpers import encode_named_tensors
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from net_helpers import bound_socket
+from net_helpers import bound_socket, refused_port
+from pydantic import SecretStr
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
+from core.config import CheckpointConfig
+from rollout_server.agent_loop import turn_from_reply
+from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine.process import EngineProcess
-from rollout_server.engine_client import EngineClient, EngineError, encode_named_tensors
+from rollout_server.engine_client import EngineClient, EngineError
+from trainer.checkpoint_pusher import CheckpointPusher
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
 
@@ -93,11 +102,16 @@ async def _running(url: str) -> bool:
         return "rollwave_engine_running_requests 1.0" in (await http.get(url + "/metrics")).text
 
 
-def sglang_056_stub(with_version: bool = True) -> tuple[FastAPI, list[str]]:
+def sglang_056_stub(with_version: bool = True, gate: asyncio.Event | None = None
+                    ) -> tuple[FastAPI, list[str], list[dict]]:
     """SGLang 0.5.6's shapes: ``/get_weight_version``, replies without ``weight_versions`` and with
-    ``total_retractions``, ``update_weights_from_tensor`` without a session; no ``/model_info``."""
+    ``total_retractions`` (the version reported is the one at the end of the request), pause, continue and
+    ``update_weights_from_disk``, ``update_weights_from_tensor`` without a session; no ``/model_info``.
+    ``/generate`` waits for ``gate`` when one is given. Returns the app, the paths seen and the bodies of
+    ``/continue_generation``."""
     app = FastAPI()
     seen: list[str] = []
+    continued: list[dict] = []
     state = {"version": "stub-v1"}
 
     @app.middleware("http")
@@ -126,6 +140,8 @@ def sglang_056_stub(with_version: bool = True) -> tuple[FastAPI, list[str]]:
 
     @app.post("/generate")
     async def generate(body: dict) -> dict:
+        if gate is not None:
+            await gate.wait()
         meta = {
             "id": "r",
             "finish_reason": {"type": "length", "length": 3},
@@ -143,7 +159,21 @@ def sglang_056_stub(with_version: bool = True) -> tuple[FastAPI, list[str]]:
         state["version"] = body.get("weight_version") or state["version"]
         return {"success": True, "message": "Success"}
 
-    return app, seen
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: dict) -> dict:
+        state["version"] = body.get("weight_version") or state["version"]
+        return {"success": True, "message": "Success"}
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: dict) -> dict:
+        return {}
+
+    @app.post("/continue_generation")
+    async def continue_generation(body: dict) -> dict:
+        continued.append(body)
+        return {}
+
+    return app, seen, continued
 
 
 @asynccontextmanager
@@ -167,13 +197,13 @@ async def serve(app: FastAPI, sock: socket.socket | None = None, delay_s: float 
 
 def test_sglang_056_shapes_are_normalised() -> None:
     async def run() -> None:
-        app, seen = sglang_056_stub()
+        app, seen, _ = sglang_056_stub()
         async with serve(app) as url, EngineClient(url, backoff_s=0.05) as client:
             await client.wait_ready(10)
             assert await client.weight_version() == "stub-v1"
             out = await client.generate(PROMPT, {"max_new_tokens": 3})
             assert out["meta_info"]["weight_versions"] == [{"version": "stub-v1", "start": 0, "end": 3}]
-            assert out["meta_info"]["num_retractions"] == 0
+            assert out["meta_info"]["weight_versions_approximate"] and out["meta_info"]["num_retractions"] == 0
             for version in ("stub-v2", "stub-v3"):
                 assert (await client.update_weights_from_tensor(["payload"], weight_version=version))["success"]
             assert await client.weight_version() == "stub-v3"
@@ -183,14 +213,86 @@ def test_sglang_056_shapes_are_normalised() -> None:
     asyncio.run(run())
 
 
+def test_a_056_reply_across_a_pause_is_labelled_with_the_version_at_its_start() -> None:
+    """A 0.5.6 reply says only the version at its end. A request that starts under version 1 and finishes after
+    a swap to 2 is labelled 1 (the staleness is over-, never under-estimated) and marked approximate; the next
+    request is labelled 2. Continue is sent with ``torch_empty_cache: false``."""
+
+    async def run() -> None:
+        gate = asyncio.Event()
+        app, _, continued = sglang_056_stub(gate=gate)
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as client, \
+                EngineClient(url, backoff_s=0.05) as receiver:
+            await client.wait_ready(10)
+            await receiver.update_weights_from_disk("/staged/v1", weight_version="1")
+            assert await client.weight_version() == "1"
+            request = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 3}))
+            await asyncio.sleep(0.2)  # the request is in flight, held by the gate
+            await receiver.pause("retract")
+            await receiver.update_weights_from_disk("/staged/v2", weight_version="2")
+            await receiver.resume()
+            gate.set()
+            out = await request
+            assert out["meta_info"]["weight_version"] == "2"  # what the server says: the version at the end
+            turn = turn_from_reply(out)
+            assert turn.versions == [1, 1, 1] and turn.approximate
+            assert turn_from_reply(await client.generate(PROMPT)).versions == [2, 2, 2]
+            assert continued == [{"torch_empty_cache": False}]
+            await receiver.resume(torch_empty_cache=True)
+            assert continued[-1] == {"torch_empty_cache": True}
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("empty_cache", [False, True])
+def test_a_commit_empties_the_cuda_cache_only_when_configured(
+    tiny_model_dir: Path, tmp_path: Path, empty_cache: bool
+) -> None:
+    """A real push and Commit through the checkpoint receiver to an engine shaped like SGLang 0.5.6: the
+    continue after the load says ``torch_empty_cache: false`` unless ``checkpoint.empty_cache_on_resume``."""
+    config = CheckpointConfig(token=SecretStr(secrets.token_urlsafe(32)), stage_dir=tmp_path / "stage",
+                              empty_cache_on_resume=empty_cache)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+    async def run() -> None:
+        app, _, continued = sglang_056_stub()
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+            receiver = CheckpointReceiver(config, tiny_model_dir, engine, url, "stub")
+            address = await receiver.start()
+            pusher = CheckpointPusher(config, [address])
+            try:
+                pushed = await asyncio.to_thread(lambda: pusher.push_model(model, version=1).wait(60))
+            finally:
+                await asyncio.to_thread(pusher.close)
+                await receiver.stop()
+            assert pushed.ok, pushed.servers
+            assert continued == [{"torch_empty_cache": empty_cache}]
+
+    asyncio.run(run())
+
+
 def test_servers_without_versions_give_none() -> None:
     async def run() -> None:
-        app, _ = sglang_056_stub(with_version=False)
+        app, _, _ = sglang_056_stub(with_version=False)
         async with serve(app) as url, EngineClient(url, backoff_s=0.05) as client:
             await client.wait_ready(10)
             assert await client.weight_version() is None
             out = await client.generate(PROMPT)
             assert out["meta_info"]["weight_versions"] is None
+
+    asyncio.run(run())
+
+
+def test_wait_ready_logs_its_progress(caplog: pytest.LogCaptureFixture) -> None:
+    async def run() -> None:
+        with refused_port() as port:
+            url = f"http://127.0.0.1:{port}"
+            async with EngineClient(url, retries=0) as client:
+                with caplog.at_level("INFO", logger="rollout_server.engine_client"), \
+                        pytest.raises(EngineError) as exc:
+                    await client.wait_ready(1.0, log_every_s=0.3)
+        assert "not healthy after 1s" in str(exc.value) and url in str(exc.value)
+        assert sum(f"waiting for the engine at {url} to be healthy" in r.getMessage() for r in caplog.records) >= 2
 
     asyncio.run(run())
 
@@ -206,7 +308,7 @@ def test_connection_errors_are_retried_then_reported() -> None:
             assert exc.value.status is None and "cannot connect" in exc.value.message
             with pytest.raises(EngineError):
                 await client.wait_ready(0.3)
-        app, _ = sglang_056_stub()
+        app, _, _ = sglang_056_stub()
         async with (
             serve(app, sock, delay_s=0.5),
             EngineClient(f"http://127.0.0.1:{port}", retries=10, backoff_s=0.05) as client,

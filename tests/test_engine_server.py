@@ -65,8 +65,8 @@ def test_single_reply_has_sglang_shape(engine: str) -> None:
     assert meta["finish_reason"] == {"type": "length", "length": 6}
     assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == len(out["output_ids"]) == 6
     assert meta["cached_tokens"] == 0 and meta["num_retractions"] == 0
-    assert meta["weight_version"] == "default"
-    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": 6}]
+    assert meta["weight_version"] == "0"
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 6}]
     assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
     assert all(isinstance(e[0], float) and e[0] <= 0 and e[2] is None for e in meta["output_token_logprobs"])
     assert meta["input_token_logprobs"] == [] and meta["e2e_latency"] > 0
@@ -273,7 +273,8 @@ def test_pause_abort_returns_partial_output_and_new_requests_wait(engine: str) -
 
 def test_info_health_flush_and_metrics(engine: str) -> None:
     info = httpx.get(engine + "/model_info").json()
-    assert info["weight_version"] == "default" and info["is_generation"] is True
+    assert info["weight_version"] == "0" and info["is_generation"] is True
+    assert info["dtype"] == "float32"  # --dtype auto: the checkpoint's
     assert httpx.get(engine + "/get_model_info").json() == info
     assert httpx.get(engine + "/health").status_code == 200 and httpx.get(engine + "/health").content == b""
     assert httpx.get(engine + "/health_generate").status_code == 200
@@ -285,9 +286,21 @@ def test_info_health_flush_and_metrics(engine: str) -> None:
         "rollwave_engine_running_requests",
         "rollwave_engine_waiting_requests",
         "rollwave_engine_paused_seconds_total",
-        'rollwave_engine_weight_version_info{version="default"} 1.0',
+        'rollwave_engine_weight_version_info{version="0"} 1.0',
     ):
         assert name in text
+
+
+def test_bf16_weights_served_on_cpu(tiny_model_dir: Path) -> None:
+    """``--dtype bfloat16`` (``engine.dtype``) serves an fp32 checkpoint in bf16; a pushed fp32 or bf16 version
+    loads into the bf16 weights."""
+    with EngineProcess(tiny_model_dir, threads=1, dtype="bfloat16") as proc:
+        assert httpx.get(proc.url + "/model_info").json()["dtype"] == "bfloat16"
+        out = gen(proc.url, PROMPT, {"max_new_tokens": 4, "temperature": 0}, return_logprob=True)
+        assert len(out["output_ids"]) == 4 and all(lp <= 0 for lp, _, _ in out["meta_info"]["output_token_logprobs"])
+        reply = post(proc.url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "1"})
+        assert reply.json()["success"], reply.text
+        assert gen(proc.url, PROMPT, {"max_new_tokens": 4, "temperature": 0})["output_ids"] == out["output_ids"]
 
 
 def test_with_a_key_every_route_needs_it(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -313,7 +326,7 @@ def test_with_a_key_every_route_needs_it(tiny_model_dir: Path, tmp_path: Path) -
                 return await client.weight_version(), await client.generate(PROMPT, {"max_new_tokens": 2})
 
         version, reply = asyncio.run(through_the_client())
-        assert version == "default" and len(reply["output_ids"]) == 2
+        assert version == "0" and len(reply["output_ids"]) == 2
         cmdlines = []
         for path in Path("/proc").glob("[0-9]*/cmdline"):
             try:

@@ -12,12 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from engine_helpers import metric, post, teacher_forced, until
+from engine_helpers import encode_named_tensors, metric, post, teacher_forced, until
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from rollout_server.engine.process import EngineProcess
-from rollout_server.engine_client import encode_named_tensors
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
 LONG = {"max_new_tokens": 800, "temperature": 0.8, "ignore_eos": True}

@@ -143,6 +143,19 @@ def test_pods_mount_defined_volumes_and_probe_declared_ports() -> None:
                 for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                     port = container.get(probe, {}).get("httpGet", {}).get("port")
                     assert port is None or port in ports, (container["name"], probe, port)
+                    if probe in container:  # SGLang's /health answers after 1 s; Kubernetes' default is 1 s
+                        assert container[probe].get("timeoutSeconds", 1) >= 3, (container["name"], probe)
+
+
+def test_sglang_startup_budget_fits_a_big_model() -> None:
+    for budget in (None, 7200):
+        values = {"engine": {"backend": "sglang", **({"sglang": {"startupSeconds": budget}} if budget else {})}}
+        rollout = find(render(values), "StatefulSet", "-rollout")
+        pods = containers(rollout)
+        probe = pods["sglang"]["startupProbe"]
+        seconds = budget or 3600
+        assert probe["periodSeconds"] * probe["failureThreshold"] == seconds
+        assert f"engine.ready_timeout_s={seconds}" in pods["rollout-server"]["args"]
 
 
 def test_sglang_backend_puts_an_engine_with_gpus_beside_each_rollout_server(tmp_path: Path) -> None:

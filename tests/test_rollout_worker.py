@@ -19,7 +19,7 @@ import grpc
 import httpx
 import pytest
 from buffer_helpers import client
-from net_helpers import bound_socket
+from net_helpers import bound_socket, refused_port
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
@@ -262,3 +262,24 @@ def test_bound_ports_are_published_and_busy_configured_ports_waited_for(redis_se
         grpc.channel_ready_future(channel).result(timeout=10)
     w.proc.send_signal(signal.SIGTERM)
     assert w.proc.wait(60) == 0, w.log()
+
+
+def test_startup_refuses_an_unready_engine_or_a_non_integer_version(
+    redis_server: EmbeddedRedis, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """``engine.ready_timeout_s`` bounds the wait for the engine; an engine that reports a version rollwave
+    cannot number (SGLang's default ``default``) is refused at startup, naming it."""
+    base = [sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp_path}",
+            f"redis.url={redis_server.url}", f"model.path={tiny_model_dir}"]
+    env = {**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": CHECKPOINT_TOKEN}
+    with refused_port() as port:
+        dead = f"http://127.0.0.1:{port}"
+        proc = subprocess.run([*base, f"engine.urls=[{dead}]", "engine.ready_timeout_s=1"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"error: engine.ready_timeout_s: {dead}/health: not healthy after 1s" in proc.stderr
+    with EngineProcess(tiny_model_dir, weight_version="default", threads=1) as engine:
+        proc = subprocess.run([*base, f"engine.urls=[{engine.url}]"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"error: engine.urls: {engine.url}: weight version 'default' is not an integer" in proc.stderr

@@ -67,7 +67,7 @@ def test_truncated_bytes() -> None:
 def test_wrong_schema_version() -> None:
     wire = msgpack.unpackb(encode_group(make_group()))
     wire["schema_version"] = SCHEMA_VERSION + 1
-    with pytest.raises(SchemaError, match=r"schema_version 3 is not supported \(want 1, 2\)"):
+    with pytest.raises(SchemaError, match=r"schema_version 4 is not supported \(want 1, 2, 3\)"):
         decode_group(msgpack.packb(wire))
 
 
@@ -75,6 +75,8 @@ def test_version_1_groups_decode_without_a_temperature() -> None:
     """A group written before the temperature was recorded: the trainer uses its own default for it."""
     wire = msgpack.unpackb(encode_group(make_group()))
     wire["schema_version"] = 1
+    for sample in wire["samples"]:
+        del sample["versions_approximate"]
     with pytest.raises(SchemaError, match=r"unknown field\(s\) temperature"):
         decode_group(msgpack.packb(wire))
     del wire["temperature"]
@@ -83,6 +85,19 @@ def test_version_1_groups_decode_without_a_temperature() -> None:
     wire["temperature"] = -1.0
     with pytest.raises(SchemaError, match=r"group t-1\.temperature: -1\.0 is not a number >= 0"):
         decode_group(msgpack.packb(wire))
+
+
+def test_version_2_groups_decode_without_approximate_versions() -> None:
+    group = make_group()
+    group.samples[0].versions_approximate = True
+    assert decode_group(encode_group(group)).samples[0].versions_approximate
+    wire = msgpack.unpackb(encode_group(make_group()))
+    wire["schema_version"] = 2
+    with pytest.raises(SchemaError, match=r"unknown field\(s\) versions_approximate"):
+        decode_group(msgpack.packb(wire))
+    for sample in wire["samples"]:
+        del sample["versions_approximate"]
+    assert not any(s.versions_approximate for s in decode_group(msgpack.packb(wire)).samples)
 
 
 @pytest.mark.parametrize("field", ["token_ids", "prompt_len", "loss_mask"])

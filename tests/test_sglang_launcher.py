@@ -30,6 +30,8 @@ def test_defaults_bind_loopback_and_parse_qwen_tool_calls() -> None:
         "30001",
         "--tool-call-parser",
         "qwen",
+        "--weight-version",
+        "0",
     ]
 
 
@@ -38,7 +40,7 @@ def test_rl_flags_and_extra_args() -> None:
         "m",
         1,
         host="10.0.0.5",
-        weight_version="step3",
+        weight_version=3,
         tp=4,
         mem_fraction=0.6,
         colocate=True,
@@ -46,7 +48,7 @@ def test_rl_flags_and_extra_args() -> None:
         extra=["--log-level", "debug"],
     )
     assert cmd[cmd.index("--host") + 1] == "10.0.0.5"
-    assert cmd[cmd.index("--weight-version") + 1] == "step3"
+    assert cmd[cmd.index("--weight-version") + 1] == "3"
     assert cmd[cmd.index("--tp-size") + 1] == "4"
     assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.6"
     assert "--enable-memory-saver" in cmd and "--skip-tokenizer-init" not in cmd
@@ -97,7 +99,7 @@ def test_cli_builds_the_same_command(capsys: pytest.CaptureFixture) -> None:
         "--port",
         "30000",
         "--weight-version",
-        "v1",
+        "1",
         "--colocate",
         "--python",
         "py",
@@ -107,10 +109,17 @@ def test_cli_builds_the_same_command(capsys: pytest.CaptureFixture) -> None:
     ]
     args = build_parser().parse_args(argv)
     assert command_from_args(args) == build_command(
-        "m", 30000, weight_version="v1", colocate=True, python="py", extra=["--context-length", "4096"]
+        "m", 30000, weight_version=1, colocate=True, python="py", extra=["--context-length", "4096"]
     )
     assert main([*argv[:-3], "--dry-run"]) == 0
-    assert capsys.readouterr().out.split() == build_command("m", 30000, weight_version="v1", colocate=True, python="py")
+    assert capsys.readouterr().out.split() == build_command("m", 30000, weight_version=1, colocate=True, python="py")
+
+
+def test_a_non_integer_weight_version_is_refused(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["engine", "sglang", "--model", "m", "--port", "1", "--weight-version", "step0", "--dry-run"])
+    assert exit_.value.code == 2
+    assert "weight version 'step0' is not an integer" in capsys.readouterr().err
 
 
 def _fake_sglang(root: Path) -> None:

@@ -149,11 +149,13 @@ class _Failed(Exception):
 
 
 def _failure(stage: str, exc: grpc.RpcError, deadline_s: float) -> _Failed:
+    """The failure of one call: the receiver's own reason when it refused (a pause it timed out on
+    included), else a timeout of our deadline or the gRPC code."""
     code = exc.code()
-    reason = dict(exc.trailing_metadata() or ()).get(REASON_KEY) or _REASONS.get(code, "failed")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    reason = dict(exc.trailing_metadata() or ()).get(REASON_KEY)
+    if reason is None and code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return _Failed(stage, "timeout", f"{stage}: no answer within its {deadline_s:.3g} s deadline")
-    return _Failed(stage, str(reason), f"{stage}: {code.name}: {exc.details()}")
+    return _Failed(stage, str(reason or _REASONS.get(code, "failed")), f"{stage}: {code.name}: {exc.details()}")
 
 
 class _Link:
@@ -241,9 +243,12 @@ class _Link:
     def _push(self, snapshot: Snapshot) -> PushResult:
         result = self._result(snapshot.version)
         try:
-            result.serves = self._connect()
+            status = self._connect()
+            result.serves = status.current_version
             if result.serves != snapshot.version:  # equal: a commit that outlived its deadline landed
-                self._stage_version(snapshot, result)
+                dtypes = {t.name: getattr(torch, t.dtype) for t in status.served}
+                self._pusher.served_dtypes = dtypes
+                self._stage_version(snapshot, dtypes, result)
                 self._commit(snapshot.version, result)
         except _Failed as failed:
             result.stage, result.reason = failed.stage, failed.reason
@@ -253,24 +258,25 @@ class _Link:
         result.finished = time.time()
         return result
 
-    def _connect(self) -> int:
-        """The version the server serves, asked once the channel is up: a server that cannot be reached, or
-        is reached but does not answer (frozen), fails here within ``connect_timeout_s``."""
+    def _connect(self) -> pb.StatusReply:
+        """The server's Status (the version and the tensor dtypes it serves), asked once the channel is up: a
+        server that cannot be reached, or is reached but does not answer (frozen), fails here within
+        ``connect_timeout_s``."""
         timeout = self._config.connect_timeout_s
         try:
             status = self._stub.Status(pb.StatusRequest(), metadata=self._pusher.metadata, timeout=timeout,
                                        wait_for_ready=True)
         except grpc.RpcError as exc:
             raise _failure("connect", exc, timeout) from None
-        return status.current_version
+        return status
 
-    def _stage_version(self, snapshot: Snapshot, result: PushResult) -> None:
+    def _stage_version(self, snapshot: Snapshot, dtypes: dict[str, torch.dtype], result: PushResult) -> None:
         cfg = self._config
         deadline = cfg.stage_timeout_s + snapshot.nbytes / (cfg.min_throughput_mib_s * 2**20)
         for attempt in range(cfg.retries + 1):
             result.stage_attempts += 1
             try:
-                reply = self._stage(snapshot.chunks(cfg.chunk_bytes), metadata=self._pusher.metadata,
+                reply = self._stage(snapshot.chunks(cfg.chunk_bytes, dtypes), metadata=self._pusher.metadata,
                                     timeout=deadline)
             except grpc.RpcError as exc:
                 if exc.code() in _FINAL or attempt == cfg.retries or self._newer_pending():
@@ -343,6 +349,7 @@ class CheckpointPusher:
         self.metadata = [("authorization", f"Bearer {config.token.get_secret_value()}")]
         self.published = 0
         self.last_pushed = 0
+        self.served_dtypes: dict[str, torch.dtype] | None = None  # by tensor name, from the servers' Status
         self._newest: Snapshot | None = None
         self._rounds: dict[int, PushRound] = {}
         self._links: dict[str, _Link] = {}
@@ -353,16 +360,17 @@ class CheckpointPusher:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
-    def push_model(self, model: torch.nn.Module, dtype: torch.dtype | None = None,
-                   version: int | None = None) -> PushRound | None:
+    def push_model(self, model: torch.nn.Module, version: int | None = None) -> PushRound | None:
         """Snapshot ``model`` (FSDP2-sharded or plain) as ``version`` (default: the next) and hand it to the
         servers; every rank calls this (the all-gathers are collectives), rank 0 pushes and gets the round,
-        others get None. ``dtype`` casts floating tensors (e.g. to bf16 weights from fp32 masters)."""
+        others get None. Floating tensors are cast to the dtypes the servers serve (learned from their Status;
+        before the first answer the snapshot keeps the model's dtypes and each stream casts)."""
         if dist.is_initialized() and dist.get_rank() != 0:
             for _ in iter_full_params(model):
                 pass
             return None
-        return self.push(model_metas(model, dtype), iter_full_params(model), version)  # type: ignore[arg-type]
+        metas = model_metas(model, self.served_dtypes)
+        return self.push(metas, iter_full_params(model), version)  # type: ignore[arg-type]
 
     def push(self, metas: Sequence[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],
              version: int | None = None) -> PushRound:

@@ -1,17 +1,19 @@
 """One policy version frozen for pushing: its bytes in manifest order, shared by every server's Stage stream.
 
 Training goes on while versions stream to the servers, so each version is copied once (a per-parameter
-all-gather on FSDP2, cast to the pushed dtype as it lands) into a host buffer that the streams read. The
-buffer goes back to a small pool when the last stream lets go of it: a fresh multi-GiB buffer would cost its
-page faults (or a pinned allocation) on the training step's path every push. The per-tensor crc32s that
-trail the data are computed once, by the first stream that reaches the end, off the training path.
+all-gather on FSDP2, cast to the served dtype as it lands: fp32 masters become a bf16 snapshot for a bf16
+server) into a host buffer that the streams read. The buffer goes back to a small pool when the last stream
+lets go of it: a fresh multi-GiB buffer would cost its page faults (or a pinned allocation) on the training
+step's path every push. A stream to a server that serves another dtype than the snapshot's casts each tensor
+as it sends it (one tensor at a time, never a second copy of the model); each stream computes the crc32s of
+the bytes it sends, which trail the data.
 """
 
 from __future__ import annotations
 
 import threading
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +43,22 @@ class TensorMeta:
         return DTYPES[self.dtype_name][1] * int(torch.Size(self.shape).numel())
 
 
-def model_metas(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[TensorMeta]:
+def model_metas(model: torch.nn.Module, dtypes: Mapping[str, torch.dtype] | None = None) -> list[TensorMeta]:
     """Manifest entries in ``iter_full_params`` order, from parameter metadata alone (a DTensor's
-    ``shape`` is the full, unsharded one), so nothing is gathered to build the manifest."""
-    return [TensorMeta(hf_name(name), _cast_dtype(p.dtype, dtype), tuple(p.shape))
-            for name, p in model.named_parameters()]
+    ``shape`` is the full, unsharded one), so nothing is gathered to build the manifest. ``dtypes`` (the
+    served model's, by name) casts floating tensors, e.g. fp32 masters to a bf16 server."""
+    return cast_metas([TensorMeta(hf_name(name), p.dtype, tuple(p.shape)) for name, p in model.named_parameters()],
+                      dtypes)
 
 
-def _cast_dtype(have: torch.dtype, want: torch.dtype | None) -> torch.dtype:
-    return want if want is not None and have.is_floating_point else have
+def cast_metas(metas: Sequence[TensorMeta], dtypes: Mapping[str, torch.dtype] | None) -> list[TensorMeta]:
+    """``metas`` with each floating tensor in the dtype ``dtypes`` gives its name (others unchanged)."""
+    out = []
+    for m in metas:
+        want = (dtypes or {}).get(m.name)
+        cast = want is not None and want.is_floating_point and m.dtype.is_floating_point
+        out.append(TensorMeta(m.name, want, m.shape) if cast else m)  # type: ignore[arg-type]
+    return out
 
 
 def build_manifest(version: int, metas: Sequence[TensorMeta]) -> pb.Manifest:
@@ -117,7 +126,6 @@ class Snapshot:
         self._buffer: torch.Tensor | None = buffer
         self._pool = pool
         self._refs = 1
-        self._trailer: bytes | None = None
         self._lock = threading.Lock()
 
     def acquire(self) -> Snapshot:
@@ -136,30 +144,41 @@ class Snapshot:
         if buffer is not None:
             self._pool.give(buffer)
 
-    def _view(self) -> memoryview:
+    def _tensor(self, meta: TensorMeta, offset: int, out: TensorMeta) -> memoryview:
+        """One tensor's bytes as ``out`` wants them: a view of the snapshot, or a cast copy of that tensor."""
         if self._buffer is None:
             raise RuntimeError(f"snapshot of version {self.version} read after its release")
-        return memoryview(self._buffer.numpy())
+        raw = self._buffer[offset:offset + meta.nbytes]
+        if out.dtype != meta.dtype:
+            raw = raw.clone().view(meta.dtype).to(out.dtype).view(torch.uint8)
+        return memoryview(raw.numpy())
 
-    def trailer(self) -> bytes:
-        """The serialized trailer chunk (per-tensor crc32s), computed on first use."""
-        with self._lock:
-            if self._trailer is None:
-                view, crcs, offset = self._view(), [], 0
-                for meta in self.metas:
-                    crcs.append(zlib.crc32(view[offset:offset + meta.nbytes]))
-                    offset += meta.nbytes
-                trailer = pb.Trailer(crc32=crcs, checksum=trailer_checksum(crcs))
-                self._trailer = pb.Chunk(trailer=trailer).SerializeToString()
-            return self._trailer
-
-    def chunks(self, chunk_bytes: int) -> Iterator[bytes]:
-        """A whole Stage stream: the manifest, ``chunk_bytes`` slices of data, the trailer."""
-        yield self.manifest
-        view = self._view()
-        for offset in range(0, self.nbytes, chunk_bytes):
-            yield encode_data_chunk(offset, [view[offset:offset + chunk_bytes]])
-        yield self.trailer()
+    def chunks(self, chunk_bytes: int, dtypes: Mapping[str, torch.dtype] | None = None) -> Iterator[bytes]:
+        """A whole Stage stream: the manifest (floating tensors in the dtype ``dtypes`` names), ``chunk_bytes``
+        slices of data, then the trailer with the crc32 of each tensor as sent."""
+        out = cast_metas(self.metas, dtypes)
+        yield self.manifest if out == self.metas else pb.Chunk(
+            manifest=build_manifest(self.version, out)).SerializeToString()
+        crcs: list[int] = []
+        pieces: list[memoryview] = []
+        filled = offset = source = 0
+        for meta, want in zip(self.metas, out, strict=True):
+            view = self._tensor(meta, source, want)
+            source += meta.nbytes
+            crcs.append(zlib.crc32(view))
+            pos = 0
+            while pos < view.nbytes:
+                take = min(chunk_bytes - filled, view.nbytes - pos)
+                pieces.append(view[pos:pos + take])
+                filled += take
+                pos += take
+                if filled == chunk_bytes:
+                    yield encode_data_chunk(offset, pieces)
+                    offset += filled
+                    pieces, filled = [], 0
+        if pieces:
+            yield encode_data_chunk(offset, pieces)
+        yield pb.Chunk(trailer=pb.Trailer(crc32=crcs, checksum=trailer_checksum(crcs))).SerializeToString()
 
 
 def take_snapshot(version: int, metas: Sequence[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],

@@ -30,7 +30,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (logged); a busy one is retried")
     p.add_argument("--fd", type=int, help="an inherited listening socket to serve on (then --host/--port are unused)")
-    p.add_argument("--weight-version", default="default", help="version reported until the first update")
+    p.add_argument("--weight-version", default="default",
+                   help="version reported until the first update (SGLang's default; rollwave starts it with 0)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the served weights (auto: the checkpoint's)")
     p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     p.add_argument("--max-context", type=int, default=1024, help="prompt + new tokens per request")
     p.add_argument("--prefill-tokens", type=int, default=8192, help="padded tokens per prefill forward")
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper())
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    model, tokenizer, eos_ids = load_model(args.model)
+    model, tokenizer, eos_ids = load_model(args.model, args.dtype)
     max_context = min(args.max_context, model.config.max_position_embeddings)
     engine = Scheduler(
         model,

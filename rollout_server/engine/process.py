@@ -1,11 +1,13 @@
 """Run the embedded engine as a child process (``python -m rollout_server.engine``) and stop it again.
 
 The listening socket is bound here and handed to the child (``--fd``), so the URL is known before the
-child starts and no other process can take the port in between.
+child starts and no other process can take the port in between. It starts at weight version ``0``:
+rollwave's versions are integers (the pusher numbers them).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -17,6 +19,9 @@ import httpx
 from core.net import listen_socket
 from core.process import stop_process
 from rollout_server.engine import ENGINE_KEY_ENV
+
+log = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 30.0
 
 
 class EngineProcess:
@@ -32,7 +37,8 @@ class EngineProcess:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        weight_version: str = "default",
+        weight_version: str = "0",
+        dtype: str = "auto",
         max_batch_size: int = 64,
         max_context: int = 1024,
         threads: int = 0,
@@ -52,6 +58,8 @@ class EngineProcess:
             str(model),
             "--weight-version",
             weight_version,
+            "--dtype",
+            dtype,
             "--max-batch-size",
             str(max_batch_size),
             "--max-context",
@@ -71,7 +79,8 @@ class EngineProcess:
         return self._proc.pid
 
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
-        """Bind (port 0: any free port; a busy fixed one is retried), start the child, wait for /health."""
+        """Bind (port 0: any free port; a busy fixed one is retried), start the child, wait up to ``timeout_s``
+        for /health (``engine.ready_timeout_s``), logging every 30 s that it still waits."""
         sock = listen_socket(self.host, self.port, "engine")
         self.port = sock.getsockname()[1]
         self.url = f"http://{self.host}:{self.port}"
@@ -84,8 +93,13 @@ class EngineProcess:
         with sock:  # the child holds its own copy; ours is closed once it runs
             self._proc = subprocess.Popen([*self._cmd, "--fd", str(sock.fileno())], stdout=out,
                                           stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),), env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        next_log = started + PROGRESS_EVERY_S
+        while (now := time.monotonic()) < started + timeout_s:
+            if now >= next_log:  # a big checkpoint takes a while to load: say that it is still coming
+                log.info("waiting for the engine at %s to be healthy: %.0f s of %.0f s", self.url, now - started,
+                         timeout_s)
+                next_log += PROGRESS_EVERY_S
             if self._proc.poll() is not None:
                 raise RuntimeError(f"engine exited with code {self._proc.returncode}: {' '.join(self._cmd)}")
             try:

@@ -15,6 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from transformers import PreTrainedTokenizerBase
 
+from core.config import check_sampling
 from rollout_server.engine.request import Request
 from rollout_server.engine.sampling import SamplingParams
 
@@ -198,14 +199,7 @@ def _sampling(raw: dict[str, Any]) -> SamplingParams:
     for key in _UNSUPPORTED:
         if getattr(body, key) != SamplingParamsBody.model_fields[key].default:
             raise ValueError(f"sampling_params.{key} is not supported by the embedded engine")
-    if body.temperature < 0:
-        raise ValueError(f"sampling_params.temperature must be >= 0, got {body.temperature}")
-    if not 0 < body.top_p <= 1:
-        raise ValueError(f"sampling_params.top_p must be in (0, 1], got {body.top_p}")
-    if not 0 <= body.min_p <= 1:
-        raise ValueError(f"sampling_params.min_p must be in [0, 1], got {body.min_p}")
-    if body.top_k < 1 and body.top_k != -1:
-        raise ValueError(f"sampling_params.top_k must be -1 (disable), or at least 1, got {body.top_k}")
+    check_sampling(body.temperature, body.top_p, body.top_k, body.min_p, where="sampling_params.")
     if body.max_new_tokens is not None and body.max_new_tokens < 0:
         raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {body.max_new_tokens}")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())

@@ -4,8 +4,8 @@ Everything is checked (names, shapes) before the first tensor is copied, so a ba
 old weights in place and the error names the offending tensor or file.
 
 Wire format of ``/update_weights_from_tensor`` for this engine: each ``serialized_named_tensors``
-element is base64 of either a safetensors blob (``safetensors.torch.save({name: tensor})``, what
-``rollout_server.engine_client.encode_named_tensors`` produces) or of ``torch.save([(name, tensor), ...])``
+element is base64 of either a safetensors blob (``safetensors.torch.save({name: tensor})``) or of
+``torch.save([(name, tensor), ...])``
 (loaded with ``weights_only=True``). SGLang's own format (ForkingPickler, CUDA IPC handles) cannot
 cross processes on a CPU host.
 """
@@ -121,9 +121,12 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def load_model(model_dir: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, frozenset[int]]:
-    """The fp32 model in eval mode, its tokenizer, and every end-of-sequence id the checkpoint declares."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def load_model(model_dir: str | Path, dtype: str = "auto"
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, frozenset[int]]:
+    """The model in eval mode with its weights in ``dtype`` (``auto``: the checkpoint's, as SGLang's
+    ``--dtype auto``; bfloat16 runs on CPU too), its tokenizer, and every end-of-sequence id it declares."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    model.eval()
     layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"}:
         raise ValueError(

@@ -62,6 +62,7 @@ async def model_info(engine: EngineDep) -> dict[str, Any]:
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": engine.version,
+        "dtype": str(engine.model.dtype).removeprefix("torch."),  # not in SGLang's reply: the served dtype
         "load_format": "safetensors",
         "reasoning_parser": None,
         "tool_call_parser": None,

@@ -226,7 +226,9 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
-    loss: Literal["decoupled_ppo", "tis", "icepop", "ppo"] = "decoupled_ppo"
+    loss: Literal["decoupled_ppo", "tis", "icepop", "ppo"] = Field(
+        "decoupled_ppo", description="with ppo_minibatches=1 decoupled_ppo runs as IS-weighted REINFORCE (see README)"
+    )
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     clip_eps: float = Field(0.2, gt=0)
     clip_eps_high: float | None = Field(None, gt=0, description="asymmetric upper clip; None uses clip_eps")
@@ -242,7 +244,10 @@ class TrainerConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3", "low-var-kl"] = "low-var-kl"
     entropy_coef: float = Field(0.0, ge=0)
     micro_batch_tokens: int = Field(4096, ge=16)
-    ppo_minibatches: int = Field(1, ge=1, description="optimizer updates per step; >1 recomputes π_prox")
+    ppo_minibatches: int = Field(
+        1, ge=1, description="optimizer updates per step; 1: π_prox is the step's own forward, so u ≡ 1 and "
+        "clip_eps never acts; >1 recomputes π_prox and the later minibatches are clipped against it"
+    )
     take_timeout_s: float = Field(5.0, gt=0, description="how long one buffer read blocks waiting for data")
     stop_when_drained: bool = Field(
         False, description="finite data: when no train task or group is left, train the last partial batch and stop"

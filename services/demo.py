@@ -40,9 +40,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--config", default=str(ROOT / "configs/demo.yaml"))
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--sft-steps", type=int, default=700)
+    p.add_argument("--warm-start", type=Path, metavar="DIR",
+                   help="start RL from this SFT warm start (an earlier run's runs/<name>/sft) instead of making one")
     p.add_argument("--eval-tasks", type=int, default=200, help="held-out arith problems per evaluation")
     p.add_argument("--timeout-min", type=float, default=14.0, help="give up on RL after this many minutes")
     return p
+
+
+def policy(cfg: Config, run_dir: Path, sft_steps: int, warm_start_dir: Path | None) -> Path:
+    """The RL run's starting policy: ``warm_start_dir`` when given (it must hold an HF model), else a fresh
+    SFT warm start of ``sft_steps``."""
+    if warm_start_dir is None:
+        return _sft(cfg, run_dir, sft_steps)
+    if not (warm_start_dir / "config.json").is_file():
+        raise SystemExit(f"--warm-start {warm_start_dir}: no HF model there (no config.json)")
+    return warm_start_dir.absolute()
 
 
 def _sft(cfg: Config, run_dir: Path, steps: int) -> Path:
@@ -100,11 +112,12 @@ def _train(api: httpx.Client, stack: LocalStack, cfg: Config, run_dir: Path, tim
     return api.post(f"/v1/jobs/{job_id}/cancel").json()
 
 
-def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float) -> dict[str, Any]:
+def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
+        warm_start_dir: Path | None = None) -> dict[str, Any]:
     run_dir = cfg.run.path.absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    cfg.model.path = _sft(cfg, run_dir, sft_steps)
+    cfg.model.path = policy(cfg, run_dir, sft_steps, warm_start_dir)
     cfg.api.port = 0  # any free port; the API publishes the one it bound
     if cfg.api.token is None:
         cfg.api.token = secrets.token_urlsafe(32)
@@ -141,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the stack and Redis
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, [f"run.name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides])
-    summary = run(cfg, args.sft_steps, args.eval_tasks, args.timeout_min * 60)
+    summary = run(cfg, args.sft_steps, args.eval_tasks, args.timeout_min * 60, args.warm_start)
     print("\n".join(f"{k:>28}: {v}" for k, v in summary.items()))
     return 0
 

@@ -241,10 +241,12 @@ def connect(cfg: RedisConfig, run_dir: Path) -> tuple[redis.Redis, EmbeddedRedis
 
 
 def credentials(cfg: RedisConfig) -> dict[str, str]:
-    """redis-py's ``username``/``password`` arguments for the configured login (none when unset)."""
-    login = {"username": cfg.username} if cfg.username is not None else {}
-    if cfg.password is not None:
-        login["password"] = cfg.password.get_secret_value()
+    """redis-py's ``username``/``password`` arguments for the configured login (none without a password)."""
+    if cfg.password is None:
+        return {}
+    login = {"password": cfg.password.get_secret_value()}
+    if cfg.username:
+        login["username"] = cfg.username
     return login
 
 

@@ -82,7 +82,8 @@ class ModelConfig(Section):
 
 class RedisConfig(Section):
     url: str | None = Field(None, description="external Redis; None starts the embedded redis-server")
-    username: str | None = Field(None, description="Redis ACL user (None: the default user)")
+    username: str | None = Field(None, description="Redis ACL user to log in as with redis.password (None or "
+                                 "empty: the default user)")
     password: Secret | None = Field(
         None, description="Redis password (AUTH; the embedded server requires it when set); env ROLLWAVE_REDIS_PASSWORD"
     )

@@ -16,6 +16,8 @@ Steps, each with a deadline that names it when it passes:
    published and served; the eval job finishes. Redis refuses its default user. Prometheus scrapes every
    target of its config and they are all up.
 6. ``docker-compose down -v``, the index server and (if started here) dockerd are stopped.
+The outcome goes to .deploy-test/last.log too; a failure that starts with ``docker:`` means no Docker
+daemon could run here (exit status 3), which .ci/run reports instead of failing.
 """
 
 from __future__ import annotations
@@ -245,7 +247,8 @@ def build_context() -> Path:
     shutil.rmtree(context, ignore_errors=True)
     patterns = (ROOT / "deploy" / "Dockerfile.dockerignore").read_text().splitlines()
     for pattern in (p[1:] for p in patterns if p.startswith("!")):
-        for src in ROOT.glob(pattern):
+        tree = pattern.endswith("/**")  # Path.glob's ** matches directories only (before Python 3.13)
+        for src in (ROOT / pattern[:-3]).rglob("*") if tree else ROOT.glob(pattern):
             rel = src.relative_to(ROOT)
             if src.is_file() and "__pycache__" not in rel.parts and src.suffix != ".pyc":
                 (context / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -372,10 +375,20 @@ def main() -> int:
                 compose(stack, "down", "-v", "--remove-orphans", step="compose down")
                 log("compose down")
     except DeployError as exc:
-        print(f"test-deploy FAILED: {exc}", file=sys.stderr)
+        outcome = f"test-deploy FAILED: {exc}"
+        print(outcome, file=sys.stderr)
+        record(outcome)
         return NO_DOCKER if str(exc).startswith("docker:") else 1
-    log(f"test-deploy passed in {time.monotonic() - started:.0f} s")
+    outcome = f"test-deploy passed in {time.monotonic() - started:.0f} s"
+    log(outcome)
+    record(outcome)
     return 0
+
+
+def record(outcome: str) -> None:
+    """The last run's outcome in .deploy-test/last.log, for .ci/run (make hides the exit status)."""
+    STATE.mkdir(exist_ok=True)
+    (STATE / "last.log").write_text(outcome + "\n")
 
 
 if __name__ == "__main__":

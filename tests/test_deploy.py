@@ -20,8 +20,9 @@ What is checked:
   breakage), and every run-config key the chart sets exists in core.config. Rendering with the
   real Helm engine is in tests/test_helm_render.py.
 
-Not checked here: that images build, that containers start, and that Prometheus queries return data
-from a live stack (the integration test does that with tests/prometheus_harness.py).
+Not checked here: that images build and containers start (`make test-deploy`, tests/deploy/run.py, does
+that with Docker), and that Prometheus queries return data from a live stack (the integration test does
+that with tests/prometheus_harness.py).
 """
 
 from __future__ import annotations

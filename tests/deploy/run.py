@@ -11,7 +11,8 @@ Steps, each with a deadline that names it when it passes:
    PIP_INDEX_URL / TORCH_INDEX_URL pointing at a PEP 503 index served on 127.0.0.1 from a wheelhouse that
    the host's pip fills (so torch==2.13.0 is the host's CPU wheel). The build uses ``--network host``.
 4. The stack with Debian's docker-compose: deploy/docker-compose.yml plus tests/deploy/docker-compose.loopback.yml
-   (host networking, every service on 127.0.0.1 at free ports), fresh secrets in the environment.
+   (host networking, every service on 127.0.0.1 at free ports), merged by ``docker-compose config`` with
+   the published ports dropped (see ``merged_compose_file``), fresh secrets in the environment.
 5. Through the API: a train job and an eval job; the trainer trains steps and a weight version is
    published and served; the eval job finishes. Redis refuses its default user. Prometheus scrapes every
    target of its config and they are all up.
@@ -56,6 +57,9 @@ PROJECT = "rollwave-deploy-test"
 MIRROR = os.environ.get("ROLLWAVE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 BASE_PACKAGES = "python3,python3-venv,passwd,ca-certificates,redis-server,prometheus"
 NO_DOCKER = 3
+# What the image's Python (Debian's 3.11.2) needs beyond what pip resolves for this interpreter: redis-py
+# wants async-timeout below 3.11.3.
+IMAGE_PYTHON_EXTRAS = ["async-timeout>=4.0.3"]
 
 
 class DeployError(RuntimeError):
@@ -196,7 +200,8 @@ def wheelhouse() -> Path:
     house.mkdir(parents=True, exist_ok=True)
     log("wheelhouse: pip download (torch==2.13.0 CPU, rollwave's dependencies, the build backend)")
     run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "-d", str(house),
-         "-c", str(ROOT / "constraints.txt"), "torch==2.13.0", str(ROOT), "setuptools>=68", "wheel", "pip"],
+         "-c", str(ROOT / "constraints.txt"), "torch==2.13.0", str(ROOT), "setuptools>=68", "wheel", "pip",
+         *IMAGE_PYTHON_EXTRAS],
         "wheelhouse: pip download", 1200, quiet=True)
     for built in house.glob("rollwave-*"):  # the project itself is built in the image from its sources
         built.unlink()
@@ -295,14 +300,33 @@ def stack_env(env: dict[str, str]) -> dict[str, str]:
             "ROLLWAVE_REDIS_PASSWORD": secrets.token_urlsafe(32)}
 
 
+def merged_compose_file(env: dict[str, str]) -> Path:
+    """deploy/docker-compose.yml with the loopback override, as ``docker-compose config`` merges them, less
+    the published ports of host-network services: an override cannot remove a key in compose 1.29, and
+    docker refuses port bindings with host networking (they would mean nothing there)."""
+    files = ["-f", str(ROOT / "deploy" / "docker-compose.yml"),
+             "-f", str(ROOT / "tests" / "deploy" / "docker-compose.loopback.yml")]
+    merged = yaml.safe_load(run([compose_bin(), *files, "config"], "compose config", 120, env=env, cwd=ROOT,
+                                quiet=True).stdout)
+    for service in merged["services"].values():
+        if service.get("network_mode") == "host":
+            service.pop("ports", None)
+    path = STATE / "docker-compose.yml"
+    path.write_text(yaml.safe_dump(merged, sort_keys=False))
+    return path
+
+
+def compose_bin() -> str:
+    found = shutil.which("docker-compose")
+    if found is None:
+        raise DeployError("compose: docker-compose is not installed (Debian package docker-compose)")
+    return found
+
+
 def compose(env: dict[str, str], *args: str, step: str, timeout_s: float = 600, quiet: bool = True
             ) -> subprocess.CompletedProcess[str]:
-    compose_bin = shutil.which("docker-compose")
-    if compose_bin is None:
-        raise DeployError("compose: docker-compose is not installed (Debian package docker-compose)")
-    files = ["-f", str(ROOT / "deploy" / "docker-compose.yml"), "-f", str(ROOT / "tests" / "deploy" /
-                                                                          "docker-compose.loopback.yml")]
-    return run([compose_bin, *files, "--profile", "cpu", *args], step, timeout_s, env=env, cwd=ROOT, quiet=quiet)
+    files = ["-f", str(STATE / "docker-compose.yml")]
+    return run([compose_bin(), *files, "--profile", "cpu", *args], step, timeout_s, env=env, cwd=ROOT, quiet=quiet)
 
 
 def check_stack(env: dict[str, str]) -> None:
@@ -363,6 +387,7 @@ def main() -> int:
             with serve(simple_index(wheelhouse())) as index_url:
                 build_image(env, index_url)
             stack = stack_env(env)
+            merged_compose_file(stack)
             log("compose up (profile cpu, loopback override)")
             try:
                 compose(stack, "up", "-d", "--no-build", step="compose up")

@@ -57,6 +57,7 @@ PROJECT = "rollwave-deploy-test"
 MIRROR = os.environ.get("ROLLWAVE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 BASE_PACKAGES = "python3,python3-venv,passwd,ca-certificates,redis-server,prometheus"
 NO_DOCKER = 3
+SECRET_VARS = frozenset({"ROLLWAVE_API_TOKEN", "ROLLWAVE_CHECKPOINT_TOKEN", "ROLLWAVE_REDIS_PASSWORD"})
 # What the image's Python (Debian's 3.11.2) needs beyond what pip resolves for this interpreter: redis-py
 # wants async-timeout below 3.11.3.
 IMAGE_PYTHON_EXTRAS = ["async-timeout>=4.0.3"]
@@ -311,8 +312,13 @@ def merged_compose_file(env: dict[str, str]) -> Path:
     for service in merged["services"].values():
         if service.get("network_mode") == "host":
             service.pop("ports", None)
+        for var in set(service.get("environment") or {}) & SECRET_VARS:  # back to references: no secret on disk
+            service["environment"][var] = f"${{{var}}}"
+    text = yaml.safe_dump(merged, sort_keys=False)
+    if any(env[var] in text for var in SECRET_VARS):
+        raise DeployError("compose config: a secret's value is left in the merged file")
     path = STATE / "docker-compose.yml"
-    path.write_text(yaml.safe_dump(merged, sort_keys=False))
+    path.write_text(text)
     return path
 
 

@@ -140,14 +140,24 @@ def docker_daemon() -> Iterator[dict[str, str]]:
         errors.append(f"{driver}: " + "\n".join(log_path.read_text().splitlines()[-5:]))
         stop_dockerd(proc)
     else:
+        unmount_under(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
         raise DeployError("docker: dockerd did not start:\n" + "\n".join(errors))
     try:
         yield env
     finally:
         stop_dockerd(proc)
+        unmount_under(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
         log("stopped dockerd")
+
+
+def unmount_under(root: Path) -> None:
+    """Unmount what dockerd left mounted under ``root`` (its default network namespace), deepest first."""
+    with open("/proc/self/mounts") as f:
+        points = [line.split()[1] for line in f if line.split()[1].startswith(f"{root}/")]
+    for point in sorted(points, key=len, reverse=True):
+        run(["umount", point], f"docker: unmount {point}", 60, quiet=True)
 
 
 def stop_dockerd(proc: subprocess.Popen[bytes]) -> None:

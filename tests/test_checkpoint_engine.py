@@ -767,18 +767,22 @@ class Impostor:
 def test_servers_that_cannot_prove_the_token_get_no_token_and_no_weights(
     fleet: Fleet, base_model: PreTrainedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Two fake servers registered in Redis beside the real ones: one answers the challenge with random bytes,
-    one relays it to a real server. Neither is sent the token (no metadata at all) or a byte of weights; each
-    push to them is refused at stage prove, logged and counted, and the real servers commit the version."""
+    """Three fake servers registered in Redis beside the real ones: one answers the challenge with random
+    bytes, one relays it to a real server, one relays it and claims to be that server. None is sent the token
+    (no metadata at all) or a byte of weights; each push to them is refused at stage prove, logged and
+    counted, and the real servers commit the version."""
     import redis
 
-    def relay(nonce: bytes) -> pb.ProveReply:
+    def relay(nonce: bytes, server_id: str) -> pb.ProveReply:
         with grpc.insecure_channel(fleet.addresses[0]) as channel:
             real = pb_grpc.CheckpointEngineStub(channel).Prove(pb.ProveRequest(nonce=nonce), timeout=WAIT_S)
-        return pb.ProveReply(server_id="relay", proof=real.proof)
+        return pb.ProveReply(server_id=server_id, proof=real.proof)
 
-    forger = Impostor(lambda nonce: pb.ProveReply(server_id="forger", proof=secrets.token_bytes(32)))
-    relayer = Impostor(relay)
+    fakes = {"forger": Impostor(lambda nonce: pb.ProveReply(server_id="forger", proof=secrets.token_bytes(32))),
+             "relay": Impostor(lambda nonce: relay(nonce, "relay")),
+             "liar": Impostor(lambda nonce: relay(nonce, "server0"))}
+    why = {"forger": "could not prove it holds the checkpoint token", "relay": "could not prove it holds the "
+           "checkpoint token", "liar": "the server at this address says it is 'server0', not the registered one"}
     server = EmbeddedRedis(tmp_path / "redis", aof=False).start()
     try:
         client = redis.Redis.from_url(server.url)
@@ -786,7 +790,7 @@ def test_servers_that_cannot_prove_the_token_get_no_token_and_no_weights(
         version = fleet.version()
         for i, engine in enumerate(fleet.engines):
             registry.register(ServerInfo(f"server{i}", engine.url, grpc_address=fleet.addresses[i], version=version))
-        for name, fake in (("forger", forger), ("relay", relayer)):
+        for name, fake in fakes.items():
             registry.register(ServerInfo(name, "http://127.0.0.1:9", grpc_address=fake.address, version=version))
         pusher = CheckpointPusher(fleet.config, registered_servers(registry), record=registry.record_push)
         pushed = pusher.push_model(base_model, version=version + 1)
@@ -795,9 +799,9 @@ def test_servers_that_cannot_prove_the_token_get_no_token_and_no_weights(
         pusher.close()
         by_id = {s.server_id: s for s in pushed.servers}
         assert by_id["server0"].ok and by_id["server1"].ok and fleet.version() == version + 1
-        for name, fake in (("forger", forger), ("relay", relayer)):
+        for name, fake in fakes.items():
             assert (by_id[name].stage, by_id[name].reason) == ("prove", "unproven"), by_id[name]
-            assert "could not prove it holds the checkpoint token" in by_id[name].error
+            assert why[name] in by_id[name].error and "sent it no token and no weights" in by_id[name].error
             assert [method for method, _ in fake.calls] == ["Prove"], fake.calls
             assert not any("authorization" in metadata for _, metadata in fake.calls)
             assert fake.staged_bytes == 0
@@ -809,8 +813,8 @@ def test_servers_that_cannot_prove_the_token_get_no_token_and_no_weights(
         client.close()
     finally:
         server.stop()
-        forger.stop()
-        relayer.stop()
+        for fake in fakes.values():
+            fake.stop()
 
 
 def test_a_proof_binds_the_address_and_the_server_id(fleet: Fleet) -> None:

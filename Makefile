@@ -8,11 +8,13 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 
 # Debian/Ubuntu packages as command:package; a package is installed only when its command is missing.
 VENV_PACKAGES   = $(shell $(PY) -c 'import ensurepip' 2>/dev/null || echo ensurepip:python3-venv)
-TEST_PACKAGES  := prometheus:prometheus promtool:prometheus chromium:chromium ip:iproute2 unshare:util-linux bwrap:bubblewrap
+TEST_PACKAGES  := prometheus:prometheus promtool:prometheus chromium:chromium ip:iproute2 unshare:util-linux bwrap:bubblewrap \
+                  openssl:openssl
+DEPLOY_PACKAGES := dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap
 DEMO_PACKAGES  := unshare:util-linux bwrap:bubblewrap
 BENCH_PACKAGES := redis-benchmark:redis-tools
 
-.PHONY: install demo test stress lint proto bench clean
+.PHONY: install demo test test-deploy stress lint proto bench clean
 
 # $(call system_packages,COMMAND:PACKAGE ...): apt-get install, as root or else through sudo, the packages
 # whose command is not on PATH, without letting Debian start their daemons (a policy-rc.d that refuses, for
@@ -55,6 +57,11 @@ test: install
 	$(call system_packages,$(TEST_PACKAGES))
 	$(BIN)/python -m pytest -x -q
 
+# The compose deployment for real: builds the CPU image and runs the stack on this host (tests/deploy/run.py).
+test-deploy: install
+	$(call system_packages,$(DEPLOY_PACKAGES))
+	$(BIN)/python tests/deploy/run.py
+
 stress: install
 	$(call system_packages,$(TEST_PACKAGES))
 	tests/stress.sh
@@ -71,4 +78,4 @@ bench: install
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info .deploy-test

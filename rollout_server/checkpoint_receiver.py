@@ -5,7 +5,8 @@ generating; Commit pauses the engine only for ``update_weights_from_disk`` of th
 The manifest is checked against the served model before any byte is accepted, and a stage
 that fails (bad manifest, checksum, offsets, cut stream) is deleted: the server keeps its version.
 The server is ``grpc.aio`` on the rollout server's event loop, so Commit awaits the same async
-engine client the agent loop uses.
+engine client the agent loop uses. Every call needs the checkpoint token except ``Prove``, which answers
+the pusher's challenge (``core.checkpoint_auth``) before the pusher sends the token.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from core.checkpoint_auth import NONCE_BYTES, proof, server_credentials
 from core.checkpoint_format import (
     GRPC_OPTIONS,
     REASON_KEY,
@@ -97,13 +99,17 @@ class CheckpointService:
     """Stage/Commit/Abort/Status over one served model directory and one engine."""
 
     def __init__(self, config: CheckpointConfig, model_dir: Path, stage_root: Path, engine: WeightEngine,
-                 engine_url: str, version: int, metrics: CheckpointMetrics):
+                 engine_url: str, version: int, metrics: CheckpointMetrics, *, server_id: str):
         self.config = config
         self.model_dir = Path(model_dir)
         self.stage_root = Path(stage_root)
         self.engine = engine
         self.engine_url = engine_url
         self.metrics = metrics
+        self.server_id = server_id
+        self.address = ""  # the gRPC address the server is reached at (bound into its proofs), set on start
+        self.max_version_jump = config.max_version_jump
+        self._token = config.token.get_secret_value()
         self.served = served_tensor_specs(self.model_dir)
         self._state = _State(current=version, current_dir=self.model_dir)
         self._stage_lock = asyncio.Lock()
@@ -124,6 +130,7 @@ class CheckpointService:
             "Commit": unary(self.Commit, pb.CommitRequest.FromString, pb.CommitReply.SerializeToString),
             "Abort": unary(self.Abort, pb.AbortRequest.FromString, pb.AbortReply.SerializeToString),
             "Status": unary(self.Status, pb.StatusRequest.FromString, pb.StatusReply.SerializeToString),
+            "Prove": unary(self.Prove, pb.ProveRequest.FromString, pb.ProveReply.SerializeToString),
         })
 
     async def Stage(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.StageReply:
@@ -193,11 +200,16 @@ class CheckpointService:
                 shutil.copy2(src, dest / src.name)
 
     def _check_newer(self, version: int) -> None:
-        """Versions only go up past the one served (or being committed); the staged slot holds the
+        """Versions only go up past the one served (or being committed), by at most ``max_version_jump``
+        (else one stage near 2^63 would leave the trainer no version to push); the staged slot holds the
         latest finished Stage, so a stale staged version never blocks a restarted trainer."""
         floor = max(self._state.current, self._state.committing)
         if version <= floor:
             raise StageError("version", f"version {version} is not newer than the served version {floor}",
+                             grpc.StatusCode.FAILED_PRECONDITION)
+        if version - floor > self.max_version_jump:
+            raise StageError("version", f"version {version} is more than checkpoint.max_version_jump="
+                                        f"{self.max_version_jump} above the served version {floor}",
                              grpc.StatusCode.FAILED_PRECONDITION)
 
     def _publish_stage(self, version: int, partial: Path, final: Path) -> None:
@@ -318,9 +330,20 @@ class CheckpointService:
         return pb.StatusReply(current_version=self._state.current, staged_version=self._state.staged,
                               engine_url=self.engine_url, served=served)
 
+    async def Prove(self, request: pb.ProveRequest, context: grpc.aio.ServicerContext) -> pb.ProveReply:
+        """The answer to the pusher's challenge: only a holder of the token can compute it, for this address."""
+        if len(request.nonce) != NONCE_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the nonce must be {NONCE_BYTES} bytes")
+        return pb.ProveReply(server_id=self.server_id,
+                             proof=proof(self._token, request.nonce, self.server_id, self.address))
+
+
+_PROVE = f"/{SERVICE}/Prove"
+
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>`` with UNAUTHENTICATED."""
+    """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>`` with UNAUTHENTICATED;
+    ``Prove`` needs none (the pusher proves nothing, it checks the server's answer)."""
 
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
@@ -334,7 +357,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
         got = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(str(got).encode(), self._expected):
+        if handler_call_details.method == _PROVE or hmac.compare_digest(str(got).encode(), self._expected):
             return await continuation(handler_call_details)
         return self._deny_stream if handler_call_details.method.endswith("/Stage") else self._deny_unary
 
@@ -355,7 +378,8 @@ class CheckpointReceiver:
         self.metrics = metrics or CheckpointMetrics()
         stage_root = Path(config.stage_dir) / server_name
         shutil.rmtree(stage_root, ignore_errors=True)
-        self.service = CheckpointService(config, model_dir, stage_root, engine, engine_url, version, self.metrics)
+        self.service = CheckpointService(config, model_dir, stage_root, engine, engine_url, version, self.metrics,
+                                         server_id=server_name)
         self._server: grpc.aio.Server | None = None
 
     @property
@@ -374,13 +398,18 @@ class CheckpointReceiver:
         options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
         server = grpc.aio.server(interceptors=[TokenInterceptor(self.config.token.get_secret_value())], options=options)
         server.add_generic_rpc_handlers((self.service.handlers(),))
-        self.port = bind_retrying(partial(self._add_port, server), "checkpoint receiver", self.host, self.port)
+        credentials = server_credentials(self.config)
+        self.port = bind_retrying(partial(self._add_port, server, credentials), "checkpoint receiver", self.host,
+                                  self.port)
+        self.service.address = self.address
         await server.start()
         self._server = server
         return self.address
 
-    def _add_port(self, server: grpc.aio.Server, port: int) -> int:
+    def _add_port(self, server: grpc.aio.Server, credentials: grpc.ServerCredentials | None, port: int) -> int:
         try:
+            if credentials is not None:
+                return server.add_secure_port(f"{self.host}:{port}", credentials)
             return server.add_insecure_port(f"{self.host}:{port}")
         except RuntimeError:
             # gRPC only says "Failed to bind"; a plain bind raises EADDRINUSE (retried) if the port is busy.

@@ -22,7 +22,7 @@ import redis
 from tqdm import tqdm
 
 from buffer.keys import Keys
-from buffer.redis_server import EmbeddedRedis
+from buffer.redis_server import EmbeddedRedis, credentials
 from core.config import Config, dump_config, load_config
 from core.tasks import load_tasks
 from core.tiny_model import build_tiny_model
@@ -125,9 +125,11 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
     config_path = run_dir / "config.yaml"
     config_path.write_text(dump_config(cfg))  # secrets masked: the components get theirs in the environment
     auth = {"Authorization": f"Bearer {cfg.api.token.get_secret_value()}"}
-    with EmbeddedRedis(run_dir / "redis", aof=cfg.redis.aof) as redis_server:
+    password = cfg.redis.password.get_secret_value() if cfg.redis.password is not None else None
+    with EmbeddedRedis(run_dir / "redis", aof=cfg.redis.aof, password=password) as redis_server:
         specs = components(cfg, config_path, redis_server.url, trainer_args=())
-        with LocalStack(specs, run_dir / "logs") as stack, redis.Redis.from_url(redis_server.url) as client, \
+        with LocalStack(specs, run_dir / "logs") as stack, \
+                redis.Redis.from_url(redis_server.url, **credentials(cfg.redis)) as client, \
                 httpx.Client(base_url=published_api_url(client, Keys(cfg.run.name)), headers=auth,
                              timeout=30) as api:
             _wait_ready(api)

@@ -10,7 +10,8 @@ publishes what it bound in Redis (the registry, the trainer status, ``Keys.api``
 never waits for its old port. The trainer ranks' rendezvous port is the exception: every rank must know
 it before any starts.
 Secrets reach each component in its environment, and only those it needs (the config file it reads has them
-masked): the trainer and the rollout servers the checkpoint token (and the engine key), the API its token.
+masked): the trainer and the rollout servers the checkpoint token (and the engine key), the API its token,
+every component the Redis password.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def components(
     """The processes of a run; ``redis_url`` None leaves Redis to ``REDIS_URL`` in their environment."""
     py = sys.executable
     common = [f"redis.url={redis_url}"] if redis_url else []
-    checkpoint_env = secret_env(cfg, "checkpoint.token")
+    redis_env = secret_env(cfg, "redis.password")
+    checkpoint_env = {**redis_env, **secret_env(cfg, "checkpoint.token")}
     specs: list[ComponentSpec] = []
     gpu = 1.0 if cfg.trainer.device == "cuda" else 0.0
     pool = {"WORLD_SIZE": str(trainer_ranks)}
@@ -91,7 +93,7 @@ def components(
         specs.append(ComponentSpec(f"rollout-{i}", argv, env))
     if api:
         argv = [py, "-m", "services.api", "-c", str(config_path), *common]
-        specs.append(ComponentSpec("api", argv, secret_env(cfg, "api.token"), num_cpus=0.5))
+        specs.append(ComponentSpec("api", argv, {**redis_env, **secret_env(cfg, "api.token")}, num_cpus=0.5))
     return specs
 
 

@@ -35,7 +35,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.keys import Keys
-from buffer.redis_server import EmbeddedRedis
+from buffer.redis_server import EmbeddedRedis, credentials
 from core.config import Config, dump_config, load_config
 from core.net import free_port_outside_ephemeral
 from core.process import stop_process
@@ -98,11 +98,11 @@ class RedisActor:
     port it had (recorded in the data directory), waiting for it if it is busy (``EmbeddedRedis``).
     """
 
-    def __init__(self, data_dir: str, port: int, aof: bool) -> None:
+    def __init__(self, data_dir: str, port: int, aof: bool, password: str | None) -> None:
         record = Path(data_dir) / "port"
         if ray.get_runtime_context().was_current_actor_reconstructed:
             port = int(record.read_text())
-        self.server = EmbeddedRedis(Path(data_dir), aof=aof, port=port, host=HOST).start()
+        self.server = EmbeddedRedis(Path(data_dir), aof=aof, port=port, host=HOST, password=password).start()
         record.write_text(str(self.server.port))
 
     def url(self) -> str:
@@ -220,11 +220,12 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
     redis_url = os.environ.get("REDIS_URL") or cfg.redis.url
     if not redis_url:
         actor = RedisActor.options(name="redis", lifetime="detached").remote(
-            str(cfg.redis.data_dir or run_dir / "redis"), cfg.redis.port, cfg.redis.aof
+            str(cfg.redis.data_dir or run_dir / "redis"), cfg.redis.port, cfg.redis.aof,
+            cfg.redis.password.get_secret_value() if cfg.redis.password is not None else None,
         )
         state["actors"].append("redis")
         redis_url = ray.get(actor.url.remote(), timeout=120)
-    with redis.Redis.from_url(redis_url) as client:  # the API publishes its address afresh
+    with redis.Redis.from_url(redis_url, **credentials(cfg.redis)) as client:  # the API publishes its address afresh
         client.delete(Keys(cfg.run.name).api)
     forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     for spec in specs:
@@ -266,7 +267,7 @@ def up(args: argparse.Namespace) -> int:
     _state_path(cfg).write_text(json.dumps(state))
     ray.shutdown()
     try:
-        with redis.Redis.from_url(redis_url) as client:
+        with redis.Redis.from_url(redis_url, **credentials(cfg.redis)) as client:
             api = published_api_url(client, Keys(cfg.run.name))
     except TimeoutError as exc:
         print(f"error: {exc} (see {run_dir / 'logs' / 'api.log'}); the rest is up: `rollwave down` stops it",

@@ -17,7 +17,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -32,7 +34,8 @@ from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerInfo, ServerRegistry
 from buffer.staleness import StalenessControl
-from core.checkpoint_format import GRPC_OPTIONS, SERVICE
+from core.checkpoint_auth import NONCE_BYTES, proof
+from core.checkpoint_format import GRPC_OPTIONS, SERVICE, StageError, check_manifest
 from core.config import BufferConfig, CheckpointConfig
 from core.net import free_port_outside_ephemeral
 from proto import checkpoint_pb2 as pb
@@ -59,13 +62,14 @@ def wait_for(predicate: Callable[[], bool], what: str) -> None:
 
 
 class Fleet:
-    """Two engine processes, each with a checkpoint receiver on this process's background event loop."""
+    """``size`` engine processes (two by default), each with a checkpoint receiver on this process's background
+    event loop; ``config`` overrides the receivers' checkpoint settings."""
 
-    def __init__(self, model_dir: Path, stage_dir: Path):
+    def __init__(self, model_dir: Path, stage_dir: Path, size: int = 2, **config: Any):
         self.model_dir = model_dir
         self.config = CheckpointConfig(token=TOKEN, stage_dir=stage_dir, chunk_bytes=64 << 10, retries=1,
-                                       connect_timeout_s=5.0)
-        self.engines = [EngineProcess(model_dir) for _ in range(2)]
+                                       connect_timeout_s=5.0, **config)
+        self.engines = [EngineProcess(model_dir) for _ in range(size)]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.clients: list[EngineClient] = []
@@ -339,7 +343,8 @@ import sys, threading, time
 from pathlib import Path
 import grpc, torch
 from transformers import AutoModelForCausalLM
-from core.checkpoint_format import GRPC_OPTIONS, SERVICE
+from core.checkpoint_auth import NONCE_BYTES, proof
+from core.checkpoint_format import GRPC_OPTIONS, SERVICE, StageError, check_manifest
 from trainer.parallel import iter_full_params
 from trainer.snapshot import BufferPool, model_metas, take_snapshot
 
@@ -475,8 +480,8 @@ def test_wrong_or_missing_token_is_unauthenticated(fleet: Fleet, base_model: Pre
     assert pushed is not None
     pushed.wait(WAIT_S)
     pusher.close()
-    assert all("UNAUTHENTICATED" in s.error and (s.stage, s.reason) == ("connect", "unauthenticated")
-               for s in pushed.servers)
+    # the servers' proofs do not check under the pusher's token, so it never sends that token
+    assert all((s.stage, s.reason) == ("prove", "unproven") for s in pushed.servers)
 
 
 def test_versions_only_go_up_newer_stage_supersedes_and_abort(fleet: Fleet, base_model: PreTrainedModel) -> None:
@@ -746,3 +751,216 @@ def test_pause_deadline_names_the_stage_and_the_engine_is_continued_after(
         assert pusher.push_model(base_model, version=3).wait(WAIT_S).ok
         assert status_of(address).current_version == 3
         pusher.close()
+
+
+class Impostor:
+    """A gRPC server speaking the checkpoint protocol without the token, as a fake registration in Redis would:
+    it records every call it gets (method, metadata, bytes). ``answer(nonce)`` is its reply to the challenge."""
+
+    def __init__(self, answer: Callable[[bytes], pb.ProveReply]):
+        self.calls: list[tuple[str, dict[str, str]]] = []
+        self.staged_bytes = 0
+
+        def record(method: str, context: grpc.ServicerContext) -> None:
+            self.calls.append((method, {k: str(v) for k, v in context.invocation_metadata()}))
+
+        def prove(request: pb.ProveRequest, context: grpc.ServicerContext) -> pb.ProveReply:
+            record("Prove", context)
+            return answer(request.nonce)
+
+        def status(request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+            record("Status", context)
+            return pb.StatusReply(current_version=0, staged_version=-1)
+
+        def stage(chunks: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.StageReply:
+            record("Stage", context)
+            self.staged_bytes += sum(len(c.data) for c in chunks)
+            return pb.StageReply()
+
+        def commit(request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
+            record("Commit", context)
+            return pb.CommitReply(version=request.version)
+
+        unary = grpc.unary_unary_rpc_method_handler
+        self.server = grpc.server(ThreadPoolExecutor(4), options=GRPC_OPTIONS)
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Prove": unary(prove, pb.ProveRequest.FromString, pb.ProveReply.SerializeToString),
+            "Status": unary(status, pb.StatusRequest.FromString, pb.StatusReply.SerializeToString),
+            "Stage": grpc.stream_unary_rpc_method_handler(stage, pb.Chunk.FromString, pb.StageReply.SerializeToString),
+            "Commit": unary(commit, pb.CommitRequest.FromString, pb.CommitReply.SerializeToString),
+        }),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop(None).wait(WAIT_S)
+
+
+def test_servers_that_cannot_prove_the_token_get_no_token_and_no_weights(
+    fleet: Fleet, base_model: PreTrainedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three fake servers registered in Redis beside the real ones: one answers the challenge with random
+    bytes, one relays it to a real server, one relays it and claims to be that server. None is sent the token
+    (no metadata at all) or a byte of weights; each push to them is refused at stage prove, logged and
+    counted, and the real servers commit the version."""
+    import redis
+
+    def relay(nonce: bytes, server_id: str) -> pb.ProveReply:
+        with grpc.insecure_channel(fleet.addresses[0]) as channel:
+            real = pb_grpc.CheckpointEngineStub(channel).Prove(pb.ProveRequest(nonce=nonce), timeout=WAIT_S)
+        return pb.ProveReply(server_id=server_id, proof=real.proof)
+
+    fakes = {"forger": Impostor(lambda nonce: pb.ProveReply(server_id="forger", proof=secrets.token_bytes(32))),
+             "relay": Impostor(lambda nonce: relay(nonce, "relay")),
+             "liar": Impostor(lambda nonce: relay(nonce, "server0"))}
+    why = {"forger": "could not prove it holds the checkpoint token", "relay": "could not prove it holds the "
+           "checkpoint token", "liar": "the server at this address says it is 'server0', not the registered one"}
+    server = EmbeddedRedis(tmp_path / "redis", aof=False).start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        registry = ServerRegistry(client, Keys("impostors"))
+        version = fleet.version()
+        for i, engine in enumerate(fleet.engines):
+            registry.register(ServerInfo(f"server{i}", engine.url, grpc_address=fleet.addresses[i], version=version))
+        for name, fake in fakes.items():
+            registry.register(ServerInfo(name, "http://127.0.0.1:9", grpc_address=fake.address, version=version))
+        pusher = CheckpointPusher(fleet.config, registered_servers(registry), record=registry.record_push)
+        pushed = pusher.push_model(base_model, version=version + 1)
+        assert pushed is not None
+        pushed.wait(WAIT_S)
+        pusher.close()
+        by_id = {s.server_id: s for s in pushed.servers}
+        assert by_id["server0"].ok and by_id["server1"].ok and fleet.version() == version + 1
+        for name, fake in fakes.items():
+            assert (by_id[name].stage, by_id[name].reason) == ("prove", "unproven"), by_id[name]
+            assert why[name] in by_id[name].error and "sent it no token and no weights" in by_id[name].error
+            assert [method for method, _ in fake.calls] == ["Prove"], fake.calls
+            assert not any("authorization" in metadata for _, metadata in fake.calls)
+            assert fake.staged_bytes == 0
+            assert pusher.metrics.registry.get_sample_value(
+                "rollwave_trainer_push_failures_total", {"server": name, "stage": "prove", "reason": "unproven"}) == 1
+            assert registry.pushes()[name].stage == "prove"
+            assert any(f"server {name} ({fake.address}): prove:" in r.getMessage() for r in caplog.records
+                       if r.levelname == "WARNING")
+        client.close()
+    finally:
+        server.stop()
+        for fake in fakes.values():
+            fake.stop()
+
+
+def test_a_proof_binds_the_address_and_the_server_id(fleet: Fleet) -> None:
+    """A real receiver's answer checks only for its own id and the address it is reached at."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    with grpc.insecure_channel(fleet.addresses[1]) as channel:
+        stub = pb_grpc.CheckpointEngineStub(channel)
+        reply = stub.Prove(pb.ProveRequest(nonce=nonce), timeout=WAIT_S)  # no token needed
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Prove(pb.ProveRequest(nonce=b"short"), timeout=WAIT_S)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reply.server_id == "server1"
+    assert reply.proof == proof(TOKEN, nonce, "server1", fleet.addresses[1])
+    assert reply.proof != proof(TOKEN, nonce, "server1", fleet.addresses[0])
+    assert reply.proof != proof(TOKEN, nonce, "server0", fleet.addresses[1])
+    assert reply.proof != proof(secrets.token_urlsafe(32), nonce, "server1", fleet.addresses[1])
+
+
+def test_a_version_far_above_the_served_one_is_refused(fleet: Fleet, base_model: PreTrainedModel) -> None:
+    """A token holder cannot stage 2^63-1 (``checkpoint.max_version_jump``, default 10^6): the trainer keeps
+    versions to push."""
+    version = fleet.version()
+    err = _refused(fleet.addresses[0], list(snapshot_of(base_model, 2**63 - 1).chunks(4096)))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "max_version_jump=1000000" in err.details()
+    assert dict(err.trailing_metadata())["rollwave-reason"] == "version"
+    assert fleet.status(0).staged_version == -1
+    pusher = fleet.pusher()
+    assert pusher.push_model(base_model, version=version + 1_000_000).wait(WAIT_S).ok  # at the ceiling: taken
+    pusher.close()
+    assert fleet.version() == version + 1_000_000
+
+
+class CountingName(str):
+    """A tensor name that counts the equality comparisons made on it."""
+
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        CountingName.compared += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def test_duplicate_manifest_names_are_found_in_linear_time() -> None:
+    """n tensors with the repeat last: the check compares names O(n) times, not O(n^2)."""
+    n = 3000
+    names = [CountingName(f"model.layers.{i}.weight") for i in range(n)]
+    tensors = [SimpleNamespace(name=name) for name in [*names, names[-1]]]
+    served = {str(name): ("float32", (1,)) for name in names}
+    CountingName.compared = 0
+    with pytest.raises(StageError, match=rf"tensor model.layers.{n - 1}.weight: listed twice"):
+        check_manifest(SimpleNamespace(tensors=tensors, total_bytes=0), served)  # type: ignore[arg-type]
+    assert CountingName.compared <= n
+
+
+def make_pki(out: Path, name: str) -> SimpleNamespace:
+    """A throwaway CA (openssl CLI) and two certificates it signs: a server's for 127.0.0.1, a client's."""
+    openssl = shutil.which("openssl")
+    assert openssl, "the TLS tests need the openssl command (Debian package openssl)"
+    out.mkdir(parents=True)
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, cwd=out, timeout=WAIT_S)
+
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", f"/CN={name}-ca")
+    for leaf, san in (("server", "IP:127.0.0.1"), ("client", "DNS:trainer")):
+        run("req", *key, "-keyout", f"{leaf}.key", "-out", f"{leaf}.csr", "-subj", f"/CN={name}-{leaf}",
+            "-addext", f"subjectAltName={san}")
+        run("x509", "-req", "-in", f"{leaf}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{leaf}.pem", "-days", "1", "-copy_extensions", "copy")
+    files = {f"{leaf}_{part}": out / f"{leaf}.{ext}" for leaf in ("server", "client")
+             for part, ext in (("cert", "pem"), ("key", "key"))}
+    return SimpleNamespace(ca=out / "ca.pem", **files)
+
+
+def test_checkpoint_plane_over_mutual_tls(tiny_model_dir: Path, base_model: PreTrainedModel, tmp_path: Path) -> None:
+    """``checkpoint.tls_cert/tls_key/tls_ca``: the receiver serves TLS and wants a client certificate from its
+    CA; a pusher with one pushes; a plaintext pusher, a pusher with another CA's certificate, and a pusher that
+    does not trust the server's CA all fail to connect and leave the version as it was. The receiver also
+    has ``max_version_jump`` 5: a jump of 6 is refused, 5 is taken."""
+    pki, other = make_pki(tmp_path / "pki", "rollwave"), make_pki(tmp_path / "other", "other")
+    stage_dir = Path("/dev/shm") / f"rollwave-tls-{tmp_path.name}"
+    tls = Fleet(tiny_model_dir, stage_dir, size=1, tls_cert=pki.server_cert, tls_key=pki.server_key, tls_ca=pki.ca,
+                max_version_jump=5)
+    try:
+        tls.start()
+        [address], [receiver] = tls.addresses, tls.receivers
+        assert receiver.version == 0
+
+        def push(version: int, **client: Any) -> PushRound:
+            pusher = CheckpointPusher(tls.config.model_copy(update=client), [address])
+            pushed = pusher.push_model(base_model, version=version)
+            assert pushed is not None
+            pushed.wait(WAIT_S)
+            pusher.close()
+            return pushed
+
+        mine = {"tls_cert": pki.client_cert, "tls_key": pki.client_key, "tls_ca": pki.ca}
+        assert push(1, **mine).ok and receiver.version == 1
+        refused = [
+            push(2, tls_cert=None, tls_key=None, tls_ca=None),  # plaintext
+            push(2, tls_cert=other.client_cert, tls_key=other.client_key, tls_ca=pki.ca),  # a stranger's certificate
+            push(2, tls_cert=pki.client_cert, tls_key=pki.client_key, tls_ca=other.ca),  # does not trust the server
+        ]
+        for pushed in refused:
+            [result] = pushed.servers
+            assert not result.ok and result.stage == "connect", result
+        assert receiver.version == 1
+        [jump] = push(1 + 6, **mine).servers
+        assert (jump.stage, jump.reason) == ("stage", "version") and "max_version_jump=5" in jump.error
+        assert push(1 + 5, **mine).ok and receiver.version == 6
+    finally:
+        tls.close()
+        shutil.rmtree(stage_dir, ignore_errors=True)

@@ -50,6 +50,9 @@ def test_layering_defaults_file_overrides(tmp_path: Path) -> None:
         (["checkpoint.quorum=most"], "checkpoint.quorum"),
         (["checkpoint.min_throughput_mib_s=0"], "checkpoint.min_throughput_mib_s:"),
         (["checkpoint.connect_timeout_s=0"], "checkpoint.connect_timeout_s:"),
+        (["checkpoint.tls_cert=a.pem", "checkpoint.tls_key=a.key"],
+         "checkpoint: TLS needs tls_cert, tls_key and tls_ca together; only tls_cert, tls_key set"),
+        (["checkpoint.max_version_jump=0"], "checkpoint.max_version_jump:"),
     ],
 )
 def test_bad_values_name_the_key(overrides: list[str], needle: str) -> None:
@@ -98,7 +101,7 @@ def test_sync_mode_is_async_with_zero_staleness() -> None:
 SECRET = "s" * 31 + "#x y"  # 35 characters; YAML would cut it at " #"
 
 
-@pytest.mark.parametrize("key", ["api.token", "checkpoint.token", "engine.api_key"])
+@pytest.mark.parametrize("key", ["api.token", "checkpoint.token", "engine.api_key", "redis.password"])
 def test_secret_overrides_are_plain_strings_never_echoed(key: str) -> None:
     section, field = key.split(".")
     cfg = load_config(None, [f"{key}={SECRET}"], env={})

@@ -20,8 +20,9 @@ What is checked:
   breakage), and every run-config key the chart sets exists in core.config. Rendering with the
   real Helm engine is in tests/test_helm_render.py.
 
-Not checked here: that images build, that containers start, and that Prometheus queries return data
-from a live stack (the integration test does that with tests/prometheus_harness.py).
+Not checked here: that images build and containers start (`make test-deploy`, tests/deploy/run.py, does
+that with Docker), and that Prometheus queries return data from a live stack (the integration test does
+that with tests/prometheus_harness.py).
 """
 
 from __future__ import annotations
@@ -205,14 +206,16 @@ def test_compose_hands_each_container_only_its_own_secret_from_the_environment()
         module = cmd[cmd.index("-m") + 1]
         env = SERVICES[name]["environment"]
         secrets = {k: v for k, v in env.items() if k in SECRETS.values()}
-        assert secrets == {NEEDS[module]: f"${{{NEEDS[module]}:?set {NEEDS[module]} to 32+ random characters "
-                                          "(deploy/README.md)}"}, name  # no default: compose refuses without it
+        assert secrets == {var: f"${{{var}:?set {var} to 32+ random characters (deploy/README.md)}}"
+                           for var in (NEEDS[module], "ROLLWAVE_REDIS_PASSWORD")}, name  # no defaults
         assert not [a for a in cmd if "token" in a or "api_key" in a], f"{name}: a secret on the command line"
         start = cmd.index("-c") + 2
         overrides = [a for a in cmd[start:] if "=" in a and not a.startswith("-")]
-        cfg = load_config(DEPLOY / "config" / "run.yaml", overrides, env={NEEDS[module]: "x" * 40})
+        cfg = load_config(DEPLOY / "config" / "run.yaml", overrides,
+                          env={NEEDS[module]: "x" * 40, "ROLLWAVE_REDIS_PASSWORD": "r" * 40})
         key = "api.token" if module == "services.api" else "checkpoint.token"
         assert require_secret(cfg, key) == "x" * 40, name
+        assert cfg.redis.username == "rollwave" and require_secret(cfg, "redis.password") == "r" * 40, name
 
 
 def test_compose_keeps_engines_on_loopback() -> None:
@@ -275,9 +278,11 @@ def test_images_hold_every_package_run_unprivileged_and_can_sandbox(name: str) -
 
 def test_cpu_image_pins_the_cpu_torch_build() -> None:
     lines, _ = _dockerfile("Dockerfile")
-    assert lines[0] == "FROM python:3.11-slim"
+    assert lines[:2] == ["ARG BASE_IMAGE=python:3.11-slim", "FROM ${BASE_IMAGE}"]
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in lines
+    assert "ARG PIP_INDEX_URL=https://pypi.org/simple" in lines
     installs = [ln for ln in lines if "pip install" in ln]
-    assert any("--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in ln for ln in installs)
+    assert any('--index-url "$TORCH_INDEX_URL" torch==2.13.0' in ln for ln in installs)
     assert all("-c constraints.txt" in ln for ln in installs)
 
 

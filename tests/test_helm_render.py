@@ -95,14 +95,16 @@ def test_default_values_render_a_complete_cpu_stack(tmp_path: Path) -> None:
     ]
     redis = containers(find(docs, "StatefulSet", "-redis"))["redis"]
     assert redis["args"][:2] == ["--appendonly", "yes"]
+    assert "user default off" in redis["command"][2] and "--aclfile" in redis["command"][2]
+    assert secret_env(redis) == {"ROLLWAVE_REDIS_PASSWORD": "redis-password"}
     rollout = find(docs, "StatefulSet", "-rollout")
     assert rollout["spec"]["replicas"] == 2 and set(containers(rollout)) == {"model-init", "rollout-server"}
     for doc in docs:
         for container in containers(doc).values() if doc["kind"] in ("Deployment", "StatefulSet") else []:
             assert "nvidia.com/gpu" not in container.get("resources", {}).get("limits", {}), container["name"]
     secret = find(docs, "Secret", "-secrets")
-    api_token, checkpoint_token = (base64.b64decode(secret["data"][k]) for k in ("api-token", "checkpoint-token"))
-    assert len(api_token) == len(checkpoint_token) == 48 and api_token != checkpoint_token
+    tokens = [base64.b64decode(secret["data"][k]) for k in ("api-token", "checkpoint-token", "redis-password")]
+    assert [len(t) for t in tokens] == [48] * 3 and len(set(tokens)) == 3
 
 
 def test_every_rollwave_command_loads_with_the_rendered_config(tmp_path: Path) -> None:
@@ -118,10 +120,12 @@ def test_every_rollwave_command_loads_with_the_rendered_config(tmp_path: Path) -
                     continue
                 module = argv[argv.index("-m") + 1]
                 own = "ROLLWAVE_API_TOKEN" if module == "services.api" else "ROLLWAVE_CHECKPOINT_TOKEN"
-                assert secret_env(container) == {own: own.removeprefix("ROLLWAVE_").lower().replace("_", "-")}
+                assert secret_env(container) == {own: own.removeprefix("ROLLWAVE_").lower().replace("_", "-"),
+                                                 "ROLLWAVE_REDIS_PASSWORD": "redis-password"}
                 assert not [a for a in argv if "token" in a.lower() or "$(ROLLWAVE" in a], argv
-                cfg = run_config(docs, tmp_path, argv, {own: SECRETS[own]})
+                cfg = run_config(docs, tmp_path, argv, {own: SECRETS[own], "ROLLWAVE_REDIS_PASSWORD": "r" * 40})
                 assert cfg.redis.url == "redis://rw-rollwave-redis:6379/0" and cfg.run.dir == Path("/runs")
+                assert cfg.redis.username == "rollwave" and cfg.redis.password.get_secret_value() == "r" * 40
                 required = "api.token" if module == "services.api" else "checkpoint.token"
                 assert require_secret(cfg, required) == SECRETS[own], module
                 seen.add(module)
@@ -198,7 +202,10 @@ def test_external_redis_and_existing_secret(tmp_path: Path) -> None:
     assert env["REDIS_URL"]["value"] == "rediss://redis.example:6380/2"
     assert env["ROLLWAVE_API_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "my-secrets", "key": "api"}
     trainer = containers(find(docs, "StatefulSet", "-trainer"))["trainer"]
-    assert secret_env(trainer) == {"ROLLWAVE_CHECKPOINT_TOKEN": "ckpt"}
+    assert secret_env(trainer) == {"ROLLWAVE_CHECKPOINT_TOKEN": "ckpt", "ROLLWAVE_REDIS_PASSWORD": "redis-password"}
+    no_login = render({"redis": {"url": "redis://redis.example:6379/0", "auth": {"enabled": False, "username": ""}}})
+    trainer = containers(find(no_login, "StatefulSet", "-trainer"))["trainer"]
+    assert secret_env(trainer) == {"ROLLWAVE_CHECKPOINT_TOKEN": "checkpoint-token"}
     assert run_config(docs, tmp_path, api["command"] + api["args"]).redis.url == "rediss://redis.example:6380/2"
 
 

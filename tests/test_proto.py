@@ -18,5 +18,5 @@ def test_service_shape() -> None:
     from proto import checkpoint_pb2
 
     service = checkpoint_pb2.DESCRIPTOR.services_by_name["CheckpointEngine"]
-    assert sorted(m.name for m in service.methods) == ["Abort", "Commit", "Stage", "Status"]
+    assert sorted(m.name for m in service.methods) == ["Abort", "Commit", "Prove", "Stage", "Status"]
     assert service.methods_by_name["Stage"].client_streaming

@@ -13,7 +13,7 @@ import redis
 from buffer_helpers import client
 
 from buffer.redis_server import EmbeddedRedis, RedisStartError, connect, find_redis_server
-from core.config import RedisConfig
+from core.config import RedisConfig, load_config
 from core.net import PortBusyError
 
 
@@ -111,3 +111,34 @@ def test_connect_uses_url_env_or_starts_embedded(tmp_path: Path, monkeypatch: py
         server.stop()
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(server.url, retry=None, socket_connect_timeout=1).ping()
+
+
+def test_connect_logs_in_with_the_configured_user_and_password(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``redis.password`` (here from ROLLWAVE_REDIS_PASSWORD) makes the embedded server require it and every
+    client send it; ``redis.username`` logs in as an ACL user, which sees only the keys its ACL grants."""
+    password, user_password = "p" * 40, "u" * 40
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    cfg = load_config(None, ["redis.aof=false"], env={"ROLLWAVE_REDIS_PASSWORD": password}).redis
+    admin, server = connect(cfg, tmp_path)
+    assert server is not None
+    try:
+        assert admin.ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(server.url, retry=None).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(server.url, retry=None, password="w" * 40).ping()
+        admin.acl_setuser("rollwave", enabled=True, passwords=[f"+{user_password}"], keys=["rw:*"],
+                          commands=["+@all"])
+        (tmp_path / "pw").write_text(user_password + "\n")
+        user_cfg = load_config(None, [f"redis.url={server.url}", "redis.username=rollwave",
+                                      f"redis.password_file={tmp_path / 'pw'}"], env={})
+        user, none = connect(user_cfg.redis, tmp_path / "other")
+        assert none is None
+        assert user.acl_whoami() == "rollwave"
+        user.set("rw:x", 1)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            user.set("other", 1)
+        user.close()
+    finally:
+        admin.close()
+        server.stop()

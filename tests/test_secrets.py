@@ -56,3 +56,19 @@ def test_a_short_or_masked_token_is_refused_without_echoing_it(tmp_path: Path) -
     proc = start("rollout_server", "-c", str(masked))
     assert proc.returncode == 2
     assert "checkpoint.token: the config holds a masked secret; give it in ROLLWAVE_CHECKPOINT_TOKEN" in proc.stderr
+
+
+def test_launchers_hand_each_component_only_its_own_secrets(tmp_path: Path) -> None:
+    """The Redis password goes to every component, the checkpoint token to the trainer and rollout servers,
+    the API token to the API only; never on a command line."""
+    from core.config import load_config
+    from services.launcher import components
+
+    given = {"api.token": "a" * 40, "checkpoint.token": "c" * 40, "redis.password": "r" * 40}
+    cfg = load_config(None, [f"{k}={v}" for k, v in given.items()], env={})
+    specs = {s.name: s for s in components(cfg, tmp_path / "c.yaml", "redis://127.0.0.1:1/0")}
+    assert specs["api"].env == {"ROLLWAVE_API_TOKEN": "a" * 40, "ROLLWAVE_REDIS_PASSWORD": "r" * 40}
+    for name in ("trainer-0", "rollout-0"):
+        own = {k: v for k, v in specs[name].env.items() if k.startswith("ROLLWAVE_")}
+        assert own == {"ROLLWAVE_CHECKPOINT_TOKEN": "c" * 40, "ROLLWAVE_REDIS_PASSWORD": "r" * 40}, name
+    assert not [a for s in specs.values() for a in s.argv if any(v in a for v in given.values())]

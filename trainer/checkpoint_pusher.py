@@ -14,6 +14,11 @@ snapshot, and a newer one replaces it. The watcher re-offers the newest version 
 does not serve it yet (a restarted server, or a straggler after its back-off), so a server that comes back
 catches up without waiting for the next training step.
 
+Before its token or any weights, the pusher asks each server to prove it holds the checkpoint token
+(``Prove``, see ``core.checkpoint_auth``): a server registered in Redis that cannot gets nothing, and the
+refusal is a failure at stage ``prove`` (reason ``unproven``). With ``checkpoint.tls_*`` the channels are
+mutual TLS.
+
 Every failed push is logged naming the server and the stage, counted in
 ``rollwave_trainer_push_failures_total{server,stage,reason}`` and recorded (``record``, the registry's
 per-server push results that ``rollwave status``, the API and the dashboard show). A version that no quorum
@@ -22,7 +27,9 @@ committed is an error in the log, listing each server's reason.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -36,6 +43,7 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Counter
 
 from buffer.registry import PushRecord, ServerRegistry
+from core.checkpoint_auth import NONCE_BYTES, channel_credentials, proof
 from core.checkpoint_format import GRPC_OPTIONS, REASON_KEY, SERVICE
 from core.config import CheckpointConfig
 from proto import checkpoint_pb2 as pb
@@ -59,11 +67,13 @@ _REASONS = {grpc.StatusCode.DEADLINE_EXCEEDED: "timeout", grpc.StatusCode.UNAVAI
 
 @dataclass(frozen=True)
 class Target:
-    """A rollout server to push to, and the version it reports serving (registry heartbeat)."""
+    """A rollout server to push to, and the version it reports serving (registry heartbeat). A server
+    listed by address alone (``named`` False) proves the token under whatever id it gives."""
 
     server_id: str
     address: str
     version: int = 0
+    named: bool = True
 
 
 @dataclass
@@ -172,7 +182,9 @@ class _Link:
         self._busy = False
         self._closed = False
         self._cond = threading.Condition()
-        self._channel = grpc.insecure_channel(target.address, options=GRPC_OPTIONS)
+        credentials = pusher.channel_credentials
+        self._channel = (grpc.insecure_channel(target.address, options=GRPC_OPTIONS) if credentials is None
+                         else grpc.secure_channel(target.address, credentials, options=GRPC_OPTIONS))
         self._stage = self._channel.stream_unary(_STAGE_METHOD, request_serializer=None,
                                                  response_deserializer=pb.StageReply.FromString)
         self._stub = pb_grpc.CheckpointEngineStub(self._channel)
@@ -259,16 +271,34 @@ class _Link:
         return result
 
     def _connect(self) -> pb.StatusReply:
-        """The server's Status (the version and the tensor dtypes it serves), asked once the channel is up: a
-        server that cannot be reached, or is reached but does not answer (frozen), fails here within
-        ``connect_timeout_s``."""
+        """The server's Status (the version and the tensor dtypes it serves), asked once the channel is up and
+        the server proved it holds the token: a server that cannot be reached, or is reached but does not
+        answer (frozen), fails here within ``connect_timeout_s``."""
         timeout = self._config.connect_timeout_s
+        self._prove(timeout)
         try:
             status = self._stub.Status(pb.StatusRequest(), metadata=self._pusher.metadata, timeout=timeout,
                                        wait_for_ready=True)
         except grpc.RpcError as exc:
             raise _failure("connect", exc, timeout) from None
         return status
+
+    def _prove(self, timeout: float) -> None:
+        """Challenge the server before sending it anything secret: it must answer with the HMAC of a fresh
+        nonce, its id and the address dialled, under the checkpoint token."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        try:
+            reply = self._stub.Prove(pb.ProveRequest(nonce=nonce), timeout=timeout, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise _failure("connect", exc, timeout) from None  # not reached, or frozen: nothing proven wrong
+        target = self.target
+        if target.named and reply.server_id != target.server_id:
+            raise _Failed("prove", "unproven", f"prove: the server at this address says it is {reply.server_id!r}, "
+                                               "not the registered one; sent it no token and no weights")
+        expected = proof(self._pusher.token, nonce, reply.server_id, target.address)
+        if not hmac.compare_digest(reply.proof, expected):
+            raise _Failed("prove", "unproven", "prove: the server could not prove it holds the checkpoint token; "
+                                               "sent it no token and no weights")
 
     def _stage_version(self, snapshot: Snapshot, dtypes: dict[str, torch.dtype], result: PushResult) -> None:
         cfg = self._config
@@ -341,12 +371,14 @@ class CheckpointPusher:
         if callable(servers):
             self._servers = servers
         else:
-            static = [Target(a, a) for a in servers]
+            static = [Target(a, a, named=False) for a in servers]
             self._servers = lambda: static
         self._set_version = set_version
         self._record = record
         self.metrics = PushMetrics(registry)
-        self.metadata = [("authorization", f"Bearer {config.token.get_secret_value()}")]
+        self.token = config.token.get_secret_value()
+        self.metadata = [("authorization", f"Bearer {self.token}")]
+        self.channel_credentials = channel_credentials(config)
         self.published = 0
         self.last_pushed = 0
         self.served_dtypes: dict[str, torch.dtype] | None = None  # by tensor name, from the servers' Status

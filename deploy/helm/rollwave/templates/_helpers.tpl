@@ -59,7 +59,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $base := dict
   "run" (dict "name" .Values.run.name "dir" "/runs")
   "model" (dict "path" .Values.model.path "init_if_missing" false)
-  "redis" (dict "url" (include "rollwave.redisUrl" .))
+  "redis" (dict "url" (include "rollwave.redisUrl" .) "username" .Values.redis.auth.username)
   "engine" (dict "backend" .Values.engine.backend "port" (int .Values.engine.port))
   "rollout" (dict "grpc_port" (int .Values.rollout.grpcPort) "metrics_port" (int .Values.rollout.metricsPort) "metrics_host" "0.0.0.0")
   "trainer" (dict "metrics_port" (int .Values.trainer.metricsPort) "metrics_host" "0.0.0.0" "device" (ternary "cuda" "cpu" (gt (int .Values.trainer.gpusPerNode) 0)))
@@ -90,6 +90,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   value: /tmp
 - name: REDIS_URL
   value: {{ include "rollwave.redisUrl" . | quote }}
+{{- if .Values.redis.auth.enabled }}
+{{ include "rollwave.secretEnv" (dict "root" . "name" "ROLLWAVE_REDIS_PASSWORD" "key" .Values.secrets.redisPasswordKey) }}
+{{- end }}
 - name: POD_NAME
   valueFrom:
     fieldRef:

@@ -1,0 +1,55 @@
+"""Who may take part in the checkpoint plane: the servers' proof of the token, and optional (mutual) TLS.
+
+The pusher learns the servers' addresses from Redis, which it does not trust with its token or the
+weights. Before either, it sends a fresh nonce (``Prove``); the server answers ``proof(token, nonce,
+server_id, address)``. Only a holder of the checkpoint token can compute it, and it binds the address the
+pusher dialled, so a fake server cannot relay the challenge to a real one at another address. An attacker
+on the path to a real server's own address is what TLS (``checkpoint.tls_*``) is for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import grpc
+
+from core.config import CheckpointConfig
+
+NONCE_BYTES = 32
+_CONTEXT = b"rollwave checkpoint proof v1"
+
+
+def proof(token: str, nonce: bytes, server_id: str, address: str) -> bytes:
+    """HMAC-SHA256 under the checkpoint token of the nonce, the server's id and its gRPC address
+    (each length-prefixed, so no two different triples share a message)."""
+    parts = (_CONTEXT, nonce, server_id.encode(), address.encode())
+    message = b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+    return hmac.new(token.encode(), message, hashlib.sha256).digest()
+
+
+def _tls_files(cfg: CheckpointConfig) -> tuple[bytes, bytes, bytes] | None:
+    """(key, certificate, CA) as PEM bytes, or None when TLS is off (the config sets all three or none)."""
+    if cfg.tls_key is None or cfg.tls_cert is None or cfg.tls_ca is None:
+        return None
+    return cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes(), cfg.tls_ca.read_bytes()
+
+
+def server_credentials(cfg: CheckpointConfig) -> grpc.ServerCredentials | None:
+    """The receiver's TLS credentials (clients must present a certificate signed by ``tls_ca``), or None
+    for a plaintext port when ``checkpoint.tls_*`` are unset."""
+    files = _tls_files(cfg)
+    if files is None:
+        return None
+    key, cert, ca = files
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+
+
+def channel_credentials(cfg: CheckpointConfig) -> grpc.ChannelCredentials | None:
+    """The pusher's TLS credentials (a server must present a certificate signed by ``tls_ca`` for the host
+    the pusher dials; the pusher presents its own), or None for plaintext channels."""
+    files = _tls_files(cfg)
+    if files is None:
+        return None
+    key, cert, ca = files
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)

@@ -358,6 +358,10 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     api: ApiConfig = ApiConfig()
 
+    def masked_unset(self, dotted: str) -> bool:
+        """Whether the secret ``dotted`` was masked in the file it was loaded from and given nowhere else."""
+        return dotted in self._masked_unset
+
     @model_validator(mode="after")
     def _sync_mode(self) -> Config:
         """``rollout.mode=sync`` is the async machinery with max_staleness = 0: a batch is generated only for the
@@ -453,7 +457,7 @@ def require_secret(cfg: Config, dotted: str) -> str:
     """The secret a starting component needs; a ConfigError saying where to put it when it is not set."""
     section, field = dotted.split(".")
     secret = getattr(getattr(cfg, section), field)
-    if dotted in cfg._masked_unset:
+    if cfg.masked_unset(dotted):
         raise ConfigError(f"{dotted}: the config holds a masked secret; give it in {SECRETS[dotted]} or {dotted}_file")
     if secret is None:
         raise ConfigError(f"{dotted} is not set: give it in {SECRETS[dotted]} or {dotted}_file ({GENERATE_HINT})")

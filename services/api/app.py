@@ -47,7 +47,7 @@ Refuse = Callable[[str, Scope], None]
 def check_api_config(cfg: Config) -> None:
     """An API reachable from other hosts must have a token: ConfigError when it would bind off loopback without,
     or when the config holds a masked token given nowhere else (never run without the token an operator set)."""
-    if "api.token" in cfg._masked_unset:
+    if cfg.masked_unset("api.token"):
         require_secret(cfg, "api.token")
     if cfg.api.token is None and not is_loopback(cfg.api.host):
         raise ConfigError(

@@ -12,8 +12,29 @@ import redis
 
 from buffer.keys import ROLLOUT_GROUP, Keys
 from buffer.task_queue import TaskQueue
+from core.config import Config, dump_config, load_config
 from core.jobs import JobSpec, TaskSource
-from services.launcher import LocalStack
+from services.launcher import LocalStack, ensure_checkpoint_token
+
+# What the end-to-end fault tests run: short two-turn episodes, small groups, one thread each, staleness 1.
+SMALL_STACK = (
+    "rollout.n_samples=2", "rollout.max_turns=2", "rollout.max_new_tokens=12", "rollout.max_concurrent_groups=4",
+    "rollout.shutdown_grace_s=5", "buffer.claim_idle_ms=3000", "buffer.max_staleness=1", "buffer.groups_per_step=4",
+    "trainer.stop_when_drained=true", "trainer.take_timeout_s=1", "trainer.threads=1", "engine.threads=1",
+    "engine.max_batch_size=16",
+)
+
+
+def stack_config(tmp_path: Path, name: str, model: Path, *overrides: str) -> tuple[Config, Path]:
+    """``SMALL_STACK`` with ``overrides`` on top, a checkpoint token, dumped (secrets masked) to a config file."""
+    cfg = load_config(None, [
+        f"run.name={name}", f"run.dir={tmp_path}", f"model.path={model}", f"checkpoint.stage_dir={tmp_path}/stage",
+        *SMALL_STACK, *overrides,
+    ])
+    ensure_checkpoint_token(cfg)
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(cfg))
+    return cfg, path
 
 
 def log_tails(stack: LocalStack, names: list[str] | None = None, chars: int = 3000) -> str:

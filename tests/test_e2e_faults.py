@@ -21,9 +21,8 @@ from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
-from core.config import dump_config, load_config
-from services.launcher import LocalStack, components, ensure_checkpoint_token
-from tests.stack_helpers import Feeder, trained_group_ids, wait_for
+from services.launcher import LocalStack, components
+from tests.stack_helpers import Feeder, stack_config, trained_group_ids, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -31,17 +30,8 @@ pytestmark = pytest.mark.slow
 def test_faults_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
     server = EmbeddedRedis(tmp_path / "redis", aof=True, appendfsync="always").start()
     port = server.port  # the components know this URL: Redis comes back on it
-    cfg = load_config(None, [
-        "run.name=faults", f"run.dir={tmp_path}", f"model.path={tiny_model_dir}", "model.init_if_missing=false",
-        "rollout.n_samples=2", "rollout.max_turns=2", "rollout.max_new_tokens=12", "rollout.heartbeat_s=0.5",
-        "rollout.max_concurrent_groups=4", "rollout.shutdown_grace_s=5", "buffer.claim_idle_ms=3000",
-        "buffer.max_staleness=1", "buffer.groups_per_step=4", "trainer.total_steps=1000",
-        "trainer.stop_when_drained=true", "trainer.checkpoint_every=2", "trainer.take_timeout_s=1",
-        "trainer.threads=1", "engine.threads=1", "engine.max_batch_size=16", f"checkpoint.stage_dir={tmp_path}/stage",
-    ])
-    ensure_checkpoint_token(cfg)
-    config_path = tmp_path / "config.yaml"
-    config_path.write_text(dump_config(cfg))
+    cfg, config_path = stack_config(tmp_path, "faults", tiny_model_dir, "rollout.heartbeat_s=0.5",
+                                    "trainer.total_steps=1000", "trainer.checkpoint_every=2")
     keys = Keys(cfg.run.name)
     client = redis.Redis.from_url(server.url)
     queue = TaskQueue(client, keys, cfg.buffer)

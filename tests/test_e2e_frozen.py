@@ -31,9 +31,8 @@ from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
-from core.config import dump_config, load_config
-from services.launcher import LocalStack, components, ensure_checkpoint_token, published_api_url
-from tests.stack_helpers import Feeder, trained_group_ids, wait_for
+from services.launcher import LocalStack, components, published_api_url
+from tests.stack_helpers import Feeder, stack_config, trained_group_ids, wait_for
 
 pytestmark = pytest.mark.slow
 FREEZE_S = 60.0  # how long the server stays frozen (the probe: one minute)
@@ -52,19 +51,11 @@ def commits(address: str) -> float:
 @pytest.mark.parametrize("after", ["sigcont", "sigkill", "never"])
 def test_a_frozen_server_never_stops_training(tmp_path: Path, tiny_model_dir: Path, after: str) -> None:
     server = EmbeddedRedis(tmp_path / "redis", aof=False).start()
-    cfg = load_config(None, [
-        "run.name=frozen", f"run.dir={tmp_path}", f"model.path={tiny_model_dir}", "model.init_if_missing=false",
-        "rollout.n_samples=2", "rollout.max_turns=2", "rollout.max_new_tokens=12", "rollout.heartbeat_s=2",
-        "rollout.max_concurrent_groups=4", "rollout.shutdown_grace_s=5", "buffer.claim_idle_ms=3000",
-        "buffer.max_staleness=1", "buffer.groups_per_step=4", "trainer.total_steps=100000",
-        "trainer.stop_when_drained=true", "trainer.checkpoint_every=5", "trainer.take_timeout_s=1",
-        "trainer.threads=1", "engine.threads=1", "engine.max_batch_size=16", f"checkpoint.stage_dir={tmp_path}/stage",
-        "checkpoint.connect_timeout_s=2", "checkpoint.stage_timeout_s=5", "checkpoint.commit_timeout_s=10",
-        "api.port=0",
-    ])
-    ensure_checkpoint_token(cfg)
-    config_path = tmp_path / "config.yaml"
-    config_path.write_text(dump_config(cfg))
+    cfg, config_path = stack_config(
+        tmp_path, "frozen", tiny_model_dir, "rollout.heartbeat_s=2", "trainer.total_steps=100000",
+        "trainer.checkpoint_every=5", "checkpoint.connect_timeout_s=2", "checkpoint.stage_timeout_s=5",
+        "checkpoint.commit_timeout_s=10", "api.port=0",
+    )
     keys = Keys(cfg.run.name)
     client = redis.Redis.from_url(server.url)
     queue = TaskQueue(client, keys, cfg.buffer)

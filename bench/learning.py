@@ -39,7 +39,7 @@ from core.config import Config, dump_config, load_config
 from core.jobs import JobSpec, TaskSource
 from core.tasks import load_tasks
 from core.tiny_model import build_tiny_model
-from services.launcher import LocalStack, components
+from services.launcher import LocalStack, components, ensure_checkpoint_token
 from trainer.checkpoint import Checkpointer, export_hf
 from trainer.sft import warm_start
 
@@ -53,6 +53,7 @@ def _config(root: Path, name: str, model: Path, overrides: list[str]) -> tuple[C
         f"run.name={name}", f"run.dir={root}", f"model.path={model}", "model.init_if_missing=false",
         "trainer.checkpoint_every=100000", *overrides,
     ])
+    ensure_checkpoint_token(cfg)
     cfg.run.path.mkdir(parents=True)
     path = cfg.run.path / "config.yaml"
     path.write_text(dump_config(cfg))

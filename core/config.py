@@ -503,6 +503,9 @@ def load_config(
     return cfg
 
 
+CONFIG_ERROR_EXIT = 2  # a component's exit status for a config it cannot start with: restarting cannot help
+
+
 def load_config_or_exit(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
@@ -517,7 +520,7 @@ def load_config_or_exit(
         return cfg
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(CONFIG_ERROR_EXIT) from None
 
 
 def dump_config(cfg: Config) -> str:

@@ -33,7 +33,7 @@ import redis
 
 from buffer.keys import Keys
 from buffer.redis_server import MALLOC_ENV
-from core.config import SECRETS, Config, secret_env
+from core.config import CONFIG_ERROR_EXIT, SECRETS, Config, secret_env
 from core.net import free_port_outside_ephemeral
 from core.process import stop_process
 
@@ -135,6 +135,7 @@ class LocalStack:
         self.poll_s = poll_s
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {name: 0 for name in self.specs}
+        self.refused: set[str] = set()  # exited on a config error: not restarted (it would only fail again)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -160,7 +161,12 @@ class LocalStack:
                     if rc is None or self._stop.is_set():
                         continue
                     spec = self.specs[name]
-                    if rc == 0 or not spec.restart:
+                    if rc == 0 or not spec.restart or name in self.refused:
+                        continue
+                    if rc == CONFIG_ERROR_EXIT:
+                        log.error("%s refused its config (exit %d; the reason is the last line of %s); "
+                                  "not restarting it", name, rc, self.log_dir / f"{name}.log")
+                        self.refused.add(name)
                         continue
                     log.warning("%s exited with %s; restarting", name, rc)
                     self.restarts[name] += 1

@@ -16,6 +16,7 @@ import sys
 import torch
 import uvicorn
 
+from core.config import CONFIG_ERROR_EXIT
 from core.net import is_loopback, listen_socket
 from rollout_server.engine import ENGINE_KEY_ENV
 from rollout_server.engine.protocol import GenerateSpec
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     if api_key is None and not is_loopback(args.host):
         print(f"error: --host {args.host} is not loopback: set {ENGINE_KEY_ENV} so callers need the key",
               file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(CONFIG_ERROR_EXIT)
     logging.basicConfig(level=args.log_level.upper())
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -239,3 +239,13 @@ def test_checkpoint_resume_and_export_carry_the_critic(ctx: DistContext, tiny_mo
     plain.close()
     with pytest.raises(ValueError, match="has no critic"):
         Trainer(TrainerConfig(**GAE), tiny_model_dir, tmp_path / "grpo").start(resume=True, ctx=ctx)
+
+
+def test_critic_settings_without_gae_are_reported_ignored(
+    ctx: DistContext, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = TrainerConfig(**{**GAE, "advantage": "rloo"}, critic={"lr": 1e-2})
+    trainer = Trainer(cfg, tiny_model_dir, tmp_path).start(ctx=ctx)
+    trainer.close()
+    assert trainer.critic is None
+    assert "trainer.critic is set but trainer.advantage is rloo" in caplog.text

@@ -28,6 +28,11 @@ class BufferMetrics:
         self.stale_dropped = Counter(
             "rollwave_buffer_stale_dropped_total", "groups dropped by the trainer as too stale", registry=r
         )
+        self.degenerate_dropped = Counter(
+            "rollwave_buffer_degenerate_dropped_total",
+            "groups dropped by the trainer because their rewards were all equal (buffer.filter_degenerate_groups)",
+            registry=r,
+        )
         self.cancelled = Counter(
             "rollwave_buffer_cancelled_total", "tasks and groups of cancelled jobs acked without rollout or training",
             ["stream"], registry=r,

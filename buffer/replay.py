@@ -59,9 +59,10 @@ return fresh
 """
 
 # KEYS: groups stream, group state, admitted counter, consumed ids list. ARGV: job key prefix, dedup window,
-# then (entry id, gid, outcome, job) quadruples; outcome is the job counter: trained, stale_dropped or cancelled
-# (the last two give their admission slot back); an empty job is looked up in the entry. Only entries still
-# pending count, so acking twice changes nothing. Consumed ids beyond the window leave groups:state.
+# then (entry id, gid, outcome, job) quadruples; outcome is the job counter: trained, stale_dropped,
+# degenerate_dropped or cancelled (all but trained give their admission slot back); an empty job is looked up in
+# the entry. Only entries still pending count, so acking twice changes nothing. Consumed ids beyond the window
+# leave groups:state.
 # Returns how many were acked.
 _ACK = """
 local acked = 0
@@ -295,19 +296,28 @@ class ReplayBuffer:
         pipe.execute()
         self.metrics.malformed.labels(stream="groups").inc()
 
-    def ack(self, entry_ids: Sequence[str], group_ids: Sequence[str], stale_group_ids: Sequence[str] = ()) -> int:
+    def ack(
+        self,
+        entry_ids: Sequence[str],
+        group_ids: Sequence[str],
+        stale_group_ids: Sequence[str] = (),
+        degenerate_group_ids: Sequence[str] = (),
+    ) -> int:
         """Ack consumed groups and mark their ids consumed, atomically. Groups in ``stale_group_ids`` were
-        dropped by the staleness filter: their admission is released and they count as ``stale_dropped``.
+        dropped by the staleness filter, those in ``degenerate_group_ids`` by dynamic sampling (all rewards
+        equal): their admission is released, so the rollout replaces them, and they count as ``stale_dropped``
+        or ``degenerate_dropped``.
 
         Idempotent: an entry no longer pending changes nothing. Returns how many entries were acked."""
         if len(entry_ids) != len(group_ids):
             raise ValueError(f"ack: {len(entry_ids)} entry ids but {len(group_ids)} group ids")
-        stale = set(stale_group_ids)
+        outcomes = {gid: "stale_dropped" for gid in stale_group_ids}
+        outcomes.update((gid, "degenerate_dropped") for gid in degenerate_group_ids)
         items = []
         for entry_id, gid in zip(entry_ids, group_ids, strict=True):
             held = self._held.get(entry_id)
             job = held[1] if held is not None and held[0] == gid else ""
-            items.append((entry_id, gid, "stale_dropped" if gid in stale else "trained", job))
+            items.append((entry_id, gid, outcomes.get(gid, "trained"), job))
         return self._ack_outcomes(items)
 
     def _ack_outcomes(self, items: Sequence[tuple[str, str, str, str]]) -> int:

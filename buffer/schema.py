@@ -21,6 +21,7 @@ SCHEMA_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 
 FAILED_FINISH_REASONS = ("error", "abort", "reward_error")  # the episode has no valid outcome
+TRUNCATED_FINISH_REASONS = ("length", "max_total_tokens")  # cut off by a token limit (a turn's or the context's)
 
 ARRAY_DTYPES: dict[str, np.dtype] = {
     "token_ids": np.dtype("<i4"),
@@ -79,6 +80,11 @@ class Sample:
     def failed(self) -> bool:
         """The episode failed (engine error, abort, tool setup, reward function): it must not be trained on."""
         return self.finish_reason in FAILED_FINISH_REASONS
+
+    @property
+    def truncated(self) -> bool:
+        """A token limit cut the episode off: its last turn may be unfinished."""
+        return self.finish_reason in TRUNCATED_FINISH_REASONS
 
     @property
     def num_generated(self) -> int:

@@ -219,10 +219,55 @@ class BufferConfig(Section):
     )
     claim_idle_ms: int = Field(30_000, ge=100, description="pending entries idle this long are reclaimed")
     max_attempts: int = Field(3, ge=1, description="deliveries of a task before it is dead-lettered")
+    filter_degenerate_groups: bool = Field(
+        False, description="DAPO dynamic sampling: the trainer drops groups whose rewards are all equal (no "
+        "group-relative signal) and keeps taking until a step holds groups_per_step informative ones"
+    )
     dedup_window: int = Field(
         100_000, ge=1, description="consumed train group ids remembered (groups:state) to drop late duplicate "
         "writes; older ones are forgotten, which bounds the hash"
     )
+
+
+class CriticConfig(Section):
+    """The value model of ``trainer.advantage=gae``; ignored by the group-relative estimators."""
+
+    path: Path | None = Field(
+        None, description="HF model to start the value model from (a scalar head is added if it has none); "
+        "None: the policy's weights with a new head"
+    )
+    lr: float = Field(1e-4, gt=0, description="the critic's own AdamW learning rate (constant)")
+    value_clip: float | None = Field(
+        0.5, gt=0, description="ε of the clipped value loss around the step's old values; None: unclipped"
+    )
+    warmup_steps: int = Field(0, ge=0, description="the first steps train the critic only (the policy stays)")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount γ per generated token")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE λ (1: Monte Carlo returns minus the value)")
+
+
+class OverlongConfig(Section):
+    """Samples cut off by a token limit (finish_reason ``length`` or ``max_total_tokens``), DAPO arXiv 2503.14476."""
+
+    mode: Literal["off", "penalty", "mask"] = Field(
+        "off", description="penalty: DAPO's soft over-long punishment added to the reward; mask: truncated "
+        "samples are left out of the loss (DAPO's over-long filtering)"
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, description="penalty: L_max, generated tokens at which the penalty reaches -penalty_factor"
+    )
+    buffer_tokens: int = Field(
+        16, ge=1, description="penalty: L_cache, the penalty grows linearly over the last L_cache tokens before L_max"
+    )
+    penalty_factor: float = Field(1.0, ge=0, description="penalty: the largest penalty")
+
+    @model_validator(mode="after")
+    def _penalty_lengths(self) -> OverlongConfig:
+        if self.mode == "penalty":
+            if self.max_tokens is None:
+                raise ValueError("mode penalty needs max_tokens (L_max)")
+            if self.buffer_tokens > self.max_tokens:
+                raise ValueError("buffer_tokens (L_cache) must not exceed max_tokens (L_max)")
+        return self
 
 
 class TrainerConfig(Section):
@@ -245,8 +290,12 @@ class TrainerConfig(Section):
     )
     is_low: float = Field(0.5, ge=0, description="icepop: mask tokens whose ratio is below")
     is_high: float = Field(2.0, gt=0, description="icepop: mask tokens whose ratio is above")
-    advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = Field(
+        "grpo", description="gae: PPO with a critic (trainer.critic); the others use the group as baseline"
+    )
     std_norm: bool = True
+    critic: CriticConfig = CriticConfig()
+    overlong: OverlongConfig = OverlongConfig()
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3", "low-var-kl"] = "low-var-kl"
     entropy_coef: float = Field(0.0, ge=0)

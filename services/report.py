@@ -74,6 +74,8 @@ def summarize(
         "staleness_max": max((lag for lag, n in lags if n), default=0),
         "groups_trained": job["progress"]["trained"],
         "groups_dropped_stale": job["progress"]["stale_dropped"],
+        "groups_dropped_degenerate": job["progress"]["degenerate_dropped"],
+        "explained_variance_end": _r(_mean([r["explained_variance"] for r in tail if "explained_variance" in r])),
         "final_policy_version": status["version"],
         "rl_seconds": round(rl_seconds, 1),
         "total_seconds": round(total_seconds, 1),

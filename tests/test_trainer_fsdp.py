@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from trainer_helpers import synthetic_groups
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from core.config import TrainerConfig
 from core.net import free_port_outside_ephemeral
@@ -42,9 +42,12 @@ def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Pat
         trainer = Trainer(TrainerConfig(**cfg), model_dir, run_dir).start(ctx=ctx)
         records = [trainer.train(synthetic_groups(seed, GROUPS)) for seed in range(STEPS)]
         params = {name: t.clone() for name, t in iter_full_params(trainer.model) if t is not None}
+        critic = {} if trainer.critic is None else {
+            name: t.clone() for name, t in iter_full_params(trainer.critic[0]) if t is not None
+        }
         trainer.close()
         if rank == 0:
-            torch.save({"records": records, "params": params}, out)
+            torch.save({"records": records, "params": params, "critic": critic}, out)
     finally:
         close_distributed()
 
@@ -77,6 +80,30 @@ def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path, minibatc
     assert moved > 1e-4
     for run in ("run1", "run2"):  # the final step was checkpointed by every rank
         assert (tmp_path / run / "checkpoints" / f"step_{STEPS:08d}" / "trainer_state.json").is_file()
+
+
+def test_two_ranks_match_one_rank_with_a_critic(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The critic's values (each rank's rows, summed over ranks), its clipped updates over 2 minibatches and the
+    warm-up step: the same on 2 ranks as on 1."""
+    cfg = {**CFG, "kl_coef": 0.0, "advantage": "gae", "ppo_minibatches": 2,
+           "critic": {"warmup_steps": 1, "value_clip": 1e-3, "lr": 1e-3, "gamma": 0.9, "lam": 0.8}}
+    one = _spawn(1, tiny_model_dir, tmp_path, cfg)
+    two = _spawn(2, tiny_model_dir, tmp_path, cfg)
+    keys = ("loss", "pg_loss", "grad_norm", "value_loss", "value_clip_fraction", "explained_variance", "value_mean",
+            "return_mean", "critic_grad_norm")
+    for a, b in zip(one["records"], two["records"], strict=True):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+        assert a["policy_updates"] == b["policy_updates"]
+    assert [r["policy_updates"] for r in one["records"]] == [0, 2, 2]
+    assert one["records"][-1]["value_clip_fraction"] > 0  # the clip really acts
+    plain = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    assert set(one["critic"]) == set(two["critic"]) == {n for n, _ in plain.named_parameters()}
+    # Adam turns summation-order noise in a ~0 gradient into a move of up to ~lr/100 per update: 4 policy updates
+    for name in one["critic"]:
+        torch.testing.assert_close(one["critic"][name], two["critic"][name], rtol=1e-4, atol=1e-5)
+    for name in one["params"]:
+        torch.testing.assert_close(one["params"][name], two["params"][name], rtol=1e-4, atol=4e-5)
 
 
 @pytest.fixture(scope="module")

@@ -107,3 +107,22 @@ def test_grpo_raises_rewarded_token_mass(
     else:
         assert last["staleness_hist"] == {"0": GROUPS * SAMPLES}
         assert last["logprob_gap"] < 1e-4  # the sampler's logprobs are the trainer's own
+
+
+def test_ppo_with_a_critic_raises_rewarded_token_mass(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """trainer.advantage=gae: the same toy task with the critic's values as the baseline; the critic learns too."""
+    cfg = TrainerConfig(total_steps=STEPS, lr=1e-2, advantage="gae", critic={"lr": 1e-3}, device="cpu")
+    trainer = Trainer(cfg, tiny_model_dir, tmp_path, BufferConfig(groups_per_step=GROUPS)).start(ctx=ctx)
+    rng = np.random.default_rng(0)
+    vocab = trainer.model.config.vocab_size
+    prompts = [rng.integers(3, vocab, 6).tolist() for _ in range(GROUPS)]
+    held_out = [rng.integers(3, vocab, 6).tolist() for _ in range(32)]
+    gen = torch.Generator().manual_seed(0)
+    before = _even_mass(trainer.model, held_out)
+    records = [trainer.train(_sample(trainer.model, prompts, gen, trainer.version, f"s{step}"))
+               for step in range(STEPS)]
+    after = _even_mass(trainer.model, held_out)
+    trainer.close()
+    assert after > before + 0.03, (before, after)
+    losses = [r["value_loss"] for r in records]
+    assert losses[-1] < losses[0] / 2, losses

@@ -67,3 +67,52 @@ def test_push_every_k_steps_reaches_total_steps(
     assert trainer.step == STEPS and trainer.version == STEPS // push_every
     assert versions == [s // push_every for s in range(STEPS)]  # a version spans push_every steps
     assert produced <= (trainer.version + cfg.max_staleness + 1) * GPS * push_every
+
+
+def _one_group(seed: int, run: str, rewards: list[float]) -> list:
+    groups = synthetic_groups(seed, 1, run=run)
+    for s, reward in zip(groups[0].samples, rewards, strict=True):
+        s.reward = reward
+    return groups
+
+
+@pytest.mark.parametrize("filtered", [True, False])
+def test_degenerate_groups_are_dropped_and_give_their_admission_back(
+    ctx: DistContext, tiny_model_dir: Path, redis_server: EmbeddedRedis, tmp_path: Path, filtered: bool
+) -> None:
+    """η = 0 and 2 groups per step: version 0 admits 2 groups. Both come back with equal rewards. Filtered, the
+    trainer drops them, and their slots must come back (were they counted as trained, admission would stay shut
+    at version 0 and the trainer would wait forever); the 2 informative groups admitted next make the step."""
+    run = f"degenerate-{filtered}"
+    cfg = BufferConfig(max_staleness=0, groups_per_step=GPS, filter_degenerate_groups=filtered)
+    client, keys = redis.Redis.from_url(redis_server.url), Keys(run)
+    staleness = StalenessControl(client, keys, cfg)
+    replay = ReplayBuffer(client, keys, cfg)
+    replay.ensure_group()
+    trainer_cfg = TrainerConfig(total_steps=1, take_timeout_s=0.2, stop_when_drained=True, device="cpu")
+    trainer = Trainer(trainer_cfg, tiny_model_dir, tmp_path, cfg).start(ctx=ctx)
+    for seed in range(GPS):
+        assert staleness.try_admit(f"s{seed}-g0")
+        assert replay.put_many(_one_group(seed, run, [1.0] * 4)) == [1]
+    assert staleness.capacity() == 0
+    groups, _ = trainer.next_batch(replay)
+    if not filtered:
+        assert [g.group_id for g in groups] == ["s0-g0", "s1-g0"]  # trained as they are
+        trainer.close()
+        return
+    assert groups == [] and trainer.done  # nothing informative, and nothing more to come
+    assert staleness.capacity() == GPS and staleness.admitted() == 0  # the slots came back
+    assert client.xlen(keys.groups) == 0  # acked away
+    assert client.hget(keys.job("job"), "degenerate_dropped") == str(GPS).encode()
+    for seed in (10, 11):
+        assert staleness.try_admit(f"s{seed}-g0")
+        assert replay.put_many(_one_group(seed, run, [1.0, 0.0, 0.0, 1.0])) == [1]
+    groups, _ = trainer.next_batch(replay)
+    assert [g.group_id for g in groups] == ["s10-g0", "s11-g0"]
+    record = trainer.train(groups)
+    trainer.finish(replay)
+    trainer.close()
+    assert record["degenerate_dropped"] == GPS
+    assert trainer.metrics.registry.get_sample_value("rollwave_buffer_degenerate_dropped_total") == GPS
+    assert client.hget(keys.job("job"), "trained") == str(GPS).encode()
+    assert staleness.admitted() == GPS  # trained groups keep theirs

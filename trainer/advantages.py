@@ -1,8 +1,9 @@
-"""Group-relative advantages: one scalar reward per sample -> per-token advantages on generated tokens.
+"""Advantages: one scalar reward per sample -> per-token advantages on generated tokens.
 
-Every estimator uses the other samples of the same prompt as the baseline, so no value model is needed.
-The reward is outcome-only (given at the end), so each generated token of a sample gets the sample's
-advantage (γ = 1); prompt, tool-output and padding tokens get 0.
+The group-relative estimators (grpo, rloo, reinforce_pp) use the other samples of the same prompt as the
+baseline, so no value model is needed: the reward is outcome-only (given at the end), so each generated
+token of a sample gets the sample's advantage (γ = 1). ``gae`` uses a critic's per-token values instead.
+Prompt, tool-output and padding tokens get 0.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from torch import Tensor
 
 AdvantageKind = Literal["grpo", "rloo", "reinforce_pp"]
-ADVANTAGE_KINDS: tuple[str, ...] = ("grpo", "rloo", "reinforce_pp")
+ADVANTAGE_KINDS: tuple[str, ...] = ("grpo", "rloo", "reinforce_pp")  # gae needs values: see ``gae``
 
 
 def _group_sum(values: Tensor, group_index: Tensor) -> Tensor:
@@ -110,3 +111,44 @@ def compute_advantages(
     else:
         raise ValueError(f"advantage: unknown kind {kind!r} (valid: {', '.join(ADVANTAGE_KINDS)})")
     return torch.where(mask, per_sample[:, None], 0.0).float()
+
+
+def gae(rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """GAE (Schulman et al. arXiv 1506.02438) over the generated tokens of each row: (advantages, returns) [B, T].
+
+    ``rewards`` [B] is the outcome, given at the row's last generated token; ``values`` [B, T] the critic's
+    V(s_t) aligned like ``loss_mask`` [B, T]. With t' the next generated token after t (V, A = 0 past the last):
+    ``δ_t = r_t + γ·V_t' - V_t``, ``A_t = δ_t + γλ·A_t'``, returns ``R_t = A_t + V_t``. Tokens off the mask (tool
+    output, template, padding) are skipped: they are the environment's, not actions, so the recursion passes
+    over them (verl's multi-turn GAE), and they get 0.
+    """
+    mask = loss_mask.bool()
+    values = values.to(torch.float64)
+    b, t_len = mask.shape
+    has_tokens = mask.any(dim=1)
+    last = t_len - 1 - mask.flip(1).int().argmax(dim=1)
+    token_rewards = torch.zeros(b, t_len, dtype=torch.float64)
+    rows = torch.arange(b)[has_tokens]
+    token_rewards[rows, last[has_tokens]] = rewards.to(torch.float64)[has_tokens]
+    next_value = torch.zeros(b, dtype=torch.float64)
+    next_adv = torch.zeros(b, dtype=torch.float64)
+    adv = torch.zeros(b, t_len, dtype=torch.float64)
+    for t in range(t_len - 1, -1, -1):
+        m = mask[:, t]
+        a = token_rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * next_adv
+        adv[:, t] = torch.where(m, a, 0.0)
+        next_value = torch.where(m, values[:, t], next_value)
+        next_adv = torch.where(m, a, next_adv)
+    returns = torch.where(mask, adv + values, 0.0)
+    return adv.float(), returns.float()
+
+
+def whiten(values: Tensor, loss_mask: Tensor, eps: float = 1e-6) -> Tensor:
+    """``(x - μ) / (σ + eps)`` with μ, σ over the masked tokens of the batch (PPO's advantage normalisation); 0 off
+    the mask."""
+    mask = loss_mask.bool()
+    x = values.to(torch.float64)
+    n = mask.sum().clamp(min=1)
+    mu = torch.where(mask, x, 0.0).sum() / n
+    var = torch.where(mask, (x - mu).square(), 0.0).sum() / n
+    return torch.where(mask, (x - mu) / (var.sqrt() + eps), 0.0).to(values.dtype)

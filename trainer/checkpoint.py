@@ -4,6 +4,8 @@ A checkpoint is a directory ``<run>/checkpoints/step_<n>``: the sharded model an
 written by DCP (every rank writes its shards; the directory must be on storage all ranks share), plus
 ``trainer_state.json`` (step, policy version, LR scheduler, the caller's buffer position), written last
 by rank 0. It is staged under a hidden name and renamed into place, so a listed checkpoint is complete.
+With a critic (``trainer.advantage=gae``) its model and optimizer are in the same DCP checkpoint (``critic``,
+``critic_optim``) and its HF config in ``critic_config/``, so the export can rebuild it.
 """
 
 from __future__ import annotations
@@ -23,10 +25,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
 
 STATE_FILE = "trainer_state.json"
+CRITIC_CONFIG = "critic_config"
 _PREFIX = "step_"
+Critic = tuple[nn.Module, torch.optim.Optimizer]  # the value model and its optimizer
 
 
 def _is_main() -> bool:
@@ -36,6 +46,14 @@ def _is_main() -> bool:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _shards(model: nn.Module, optimizer: torch.optim.Optimizer, critic: Critic | None) -> dict[str, Any]:
+    """The DCP state dicts of the policy and, when there is one, the critic (each rank's shards)."""
+    shards = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    if critic is not None:
+        shards.update(critic=get_model_state_dict(critic[0]), critic_optim=get_optimizer_state_dict(*critic))
+    return shards
 
 
 class Checkpointer:
@@ -65,6 +83,7 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         state: dict[str, Any],
+        critic: Critic | None = None,
     ) -> Path:
         """Write checkpoint ``step`` (``state`` must be JSON-serialisable) and prune beyond ``keep``."""
         final = self.root / f"{_PREFIX}{step:08d}"
@@ -73,10 +92,11 @@ class Checkpointer:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         _barrier()
-        shards = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-        dcp.save(shards, checkpoint_id=str(staging))
+        dcp.save(_shards(model, optimizer, critic), checkpoint_id=str(staging))
         _barrier()
         if _is_main():
+            if critic is not None:
+                critic[0].config.save_pretrained(staging / CRITIC_CONFIG)
             record = {"step": step, "scheduler": scheduler.state_dict(), **state}
             (staging / STATE_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
             shutil.rmtree(final, ignore_errors=True)
@@ -92,24 +112,32 @@ class Checkpointer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
+        critic: Critic | None = None,
     ) -> dict[str, Any]:
-        """Restore model, optimizer and scheduler in place; return the saved trainer state."""
+        """Restore model, optimizer, scheduler and critic in place; return the saved trainer state."""
         path = Path(path)
         state_file = path / STATE_FILE
         if not state_file.is_file():
             raise FileNotFoundError(f"{path}: not a complete checkpoint ({STATE_FILE} missing)")
+        if critic is not None and not (path / CRITIC_CONFIG).is_dir():
+            raise ValueError(f"{path}: has no critic to resume trainer.advantage=gae from (written without one)")
         record = json.loads(state_file.read_text())
-        shards = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        shards = _shards(model, optimizer, critic)
         dcp.load(shards, checkpoint_id=str(path))
         set_model_state_dict(model, shards["model"])
         set_optimizer_state_dict(model, optimizer, shards["optim"])
+        if critic is not None:
+            set_model_state_dict(critic[0], shards["critic"])
+            set_optimizer_state_dict(*critic, shards["critic_optim"])
         scheduler.load_state_dict(record.pop("scheduler"))
         return record
 
 
 def export_hf(checkpoint: Path, base_model: Path, out_dir: Path) -> Path:
     """Write checkpoint ``checkpoint`` as an HF model directory (``save_pretrained``) with the tokenizer of
-    ``base_model`` (whose config gives the architecture). One process, no process group needed."""
+    ``base_model`` (whose config gives the architecture). A checkpoint with a critic also gets it, as an HF
+    token-classification model (one label: the value), in ``out_dir/critic``. One process, no process group
+    needed."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not (checkpoint / STATE_FILE).is_file():
         raise FileNotFoundError(f"{checkpoint}: not a complete checkpoint ({STATE_FILE} missing)")
@@ -121,5 +149,14 @@ def export_hf(checkpoint: Path, base_model: Path, out_dir: Path) -> Path:
     if (Path(base_model) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(base_model, local_files_only=True)
     model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(base_model, local_files_only=True).save_pretrained(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
+    tokenizer.save_pretrained(out_dir)
+    if (checkpoint / CRITIC_CONFIG).is_dir():
+        critic_config = AutoConfig.from_pretrained(checkpoint / CRITIC_CONFIG, local_files_only=True)
+        critic = AutoModelForTokenClassification.from_config(critic_config, dtype=torch.float32)
+        weights = {"critic": critic.state_dict()}
+        dcp.load(weights, checkpoint_id=str(checkpoint), no_dist=True)
+        critic.load_state_dict(weights["critic"])
+        critic.save_pretrained(out_dir / "critic")
+        tokenizer.save_pretrained(out_dir / "critic")
     return out_dir

@@ -250,6 +250,38 @@ def ppo(
     return loss, _metrics(mask, _masked_exp(prox - behav, mask), clipped, prox - behav, None)
 
 
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    loss_mask: Tensor,
+    *,
+    value_clip: float | None = 0.5,
+    loss_agg: LossAgg = "token-mean",
+    denominator: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss of PPO's critic (Schulman et al. 2017's baselines; verl, OpenRLHF), per token:
+
+    ``L = ½·max((V - R)², (clip(V, V_old - ε, V_old + ε) - R)²)``, ``ε = value_clip`` (None: ``½·(V - R)²``).
+
+    ``values`` [B, T] carries the gradient; ``old_values`` (the critic at the start of the step) and ``returns``
+    are detached. ``value_clip_fraction``: tokens where the clipped branch is the larger one.
+    """
+    named = {"old_values": old_values, "returns": returns, "loss_mask": loss_mask}
+    for name, t in named.items():
+        if t.shape != values.shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from values {tuple(values.shape)}")
+    v, old, ret, mask = values.float(), old_values.detach().float(), returns.detach().float(), loss_mask.bool()
+    unclipped = (v - ret).square()
+    if value_clip is None:
+        per_token, clipped = unclipped, torch.zeros_like(mask)
+    else:
+        clipped_sq = (old + (v - old).clamp(-value_clip, value_clip) - ret).square()
+        per_token, clipped = torch.maximum(unclipped, clipped_sq), clipped_sq > unclipped
+    loss = 0.5 * aggregate(per_token, mask, loss_agg, denominator)
+    return loss, {"value_clip_fraction": _token_mean(clipped, mask)}
+
+
 POLICY_LOSSES = {"decoupled_ppo": decoupled_ppo, "tis": tis, "icepop": icepop, "ppo": ppo}
 
 

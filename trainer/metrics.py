@@ -30,6 +30,10 @@ _GAUGES = {
     "logprob_gap": "mean |log pi_behav - log pi_prox| per trained token",
     "tokens_per_second": "tokens (prompt + generated) trained per second of the last step",
 }
+_CRITIC_GAUGES = {  # trainer.advantage=gae only
+    "value_loss": "the critic's clipped value loss of the last step",
+    "explained_variance": "1 - Var(return - value) / Var(return) over the last step's trained tokens",
+}
 _FROM_STEP = {"masked_token_fraction": "masked_fraction", "tokens_per_second": "tokens_per_s"}
 
 
@@ -55,6 +59,15 @@ class TrainerMetrics:
             registry=r,
         )
         self.gauges = {n: Gauge(f"rollwave_trainer_{n}", doc, registry=r) for n, doc in _GAUGES.items()}
+        self.critic_gauges = {n: Gauge(f"rollwave_trainer_{n}", doc, registry=r) for n, doc in _CRITIC_GAUGES.items()}
+        self.truncated = Counter(
+            "rollwave_trainer_truncated_samples_total", "trained samples cut off by a token limit", registry=r
+        )
+        self.overlong_masked = Counter(
+            "rollwave_trainer_overlong_masked_samples_total",
+            "truncated samples left out of the loss (trainer.overlong.mode=mask)",
+            registry=r,
+        )
 
     def observe_step(self, record: dict[str, Any]) -> None:
         """Update every series but the policy version (set when a version is made) from one step's record."""
@@ -64,10 +77,15 @@ class TrainerMetrics:
         for lag, count in record["staleness_hist"].items():
             for _ in range(count):
                 self.staleness.observe(int(lag))
+        self.truncated.inc(record["truncated"])
+        self.overlong_masked.inc(record["overlong_masked"])
         for name, gauge in self.gauges.items():
             value = record[_FROM_STEP.get(name, name)]
             if math.isfinite(value):
                 gauge.set(value)
+        for name, gauge in self.critic_gauges.items():
+            if name in record and math.isfinite(record[name]):
+                gauge.set(record[name])
 
 
 class MetricsLog:

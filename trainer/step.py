@@ -1,7 +1,9 @@
 """The train step: one batch of trajectory groups -> one policy update (or ``ppo_minibatches`` of them).
 
-Every rank calls it with the same groups. The step collates them, computes advantages over the whole
-batch, shards rows across ranks and runs token-budget micro-batches with gradient accumulation.
+Every rank calls it with the same groups. The step collates them, shapes the rewards (``trainer.overlong``),
+computes advantages over the whole batch (group-relative, or GAE on the critic's values), shards rows across
+ranks and runs token-budget micro-batches with gradient accumulation. With a critic it then trains the critic
+on the same minibatches; during ``trainer.critic.warmup_steps`` only the critic trains.
 
 Proximal logprobs (π_prox = the weights at the start of the step): with one optimizer update per step
 (``ppo_minibatches=1``, the default) every micro-batch's forward runs with exactly those weights, so
@@ -25,10 +27,12 @@ from torch import Tensor, nn
 from buffer.schema import TrajectoryGroup
 from core.config import TrainerConfig
 from trainer import losses
-from trainer.advantages import compute_advantages
+from trainer.advantages import compute_advantages, gae, whiten
 from trainer.batching import Batch, collate, rank_plan
+from trainer.critic import CriticStep
 from trainer.optim import clip_grad_norm
 from trainer.parallel import DistContext
+from trainer.shaping import shape_batch
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +69,10 @@ class _Accumulator:
 def batch_stats(groups: list[TrajectoryGroup], batch: Batch, policy_version: int) -> dict[str, Any]:
     """Reward, size and staleness figures of a batch (identical on every rank, no collectives).
 
-    A sample's staleness is ``policy_version`` minus the oldest version among its generated tokens.
+    A sample's staleness is ``policy_version`` minus the oldest version among its generated tokens. The reward
+    figures are the outcome rewards, before any shaping.
     """
-    rewards = batch.rewards
+    rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
     lags = [policy_version - v for g in groups for s in g.samples if (v := s.oldest_version()) is not None]
     hist = Counter(lags)
     return {
@@ -97,11 +102,15 @@ class TrainStep:
         temperature: float = 1.0,
         ref_model: nn.Module | None = None,
         pad_id: int = 0,
+        critic: tuple[nn.Module, torch.optim.Optimizer] | None = None,
     ) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature: {temperature} must be > 0 (greedy decoding has no logprobs)")
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("trainer.kl_coef > 0 needs a reference model")
+        if (cfg.advantage == "gae") != (critic is not None):
+            raise ValueError("trainer.advantage=gae needs a critic, and only gae uses one")
+        self.critic = None if critic is None else CriticStep(*critic, cfg, ctx, self._micro_batches)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.cfg, self.ctx = cfg, ctx
         self.temperature, self.ref_model, self.pad_id = temperature, ref_model, pad_id
@@ -113,24 +122,38 @@ class TrainStep:
         if cfg.loss == "icepop":
             self.loss_kwargs.update(is_low=cfg.is_low, is_high=cfg.is_high)
 
-    def __call__(self, groups: list[TrajectoryGroup], policy_version: int) -> dict[str, Any]:
+    def __call__(self, groups: list[TrajectoryGroup], policy_version: int, step: int = 0) -> dict[str, Any]:
+        """Train on ``groups`` as step ``step`` (0-based; it decides the critic warm-up)."""
         start = time.perf_counter()
-        batch = collate(groups, self.pad_id, self.vocab_size, self.temperature)
         cfg = self.cfg
-        adv = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, cfg.advantage, cfg.std_norm)
+        batch, shaping = shape_batch(collate(groups, self.pad_id, self.vocab_size, self.temperature), groups,
+                                     cfg.overlong)
         updates = cfg.ppo_minibatches
         if updates > len(batch):
             raise ValueError(f"trainer.ppo_minibatches: {updates} exceeds the step's {len(batch)} samples")
         minibatches = _split(len(batch), updates)
-        prox = self.proximal_logprobs(batch, minibatches) if updates > 1 else None
+        critic_out: dict[str, Any] = {}
+        if self.critic is not None:
+            old_values = self.critic.values(batch, minibatches)
+            adv, returns = gae(batch.rewards, old_values, batch.loss_mask, cfg.critic.gamma, cfg.critic.lam)
+            adv = whiten(adv, batch.loss_mask)
+        else:
+            adv = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, cfg.advantage, cfg.std_norm)
+        train_policy = self.critic is None or step >= cfg.critic.warmup_steps
         acc = _Accumulator(self.ctx.device)
         lr = self.scheduler.get_last_lr()[0]
-        norms = [self._update(batch, adv, rows, prox, acc) for rows in minibatches]
-        self.scheduler.step()
-        out = batch_stats(groups, batch, policy_version) | acc.reduce(updates)
+        norms = [0.0]
+        if train_policy:
+            prox = self.proximal_logprobs(batch, minibatches) if updates > 1 else None
+            norms = [self._update(batch, adv, rows, prox, acc) for rows in minibatches]
+            self.scheduler.step()
+        if self.critic is not None:
+            critic_out = self.critic.train(batch, old_values, returns, minibatches)
+        out = batch_stats(groups, batch, policy_version) | shaping | acc.reduce(updates) | critic_out
         elapsed = time.perf_counter() - start
         out.update(lr=lr, grad_norm=max(norms), step_time_s=elapsed, tokens_per_s=out["tokens"] / elapsed)
         out["skipped_updates"] = sum(not math.isfinite(n) for n in norms)
+        out["policy_updates"] = updates if train_policy else 0
         return out
 
     def _forward_logprobs(self, model: nn.Module, mb: Batch) -> tuple[Tensor, Tensor]:
@@ -145,10 +168,8 @@ class TrainStep:
         weights over the very micro-batches ``_update`` runs for each minibatch (default: the whole batch as
         one), since each minibatch is sharded across ranks on its own."""
         prox = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.ctx.device)
-        lengths = batch.lengths.tolist()
         for minibatch in minibatches or [list(range(len(batch)))]:
-            for rows in self._plan(minibatch, lengths):
-                mb = self._micro_batch(batch, rows)
+            for rows, mb in self._micro_batches(minibatch, batch):
                 logp, _ = self._forward_logprobs(self.model, mb)
                 if rows:
                     prox[rows, : logp.shape[1]] = logp
@@ -156,6 +177,10 @@ class TrainStep:
 
     def _plan(self, rows: list[int], lengths: list[int]) -> list[list[int]]:
         return rank_plan(rows, lengths, self.ctx.world_size, self.ctx.rank, self.cfg.micro_batch_tokens)
+
+    def _micro_batches(self, rows: list[int], batch: Batch) -> list[tuple[list[int], Batch]]:
+        """This rank's micro-batches of ``rows``: (their rows, the micro-batch on this rank's device)."""
+        return [(mb_rows, self._micro_batch(batch, mb_rows)) for mb_rows in self._plan(rows, batch.lengths.tolist())]
 
     def _micro_batch(self, batch: Batch, rows: list[int]) -> Batch:
         """The rows on this rank's device; an empty list gives a 2-token dummy (zero loss, see rank_plan)."""
@@ -169,10 +194,9 @@ class TrainStep:
         cfg = self.cfg
         mask_rows = batch.loss_mask[rows]
         denom = losses.agg_denominator(mask_rows, cfg.loss_agg)
-        plan = self._plan(rows, batch.lengths.tolist())
-        for i, mb_rows in enumerate(plan):
+        plan = self._micro_batches(rows, batch)
+        for i, (mb_rows, mb) in enumerate(plan):
             self.model.set_requires_gradient_sync(i == len(plan) - 1)
-            mb = self._micro_batch(batch, mb_rows)
             ref_logp = None
             if self.ref_model is not None:  # a collective too: run it on dummy micro-batches as well
                 with torch.no_grad():

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 from torch import nn
@@ -32,9 +33,11 @@ from buffer.staleness import split_stale
 from core.config import BufferConfig, TrainerConfig
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_pusher import PushResult, PushRound
+from trainer.critic import build_critic_optimizer, load_critic
 from trainer.metrics import MetricsLog, TrainerMetrics
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel import DistContext, init_distributed, load_model
+from trainer.shaping import is_degenerate
 from trainer.step import TrainStep
 
 log = logging.getLogger(__name__)
@@ -45,7 +48,13 @@ class GroupSource(Protocol):
 
     def take(self, max_groups: int, timeout_s: float) -> list[tuple[str, TrajectoryGroup]]: ...
 
-    def ack(self, entry_ids: Sequence[str], group_ids: Sequence[str], stale_group_ids: Sequence[str] = ()) -> int: ...
+    def ack(
+        self,
+        entry_ids: Sequence[str],
+        group_ids: Sequence[str],
+        stale_group_ids: Sequence[str] = (),
+        degenerate_group_ids: Sequence[str] = (),
+    ) -> int: ...
 
     def drained(self) -> bool: ...
 
@@ -92,6 +101,7 @@ class Trainer:
         self._covered: list[tuple[str, str]] = []  # in a checkpoint, not yet acked
         self._partial: list[tuple[str, TrajectoryGroup]] = []  # read, waiting for the rest of the batch
         self._stale_dropped = 0
+        self._degenerate_dropped = 0
         self._drained = False
         self._log: MetricsLog | None = None
 
@@ -104,6 +114,12 @@ class Trainer:
             ref = load_model(self.model_path, self.ctx).requires_grad_(False)
         self.optimizer = build_optimizer(self.model, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
+        self.critic: tuple[nn.Module, torch.optim.Optimizer] | None = None
+        if self.cfg.advantage == "gae":
+            critic = load_critic(self.cfg.critic.path or self.model_path, self.ctx)
+            self.critic = (critic, build_critic_optimizer(critic, self.cfg))
+        elif self.cfg.critic.model_fields_set:
+            log.warning("trainer.critic is set but trainer.advantage is %s: no critic is used", self.cfg.advantage)
         pad_id = getattr(self.model.config, "pad_token_id", None) or 0
         self.train_step = TrainStep(
             self.model,
@@ -114,6 +130,7 @@ class Trainer:
             temperature=self.temperature,
             ref_model=ref,
             pad_id=pad_id,
+            critic=self.critic,
         )
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", self.cfg.keep_checkpoints)
         if resume:
@@ -135,7 +152,7 @@ class Trainer:
         if path is None:
             log.warning("resume: no checkpoint in %s; starting from %s", self.checkpointer.root, self.model_path)
             return False
-        state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)
+        state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.critic)
         self.step, self.version = state["step"], state["policy_version"]
         self._covered = [(e, g) for e, g in state["buffer"]["unacked"]]
         self._unacked = []
@@ -185,6 +202,8 @@ class Trainer:
             ids = [g.group_id for _, g in stale]
             source.ack([e for e, _ in stale], ids, stale_group_ids=ids)
             self._stale_dropped += len(stale)
+        if self.buffer.filter_degenerate_groups:
+            fresh = self._drop_degenerate(source, fresh)
         self._partial += fresh
         drained = not items and self.cfg.stop_when_drained and source.drained()
         if len(self._partial) < want and not drained:
@@ -193,13 +212,29 @@ class Trainer:
         self._unacked += [(e, g.group_id) for e, g in batch]
         return [g for _, g in batch], drained, self.version
 
+    def _drop_degenerate(
+        self, source: GroupSource, items: list[tuple[str, TrajectoryGroup]]
+    ) -> list[tuple[str, TrajectoryGroup]]:
+        """DAPO's dynamic sampling: ack away the groups whose rewards (as the advantages see them) are all equal,
+        giving their admission slots back, so the rollout makes up for them; returns the informative ones."""
+        kept, dropped = [], []
+        for item in items:
+            (dropped if is_degenerate(item[1], self.cfg.overlong) else kept).append(item)
+        if dropped:
+            ids = [g.group_id for _, g in dropped]
+            source.ack([e for e, _ in dropped], ids, degenerate_group_ids=ids)
+            self.buffer_metrics.degenerate_dropped.inc(len(dropped))
+            self._degenerate_dropped += len(dropped)
+        return kept
+
     def train(self, groups: list[TrajectoryGroup], wait_s: float = 0.0) -> dict[str, Any]:
         """One step on ``groups`` (every rank, same groups); then push, record and checkpoint as due."""
-        record = self.train_step(groups, self.version)
+        record = self.train_step(groups, self.version, self.step)
         record.update(step=self.step + 1, policy_version=self.version, wait_s=wait_s)
-        record.update(idle_fraction=wait_s / (wait_s + record["step_time_s"]), stale_dropped=self._stale_dropped)
+        record.update(idle_fraction=wait_s / (wait_s + record["step_time_s"]), stale_dropped=self._stale_dropped,
+                      degenerate_dropped=self._degenerate_dropped)
         record["group_ids"] = [g.group_id for g in groups]
-        self._stale_dropped = 0
+        self._stale_dropped = self._degenerate_dropped = 0
         self.step += 1
         if self.step % self.buffer.push_every == 0:
             record.update(self._push())
@@ -237,7 +272,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Checkpoint every rank's state; the entries trained so far become ready to ack."""
         state = {"policy_version": self.version, "buffer": {"unacked": self._unacked}}
-        path = self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, state)
+        path = self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, state, self.critic)
         self._covered += self._unacked
         self._unacked = []
         return path

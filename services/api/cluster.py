@@ -13,7 +13,9 @@ from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
 
-_COUNTERS = ("submitted", "completed", "dead_lettered", "trained", "stale_dropped", "cancelled", "samples")
+_COUNTERS = (
+    "submitted", "completed", "dead_lettered", "trained", "stale_dropped", "degenerate_dropped", "cancelled", "samples"
+)
 _MAX_ID_PART = 2**64 - 1
 
 

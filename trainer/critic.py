@@ -1,0 +1,135 @@
+"""The critic of ``trainer.advantage=gae``: a value model, its optimizer, and its part of a train step.
+
+The value model is the policy's architecture with a scalar head (``AutoModelForTokenClassification``,
+``num_labels=1``, as verl's critic), started from ``trainer.critic.path`` or from the policy's weights; a head
+the checkpoint lacks starts at zero (V ≡ 0, the same on every rank). It is sharded with FSDP2 in the same pool
+as the policy and trained with its own AdamW (``trainer.critic.lr``, constant) on the clipped value loss
+(``losses.value_loss``), over the same minibatches and micro-batches as the policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from transformers import AutoModelForTokenClassification
+
+from core.config import TrainerConfig
+from trainer import losses
+from trainer.batching import Batch
+from trainer.optim import clip_grad_norm
+from trainer.parallel import DistContext, shard_model
+
+log = logging.getLogger(__name__)
+
+# (rows of the micro-batch, the micro-batch on this rank's device): every micro-batch of this rank for some rows
+MicroBatches = Callable[[list[int], Batch], list[tuple[list[int], Batch]]]
+
+
+def load_critic(path: Path | str, ctx: DistContext) -> nn.Module:
+    """The value model from the HF directory ``path``, in fp32 and sharded like the policy (dropout off)."""
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"trainer.critic.path {path}: not a directory (an HF model directory is expected)")
+    model, info = AutoModelForTokenClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32, local_files_only=True, output_loading_info=True
+    )
+    missing = set(info["missing_keys"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in missing:
+                param.zero_()
+    model.to(ctx.device)
+    model.eval()
+    return shard_model(model, ctx)
+
+
+def build_critic_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.critic.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def explained_variance(values: Tensor, returns: Tensor, loss_mask: Tensor) -> float:
+    """``1 - Var(R - V) / Var(R)`` over the masked tokens: 1 is a perfect critic, 0 no better than a constant."""
+    mask = loss_mask.bool()
+    v, r = values[mask].double(), returns[mask].double()
+    var = r.var(unbiased=False)
+    return float(1.0 - (r - v).var(unbiased=False) / var) if v.numel() > 1 and var > 0 else 0.0
+
+
+class CriticStep:
+    """Values before the step, then the critic's updates; every rank calls both with the same batch."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainerConfig, ctx: DistContext,
+                 micro_batches: MicroBatches) -> None:
+        self.model, self.optimizer, self.cfg, self.ctx = model, optimizer, cfg, ctx
+        self.micro_batches = micro_batches
+
+    def _values(self, mb: Batch) -> Tensor:
+        """V(s_t) [b, l-1] fp32, aligned to the predicted token like ``loss_mask``: the state after token t."""
+        return self.model(input_ids=mb.input_ids).logits[:, :-1, 0].float()
+
+    @torch.no_grad()
+    def values(self, batch: Batch, minibatches: list[list[int]]) -> Tensor:
+        """V_old [B, L-1] of every row, on the CPU of every rank: each rank computes its rows over the very
+        micro-batches of the update, then a sum over ranks fills in the others'."""
+        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.ctx.device)
+        for minibatch in minibatches:
+            for rows, mb in self.micro_batches(minibatch, batch):
+                v = self._values(mb)
+                if rows:
+                    out[rows, : v.shape[1]] = v
+        if self.ctx.world_size > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out.cpu()
+
+    def update(self, batch: Batch, old_values: Tensor, returns: Tensor, rows: list[int]) -> tuple[float, Tensor]:
+        """One optimizer step on the value loss of ``rows``: (gradient norm, [loss sum, clipped tokens, tokens])."""
+        cfg = self.cfg
+        denom = losses.agg_denominator(batch.loss_mask[rows], cfg.loss_agg)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
+        plan = self.micro_batches(rows, batch)
+        for i, (mb_rows, mb) in enumerate(plan):
+            self.model.set_requires_gradient_sync(i == len(plan) - 1)
+            v = self._values(mb)
+            if not mb_rows:
+                (v.sum() * 0.0).backward()
+                continue
+            width = v.shape[1]
+            old = old_values[mb_rows, :width].to(self.ctx.device)
+            ret = returns[mb_rows, :width].to(self.ctx.device)
+            loss, metrics = losses.value_loss(v, old, ret, mb.loss_mask, value_clip=cfg.critic.value_clip,
+                                              loss_agg=cfg.loss_agg, denominator=denom)
+            (loss * self.ctx.world_size).backward()  # FSDP averages gradients over ranks; we want the sum
+            tokens = float(mb.loss_mask.sum())
+            sums += torch.stack([loss.detach().double(), metrics["value_clip_fraction"].double() * tokens,
+                                 torch.tensor(tokens, dtype=torch.float64, device=self.ctx.device)])
+        norm = clip_grad_norm(self.model, cfg.grad_clip)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:
+            log.warning("critic gradient norm is %s: update skipped", norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, sums
+
+    def train(
+        self, batch: Batch, old_values: Tensor, returns: Tensor, minibatches: list[list[int]]
+    ) -> dict[str, float]:
+        """The critic's updates of one step and their figures (reduced over ranks)."""
+        results = [self.update(batch, old_values, returns, rows) for rows in minibatches]
+        sums = torch.stack([s for _, s in results]).sum(dim=0)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        loss, clipped, tokens = sums.tolist()
+        mask = batch.loss_mask
+        return {
+            "value_loss": loss / len(minibatches),
+            "value_clip_fraction": clipped / max(tokens, 1.0),
+            "explained_variance": explained_variance(old_values, returns, mask),
+            "value_mean": float(old_values[mask].mean()) if mask.any() else 0.0,
+            "return_mean": float(returns[mask].mean()) if mask.any() else 0.0,
+            "critic_grad_norm": max(n for n, _ in results),
+        }

@@ -3,8 +3,6 @@ then the value model in the trainer (init, warm-up, clip, learning rate, checkpo
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from trainer.batching import collate
 from trainer.checkpoint import export_hf
 from trainer.critic import explained_variance
 from trainer.losses import value_loss
-from trainer.parallel import DistContext, close_distributed, init_distributed, iter_full_params
+from trainer.parallel import DistContext, iter_full_params
 from trainer.worker import Trainer
 
 # Hand-built multi-turn rows, aligned like loss_mask: prompt (0), assistant turn (1), tool output (0),
@@ -115,17 +113,6 @@ def test_explained_variance() -> None:
     assert explained_variance(torch.full_like(returns, 2.0), returns, mask) == pytest.approx(0.0)
     noisy = torch.tensor([[1.5, 2.0, 2.5, 0.0]])  # residuals -0.5, 0, 0.5: Var 1/6 against Var(R) = 2/3
     assert explained_variance(noisy, returns, mask) == pytest.approx(1 - (1 / 6) / (2 / 3))
-
-
-@pytest.fixture(scope="module")
-def ctx() -> Iterator[DistContext]:
-    assert "RANK" not in os.environ, "RANK is set; these tests need a lone process"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    context = init_distributed("cpu")
-    yield context
-    close_distributed()
-    torch.set_num_threads(threads)
 
 
 GAE = {"advantage": "gae", "device": "cpu", "lr": 1e-3, "micro_batch_tokens": 128, "total_steps": 4,

@@ -3,8 +3,6 @@ against hand-worked numbers, and through the trainer."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +13,7 @@ from trainer_helpers import synthetic_groups
 from buffer.schema import TrajectoryGroup
 from core.config import ConfigError, OverlongConfig, TrainerConfig, load_config
 from trainer.batching import collate
-from trainer.parallel import DistContext, close_distributed, init_distributed
+from trainer.parallel import DistContext
 from trainer.shaping import is_degenerate, overlong_penalty, shape_batch
 from trainer.worker import Trainer
 
@@ -90,17 +88,6 @@ def test_degenerate_means_equal_rewards_as_the_advantages_see_them() -> None:
     assert not is_degenerate(group, PENALTY)
     group.samples[0].reward = 0.0
     assert not is_degenerate(group, OverlongConfig())
-
-
-@pytest.fixture(scope="module")
-def ctx() -> Iterator[DistContext]:
-    assert "RANK" not in os.environ, "RANK is set; these tests need a lone process"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    context = init_distributed("cpu")
-    yield context
-    close_distributed()
-    torch.set_num_threads(threads)
 
 
 def test_overlong_modes_in_the_trainer(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -8,8 +8,6 @@ the previous update, so the off-policy correction (π_prox/π_behav ≠ 1) is in
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,21 +16,10 @@ import torch
 
 from buffer.schema import Sample, TrajectoryGroup
 from core.config import BufferConfig, TrainerConfig
-from trainer.parallel import DistContext, close_distributed, init_distributed
+from trainer.parallel import DistContext
 from trainer.worker import Trainer
 
 STEPS, GROUPS, SAMPLES, NEW_TOKENS = 4, 8, 8, 8
-
-
-@pytest.fixture(scope="module")
-def ctx() -> Iterator[DistContext]:
-    assert "RANK" not in os.environ, "RANK is set; these tests need a lone process"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # much faster than 2 threads on a loaded 2-core machine; same numbers
-    context = init_distributed("cpu")
-    yield context
-    close_distributed()
-    torch.set_num_threads(threads)
 
 
 @torch.no_grad()

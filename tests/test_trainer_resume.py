@@ -26,7 +26,7 @@ from buffer.keys import TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
 from core.config import BufferConfig, TrainerConfig
-from trainer.parallel import DistContext, close_distributed, init_distributed, iter_full_params
+from trainer.parallel import DistContext, iter_full_params
 from trainer.worker import Trainer
 
 GPS = 2  # groups per step
@@ -49,17 +49,6 @@ BUFFER = BufferConfig(max_staleness=ETA, groups_per_step=GPS)
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
         yield server.url
-
-
-@pytest.fixture(scope="module")
-def ctx() -> Iterator[DistContext]:
-    assert "RANK" not in os.environ, "RANK is set; these tests need a lone process"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CLI runs below use OMP_NUM_THREADS=1: same summation order
-    context = init_distributed("cpu")
-    yield context
-    close_distributed()
-    torch.set_num_threads(threads)
 
 
 def _filled_buffer(url: str, run: str, steps: int = 5) -> ReplayBuffer:

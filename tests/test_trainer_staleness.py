@@ -3,13 +3,10 @@ version spans k steps, and a producer that obeys admission must keep the trainer
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
-import torch
 from trainer_helpers import synthetic_groups
 
 from buffer.keys import Keys
@@ -17,22 +14,11 @@ from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from core.config import BufferConfig, TrainerConfig
-from trainer.parallel import DistContext, close_distributed, init_distributed
+from trainer.parallel import DistContext
 from trainer.worker import Trainer
 
 GPS = 2
 STEPS = 9
-
-
-@pytest.fixture(scope="module")
-def ctx() -> Iterator[DistContext]:
-    assert "RANK" not in os.environ, "RANK is set; these tests need a lone process"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    context = init_distributed("cpu")
-    yield context
-    close_distributed()
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("push_every", [2, 3])

@@ -53,6 +53,15 @@ def _sample(model: torch.nn.Module, prompts: list[list[int]], gen: torch.Generat
 
 
 @torch.no_grad()
+def _toy_task(model: torch.nn.Module) -> tuple[list[list[int]], list[list[int]], torch.Generator]:
+    """The toy task's training prompts, its held-out prompts and the sampling generator, all seeded."""
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(3, vocab, 6).tolist() for _ in range(GROUPS)]
+    held_out = [rng.integers(3, vocab, 6).tolist() for _ in range(32)]
+    return prompts, held_out, torch.Generator().manual_seed(0)
+
+
 def _even_mass(model: torch.nn.Module, prompts: list[list[int]]) -> float:
     probs = torch.softmax(model(input_ids=torch.tensor(prompts)).logits[:, -1].float(), dim=-1)
     return probs[:, 0::2].sum(dim=-1).mean().item()
@@ -69,11 +78,7 @@ def test_grpo_raises_rewarded_token_mass(
     cfg = TrainerConfig(total_steps=STEPS, lr=1e-2, loss=loss, device="cpu")
     buffer = BufferConfig(max_staleness=1, groups_per_step=GROUPS)
     trainer = Trainer(cfg, tiny_model_dir, tmp_path, buffer).start(ctx=ctx)
-    rng = np.random.default_rng(0)
-    vocab = trainer.model.config.vocab_size
-    prompts = [rng.integers(3, vocab, 6).tolist() for _ in range(GROUPS)]
-    held_out = [rng.integers(3, vocab, 6).tolist() for _ in range(32)]
-    gen = torch.Generator().manual_seed(0)
+    prompts, held_out, gen = _toy_task(trainer.model)
     before = _even_mass(trainer.model, held_out)
     queued = _sample(trainer.model, prompts, gen, trainer.version, "v0") if stale else None
     records = []
@@ -100,11 +105,7 @@ def test_ppo_with_a_critic_raises_rewarded_token_mass(ctx: DistContext, tiny_mod
     """trainer.advantage=gae: the same toy task with the critic's values as the baseline; the critic learns too."""
     cfg = TrainerConfig(total_steps=STEPS, lr=1e-2, advantage="gae", critic={"lr": 1e-3}, device="cpu")
     trainer = Trainer(cfg, tiny_model_dir, tmp_path, BufferConfig(groups_per_step=GROUPS)).start(ctx=ctx)
-    rng = np.random.default_rng(0)
-    vocab = trainer.model.config.vocab_size
-    prompts = [rng.integers(3, vocab, 6).tolist() for _ in range(GROUPS)]
-    held_out = [rng.integers(3, vocab, 6).tolist() for _ in range(32)]
-    gen = torch.Generator().manual_seed(0)
+    prompts, held_out, gen = _toy_task(trainer.model)
     before = _even_mass(trainer.model, held_out)
     records = [trainer.train(_sample(trainer.model, prompts, gen, trainer.version, f"s{step}"))
                for step in range(STEPS)]

@@ -3,8 +3,8 @@
 - ``async``: the demo's setup, ``rollout.mode=async`` with η = ``buffer.max_staleness`` (default 2) and
   decoupled PPO, whose behaviour importance weight corrects the staleness;
 - ``sync``: ``rollout.mode=sync`` (η = 0), everything else the same;
-- ``sft``: SFT continuation of the warm start on the same demonstrations, for the mean wall time of the
-  two RL arms of that seed.
+- ``sft``: SFT continuation of the warm start on the same demonstrations, scored at each RL arm's wall time
+  (one run, saved when it reaches each), so each RL arm is compared with SFT given the same wall time.
 
 The RL arms run the real pipeline as processes (embedded Redis, a rollout server with the embedded
 engine, the trainer pushing every step) for the same number of steps, so they train the same number of
@@ -12,8 +12,8 @@ groups (steps × groups_per_step). Every arm is scored the same way: a greedy ev
 held-out ``arith`` problems, served by a fresh rollout server with the arm's final weights; its gain is
 that accuracy minus the warm start's. The arms run one after another in this process tree, for each seed.
 
-Last two lines: ``async_gain_minus_sft <async gain - SFT gain>`` and
-``async_gain_minus_sync ratio <async gain - sync gain>`` (means over the seeds).
+Last two lines: ``rl_gain_minus_sft <RL gain - SFT gain at the same wall time>`` (mean over both RL arms and
+the seeds) and ``async_gain_minus_sync ratio <async gain - sync gain>`` (mean over the seeds).
 """
 
 from __future__ import annotations
@@ -132,26 +132,28 @@ def main() -> None:
         start = warm_start(build_tiny_model(root / "base"), root / "sft", sft_tasks, steps=args.sft_steps)
         before = evaluate(start, root, "eval-start", args.eval_tasks, timeout_s)
         print(f"warm start: held-out accuracy {before:.3f} ({args.eval_tasks} problems)", flush=True)
-        gains: dict[str, list[float]] = {"async": [], "sync": [], "sft": []}
+        gains: dict[str, list[float]] = {"async": [], "sync": [], "sft@async": [], "sft@sync": []}
         for seed in range(args.seeds):
             arms = {mode: train_rl(mode, start, root, seed, args.steps, args.overrides, timeout_s)
                     for mode in ("async", "sync")}
-            budget = statistics.fmean(a["wall_s"] for a in arms.values())
-            sft_model = warm_start(start, root / f"sft-{seed}", sft_tasks, steps=10**9, seed=100 + seed,
-                                   max_seconds=budget)
-            sft_steps = (sft_model / "sft.txt").read_text().split()[0]
-            for mode, arm in [*arms.items(), ("sft", {"model": sft_model, "wall_s": budget})]:
+            walls = [arm["wall_s"] for arm in arms.values()]
+            sft_run = warm_start(start, root / f"sft-{seed}", sft_tasks, steps=10**9, seed=100 + seed,
+                                 max_seconds=max(walls), save_at_seconds=walls)
+            for i, (mode, arm) in enumerate(list(arms.items())):
+                arms[f"sft@{mode}"] = {"model": sft_run / f"at-{i}", "wall_s": arm["wall_s"]}
+            for mode, arm in arms.items():
                 gain = evaluate(arm["model"], root, f"eval-{mode}-{seed}", args.eval_tasks, timeout_s) - before
                 gains[mode].append(gain)
                 extra = (f"groups {arm['groups']}  staleness {arm['staleness_mean']:.2f}  "
-                         f"is_ratio {arm['is_ratio_mean']:.3f}" if mode != "sft" else sft_steps)
-                print(f"seed {seed} {mode:>5}: held-out gain {gain:+.3f}  wall {arm['wall_s']:.0f} s  {extra}",
+                         f"is_ratio {arm['is_ratio_mean']:.3f}" if "groups" in arm
+                         else (arm["model"] / "sft.txt").read_text().split()[0])
+                print(f"seed {seed} {mode:>9}: held-out gain {gain:+.3f}  wall {arm['wall_s']:.0f} s  {extra}",
                       flush=True)
     for mode, values in gains.items():
-        print(f"{mode:>5}: mean held-out gain {statistics.fmean(values):+.3f}  "
+        print(f"{mode:>9}: mean held-out gain {statistics.fmean(values):+.3f}  "
               f"({', '.join(f'{v:+.3f}' for v in values)})")
     mean = {mode: statistics.fmean(values) for mode, values in gains.items()}
-    print(f"async_gain_minus_sft {mean['async'] - mean['sft']:.3f}")
+    print(f"rl_gain_minus_sft {statistics.fmean(mean[m] - mean[f'sft@{m}'] for m in ('async', 'sync')):.3f}")
     print(f"async_gain_minus_sync ratio {mean['async'] - mean['sync']:.3f}")
 
 

@@ -53,3 +53,18 @@ def test_warm_start_stops_at_its_time_budget(tiny_model_dir: Path, tmp_path: Pat
                      progress=lambda step, _loss: seen.append(step))
     assert time.monotonic() - started < 30 and 0 < len(seen) < 100_000
     assert f"steps={len(seen)} " in (out / "sft.txt").read_text()
+
+
+def test_warm_start_saves_the_model_at_each_wall_time(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """bench/learning.py scores one SFT run at each RL arm's wall time: a snapshot per mark, in the given
+    order; a mark the run never reached gets the final model."""
+    tasks = load_tasks("arith", split="train", limit=16)
+    out = warm_start(tiny_model_dir, tmp_path / "sft", tasks, steps=100_000, batch_size=4, max_seconds=3.0,
+                     save_at_seconds=[60.0, 0.5])
+
+    def steps(path: Path) -> int:
+        return int((path / "sft.txt").read_text().split()[0].removeprefix("steps="))
+
+    assert 0 < steps(out / "at-1") < steps(out)
+    assert steps(out / "at-0") == steps(out)
+    assert (out / "at-1" / "config.json").exists()

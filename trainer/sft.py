@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +73,14 @@ def warm_start(
     seed: int = 0,
     progress: Callable[[int, float], None] | None = None,
     max_seconds: float | None = None,
+    save_at_seconds: Sequence[float] = (),
 ) -> Path:
     """SFT the model at ``model_dir`` on demonstrations of ``tasks``; save to ``out_dir`` (HF format).
 
     ``max_seconds`` stops earlier, after the step that reaches that wall time (a budget rather than a count:
-    bench/learning.py gives SFT the wall time of the RL arms)."""
+    bench/learning.py gives SFT the wall time of each RL arm). ``save_at_seconds`` also saves the model as it
+    stands after the step that reaches each of those wall times, to ``out_dir/at-<i>`` (i in the given
+    order), so one run scores SFT at several budgets."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -89,10 +92,14 @@ def warm_start(
     ]
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
+    marks = sorted(enumerate(save_at_seconds), key=lambda mark: mark[1])
     started = time.monotonic()
     done = 0
     for step in range(steps):
-        if max_seconds is not None and time.monotonic() - started >= max_seconds:
+        elapsed = time.monotonic() - started
+        while marks and elapsed >= marks[0][1]:
+            _save(model, tokenizer, out_dir / f"at-{marks.pop(0)[0]}", done, elapsed)
+        if max_seconds is not None and elapsed >= max_seconds:
             break
         ids, mask, attn = _batch(rng.sample(examples, min(batch_size, len(examples))), tokenizer.pad_token_id)
         loss = sft_loss(model, ids, mask, attn)
@@ -103,12 +110,17 @@ def warm_start(
         done = step + 1
         if progress is not None:
             progress(step + 1, loss.item())
-    model.eval()
+    elapsed = time.monotonic() - started
+    for i, _ in marks:  # budgets the run never reached: the final model
+        _save(model, tokenizer, out_dir / f"at-{i}", done, elapsed)
+    _save(model, tokenizer, out_dir, done, elapsed,
+          f" batch_size={batch_size} lr={lr} examples={len(examples)} wrong_formula_rate={wrong_formula_rate}")
+    return out_dir
+
+
+def _save(model: torch.nn.Module, tokenizer: Any, out_dir: Path, steps: int, seconds: float, info: str = "") -> None:
+    """The model in HF format, with ``sft.txt`` saying how far SFT had got."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "sft.txt").write_text(
-        f"steps={done} batch_size={batch_size} lr={lr} examples={len(examples)} "
-        f"wrong_formula_rate={wrong_formula_rate} seconds={time.monotonic() - started:.1f}\n"
-    )
-    return out_dir
+    (out_dir / "sft.txt").write_text(f"steps={steps}{info} seconds={seconds:.1f}\n")

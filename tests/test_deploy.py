@@ -377,12 +377,13 @@ def _exposed_series() -> dict[str, str]:
     from rollout_server.checkpoint_receiver import CheckpointMetrics
     from rollout_server.engine.metrics import EngineMetrics
     from rollout_server.metrics import RolloutMetrics
+    from trainer.checkpoint_pusher import PushMetrics
     from trainer.metrics import TrainerMetrics
 
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"],
                 "summary": ["", "_sum", "_count"]}
     series = {}
-    for cls in (RolloutMetrics, CheckpointMetrics, EngineMetrics, BufferMetrics, TrainerMetrics):
+    for cls in (RolloutMetrics, CheckpointMetrics, EngineMetrics, BufferMetrics, TrainerMetrics, PushMetrics):
         for family in cls().registry.collect():
             for suffix in suffixes[family.type]:
                 series[family.name + suffix] = cls.__name__

@@ -132,7 +132,7 @@ def main() -> None:
         start = warm_start(build_tiny_model(root / "base"), root / "sft", sft_tasks, steps=args.sft_steps)
         before = evaluate(start, root, "eval-start", args.eval_tasks, timeout_s)
         print(f"warm start: held-out accuracy {before:.3f} ({args.eval_tasks} problems)", flush=True)
-        gains: dict[str, list[float]] = {"async": [], "sync": [], "sft@async": [], "sft@sync": []}
+        gains: dict[str, list[float]] = {"async": [], "sync": [], "sft-async": [], "sft-sync": []}
         for seed in range(args.seeds):
             arms = {mode: train_rl(mode, start, root, seed, args.steps, args.overrides, timeout_s)
                     for mode in ("async", "sync")}
@@ -140,7 +140,7 @@ def main() -> None:
             sft_run = warm_start(start, root / f"sft-{seed}", sft_tasks, steps=10**9, seed=100 + seed,
                                  max_seconds=max(walls), save_at_seconds=walls)
             for i, (mode, arm) in enumerate(list(arms.items())):
-                arms[f"sft@{mode}"] = {"model": sft_run / f"at-{i}", "wall_s": arm["wall_s"]}
+                arms[f"sft-{mode}"] = {"model": sft_run / f"at-{i}", "wall_s": arm["wall_s"]}
             for mode, arm in arms.items():
                 gain = evaluate(arm["model"], root, f"eval-{mode}-{seed}", args.eval_tasks, timeout_s) - before
                 gains[mode].append(gain)
@@ -153,7 +153,7 @@ def main() -> None:
         print(f"{mode:>9}: mean held-out gain {statistics.fmean(values):+.3f}  "
               f"({', '.join(f'{v:+.3f}' for v in values)})")
     mean = {mode: statistics.fmean(values) for mode, values in gains.items()}
-    print(f"rl_gain_minus_sft {statistics.fmean(mean[m] - mean[f'sft@{m}'] for m in ('async', 'sync')):.3f}")
+    print(f"rl_gain_minus_sft {statistics.fmean(mean[m] - mean[f'sft-{m}'] for m in ('async', 'sync')):.3f}")
     print(f"async_gain_minus_sync ratio {mean['async'] - mean['sync']:.3f}")
 
 

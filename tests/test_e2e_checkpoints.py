@@ -42,7 +42,7 @@ from tests.stack_helpers import wait_for
 from trainer.checkpoint import Checkpointer
 
 pytestmark = pytest.mark.slow
-RL_STEPS = 8
+RL_STEPS = 16
 ENGINE_KEY = secrets.token_urlsafe(32)
 ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_KEY}"}
 SCORE = 'rollout.reward_allowlist={"digit_share": "tests.reward_helpers:digit_share"}'
@@ -144,7 +144,8 @@ def test_bf16_checkpoint_pushes_commit_and_the_policy_learns(tmp_path: Path, tin
     dtypes = {m.properties.dtype for k, m in masters.state_dict_metadata.items() if k.startswith("model.")
               and hasattr(m, "properties")}
     assert dtypes == {torch.float32}
-    assert after > 2 * before, (before, after)  # measured here: 0.005-0.006 before, 0.024-0.025 after
+    # measured here: 0.005-0.006 before, 0.12-0.30 after (8 steps gave 0.012-0.046: too close to call under load)
+    assert after > 4 * before, (before, after)
 
 
 def test_every_server_refusing_is_loud_and_publishes_nothing(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from core.net import bind_retrying
 
+CLOSED_KEY = "rollwave/ranks_closed"  # in the rendezvous store: ranks that have destroyed their group
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
 
@@ -89,13 +91,28 @@ def init_distributed(device: str = "auto") -> DistContext:
     return DistContext(dist.get_rank(), world, dev, init_device_mesh(dev.type, (world,)))
 
 
-def close_distributed() -> None:
-    """Leave the process group together: a rank that destroys it while another is still in a gloo
-    collective aborts the process ("terminate called without an active exception")."""
-    if dist.is_initialized():
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        dist.destroy_process_group()
+def close_distributed(timeout_s: float = 120.0) -> None:
+    """Leave the process group together: a rank whose gloo peers go away while its own group is still up
+    aborts ("terminate called without an active exception"). So every rank destroys its group after a
+    barrier, then counts itself out in the rendezvous store, and rank 0, whose process hosts the store,
+    exits only after every rank has counted itself out."""
+    if not dist.is_initialized():
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    store = dist.distributed_c10d._get_default_store() if world > 1 else None
+    if store is not None:
+        dist.barrier()
+    dist.destroy_process_group()
+    if store is None:
+        return
+    left = store.add(CLOSED_KEY, 1)
+    deadline = time.monotonic() + timeout_s
+    while rank == 0 and left < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"closing the trainer's process group: {world - left} of {world} ranks never "
+                               f"left it within {timeout_s:g} s")
+        time.sleep(0.01)
+        left = store.add(CLOSED_KEY, 0)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -39,7 +39,7 @@ from core.config import BufferConfig, RolloutConfig
 from core.jobs import JobSpec, rollout_settings
 from core.tasks import Task
 from rollout_server.agent_loop import AgentLoop, parse_version
-from rollout_server.agent_runner import run_agent
+from rollout_server.agent_runner import run_agent, start_fork_server
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.openai_api import FAILED_REASONS, EpisodeStore
@@ -146,6 +146,8 @@ class RolloutWorker:
         await self._call(self.tasks.ensure_groups)
         await self._call(self.replay.ensure_group)
         self.info.version = await self._engine_version()
+        if self.config.agent_allowlist:
+            await start_fork_server(self.config.agent_allowlist)
         await self._call(self.servers.register, self.info)
         log.info("rollout worker %s serving run %s with %d engine(s)", self.consumer, self.run_name,
                  len(self.engines))

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from core.lora import PREFIX as LORA_PREFIX
 from proto import checkpoint_pb2 as pb
 
 # torch dtype name (the manifest's spelling) -> (safetensors dtype, bytes per element)
@@ -23,6 +24,7 @@ DTYPES: dict[str, tuple[str, int]] = {
     "float8_e4m3fn": ("F8_E4M3", 1), "float8_e5m2": ("F8_E5M2", 1),
 }
 _FROM_SAFETENSORS = {st: name for name, (st, _) in DTYPES.items()}
+_FLOATING = ("float32", "bfloat16", "float16")
 SERVICE = pb.DESCRIPTOR.services_by_name["CheckpointEngine"].full_name
 REASON_KEY = "rollwave-reason"  # trailing metadata of a refused call: why, in one word (the metrics' reason label)
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -109,25 +111,57 @@ class StageError(Exception):
         self.code = code
 
 
+TensorSpecs = dict[str, tuple[str | None, tuple[int, ...]]]  # name -> (dtype, None: any floating one; shape)
+
+
+def adapter_specs(adapter_config: str, served: dict[str, tuple[str, tuple[int, ...]]]) -> TensorSpecs:
+    """The tensors a LoRA adapter of the served model must have, by peft's saved names: for every served
+    ``<module>.weight`` [out, in] whose module ``adapter_config``'s ``target_modules`` names (the whole name or
+    its last parts), ``lora_A`` [r, in] and ``lora_B`` [out, r], in any floating dtype."""
+    try:
+        config = json.loads(adapter_config)
+        rank, targets = int(config["r"]), config["target_modules"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StageError("manifest", f"adapter_config: not a peft LoRA config ({exc!r})") from None
+    if isinstance(targets, str):
+        targets = [targets]
+    specs: TensorSpecs = {}
+    for name, (_dtype, shape) in served.items():
+        module = name.removesuffix(".weight")
+        if module == name or len(shape) != 2 or not any(module == t or module.endswith(f".{t}") for t in targets):
+            continue
+        specs[f"{LORA_PREFIX}{module}.lora_A.weight"] = (None, (rank, shape[1]))
+        specs[f"{LORA_PREFIX}{module}.lora_B.weight"] = (None, (shape[0], rank))
+    if not specs:
+        raise StageError("manifest", f"adapter_config: target_modules {targets} name no Linear weight of the "
+                                     "served model")
+    return specs
+
+
 def check_manifest(manifest: pb.Manifest, served: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-    """Raise StageError unless the manifest has exactly the served tensors, packed in order."""
+    """Raise StageError unless the manifest has exactly the served tensors (or, for an adapter, exactly the
+    adapter's tensors; ``adapter_specs``), packed in order."""
+    expected: TensorSpecs = adapter_specs(manifest.adapter_config, served) if manifest.adapter_config else served
     names: set[str] = set()
     for t in manifest.tensors:  # one pass over a set: a manifest of n tensors costs O(n), duplicates or not
         if t.name in names:
             raise StageError("manifest", f"tensor {t.name}: listed twice in the manifest")
         names.add(t.name)
-    missing = sorted(served.keys() - names)
+    missing = sorted(expected.keys() - names)
     if missing:
         raise StageError("manifest", f"tensor {missing[0]}: missing from the manifest "
                                      f"({len(missing)} missing)")
-    extra = sorted(names - served.keys())
+    extra = sorted(names - expected.keys())
     if extra:
         raise StageError("manifest", f"tensor {extra[0]}: not in the served model ({len(extra)} extra)")
     offset = 0
     for t in manifest.tensors:
-        dtype, shape = served[t.name]
+        dtype, shape = expected[t.name]
+        if dtype is None and t.dtype in _FLOATING:
+            dtype = t.dtype
         if t.dtype != dtype:
-            raise StageError("manifest", f"tensor {t.name}: dtype {t.dtype}, served model has {dtype}")
+            want = dtype or f"one of {', '.join(_FLOATING)}"
+            raise StageError("manifest", f"tensor {t.name}: dtype {t.dtype}, served model has {want}")
         if tuple(t.shape) != shape:
             raise StageError("manifest", f"tensor {t.name}: shape {list(t.shape)}, "
                                          f"served model has {list(shape)}")

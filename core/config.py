@@ -87,6 +87,20 @@ def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float = 
         raise ValueError(f"{where}top_k must be -1 (disable), or at least 1, got {top_k}")
 
 
+class LoraConfig(Section):
+    """LoRA on the policy (peft): the trainer trains only the adapter and pushes only its tensors."""
+
+    rank: int = Field(8, ge=1, le=1024, description="adapter rank r")
+    alpha: float = Field(16.0, gt=0, description="scale numerator: the update is (alpha / rank) * B @ A")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1, description="names (suffixes) of the Linear modules that get an adapter",
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input in the training forward")
+    name: str = Field("policy", pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="the adapter's name on the engines (SGLang's lora_name; requests name it)")
+
+
 class ModelConfig(Section):
     path: Path = Field(Path("runs/model"), description="HF model directory (built by `rollwave model init`)")
     init_if_missing: bool = Field(
@@ -94,6 +108,7 @@ class ModelConfig(Section):
         "model is an error naming model.path"
     )
     seed: int = 0
+    lora: LoraConfig | None = Field(None, description="train a LoRA adapter instead of every weight (null: off)")
 
 
 class RedisConfig(Section):

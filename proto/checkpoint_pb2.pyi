@@ -21,14 +21,16 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes")
+    __slots__ = ("version", "tensors", "total_bytes", "adapter_config")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_CONFIG_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    adapter_config: str
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., adapter_config: _Optional[str] = ...) -> None: ...
 
 class Trailer(_message.Message):
     __slots__ = ("crc32", "checksum")
@@ -67,14 +69,16 @@ class CommitRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class CommitReply(_message.Message):
-    __slots__ = ("version", "pause_seconds", "load_seconds")
+    __slots__ = ("version", "pause_seconds", "load_seconds", "adapter_checksum")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     version: int
     pause_seconds: float
     load_seconds: float
-    def __init__(self, version: _Optional[int] = ..., pause_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+    adapter_checksum: str
+    def __init__(self, version: _Optional[int] = ..., pause_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ..., adapter_checksum: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("version",)
@@ -93,16 +97,18 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("current_version", "staged_version", "engine_url", "served")
+    __slots__ = ("current_version", "staged_version", "engine_url", "served", "adapter_checksum")
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
     SERVED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     current_version: int
     staged_version: int
     engine_url: str
     served: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, current_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., engine_url: _Optional[str] = ..., served: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    adapter_checksum: str
+    def __init__(self, current_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., engine_url: _Optional[str] = ..., served: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., adapter_checksum: _Optional[str] = ...) -> None: ...
 
 class ProveRequest(_message.Message):
     __slots__ = ("nonce",)

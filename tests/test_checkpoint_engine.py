@@ -900,7 +900,7 @@ def test_duplicate_manifest_names_are_found_in_linear_time() -> None:
     served = {str(name): ("float32", (1,)) for name in names}
     CountingName.compared = 0
     with pytest.raises(StageError, match=rf"tensor model.layers.{n - 1}.weight: listed twice"):
-        check_manifest(SimpleNamespace(tensors=tensors, total_bytes=0), served)  # type: ignore[arg-type]
+        check_manifest(SimpleNamespace(tensors=tensors, total_bytes=0, adapter_config=""), served)  # type: ignore[arg-type]
     assert CountingName.compared <= n
 
 

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from core.config import TrainerConfig
+from core.config import LoraConfig, TrainerConfig
 from core.net import free_port_outside_ephemeral
 from trainer.batching import collate, rank_plan
 from trainer.optim import lr_factor
@@ -34,12 +34,14 @@ CFG = {
 }
 
 
-def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Path, out: Path, cfg: dict) -> None:
+def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Path, out: Path, cfg: dict,
+                 lora: dict | None) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two ranks on two cores
     ctx = init_distributed("cpu")
     try:
-        trainer = Trainer(TrainerConfig(**cfg), model_dir, run_dir).start(ctx=ctx)
+        trainer = Trainer(TrainerConfig(**cfg), model_dir, run_dir,
+                          lora=None if lora is None else LoraConfig(**lora)).start(ctx=ctx)
         records = [trainer.train(synthetic_groups(seed, GROUPS)) for seed in range(STEPS)]
         params = {name: t.clone() for name, t in iter_full_params(trainer.model) if t is not None}
         critic = {} if trainer.critic is None else {
@@ -52,9 +54,9 @@ def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Pat
         close_distributed()
 
 
-def _spawn(world: int, model_dir: Path, tmp_path: Path, cfg: dict) -> dict:
+def _spawn(world: int, model_dir: Path, tmp_path: Path, cfg: dict, lora: dict | None = None) -> dict:
     out = tmp_path / f"world{world}.pt"
-    args = (world, free_port_outside_ephemeral(), model_dir, tmp_path / f"run{world}", out, cfg)
+    args = (world, free_port_outside_ephemeral(), model_dir, tmp_path / f"run{world}", out, cfg, lora)
     mp.spawn(_train_ranks, args=args, nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
@@ -80,6 +82,27 @@ def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path, minibatc
     assert moved > 1e-4
     for run in ("run1", "run2"):  # the final step was checkpointed by every rank
         assert (tmp_path / run / "checkpoints" / f"step_{STEPS:08d}" / "trainer_state.json").is_file()
+
+
+def test_two_ranks_match_one_rank_with_lora(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """LoRA (rank 4 on the attention and MLP projections) with 2 minibatches: the adapter trains the same on 2
+    ranks as on 1, and the base weights do not move."""
+    cfg = {**CFG, "ppo_minibatches": 2}
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    one = _spawn(1, tiny_model_dir, tmp_path, cfg, lora)
+    two = _spawn(2, tiny_model_dir, tmp_path, cfg, lora)
+    for a, b in zip(one["records"], two["records"], strict=True):
+        for key in ("loss", "pg_loss", "kl", "grad_norm", "is_ratio_mean", "logprob_gap"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    plain = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    adapters = [n for n in one["params"] if ".lora_" in n]
+    assert len(adapters) == 2 * 3 * 2  # A and B of 3 modules in each of 2 layers
+    for name in one["params"]:
+        torch.testing.assert_close(one["params"][name], two["params"][name], rtol=1e-4, atol=1e-5)
+        base = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if base in plain:
+            torch.testing.assert_close(one["params"][name], plain[base], rtol=0, atol=0)  # frozen
+    assert max((one["params"][n] if ".lora_B." in n else torch.zeros(1)).abs().max().item() for n in adapters) > 1e-4
 
 
 def test_two_ranks_match_one_rank_with_a_critic(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 Under torchrun every process is one rank (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT); alone it is
 a pool of one. Rank 0 reads the run's Redis buffer (``REDIS_URL`` or ``redis.url``; with neither it
 starts the embedded server) and pushes each new version to the live rollout servers; all ranks train.
-``--export-hf OUT`` writes the latest checkpoint (or ``--checkpoint DIR``) as an HF model and exits.
+``--export-hf OUT`` writes the latest checkpoint (or ``--checkpoint DIR``) as an HF model and exits (a LoRA
+run's as its adapter; with ``--merge-lora`` as the merged model, the adapter in ``OUT/adapter``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     p.add_argument("--export-hf", metavar="OUT", type=Path, help="export a checkpoint as an HF model, then exit")
     p.add_argument("--checkpoint", type=Path, help="with --export-hf: this checkpoint instead of the latest")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="with --export-hf and model.lora: write the merged model, the adapter beside it")
     return p
 
 
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = args.checkpoint or checkpoints.latest()
         if ckpt is None:
             raise FileNotFoundError(f"no checkpoint under {cfg.run.path / 'checkpoints'}")
-        print(export_hf(ckpt, cfg.model.path, args.export_hf))
+        print(export_hf(ckpt, cfg.model.path, args.export_hf, cfg.model.lora, merge=args.merge_lora))
         return 0
     ensure_model(cfg.model)
     if cfg.trainer.threads:
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             temperature=cfg.rollout.temperature,
             pusher=pusher,
             registry=metrics,
+            lora=cfg.model.lora,
         ).start(resume=args.resume, ctx=ctx)
         stack.callback(trainer.close)
         tc = cfg.trainer

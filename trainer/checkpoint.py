@@ -33,6 +33,9 @@ from transformers import (
     GenerationConfig,
 )
 
+from core.config import LoraConfig
+from trainer.lora import add_adapter
+
 STATE_FILE = "trainer_state.json"
 CRITIC_CONFIG = "critic_config"
 _PREFIX = "step_"
@@ -133,22 +136,31 @@ class Checkpointer:
         return record
 
 
-def export_hf(checkpoint: Path, base_model: Path, out_dir: Path) -> Path:
+def export_hf(checkpoint: Path, base_model: Path, out_dir: Path, lora: LoraConfig | None = None,
+              merge: bool = False) -> Path:
     """Write checkpoint ``checkpoint`` as an HF model directory (``save_pretrained``) with the tokenizer of
-    ``base_model`` (whose config gives the architecture). A checkpoint with a critic also gets it, as an HF
-    token-classification model (one label: the value), in ``out_dir/critic``. One process, no process group
-    needed."""
+    ``base_model`` (whose config gives the architecture). A LoRA run's checkpoint (``lora``: the run's
+    ``model.lora``) is written as a peft adapter directory (for ``PeftModel.from_pretrained`` or SGLang's
+    ``--lora-paths``), or with ``merge`` as the merged model with the adapter beside it in ``out_dir/adapter``.
+    A checkpoint with a critic also gets it, as an HF token-classification model (one label: the value), in
+    ``out_dir/critic``. One process, no process group needed."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not (checkpoint / STATE_FILE).is_file():
         raise FileNotFoundError(f"{checkpoint}: not a complete checkpoint ({STATE_FILE} missing)")
     config = AutoConfig.from_pretrained(base_model, local_files_only=True)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if lora is not None:
+        model = add_adapter(model, lora, base_model=str(base_model))
     weights = {"model": model.state_dict()}
     dcp.load(weights, checkpoint_id=str(checkpoint), no_dist=True)
     model.load_state_dict(weights["model"])
-    if (Path(base_model) / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(base_model, local_files_only=True)
-    model.save_pretrained(out_dir)
+    if lora is not None:
+        model.save_pretrained(out_dir / "adapter" if merge else out_dir)
+        model = model.merge_and_unload() if merge else None
+    if model is not None:
+        if (Path(base_model) / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(base_model, local_files_only=True)
+        model.save_pretrained(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
     tokenizer.save_pretrained(out_dir)
     if (checkpoint / CRITIC_CONFIG).is_dir():

@@ -48,6 +48,7 @@ from core.checkpoint_format import GRPC_OPTIONS, REASON_KEY, SERVICE
 from core.config import CheckpointConfig
 from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
+from trainer.lora import adapter_config_json, adapter_metas, is_lora, iter_adapter_params
 from trainer.parallel import iter_full_params
 from trainer.snapshot import BufferPool, Snapshot, TensorMeta, model_metas, take_snapshot
 
@@ -261,7 +262,9 @@ class _Link:
                 dtypes = {t.name: getattr(torch, t.dtype) for t in status.served}
                 self._pusher.served_dtypes = dtypes
                 self._stage_version(snapshot, dtypes, result)
-                self._commit(snapshot.version, result)
+                self._commit(snapshot, result)
+            elif snapshot.adapter_checksum:
+                self._verify(snapshot, status.adapter_checksum)
         except _Failed as failed:
             result.stage, result.reason = failed.stage, failed.reason
             result.error = f"server {self.target.server_id} ({self.target.address}): {failed}"
@@ -316,9 +319,10 @@ class _Link:
             result.bytes, result.stage_seconds = reply.bytes_received, reply.seconds
             return
 
-    def _commit(self, version: int, result: PushResult) -> None:
-        """Commit with retries (backing off); a failed load stays staged on the server, so a retry can work."""
-        cfg = self._config
+    def _commit(self, snapshot: Snapshot, result: PushResult) -> None:
+        """Commit with retries (backing off); a failed load stays staged on the server, so a retry can work.
+        An adapter's commit is then verified against the checksum the engine reports."""
+        cfg, version = self._config, snapshot.version
         for attempt in range(cfg.retries + 1):
             if attempt:
                 time.sleep(min(0.2 * 2**attempt, 5.0))
@@ -327,22 +331,33 @@ class _Link:
                 reply = self._stub.Commit(pb.CommitRequest(version=version), metadata=self._pusher.metadata,
                                           timeout=cfg.commit_timeout_s)
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and self._serves(version):
+                status = self._serving(version) if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else None
+                if status is not None:
+                    self._verify(snapshot, status.adapter_checksum)
                     return
                 if exc.code() in _FINAL or attempt == cfg.retries:
                     raise _failure("commit", exc, cfg.commit_timeout_s) from None
                 continue
             result.pause_seconds, result.load_seconds = reply.pause_seconds, reply.load_seconds
+            self._verify(snapshot, reply.adapter_checksum)
             return
 
-    def _serves(self, version: int) -> bool:
-        """A retried Commit whose first try landed finds the version already current."""
+    def _serving(self, version: int) -> pb.StatusReply | None:
+        """The server's Status when it serves ``version``: a retried Commit whose first try landed."""
         try:
             status = self._stub.Status(pb.StatusRequest(), metadata=self._pusher.metadata,
                                        timeout=self._config.connect_timeout_s)
         except grpc.RpcError:
-            return False
-        return status.current_version == version
+            return None
+        return status if status.current_version == version else None
+
+    @staticmethod
+    def _verify(snapshot: Snapshot, served: str) -> None:
+        """An adapter counts as delivered only when the engine reports serving exactly the bytes pushed."""
+        if snapshot.adapter_checksum and served != snapshot.adapter_checksum:
+            raise _Failed("verify", "mismatch", f"verify: version {snapshot.version}: the engine serves an adapter "
+                                                f"with checksum {served or '(none)'}, the trainer pushed "
+                                                f"{snapshot.adapter_checksum}")
 
 
 def registered_servers(registry: ServerRegistry) -> Callable[[], list[Target]]:
@@ -396,23 +411,28 @@ class CheckpointPusher:
         """Snapshot ``model`` (FSDP2-sharded or plain) as ``version`` (default: the next) and hand it to the
         servers; every rank calls this (the all-gathers are collectives), rank 0 pushes and gets the round,
         others get None. Floating tensors are cast to the dtypes the servers serve (learned from their Status;
-        before the first answer the snapshot keeps the model's dtypes and each stream casts)."""
+        before the first answer the snapshot keeps the model's dtypes and each stream casts). A LoRA model
+        pushes its adapter alone, in the trainer's dtype (the engine casts it)."""
+        lora = is_lora(model)
+        params = iter_adapter_params(model) if lora else iter_full_params(model)
         if dist.is_initialized() and dist.get_rank() != 0:
-            for _ in iter_full_params(model):
+            for _ in params:
                 pass
             return None
-        metas = model_metas(model, self.served_dtypes)
-        return self.push(metas, iter_full_params(model), version)  # type: ignore[arg-type]
+        if lora:
+            return self.push(adapter_metas(model), params, version, adapter_config_json(model))  # type: ignore[arg-type]
+        return self.push(model_metas(model, self.served_dtypes), params, version)  # type: ignore[arg-type]
 
     def push(self, metas: Sequence[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],
-             version: int | None = None) -> PushRound:
+             version: int | None = None, adapter_config: str = "") -> PushRound:
         """Snapshot ``tensors`` (in ``metas`` order) as ``version`` (default: above every version pushed,
-        published or served) and offer it to every live server; returns at once."""
+        published or served) and offer it to every live server; returns at once. ``adapter_config`` (peft's
+        adapter_config.json) makes it an adapter push, whose delivery each server's commit must verify."""
         start = time.perf_counter()
         targets = self._list_servers()
         if version is None:
             version = max([self.last_pushed, self.published, *(t.version for t in targets)]) + 1
-        snapshot = take_snapshot(version, metas, tensors, self._pool)
+        snapshot = take_snapshot(version, metas, tensors, self._pool, adapter_config)
         rnd = PushRound(version, targets, time.perf_counter() - start)
         with self._lock:
             self.last_pushed = max(self.last_pushed, version)

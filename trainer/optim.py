@@ -13,7 +13,8 @@ from core.config import TrainerConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter alone
+    return torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
 
 def lr_factor(step: int, cfg: TrainerConfig) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,16 +124,20 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def load_model(path: Path | str, ctx: DistContext) -> PreTrainedModel:
+def load_model(path: Path | str, ctx: DistContext,
+               prepare: Callable[[PreTrainedModel], nn.Module] | None = None) -> PreTrainedModel:
     """Load an HF causal LM in fp32 on every rank and shard it with FSDP2 (each layer, then the root).
 
     Dropout is switched off (``eval()``): the training forward must compute the same function as the
-    proximal-logprob forward. Each rank reads the full checkpoint once before sharding; fine up to a
-    few billion parameters per host.
+    proximal-logprob forward. ``prepare`` changes the model before it is sharded (``trainer.lora`` adds the
+    adapter there). Each rank reads the full checkpoint once before sharding; fine up to a few billion
+    parameters per host.
     """
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model path {path}: not a directory (an HF model directory is expected)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    if prepare is not None:
+        model = prepare(model)
     model.to(ctx.device)
     model.eval()
     return shard_model(model, ctx)

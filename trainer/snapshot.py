@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from core.checkpoint_format import DTYPES, trailer_checksum
+from core.lora import adapter_checksum
 from proto import checkpoint_pb2 as pb
 from trainer.parallel import hf_name
 
@@ -61,9 +62,10 @@ def cast_metas(metas: Sequence[TensorMeta], dtypes: Mapping[str, torch.dtype] | 
     return out
 
 
-def build_manifest(version: int, metas: Sequence[TensorMeta]) -> pb.Manifest:
-    """Tensors packed back to back in manifest order (the layout the receiver requires)."""
-    manifest = pb.Manifest(version=version)
+def build_manifest(version: int, metas: Sequence[TensorMeta], adapter_config: str = "") -> pb.Manifest:
+    """Tensors packed back to back in manifest order (the layout the receiver requires); ``adapter_config`` marks
+    a LoRA adapter's push."""
+    manifest = pb.Manifest(version=version, adapter_config=adapter_config)
     offset = 0
     for m in metas:
         manifest.tensors.add(name=m.name, dtype=m.dtype_name, shape=list(m.shape), offset=offset,
@@ -116,13 +118,17 @@ class BufferPool:
 
 class Snapshot:
     """One version's bytes, read-only, with a reference count: the pusher holds the newest, each server's
-    stream holds the one it sends; the buffer returns to the pool when the count reaches zero."""
+    stream holds the one it sends; the buffer returns to the pool when the count reaches zero. A LoRA
+    adapter's snapshot (``adapter_config`` set) also knows the checksum the engine must report for it."""
 
-    def __init__(self, version: int, metas: Sequence[TensorMeta], buffer: torch.Tensor, pool: BufferPool):
+    def __init__(self, version: int, metas: Sequence[TensorMeta], buffer: torch.Tensor, pool: BufferPool,
+                 adapter_config: str = ""):
         self.version = version
         self.metas = list(metas)
         self.nbytes = buffer.numel()
-        self.manifest = pb.Chunk(manifest=build_manifest(version, metas)).SerializeToString()
+        self.adapter_config = adapter_config
+        self.manifest = pb.Chunk(manifest=build_manifest(version, metas, adapter_config)).SerializeToString()
+        self.adapter_checksum = adapter_checksum(self._tensors(buffer)) if adapter_config else ""
         self._buffer: torch.Tensor | None = buffer
         self._pool = pool
         self._refs = 1
@@ -144,6 +150,13 @@ class Snapshot:
         if buffer is not None:
             self._pool.give(buffer)
 
+    def _tensors(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for m in self.metas:
+            out[m.name] = buffer[offset:offset + m.nbytes].view(m.dtype).view(m.shape)
+            offset += m.nbytes
+        return out
+
     def _tensor(self, meta: TensorMeta, offset: int, out: TensorMeta) -> memoryview:
         """One tensor's bytes as ``out`` wants them: a view of the snapshot, or a cast copy of that tensor."""
         if self._buffer is None:
@@ -158,7 +171,7 @@ class Snapshot:
         slices of data, then the trailer with the crc32 of each tensor as sent."""
         out = cast_metas(self.metas, dtypes)
         yield self.manifest if out == self.metas else pb.Chunk(
-            manifest=build_manifest(self.version, out)).SerializeToString()
+            manifest=build_manifest(self.version, out, self.adapter_config)).SerializeToString()
         crcs: list[int] = []
         pieces: list[memoryview] = []
         filled = offset = source = 0
@@ -182,7 +195,7 @@ class Snapshot:
 
 
 def take_snapshot(version: int, metas: Sequence[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],
-                  pool: BufferPool) -> Snapshot:
+                  pool: BufferPool, adapter_config: str = "") -> Snapshot:
     """Copy ``tensors`` (in ``metas`` order) into a pooled buffer, each cast to its manifest dtype on its own
     device first, so the only full copy is the buffer itself."""
     buffer = pool.take(sum(m.nbytes for m in metas))
@@ -194,4 +207,4 @@ def take_snapshot(version: int, metas: Sequence[TensorMeta], tensors: Iterable[t
         flat = tensor.detach().to(meta.dtype).contiguous().reshape(-1).view(torch.uint8)
         buffer[offset:offset + meta.nbytes].copy_(flat)
         offset += meta.nbytes
-    return Snapshot(version, metas, buffer, pool)
+    return Snapshot(version, metas, buffer, pool, adapter_config)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,10 +31,11 @@ from torch import nn
 from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
 from buffer.staleness import split_stale
-from core.config import BufferConfig, TrainerConfig
+from core.config import BufferConfig, LoraConfig, TrainerConfig
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_pusher import PushResult, PushRound
 from trainer.critic import build_critic_optimizer, load_critic
+from trainer.lora import add_adapter
 from trainer.metrics import MetricsLog, TrainerMetrics
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel import DistContext, init_distributed, load_model
@@ -86,8 +88,10 @@ class Trainer:
         temperature: float = 1.0,
         pusher: Pusher | None = None,
         registry: CollectorRegistry | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.cfg = cfg
+        self.lora = lora
         self.model_path = Path(model_path)
         self.run_dir = Path(run_dir)
         self.buffer = buffer or BufferConfig()
@@ -108,7 +112,8 @@ class Trainer:
     def start(self, resume: bool = False, ctx: DistContext | None = None) -> Trainer:
         """Join the process group, load and shard the model, and restore the latest checkpoint if asked."""
         self.ctx = ctx or init_distributed(self.cfg.device)
-        self.model = load_model(self.model_path, self.ctx)
+        adapter = partial(add_adapter, lora=self.lora, base_model=str(self.model_path)) if self.lora else None
+        self.model = load_model(self.model_path, self.ctx, prepare=adapter)
         ref = None
         if self.cfg.kl_coef > 0:
             ref = load_model(self.model_path, self.ctx).requires_grad_(False)

@@ -1,7 +1,10 @@
 """Checkpoint receiver: the gRPC ``CheckpointEngine`` of one rollout server.
 
 Stage writes a pushed version as an HF model directory on tmpfs while the engine keeps
-generating; Commit pauses the engine only for ``update_weights_from_disk`` of that directory.
+generating; Commit pauses the engine only for ``update_weights_from_disk`` of that directory. A LoRA
+adapter's push (``Manifest.adapter_config``) is staged as a peft adapter directory instead and Commit loads
+it by name (``/load_lora_adapter``, replacing the one served), reports the checksum the engine gives for it
+(so the pusher verifies the delivery) and tells the rollout worker to name it on its requests.
 The manifest is checked against the served model before any byte is accepted, and a stage
 that fails (bad manifest, checksum, offsets, cut stream) is deleted: the server keeps its version.
 The server is ``grpc.aio`` on the rollout server's event loop, so Commit awaits the same async
@@ -26,6 +29,7 @@ from typing import Any, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from safetensors.torch import load_file
 
 from core.checkpoint_auth import NONCE_BYTES, proof, server_credentials
 from core.checkpoint_format import (
@@ -39,6 +43,7 @@ from core.checkpoint_format import (
     served_tensor_specs,
 )
 from core.config import CheckpointConfig
+from core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_checksum
 from core.net import bind_retrying, listen_socket
 from proto import checkpoint_pb2 as pb
 from rollout_server.engine_client import EngineClient, EngineError, EngineGroup
@@ -53,6 +58,9 @@ class WeightEngine(Protocol):
     async def resume(self, torch_empty_cache: bool = ...) -> Any: ...
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = ...,
                                        flush_cache: bool = ...) -> Any: ...
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> list[dict[str, Any]]: ...
+    async def unload_lora_adapter(self, lora_name: str) -> Any: ...
+    async def update_weight_version(self, version: str) -> Any: ...
 
 
 class CheckpointMetrics:
@@ -84,6 +92,7 @@ class _Swap:
     loaded: bool = False
     error: str = ""
     reason: str = ""
+    adapter_checksum: str = ""  # an adapter's load: what the engines report serving
 
 
 @dataclass
@@ -99,8 +108,12 @@ class CheckpointService:
     """Stage/Commit/Abort/Status over one served model directory and one engine."""
 
     def __init__(self, config: CheckpointConfig, model_dir: Path, stage_root: Path, engine: WeightEngine,
-                 engine_url: str, version: int, metrics: CheckpointMetrics, *, server_id: str):
+                 engine_url: str, version: int, metrics: CheckpointMetrics, *, server_id: str,
+                 adapter_name: str = "policy", on_adapter: Callable[[str | None], None] | None = None):
         self.config = config
+        self.adapter_name = adapter_name
+        self.on_adapter = on_adapter or (lambda _name: None)
+        self.adapter_checksum = ""  # of the adapter served; "" while full weights serve
         self.model_dir = Path(model_dir)
         self.stage_root = Path(stage_root)
         self.engine = engine
@@ -164,8 +177,12 @@ class CheckpointService:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         try:
-            self._copy_model_files(partial)
-            staged = StagedFile(partial / "model.safetensors", manifest)
+            if manifest.adapter_config:
+                (partial / ADAPTER_CONFIG).write_text(manifest.adapter_config)
+            else:
+                self._copy_model_files(partial)
+            staged = StagedFile(partial / (ADAPTER_WEIGHTS if manifest.adapter_config else "model.safetensors"),
+                                manifest)
             try:
                 await self._receive(chunks, staged)
             finally:
@@ -258,7 +275,8 @@ class CheckpointService:
                 timed_out = swap.reason.endswith("_timeout")
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if timed_out else grpc.StatusCode.INTERNAL
                 raise StageError(swap.reason, f"version {version}: {swap.error}", code)
-            return pb.CommitReply(version=version, pause_seconds=swap.pause_s, load_seconds=swap.load_s)
+            return pb.CommitReply(version=version, pause_seconds=swap.pause_s, load_seconds=swap.load_s,
+                                  adapter_checksum=swap.adapter_checksum)
 
     async def _swap(self, path: Path, version: int) -> _Swap:
         """pause(retract) -> update_weights_from_disk -> continue; continue even when the load fails.
@@ -282,7 +300,11 @@ class CheckpointService:
         swap = _Swap()
         start = load_start = time.monotonic()
         try:
-            await self.engine.update_weights_from_disk(str(path), weight_version=str(version))
+            if (path / ADAPTER_CONFIG).is_file():
+                swap.adapter_checksum = await self._load_adapter(path, version)
+            else:
+                await self.engine.update_weights_from_disk(str(path), weight_version=str(version))
+                await self._drop_adapter()
             swap.loaded = True
         except EngineError as exc:
             swap.error, swap.reason = f"load failed, continuing on the old weights: {exc}", "load"
@@ -292,6 +314,27 @@ class CheckpointService:
         self.metrics.pause_seconds.observe(swap.pause_s)
         self.metrics.paused_seconds.inc(swap.pause_s)
         return swap
+
+    async def _load_adapter(self, path: Path, version: int) -> str:
+        """Load the staged adapter under ``adapter_name`` (replacing the one served) and return the checksum the
+        engines report for it: one value when they agree, all of them when they do not (the pusher then
+        refuses the delivery). An engine that reports none (SGLang) is checked by the file it was given."""
+        replies = await self.engine.load_lora_adapter(self.adapter_name, str(path))
+        await self.engine.update_weight_version(str(version))
+        reported = {(r.get("checksums") or {}).get(self.adapter_name) for r in replies}
+        if None in reported:
+            reported.discard(None)
+            reported.add(await asyncio.to_thread(lambda: adapter_checksum(load_file(path / ADAPTER_WEIGHTS))))
+        self.adapter_checksum = ",".join(sorted(reported))
+        self.on_adapter(self.adapter_name)
+        return self.adapter_checksum
+
+    async def _drop_adapter(self) -> None:
+        """Full weights replace an adapter: the engines unload it and the worker stops naming it."""
+        if self.adapter_checksum:
+            self.on_adapter(None)
+            self.adapter_checksum = ""
+            await self.engine.unload_lora_adapter(self.adapter_name)
 
     async def _continue_late(self, pause: asyncio.Future[Any]) -> None:
         """After a pause that missed its deadline: once it lands, continue the engine (holding the commit lock,
@@ -328,7 +371,7 @@ class CheckpointService:
         served = [pb.TensorSpec(name=name, dtype=dtype, shape=list(shape))
                   for name, (dtype, shape) in self.served.items()]
         return pb.StatusReply(current_version=self._state.current, staged_version=self._state.staged,
-                              engine_url=self.engine_url, served=served)
+                              engine_url=self.engine_url, served=served, adapter_checksum=self.adapter_checksum)
 
     async def Prove(self, request: pb.ProveRequest, context: grpc.aio.ServicerContext) -> pb.ProveReply:
         """The answer to the pusher's challenge: only a holder of the token can compute it, for this address."""
@@ -371,7 +414,8 @@ class CheckpointReceiver:
 
     def __init__(self, config: CheckpointConfig, model_dir: Path, engine: WeightEngine, engine_url: str,
                  server_name: str, host: str = "127.0.0.1", port: int = 0, version: int = 0,
-                 metrics: CheckpointMetrics | None = None):
+                 metrics: CheckpointMetrics | None = None, adapter_name: str = "policy",
+                 on_adapter: Callable[[str | None], None] | None = None):
         self.config = config
         self.host = host
         self.port = port
@@ -379,7 +423,7 @@ class CheckpointReceiver:
         stage_root = Path(config.stage_dir) / server_name
         shutil.rmtree(stage_root, ignore_errors=True)
         self.service = CheckpointService(config, model_dir, stage_root, engine, engine_url, version, self.metrics,
-                                         server_id=server_name)
+                                         server_id=server_name, adapter_name=adapter_name, on_adapter=on_adapter)
         self._server: grpc.aio.Server | None = None
 
     @property
@@ -434,9 +478,11 @@ class ReceiverThread:
 
     def __init__(self, config: CheckpointConfig, model_dir: Path, engine_urls: list[str], server_name: str,
                  host: str, port: int, metrics: CheckpointMetrics, timeout_s: float = 600.0,
-                 engine_api_key: str | None = None):
+                 engine_api_key: str | None = None, adapter_name: str = "policy",
+                 on_adapter: Callable[[str | None], None] | None = None):
         self._make = lambda engine: CheckpointReceiver(
-            config, model_dir, engine, engine_urls[0], server_name, host=host, port=port, metrics=metrics
+            config, model_dir, engine, engine_urls[0], server_name, host=host, port=port, metrics=metrics,
+            adapter_name=adapter_name, on_adapter=on_adapter,
         )
         self._urls = engine_urls
         self._timeout_s = timeout_s

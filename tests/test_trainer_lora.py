@@ -1,0 +1,102 @@
+"""LoRA on the trainer (``model.lora``): a DCP checkpoint resumes the adapter and its optimizer exactly, the HF
+export writes a peft adapter (and the merged model on request) that computes what the trainer computed, and
+dropout acts in the training forward only."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+from trainer_helpers import synthetic_groups
+from transformers import AutoModelForCausalLM
+
+from core.config import LoraConfig, TrainerConfig
+from core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from trainer.checkpoint import export_hf
+from trainer.lora import add_adapter, iter_adapter_params
+from trainer.parallel import DistContext, close_distributed, init_distributed
+from trainer.worker import Trainer
+
+LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+CFG = {"total_steps": 3, "checkpoint_every": 2, "lr": 1e-2, "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Iterator[DistContext]:
+    for key in ("RANK", "WORLD_SIZE"):
+        assert key not in os.environ, f"{key} is set; these tests need a lone process"
+    context = init_distributed("cpu")
+    yield context
+    close_distributed()
+
+
+def _adapter(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in iter_adapter_params(trainer.model) if t is not None}
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_resume_restores_adapter_and_optimizer_and_export_computes_the_same(
+    ctx: DistContext, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    trainer = Trainer(TrainerConfig(**CFG), tiny_model_dir, tmp_path / "run", lora=LORA).start(ctx=ctx)
+    for seed in range(2):
+        trainer.train(synthetic_groups(seed, 3))  # the second step writes checkpoint 2
+    saved = _adapter(trainer)
+    moments = {k: v["exp_avg"].clone() for k, v in trainer.optimizer.state_dict()["state"].items()}
+    assert len(moments) == len(saved)  # the optimizer holds the adapter alone
+    last = trainer.train(synthetic_groups(2, 3))
+    ids = torch.tensor([list(range(5, 25))])
+    trained = _logits(trainer.model, ids)
+    trainer.close()
+
+    resumed = Trainer(TrainerConfig(**CFG), tiny_model_dir, tmp_path / "run", lora=LORA).start(resume=True, ctx=ctx)
+    assert resumed.step == 3  # the final step was checkpointed too
+    again = Trainer(TrainerConfig(**CFG), tiny_model_dir, tmp_path / "run2", lora=LORA).start(ctx=ctx)
+    step2 = tmp_path / "run" / "checkpoints" / "step_00000002"
+    again.checkpointer.load(step2, again.model, again.optimizer, again.scheduler)
+    for name, tensor in _adapter(again).items():
+        torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
+    for key, state in again.optimizer.state_dict()["state"].items():
+        torch.testing.assert_close(state["exp_avg"], moments[key], rtol=0, atol=0)
+    redo = again.train(synthetic_groups(2, 3))
+    assert redo["loss"] == pytest.approx(last["loss"], rel=1e-6)
+    torch.testing.assert_close(_logits(resumed.model, ids), trained, rtol=1e-5, atol=1e-5)
+    for t in (resumed, again):
+        t.close()
+
+    checkpoint = resumed.checkpointer.latest()
+    adapter_dir = export_hf(checkpoint, tiny_model_dir, tmp_path / "adapter", LORA)
+    assert {p.name for p in adapter_dir.iterdir()} >= {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
+    assert not (adapter_dir / "model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    loaded = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    torch.testing.assert_close(_logits(loaded, ids), trained, rtol=1e-5, atol=1e-5)
+    merged_dir = export_hf(checkpoint, tiny_model_dir, tmp_path / "merged", LORA, merge=True)
+    assert (merged_dir / "adapter" / ADAPTER_WEIGHTS).is_file()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    torch.testing.assert_close(_logits(merged, ids), trained, rtol=1e-4, atol=1e-4)
+
+
+def test_dropout_acts_in_the_training_forward_only(tiny_model_dir: Path) -> None:
+    ids = torch.tensor([list(range(5, 25))])
+    model = add_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                        LORA.model_copy(update={"dropout": 0.5})).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0, 0.5)
+    no_dropout = add_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LORA).eval()
+    no_dropout.load_state_dict(model.state_dict())
+    expected = _logits(no_dropout, ids)
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=0, atol=0)  # no grad: no dropout
+    with torch.enable_grad():
+        first, second = model(input_ids=ids).logits, model(input_ids=ids).logits
+    assert not torch.allclose(first, expected) and not torch.allclose(first, second)

@@ -54,6 +54,8 @@ def build_command(
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
     extra: list[str] | None = None,
     key_from_env: bool = False,
+    lora_rank: int | None = None,
+    lora_targets: list[str] | None = None,
 ) -> list[str]:
     """The ``python -m sglang.launch_server ...`` argv; with ``key_from_env`` SGLang's ``--api-key`` is taken
     from ``ROLLWAVE_ENGINE_API_KEY`` when it starts (see ``LAUNCH_WITH_KEY_FROM_ENV``)."""
@@ -83,6 +85,11 @@ def build_command(
         cmd += ["--mem-fraction-static", str(mem_fraction)]
     if colocate:
         cmd += ["--enable-memory-saver"]
+    if lora_rank is not None:  # model.lora: the receiver loads each pushed adapter by name
+        if lora_rank < 1:
+            raise ValueError(f"--lora-rank must be at least 1, got {lora_rank}")
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
+        cmd += ["--lora-target-modules", *lora_targets] if lora_targets else []
     return cmd + list(extra or [])
 
 
@@ -142,6 +149,8 @@ def command_from_args(args: argparse.Namespace, parser: str = DEFAULT_TOOL_CALL_
         tool_call_parser=parser,
         extra=extra,
         key_from_env=api_key(args) is not None,
+        lora_rank=args.lora_rank,
+        lora_targets=args.lora_target_modules,
     )
 
 

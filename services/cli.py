@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--mem-fraction", type=float, help="SGLang's --mem-fraction-static")
     e.add_argument("--colocate", action="store_true", help="shares GPUs with the trainer: --enable-memory-saver")
     e.add_argument("--python", default=sys.executable, help="the Python of the environment that has sglang")
+    e.add_argument("--lora-rank", type=int, help="model.lora.rank of the run: --enable-lora --max-lora-rank R, so "
+                   "the rollout server can load each pushed adapter")
+    e.add_argument("--lora-target-modules", nargs="+", metavar="NAME", help="with --lora-rank: model.lora."
+                   "target_modules (SGLang's --lora-target-modules)")
     e.add_argument("--api-key-file", help="file holding SGLang's --api-key (default: env ROLLWAVE_ENGINE_API_KEY); "
                    "needed off loopback")
     e.add_argument("--dry-run", action="store_true", help="print the command instead of running it")

@@ -54,12 +54,22 @@ def test_rl_flags_and_extra_args() -> None:
     assert "--enable-memory-saver" in cmd and "--skip-tokenizer-init" not in cmd
     assert cmd[-2:] == ["--log-level", "debug"]
     assert "--enable-memory-saver" not in build_command("m", 1)
+    assert "--enable-lora" not in build_command("m", 1)
+
+
+def test_lora_flags_let_the_server_load_pushed_adapters() -> None:
+    cmd = build_command("m", 1, lora_rank=16, lora_targets=["q_proj", "v_proj"], extra=["--log-level", "info"])
+    i = cmd.index("--enable-lora")
+    assert cmd[i:i + 6] == ["--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "v_proj"]
+    args = build_parser().parse_args(["engine", "sglang", "--model", "m", "--port", "1", "--python", "py",
+                                      "--lora-rank", "8", "--lora-target-modules", "o_proj"])
+    assert command_from_args(args) == build_command("m", 1, python="py", lora_rank=8, lora_targets=["o_proj"])
 
 
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [({"tp": 0}, "--tp"), ({"mem_fraction": 1.5}, "--mem-fraction"), ({"port": 0}, "--port"),
-     ({"port": 65536}, "--port")],
+     ({"port": 65536}, "--port"), ({"lora_rank": 0}, "--lora-rank")],
 )
 def test_bad_values_are_named(kw: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

@@ -51,7 +51,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: install
 	$(call system_packages,$(DEMO_PACKAGES))
-	$(BIN)/python -m services.demo
+	$(BIN)/python -m services.demo $(DEMO_ARGS)
 
 test: install
 	$(call system_packages,$(TEST_PACKAGES))

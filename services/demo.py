@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="start RL from this SFT warm start (an earlier run's runs/<name>/sft) instead of making one")
     p.add_argument("--eval-tasks", type=int, default=200, help="held-out arith problems per evaluation")
     p.add_argument("--timeout-min", type=float, default=14.0, help="give up on RL after this many minutes")
+    p.add_argument("--agent", metavar="MODULE:FUNCTION",
+                   help="train and evaluate this OpenAI-client agent (an agent job, allowed on the demo's server) "
+                        "instead of the built-in agent loop, e.g. rollout_server.agents.calculator_agent:run")
     return p
 
 
@@ -69,12 +72,19 @@ def _sft(cfg: Config, run_dir: Path, steps: int) -> Path:
         return warm_start(base, run_dir / "sft", tasks, steps=steps, seed=cfg.run.seed, progress=progress)
 
 
-def _evaluate(api: httpx.Client, n: int, seed: int, label: str) -> float:
-    body = {"kind": "eval", "name": label, "source": {"kind": "arith", "split": "test", "limit": n, "seed": seed}}
+def _evaluate(api: httpx.Client, n: int, seed: int, label: str, agent: str | None) -> tuple[float, float]:
+    """(accuracy, share of the answers that called a tool) of a greedy eval job on ``n`` held-out problems."""
+    body = {"kind": "eval", "name": label, "source": {"kind": "arith", "split": "test", "limit": n, "seed": seed},
+            "agent": agent}
     reply = api.post("/v1/jobs", json=body)
     reply.raise_for_status()
     job = wait_for_job(api, reply.json()["job_id"])
-    return float(job["accuracy"])
+    samples, cursor = [], ""
+    while cursor is not None:
+        page = api.get(f"/v1/jobs/{job['job_id']}/trajectories", params={"cursor": cursor, "limit": 200}).json()
+        samples += page["items"]
+        cursor = page["next"]
+    return float(job["accuracy"]), sum(bool(s["tool_calls"]) for s in samples) / max(len(samples), 1)
 
 
 def _wait_ready(api: httpx.Client, timeout_s: float = 180.0) -> None:
@@ -90,10 +100,10 @@ def _wait_ready(api: httpx.Client, timeout_s: float = 180.0) -> None:
     raise TimeoutError(f"no rollout server registered within {timeout_s:.0f} s")
 
 
-def _train(api: httpx.Client, stack: LocalStack, cfg: Config, run_dir: Path, timeout_s: float) -> dict[str, Any]:
+def _train(api: httpx.Client, stack: LocalStack, cfg: Config, timeout_s: float, agent: str | None) -> dict[str, Any]:
     n_tasks = cfg.trainer.total_steps * cfg.buffer.groups_per_step * 2
     body = {"kind": "train", "name": "rl", "source": {"kind": "arith", "split": "train", "limit": n_tasks,
-                                                       "seed": cfg.run.seed + 2}}
+                                                       "seed": cfg.run.seed + 2}, "agent": agent}
     reply = api.post("/v1/jobs", json=body)
     reply.raise_for_status()
     job_id = reply.json()["job_id"]
@@ -113,12 +123,15 @@ def _train(api: httpx.Client, stack: LocalStack, cfg: Config, run_dir: Path, tim
 
 
 def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
-        warm_start_dir: Path | None = None) -> dict[str, Any]:
+        warm_start_dir: Path | None = None, agent: str | None = None) -> dict[str, Any]:
+    """The whole demo; with ``agent`` its train and eval jobs run that OpenAI-client agent per sample."""
     run_dir = cfg.run.path.absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     cfg.model.path = policy(cfg, run_dir, sft_steps, warm_start_dir)
     cfg.api.port = 0  # any free port; the API publishes the one it bound
+    if agent is not None:
+        cfg.rollout.agent_allowlist = [*cfg.rollout.agent_allowlist, agent]
     if cfg.api.token is None:
         cfg.api.token = secrets.token_urlsafe(32)
     ensure_checkpoint_token(cfg)
@@ -133,11 +146,11 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
                 httpx.Client(base_url=published_api_url(client, Keys(cfg.run.name)), headers=auth,
                              timeout=30) as api:
             _wait_ready(api)
-            before = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out before RL")
+            before, tools_before = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out before RL", agent)
             rl_started = time.monotonic()
-            job = _train(api, stack, cfg, run_dir, timeout_s)
+            job = _train(api, stack, cfg, timeout_s, agent)
             rl_seconds = time.monotonic() - rl_started
-            after = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out after RL")
+            after, tools_after = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out after RL", agent)
             status = api.get("/v1/status").json()
     final = run_dir / "final"
     from trainer.checkpoint import Checkpointer, export_hf
@@ -147,6 +160,7 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
     learning_curve(records, before, after, run_dir / "learning_curve.png")
     summary = summarize(records, job, status, before=before, after=after, rl_seconds=rl_seconds,
                         total_seconds=time.monotonic() - started, run_dir=run_dir)
+    summary.update(heldout_tool_use_before=round(tools_before, 3), heldout_tool_use_after=round(tools_after, 3))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -156,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the stack and Redis
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, [f"run.name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides])
-    summary = run(cfg, args.sft_steps, args.eval_tasks, args.timeout_min * 60, args.warm_start)
+    summary = run(cfg, args.sft_steps, args.eval_tasks, args.timeout_min * 60, args.warm_start, args.agent)
     print("\n".join(f"{k:>28}: {v}" for k, v in summary.items()))
     return 0
 

@@ -9,13 +9,17 @@
     (sendall of 1 MiB slices -> recv_into a reused buffer in another process). For reference it
     also times a bare gRPC stream of the same 1 MiB messages into a sink that only counts them.
 
+(c) The commit pause of a LoRA adapter push (``model.lora``: rank ``--lora-rank`` on the attention
+    projections; only the adapter travels and the engine loads it by name) against the full push's pause,
+    on the same engine and receiver, the two pushes of each round in alternating order.
+
 TCP rounds and pushes alternate, so both see the same background load; medians are reported.
 The engine is idle during both measurements so neither side competes with decoding for the CPU.
 Every process (this one re-executes itself) runs with glibc malloc tuned for large buffers
 (MALLOC_ENV); ``--plain-malloc`` keeps stock malloc. Last line: ``pause_vs_memcpy ratio <value>``
-(pause over the warm memcpy).
+(pause over the warm memcpy), after ``lora_pause_vs_full_pause ratio <value>``.
 
-    python bench/checkpoint.py [--pushes 5] [--layers 9] [--engine-threads N] [--plain-malloc]
+    python bench/checkpoint.py [--pushes 5] [--layers 9] [--lora-rank 16] [--engine-threads N] [--plain-malloc]
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -170,13 +175,14 @@ def memcpy_seconds(src: np.ndarray, warm: bool, repeats: int = 5) -> float:
     return best
 
 
-def run(pushes: int, layers: int, engine_threads: int) -> None:
+def run(pushes: int, layers: int, engine_threads: int, lora_rank: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from core.config import CheckpointConfig
+    from core.config import CheckpointConfig, LoraConfig
     from rollout_server.engine.process import EngineProcess
     from trainer.checkpoint_pusher import CheckpointPusher, model_metas
+    from trainer.lora import adapter_metas, add_adapter
     from trainer.parallel import iter_full_params
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -187,6 +193,9 @@ def run(pushes: int, layers: int, engine_threads: int) -> None:
     try:
         model_dir, n_params = build_model_dir(work / "model", layers)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        lora = add_adapter(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(rank=lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])).eval()
+        lora_bytes = sum(m.nbytes for m in adapter_metas(lora))
         metas = model_metas(model)
         nbytes = sum(m.nbytes for m in metas)
         print(f"model: {n_params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB fp32, {len(metas)} tensors")
@@ -200,19 +209,34 @@ def run(pushes: int, layers: int, engine_threads: int) -> None:
         warm, fresh = memcpy_seconds(src, warm=True), memcpy_seconds(src, warm=False)
 
         pusher = CheckpointPusher(CheckpointConfig(token=TOKEN, stage_dir=stage_dir), [address])
-        tcp, bare, stage, pause, load = [], [], [], [], []
-        for version in range(1, pushes + 1):
-            tcp.append(raw_tcp_seconds(int(port), src))
-            bare.append(raw_grpc_seconds(f"127.0.0.1:{counter_port}", src))
+        tcp, bare, stage, pause, load, lora_pause = [], [], [], [], [], []
+        version = 0
+
+        def push(target: torch.nn.Module) -> Any:
+            nonlocal version
+            version += 1
             with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1e-3)
-            [server] = pusher.push(metas, iter_full_params(model), version=version).wait(600).servers
+                for p in target.parameters():
+                    if p.requires_grad:  # the adapter alone of the LoRA model
+                        p.add_(1e-3)
+            rnd = pusher.push_model(target, version) if target is lora else \
+                pusher.push(metas, iter_full_params(model), version=version)
+            [server] = rnd.wait(600).servers
             if not server.ok:
                 raise RuntimeError(f"push of version {version} failed: {server.error}")
-            stage.append(server.stage_seconds)
-            pause.append(server.pause_seconds)
-            load.append(server.load_seconds)
+            return server
+
+        for round_ in range(pushes):
+            tcp.append(raw_tcp_seconds(int(port), src))
+            bare.append(raw_grpc_seconds(f"127.0.0.1:{counter_port}", src))
+            for target in (model, lora) if round_ % 2 == 0 else (lora, model):
+                server = push(target)
+                if target is lora:
+                    lora_pause.append(server.pause_seconds)
+                    continue
+                stage.append(server.stage_seconds)
+                pause.append(server.pause_seconds)
+                load.append(server.load_seconds)
         pusher.close()
     finally:
         for proc in procs:
@@ -238,7 +262,11 @@ def run(pushes: int, layers: int, engine_threads: int) -> None:
           f"raw loopback TCP {tcp_gbs:.2f} GB/s ({', '.join(f'{s:.2f}s' for s in tcp)})")
     print(f"    bare gRPC stream of 1 MiB messages (no crc32, no file) {gb / med(bare):.2f} GB/s, "
           f"{tcp_gbs / (gb / med(bare)):.1f}x slower than raw TCP on its own")
+    print(f"(c) LoRA rank {lora_rank} adapter ({lora_bytes / 2**20:.1f} MiB fp32): commit pause median "
+          f"{med(lora_pause) * 1e3:.1f} ms ({', '.join(f'{s * 1e3:.1f}' for s in lora_pause)} ms), full push "
+          f"{med(pause) * 1e3:.1f} ms")
     print(f"stage_vs_raw_tcp ratio {stage_gbs / tcp_gbs:.3f} (goal >= 0.5)")
+    print(f"lora_pause_vs_full_pause ratio {med(lora_pause) / med(pause):.3f}")
     print(f"pause_vs_memcpy ratio {med(pause) / warm:.3f}")
 
 
@@ -257,10 +285,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=9, help="decoder layers (9: ~100M parameters)")
     parser.add_argument("--engine-threads", type=int, default=0, help="engine's torch threads (0: its default)")
     parser.add_argument("--plain-malloc", action="store_true", help="keep stock glibc malloc")
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the adapter pushed in (c)")
     args = parser.parse_args()
     if not args.plain_malloc and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], {**os.environ, **MALLOC_ENV})
-    run(args.pushes, args.layers, args.engine_threads)
+    run(args.pushes, args.layers, args.engine_threads, args.lora_rank)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ Before its token or any weights, the pusher asks each server to prove it holds t
 refusal is a failure at stage ``prove`` (reason ``unproven``). With ``checkpoint.tls_*`` the channels are
 mutual TLS.
 
+A LoRA model's push carries its adapter alone (``trainer.lora``), and its commit counts only when the engine
+reports serving an adapter with the checksum of the bytes pushed (else stage ``verify``, reason ``mismatch``).
+
 Every failed push is logged naming the server and the stage, counted in
 ``rollwave_trainer_push_failures_total{server,stage,reason}`` and recorded (``record``, the registry's
 per-server push results that ``rollwave status``, the API and the dashboard show). A version that no quorum
@@ -79,7 +82,7 @@ class Target:
 
 @dataclass
 class PushResult:
-    """One version on one server: committed, failed (at ``stage``: connect, stage, commit) or skipped
+    """One version on one server: committed, failed (at ``stage``: connect, prove, stage, commit, verify) or skipped
     because a newer version replaced it before its turn."""
 
     server_id: str

@@ -49,7 +49,7 @@ def is_lora(model: nn.Module) -> bool:
     return isinstance(model, peft.PeftModel)
 
 
-def adapter_name(param_name: str) -> str:
+def saved_name(param_name: str) -> str:
     """A trainable parameter's name as peft saves it (``...q_proj.lora_A.weight``)."""
     return hf_name(param_name).replace(f".{ADAPTER}.", ".")
 
@@ -57,7 +57,7 @@ def adapter_name(param_name: str) -> str:
 def _adapter_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     for name, param in model.named_parameters():
         if param.requires_grad:
-            yield adapter_name(name), param
+            yield saved_name(name), param
 
 
 def adapter_metas(model: nn.Module, dtypes: Mapping[str, torch.dtype] | None = None) -> list[TensorMeta]:

@@ -1,0 +1,146 @@
+"""LoRA pushes through the real pusher, checkpoint receiver and embedded engine process: only the adapter travels,
+the engine serves it under ``model.lora.name`` to requests that name it, its logprobs match the trainer's forward
+with the adapter, every commit is verified by the checksum the engine reports, and full weights after an adapter
+unload it."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from engine_helpers import teacher_forced
+from test_checkpoint_engine import PROMPTS, WAIT_S, Fleet, commit_raw, greedy_reference, perturbed, stage_raw
+from transformers import AutoModelForCausalLM
+
+from core.config import LoraConfig
+from core.lora import ADAPTER_WEIGHTS, adapter_checksum
+from trainer.lora import adapter_config_json, adapter_metas, add_adapter, iter_adapter_params
+from trainer.parallel import iter_full_params
+from trainer.snapshot import BufferPool, model_metas, take_snapshot
+
+LORA = LoraConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"])
+NAME = "policy"  # the receiver's adapter name (model.lora.name's default)
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    stage_dir = Path("/dev/shm") / f"rollwave-lora-{tmp_path_factory.getbasetemp().name}"
+    fleet = Fleet(tiny_model_dir, stage_dir, size=1)
+    try:
+        fleet.start()
+        yield fleet
+    finally:
+        fleet.close()
+        shutil.rmtree(stage_dir, ignore_errors=True)
+
+
+def lora_model(model_dir: Path, seed: int) -> torch.nn.Module:
+    """The tiny model with an adapter whose B is random (a trained adapter changes what the model says)."""
+    model = add_adapter(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), LORA).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    return model
+
+
+def checksum_of(model: torch.nn.Module) -> str:
+    return adapter_checksum(dict(iter_adapter_params(model)))  # type: ignore[arg-type]
+
+
+def generate(url: str, adapter: str | None, temperature: float = 0.0) -> httpx.Response:
+    body = {"input_ids": PROMPTS, "return_logprob": True,
+            "sampling_params": {"temperature": temperature, "max_new_tokens": 12, "ignore_eos": True}}
+    if adapter is not None:
+        body["lora_path"] = adapter
+    return httpx.post(url + "/generate", json=body, timeout=WAIT_S)
+
+
+def outputs(reply: httpx.Response) -> list[list[int]]:
+    assert reply.status_code == 200, reply.text
+    return [r["output_ids"] for r in reply.json()]
+
+
+def test_adapter_push_serves_the_adapter_and_matches_the_trainer(fleet: Fleet, tiny_model_dir: Path) -> None:
+    url = fleet.engines[0].url
+    base = outputs(generate(url, None))
+    model = lora_model(tiny_model_dir, seed=1)
+    version = fleet.status(0).current_version + 1
+    pusher = fleet.pusher()
+    try:
+        rnd = pusher.push_model(model, version)
+        assert rnd is not None and rnd.wait(WAIT_S).ok, [r.error for r in rnd.servers]
+        [result] = rnd.servers
+        adapter_bytes = sum(m.nbytes for m in adapter_metas(model))
+        full_bytes = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+        assert result.bytes == adapter_bytes < full_bytes / 10  # the adapter alone travelled
+        status = fleet.status(0)
+        assert status.current_version == version and status.adapter_checksum == checksum_of(model)
+
+        # Greedy outputs change with the adapter, equal a full forward of the trainer's model, and requests that
+        # name no adapter still get the base model.
+        assert outputs(generate(url, NAME)) == greedy_reference(model) != base
+        assert outputs(generate(url, None)) == base
+        # Sampled tokens' logprobs are the trainer's forward with the adapter.
+        for prompt, item in zip(PROMPTS, generate(url, NAME, temperature=1.0).json(), strict=True):
+            engine = torch.tensor([lp for lp, _tok, _ in item["meta_info"]["output_token_logprobs"]])
+            trainer = teacher_forced(model, prompt, item["output_ids"], 1.0)
+            torch.testing.assert_close(engine, trainer, rtol=0, atol=1e-3)
+
+        # The next version (another adapter) replaces it under the same name.
+        second = lora_model(tiny_model_dir, seed=2)
+        assert pusher.push_model(second, version + 1).wait(WAIT_S).ok
+        assert outputs(generate(url, NAME)) == greedy_reference(second) != greedy_reference(model)
+        assert fleet.status(0).adapter_checksum == checksum_of(second) != checksum_of(model)
+    finally:
+        pusher.close()
+
+
+def test_a_corrupted_adapter_fails_verification(fleet: Fleet, tiny_model_dir: Path) -> None:
+    """Bytes changed after the Stage (whose crc32s they passed) reach the engine: the checksum the engine reports
+    differs from what was pushed, and the pusher refuses the delivery, naming the stage and counting it."""
+    model = lora_model(tiny_model_dir, seed=3)
+    version = fleet.status(0).current_version + 1
+    metas = adapter_metas(model)
+    snapshot = take_snapshot(version, metas, iter_adapter_params(model), BufferPool(),  # type: ignore[arg-type]
+                             adapter_config_json(model))
+    stage_raw(fleet.addresses[0], snapshot.chunks(64 << 10))
+    staged = fleet.config.stage_dir / "server0" / f"v{version}" / ADAPTER_WEIGHTS
+    raw = bytearray(staged.read_bytes())
+    raw[-1] ^= 0x40
+    staged.write_bytes(raw)
+    reply = commit_raw(fleet.addresses[0], version)
+    assert reply.adapter_checksum and reply.adapter_checksum != snapshot.adapter_checksum
+
+    pusher = fleet.pusher()
+    try:  # the pusher, offering this version again, finds it served with other bytes
+        rnd = pusher.push(metas, iter_adapter_params(model), version, adapter_config_json(model))  # type: ignore[arg-type]
+        [result] = rnd.wait(WAIT_S).servers
+        assert not result.ok and (result.stage, result.reason) == ("verify", "mismatch"), result
+        assert snapshot.adapter_checksum in result.error and reply.adapter_checksum in result.error
+        failures = pusher.metrics.failures.labels(server=result.server_id, stage="verify", reason="mismatch")
+        assert failures._value.get() == 1
+    finally:
+        pusher.close()
+
+
+def test_full_weights_after_an_adapter_unload_it(fleet: Fleet, tiny_model_dir: Path, tmp_path: Path) -> None:
+    url = fleet.engines[0].url
+    pusher = fleet.pusher()
+    try:
+        version = fleet.status(0).current_version + 1
+        assert pusher.push_model(lora_model(tiny_model_dir, seed=4), version).wait(WAIT_S).ok
+        full = perturbed(tiny_model_dir, seed=5, out=tmp_path / "full")
+        snapshot_metas = model_metas(full)
+        assert pusher.push(snapshot_metas, iter_full_params(full), version + 1).wait(WAIT_S).ok  # type: ignore[arg-type]
+    finally:
+        pusher.close()
+    assert fleet.status(0).adapter_checksum == ""
+    assert outputs(generate(url, None)) == greedy_reference(full)
+    refused = generate(url, NAME)
+    assert refused.status_code == 400 and NAME in refused.text

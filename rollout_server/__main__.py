@@ -19,13 +19,14 @@ import signal
 import sys
 from collections.abc import Callable
 from contextlib import AsyncExitStack
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 
 from buffer.redis_server import connect
-from core.config import Config, ConfigError, EngineConfig, load_config_or_exit, require_secret
+from core.config import Config, ConfigError, EngineConfig, LoraConfig, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
 from core.net import is_loopback
 from core.tiny_model import ensure_model
@@ -107,6 +108,8 @@ async def serve(cfg: Config) -> None:
         receiver = ReceiverThread(
             cfg.checkpoint, model, urls, worker.consumer, cfg.rollout.grpc_host, cfg.rollout.grpc_port,
             CheckpointMetrics(metrics.registry), cfg.engine.request_timeout_s, engine_api_key=key,
+            adapter_name=cfg.model.lora.name if cfg.model.lora else LoraConfig().name,
+            on_adapter=partial(name_adapter, engines),
         )
         worker.info.grpc_address = await asyncio.to_thread(receiver.start)
         worker.info.openai_url = await stack.enter_async_context(
@@ -124,6 +127,12 @@ async def serve(cfg: Config) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)
         await worker.run()
+
+
+def name_adapter(engines: list[EngineClient], name: str | None) -> None:
+    """From the commit that loaded an adapter on, every request names it (None: full weights, the base)."""
+    for engine in engines:
+        engine.lora_path = name
 
 
 def _check(cfg: Config) -> None:

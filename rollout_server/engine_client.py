@@ -58,6 +58,7 @@ class EngineClient:
         self._has_session: bool | None = None  # 0.5.23's begin/end_weight_update, probed on first use
         self._session_lock = asyncio.Lock()  # one weight-update session at a time from this client
         self.version: str | None = None  # the weight version this client last saw the server serve
+        self.lora_path: str | None = None  # the adapter every generate request names (None: the base model)
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -85,6 +86,8 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if self.lora_path is not None:
+            body["lora_path"] = self.lora_path
         started = self.version if self.version is not None else await self.weight_version()
         reply = (await self._call("POST", "/generate", body)).json()
         for item in reply if isinstance(reply, list) else [reply]:
@@ -113,6 +116,20 @@ class EngineClient:
         reply = _checked(await self._call("POST", "/update_weights_from_disk", body), "/update_weights_from_disk")
         self.version = weight_version if weight_version is not None else self.version
         return reply
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load (SGLang) or load and replace (the embedded engine) the peft adapter directory ``lora_path``."""
+        return _checked(await self._call("POST", "/load_lora_adapter",
+                                              {"lora_name": lora_name, "lora_path": lora_path}), "/load_lora_adapter")
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return _checked(await self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name}),
+                             "/unload_lora_adapter")
+
+    async def update_weight_version(self, version: str) -> None:
+        """Label what is served from now on ``version``; requests in flight go on (SGLang aborts them by default)."""
+        await self._call("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
+        self.version = version
 
     async def update_weights_from_tensor(
         self,
@@ -230,16 +247,17 @@ def _message(resp: httpx.Response) -> str:
         err = body.get("error")
         if isinstance(err, dict) and "message" in err:
             return str(err["message"])
-        for value in (err, body.get("message"), body.get("detail")):
+        for value in (err, body.get("message"), body.get("error_message"), body.get("detail")):
             if value:
                 return str(value)
     return str(body)
 
 
 def _checked(resp: httpx.Response, path: str) -> dict[str, Any]:
+    """A ``{success, message}`` (or the LoRA routes' ``{success, error_message}``) reply, raised when not a success."""
     body = resp.json()
     if not body.get("success", False):
-        raise EngineError(resp.status_code, str(body.get("message")), path)
+        raise EngineError(resp.status_code, str(body.get("message") or body.get("error_message")), path)
     return body
 
 
@@ -277,3 +295,12 @@ class EngineGroup:
         return list(await asyncio.gather(
             *(e.update_weights_from_disk(model_path, weight_version, flush_cache) for e in self.engines)
         ))
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(e.load_lora_adapter(lora_name, lora_path) for e in self.engines)))
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await asyncio.gather(*(e.unload_lora_adapter(lora_name) for e in self.engines))
+
+    async def update_weight_version(self, version: str) -> None:
+        await asyncio.gather(*(e.update_weight_version(version) for e in self.engines))

@@ -69,7 +69,8 @@ class Fleet:
         self.model_dir = model_dir
         self.config = CheckpointConfig(token=TOKEN, stage_dir=stage_dir, chunk_bytes=64 << 10, retries=1,
                                        connect_timeout_s=5.0, **config)
-        self.engines = [EngineProcess(model_dir) for _ in range(size)]
+        self.engines = [EngineProcess(model_dir, log_path=stage_dir.with_name(f"{stage_dir.name}-engine{i}.log"))
+                        for i in range(size)]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.clients: list[EngineClient] = []

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from core.config import check_sampling
@@ -90,6 +90,7 @@ class GenerateBody(BaseModel):
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
     stream: bool = False
+    lora_path: str | list[str | None] | None = None  # the adapter's name (one per prompt in a batch)
 
 
 class GenerateSpec:
@@ -118,9 +119,10 @@ def build_requests(body: Any, spec: GenerateSpec) -> tuple[list[Request], bool]:
     params = _per_item(gen.sampling_params, n, "sampling_params")
     rids = _rids(gen.rid, n, batch)
     logprob = _per_item(gen.return_logprob, n, "return_logprob")
+    loras = _per_item(gen.lora_path, n, "lora_path")
     reqs = [
-        _request(prompt, _sampling(p or {}), rid, bool(lp), gen, spec)
-        for prompt, p, rid, lp in zip(prompts, params, rids, logprob, strict=True)
+        _request(prompt, _sampling(p or {}), rid, bool(lp), gen, spec, lora)
+        for prompt, p, rid, lp, lora in zip(prompts, params, rids, logprob, loras, strict=True)
     ]
     return reqs, batch
 
@@ -222,7 +224,8 @@ def _sampling(raw: dict[str, Any]) -> SamplingParams:
 
 
 def _request(
-    prompt: list[int], params: SamplingParams, rid: str, logprob: bool, gen: GenerateBody, spec: GenerateSpec
+    prompt: list[int], params: SamplingParams, rid: str, logprob: bool, gen: GenerateBody, spec: GenerateSpec,
+    lora: str | None = None,
 ) -> Request:
     if params.max_new_tokens < 0:  # None: up to the context length
         params = replace(params, max_new_tokens=max(spec.max_context - len(prompt), 0))
@@ -246,6 +249,7 @@ def _request(
         return_text_in_logprobs=gen.return_text_in_logprobs,
         return_prompt_token_ids=gen.return_prompt_token_ids,
         generator=gen_seed,
+        lora=lora,
     )
 
 
@@ -295,3 +299,13 @@ class AbortReq(BaseModel):
 class UpdateWeightVersionReq(BaseModel):
     new_version: str
     abort_all_requests: bool = True
+
+
+class LoadLoRAAdapterReq(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterReq(BaseModel):
+    lora_name: str = Field(min_length=1)

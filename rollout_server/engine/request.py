@@ -36,6 +36,7 @@ class Request:
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
     generator: torch.Generator | None = None
+    lora: str | None = None  # the adapter it names (SGLang's lora_path); None: the base model
     created: float = field(default_factory=time.time)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

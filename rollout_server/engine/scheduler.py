@@ -28,6 +28,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rollout_server.engine.kv import KVBatch
+from rollout_server.engine.lora import Adapter, AdapterSet
 from rollout_server.engine.metrics import EngineMetrics
 from rollout_server.engine.request import Request, abort_reason
 from rollout_server.engine.sampling import BatchSampler
@@ -58,6 +59,7 @@ class Scheduler:
         seed: int = 0,
     ) -> None:
         self.model = model
+        self.adapters = AdapterSet(model)
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.served_model_name = model_path
@@ -181,6 +183,21 @@ class Scheduler:
             self.set_version(version)
         self.metrics.weight_update_seconds.observe(time.monotonic() - start)
 
+    def install_adapter(self, name: str, adapter: Adapter) -> None:
+        """Serve ``adapter`` as ``name`` (replacing one of that name); like a weight load, an in_place pause
+        recomputes the batch's KV at continue."""
+        self.adapters.install(name, adapter)
+        self._epoch += 1
+
+    def remove_adapter(self, name: str) -> int:
+        """Stop serving ``name``; requests still naming it are aborted. Returns how many."""
+        if name not in self.adapters.loaded:
+            return 0
+        aborted = self.abort_where(lambda r: r.lora == name)
+        self.adapters.remove(name)
+        self._epoch += 1
+        return aborted
+
     def set_version(self, version: str) -> None:
         self.version = version
         self.metrics.set_version(version)
@@ -226,6 +243,8 @@ class Scheduler:
         for r in reqs:
             if r.params.max_new_tokens == 0:  # nothing to sample (this engine computes no input logprobs)
                 self._finish(r, {"type": "length", "length": 0})
+            elif r.lora is not None and r.lora not in self.adapters.loaded:  # unloaded since the route checked
+                self._finish(r, {"type": "abort", "message": f"LoRA adapter {r.lora!r} is not loaded"})
             else:
                 (self._gated if self._barriers else self._waiting).append(r)
 
@@ -258,6 +277,7 @@ class Scheduler:
             self._admitting = []
 
     def _prefill(self, chunk: list[Request]) -> None:
+        self.adapters.rows = [r.lora for r in chunk]
         batch, logits = KVBatch.prefill(self.model, [r.tokens for r in chunk])
         self.metrics.prompt_tokens.inc(sum(len(r.tokens) for r in chunk))
         tokens, logprobs = self._make_sampler(chunk).sample(logits)
@@ -274,6 +294,7 @@ class Scheduler:
     def _decode(self) -> None:
         if self._sampler is None:
             self._sampler = self._make_sampler(self._running)
+        self.adapters.rows = [r.lora for r in self._running]
         logits = self._batch.decode(self.model, self._pending)
         tokens, logprobs = self._sampler.sample(logits)
         self._pending = tokens

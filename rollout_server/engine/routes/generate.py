@@ -30,6 +30,10 @@ async def generate(request: Request, engine: EngineDep, spec: SpecDep) -> Respon
         ) from None
     try:
         reqs, batch = build_requests(body, spec)
+        loaded = engine.adapters.loaded  # read only (the scheduler re-checks at enqueue)
+        missing = next((r.lora for r in reqs if r.lora is not None and r.lora not in loaded), None)
+        if missing is not None:
+            raise ValueError(f"lora_path: LoRA adapter {missing!r} is not loaded (loaded: {sorted(loaded)})")
         engine.submit(reqs)
     except ContractError as exc:
         return JSONResponse({"error": str(exc)}, status_code=400)

@@ -73,6 +73,7 @@ async def model_info(engine: EngineDep) -> dict[str, Any]:
         "architectures": list(cfg.architectures or []),
         "max_context": engine.max_context,
         "max_batch_size": engine.max_batch_size,
+        "lora_adapters": engine.adapters.info(),  # not in SGLang's reply: name -> path, checksum
     }
 
 

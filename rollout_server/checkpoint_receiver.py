@@ -319,7 +319,14 @@ class CheckpointService:
         """Load the staged adapter under ``adapter_name`` (replacing the one served) and return the checksum the
         engines report for it: one value when they agree, all of them when they do not (the pusher then
         refuses the delivery). An engine that reports none (SGLang) is checked by the file it was given."""
-        replies = await self.engine.load_lora_adapter(self.adapter_name, str(path))
+        try:
+            replies = await self.engine.load_lora_adapter(self.adapter_name, str(path))
+        except EngineError:
+            if not self.adapter_checksum:
+                raise
+            # SGLang refuses a name it has loaded (the embedded engine replaces it): unload it, then load.
+            await self.engine.unload_lora_adapter(self.adapter_name)
+            replies = await self.engine.load_lora_adapter(self.adapter_name, str(path))
         await self.engine.update_weight_version(str(version))
         reported = {(r.get("checksums") or {}).get(self.adapter_name)
                     for r in (replies if isinstance(replies, list) else [replies])}

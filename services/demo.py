@@ -155,7 +155,8 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
     final = run_dir / "final"
     from trainer.checkpoint import Checkpointer, export_hf
 
-    export_hf(Checkpointer(run_dir / "checkpoints", cfg.trainer.keep_checkpoints).latest(), cfg.model.path, final)
+    export_hf(Checkpointer(run_dir / "checkpoints", cfg.trainer.keep_checkpoints).latest(), cfg.model.path, final,
+              cfg.model.lora, merge=True)  # with LoRA: the merged model, the adapter in final/adapter
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     learning_curve(records, before, after, run_dir / "learning_curve.png")
     summary = summarize(records, job, status, before=before, after=after, rl_seconds=rl_seconds,

@@ -5,7 +5,9 @@ unload it."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,11 +15,24 @@ import httpx
 import pytest
 import torch
 from engine_helpers import teacher_forced
-from test_checkpoint_engine import PROMPTS, WAIT_S, Fleet, commit_raw, greedy_reference, perturbed, stage_raw
+from test_checkpoint_engine import (
+    PROMPTS,
+    TOKEN,
+    WAIT_S,
+    Fleet,
+    commit_raw,
+    greedy_reference,
+    perturbed,
+    stage_raw,
+    status_of,
+)
 from transformers import AutoModelForCausalLM
 
-from core.config import LoraConfig
+from core.config import CheckpointConfig, LoraConfig
 from core.lora import ADAPTER_WEIGHTS, adapter_checksum
+from rollout_server.checkpoint_receiver import CheckpointReceiver
+from rollout_server.engine_client import EngineError
+from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.lora import adapter_config_json, adapter_metas, add_adapter, iter_adapter_params
 from trainer.parallel import iter_full_params
 from trainer.snapshot import BufferPool, model_metas, take_snapshot
@@ -144,3 +159,57 @@ def test_full_weights_after_an_adapter_unload_it(fleet: Fleet, tiny_model_dir: P
     assert outputs(generate(url, None)) == greedy_reference(full)
     refused = generate(url, NAME)
     assert refused.status_code == 400 and NAME in refused.text
+
+
+class SGLangLike:
+    """SGLang's LoRA behaviour at its HTTP boundary, for the one path the embedded engine never takes: loading a
+    name that is loaded is refused, and the replies carry no checksum (the receiver checks the staged file)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.loaded: set[str] = set()
+
+    async def pause(self, mode: str = "retract") -> None:
+        self.calls.append("pause")
+
+    async def resume(self, torch_empty_cache: bool = False) -> None:
+        self.calls.append("continue")
+
+    async def update_weight_version(self, version: str) -> None:
+        self.calls.append(f"version {version}")
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        self.calls.append(f"load {lora_name}")
+        if lora_name in self.loaded:
+            raise EngineError(400, f"LoRA adapter {lora_name} is already loaded", "/load_lora_adapter")
+        self.loaded.add(lora_name)
+        return {"success": True, "error_message": "", "loaded_adapters": {lora_name: lora_path}}
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        self.calls.append(f"unload {lora_name}")
+        self.loaded.discard(lora_name)
+        return {"success": True, "error_message": "", "loaded_adapters": {}}
+
+
+def test_an_engine_that_refuses_a_loaded_name_gets_unload_then_load(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = SGLangLike()
+    config = CheckpointConfig(token=TOKEN, stage_dir=tmp_path / "stage", connect_timeout_s=5.0)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    receiver = CheckpointReceiver(config, tiny_model_dir, engine, "http://sglang", "server0", adapter_name="pol")
+    address = asyncio.run_coroutine_threadsafe(receiver.start(), loop).result(WAIT_S)
+    pusher = CheckpointPusher(config, [address])
+    try:
+        for version, seed in ((1, 8), (2, 9)):
+            model = lora_model(tiny_model_dir, seed)
+            assert pusher.push_model(model, version).wait(WAIT_S).ok  # verified against the staged file
+            assert status_of(address).adapter_checksum == checksum_of(model)
+    finally:
+        pusher.close()
+        asyncio.run_coroutine_threadsafe(receiver.stop(), loop).result(WAIT_S)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+    assert engine.calls == ["pause", "load pol", "version 1", "continue",
+                            "pause", "load pol", "unload pol", "load pol", "version 2", "continue"]

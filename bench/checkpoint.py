@@ -13,13 +13,21 @@
     projections; only the adapter travels and the engine loads it by name) against the full push's pause,
     on the same engine and receiver, the two pushes of each round in alternating order.
 
-TCP rounds and pushes alternate, so both see the same background load; medians are reported.
-The engine is idle during both measurements so neither side competes with decoding for the CPU.
-Every process (this one re-executes itself) runs with glibc malloc tuned for large buffers
-(MALLOC_ENV); ``--plain-malloc`` keeps stock malloc. Last line: ``pause_vs_memcpy ratio <value>``
-(pause over the warm memcpy), after ``lora_pause_vs_full_pause ratio <value>``.
+(d) The generation stall a user sees, with requests in flight: ``--streams`` requests decode without pause
+    while full pushes commit, and the engine measures each swap from the last token before the pause to the
+    first after it (``rollwave_engine_generation_stall_seconds``; the load, and the re-prefill of the retracted
+    requests, included). Two receivers in front of the same engine, one per ``checkpoint.kv_on_swap``
+    (recompute: pause retract; keep: pause in_place), their pushes alternating.
 
-    python bench/checkpoint.py [--pushes 5] [--layers 9] [--lora-rank 16] [--engine-threads N] [--plain-malloc]
+TCP rounds and pushes alternate, so both see the same background load; medians are reported.
+The engine is idle during (a)-(c) so neither side competes with decoding for the CPU.
+Every process (this one re-executes itself) runs with glibc malloc tuned for large buffers
+(MALLOC_ENV); ``--plain-malloc`` keeps stock malloc. Last line: ``stall_vs_memcpy ratio <value>`` (the
+stall with the default ``kv_on_swap: recompute`` over the warm memcpy), after ``pause_vs_memcpy``,
+``lora_pause_vs_full_pause`` and ``stall_keep_vs_memcpy``.
+
+    python bench/checkpoint.py [--pushes 5] [--layers 9] [--lora-rank 16] [--streams 4] [--engine-threads N]
+                               [--plain-malloc]
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -72,15 +81,15 @@ def build_model_dir(out: Path, layers: int) -> tuple[Path, int]:
     return out, sum(p.numel() for p in model.parameters())
 
 
-async def serve_receiver(model: str, engine_url: str, stage_dir: str) -> None:
+async def serve_receiver(model: str, engine_url: str, stage_dir: str, kv_on_swap: str) -> None:
     """Child mode: one checkpoint receiver in front of the engine, until stdin closes."""
     from core.config import CheckpointConfig
     from rollout_server.checkpoint_receiver import CheckpointReceiver
     from rollout_server.engine_client import EngineClient
 
     async with EngineClient(engine_url) as client:
-        config = CheckpointConfig(token=TOKEN, stage_dir=Path(stage_dir))
-        receiver = CheckpointReceiver(config, Path(model), client, engine_url, "bench")
+        config = CheckpointConfig(token=TOKEN, stage_dir=Path(stage_dir), kv_on_swap=kv_on_swap)
+        receiver = CheckpointReceiver(config, Path(model), client, engine_url, f"bench-{kv_on_swap}")
         print(await receiver.start(), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         await receiver.stop()
@@ -175,7 +184,51 @@ def memcpy_seconds(src: np.ndarray, warm: bool, repeats: int = 5) -> float:
     return best
 
 
-def run(pushes: int, layers: int, engine_threads: int, lora_rank: int) -> None:
+class Traffic:
+    """``streams`` requests decoding at all times (each replaced as it finishes), in a thread of its own."""
+
+    def __init__(self, url: str, streams: int, vocab: int) -> None:
+        self.url, self.streams, self.vocab = url, streams, vocab
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self._thread.join(120)
+
+    async def _main(self) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(base_url=self.url, timeout=300) as client:
+            await asyncio.gather(*(self._stream(client, i) for i in range(self.streams)))
+
+    async def _stream(self, client: Any, i: int) -> None:
+        prompt = [(i * 7919 + j * 104729) % (self.vocab - 1) + 1 for j in range(64)]
+        sampling = {"max_new_tokens": 160 + 24 * i, "temperature": 1.0, "ignore_eos": True}  # never all done at once
+        while not self.stop.is_set():
+            reply = await client.post("/generate", json={"input_ids": prompt, "sampling_params": sampling})
+            if reply.status_code != 200:
+                self.errors.append(reply.text)
+
+
+def stall_totals(url: str) -> tuple[float, float]:
+    """(count, sum) of the engine's generation-stall histogram."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        if family.name == "rollwave_engine_generation_stall_seconds":
+            values = {s.name: s.value for s in family.samples}
+            return values[family.name + "_count"], values[family.name + "_sum"]
+    raise RuntimeError(f"{url}/metrics has no rollwave_engine_generation_stall_seconds")
+
+
+def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -200,10 +253,12 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int) -> None:
         nbytes = sum(m.nbytes for m in metas)
         print(f"model: {n_params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB fp32, {len(metas)} tensors")
         engine = EngineProcess(model_dir, threads=engine_threads, log_path=work / "engine.log").start(timeout_s=300)
-        receiver, address = child(["--serve-receiver", str(model_dir), engine.url, str(stage_dir)], env)
+        receivers = {mode: child(["--serve-receiver", str(model_dir), engine.url, str(stage_dir / mode), mode], env)
+                     for mode in ("recompute", "keep")}
+        address = receivers["recompute"][1]
         sink, port = child(["--tcp-sink", str(nbytes), str(pushes)], env)
         counter, counter_port = child(["--grpc-sink"], env)
-        procs += [receiver, sink, counter]
+        procs += [proc for proc, _ in receivers.values()] + [sink, counter]
 
         src = np.concatenate([p.detach().reshape(-1).numpy().view(np.uint8) for p in model.parameters()])
         warm, fresh = memcpy_seconds(src, warm=True), memcpy_seconds(src, warm=False)
@@ -212,7 +267,7 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int) -> None:
         tcp, bare, stage, pause, load, lora_pause = [], [], [], [], [], []
         version = 0
 
-        def push(target: torch.nn.Module) -> Any:
+        def push(target: torch.nn.Module, via: CheckpointPusher | None = None) -> Any:
             nonlocal version
             version += 1
             with torch.no_grad():
@@ -220,7 +275,7 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int) -> None:
                     if p.requires_grad:  # the adapter alone of the LoRA model
                         p.add_(1e-3)
             rnd = pusher.push_model(target, version) if target is lora else \
-                pusher.push(metas, iter_full_params(model), version=version)
+                (via or pusher).push(metas, iter_full_params(model), version=version)
             [server] = rnd.wait(600).servers
             if not server.ok:
                 raise RuntimeError(f"push of version {version} failed: {server.error}")
@@ -238,6 +293,29 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int) -> None:
                 pause.append(server.pause_seconds)
                 load.append(server.load_seconds)
         pusher.close()
+
+        keep_pusher = CheckpointPusher(CheckpointConfig(token=TOKEN, stage_dir=stage_dir), [receivers["keep"][1]])
+        recompute_pusher = CheckpointPusher(CheckpointConfig(token=TOKEN, stage_dir=stage_dir), [address])
+        stall: dict[str, list[float]] = {"recompute": [], "keep": []}
+        busy_pause: dict[str, list[float]] = {"recompute": [], "keep": []}
+        with Traffic(engine.url, streams, model.config.vocab_size) as traffic:
+            time.sleep(2.0)  # every stream is decoding
+            for round_ in range(pushes):
+                for mode in ("recompute", "keep") if round_ % 2 == 0 else ("keep", "recompute"):
+                    count, total = stall_totals(engine.url)
+                    server = push(model, recompute_pusher if mode == "recompute" else keep_pusher)
+                    deadline = time.monotonic() + 60
+                    while (totals := stall_totals(engine.url))[0] == count and time.monotonic() < deadline:
+                        time.sleep(0.05)  # until the first token after the swap
+                    count2, total2 = totals
+                    if count2 != count + 1:
+                        raise RuntimeError(f"{mode}: {count2 - count:g} stalls observed for one swap")
+                    stall[mode].append(total2 - total)
+                    busy_pause[mode].append(server.pause_seconds)
+        keep_pusher.close()
+        recompute_pusher.close()
+        if traffic.errors:
+            raise RuntimeError(f"{len(traffic.errors)} requests failed during (d): {traffic.errors[0]}")
     finally:
         for proc in procs:
             if proc.stdin is not None:
@@ -254,7 +332,8 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int) -> None:
     tuned = all(os.environ.get(k) == v for k, v in MALLOC_ENV.items())
     print(f"malloc: {'tuned (MALLOC_ENV)' if tuned else 'stock glibc'}; engine torch threads: "
           f"{engine_threads or 'default'}")
-    print(f"(a) commit pause median {med(pause) * 1e3:.1f} ms (load {med(load) * 1e3:.1f} ms) over {pushes} "
+    print(f"(a) commit pause median {med(pause) * 1e3:.1f} ms (load {med(load) * 1e3:.1f} ms: "
+          f"{', '.join(f'{s * 1e3:.0f}' for s in load)}) over {pushes} "
           f"commits; np.copyto {nbytes / 2**20:.0f} MiB warm {warm * 1e3:.1f} ms ({gb / warm:.1f} GB/s), "
           f"fresh pages {fresh * 1e3:.1f} ms ({gb / fresh:.1f} GB/s)")
     print(f"    pause / memcpy into fresh pages: {med(pause) / fresh:.2f}x (goal <= 3x against warm)")
@@ -265,14 +344,20 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int) -> None:
     print(f"(c) LoRA rank {lora_rank} adapter ({lora_bytes / 2**20:.1f} MiB fp32): commit pause median "
           f"{med(lora_pause) * 1e3:.1f} ms ({', '.join(f'{s * 1e3:.1f}' for s in lora_pause)} ms), full push "
           f"{med(pause) * 1e3:.1f} ms")
+    for mode in ("recompute", "keep"):
+        print(f"(d) kv_on_swap {mode:9s} with {streams} requests decoding: generation stall median "
+              f"{med(stall[mode]) * 1e3:.1f} ms ({', '.join(f'{s * 1e3:.0f}' for s in stall[mode])} ms), "
+              f"commit pause {med(busy_pause[mode]) * 1e3:.1f} ms")
     print(f"stage_vs_raw_tcp ratio {stage_gbs / tcp_gbs:.3f} (goal >= 0.5)")
-    print(f"lora_pause_vs_full_pause ratio {med(lora_pause) / med(pause):.3f}")
     print(f"pause_vs_memcpy ratio {med(pause) / warm:.3f}")
+    print(f"lora_pause_vs_full_pause ratio {med(lora_pause) / med(pause):.3f}")
+    print(f"stall_keep_vs_memcpy ratio {med(stall['keep']) / warm:.3f}")
+    print(f"stall_vs_memcpy ratio {med(stall['recompute']) / warm:.3f} (goal <= 3)")
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-receiver":
-        asyncio.run(serve_receiver(*sys.argv[2:5]))
+        asyncio.run(serve_receiver(*sys.argv[2:6]))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--tcp-sink":
         tcp_sink(int(sys.argv[2]), int(sys.argv[3]))
@@ -286,10 +371,11 @@ def main() -> None:
     parser.add_argument("--engine-threads", type=int, default=0, help="engine's torch threads (0: its default)")
     parser.add_argument("--plain-malloc", action="store_true", help="keep stock glibc malloc")
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of the adapter pushed in (c)")
+    parser.add_argument("--streams", type=int, default=4, help="requests decoding during the pushes of (d)")
     args = parser.parse_args()
     if not args.plain_malloc and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], {**os.environ, **MALLOC_ENV})
-    run(args.pushes, args.layers, args.engine_threads, args.lora_rank)
+    run(args.pushes, args.layers, args.engine_threads, args.lora_rank, args.streams)
 
 
 if __name__ == "__main__":

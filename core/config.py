@@ -357,6 +357,12 @@ class CheckpointConfig(Section):
     pause_timeout_s: float = Field(
         60.0, gt=0, description="receiver: deadline for the engine to pause (and to continue) around a load"
     )
+    kv_on_swap: Literal["recompute", "keep"] = Field(
+        "recompute", description="receiver: the KV of the requests running at a swap: recompute (pause retract: "
+        "dropped and prefilled again under the new weights, so each token's logprob is the policy recorded for it) "
+        "or keep (pause in_place: they go on from the old weights' KV with no re-prefill, a shorter stall; the "
+        "tokens after the swap are sampled from new weights over an old prefix, which importance correction sees)"
+    )
     empty_cache_on_resume: bool = Field(
         False, description="receiver: let continue_generation empty the CUDA cache (SGLang's torch_empty_cache)"
     )

@@ -1,7 +1,8 @@
 """Checkpoint receiver: the gRPC ``CheckpointEngine`` of one rollout server.
 
 Stage writes a pushed version as an HF model directory on tmpfs while the engine keeps
-generating; Commit pauses the engine only for ``update_weights_from_disk`` of that directory. A LoRA
+generating; Commit has the engine read it (``prepare_weights_from_disk``, still generating), then pauses it
+only for ``update_weights_from_disk`` of that directory, which then copies it in. A LoRA
 adapter's push (``Manifest.adapter_config``) is staged as a peft adapter directory instead and Commit loads
 it by name (``/load_lora_adapter``, replacing the one served), reports the checksum the engine gives for it
 (so the pusher verifies the delivery) and tells the rollout worker to name it on its requests.
@@ -55,6 +56,7 @@ class WeightEngine(Protocol):
     """What Commit needs from the engine client (``rollout_server.engine_client.EngineClient``)."""
 
     async def pause(self, mode: str = ...) -> Any: ...
+    async def prepare_weights_from_disk(self, model_path: str) -> bool: ...
     async def resume(self, torch_empty_cache: bool = ...) -> Any: ...
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = ...,
                                        flush_cache: bool = ...) -> Any: ...
@@ -279,14 +281,20 @@ class CheckpointService:
                                   adapter_checksum=swap.adapter_checksum)
 
     async def _swap(self, path: Path, version: int) -> _Swap:
-        """pause(retract) -> update_weights_from_disk -> continue; continue even when the load fails.
+        """prepare -> pause -> update_weights_from_disk -> continue; continue even when the load fails.
+
+        The pause is ``retract`` (the running requests' KV is recomputed) or, with ``kv_on_swap: keep``,
+        ``in_place``. Preparing (full weights only) reads and faults in the staged files before the pause; an
+        engine that cannot (SGLang) reads them inside the load, and a failed prepare leaves the load to report.
 
         The pause is timed from the moment the engine confirms it (generation has stopped; the engine
         finishes the decode step in progress first) to the moment continue returns. Pause and continue each
         have ``pause_timeout_s``: the version is refused, naming the stage; a pause that answers later is
         followed by its continue before any other swap, so the engine is never left paused."""
         limit = self.config.pause_timeout_s
-        pause = asyncio.ensure_future(self.engine.pause("retract"))
+        if not (path / ADAPTER_CONFIG).is_file():
+            await self._prepare(path)
+        pause = asyncio.ensure_future(self.engine.pause("in_place" if self.config.kv_on_swap == "keep" else "retract"))
         try:
             await asyncio.wait_for(asyncio.shield(pause), limit)
         except EngineError as exc:
@@ -314,6 +322,15 @@ class CheckpointService:
         self.metrics.pause_seconds.observe(swap.pause_s)
         self.metrics.paused_seconds.inc(swap.pause_s)
         return swap
+
+    async def _prepare(self, path: Path) -> None:
+        limit = self.config.pause_timeout_s
+        try:
+            await asyncio.wait_for(self.engine.prepare_weights_from_disk(str(path)), limit)
+        except (EngineError, TimeoutError) as exc:
+            why = f"no answer within {limit:g} s" if isinstance(exc, TimeoutError) else str(exc)
+            log.warning("engine %s: prepare_weights_from_disk of %s failed (%s); the load reads it in the pause",
+                        self.engine_url, path, why)
 
     async def _load_adapter(self, path: Path, version: int) -> str:
         """Load the staged adapter under ``adapter_name`` (replacing the one served) and return the checksum the

@@ -109,6 +109,19 @@ class EngineClient:
         is to empty it at every continue)."""
         await self._call("POST", "/continue_generation", {"torch_empty_cache": torch_empty_cache})
 
+    async def prepare_weights_from_disk(self, model_path: str) -> bool:
+        """Have the engine read ``model_path`` and fault it in now, while it generates, so the next
+        ``update_weights_from_disk`` of it only copies inside the pause (the embedded engine's own route).
+        False from an engine without it (SGLang), which reads the directory inside the load instead."""
+        try:
+            _checked(await self._call("POST", "/prepare_weights_from_disk", {"model_path": model_path}),
+                     "/prepare_weights_from_disk")
+        except EngineError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
     ) -> dict[str, Any]:
@@ -288,6 +301,10 @@ class EngineGroup:
 
     async def resume(self, torch_empty_cache: bool = False) -> None:
         await asyncio.gather(*(e.resume(torch_empty_cache) for e in self.engines))
+
+    async def prepare_weights_from_disk(self, model_path: str) -> bool:
+        """True when every engine prepared ``model_path``."""
+        return all(await asyncio.gather(*(e.prepare_weights_from_disk(model_path) for e in self.engines)))
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True

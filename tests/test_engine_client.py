@@ -107,8 +107,8 @@ def sglang_056_stub(with_version: bool = True, gate: asyncio.Event | None = None
     """SGLang 0.5.6's shapes: ``/get_weight_version``, replies without ``weight_versions`` and with
     ``total_retractions`` (the version reported is the one at the end of the request), pause, continue and
     ``update_weights_from_disk``, ``update_weights_from_tensor`` without a session; no ``/model_info``.
-    ``/generate`` waits for ``gate`` when one is given. Returns the app, the paths seen and the bodies of
-    ``/continue_generation``."""
+    ``/generate`` waits for ``gate`` when one is given. Returns the app, the paths seen (and each pause's
+    mode) and the bodies of ``/continue_generation``."""
     app = FastAPI()
     seen: list[str] = []
     continued: list[dict] = []
@@ -166,6 +166,7 @@ def sglang_056_stub(with_version: bool = True, gate: asyncio.Event | None = None
 
     @app.post("/pause_generation")
     async def pause_generation(body: dict) -> dict:
+        seen.append(f"pause {body['mode']}")
         return {}
 
     @app.post("/continue_generation")
@@ -244,18 +245,20 @@ def test_a_056_reply_across_a_pause_is_labelled_with_the_version_at_its_start() 
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("empty_cache", [False, True])
-def test_a_commit_empties_the_cuda_cache_only_when_configured(
-    tiny_model_dir: Path, tmp_path: Path, empty_cache: bool
+@pytest.mark.parametrize(("empty_cache", "kv_on_swap"), [(False, "recompute"), (True, "keep")])
+def test_a_commit_pauses_and_empties_the_cuda_cache_as_configured(
+    tiny_model_dir: Path, tmp_path: Path, empty_cache: bool, kv_on_swap: str
 ) -> None:
     """A real push and Commit through the checkpoint receiver to an engine shaped like SGLang 0.5.6: the
-    continue after the load says ``torch_empty_cache: false`` unless ``checkpoint.empty_cache_on_resume``."""
+    continue after the load says ``torch_empty_cache: false`` unless ``checkpoint.empty_cache_on_resume``; the
+    pause retracts unless ``checkpoint.kv_on_swap: keep`` (in_place); the engine has no prepare route (404), so
+    the load reads the staged directory itself."""
     config = CheckpointConfig(token=SecretStr(secrets.token_urlsafe(32)), stage_dir=tmp_path / "stage",
-                              empty_cache_on_resume=empty_cache)
+                              empty_cache_on_resume=empty_cache, kv_on_swap=kv_on_swap)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
 
     async def run() -> None:
-        app, _, continued = sglang_056_stub()
+        app, seen, continued = sglang_056_stub()
         async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
             receiver = CheckpointReceiver(config, tiny_model_dir, engine, url, "stub")
             address = await receiver.start()
@@ -267,6 +270,10 @@ def test_a_commit_empties_the_cuda_cache_only_when_configured(
                 await receiver.stop()
             assert pushed.ok, pushed.servers
             assert continued == [{"torch_empty_cache": empty_cache}]
+            mode = "in_place" if kv_on_swap == "keep" else "retract"
+            swap = ["/prepare_weights_from_disk", "/pause_generation", f"pause {mode}", "/update_weights_from_disk",
+                    "/continue_generation"]
+            assert [p for p in seen if p in swap or p.startswith("pause ")] == swap
 
     asyncio.run(run())
 

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class EngineMetrics:
-    """``rollwave_engine_*``: tokens, queue depths, pauses, weight updates and the current version."""
+    """``rollwave_engine_*``: tokens, queue depths, pauses and the stalls they cause, weight updates, the version."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -25,6 +25,13 @@ class EngineMetrics:
         )
         self.paused_seconds = Counter(
             "rollwave_engine_paused_seconds", "Time spent paused (added at continue)", registry=r
+        )
+        self.generation_stall_seconds = Histogram(
+            "rollwave_engine_generation_stall_seconds",
+            "Per pause that stopped running requests: from the last token sampled before it to the first after it "
+            "(the load and any re-prefill included)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
         )
         self.weight_update_seconds = Histogram(
             "rollwave_engine_weight_update_seconds",

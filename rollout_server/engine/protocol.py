@@ -277,6 +277,12 @@ class UpdateWeightsFromDiskReq(BaseModel):
     token_step: int = 0
 
 
+class PrepareWeightsFromDiskReq(BaseModel):
+    """rollwave's own route (SGLang has none): read ``model_path`` ahead of its ``update_weights_from_disk``."""
+
+    model_path: str
+
+
 class UpdateWeightsFromTensorReq(BaseModel):
     serialized_named_tensors: list[str]
     load_format: str | None = None

@@ -7,10 +7,15 @@ it submits requests and runs commands (pause, abort, weight loads) on this threa
 
 Pause modes (SGLang's ``/pause_generation``): ``abort`` ends every request in flight with its partial
 output; ``retract`` moves running requests back to the queue and drops their KV, so after continue they
-are prefilled again from prompt + output under whatever weights are loaded then; ``in_place`` keeps the
-batch as it is. If weights changed during an ``in_place`` pause, continue recomputes the batch's KV with
-the new weights (SGLang keeps the stale KV), so every token's logprob is exactly the policy that
-produced it, as recorded in ``weight_versions``.
+are prefilled again from prompt + output under whatever weights are loaded then (every token's logprob is
+then exactly the policy recorded for it in ``weight_versions``); ``in_place`` keeps the batch and its KV as
+they are, as SGLang does: after a weight load the running requests go on from KV the old weights computed,
+with no re-prefill, so the swap stalls them less and their next tokens are sampled from new weights over an
+old prefix (the logprobs returned are still the ones sampled from).
+
+The generation stall of a pause (``rollwave_engine_generation_stall_seconds``) runs from the last token
+sampled before it to the first sampled after it, so it includes waiting for the pause, the load, the
+continue and any re-prefill; a pause with nothing running stalls nothing and is not observed.
 """
 
 from __future__ import annotations
@@ -82,9 +87,9 @@ class Scheduler:
         self._batch: KVBatch | None = None
         self._pending: torch.Tensor | None = None  # last sampled token per running row, not yet in the KV
         self._sampler: BatchSampler | None = None
-        self._epoch = 0  # number of weight loads; an in_place pause compares it at continue
-        self._pause_epoch = 0
         self._paused_at = 0.0
+        self._last_token_at = 0.0  # when the last step sampled tokens
+        self._stalled_since: float | None = None  # a pause stopped running requests at this time
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
 
@@ -139,18 +144,19 @@ class Scheduler:
     def pause(self, mode: PauseMode) -> None:
         if self.paused is None:
             self._paused_at = time.monotonic()
-            self._pause_epoch = self._epoch
+            if self._running and mode != "abort":
+                self._stalled_since = self._last_token_at
         self.paused = mode
         if mode == "abort":
             self.abort(None)
         elif mode == "retract":
-            self._retract(count=True)
+            self._retract()
 
     def resume(self) -> None:
         if self.paused is None:
             return
-        if self.paused == "in_place" and self._epoch != self._pause_epoch:
-            self._retract(count=False)
+        if not (self._running or self._waiting):  # what the pause stopped was aborted meanwhile
+            self._stalled_since = None
         self.metrics.paused_seconds.inc(time.monotonic() - self._paused_at)
         self.paused = None
 
@@ -176,7 +182,6 @@ class Scheduler:
         """Copy checked tensors into the model (raises WeightError, keeping the old weights)."""
         start = time.monotonic()
         load_into(self.model, tensors, require_all=require_all)
-        self._epoch += 1
         if model_path is not None:
             self.model_path = model_path
         if version is not None:
@@ -184,10 +189,8 @@ class Scheduler:
         self.metrics.weight_update_seconds.observe(time.monotonic() - start)
 
     def install_adapter(self, name: str, adapter: Adapter) -> None:
-        """Serve ``adapter`` as ``name`` (replacing one of that name); like a weight load, an in_place pause
-        recomputes the batch's KV at continue."""
+        """Serve ``adapter`` as ``name`` (replacing one of that name)."""
         self.adapters.install(name, adapter)
-        self._epoch += 1
 
     def remove_adapter(self, name: str) -> int:
         """Stop serving ``name``; requests still naming it are aborted. Returns how many."""
@@ -195,7 +198,6 @@ class Scheduler:
             return 0
         aborted = self.abort_where(lambda r: r.lora == name)
         self.adapters.remove(name)
-        self._epoch += 1
         return aborted
 
     def set_version(self, version: str) -> None:
@@ -309,6 +311,10 @@ class Scheduler:
             if r.append(t, lp, version, tok)
         ]
         self.metrics.generated_tokens.inc(len(reqs))
+        self._last_token_at = time.monotonic()
+        if self._stalled_since is not None:
+            self.metrics.generation_stall_seconds.observe(self._last_token_at - self._stalled_since)
+            self._stalled_since = None
         return done
 
     def _retire(self, rows: list[int], reason: dict[str, Any] | None = None) -> None:
@@ -327,9 +333,9 @@ class Scheduler:
             self._batch = self._pending = None
         self._sampler = None
 
-    def _retract(self, count: bool) -> None:
+    def _retract(self) -> None:
         for r in self._running:
-            r.num_retractions += int(count)
+            r.num_retractions += 1
         self._waiting.extendleft(reversed(self._running))
         self._running = []
         self._batch = self._pending = self._sampler = None

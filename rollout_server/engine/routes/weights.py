@@ -1,17 +1,21 @@
-"""Pause and continue, and the weight updates: from disk, from tensors (in a 0.5.23 session), version only."""
+"""Pause and continue, and the weight updates: from disk (prepared ahead or not), from tensors (in a 0.5.23
+session), version only."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from rollout_server.engine.protocol import (
     ContinueGenerationReq,
     PauseGenerationReq,
+    PrepareWeightsFromDiskReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromTensorReq,
     UpdateWeightVersionReq,
@@ -35,6 +39,32 @@ class WeightSession:
 
 def _session(request: Request) -> WeightSession:
     return request.app.state.weight_session
+
+
+class PreparedWeights:
+    """One directory read and faulted in by ``/prepare_weights_from_disk`` while the engine generates, so the
+    ``update_weights_from_disk`` of that path that follows only copies inside the pause. It is used once, and
+    only while the directory's safetensors files are unchanged (same names, sizes and mtimes)."""
+
+    def __init__(self) -> None:
+        self._held: tuple[str, tuple, dict[str, torch.Tensor]] | None = None
+
+    def hold(self, path: str, tensors: dict[str, torch.Tensor]) -> None:
+        self._held = (path, _fingerprint(path), tensors)
+
+    def take(self, path: str) -> dict[str, torch.Tensor] | None:
+        held, self._held = self._held, None
+        if held is None or held[0] != path or held[1] != _fingerprint(path):
+            return None
+        return held[2]
+
+
+def _fingerprint(path: str) -> tuple:
+    return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).glob("*.safetensors")))
+
+
+def _prepared(request: Request) -> PreparedWeights:
+    return request.app.state.prepared_weights
 
 
 @router.post("/pause_generation")
@@ -79,14 +109,27 @@ async def _load(
     return True, "Succeeded to update model weights." + suffix, num_paused
 
 
+@router.post("/prepare_weights_from_disk")
+async def prepare_weights_from_disk(obj: PrepareWeightsFromDiskReq, request: Request) -> JSONResponse:
+    """Read ``model_path`` and fault its pages in now, off the scheduler thread, for the next update from it."""
+    try:
+        tensors = await asyncio.to_thread(read_hf_dir, obj.model_path)
+    except WeightError as exc:
+        return result(False, f"Failed to prepare weights: {exc}")
+    _prepared(request).hold(obj.model_path, tensors)
+    return result(True, f"Prepared {len(tensors)} tensors from {obj.model_path}")
+
+
 @router.post("/update_weights_from_disk")
-async def update_weights_from_disk(obj: UpdateWeightsFromDiskReq, engine: EngineDep) -> JSONResponse:
+async def update_weights_from_disk(obj: UpdateWeightsFromDiskReq, request: Request, engine: EngineDep
+                                   ) -> JSONResponse:
+    ready = _prepared(request).take(obj.model_path)
     if obj.load_format not in (None, "auto", "safetensors"):
         ok, msg, n = False, f"load_format {obj.load_format!r} is not supported (use safetensors)", 0
     else:
         ok, msg, n = await _load(
             engine,
-            lambda: read_hf_dir(obj.model_path),
+            lambda: read_hf_dir(obj.model_path) if ready is None else ready,
             require_all=True,
             model_path=obj.model_path,
             version=obj.weight_version,

@@ -28,7 +28,7 @@ from core.tasks import load_tasks
 from core.tiny_model import build_tiny_model
 from services.client_cmd import wait_for_job
 from services.launcher import LocalStack, components, ensure_checkpoint_token, published_api_url
-from services.report import learning_curve, summarize
+from services.report import histogram_totals, learning_curve, summarize
 from trainer.sft import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,6 +122,19 @@ def _train(api: httpx.Client, stack: LocalStack, cfg: Config, timeout_s: float, 
     return api.post(f"/v1/jobs/{job_id}/cancel").json()
 
 
+def _generation_stalls(status: dict[str, Any]) -> tuple[float, float]:
+    """(count, total seconds) of the swaps' generation stalls on each rollout server's engine (the demo's
+    servers run one), read through the server's metrics; the embedded engine measures them."""
+    count = total = 0.0
+    for server in status["servers"]:
+        if server["metrics_address"]:
+            reply = httpx.get(f"http://{server['metrics_address']}/engine/0/metrics", timeout=30)
+            reply.raise_for_status()
+            n, s = histogram_totals(reply.text, "rollwave_engine_generation_stall_seconds")
+            count, total = count + n, total + s
+    return count, total
+
+
 def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
         warm_start_dir: Path | None = None, agent: str | None = None) -> dict[str, Any]:
     """The whole demo; with ``agent`` its train and eval jobs run that OpenAI-client agent per sample."""
@@ -152,6 +165,7 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
             rl_seconds = time.monotonic() - rl_started
             after, tools_after = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out after RL", agent)
             status = api.get("/v1/status").json()
+            stalls, stalled_s = _generation_stalls(status)
     final = run_dir / "final"
     from trainer.checkpoint import Checkpointer, export_hf
 
@@ -161,7 +175,9 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
     learning_curve(records, before, after, run_dir / "learning_curve.png")
     summary = summarize(records, job, status, before=before, after=after, rl_seconds=rl_seconds,
                         total_seconds=time.monotonic() - started, run_dir=run_dir)
-    summary.update(heldout_tool_use_before=round(tools_before, 3), heldout_tool_use_after=round(tools_after, 3))
+    summary.update(heldout_tool_use_before=round(tools_before, 3), heldout_tool_use_after=round(tools_after, 3),
+                   generation_stalls=int(stalls),
+                   generation_stall_ms_mean=round(1e3 * stalled_s / stalls, 2) if stalls else None)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+from prometheus_client.parser import text_string_to_metric_families
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -17,6 +18,15 @@ def _mean(values: list[float]) -> float | None:
 
 def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(x, nd)
+
+
+def histogram_totals(exposition: str, name: str) -> tuple[float, float]:
+    """(count, sum) of the histogram ``name`` in a Prometheus text exposition; (0, 0) when it is absent."""
+    for family in text_string_to_metric_families(exposition):
+        if family.name == name:
+            values = {sample.name: sample.value for sample in family.samples}
+            return values[f"{name}_count"], values[f"{name}_sum"]
+    return 0.0, 0.0
 
 
 def learning_curve(records: list[dict[str, Any]], before: float, after: float, path: Path) -> Path:

@@ -219,13 +219,10 @@ class Traffic:
 def stall_totals(url: str) -> tuple[float, float]:
     """(count, sum) of the engine's generation-stall histogram."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        if family.name == "rollwave_engine_generation_stall_seconds":
-            values = {s.name: s.value for s in family.samples}
-            return values[family.name + "_count"], values[family.name + "_sum"]
-    raise RuntimeError(f"{url}/metrics has no rollwave_engine_generation_stall_seconds")
+    from services.report import histogram_totals
+
+    return histogram_totals(httpx.get(url + "/metrics", timeout=30).text, "rollwave_engine_generation_stall_seconds")
 
 
 def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: int) -> None:

@@ -5,15 +5,22 @@ engine and its checkpoint receiver, one trainer pushing a version every step); `
 differs only in the schedule (eta = 0: a batch is generated for the current version only). The model
 is the tiny one after a short SFT warm start, so episodes are multi-turn with real tool calls.
 
-Prints per mode: trajectories/s, trainer idle fraction (time waiting for data / wall), rollout idle
-fraction (time with no group in flight or paused for a weight swap / wall). Last line:
-``async_vs_sync ratio <trajectories/s async / trajectories/s sync>``.
+Placement as in the demo: the rollout server and its engine pinned to one CPU, the trainer to another
+(``placement.rollout_cpus`` / ``trainer_cpus``, one torch thread each); ``--no-placement`` leaves them to the
+scheduler (one torch thread each). Each mode runs ``--runs`` times (3), in alternating order (sync, async,
+async, sync, ...), and the medians are reported.
+
+Prints per run and, as medians, per mode: trajectories/s, trained tokens/s, trainer idle fraction (time
+waiting for data / wall), rollout idle fraction (time with no group in flight or paused for a weight swap /
+wall). Last line: ``async_vs_sync ratio <median trajectories/s async / median trajectories/s sync>``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -36,11 +43,18 @@ from services.launcher import LocalStack, components, ensure_checkpoint_token
 from trainer.sft import warm_start
 
 
-def run_mode(mode: str, model: Path, root: Path, steps: int, overrides: list[str]) -> dict[str, float]:
+def placement(pinned: bool) -> list[str]:
+    """The demo's placement: the rollout server and engine on the first usable CPU, the trainer on the last."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pinned or len(cpus) < 2:
+        return ["engine.threads=1", "trainer.threads=1"]
+    return [f"placement.rollout_cpus=[{cpus[0]}]", f"placement.trainer_cpus=[{cpus[-1]}]"]
+
+
+def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, overrides: list[str]) -> dict[str, float]:
     cfg = load_config(None, [
-        f"run.name=e2e-{mode}", f"run.dir={root}", f"model.path={model}", f"rollout.mode={mode}",
-        f"trainer.total_steps={steps}", "trainer.checkpoint_every=1000", "engine.threads=1",
-        "trainer.threads=1", *overrides,
+        f"run.name={name}", f"run.dir={root}", f"model.path={model}", f"rollout.mode={mode}",
+        f"trainer.total_steps={steps}", "trainer.checkpoint_every=1000", *overrides,
     ])
     ensure_checkpoint_token(cfg)
     run_dir = cfg.run.path
@@ -72,28 +86,43 @@ def run_mode(mode: str, model: Path, root: Path, steps: int, overrides: list[str
     rollout_busy = sum(s.get("busy_s", 0.0) - s.get("paused_s", 0.0) for s in stats)
     return {
         "trajectories_per_s": trajectories / wall,
+        "tokens_per_s": sum(r.get("loss_tokens", 0) for r in records) / wall,
         "trainer_idle_fraction": idle / wall,
         "rollout_idle_fraction": max(0.0, 1.0 - rollout_busy / wall),
         "wall_s": wall,
     }
 
 
+def report(label: str, r: dict[str, float]) -> None:
+    print(f"{label:>10}: {r['trajectories_per_s']:.2f} trajectories/s  {r['tokens_per_s']:.0f} tokens/s  trainer idle "
+          f"{r['trainer_idle_fraction']:.2f}  rollout idle {r['rollout_idle_fraction']:.2f}  ({r['wall_s']:.1f} s)",
+          flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--sft-steps", type=int, default=250)
+    p.add_argument("--runs", type=int, default=3, help="runs of each mode, in alternating order")
+    p.add_argument("--no-placement", action="store_true", help="pin nothing (one torch thread per component)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
+    overrides = [*placement(not args.no_placement), *args.overrides]
+    print("placement: " + " ".join(o for o in overrides if o.startswith(("placement.", "engine.threads"))))
+    results: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory(prefix="rollwave-e2e-") as tmp:
         root = Path(tmp)
         base = build_tiny_model(root / "base")
         model = warm_start(base, root / "sft", load_tasks("arith", split="train", limit=2000, seed=1),
                            steps=args.sft_steps)
-        results = {mode: run_mode(mode, model, root, args.steps, args.overrides) for mode in ("sync", "async")}
-    for mode, r in results.items():
-        print(f"{mode:>5}: {r['trajectories_per_s']:.2f} trajectories/s  trainer idle {r['trainer_idle_fraction']:.2f}"
-              f"  rollout idle {r['rollout_idle_fraction']:.2f}  ({r['wall_s']:.1f} s)")
-    print(f"async_vs_sync ratio {results['async']['trajectories_per_s'] / results['sync']['trajectories_per_s']:.3f}")
+        for i in range(args.runs):
+            for mode in ("sync", "async") if i % 2 == 0 else ("async", "sync"):
+                results[mode].append(run_mode(mode, f"e2e-{mode}-{i}", model, root, args.steps, overrides))
+                report(f"{mode} #{i + 1}", results[mode][-1])
+    median = {mode: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for mode, runs in results.items()}
+    for mode, r in median.items():
+        report(f"{mode} median", r)
+    print(f"async_vs_sync ratio {median['async']['trajectories_per_s'] / median['sync']['trajectories_per_s']:.3f}")
 
 
 if __name__ == "__main__":

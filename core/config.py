@@ -399,6 +399,18 @@ class CheckpointConfig(Section):
         return self
 
 
+class PlacementConfig(Section):
+    """CPU sets per component, the CPU analogue of GPU placement: each process pins itself at start
+    (``os.sched_setaffinity``) and, unless its ``threads`` is set, runs as many torch threads as CPUs."""
+
+    rollout_cpus: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, description="CPU ids of each rollout server and its embedded engine (empty: not pinned)"
+    )
+    trainer_cpus: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, description="CPU ids of the trainer's ranks (empty: not pinned)"
+    )
+
+
 class ApiConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port (published in Redis)")
@@ -427,6 +439,7 @@ class Config(Section):
     trainer: TrainerConfig = TrainerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     api: ApiConfig = ApiConfig()
+    placement: PlacementConfig = PlacementConfig()
 
     def masked_unset(self, dotted: str) -> bool:
         """Whether the secret ``dotted`` was masked in the file it was loaded from and given nowhere else."""

@@ -29,6 +29,7 @@ from buffer.redis_server import connect
 from core.config import Config, ConfigError, EngineConfig, LoraConfig, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
 from core.net import is_loopback
+from core.placement import pin
 from core.tiny_model import ensure_model
 from rollout_server.agent_loop import parse_version
 from rollout_server.checkpoint_receiver import CheckpointMetrics, ReceiverThread
@@ -135,9 +136,12 @@ def name_adapter(engines: list[EngineClient], name: str | None) -> None:
         engine.lora_path = name
 
 
-def _check(cfg: Config) -> None:
+def _start(cfg: Config) -> None:
+    """What a rollout server needs before it starts: the checkpoint token, usable engines, its CPUs (which the
+    embedded engine it starts inherits, with one torch thread per CPU unless ``engine.threads`` says)."""
     require_secret(cfg, "checkpoint.token")
     check_engines(cfg.engine)
+    cfg.engine.threads = pin(cfg.placement.rollout_cpus, "placement.rollout_cpus", cfg.engine.threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    cfg = load_config_or_exit(args.config, args.overrides, check=_check)
+    cfg = load_config_or_exit(args.config, args.overrides, check=_start)
     try:
         asyncio.run(serve(cfg))
     except ConfigError as exc:

@@ -80,7 +80,7 @@ def components(
     checkpoint_env = {**redis_env, **secret_env(cfg, "checkpoint.token")}
     specs: list[ComponentSpec] = []
     gpu = 1.0 if cfg.trainer.device == "cuda" else 0.0
-    pool = {"WORLD_SIZE": str(trainer_ranks)}
+    pool = {"WORLD_SIZE": str(trainer_ranks), "LOCAL_WORLD_SIZE": str(trainer_ranks)}
     if trainer_ranks > 1:  # a pool of one needs no rendezvous
         pool.update(MASTER_ADDR=host, MASTER_PORT=str(free_port_outside_ephemeral(host)))
     for rank in range(trainer_ranks):

@@ -1,4 +1,5 @@
-"""What the end-to-end tests share: waiting on a running stack, and a feeder that keeps a job's tasks coming."""
+"""What the end-to-end tests share: waiting on a running stack, a feeder that keeps a job's tasks coming, and the
+CPU sets a process tree runs on."""
 
 from __future__ import annotations
 
@@ -90,3 +91,15 @@ def trained_group_ids(run_dir: Path) -> list[str]:
         record = json.loads(line)
         steps[record["step"]] = record["group_ids"]
     return [g for s in sorted(steps) for g in steps[s]]
+
+
+def affinities(pid: int) -> dict[int, str]:
+    """``Cpus_allowed_list`` of every thread of ``pid`` and of its children's threads."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = (task / "status").read_text()
+        out[int(task.name)] = next(line.split(":")[1].strip() for line in status.splitlines()
+                                   if line.startswith("Cpus_allowed_list"))
+        for child in (task / "children").read_text().split():
+            out.update(affinities(int(child)))
+    return out

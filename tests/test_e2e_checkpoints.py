@@ -8,6 +8,7 @@ receivers, one trainer, the API, the embedded Redis).
   commits, versions advance, and the served policy's held-out score rises. The score is a dense reward
   (``tests.reward_helpers:digit_share``) that the untrained model already earns a little of, so a few RL
   steps move it: the arithmetic task needs a long SFT warm start first (the demo's), too slow for a test.
+  The untied run also pins the servers (and their engines) to one CPU and the trainer to another (``placement``).
 - Every server refuses every push (the trainer's model has an ``lm_head`` the served one does not): the run
   says so in the log, the published version stays 0, and the API and the trainer's metrics show why.
 """
@@ -15,6 +16,7 @@ receivers, one trainer, the API, the embedded Redis).
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import shutil
@@ -38,7 +40,7 @@ from core.jobs import JobSpec, TaskSource
 from core.tiny_model import build_tiny_model
 from services.client_cmd import wait_for_job
 from services.launcher import LocalStack, components, ensure_checkpoint_token, published_api_url
-from tests.stack_helpers import wait_for
+from tests.stack_helpers import affinities, wait_for
 from trainer.checkpoint import Checkpointer
 
 pytestmark = pytest.mark.slow
@@ -111,8 +113,11 @@ def test_bf16_checkpoint_pushes_commit_and_the_policy_learns(tmp_path: Path, tin
     header = read_safetensors_header(next(model.glob("*.safetensors")))
     assert {m["dtype"] for k, m in header.items() if k != "__metadata__"} == {"BF16"}
     assert ("lm_head.weight" in header) == (not tied)
+    usable = sorted(os.sched_getaffinity(0))
+    rollout_cpu, trainer_cpu = usable[0], usable[-1]
+    placement = [] if tied else [f"placement.rollout_cpus=[{rollout_cpu}]", f"placement.trainer_cpus=[{trainer_cpu}]"]
     cfg, config_path = stack_config(tmp_path, model, "engine.dtype=bfloat16", f"trainer.total_steps={RL_STEPS}",
-                                    "trainer.stop_when_drained=false", "trainer.lr=3e-3", SCORE)
+                                    "trainer.stop_when_drained=false", "trainer.lr=3e-3", SCORE, *placement)
     with EmbeddedRedis(tmp_path / "redis", aof=False) as server:
         client = redis.Redis.from_url(server.url)
         keys = Keys(cfg.run.name)
@@ -125,6 +130,10 @@ def test_bf16_checkpoint_pushes_commit_and_the_policy_learns(tmp_path: Path, tin
             for info in ServerRegistry(client, keys).live_servers():
                 served = httpx.get(f"{info.engine_url}/model_info", headers=ENGINE_AUTH, timeout=30).json()
                 assert served["dtype"] == "bfloat16", served
+            if placement:  # every thread of each server, its engine and the trainer on its own CPU set
+                for name, cpu in (("rollout-0", rollout_cpu), ("rollout-1", rollout_cpu), ("trainer-0", trainer_cpu)):
+                    seen = affinities(stack.pid(name))
+                    assert len(seen) > 2 and set(seen.values()) == {str(cpu)}, (name, seen)
             before = score(api, queue, "before")
             submit(queue, "rl", "train", "train", RL_STEPS * 4 * 2, reward="digit_share")
             wait_for("the RL steps", lambda: stack.finished("trainer-0"), stack, 600)

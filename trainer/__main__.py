@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from core.config import Config, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
+from core.placement import pin
 from core.tiny_model import ensure_model
 from trainer.checkpoint import Checkpointer, export_hf
 from trainer.checkpoint_pusher import CheckpointPusher, registered_servers
@@ -74,11 +77,18 @@ def _connect(
     return buffer, pusher, RedisStatus(client, keys)
 
 
+def _start(cfg: Config, pushes: bool) -> None:
+    """What a trainer process needs before it starts: the checkpoint token (when it pushes), its CPUs."""
+    if pushes:
+        require_secret(cfg, "checkpoint.token")
+    cfg.trainer.threads = pin(cfg.placement.trainer_cpus, "placement.trainer_cpus", cfg.trainer.threads,
+                              sharers=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     pushes = args.export_hf is None
-    cfg = load_config_or_exit(args.config, args.overrides,
-                              check=lambda c: require_secret(c, "checkpoint.token") if pushes else None)
+    cfg = load_config_or_exit(args.config, args.overrides, check=partial(_start, pushes=pushes))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.export_hf is not None:
         checkpoints = Checkpointer(cfg.run.path / "checkpoints", cfg.trainer.keep_checkpoints)

@@ -1,0 +1,32 @@
+"""Pinning a component to its CPU set (``placement``): on a CPU host, what a GPU id is on a GPU host.
+
+Without it the engine, the trainer and Redis all spread over every core, so in async mode each runs on
+the cycles the others leave and the overlap async buys is lost to contention (bench/e2e.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from core.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def pin(cpus: list[int], key: str, threads: int, sharers: int = 1) -> int:
+    """Pin this process (every thread it runs, and the children it starts) to ``cpus``, named by its config
+    ``key``; returns the torch thread count to run: ``threads`` when set, else the CPUs' share of each of the
+    ``sharers`` processes pinned to the same set (the trainer's local ranks), at least 1; 0 when not pinned
+    (torch's default). A CPU this process may not use is a ConfigError naming the key and the usable ones."""
+    if not cpus:
+        return threads
+    usable = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - usable)
+    if missing:
+        raise ConfigError(f"{key}: CPU {', '.join(map(str, missing))} is not available to this process "
+                          f"(it may use {', '.join(map(str, sorted(usable)))})")
+    for task in os.listdir("/proc/self/task"):  # every thread already running, not only the caller
+        os.sched_setaffinity(int(task), set(cpus))
+    log.info("pinned to CPUs %s (%s)", sorted(set(cpus)), key)
+    return threads or max(1, len(set(cpus)) // max(1, sharers))

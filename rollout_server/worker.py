@@ -13,14 +13,13 @@ it (``rollout_server.__main__``) and outlives it, so a weight swap never interru
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -89,8 +88,6 @@ class RolloutWorker:
         self.consumer = rollout.server_id or default_server_id()
         self.info = ServerInfo(self.consumer, engine_url=engines[0].base_url)
         self.episodes = EpisodeStore(tokenizer, rollout.openai_model, self.metrics)
-        self._generating_now = 0
-        self._busy_since = 0.0
         self.lease_s = min(rollout.heartbeat_s, buffer.claim_idle_ms / 3000)
         self._inflight: dict[asyncio.Task, TaskEntry] = {}
         self._loops: dict[tuple[str, int], AgentLoop] = {}
@@ -171,7 +168,7 @@ class RolloutWorker:
                                                               None, lambda: self.info.version):
                 await self._call(self.tasks.hand_back, entry)
                 return
-            with self._generating():
+            with self.metrics.generating():
                 if spec is not None and spec.agent is not None:
                     group = await self._agent_group(spec.agent, loop, task, entry)
                 else:
@@ -204,19 +201,6 @@ class RolloutWorker:
         except Exception as exc:  # a task that cannot be rolled out fails with its error; the server goes on
             log.warning("group %s failed: %s: %s", entry.group_id, type(exc).__name__, exc)
             await self._call(self.tasks.fail, entry, f"{type(exc).__name__}: {exc}")
-
-    @contextlib.contextmanager
-    def _generating(self) -> Iterator[None]:
-        """Count wall time with at least one admitted group generating (the rollout's busy time)."""
-        if self._generating_now == 0:
-            self._busy_since = time.monotonic()
-        self._generating_now += 1
-        try:
-            yield
-        finally:
-            self._generating_now -= 1
-            if self._generating_now == 0:
-                self.metrics.busy_seconds.inc(time.monotonic() - self._busy_since)
 
     async def _put(self, group: Any, entry: TaskEntry) -> None:
         """Write the group and ack its task, then log its samples for reading back through the API.

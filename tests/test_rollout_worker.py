@@ -31,6 +31,7 @@ from core.config import BufferConfig
 from core.jobs import JobSpec, TaskSource
 from core.tasks import load_tasks
 from rollout_server.engine.process import EngineProcess
+from rollout_server.metrics import RolloutMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = Keys("t")
@@ -283,3 +284,17 @@ def test_startup_refuses_an_unready_engine_or_a_non_integer_version(
                               text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert f"error: engine.urls: {engine.url}: weight version 'default' is not an integer" in proc.stderr
+
+
+def test_busy_time_is_reported_while_groups_overlap_without_a_gap() -> None:
+    """A server whose groups overlap never goes idle: its heartbeat must still report the time as busy."""
+    metrics = RolloutMetrics()
+    with metrics.generating():
+        time.sleep(0.2)
+        with metrics.generating():
+            time.sleep(0.1)
+            assert metrics.stats()["busy_s"] >= 0.3  # counted while still generating
+    busy = metrics.stats()["busy_s"]
+    assert busy >= 0.3
+    time.sleep(0.2)  # idle time is not counted
+    assert metrics.stats()["busy_s"] == busy

@@ -109,6 +109,14 @@ class EngineClient:
         is to empty it at every continue)."""
         await self._call("POST", "/continue_generation", {"torch_empty_cache": torch_empty_cache})
 
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        """``/release_memory_occupation`` of ``tags`` (None: weights, KV cache and CUDA graphs); pause first."""
+        await self._call("POST", "/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        """``/resume_memory_occupation``; resumed weights must be updated before generation continues."""
+        await self._call("POST", "/resume_memory_occupation", {"tags": tags})
+
     async def prepare_weights_from_disk(self, model_path: str) -> bool:
         """Have the engine read ``model_path`` and fault it in now, while it generates, so the next
         ``update_weights_from_disk`` of it only copies inside the pause (the embedded engine's own route).

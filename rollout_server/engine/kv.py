@@ -33,6 +33,11 @@ class KVBatch:
     def size(self) -> int:
         return self.mask.shape[0]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache buffers hold (spare capacity included)."""
+        return sum(layer.nbytes for layer in self.cache.layers)
+
     @classmethod
     def prefill(cls, model: PreTrainedModel, seqs: list[list[int]]) -> tuple[KVBatch, torch.Tensor]:
         """Run ``seqs`` through the model; returns the batch and the next-token logits ``[B, V]``."""
@@ -111,6 +116,10 @@ class _GrowingLayer(DynamicLayer):
         self._kbuf: torch.Tensor | None = None
         self._vbuf: torch.Tensor | None = None
         self._n = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in (self._kbuf, self._vbuf) if b is not None)
 
     def load(self, keys: torch.Tensor, values: torch.Tensor) -> _GrowingLayer:
         """Start from ``[B, H, L, D]`` tensors (copied, with room for 64 more columns)."""

@@ -39,6 +39,13 @@ class EngineMetrics:
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
             registry=r,
         )
+        self.memory_bytes = Gauge(
+            "rollwave_engine_memory_bytes", "Bytes held by the weights and by the KV cache", ["kind"], registry=r
+        )
+        self.refused = Counter(
+            "rollwave_engine_refused", "Control calls refused (engine busy, memory released), by call", ["call"],
+            registry=r,
+        )
         self.version = Gauge(
             "rollwave_engine_weight_version_info", "1 for the weight version being served", ["version"], registry=r
         )

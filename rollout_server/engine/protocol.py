@@ -264,6 +264,12 @@ class ContinueGenerationReq(BaseModel):
     torch_empty_cache: bool = True
 
 
+class MemoryOccupationReq(BaseModel):
+    """SGLang's ``ReleaseMemoryOccupationReqInput`` / ``ResumeMemoryOccupationReqInput``: None or [] is all tags."""
+
+    tags: list[str] | None = None
+
+
 class UpdateWeightsFromDiskReq(BaseModel):
     model_path: str
     load_format: str | None = None

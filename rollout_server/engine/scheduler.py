@@ -13,6 +13,9 @@ they are, as SGLang does: after a weight load the running requests go on from KV
 with no re-prefill, so the swap stalls them less and their next tokens are sampled from new weights over an
 old prefix (the logprobs returned are still the ones sampled from).
 
+Memory (``rollout_server.engine.memory``): a paused engine can release its weights and KV for a colocated
+trainer and resume them later; it will not continue until the weights are loaded again in full.
+
 The generation stall of a pause (``rollwave_engine_generation_stall_seconds``) runs from the last token
 sampled before it to the first sampled after it, so it includes waiting for the pause, the load, the
 continue and any re-prefill; a pause with nothing running stalls nothing and is not observed.
@@ -34,10 +37,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rollout_server.engine.kv import KVBatch
 from rollout_server.engine.lora import Adapter, AdapterSet
+from rollout_server.engine.memory import ModelMemory
 from rollout_server.engine.metrics import EngineMetrics
 from rollout_server.engine.request import Request, abort_reason
 from rollout_server.engine.sampling import BatchSampler
-from rollout_server.engine.weights import load_into
+from rollout_server.engine.weights import WeightError, load_into
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,8 @@ class Scheduler:
     ) -> None:
         self.model = model
         self.adapters = AdapterSet(model)
+        self.memory = ModelMemory(model)
+        self.released: set[str] = set()  # memory tags released and not resumed
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.served_model_name = model_path
@@ -92,6 +98,8 @@ class Scheduler:
         self._stalled_since: float | None = None  # a pause stopped running requests at this time
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self.metrics.memory_bytes.labels(kind="weights").set_function(self.memory.weight_bytes)
+        self.metrics.memory_bytes.labels(kind="kv_cache").set_function(self._kv_bytes)
 
     # ---- called from other threads -------------------------------------------------------------
 
@@ -155,6 +163,13 @@ class Scheduler:
     def resume(self) -> None:
         if self.paused is None:
             return
+        reasons = [f"memory {sorted(self.released)} is released"] if self.released else []
+        if self.memory.needs_load and "weights" not in self.released:
+            missing = self.memory.missing()
+            reasons.append(f"the weights of {len(missing)} parameters (first {missing[0]!r}) were not loaded "
+                           "since resume_memory_occupation: update the weights first")
+        if reasons:
+            self._refuse("continue_generation", "; ".join(reasons))
         if not (self._running or self._waiting):  # what the pause stopped was aborted meanwhile
             self._stalled_since = None
         self.metrics.paused_seconds.inc(time.monotonic() - self._paused_at)
@@ -181,7 +196,11 @@ class Scheduler:
     ) -> None:
         """Copy checked tensors into the model (raises WeightError, keeping the old weights)."""
         start = time.monotonic()
+        if self.memory.released:
+            self.metrics.refused.labels(call="update_weights").inc()
+            raise WeightError("the weights are released: resume_memory_occupation with tag 'weights' first")
         load_into(self.model, tensors, require_all=require_all)
+        self.memory.loaded(set(tensors))
         if model_path is not None:
             self.model_path = model_path
         if version is not None:
@@ -199,6 +218,39 @@ class Scheduler:
         aborted = self.abort_where(lambda r: r.lora == name)
         self.adapters.remove(name)
         return aborted
+
+    def release_memory(self, tags: tuple[str, ...]) -> None:
+        """Free the memory of ``tags`` (see ``rollout_server.engine.memory``); only while paused or idle, as
+        SGLang asserts. An idle engine is paused by it, so requests that arrive queue until continue, which is
+        refused until the memory is back. Releasing ``kv_cache`` retracts requests an ``in_place`` pause kept."""
+        if self.paused is None:
+            if not self.idle():
+                self._refuse("release_memory_occupation",
+                             f"{self.in_flight()} requests in flight: pause_generation first")
+            self.pause("retract")
+        if "kv_cache" in tags and self._running:
+            self._retract()
+        if "weights" in tags:
+            self.memory.release()
+        self.released.update(tags)
+        log.info("released memory %s", sorted(tags))
+
+    def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """Allocate the memory of ``tags`` again; resumed weights hold garbage until the next full load."""
+        if "weights" in tags:
+            self.memory.resume()
+        self.released.difference_update(tags)
+        log.info("resumed memory %s", sorted(tags))
+
+    def _refuse(self, call: str, reason: str) -> None:
+        """Log and count a refused control call, and raise ValueError with the reason."""
+        self.metrics.refused.labels(call=call).inc()
+        log.warning("%s refused: %s", call, reason)
+        raise ValueError(f"{call}: {reason}")
+
+    def _kv_bytes(self) -> int:
+        batch = self._batch
+        return 0 if batch is None else batch.nbytes
 
     def set_version(self, version: str) -> None:
         self.version = version

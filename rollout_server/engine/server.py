@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_server.engine.protocol import GenerateSpec
-from rollout_server.engine.routes import generate, info, lora, object_error, weights
+from rollout_server.engine.routes import generate, info, lora, memory, object_error, weights
 from rollout_server.engine.scheduler import Scheduler
 
 
@@ -61,7 +61,7 @@ def create_app(engine: Scheduler, spec: GenerateSpec, api_key: str | None = None
         message = f"{exc_str} {errors_str}" if errors_str and errors_str != exc_str else exc_str
         return object_error(message, 400)
 
-    for module in (generate, weights, lora, info):
+    for module in (generate, weights, memory, lora, info):
         app.include_router(module.router)
     if api_key is not None:
         app.add_middleware(BearerAuth, key=api_key)

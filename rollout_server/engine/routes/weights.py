@@ -74,9 +74,13 @@ async def pause_generation(obj: PauseGenerationReq, engine: EngineDep) -> dict[s
 
 
 @router.post("/continue_generation")
-async def continue_generation(obj: ContinueGenerationReq, engine: EngineDep) -> dict[str, str]:
-    await on_engine(engine, engine.resume)
-    return {"message": "Generation continued successfully.", "status": "ok"}
+async def continue_generation(obj: ContinueGenerationReq, engine: EngineDep) -> JSONResponse:
+    """Refused (400) while memory is released or resumed weights are not loaded again."""
+    try:
+        await on_engine(engine, engine.resume)
+    except ValueError as exc:
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+    return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 
 async def _load(

@@ -1,18 +1,24 @@
-"""Async against sync, end to end, in one run: the same workload and the same number of trainer steps.
+"""Async against sync, or colocated against decoupled, end to end, in one run: the same workload and the same
+number of trainer steps.
 
-Both modes run the real pipeline as processes (embedded Redis, one rollout server with the embedded
-engine and its checkpoint receiver, one trainer pushing a version every step); ``rollout.mode=sync``
-differs only in the schedule (eta = 0: a batch is generated for the current version only). The model
-is the tiny one after a short SFT warm start, so episodes are multi-turn with real tool calls.
+Every mode runs the real pipeline as processes (embedded Redis, one rollout server with the embedded engine,
+one trainer pushing a version every step). ``rollout.mode=sync`` differs from async only in the schedule
+(eta = 0: a batch is generated for the current version only). ``--compare colocated`` runs decoupled async
+against ``placement.mode=colocated`` (the engine releases its memory while the trainer trains, and takes the
+weights by a local push). The model is the tiny one after a short SFT warm start, so episodes are multi-turn
+with real tool calls.
 
 Placement as in the demo: the rollout server and its engine pinned to one CPU, the trainer to another
-(``placement.rollout_cpus`` / ``trainer_cpus``, one torch thread each); ``--no-placement`` leaves them to the
-scheduler (one torch thread each). Each mode runs ``--runs`` times (3), in alternating order (sync, async,
-async, sync, ...), and the medians are reported.
+(``placement.rollout_cpus`` / ``trainer_cpus``, one torch thread each); colocated, both take turns on both CPUs
+(the one device they share). ``--no-placement`` leaves them to the scheduler (one torch thread each). Each
+mode runs ``--runs`` times (3), in alternating order (A, B, B, A, ...), and the medians are reported.
 
 Prints per run and, as medians, per mode: trajectories/s, trained tokens/s, trainer idle fraction (time
 waiting for data / wall), rollout idle fraction (time with no group in flight or paused for a weight swap /
-wall). Last line: ``async_vs_sync ratio <median trajectories/s async / median trajectories/s sync>``.
+wall), and the memory held while the trainer trains: the trainer's parameters and optimizer state (from its
+tensors) plus the engine's weights and KV cache (``rollwave_engine_memory_bytes``, sampled every 20 ms while
+the trainer holds the device; decoupled, it always does). These are tensor bytes, what a GPU's allocator
+would hold, not the processes' RSS. Last line: ``<B>_vs_<A> ratio <median trajectories/s B / A>``.
 """
 
 from __future__ import annotations
@@ -23,14 +29,17 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import redis
 
 # bench/buffer.py sits beside this file: put the repository first so `import buffer` finds the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from buffer.colocation import DeviceTurns
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerRegistry
@@ -42,18 +51,53 @@ from core.tiny_model import build_tiny_model
 from services.launcher import LocalStack, components, ensure_checkpoint_token
 from trainer.sft import warm_start
 
+MODES = {
+    "sync": ["rollout.mode=sync"],
+    "async": ["rollout.mode=async"],
+    "colocated": ["rollout.mode=async", "placement.mode=colocated"],
+}
+COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated")}
+MEMORY = ('rollwave_engine_memory_bytes{kind="weights"}', 'rollwave_engine_memory_bytes{kind="kv_cache"}')
 
-def placement(pinned: bool) -> list[str]:
-    """The demo's placement: the rollout server and engine on the first usable CPU, the trainer on the last."""
+
+def placement(mode: str, pinned: bool) -> list[str]:
+    """The demo's placement: the rollout server and engine on the first usable CPU, the trainer on the last;
+    colocated, each on all of them in its turn."""
     cpus = sorted(os.sched_getaffinity(0))
     if not pinned or len(cpus) < 2:
         return ["engine.threads=1", "trainer.threads=1"]
+    if mode == "colocated":
+        return [f"placement.rollout_cpus={cpus}", f"placement.trainer_cpus={cpus}"]
     return [f"placement.rollout_cpus=[{cpus[0]}]", f"placement.trainer_cpus=[{cpus[-1]}]"]
+
+
+class EngineMemory(threading.Thread):
+    """Samples the engine's weight and KV bytes through the rollout server's metrics proxy while the trainer
+    holds the device (colocated: its turn; decoupled: always); ``peak`` is the largest sum seen."""
+
+    def __init__(self, metrics_address: str, turns: DeviceTurns | None) -> None:
+        super().__init__(daemon=True)
+        self.url = f"http://{metrics_address}/engine/0/metrics"
+        self.turns = turns
+        self.peak = 0
+        self.samples = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.02):
+            turn = self.turns.turn() if self.turns is not None else None
+            if self.turns is not None and (turn is None or turn.holder != "trainer"):
+                continue
+            lines = httpx.get(self.url, timeout=10).text.splitlines()
+            held = sum(float(line.split()[1]) for line in lines if line.startswith(MEMORY))
+            if turn is None or self.turns.turn() == turn:  # still the trainer's turn after the read
+                self.peak = max(self.peak, int(held))
+                self.samples += 1
 
 
 def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, overrides: list[str]) -> dict[str, float]:
     cfg = load_config(None, [
-        f"run.name={name}", f"run.dir={root}", f"model.path={model}", f"rollout.mode={mode}",
+        f"run.name={name}", f"run.dir={root}", f"model.path={model}", *MODES[mode], "rollout.metrics_port=0",
         f"trainer.total_steps={steps}", "trainer.checkpoint_every=1000", *overrides,
     ])
     ensure_checkpoint_token(cfg)
@@ -74,29 +118,41 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
             registry = ServerRegistry(client, keys)
             while not registry.live_servers():
                 time.sleep(0.2)
+            memory = EngineMemory(registry.live_servers()[0].metrics_address,
+                                  DeviceTurns(client, keys) if mode == "colocated" else None)
+            memory.start()
             started = time.monotonic()
             queue.submit("bench", [t.model_dump() for t in tasks], "train", spec.model_dump_json())
             while not stack.finished("trainer-0"):
                 time.sleep(0.2)
             wall = time.monotonic() - started
+            memory.done.set()
+            memory.join()
+            if not memory.samples:
+                raise RuntimeError(f"{name}: no engine memory sample was taken while the trainer held the device")
             stats = [s.stats for s in registry.live_servers()]
         records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     trajectories = sum(r["samples"] for r in records)
     idle = sum(r["wait_s"] for r in records)
     rollout_busy = sum(s.get("busy_s", 0.0) - s.get("paused_s", 0.0) for s in stats)
+    trainer_bytes = max(r["held_bytes"] for r in records)
     return {
         "trajectories_per_s": trajectories / wall,
         "tokens_per_s": sum(r.get("loss_tokens", 0) for r in records) / wall,
         "trainer_idle_fraction": idle / wall,
         "rollout_idle_fraction": max(0.0, 1.0 - rollout_busy / wall),
         "wall_s": wall,
+        "trainer_mib": trainer_bytes / 2**20,
+        "engine_mib": memory.peak / 2**20,
+        "training_peak_mib": (trainer_bytes + memory.peak) / 2**20,
     }
 
 
 def report(label: str, r: dict[str, float]) -> None:
     print(f"{label:>10}: {r['trajectories_per_s']:.2f} trajectories/s  {r['tokens_per_s']:.0f} tokens/s  trainer idle "
-          f"{r['trainer_idle_fraction']:.2f}  rollout idle {r['rollout_idle_fraction']:.2f}  ({r['wall_s']:.1f} s)",
-          flush=True)
+          f"{r['trainer_idle_fraction']:.2f}  rollout idle {r['rollout_idle_fraction']:.2f}  ({r['wall_s']:.1f} s)  "
+          f"held while training: {r['training_peak_mib']:.2f} MiB (trainer {r['trainer_mib']:.2f} + engine "
+          f"{r['engine_mib']:.2f})", flush=True)
 
 
 def main() -> None:
@@ -105,24 +161,29 @@ def main() -> None:
     p.add_argument("--sft-steps", type=int, default=250)
     p.add_argument("--runs", type=int, default=3, help="runs of each mode, in alternating order")
     p.add_argument("--no-placement", action="store_true", help="pin nothing (one torch thread per component)")
+    p.add_argument("--compare", choices=sorted(COMPARE), default="sync",
+                   help="sync: sync against async; colocated: decoupled async against colocated")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
-    overrides = [*placement(not args.no_placement), *args.overrides]
-    print("placement: " + " ".join(o for o in overrides if o.startswith(("placement.", "engine.threads"))))
-    results: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
+    first, second = COMPARE[args.compare]
+    results: dict[str, list[dict[str, float]]] = {first: [], second: []}
+    for mode in results:
+        print(f"{mode} placement: " + " ".join(placement(mode, not args.no_placement)))
     with tempfile.TemporaryDirectory(prefix="rollwave-e2e-") as tmp:
         root = Path(tmp)
         base = build_tiny_model(root / "base")
         model = warm_start(base, root / "sft", load_tasks("arith", split="train", limit=2000, seed=1),
                            steps=args.sft_steps)
         for i in range(args.runs):
-            for mode in ("sync", "async") if i % 2 == 0 else ("async", "sync"):
+            for mode in (first, second) if i % 2 == 0 else (second, first):
+                overrides = [*placement(mode, not args.no_placement), *args.overrides]
                 results[mode].append(run_mode(mode, f"e2e-{mode}-{i}", model, root, args.steps, overrides))
                 report(f"{mode} #{i + 1}", results[mode][-1])
     median = {mode: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for mode, runs in results.items()}
     for mode, r in median.items():
         report(f"{mode} median", r)
-    print(f"async_vs_sync ratio {median['async']['trajectories_per_s'] / median['sync']['trajectories_per_s']:.3f}")
+    ratio = median[second]["trajectories_per_s"] / median[first]["trajectories_per_s"]
+    print(f"{second}_vs_{first} ratio {ratio:.3f}")
 
 
 if __name__ == "__main__":

@@ -102,6 +102,16 @@ class Keys:
         return f"{self.prefix}server:{server_id}:alive"
 
     @property
+    def device_turn(self) -> str:
+        """Colocated placement: JSON of whose turn the device is (``buffer.colocation``)."""
+        return self.prefix + "device:turn"
+
+    @property
+    def device_released(self) -> str:
+        """Colocated placement: hash server_id -> the trainer step for which its engines released their memory."""
+        return self.prefix + "device:released"
+
+    @property
     def trainer(self) -> str:
         """Hash: the trainer's step, version, heartbeat and metrics address (written by rank 0)."""
         return self.prefix + "trainer"

@@ -25,6 +25,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from buffer.colocation import DeviceTurns
+from buffer.keys import Keys
 from buffer.redis_server import connect
 from core.config import Config, ConfigError, EngineConfig, LoraConfig, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
@@ -33,8 +35,9 @@ from core.placement import pin
 from core.tiny_model import ensure_model
 from rollout_server.agent_loop import parse_version
 from rollout_server.checkpoint_receiver import CheckpointMetrics, ReceiverThread
+from rollout_server.colocation import EngineTurns
 from rollout_server.engine.process import EngineProcess
-from rollout_server.engine_client import EngineClient, EngineError
+from rollout_server.engine_client import EngineClient, EngineError, EngineGroup
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.tools import ToolRegistry
 from rollout_server.worker import RolloutWorker
@@ -106,17 +109,23 @@ async def serve(cfg: Config) -> None:
         metrics = RolloutMetrics()
         worker = RolloutWorker(client, cfg.run.name, cfg.rollout, cfg.buffer, engines,
                                 tokenizer, ToolRegistry.from_file(cfg.rollout.tools), metrics)
-        receiver = ReceiverThread(
-            cfg.checkpoint, model, urls, worker.consumer, cfg.rollout.grpc_host, cfg.rollout.grpc_port,
-            CheckpointMetrics(metrics.registry), cfg.engine.request_timeout_s, engine_api_key=key,
-            adapter_name=cfg.model.lora.name if cfg.model.lora else LoraConfig().name,
-            on_adapter=partial(name_adapter, engines),
-        )
-        worker.info.grpc_address = await asyncio.to_thread(receiver.start)
+        turns = None
+        if cfg.placement.mode == "colocated":  # weights come as local pushes: no receiver
+            turns = EngineTurns(DeviceTurns(client, Keys(cfg.run.name)), EngineGroup(engines), worker.consumer,
+                                lambda: worker.info.version, partial(setattr, worker.info, "version"),
+                                asyncio.to_thread, metrics, cfg.placement.colocated_timeout_s)
+        else:
+            receiver = ReceiverThread(
+                cfg.checkpoint, model, urls, worker.consumer, cfg.rollout.grpc_host, cfg.rollout.grpc_port,
+                CheckpointMetrics(metrics.registry), cfg.engine.request_timeout_s, engine_api_key=key,
+                adapter_name=cfg.model.lora.name if cfg.model.lora else LoraConfig().name,
+                on_adapter=partial(name_adapter, engines),
+            )
+            worker.info.grpc_address = await asyncio.to_thread(receiver.start)
+            stack.callback(receiver.stop)
         worker.info.openai_url = await stack.enter_async_context(
             worker.episodes.serving(cfg.rollout.openai_host, cfg.rollout.openai_port)
         )
-        stack.callback(receiver.stop)
         rc = cfg.rollout
         if rc.metrics_port is not None:
             proxies = {f"/engine/{i}/metrics": engine_metrics(url, key) for i, url in enumerate(urls)}
@@ -127,7 +136,18 @@ async def serve(cfg: Config) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)
-        await worker.run()
+        if turns is None:
+            await worker.run()
+            return
+        hand_over = asyncio.create_task(turns.run(), name="device turns")
+        hand_over.add_done_callback(lambda task: task.cancelled() or worker.stop())
+        try:
+            await worker.run()
+        finally:
+            hand_over.cancel()
+            await asyncio.gather(hand_over, return_exceptions=True)
+        if not hand_over.cancelled() and hand_over.exception() is not None:
+            raise hand_over.exception()
 
 
 def name_adapter(engines: list[EngineClient], name: str | None) -> None:
@@ -139,7 +159,8 @@ def name_adapter(engines: list[EngineClient], name: str | None) -> None:
 def _start(cfg: Config) -> None:
     """What a rollout server needs before it starts: the checkpoint token, usable engines, its CPUs (which the
     embedded engine it starts inherits, with one torch thread per CPU unless ``engine.threads`` says)."""
-    require_secret(cfg, "checkpoint.token")
+    if cfg.placement.mode == "decoupled":
+        require_secret(cfg, "checkpoint.token")
     check_engines(cfg.engine)
     cfg.engine.threads = pin(cfg.placement.rollout_cpus, "placement.rollout_cpus", cfg.engine.threads)
 

@@ -310,6 +310,12 @@ class EngineGroup:
     async def resume(self, torch_empty_cache: bool = False) -> None:
         await asyncio.gather(*(e.resume(torch_empty_cache) for e in self.engines))
 
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        await asyncio.gather(*(e.release_memory(tags) for e in self.engines))
+
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        await asyncio.gather(*(e.resume_memory(tags) for e in self.engines))
+
     async def prepare_weights_from_disk(self, model_path: str) -> bool:
         """True when every engine prepared ``model_path``."""
         return all(await asyncio.gather(*(e.prepare_weights_from_disk(model_path) for e in self.engines)))

@@ -57,6 +57,10 @@ class RolloutMetrics:
         self.finish_reasons = Counter(
             _P + "finish_reasons", "Episodes by finish reason", ["reason"], registry=r
         )
+        self.device_handovers = Counter(
+            _P + "device_handovers", "Colocated placement: engines released for training, and resumed", ["event"],
+            registry=r,
+        )
         self.busy_seconds = Counter(
             _P + "busy_seconds", "Time with at least one admitted group generating", registry=r
         )

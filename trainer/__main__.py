@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
+from buffer.colocation import DeviceTurns
 from buffer.keys import Keys
 from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
@@ -31,6 +32,7 @@ from core.placement import pin
 from core.tiny_model import ensure_model
 from trainer.checkpoint import Checkpointer, export_hf
 from trainer.checkpoint_pusher import CheckpointPusher, registered_servers
+from trainer.colocated import LocalPusher
 from trainer.metrics import RedisStatus
 from trainer.parallel import DistContext, close_distributed, init_distributed
 from trainer.worker import GroupSource, Trainer
@@ -53,10 +55,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _connect(
     cfg: Config, ctx: DistContext, stack: contextlib.ExitStack, metrics: CollectorRegistry
-) -> tuple[GroupSource | None, CheckpointPusher, RedisStatus | None]:
-    """Rank 0: the replay buffer, a pusher to the live servers (recording each push in the registry) and the
-    status sink for the API; other ranks: a pusher that only takes part in the gathers."""
+) -> tuple[GroupSource | None, CheckpointPusher | LocalPusher, RedisStatus | None]:
+    """Rank 0: the replay buffer, a pusher to the live servers (recording each push in the registry; colocated:
+    a local pusher that also hands the device over) and the status sink for the API; other ranks: a pusher
+    that only takes part in the gathers."""
+    colocated = cfg.placement.mode == "colocated"
+    local_root = cfg.checkpoint.stage_dir / cfg.run.name / "local_push"
     if not ctx.is_main:
+        if colocated:
+            return None, LocalPusher(local_root, cfg.model.path), None
         pusher = CheckpointPusher(cfg.checkpoint, [])
         stack.callback(pusher.close)
         return None, pusher, None
@@ -70,6 +77,11 @@ def _connect(
     stack.callback(buffer.close)
     staleness = StalenessControl(client, keys, cfg.buffer)
     registry = ServerRegistry(client, keys)
+    if colocated:
+        local = LocalPusher(local_root, cfg.model.path, DeviceTurns(client, keys), registry, staleness.set_version,
+                            cfg.placement.colocated_timeout_s)
+        local.published = staleness.version()
+        return buffer, local, RedisStatus(client, keys)
     pusher = CheckpointPusher(cfg.checkpoint, registered_servers(registry), staleness.set_version,
                               record=registry.record_push, registry=metrics, pin_memory=ctx.device.type == "cuda")
     pusher.published = staleness.version()  # numbering continues above what this run published before
@@ -79,7 +91,7 @@ def _connect(
 
 def _start(cfg: Config, pushes: bool) -> None:
     """What a trainer process needs before it starts: the checkpoint token (when it pushes), its CPUs."""
-    if pushes:
+    if pushes and cfg.placement.mode == "decoupled":
         require_secret(cfg, "checkpoint.token")
     cfg.trainer.threads = pin(cfg.placement.trainer_cpus, "placement.trainer_cpus", cfg.trainer.threads,
                               sharers=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -114,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             pusher=pusher,
             registry=metrics,
             lora=cfg.model.lora,
+            device_share=pusher if isinstance(pusher, LocalPusher) else None,
         ).start(resume=args.resume, ctx=ctx)
         stack.callback(trainer.close)
         tc = cfg.trainer

@@ -34,6 +34,7 @@ from buffer.staleness import split_stale
 from core.config import BufferConfig, LoraConfig, TrainerConfig
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_pusher import PushResult, PushRound
+from trainer.colocated import held_bytes
 from trainer.critic import build_critic_optimizer, load_critic
 from trainer.lora import add_adapter
 from trainer.metrics import MetricsLog, TrainerMetrics
@@ -75,6 +76,16 @@ class Pusher(Protocol):
     def flush(self, timeout_s: float | None = None) -> bool: ...
 
 
+class DeviceShare(Protocol):
+    """Turns on a device the trainer shares with the engines (``trainer.colocated.LocalPusher``): every rank calls
+    ``take_device`` before a step (it returns once the engines released their memory) and ``give_device`` after
+    it, once the step's push (if due) is written."""
+
+    def take_device(self, step: int) -> float: ...
+
+    def give_device(self, step: int) -> None: ...
+
+
 class Trainer:
     """Owns the model, optimizer, scheduler, checkpoints and metrics of this rank."""
 
@@ -89,8 +100,10 @@ class Trainer:
         pusher: Pusher | None = None,
         registry: CollectorRegistry | None = None,
         lora: LoraConfig | None = None,
+        device_share: DeviceShare | None = None,
     ) -> None:
         self.cfg = cfg
+        self.device_share = device_share
         self.lora = lora
         self.model_path = Path(model_path)
         self.run_dir = Path(run_dir)
@@ -149,6 +162,8 @@ class Trainer:
         if self.pusher is not None:
             self.pusher.published = max(self.pusher.published, self.version)
             self.pusher.push_model(self.model)
+        if self.device_share is not None:  # the servers serve what this trainer resumes from
+            self.device_share.give_device(self.step)
         return self
 
     def restore(self, path: Path | None = None) -> bool:
@@ -233,7 +248,9 @@ class Trainer:
         return kept
 
     def train(self, groups: list[TrajectoryGroup], wait_s: float = 0.0) -> dict[str, Any]:
-        """One step on ``groups`` (every rank, same groups); then push, record and checkpoint as due."""
+        """One step on ``groups`` (every rank, same groups); then push, record and checkpoint as due. With a
+        shared device the step runs between taking it from the engines and giving it back."""
+        device_wait_s = self.device_share.take_device(self.step + 1) if self.device_share is not None else 0.0
         record = self.train_step(groups, self.version, self.step)
         record.update(step=self.step + 1, policy_version=self.version, wait_s=wait_s)
         record.update(idle_fraction=wait_s / (wait_s + record["step_time_s"]), stale_dropped=self._stale_dropped,
@@ -243,6 +260,9 @@ class Trainer:
         self.step += 1
         if self.step % self.buffer.push_every == 0:
             record.update(self._push())
+        if self.device_share is not None:
+            self.device_share.give_device(self.step)
+        record.update(device_wait_s=device_wait_s, held_bytes=held_bytes(self.model, self.optimizer))
         if self.ctx.is_main:
             record.update(self._push_outcomes())
             self.metrics.observe_step(record)

@@ -1,0 +1,126 @@
+"""The trainer's side of a colocated run (``placement.mode=colocated``, see ``buffer.colocation``).
+
+``LocalPusher`` is the trainer's ``Pusher`` and ``DeviceShare`` at once: a push writes the full weights as a
+safetensors directory on this host (a local push: no gRPC, no snapshot streaming), and around each step the
+device changes hands: rank 0 takes it (every live server's engines release their memory first) and gives it
+back with the newest weights written, which the servers load before they generate again. The version is
+published when it is handed over, so admission opens the next batch only for the weights that will serve it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from buffer.colocation import DeviceTurns
+from buffer.registry import ServerRegistry
+from trainer.checkpoint_pusher import PushResult, PushRound
+from trainer.parallel import iter_full_params
+
+log = logging.getLogger(__name__)
+
+KEEP_VERSIONS = 2  # the one the servers load or serve, and the newest
+
+
+class LocalPusher:
+    """Writes each version to ``root/v<version>/`` and hands the device over (rank 0; other ranks only gather)."""
+
+    def __init__(
+        self,
+        root: Path,
+        model_path: Path,
+        turns: DeviceTurns | None = None,
+        servers: ServerRegistry | None = None,
+        set_version: Callable[[int], object] | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.root = Path(root)
+        self.model_path = Path(model_path)
+        self.turns = turns
+        self.servers = servers
+        self._set_version = set_version
+        self.timeout_s = timeout_s
+        self.published = 0
+        self.last_pushed = 0
+        self.written: tuple[int, Path] | None = None
+
+    # ---- Pusher -------------------------------------------------------------------------------
+
+    def push_model(self, model: nn.Module) -> PushRound | None:
+        """Write the full weights (every rank gathers; rank 0 writes). The first write keeps the published
+        version (the weights the run resumes from), each later one is the next version."""
+        params = iter_full_params(model)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            for _ in params:
+                pass
+            return None
+        start = time.perf_counter()
+        version = self.published if self.written is None else max(self.last_pushed, self.published) + 1
+        out = self.root / f"v{version}"
+        partial = self.root / f".v{version}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in params}
+        save_file(tensors, partial / "model.safetensors")
+        config = self.model_path / "config.json"
+        if config.exists():  # SGLang reads the directory as a model
+            shutil.copy(config, partial / "config.json")
+        shutil.rmtree(out, ignore_errors=True)
+        partial.rename(out)
+        self.written, self.last_pushed = (version, out), version
+        self._prune()
+        return PushRound(version, [], time.perf_counter() - start)
+
+    def take_results(self) -> list[PushResult]:
+        return []
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return True
+
+    # ---- DeviceShare --------------------------------------------------------------------------
+
+    def take_device(self, step: int) -> float:
+        """Ask for the device for ``step`` and wait until every live server released it (rank 0; other ranks wait
+        at a barrier). Returns the seconds waited; TimeoutError names the servers that did not release."""
+        start = time.perf_counter()
+        if self.turns is not None:
+            assert self.servers is not None
+            self.turns.take(step)
+            self.turns.wait_released(step, self.servers, self.timeout_s)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return time.perf_counter() - start
+
+    def give_device(self, step: int) -> None:
+        """Hand the device back after ``step`` with the newest weights written, and publish their version."""
+        if self.turns is None:
+            return
+        if self.written is None:
+            raise RuntimeError("give_device before any weights were written: push_model first")
+        version, path = self.written
+        self.turns.give(step, version, str(path))
+        self.published = max(self.published, version)
+        if self._set_version is not None:
+            self._set_version(version)
+
+    def _prune(self) -> None:
+        keep = {f"v{v}" for v in range(self.last_pushed - KEEP_VERSIONS + 1, self.last_pushed + 1)}
+        for old in self.root.glob("v*"):
+            if old.name not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes the trainer keeps between steps: parameters and optimizer state (gradients are freed each step)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for state in optimizer.state.values():
+        total += sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+    return total

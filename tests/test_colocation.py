@@ -1,0 +1,239 @@
+"""Colocated placement with real parts: Redis, the embedded engine, the rollout server's ``EngineTurns`` and the
+trainer's ``LocalPusher``. The test plays the trainer's loop (take the device, write new weights, give it back)
+while requests keep arriving at the engine, and checks the order of the engine calls, that nothing is generated
+while the engine is released, that the weights served are the ones written, and the memory held while training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import torch
+import torch.multiprocessing as mp
+from engine_helpers import metric, teacher_forced
+from safetensors.torch import load_file
+from trainer_helpers import synthetic_groups
+from transformers import AutoModelForCausalLM
+
+from buffer.colocation import DeviceTurns
+from buffer.keys import Keys
+from buffer.registry import ServerInfo, ServerRegistry
+from buffer.staleness import StalenessControl
+from core.config import BufferConfig, TrainerConfig, load_config
+from core.net import free_port_outside_ephemeral
+from rollout_server.colocation import EngineTurns
+from rollout_server.engine.process import EngineProcess
+from rollout_server.engine_client import EngineClient, EngineGroup
+from rollout_server.metrics import RolloutMetrics
+from services import demo
+from trainer.colocated import LocalPusher, held_bytes
+from trainer.parallel import close_distributed, init_distributed, iter_full_params
+from trainer.worker import Trainer
+
+PROMPT = [5, 17, 42, 99, 7, 300, 12]
+MEMORY = ('rollwave_engine_memory_bytes{kind="weights"}', 'rollwave_engine_memory_bytes{kind="kv_cache"}')
+STEPS = 2
+DEMO_STEPS = 20
+
+
+class RecordingEngine(EngineClient):
+    """The real client; every control call is also appended to ``calls``, in the order made."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.calls: list[str] = []
+
+    async def pause(self, mode: str = "retract") -> None:
+        self.calls.append("pause")
+        await super().pause(mode)
+
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        self.calls.append(f"release {tags}")
+        await super().release_memory(tags)
+
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        self.calls.append(f"resume {tags}")
+        await super().resume_memory(tags)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       flush_cache: bool = True) -> dict:
+        self.calls.append(f"load {weight_version}")
+        return await super().update_weights_from_disk(model_path, weight_version, flush_cache)
+
+    async def resume(self, torch_empty_cache: bool = False) -> None:
+        self.calls.append("continue")
+        await super().resume(torch_empty_cache)
+
+
+def engine_bytes(url: str) -> int:
+    return int(sum(metric(url, name) for name in MEMORY))
+
+
+async def until(check, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
+    redis_server, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys("colo")
+    turns = DeviceTurns(client, keys)
+    registry = ServerRegistry(client, keys, ttl_s=60)
+    staleness = StalenessControl(client, keys, BufferConfig(max_staleness=0))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pusher = LocalPusher(tmp_path / "push", tiny_model_dir, turns, registry, staleness.set_version, timeout_s=60)
+
+    with EngineProcess(tiny_model_dir, weight_version="0", threads=1) as proc:
+        registry.register(ServerInfo("srv-a", engine_url=proc.url))
+        engine = RecordingEngine(proc.url)
+        served = {"version": 0}
+        hand_over = EngineTurns(turns, EngineGroup([engine]), "srv-a", lambda: served["version"],
+                                lambda v: served.__setitem__("version", v), asyncio.to_thread, RolloutMetrics(),
+                                warn_after_s=60)
+
+        async def load(stop: asyncio.Event, versions: list[list[str]]) -> None:
+            """Requests all along, as agent loops send them; each reply's weight versions are kept."""
+            async with httpx.AsyncClient(base_url=proc.url, timeout=120) as http:
+                while not stop.is_set():
+                    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+                    reply = (await http.post("/generate", json=body)).json()
+                    versions.append([s["version"] for s in reply["meta_info"]["weight_versions"]])
+
+        async def trainer() -> dict[str, int]:
+            pusher.push_model(model)  # the trainer's start: version 0, which the engine already serves
+            pusher.give_device(0)
+            generating, training = 0, 0
+            for step in range(1, STEPS + 1):
+                await until(lambda: metric(proc.url, "rollwave_engine_running_requests") > 0, "generation")
+                generating = max(generating, engine_bytes(proc.url))
+                await asyncio.to_thread(pusher.take_device, step)
+                tokens = metric(proc.url, "rollwave_engine_generated_tokens_total")
+                model(input_ids=torch.tensor([PROMPT])).logits.sum().backward()  # a training step
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                await asyncio.sleep(0.3)
+                training = max(training, engine_bytes(proc.url))
+                assert metric(proc.url, "rollwave_engine_generated_tokens_total") == tokens, "generated while released"
+                pusher.push_model(model)
+                pusher.give_device(step)
+                await until(lambda s=step: served["version"] == s, f"the server to serve version {step}")
+            return {"generating": generating, "training": training}
+
+        async def run() -> dict[str, int]:
+            stop, versions = asyncio.Event(), []
+            follow = asyncio.create_task(hand_over.run())
+            requests = asyncio.create_task(load(stop, versions))
+            try:
+                return await trainer() | {"versions": versions}
+            finally:
+                stop.set()
+                await requests
+                follow.cancel()
+                await asyncio.gather(follow, return_exceptions=True)
+                await engine.aclose()
+
+        seen = asyncio.run(run())
+        per_step = ["pause", "release None", "resume ['weights']", "load {v}", "resume ['kv_cache', 'cuda_graph']",
+                    "continue"]
+        assert engine.calls == [c.format(v=v) for v in range(1, STEPS + 1) for c in per_step]
+        assert any(v[-1] == str(STEPS) for v in seen["versions"])
+        assert staleness.version() == STEPS
+
+        out = httpx.post(proc.url + "/generate", timeout=60, json={
+            "input_ids": PROMPT, "return_logprob": True, "sampling_params": {"max_new_tokens": 8, "temperature": 0}
+        }).json()
+    model.eval()
+    got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+    assert (got - teacher_forced(model, PROMPT, out["output_ids"], 1.0)).abs().max() <= 1e-4  # the trained weights
+    assert sorted(p.name for p in (tmp_path / "push").iterdir()) == [f"v{STEPS - 1}", f"v{STEPS}"]  # older pruned
+
+    trainer_bytes = held_bytes(model, optimizer)
+    decoupled, colocated = trainer_bytes + seen["generating"], trainer_bytes + seen["training"]
+    print(f"held while training: decoupled {decoupled / 2**20:.2f} MiB (trainer {trainer_bytes / 2**20:.2f} + engine "
+          f"{seen['generating'] / 2**20:.2f}), colocated {colocated / 2**20:.2f} MiB (engine released: "
+          f"{seen['training']} bytes)")
+    assert seen["training"] == 0 and colocated < decoupled
+
+
+def test_a_server_that_does_not_release_fails_the_step_by_name(redis_server, tiny_model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys("colo")
+    registry = ServerRegistry(client, keys, ttl_s=60)
+    registry.register(ServerInfo("srv-a", engine_url="http://127.0.0.1:1"))
+    registry.register(ServerInfo("srv-frozen", engine_url="http://127.0.0.1:2"))
+    turns = DeviceTurns(client, keys)
+    turns.released("srv-a", 3)
+    turns.released("srv-frozen", 2)  # released for an earlier step only
+    pusher = LocalPusher(tmp_path, tiny_model_dir, turns, registry, timeout_s=0.5)
+    with pytest.raises(TimeoutError, match=r"step 3: rollout server\(s\) srv-frozen did not release .*stage release"):
+        pusher.take_device(3)
+    registry.deregister("srv-frozen")  # a dead server leaves the live set and is not waited for
+    assert pusher.take_device(3) < 0.5
+    with pytest.raises(RuntimeError, match="push_model first"):
+        pusher.give_device(3)
+
+
+def test_colocated_config_is_synchronous_and_refuses_lora() -> None:
+    cfg = load_config(None, ["placement.mode=colocated", "buffer.max_staleness=3"])
+    assert cfg.buffer.max_staleness == 0 and cfg.placement.colocated_timeout_s == 600
+    with pytest.raises(Exception, match="model.lora is not supported"):
+        load_config(None, ["placement.mode=colocated", "model.lora.rank=4"])
+
+
+def _ranks(rank: int, world: int, port: int, model_dir: Path, root: Path) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    ctx = init_distributed("cpu")
+    try:
+        pusher = LocalPusher(root, model_dir)  # no turns: the ranks still meet at the barrier around each step
+        trainer = Trainer(TrainerConfig(total_steps=2, lr=1e-2, device="cpu"), model_dir, root / "run",
+                          BufferConfig(groups_per_step=2), pusher=pusher, device_share=pusher).start(ctx=ctx)
+        for seed in range(2):
+            trainer.train(synthetic_groups(seed, 2))
+        full = {name: t.clone() for name, t in iter_full_params(trainer.model) if t is not None}
+        if rank == 0:
+            torch.save(full, root / "full.pt")
+        trainer.close()
+    finally:
+        close_distributed()
+
+
+def test_two_ranks_write_the_full_weights_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+    mp.spawn(_ranks, args=(2, free_port_outside_ephemeral(), tiny_model_dir, tmp_path), nprocs=2, join=True)
+    full = torch.load(tmp_path / "full.pt")
+    written = load_file(tmp_path / "v2" / "model.safetensors")
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v1", "v2"]  # v0 at start, one per step, two kept
+    assert written.keys() == full.keys()
+    assert all(torch.equal(written[name], full[name]) for name in full)
+    assert (tmp_path / "v2" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_colocated_demo_learns(tmp_path: Path) -> None:
+    """The demo in colocated placement: the engine and the trainer take turns on both CPUs, weights go by local
+    push, and held-out accuracy rises from the demo's SFT warm start."""
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config(root / "configs/demo.yaml", [
+        "run.name=colocated", f"run.dir={tmp_path}", f"checkpoint.stage_dir={tmp_path}/stage",
+        "placement.mode=colocated", "placement.rollout_cpus=[]", "placement.trainer_cpus=[]",
+        f"trainer.total_steps={DEMO_STEPS}", "trainer.lr=2e-4",
+    ])
+    summary = demo.run(cfg, sft_steps=0, eval_tasks=200, timeout_s=600,
+                       warm_start_dir=root / "tests/data/arith_warm_start")
+    assert summary["steps"] == DEMO_STEPS and summary["groups_trained"] >= DEMO_STEPS * cfg.buffer.groups_per_step
+    assert summary["final_policy_version"] == DEMO_STEPS, summary  # staleness 0: one version per step
+    assert summary["heldout_accuracy_after"] >= summary["heldout_accuracy_before"] + 0.1, summary
+    pushes = sorted(p.name for p in (tmp_path / "stage" / "colocated" / "local_push").iterdir())
+    assert pushes == [f"v{DEMO_STEPS - 1}", f"v{DEMO_STEPS}"]

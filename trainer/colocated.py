@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from buffer.colocation import DeviceTurns
 from buffer.registry import ServerRegistry
@@ -119,8 +120,10 @@ class LocalPusher:
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes the trainer keeps between steps: parameters and optimizer state (gradients are freed each step)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes this rank keeps between steps: its parameters and optimizer state (its shards under FSDP2; gradients
+    are freed each step)."""
+    tensors = [*model.parameters()]
     for state in optimizer.state.values():
-        total += sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
-    return total
+        tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)

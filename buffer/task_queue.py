@@ -69,12 +69,16 @@ if redis.call('HDEL', KEYS[4], ARGV[3]) == 1 then redis.call('DECR', KEYS[3]) en
 return 1
 """
 
-# Put a pending task back at the tail as a new entry carrying its attempt count; admission is kept.
+# Put a pending task back at the tail as a new entry carrying its attempt count. Admission is kept (a hand-back),
+# or released when KEYS[2] and KEYS[3] (admitted, admitted ids) are given (a failed attempt: its retry waits at
+# the tail behind the backlog, so its slot goes to the next task; with max_staleness 0 a kept slot would leave
+# no room for any task, the retry included, and the run would stall).
 _REQUEUE = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[4], 'kind', ARGV[5], 'gid', ARGV[3], 'task', ARGV[6],
   'attempts', ARGV[7], 'error', ARGV[8])
 redis.call('XDEL', KEYS[1], ARGV[2])
+if #KEYS == 3 and redis.call('HDEL', KEYS[3], ARGV[3]) == 1 then redis.call('DECR', KEYS[2]) end
 return 1
 """
 
@@ -261,12 +265,14 @@ class TaskQueue:
         return done
 
     def fail(self, entry: TaskEntry, error: str) -> bool:
-        """Record a failed attempt: requeue the task with the error, or dead-letter it once attempts are spent.
+        """Record a failed attempt: requeue the task with the error and release its admission, or dead-letter it
+        once attempts are spent.
 
         Returns True if the task was dead-lettered."""
         if entry.deliveries >= self.config.max_attempts:
             return self.dead_letter(entry, error)
-        self._requeue([entry.stream], [*self._entry_args(entry), entry.deliveries, error])
+        self._requeue([entry.stream, self.keys.admitted, self.keys.admitted_ids],
+                      [*self._entry_args(entry), entry.deliveries, error])
         return False
 
     def hand_back(self, entry: TaskEntry) -> None:

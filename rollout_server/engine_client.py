@@ -21,6 +21,10 @@ import httpx
 
 log = logging.getLogger(__name__)
 RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)
+# Idle connections are dropped before the server's keep-alive (uvicorn's 5 s, the embedded engine's and
+# SGLang's) ends them: a request sent on a connection the server is closing fails with ReadError, and while the
+# engines are released for training (colocated placement) every connection sits idle for the whole step.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class EngineError(RuntimeError):
@@ -51,7 +55,8 @@ class EngineClient:
             base_url=self.base_url,
             timeout=timeout_s,
             headers=headers,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
         self._retries = retries
         self._backoff_s = backoff_s

@@ -32,7 +32,7 @@ from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient, EngineGroup
 from rollout_server.metrics import RolloutMetrics
 from services import demo
-from trainer.colocated import LocalPusher, held_bytes
+from trainer.colocation import LocalPusher, held_bytes
 from trainer.parallel import close_distributed, init_distributed, iter_full_params
 from trainer.worker import Trainer
 

@@ -32,7 +32,7 @@ from core.placement import pin
 from core.tiny_model import ensure_model
 from trainer.checkpoint import Checkpointer, export_hf
 from trainer.checkpoint_pusher import CheckpointPusher, registered_servers
-from trainer.colocated import LocalPusher
+from trainer.colocation import LocalPusher
 from trainer.metrics import RedisStatus
 from trainer.parallel import DistContext, close_distributed, init_distributed
 from trainer.worker import GroupSource, Trainer

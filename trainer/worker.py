@@ -34,7 +34,7 @@ from buffer.staleness import split_stale
 from core.config import BufferConfig, LoraConfig, TrainerConfig
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_pusher import PushResult, PushRound
-from trainer.colocated import held_bytes
+from trainer.colocation import held_bytes
 from trainer.critic import build_critic_optimizer, load_critic
 from trainer.lora import add_adapter
 from trainer.metrics import MetricsLog, TrainerMetrics
@@ -77,7 +77,7 @@ class Pusher(Protocol):
 
 
 class DeviceShare(Protocol):
-    """Turns on a device the trainer shares with the engines (``trainer.colocated.LocalPusher``): every rank calls
+    """Turns on a device the trainer shares with the engines (``trainer.colocation.LocalPusher``): every rank calls
     ``take_device`` before a step (it returns once the engines released their memory) and ``give_device`` after
     it, once the step's push (if due) is written."""
 

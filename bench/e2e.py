@@ -16,7 +16,7 @@ mode runs ``--runs`` times (3), in alternating order (A, B, B, A, ...), and the 
 Prints per run and, as medians, per mode: trajectories/s, trained tokens/s, trainer idle fraction (time
 waiting for data / wall), rollout idle fraction (time with no group in flight or paused for a weight swap /
 wall), and the memory held while the trainer trains: the trainer's parameters and optimizer state (from its
-tensors) plus the engine's weights and KV cache (``rollwave_engine_memory_bytes``, sampled every 20 ms while
+tensors) plus the engine's weights and KV cache (``rollwave_engine_memory_bytes``, sampled every 0.25 s while
 the trainer holds the device; decoupled, it always does). These are tensor bytes, what a GPU's allocator
 would hold, not the processes' RSS. Last line: ``<B>_vs_<A> ratio <median trajectories/s B / A>``.
 """
@@ -57,6 +57,7 @@ MODES = {
     "colocated": ["rollout.mode=async", "placement.mode=colocated"],
 }
 COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated")}
+SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
 MEMORY = ('rollwave_engine_memory_bytes{kind="weights"}', 'rollwave_engine_memory_bytes{kind="kv_cache"}')
 
 
@@ -84,7 +85,7 @@ class EngineMemory(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        while not self.done.wait(0.02):
+        while not self.done.wait(SAMPLE_S):
             turn = self.turns.turn() if self.turns is not None else None
             if self.turns is not None and (turn is None or turn.holder != "trainer"):
                 continue

@@ -108,7 +108,8 @@ def _train(api: httpx.Client, stack: LocalStack, cfg: Config, timeout_s: float, 
     reply.raise_for_status()
     job_id = reply.json()["job_id"]
     deadline = time.monotonic() + timeout_s
-    with tqdm(total=cfg.trainer.total_steps, desc="async RL", unit="step") as bar:
+    schedule = "colocated" if cfg.placement.mode == "colocated" else cfg.rollout.mode
+    with tqdm(total=cfg.trainer.total_steps, desc=f"{schedule} RL", unit="step") as bar:
         while not stack.finished("trainer-0"):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"RL did not finish {cfg.trainer.total_steps} steps in {timeout_s:.0f} s")

@@ -6,11 +6,13 @@ import asyncio
 import base64
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 from safetensors.torch import save
+from transformers import AutoModelForCausalLM
 
 
 def encode_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -44,3 +46,14 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], output: list[int],
         logits = model(input_ids=torch.tensor([prompt + output])).logits[0].float()
     lp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)
     return lp.gather(1, torch.tensor(output)[:, None]).squeeze(1)
+
+
+def perturbed_model(model_dir: Path, out: Path, seed: int) -> Path:
+    """``model_dir``'s model with every weight perturbed, saved to ``out``: a different policy, the same shapes."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out)
+    return out

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from engine_helpers import metric, post, teacher_forced, until
+from engine_helpers import metric, perturbed_model, post, teacher_forced, until
 from transformers import AutoModelForCausalLM
 
 from rollout_server.engine.process import EngineProcess
@@ -23,14 +23,7 @@ KV = 'rollwave_engine_memory_bytes{kind="kv_cache"}'
 
 @pytest.fixture(scope="module")
 def new_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    out = tmp_path_factory.mktemp("new_model")
-    model.save_pretrained(out)
-    return out
+    return perturbed_model(tiny_model_dir, tmp_path_factory.mktemp("new_model"), seed=3)
 
 
 @pytest.fixture(scope="module")

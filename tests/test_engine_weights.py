@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from engine_helpers import encode_named_tensors, metric, post, teacher_forced, until
+from engine_helpers import encode_named_tensors, metric, perturbed_model, post, teacher_forced, until
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
@@ -31,15 +31,7 @@ def old_model(tiny_model_dir: Path) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def new_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    """The tiny model with every weight perturbed: a different policy with the same shapes."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    out = tmp_path_factory.mktemp("new_model")
-    model.save_pretrained(out)
-    return out
+    return perturbed_model(tiny_model_dir, tmp_path_factory.mktemp("new_model"), seed=1)
 
 
 @pytest.fixture(scope="module")

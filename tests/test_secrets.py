@@ -31,6 +31,13 @@ def test_the_checkpoint_plane_needs_its_token(module: str) -> None:
                                    f"checkpoint.token_file {HINT}")
 
 
+@pytest.mark.parametrize("module", ["trainer", "rollout_server"])
+def test_colocated_components_push_no_weights_and_need_no_checkpoint_token(module: str) -> None:
+    proc = start(module, "placement.mode=colocated", "redis.url=redis://127.0.0.1:1/0")
+    assert proc.returncode != 0 and "checkpoint.token" not in proc.stderr
+    assert "model.path: runs/model holds no model" in proc.stderr  # past the secrets, stopped at the next check
+
+
 def test_an_api_off_loopback_needs_its_token() -> None:
     proc = start("services.api", "api.host=0.0.0.0", "redis.url=redis://127.0.0.1:1/0")
     assert proc.returncode == 2

@@ -1,13 +1,17 @@
-"""Stopping a child process the one way every component does: SIGTERM, a bounded wait, then SIGKILL."""
+"""Child processes, the one way every component handles them: stopping one (SIGTERM, a bounded wait, then
+SIGKILL), and a launched component dying with the launcher that started it."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 
 log = logging.getLogger(__name__)
+PARENT_PID_ENV = "ROLLWAVE_PARENT_PID"
+PR_SET_PDEATHSIG = 1
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float, *, name: str = "", group: bool = False) -> int:
@@ -32,3 +36,20 @@ def stop_process(proc: subprocess.Popen, timeout_s: float, *, name: str = "", gr
     if group:
         send(signal.SIGKILL)
     return proc.wait()
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when the launcher that started it dies (``PARENT_PID_ENV`` names that launcher).
+
+    A component calls this first thing, rather than the launcher in a ``preexec_fn``: a ``preexec_fn`` makes
+    ``subprocess`` fork instead of vfork, and in a launcher that has used gRPC the fork handlers restart
+    gRPC's poller in the child, which aborts when the child closes its descriptors before exec
+    (grpc/grpc#43055). The launcher that died before the signal was armed is caught by the pid check.
+    """
+    parent = os.environ.pop(PARENT_PID_ENV, None)  # a child of this component has another parent
+    if parent is None or not os.path.exists("/proc/self"):  # not launched by a launcher, or not Linux
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        log.error("the launcher (pid %s) is gone; exiting", parent)
+        raise SystemExit(1)

@@ -16,7 +16,6 @@ every component the Redis password.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
@@ -35,10 +34,9 @@ from buffer.keys import Keys
 from buffer.redis_server import MALLOC_ENV
 from core.config import CONFIG_ERROR_EXIT, SECRETS, Config, secret_env
 from core.net import free_port_outside_ephemeral
-from core.process import stop_process
+from core.process import PARENT_PID_ENV, stop_process
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
 SECRET_VARS = frozenset(SECRETS.values())
 
 
@@ -110,19 +108,15 @@ def published_api_url(client: redis.Redis, keys: Keys, timeout_s: float = 120.0)
     return url.decode()
 
 
-def _die_with_parent() -> None:
-    """Child side of fork: SIGTERM when the parent dies, so no component outlives what started it."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def spawn(spec: ComponentSpec, log_dir: Path, base_env: Mapping[str, str]) -> subprocess.Popen:
-    """Start one component in its own process group, logging to ``log_dir/<name>.log``."""
+    """Start one component in its own process group, logging to ``log_dir/<name>.log``; it dies with this
+    process (``core.process.die_with_parent``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     inherited = {k: v for k, v in base_env.items() if k not in SECRET_VARS}  # a component gets only its own
     with open(log_dir / f"{spec.name}.log", "ab") as out:
         return subprocess.Popen(
-            spec.argv, env={**inherited, **spec.env, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            spec.argv, env={**inherited, **spec.env, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())},
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
 

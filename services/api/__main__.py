@@ -10,6 +10,7 @@ import uvicorn
 
 from core.config import load_config_or_exit
 from core.net import listen_socket
+from core.process import die_with_parent
 from services.api.app import check_api_config, create_app
 
 
@@ -17,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.api", description=__doc__)
     parser.add_argument("-c", "--config")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
+    die_with_parent()
     args = parser.parse_args(argv)
     cfg = load_config_or_exit(args.config, args.overrides, check=check_api_config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

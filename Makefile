@@ -53,9 +53,12 @@ demo: install
 	$(call system_packages,$(DEMO_PACKAGES))
 	$(BIN)/python -m services.demo $(DEMO_ARGS)
 
+# Two workers share the tests that are not end-to-end; the end-to-end ones (marker slow) then run one at a time,
+# because they time a whole stack and each wants every core.
 test: install
 	$(call system_packages,$(TEST_PACKAGES))
-	$(BIN)/python -m pytest -x -q
+	$(BIN)/python -m pytest -x -q -n 2 -m "not slow"
+	$(BIN)/python -m pytest -x -q -m slow
 
 # The compose deployment for real: builds the CPU image and runs the stack on this host (tests/deploy/run.py).
 test-deploy: install

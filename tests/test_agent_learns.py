@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 WARM_START = ROOT / "tests/data/arith_warm_start"
 AGENT = "rollout_server.agents.calculator_agent:run"
-STEPS = 20
-EVAL_TASKS = 200
+STEPS = 16
+EVAL_TASKS = 100
 
 
 def test_openai_client_agent_learns(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 
 log = logging.getLogger(__name__)
 PARENT_PID_ENV = "ROLLWAVE_PARENT_PID"
@@ -47,7 +48,7 @@ def die_with_parent() -> None:
     (grpc/grpc#43055). The launcher that died before the signal was armed is caught by the pid check.
     """
     parent = os.environ.pop(PARENT_PID_ENV, None)  # a child of this component has another parent
-    if parent is None or not os.path.exists("/proc/self"):  # not launched by a launcher, or not Linux
+    if parent is None or sys.platform != "linux":  # not launched by a launcher, or no prctl
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(parent):

@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx
 
-from core.config import SECRETS, Config, load_config
+from core.config import Config, load_config
+from services.launcher import SECRET_VARS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,8 +120,8 @@ def _secrets_report(cfg: Config, trainer_env: dict[str, str], api_env: dict[str,
             continue
     dumped = (cfg.run.path / "config.yaml").read_text()
     return {
-        "trainer_env": sorted(k for k in trainer_env if k in SECRETS.values()),
-        "api_env": sorted(k for k in api_env if k in SECRETS.values()),
+        "trainer_env": sorted(k for k in trainer_env if k in SECRET_VARS),
+        "api_env": sorted(k for k in api_env if k in SECRET_VARS),
         "api_has_its_token": api_env.get("ROLLWAVE_API_TOKEN") == api_token != "",
         "in_argv": [name for name, value in (("api", api_token), ("checkpoint", checkpoint_token))
                     if not value or any(value.encode() in c for c in cmdlines)],

@@ -149,32 +149,38 @@ _SAMPLE_FIELDS = [f.name for f in fields(Sample)]
 _GROUP_FIELDS = [f.name for f in fields(TrajectoryGroup)]
 _REQUIRED_SAMPLE = ["sample_index", "token_ids", "prompt_len", "loss_mask", "behaviour_logprobs", "token_versions"]
 _REQUIRED_GROUP = ["run", "job_id", "task_id", "samples"]
+# schema version -> (group fields, sample fields) a group of that version may carry
+_KNOWN_FIELDS = {
+    version: (frozenset(f for f in _GROUP_FIELDS if version >= 2 or f != "temperature"),
+              frozenset(f for f in _SAMPLE_FIELDS if version >= 3 or f != "versions_approximate"))
+    for version in READABLE_VERSIONS
+}
 
 
 def _sample_to_wire(s: Sample) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in _SAMPLE_FIELDS:
         value = getattr(s, name)
-        if name in ARRAY_DTYPES:
-            value = value.tobytes()
+        if name in ARRAY_DTYPES:  # msgpack reads the array's own buffer: no bytes copy
+            value = np.ascontiguousarray(value, dtype=ARRAY_DTYPES[name]).data
         elif name == "tool_calls":
             value = [vars(t) for t in value]
         out[name] = value
     return out
 
 
-def _check_fields(d: Any, required: list[str], known: list[str], where: str) -> None:
+def _check_fields(d: Any, required: list[str], known: frozenset[str], where: str) -> None:
     if not isinstance(d, dict):
         raise SchemaError(f"{where}: expected a map, got {type(d).__name__}")
     missing = [k for k in required if k not in d]
     if missing:
         raise SchemaError(f"{where}: missing field(s) {', '.join(missing)}")
-    unknown = sorted(set(d) - set(known))
-    if unknown:
-        raise SchemaError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    if not known.issuperset(d):
+        raise SchemaError(f"{where}: unknown field(s) {', '.join(sorted(set(d) - known))}")
 
 
-def _sample_from_wire(d: dict[str, Any], known: list[str], where: str) -> Sample:
+def _sample_from_wire(d: dict[str, Any], known: frozenset[str], where: str) -> Sample:
+    """A sample from its wire map, its arrays viewing the message's bytes; ``TrajectoryGroup.validate`` checks it."""
     _check_fields(d, _REQUIRED_SAMPLE, known, where)
     kwargs = dict(d)
     for name, dtype in ARRAY_DTYPES.items():
@@ -187,7 +193,6 @@ def _sample_from_wire(d: dict[str, Any], known: list[str], where: str) -> Sample
         sample = Sample(**kwargs)
     except TypeError as exc:
         raise SchemaError(f"{where}.tool_calls: {exc}") from None
-    sample.validate(where)
     return sample
 
 
@@ -212,12 +217,11 @@ def decode_group(data: bytes) -> TrajectoryGroup:
     if version not in READABLE_VERSIONS:
         readable = ", ".join(map(str, READABLE_VERSIONS))
         raise SchemaError(f"trajectory group: schema_version {version!r} is not supported (want {readable})")
-    known = _GROUP_FIELDS if version >= 2 else [f for f in _GROUP_FIELDS if f != "temperature"]
-    _check_fields(wire, _REQUIRED_GROUP, known, "trajectory group")
+    group_known, sample_known = _KNOWN_FIELDS[version]
+    _check_fields(wire, _REQUIRED_GROUP, group_known, "trajectory group")
     if not isinstance(wire["samples"], list):
         raise SchemaError("trajectory group.samples: expected a list")
     where = f"group {wire['task_id']}"
-    sample_known = _SAMPLE_FIELDS if version >= 3 else [f for f in _SAMPLE_FIELDS if f != "versions_approximate"]
     wire["samples"] = [_sample_from_wire(s, sample_known, f"{where}.samples[{i}]")
                        for i, s in enumerate(wire["samples"])]
     group = TrajectoryGroup(**wire)

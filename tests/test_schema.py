@@ -137,3 +137,15 @@ def test_inconsistent_arrays_are_rejected() -> None:
 def test_not_a_map() -> None:
     with pytest.raises(SchemaError, match="expected a map"):
         decode_group(msgpack.packb([1, 2]))
+
+
+def test_arrays_assigned_after_construction_travel_in_the_schema_dtype() -> None:
+    """A float64 or strided array set on a sample later is written as the schema's dtype, not its own bytes."""
+    group = make_group()
+    sample = group.samples[0]
+    sample.behaviour_logprobs = sample.behaviour_logprobs.astype(np.float64)
+    sample.token_ids = np.repeat(sample.token_ids.astype(np.int64), 2)[::2]
+    back = decode_group(encode_group(group)).samples[0]
+    assert back.behaviour_logprobs.dtype == np.dtype("<f4") and back.token_ids.dtype == np.dtype("<i4")
+    assert np.array_equal(back.behaviour_logprobs, sample.behaviour_logprobs.astype(np.float32))
+    assert np.array_equal(back.token_ids, sample.token_ids)

@@ -5,19 +5,21 @@ Every mode runs the real pipeline as processes (embedded Redis, one rollout serv
 one trainer pushing a version every step). ``rollout.mode=sync`` differs from async only in the schedule
 (eta = 0: a batch is generated for the current version only). ``--compare colocated`` runs decoupled async
 against ``placement.mode=colocated`` (the engine releases its memory while the trainer trains, and takes the
-weights by a local push). The model is the tiny one after a short SFT warm start, so episodes are multi-turn
-with real tool calls.
+weights by a local push); ``--compare overlap`` runs colocated against its one-step overlap
+(``placement.colocated_staleness=1``: the engine keeps its memory and generates while the trainer trains).
+The model is the tiny one after a short SFT warm start, so episodes are multi-turn with real tool calls.
 
 Placement as in the demo: the rollout server and its engine pinned to one CPU, the trainer to another
 (``placement.rollout_cpus`` / ``trainer_cpus``, one torch thread each); colocated, both take turns on both CPUs
-(the one device they share). ``--no-placement`` leaves them to the scheduler (one torch thread each). Each
-mode runs ``--runs`` times (3), in alternating order (A, B, B, A, ...), and the medians are reported.
+(the one device they share), and overlapped both run on both CPUs at once, one torch thread each.
+``--no-placement`` leaves them to the scheduler (one torch thread each). Each mode runs ``--runs`` times (3), in
+alternating order (A, B, B, A, ...), and the medians are reported.
 
 Prints per run and, as medians, per mode: trajectories/s, trained tokens/s, trainer idle fraction (time
 waiting for data / wall), rollout idle fraction (time with no group in flight or paused for a weight swap /
 wall), and the memory held while the trainer trains: the trainer's parameters and optimizer state (from its
 tensors) plus the engine's weights and KV cache (``rollwave_engine_memory_bytes``, sampled every 0.25 s while
-the trainer holds the device; decoupled, it always does). These are tensor bytes, what a GPU's allocator
+the trainer holds the device; decoupled or overlapped, it always does). These are tensor bytes, what a GPU's allocator
 would hold, not the processes' RSS. Last line: ``<B>_vs_<A> ratio <median trajectories/s B / A>``.
 """
 
@@ -55,18 +57,23 @@ MODES = {
     "sync": ["rollout.mode=sync"],
     "async": ["rollout.mode=async"],
     "colocated": ["rollout.mode=async", "placement.mode=colocated"],
+    "overlap": ["rollout.mode=async", "placement.mode=colocated", "placement.colocated_staleness=1"],
 }
-COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated")}
+COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "overlap": ("colocated", "overlap")}
 SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
 MEMORY = ('rollwave_engine_memory_bytes{kind="weights"}', 'rollwave_engine_memory_bytes{kind="kv_cache"}')
 
 
 def placement(mode: str, pinned: bool) -> list[str]:
     """The demo's placement: the rollout server and engine on the first usable CPU, the trainer on the last;
-    colocated, each on all of them in its turn."""
+    colocated, each on all of them in its turn; overlapped, both on all of them at once, one thread each (two
+    each would thrash)."""
     cpus = sorted(os.sched_getaffinity(0))
     if not pinned or len(cpus) < 2:
         return ["engine.threads=1", "trainer.threads=1"]
+    if mode == "overlap":
+        return [f"placement.rollout_cpus={cpus}", f"placement.trainer_cpus={cpus}", "engine.threads=1",
+                "trainer.threads=1"]
     if mode == "colocated":
         return [f"placement.rollout_cpus={cpus}", f"placement.trainer_cpus={cpus}"]
     return [f"placement.rollout_cpus=[{cpus[0]}]", f"placement.trainer_cpus=[{cpus[-1]}]"]
@@ -74,7 +81,7 @@ def placement(mode: str, pinned: bool) -> list[str]:
 
 class EngineMemory(threading.Thread):
     """Samples the engine's weight and KV bytes through the rollout server's metrics proxy while the trainer
-    holds the device (colocated: its turn; decoupled: always); ``peak`` is the largest sum seen."""
+    holds the device (colocated: its turn; decoupled or overlapped: always); ``peak`` is the largest sum seen."""
 
     def __init__(self, metrics_address: str, turns: DeviceTurns | None) -> None:
         super().__init__(daemon=True)
@@ -119,8 +126,9 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
             registry = ServerRegistry(client, keys)
             while not registry.live_servers():
                 time.sleep(0.2)
+            turns = cfg.placement.mode == "colocated" and cfg.placement.colocated_staleness == 0
             memory = EngineMemory(registry.live_servers()[0].metrics_address,
-                                  DeviceTurns(client, keys) if mode == "colocated" else None)
+                                  DeviceTurns(client, keys) if turns else None)
             memory.start()
             started = time.monotonic()
             queue.submit("bench", [t.model_dump() for t in tasks], "train", spec.model_dump_json())
@@ -163,7 +171,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="runs of each mode, in alternating order")
     p.add_argument("--no-placement", action="store_true", help="pin nothing (one torch thread per component)")
     p.add_argument("--compare", choices=sorted(COMPARE), default="sync",
-                   help="sync: sync against async; colocated: decoupled async against colocated")
+                   help="sync: sync against async; colocated: decoupled async against colocated; overlap: "
+                   "colocated against its one-step overlap")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
     first, second = COMPARE[args.compare]

@@ -114,7 +114,8 @@ async def serve(cfg: Config) -> None:
         if cfg.placement.mode == "colocated":  # weights come as local pushes: no receiver
             turns = EngineTurns(DeviceTurns(client, Keys(cfg.run.name)), EngineGroup(engines), worker.consumer,
                                 lambda: worker.info.version, partial(setattr, worker.info, "version"),
-                                asyncio.to_thread, metrics, cfg.placement.colocated_timeout_s)
+                                asyncio.to_thread, metrics, cfg.placement.colocated_timeout_s,
+                                swap_pause=cfg.checkpoint.swap_pause)
         else:
             receiver = ReceiverThread(
                 cfg.checkpoint, model, urls, worker.consumer, cfg.rollout.grpc_host, cfg.rollout.grpc_port,

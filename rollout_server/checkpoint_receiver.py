@@ -294,7 +294,7 @@ class CheckpointService:
         limit = self.config.pause_timeout_s
         if not (path / ADAPTER_CONFIG).is_file():
             await self._prepare(path)
-        pause = asyncio.ensure_future(self.engine.pause("in_place" if self.config.kv_on_swap == "keep" else "retract"))
+        pause = asyncio.ensure_future(self.engine.pause(self.config.swap_pause))
         try:
             await asyncio.wait_for(asyncio.shield(pause), limit)
         except EngineError as exc:

@@ -4,7 +4,8 @@ When the trainer takes the device, the engines pause (retracting what runs), rel
 and the server reports it. When the trainer gives the device back, the engines resume their weights, load the
 ones the trainer wrote (a local push: a directory on this host, no gRPC), resume the rest and continue; the
 server then serves that version, so staleness admission opens the next batch. The engines never continue
-while released (the embedded engine refuses to), so nothing is generated during training.
+while released (the embedded engine refuses to), so nothing is generated during training. With the one-step
+overlap the trainer never takes the device: the engines keep generating and only pause around each load.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class EngineTurns:
         call: Callable[..., Awaitable[Any]],
         metrics: RolloutMetrics,
         warn_after_s: float,
+        swap_pause: str = "retract",
     ) -> None:
         self.turns = turns
         self.engines = engines
@@ -47,6 +49,7 @@ class EngineTurns:
         self._call = call
         self.metrics = metrics
         self.warn_after_s = warn_after_s
+        self.swap_pause = swap_pause  # around a load while the engines hold their memory (checkpoint.kv_on_swap)
         self.released_for: int | None = None  # the trainer step the engines are released for
 
     async def run(self) -> None:
@@ -77,12 +80,12 @@ class EngineTurns:
 
     async def take_back(self, turn: Turn) -> None:
         """Resume and load ``turn``'s weights (SGLang's order: weights, load, the rest), then continue; a server
-        not released (it missed the turn, or just started) only pauses around the load."""
+        not released (the overlap; or it missed the turn, or just started) only pauses around the load."""
         released = self.released_for is not None
         if released:
             await self.engines.resume_memory(["weights"])
         else:
-            await self.engines.pause("retract")
+            await self.engines.pause(self.swap_pause)
         await self.engines.update_weights_from_disk(turn.path, str(turn.version))
         if released:
             await self.engines.resume_memory(REST)

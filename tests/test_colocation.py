@@ -1,7 +1,8 @@
 """Colocated placement with real parts: Redis, the embedded engine, the rollout server's ``EngineTurns`` and the
 trainer's ``LocalPusher``. The test plays the trainer's loop (take the device, write new weights, give it back)
 while requests keep arriving at the engine, and checks the order of the engine calls, that nothing is generated
-while the engine is released, that the weights served are the ones written, and the memory held while training.
+while the engine is released, that the weights served are the ones written, and the memory held while training;
+with the one-step overlap, that the engine keeps its memory and generates while the trainer trains.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class RecordingEngine(EngineClient):
         self.calls: list[str] = []
 
     async def pause(self, mode: str = "retract") -> None:
-        self.calls.append("pause")
+        self.calls.append(f"pause {mode}")
         await super().pause(mode)
 
     async def release_memory(self, tags: list[str] | None = None) -> None:
@@ -82,17 +83,22 @@ async def until(check, what: str, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["staleness0", "overlap"])
 def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
-    redis_server, tiny_model_dir: Path, tmp_path: Path
+    redis_server, tiny_model_dir: Path, tmp_path: Path, overlap: bool
 ) -> None:
+    """Staleness 0: the engine releases its memory for each step and generates nothing meanwhile. The overlap
+    (``placement.colocated_staleness=1``, with ``kv_on_swap: keep``): it keeps its memory and generates while the
+    trainer trains, and only pauses (in place) around each load."""
     client = redis.Redis.from_url(redis_server.url)
     keys = Keys("colo")
     turns = DeviceTurns(client, keys)
     registry = ServerRegistry(client, keys, ttl_s=60)
-    staleness = StalenessControl(client, keys, BufferConfig(max_staleness=0))
+    staleness = StalenessControl(client, keys, BufferConfig(max_staleness=int(overlap)))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    pusher = LocalPusher(tmp_path / "push", tiny_model_dir, turns, registry, staleness.set_version, timeout_s=60)
+    pusher = LocalPusher(tmp_path / "push", tiny_model_dir, turns, registry, staleness.set_version, timeout_s=60,
+                         overlap=overlap)
 
     with EngineProcess(tiny_model_dir, weight_version="0", threads=1) as proc:
         registry.register(ServerInfo("srv-a", engine_url=proc.url))
@@ -100,7 +106,7 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
         served = {"version": 0}
         hand_over = EngineTurns(turns, EngineGroup([engine]), "srv-a", lambda: served["version"],
                                 lambda v: served.__setitem__("version", v), asyncio.to_thread, RolloutMetrics(),
-                                warn_after_s=60)
+                                warn_after_s=60, swap_pause="in_place" if overlap else "retract")
 
         async def load(stop: asyncio.Event, versions: list[list[str]]) -> None:
             """Requests all along, as agent loops send them; each reply's weight versions are kept."""
@@ -113,7 +119,7 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
         async def trainer() -> dict[str, int]:
             pusher.push_model(model)  # the trainer's start: version 0, which the engine already serves
             pusher.give_device(0)
-            generating, training = 0, 0
+            generating, training, during = 0, 0, []
             for step in range(1, STEPS + 1):
                 await until(lambda: metric(proc.url, "rollwave_engine_running_requests") > 0, "generation")
                 generating = max(generating, engine_bytes(proc.url))
@@ -124,11 +130,11 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
                 optimizer.zero_grad(set_to_none=True)
                 await asyncio.sleep(0.3)
                 training = max(training, engine_bytes(proc.url))
-                assert metric(proc.url, "rollwave_engine_generated_tokens_total") == tokens, "generated while released"
+                during.append(metric(proc.url, "rollwave_engine_generated_tokens_total") - tokens)
                 pusher.push_model(model)
                 pusher.give_device(step)
                 await until(lambda s=step: served["version"] == s, f"the server to serve version {step}")
-            return {"generating": generating, "training": training}
+            return {"generating": generating, "training": training, "during": during}
 
         async def run() -> dict[str, int]:
             stop, versions = asyncio.Event(), []
@@ -144,9 +150,14 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
                 await engine.aclose()
 
         seen = asyncio.run(run())
-        per_step = ["pause", "release None", "resume ['weights']", "load {v}", "resume ['kv_cache', 'cuda_graph']",
-                    "continue"]
+        per_step = (["pause in_place", "load {v}", "continue"] if overlap else
+                    ["pause retract", "release None", "resume ['weights']", "load {v}",
+                     "resume ['kv_cache', 'cuda_graph']", "continue"])
         assert engine.calls == [c.format(v=v) for v in range(1, STEPS + 1) for c in per_step]
+        if overlap:
+            assert all(n > 0 for n in seen["during"]), f"tokens generated while training: {seen['during']}"
+        else:
+            assert seen["during"] == [0] * STEPS, f"generated while released: {seen['during']}"
         assert any(v[-1] == str(STEPS) for v in seen["versions"])
         assert staleness.version() == STEPS
 
@@ -158,6 +169,9 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
     assert (got - teacher_forced(model, PROMPT, out["output_ids"], 1.0)).abs().max() <= 1e-4  # the trained weights
     assert sorted(p.name for p in (tmp_path / "push").iterdir()) == [f"v{STEPS - 1}", f"v{STEPS}"]  # older pruned
 
+    if overlap:
+        assert seen["training"] > 0  # the engine kept its weights and KV
+        return
     trainer_bytes = held_bytes(model, optimizer)
     decoupled, colocated = trainer_bytes + seen["generating"], trainer_bytes + seen["training"]
     print(f"held while training: decoupled {decoupled / 2**20:.2f} MiB (trainer {trainer_bytes / 2**20:.2f} + engine "
@@ -185,9 +199,13 @@ def test_a_server_that_does_not_release_fails_the_step_by_name(redis_server, tin
         pusher.give_device(3)
 
 
-def test_colocated_config_is_synchronous_and_refuses_lora() -> None:
+def test_colocated_config_is_synchronous_or_one_step_behind_and_refuses_lora() -> None:
     cfg = load_config(None, ["placement.mode=colocated", "buffer.max_staleness=3"])
     assert cfg.buffer.max_staleness == 0 and cfg.placement.colocated_timeout_s == 600
+    cfg = load_config(None, ["placement.mode=colocated", "placement.colocated_staleness=1", "buffer.max_staleness=3"])
+    assert cfg.buffer.max_staleness == 1
+    with pytest.raises(Exception, match="colocated_staleness"):
+        load_config(None, ["placement.mode=colocated", "placement.colocated_staleness=2"])
     with pytest.raises(Exception, match="model.lora is not supported"):
         load_config(None, ["placement.mode=colocated", "model.lora.rank=4"])
 

@@ -80,7 +80,7 @@ def _connect(
     registry = ServerRegistry(client, keys)
     if colocated:
         local = LocalPusher(local_root, cfg.model.path, DeviceTurns(client, keys), registry, staleness.set_version,
-                            cfg.placement.colocated_timeout_s)
+                            cfg.placement.colocated_timeout_s, overlap=cfg.placement.colocated_staleness == 1)
         local.published = staleness.version()
         return buffer, local, RedisStatus(client, keys)
     pusher = CheckpointPusher(cfg.checkpoint, registered_servers(registry), staleness.set_version,

@@ -5,6 +5,8 @@ safetensors directory on this host (a local push: no gRPC, no snapshot streaming
 device changes hands: rank 0 takes it (every live server's engines release their memory first) and gives it
 back with the newest weights written, which the servers load before they generate again. The version is
 published when it is handed over, so admission opens the next batch only for the weights that will serve it.
+With the one-step overlap (``placement.colocated_staleness=1``) the trainer does not take the device: the
+engines keep generating on the previous weights while it trains, and load each new version when it is given.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class LocalPusher:
         servers: ServerRegistry | None = None,
         set_version: Callable[[int], object] | None = None,
         timeout_s: float = 600.0,
+        overlap: bool = False,
     ) -> None:
         self.root = Path(root)
         self.model_path = Path(model_path)
@@ -49,6 +52,7 @@ class LocalPusher:
         self.servers = servers
         self._set_version = set_version
         self.timeout_s = timeout_s
+        self.overlap = overlap
         self.published = 0
         self.last_pushed = 0
         self.written: tuple[int, Path] | None = None
@@ -90,9 +94,10 @@ class LocalPusher:
 
     def take_device(self, step: int) -> float:
         """Ask for the device for ``step`` and wait until every live server released it (rank 0; other ranks wait
-        at a barrier). Returns the seconds waited; TimeoutError names the servers that did not release."""
+        at a barrier; with the overlap, the engines keep it). Returns the seconds waited; TimeoutError names the
+        servers that did not release."""
         start = time.perf_counter()
-        if self.turns is not None:
+        if self.turns is not None and not self.overlap:
             assert self.servers is not None
             self.turns.take(step)
             self.turns.wait_released(step, self.servers, self.timeout_s)

@@ -179,14 +179,16 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {first: [], second: []}
     for mode in results:
         print(f"{mode} placement: " + " ".join(placement(mode, not args.no_placement)))
-    with tempfile.TemporaryDirectory(prefix="rollwave-e2e-") as tmp:
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None  # staging and local pushes on tmpfs, removed after
+    with tempfile.TemporaryDirectory(prefix="rollwave-e2e-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="rollwave-e2e-stage-", dir=shm) as stage:
         root = Path(tmp)
         base = build_tiny_model(root / "base")
         model = warm_start(base, root / "sft", load_tasks("arith", split="train", limit=2000, seed=1),
                            steps=args.sft_steps)
         for i in range(args.runs):
             for mode in (first, second) if i % 2 == 0 else (second, first):
-                overrides = [*placement(mode, not args.no_placement), *args.overrides]
+                overrides = [*placement(mode, not args.no_placement), f"checkpoint.stage_dir={stage}", *args.overrides]
                 results[mode].append(run_mode(mode, f"e2e-{mode}-{i}", model, root, args.steps, overrides))
                 report(f"{mode} #{i + 1}", results[mode][-1])
     median = {mode: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for mode, runs in results.items()}

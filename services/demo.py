@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import secrets
+import shutil
 import signal
 import sys
 import time
@@ -153,20 +154,23 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
     config_path.write_text(dump_config(cfg))  # secrets masked: the components get theirs in the environment
     auth = {"Authorization": f"Bearer {cfg.api.token.get_secret_value()}"}
     password = cfg.redis.password.get_secret_value() if cfg.redis.password is not None else None
-    with EmbeddedRedis(run_dir / "redis", aof=cfg.redis.aof, password=password) as redis_server:
-        specs = components(cfg, config_path, redis_server.url, trainer_args=())
-        with LocalStack(specs, run_dir / "logs") as stack, \
-                redis.Redis.from_url(redis_server.url, **credentials(cfg.redis)) as client, \
-                httpx.Client(base_url=published_api_url(client, Keys(cfg.run.name)), headers=auth,
-                             timeout=30) as api:
-            _wait_ready(api)
-            before, tools_before = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out before RL", agent)
-            rl_started = time.monotonic()
-            job = _train(api, stack, cfg, timeout_s, agent)
-            rl_seconds = time.monotonic() - rl_started
-            after, tools_after = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out after RL", agent)
-            status = api.get("/v1/status").json()
-            stalls, stalled_s = _generation_stalls(status)
+    try:
+        with EmbeddedRedis(run_dir / "redis", aof=cfg.redis.aof, password=password) as redis_server:
+            specs = components(cfg, config_path, redis_server.url, trainer_args=())
+            with LocalStack(specs, run_dir / "logs") as stack, \
+                    redis.Redis.from_url(redis_server.url, **credentials(cfg.redis)) as client, \
+                    httpx.Client(base_url=published_api_url(client, Keys(cfg.run.name)), headers=auth,
+                                 timeout=30) as api:
+                _wait_ready(api)
+                before, tools_before = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out before RL", agent)
+                rl_started = time.monotonic()
+                job = _train(api, stack, cfg, timeout_s, agent)
+                rl_seconds = time.monotonic() - rl_started
+                after, tools_after = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out after RL", agent)
+                status = api.get("/v1/status").json()
+                stalls, stalled_s = _generation_stalls(status)
+    finally:  # every component has stopped: the run's staging area (local pushes) would hold tmpfs RAM for good
+        shutil.rmtree(cfg.checkpoint.stage_dir / cfg.run.name, ignore_errors=True)
     final = run_dir / "final"
     from trainer.checkpoint import Checkpointer, export_hf
 

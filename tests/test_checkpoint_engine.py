@@ -65,12 +65,11 @@ class Fleet:
     """``size`` engine processes (two by default), each with a checkpoint receiver on this process's background
     event loop; ``config`` overrides the receivers' checkpoint settings."""
 
-    def __init__(self, model_dir: Path, stage_dir: Path, size: int = 2, **config: Any):
+    def __init__(self, model_dir: Path, stage_dir: Path, log_dir: Path, size: int = 2, **config: Any):
         self.model_dir = model_dir
         self.config = CheckpointConfig(token=TOKEN, stage_dir=stage_dir, chunk_bytes=64 << 10, retries=1,
                                        connect_timeout_s=5.0, **config)
-        self.engines = [EngineProcess(model_dir, log_path=stage_dir.with_name(f"{stage_dir.name}-engine{i}.log"))
-                        for i in range(size)]
+        self.engines = [EngineProcess(model_dir, log_path=log_dir / f"engine{i}.log") for i in range(size)]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.clients: list[EngineClient] = []
@@ -192,7 +191,7 @@ def perturbed(model_dir: Path, seed: int, out: Path) -> PreTrainedModel:
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     stage_dir = Path("/dev/shm") / f"rollwave-test-{tmp_path_factory.getbasetemp().name}"
-    fleet = Fleet(tiny_model_dir, stage_dir)
+    fleet = Fleet(tiny_model_dir, stage_dir, tmp_path_factory.mktemp("fleet"))
     try:
         fleet.start()
         yield fleet
@@ -933,8 +932,8 @@ def test_checkpoint_plane_over_mutual_tls(tiny_model_dir: Path, base_model: PreT
     has ``max_version_jump`` 5: a jump of 6 is refused, 5 is taken."""
     pki, other = make_pki(tmp_path / "pki", "rollwave"), make_pki(tmp_path / "other", "other")
     stage_dir = Path("/dev/shm") / f"rollwave-tls-{tmp_path.name}"
-    tls = Fleet(tiny_model_dir, stage_dir, size=1, tls_cert=pki.server_cert, tls_key=pki.server_key, tls_ca=pki.ca,
-                max_version_jump=5)
+    tls = Fleet(tiny_model_dir, stage_dir, tmp_path, size=1, tls_cert=pki.server_cert, tls_key=pki.server_key,
+                tls_ca=pki.ca, max_version_jump=5)
     try:
         tls.start()
         [address], [receiver] = tls.addresses, tls.receivers

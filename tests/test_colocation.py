@@ -255,5 +255,4 @@ def test_colocated_demo_learns(tmp_path: Path) -> None:
     assert summary["steps"] == DEMO_STEPS and summary["groups_trained"] >= DEMO_STEPS * cfg.buffer.groups_per_step
     assert summary["final_policy_version"] == DEMO_STEPS, summary  # staleness 0: one version per step
     assert summary["heldout_accuracy_after"] >= summary["heldout_accuracy_before"] + 0.1, summary
-    pushes = sorted(p.name for p in (tmp_path / "stage" / "colocated" / "local_push").iterdir())
-    assert pushes == [f"v{DEMO_STEPS - 1}", f"v{DEMO_STEPS}"]
+    assert not (tmp_path / "stage" / "colocated").exists()  # the local pushes left tmpfs with the run

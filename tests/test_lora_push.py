@@ -44,7 +44,7 @@ NAME = "policy"  # the receiver's adapter name (model.lora.name's default)
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     stage_dir = Path("/dev/shm") / f"rollwave-lora-{tmp_path_factory.getbasetemp().name}"
-    fleet = Fleet(tiny_model_dir, stage_dir, size=1)
+    fleet = Fleet(tiny_model_dir, stage_dir, tmp_path_factory.mktemp("fleet"), size=1)
     try:
         fleet.start()
         yield fleet

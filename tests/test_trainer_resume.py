@@ -25,7 +25,8 @@ from transformers import AutoModelForCausalLM
 from buffer.keys import TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
-from core.config import BufferConfig, TrainerConfig
+from core.config import BufferConfig, CheckpointConfig, TrainerConfig
+from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.parallel import DistContext, iter_full_params
 from trainer.worker import Trainer
 
@@ -188,3 +189,21 @@ def test_cli_resume_and_hf_export(tiny_model_dir: Path, redis_url: str, tmp_path
     for name, value in exported.named_parameters():
         torch.testing.assert_close(value, uninterrupted["params"][name], rtol=0, atol=0)
     assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+
+
+def test_a_fresh_run_pushes_nothing_at_start_and_a_later_start_pushes_its_weights(
+    ctx: DistContext, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The servers of a fresh run serve the weights it starts from as version 0: a start push would number them 1
+    and keep admission a batch ahead of training all run long. Any other start pushes what the trainer holds, as
+    a version above the one the servers serve."""
+    token = CheckpointConfig(token=secrets.token_urlsafe(32))
+    fresh = CheckpointPusher(token, [])
+    Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path / "fresh", BUFFER, pusher=fresh).start(ctx=ctx).close()
+    assert (fresh.last_pushed, fresh.published) == (0, 0)
+    later = CheckpointPusher(token, [])
+    later.published = 3  # e.g. started over (resume off) after another trainer published version 3
+    Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path / "later", BUFFER, pusher=later).start(ctx=ctx).close()
+    assert later.last_pushed == 4
+    later.close()
+    fresh.close()

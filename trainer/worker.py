@@ -160,8 +160,16 @@ class Trainer:
             self.metrics.step.set(self.step)
             self.metrics.version.set(self.version)
         if self.pusher is not None:
-            self.pusher.published = max(self.pusher.published, self.version)
-            self.pusher.push_model(self.model)
+            published = [max(self.pusher.published, self.version)]  # rank 0 read it from Redis: every rank decides
+            if self.ctx.world_size > 1:
+                dist.broadcast_object_list(published, src=0)
+            self.pusher.published = published[0]
+            # A fresh run's servers already serve the weights it starts from, as version 0. Pushing them again as
+            # version 1 would put admission (a batch per version) one batch ahead of training for the whole run:
+            # a batch generated in every step only to be dropped as stale. A colocated run writes them all the
+            # same: its local push keeps the version, and the device is handed over with it.
+            if self.step > 0 or self.pusher.published > 0 or self.device_share is not None:
+                self.pusher.push_model(self.model)
         if self.device_share is not None:  # the servers serve what this trainer resumes from
             self.device_share.give_device(self.step)
         return self

@@ -198,12 +198,14 @@ def test_a_fresh_run_pushes_nothing_at_start_and_a_later_start_pushes_its_weight
     and keep admission a batch ahead of training all run long. Any other start pushes what the trainer holds, as
     a version above the one the servers serve."""
     token = CheckpointConfig(token=secrets.token_urlsafe(32))
-    fresh = CheckpointPusher(token, [])
-    Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path / "fresh", BUFFER, pusher=fresh).start(ctx=ctx).close()
-    assert (fresh.last_pushed, fresh.published) == (0, 0)
-    later = CheckpointPusher(token, [])
+    fresh, later = CheckpointPusher(token, []), CheckpointPusher(token, [])
     later.published = 3  # e.g. started over (resume off) after another trainer published version 3
-    Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path / "later", BUFFER, pusher=later).start(ctx=ctx).close()
+    try:
+        for name, pusher in (("fresh", fresh), ("later", later)):
+            trainer = Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path / name, BUFFER, pusher=pusher)
+            trainer.start(ctx=ctx).close()
+    finally:
+        fresh.close()
+        later.close()
+    assert (fresh.last_pushed, fresh.published) == (0, 0)
     assert later.last_pushed == 4
-    later.close()
-    fresh.close()

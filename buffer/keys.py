@@ -69,6 +69,16 @@ class Keys:
         return self.prefix + "version"
 
     @property
+    def version_trained(self) -> str:
+        """How many groups the weights of the published ``version`` were trained on (admission's base)."""
+        return self.prefix + "version:trained"
+
+    @property
+    def trained(self) -> str:
+        """Groups acked as trained, by every trainer of the run."""
+        return self.prefix + "trained"
+
+    @property
     def admitted(self) -> str:
         return self.prefix + "admitted"
 

@@ -58,12 +58,11 @@ end
 return fresh
 """
 
-# KEYS: groups stream, group state, admitted counter, consumed ids list. ARGV: job key prefix, dedup window,
-# then (entry id, gid, outcome, job) quadruples; outcome is the job counter: trained, stale_dropped,
-# degenerate_dropped or cancelled (all but trained give their admission slot back); an empty job is looked up in
-# the entry. Only entries still pending count, so acking twice changes nothing. Consumed ids beyond the window
-# leave groups:state.
-# Returns how many were acked.
+# KEYS: groups stream, group state, admitted counter, consumed ids list, trained counter. ARGV: job key prefix,
+# dedup window, then (entry id, gid, outcome, job) quadruples; outcome is the job counter: trained (also counted
+# run-wide), stale_dropped, degenerate_dropped or cancelled (all but trained give their admission slot back);
+# an empty job is looked up in the entry. Only entries still pending count, so acking twice changes nothing.
+# Consumed ids beyond the window leave groups:state. Returns how many were acked.
 _ACK = """
 local acked = 0
 for i = 3, #ARGV, 4 do
@@ -78,7 +77,11 @@ for i = 3, #ARGV, 4 do
     redis.call('XDEL', KEYS[1], id)
     redis.call('HSET', KEYS[2], gid, 't')
     redis.call('RPUSH', KEYS[4], gid)
-    if outcome ~= 'trained' and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
+    if outcome == 'trained' then
+      redis.call('INCR', KEYS[5])
+    elseif tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then
+      redis.call('DECR', KEYS[3])
+    end
     if job ~= '' then redis.call('HINCRBY', ARGV[1] .. job, outcome, 1) end
     acked = acked + 1
   end
@@ -325,7 +328,8 @@ class ReplayBuffer:
         args: list[str | int] = [self.keys.job_prefix, self.config.dedup_window]
         for item in items:
             args += item
-        keys = [self.keys.groups, self.keys.group_state, self.keys.admitted, self.keys.groups_consumed]
+        k = self.keys
+        keys = [k.groups, k.group_state, k.admitted, k.groups_consumed, k.trained]
         acked = int(self._ack(keys, args))
         for entry_id, *_ in items:
             self._held.pop(entry_id, None)

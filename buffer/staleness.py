@@ -2,16 +2,19 @@
 filter on the trainer's. Both read the one ``buffer`` config section (``max_staleness``, ``groups_per_step``,
 ``push_every``).
 
-Admission: a server starts a new train group only while
-``admitted < (min(version, served) + max_staleness + 1) * groups_per_step * push_every``:
-a version spans ``push_every`` trainer steps, so the trainer needs that many steps' groups to reach the next
-one. Checked and incremented in one Lua call, so concurrent servers never overshoot. ``version`` is the
+Admission: a server starts a new train group only while ``admitted < trained(v) + (η + 1) × groups_per_version``,
+``groups_per_version = groups_per_step × push_every`` (a version spans ``push_every`` trainer steps, so the
+trainer needs that many steps' groups to reach the next one). ``v = min(version, served)``: ``version`` is the
 published version (a quorum of servers committed it) and ``served`` the version the admitting server itself
-serves: a server that missed pushes is held to its own weights, so it stops taking work whose every token
-would reach the trainer already stale, and starts again once a push catches it up. An admitted group id is
-remembered until its task is done, so a redelivered task is not admitted twice; a group that never reaches
-training (dead-lettered task, dropped as stale) gives its slot back, so the bound counts groups in flight
-or trained, as AReaL's ``StalenessManager`` does.
+serves. ``trained(v)`` is how many groups the weights of ``v`` were trained on, recorded with each published
+version; a lagging server counts ``groups_per_version`` fewer per version it lags. So a server that missed
+pushes is held to its own weights: it stops taking work whose every token would reach the trainer already
+stale, and starts again once a push catches it up. Counting trained groups, not versions, keeps the bound
+exact when versions and steps part: a resumed trainer publishes the weights it resumed from as a new version,
+trained on no more groups than before. Checked and incremented in one Lua call, so concurrent servers never
+overshoot. An admitted group id is remembered until its task is done, so a redelivered task is not admitted
+twice; a group that never reaches training (dead-lettered task, dropped as stale) gives its slot back, so the
+bound counts groups in flight or trained, as AReaL's ``StalenessManager`` does.
 
 Filter: the trainer drops a group whose oldest generated token came from a policy older than
 ``version - max_staleness``, counted in ``rollwave_buffer_stale_dropped_total``.
@@ -30,14 +33,16 @@ from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
 from core.config import BufferConfig
 
-# KEYS: admitted, version, admitted ids. ARGV: group id, max_staleness, groups per version, served version ('' if
-# unknown).
+# KEYS: admitted, version, admitted ids, version's trained groups. ARGV: group id, max_staleness, groups per version,
+# served version ('' if unknown).
 _ADMIT = """
 if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return 1 end
 local version = tonumber(redis.call('GET', KEYS[2]) or '0')
-if ARGV[4] ~= '' then version = math.min(version, tonumber(ARGV[4])) end
+local lag = 0
+if ARGV[4] ~= '' then lag = math.max(0, version - tonumber(ARGV[4])) end
+local trained = tonumber(redis.call('GET', KEYS[4]) or '0')
 local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
-if admitted < (version + tonumber(ARGV[2]) + 1) * tonumber(ARGV[3]) then
+if admitted < trained + (tonumber(ARGV[2]) + 1 - lag) * tonumber(ARGV[3]) then
   redis.call('INCR', KEYS[1])
   redis.call('HSET', KEYS[3], ARGV[1], '1')
   return 1
@@ -52,12 +57,14 @@ if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then redis.call('DECR', KEYS[
 return 1
 """
 
-# KEYS: version. ARGV: new version. The committed version only goes up; returns the current one.
+# KEYS: version, version's trained groups. ARGV: new version, the groups it was trained on. The committed version
+# only goes up (the same one again, a resumed colocated trainer's, brings its count); returns the current one.
 _SET_VERSION = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
 local new = tonumber(ARGV[1])
-if new > current then
+if new >= current then
   redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[2], ARGV[2])
   return new
 end
 return current
@@ -99,32 +106,37 @@ class StalenessControl:
         self._release = client.register_script(_RELEASE)
         self._set_version = client.register_script(_SET_VERSION)
 
-    def bound(self, version: int, served: int | None = None) -> int:
-        """How many groups may be admitted in all, by a server serving ``served`` (None: unknown)."""
-        if served is not None:
-            version = min(version, served)
-        return (version + self.max_staleness + 1) * self.groups_per_version
+    def bound(self, version: int, trained: int, served: int | None = None) -> int:
+        """How many groups may be admitted in all, by a server serving ``served`` (None: unknown), while the
+        published ``version`` was trained on ``trained`` groups."""
+        lag = 0 if served is None else max(0, version - served)
+        return trained + (self.max_staleness + 1 - lag) * self.groups_per_version
 
     def version(self) -> int:
         """The latest committed policy version (0 before the first commit)."""
         return int(self.redis.get(self.keys.version) or 0)
 
-    def set_version(self, version: int) -> int:
-        """Publish a committed version; an older one is ignored. Returns the version now current."""
-        return int(self._set_version([self.keys.version], [int(version)]))
+    def trained(self) -> int:
+        """Groups acked as trained in this run, by every trainer that ran it (``ReplayBuffer.ack``)."""
+        return int(self.redis.get(self.keys.trained) or 0)
+
+    def set_version(self, version: int, trained: int) -> int:
+        """Publish a committed version whose weights were trained on ``trained`` groups of this run; an older
+        version is ignored. Returns the version now current."""
+        return int(self._set_version([self.keys.version, self.keys.version_trained], [int(version), int(trained)]))
 
     def admitted(self) -> int:
         return int(self.redis.get(self.keys.admitted) or 0)
 
     def capacity(self, served: int | None = None) -> int:
         """How many more groups would be admitted now (a hint; ``try_admit`` is the atomic check)."""
-        version, admitted = self.redis.mget(self.keys.version, self.keys.admitted)
-        return max(0, self.bound(int(version or 0), served) - int(admitted or 0))
+        version, trained, admitted = self.redis.mget(self.keys.version, self.keys.version_trained, self.keys.admitted)
+        return max(0, self.bound(int(version or 0), int(trained or 0), served) - int(admitted or 0))
 
     def try_admit(self, group_id: str, served: int | None = None) -> bool:
         """Admit one group if the bound allows (for a server serving ``served``; None: unknown); a group id
         admitted before is admitted again at no cost."""
-        keys = [self.keys.admitted, self.keys.version, self.keys.admitted_ids]
+        keys = [self.keys.admitted, self.keys.version, self.keys.admitted_ids, self.keys.version_trained]
         args = [group_id, self.max_staleness, self.groups_per_version, "" if served is None else int(served)]
         return bool(self._admit(keys, args))
 

@@ -261,7 +261,7 @@ def test_stale_groups_acked_release_admission(redis_server: EmbeddedRedis) -> No
     r = client(redis_server)
     r.hdel(KEYS.admitted_ids, "job:0:x", "job:1:x")  # their tasks were acked when the groups were written
     buf.put_many([make_group("job", "job:0:x", version=0), make_group("job", "job:1:x", version=1)])
-    st.set_version(1)
+    st.set_version(1, trained=0)
     batch = buf.take(2, 0.1)
     fresh, stale = split_stale(batch, st.version(), st.max_staleness, st.metrics)
     assert [g.group_id for _, g in stale] == ["job:0:x"] and len(fresh) == 1

@@ -53,13 +53,14 @@ def wait_for(predicate, timeout_s: float = 30.0) -> None:
 
 def test_admission_bound_follows_the_version(redis_server: EmbeddedRedis) -> None:
     st = control(redis_server, max_staleness=1, gps=4)
-    assert st.bound(0) == 8 and st.capacity() == 8
+    assert st.bound(0, 0) == 8 and st.capacity() == 8
     assert [st.try_admit(f"g{i}") for i in range(9)] == [True] * 8 + [False]
     assert st.try_admit("g3")  # already admitted: free
     assert st.capacity() == 0 and st.admitted() == 8
-    assert st.set_version(1) == 1
+    assert st.set_version(1, trained=4) == 1
     assert st.capacity() == 4 and st.try_admit("g8")
-    assert st.set_version(0) == 1 and st.version() == 1  # the version never goes back
+    assert st.set_version(0, trained=0) == 1 and st.version() == 1  # the version never goes back
+    assert st.capacity() == 3
     assert st.release("g8") and not st.release("g8") and st.admitted() == 8
     assert all(st.try_admit(f"h{i}") for i in range(4)) and st.capacity() == 0
     assert not st.admit("late", timeout_s=0.05)
@@ -71,17 +72,35 @@ def test_admission_bound_follows_the_version(redis_server: EmbeddedRedis) -> Non
 def test_a_version_spans_push_every_steps_of_groups(redis_server: EmbeddedRedis) -> None:
     cfg = BufferConfig(max_staleness=1, groups_per_step=4, push_every=3)
     st = StalenessControl(client(redis_server), KEYS, cfg)
-    assert st.bound(0) == 24 and st.bound(1) == 36  # (version + η + 1) × 4 groups × 3 steps
+    assert st.bound(0, 0) == 24 and st.bound(1, 12) == 36  # trained + (η + 1) × 4 groups × 3 steps
     assert sum(st.try_admit(f"g{i}") for i in range(30)) == 24
 
+
+def test_the_bound_counts_trained_groups_not_versions(redis_server: EmbeddedRedis) -> None:
+    """A resumed trainer publishes the weights it resumed from as a new version, trained on no more groups than
+    the last one: admission opens nothing for it. The trained count comes from the buffer's acks."""
+    st = control(redis_server, max_staleness=0, gps=2)
+    buf = ReplayBuffer(client(redis_server), KEYS, BufferConfig(max_staleness=0, groups_per_step=2))
+    buf.ensure_group()
+    assert [st.try_admit(f"g{i}") for i in range(3)] == [True, True, False]
+    buf.put_many([make_group("j", f"g{i}") for i in range(2)])
+    items = buf.take(2, timeout_s=5)
+    buf.ack([e for e, _ in items], [g.group_id for _, g in items])
+    assert st.trained() == 2 and st.admitted() == 2
+    st.set_version(1, trained=st.trained())
+    assert [st.try_admit(f"g{i}") for i in range(2, 5)] == [True, True, False]
+    st.set_version(2, trained=st.trained())  # the restart's push: same weights, a new number
+    assert st.capacity() == 0 and not st.try_admit("g4")
+    assert st.bound(2, 2) == 4 == st.bound(1, 2)
 
 def test_a_lagging_server_is_held_to_the_version_it_serves(redis_server: EmbeddedRedis) -> None:
     """Admission uses ``min(published, served)``: a server that missed pushes stops taking work that could only
     reach the trainer stale, and takes it again once a push catches it up."""
     st = control(redis_server, max_staleness=1, gps=4)
-    assert st.set_version(3) == 3
-    assert [st.try_admit(f"g{i}", served=3) for i in range(12)] == [True] * 12  # (3 + 1 + 1) * 4 = 20 allowed
-    assert st.bound(3, served=1) == 12 and st.capacity(served=1) == 0 and st.capacity(served=3) == 8
+    assert st.set_version(3, trained=12) == 3
+    assert [st.try_admit(f"g{i}", served=3) for i in range(12)] == [True] * 12  # 12 + (1 + 1) * 4 = 20 allowed
+    # a server two versions behind counts two versions' groups fewer: 12 - 2 * 4 + (1 + 1) * 4
+    assert st.bound(3, 12, served=1) == 12 and st.capacity(served=1) == 0 and st.capacity(served=3) == 8
     assert not st.try_admit("lag", served=1)
     assert st.try_admit("ahead", served=9)  # a server ahead of the quorum is held to the published version
     served = [1]
@@ -99,13 +118,13 @@ def test_eight_concurrent_producers_never_exceed_the_bound(redis_server: Embedde
         for i in range(8)
     ]
     try:
-        wait_for(lambda: st.admitted() >= st.bound(0))
+        wait_for(lambda: st.admitted() >= st.bound(0, 0))
         time.sleep(0.3)  # all eight keep hammering at the bound
-        assert st.admitted() == st.bound(0) == 24
-        st.set_version(2)
-        wait_for(lambda: st.admitted() >= st.bound(2))
+        assert st.admitted() == st.bound(0, 0) == 24
+        st.set_version(2, trained=16)
+        wait_for(lambda: st.admitted() >= st.bound(2, 16))
         time.sleep(0.3)
-        assert st.admitted() == st.bound(2) == 40
+        assert st.admitted() == st.bound(2, 16) == 40
         r.set("stop", 1)
         counts = [int(p.communicate(timeout=30)[0]) for p in procs]
     finally:

@@ -516,11 +516,10 @@ def test_quorum_publishes_without_an_unreachable_server(
     """Two live servers and one nobody answers at: the version is published once the quorum committed;
     otherwise the error names every server that failed, with its stage and reason."""
     version = fleet.version() + 1
-    written: list[int] = []
     with refused_port() as port:
         dead = f"127.0.0.1:{port}"
         config = fleet.config.model_copy(update={"quorum": quorum, "connect_timeout_s": 1.0})
-        pusher = CheckpointPusher(config, [*fleet.addresses, dead], set_version=written.append)
+        pusher = CheckpointPusher(config, [*fleet.addresses, dead])
         pushed = pusher.push_model(base_model, version=version)
         assert pushed is not None
         pushed.wait(WAIT_S)
@@ -530,7 +529,7 @@ def test_quorum_publishes_without_an_unreachable_server(
     assert f"server {dead} ({dead}): connect: no answer within its 1 s deadline" in by_address[dead].error
     assert all(by_address[a].ok and by_address[a].stage_attempts == 1 for a in fleet.addresses)
     assert fleet.version() == version
-    assert pushed.published == published and written == ([version] if published else [])
+    assert pushed.published == published and pusher.published == (version if published else 0)
     failures = pusher.metrics.registry.get_sample_value(
         "rollwave_trainer_push_failures_total", {"server": dead, "stage": "connect", "reason": "timeout"})
     assert failures == 1
@@ -585,15 +584,16 @@ def test_push_to_registered_servers_records_the_version(fleet: Fleet, base_model
         for i, engine in enumerate(fleet.engines):
             registry.register(ServerInfo(f"server{i}", engine.url, grpc_address=fleet.addresses[i], version=version))
         staleness = StalenessControl(client, keys, BufferConfig(max_staleness=1, groups_per_step=1))
-        pusher = CheckpointPusher(fleet.config, registered_servers(registry), staleness.set_version,
-                                  record=registry.record_push)
-        pushed = pusher.push_model(base_model)  # numbered above the versions the servers report serving
+        pusher = CheckpointPusher(fleet.config, registered_servers(registry), staleness, record=registry.record_push)
+        pushed = pusher.push_model(base_model, unacked=3)  # numbered above the versions the servers report serving
         assert pushed is not None and pushed.version == version + 1
         pushed.wait(WAIT_S)
         pusher.close()
         assert pushed.ok and pushed.published and pusher.published == version + 1
         assert sorted(s.server_id for s in pushed.servers) == ["server0", "server1"]
         assert int(client.get(keys.version)) == version + 1
+        assert int(client.get(keys.version_trained)) == 3  # the groups its weights were trained on, not yet acked
+        assert staleness.capacity() == 3 + (1 + 1) * 1  # trained + (η + 1) × groups per version
         records = registry.pushes()
         assert sorted(records) == ["server0", "server1"]
         assert all(r.ok and not r.straggler and r.version == r.serves == version + 1 for r in records.values())

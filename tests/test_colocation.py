@@ -97,8 +97,7 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
     staleness = StalenessControl(client, keys, BufferConfig(max_staleness=int(overlap)))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    pusher = LocalPusher(tmp_path / "push", tiny_model_dir, turns, registry, staleness.set_version, timeout_s=60,
-                         overlap=overlap)
+    pusher = LocalPusher(tmp_path / "push", tiny_model_dir, turns, registry, staleness, timeout_s=60, overlap=overlap)
 
     with EngineProcess(tiny_model_dir, weight_version="0", threads=1) as proc:
         registry.register(ServerInfo("srv-a", engine_url=proc.url))
@@ -131,7 +130,7 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
                 await asyncio.sleep(0.3)
                 training = max(training, engine_bytes(proc.url))
                 during.append(metric(proc.url, "rollwave_engine_generated_tokens_total") - tokens)
-                pusher.push_model(model)
+                pusher.push_model(model, unacked=step)  # a group a step, none acked yet
                 pusher.give_device(step)
                 await until(lambda s=step: served["version"] == s, f"the server to serve version {step}")
             return {"generating": generating, "training": training, "during": during}
@@ -159,7 +158,7 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
         else:
             assert seen["during"] == [0] * STEPS, f"generated while released: {seen['during']}"
         assert any(v[-1] == str(STEPS) for v in seen["versions"])
-        assert staleness.version() == STEPS
+        assert staleness.version() == STEPS and int(client.get(keys.version_trained)) == STEPS
 
         out = httpx.post(proc.url + "/generate", timeout=60, json={
             "input_ids": PROMPT, "return_logprob": True, "sampling_params": {"max_new_tokens": 8, "temperature": 0}

@@ -188,7 +188,7 @@ def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedR
     time.sleep(1.0)
     assert staleness.admitted() == 1 and r.xlen(KEYS.groups) == 1  # the second task waits for the policy
     assert pending(redis_server, "srv-b") == 0 and r.xlen(KEYS.tasks("train")) == 1
-    staleness.set_version(1)  # a quorum committed version 1, but this server still serves version 0
+    staleness.set_version(1, trained=1)  # a quorum committed version 1, but this server still serves version 0
     time.sleep(1.0)
     assert staleness.admitted() == 1 and pending(redis_server, "srv-b") == 0
     serve_version(engine_url, tiny_model_dir, 1)  # its commit lands: one more group may start

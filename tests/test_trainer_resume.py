@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from buffer.keys import TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
+from buffer.staleness import StalenessControl
 from core.config import BufferConfig, CheckpointConfig, TrainerConfig
 from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.parallel import DistContext, iter_full_params
@@ -209,3 +210,34 @@ def test_a_fresh_run_pushes_nothing_at_start_and_a_later_start_pushes_its_weight
         later.close()
     assert (fresh.last_pushed, fresh.published) == (0, 0)
     assert later.last_pushed == 4
+
+
+def test_each_push_carries_the_groups_its_weights_were_trained_on(
+    ctx: DistContext, tiny_model_dir: Path, redis_url: str, tmp_path: Path
+) -> None:
+    """Admission's base: the buffer's acked count plus the groups trained but not yet acked (acks wait for a
+    checkpoint, every 2 steps here), never one twice. A trainer that dies after step 3 resumes from step 2:
+    its start push counts the 4 groups of steps 1-2 (acked at step 3's read), and it trains step 3's again."""
+    filled = _filled_buffer(redis_url, "trained", steps=4)
+    staleness = StalenessControl(filled.redis, Keys("trained"), BUFFER)
+    token = CheckpointConfig(token=secrets.token_urlsafe(32))
+
+    def run(steps: int, resume: bool, buffer: ReplayBuffer) -> tuple[int, list[tuple[int, int]]]:
+        """(groups of the start push, 0 if none), then (groups pushed, groups acked) after each step."""
+        pusher = CheckpointPusher(token, [], staleness)
+        trainer = Trainer(TrainerConfig(**TRAINER), tiny_model_dir, tmp_path, BUFFER, pusher=pusher)
+        trainer.start(resume=resume, ctx=ctx, source=buffer)
+        try:
+            start = pusher._rounds[pusher.last_pushed].trained if pusher.last_pushed else 0
+            pushed = []
+            for _ in range(steps):
+                groups, _ = trainer.next_batch(buffer)
+                pushed.append((trainer.train(groups)["pushed_trained"], staleness.trained()))
+            return start, pushed
+        finally:
+            trainer.close()
+            pusher.close()
+
+    assert run(3, False, filled) == (0, [(2, 0), (4, 0), (6, 4)])  # acks land at the read after a checkpoint
+    restarted = ReplayBuffer(redis.Redis.from_url(redis_url), Keys("trained"), BufferConfig(), consumer="trainer")
+    assert run(2, True, restarted) == (4, [(6, 4), (8, 4)])

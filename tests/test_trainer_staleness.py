@@ -47,7 +47,8 @@ def test_push_every_k_steps_reaches_total_steps(
         groups, _ = trainer.next_batch(replay)
         record = trainer.train(groups)
         versions.append(record["policy_version"])
-        staleness.set_version(trainer.version)  # what the rollout servers' commit of the pushed version does
+        if trainer.version > staleness.version():  # what the rollout servers' commit of the pushed version does
+            staleness.set_version(trainer.version, trained=trainer.step * GPS)
     trainer.finish(replay)
     trainer.close()
     assert trainer.step == STEPS and trainer.version == STEPS // push_every

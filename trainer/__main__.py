@@ -79,11 +79,11 @@ def _connect(
     staleness = StalenessControl(client, keys, cfg.buffer)
     registry = ServerRegistry(client, keys)
     if colocated:
-        local = LocalPusher(local_root, cfg.model.path, DeviceTurns(client, keys), registry, staleness.set_version,
+        local = LocalPusher(local_root, cfg.model.path, DeviceTurns(client, keys), registry, staleness,
                             cfg.placement.colocated_timeout_s, overlap=cfg.placement.colocated_staleness == 1)
         local.published = staleness.version()
         return buffer, local, RedisStatus(client, keys)
-    pusher = CheckpointPusher(cfg.checkpoint, registered_servers(registry), staleness.set_version,
+    pusher = CheckpointPusher(cfg.checkpoint, registered_servers(registry), staleness,
                               record=registry.record_push, registry=metrics, pin_memory=ctx.device.type == "cuda")
     pusher.published = staleness.version()  # numbering continues above what this run published before
     stack.callback(pusher.close)
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             registry=metrics,
             lora=cfg.model.lora,
             device_share=pusher if isinstance(pusher, LocalPusher) else None,
-        ).start(resume=args.resume, ctx=ctx)
+        ).start(resume=args.resume, ctx=ctx, source=source)
         stack.callback(trainer.close)
         tc = cfg.trainer
         if ctx.is_main and tc.metrics_port is not None:

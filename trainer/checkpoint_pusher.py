@@ -6,7 +6,8 @@ one thread per server streams it (Stage), then commits it, each call with its ow
 (``connect_timeout_s``), Stage (``stage_timeout_s`` + bytes / ``min_throughput_mib_s``) and Commit
 (``commit_timeout_s``). A frozen or slow server therefore costs the trainer nothing; it misses versions.
 
-A version is published (``set_version``: ``rw:<run>:version``, which admission reads) once ``quorum`` of the
+A version is published (``StalenessControl.set_version``: ``rw:<run>:version`` and the groups its weights were
+trained on, which admission reads) once ``quorum`` of the
 servers live at that moment committed it: checked at each commit, and again by the watcher as the live set
 changes (a frozen server that leaves it no longer holds the newest version back). A server that missed
 versions gets only the newest on its next push, never the ones between: a server's thread keeps one pending
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Counter
 
 from buffer.registry import PushRecord, ServerRegistry
+from buffer.staleness import StalenessControl
 from core.checkpoint_auth import NONCE_BYTES, channel_credentials, proof
 from core.checkpoint_format import GRPC_OPTIONS, REASON_KEY, SERVICE
 from core.config import CheckpointConfig
@@ -110,8 +112,9 @@ class PushResult:
 class PushRound:
     """One version's fan-out to the servers that were live when it was taken; ``wait()`` for all of them."""
 
-    def __init__(self, version: int, targets: Sequence[Target], snapshot_seconds: float):
+    def __init__(self, version: int, targets: Sequence[Target], snapshot_seconds: float, trained: int = 0):
         self.version = version
+        self.trained = trained  # groups of the run the weights were trained on, published with the version
         self.targets = list(targets)
         self.snapshot_seconds = snapshot_seconds
         self.results: dict[str, PushResult] = {}
@@ -382,7 +385,7 @@ class CheckpointPusher:
     """Pushes versions to the servers that ``servers()`` lists (``Target``s, or plain ``host:port``s)."""
 
     def __init__(self, config: CheckpointConfig, servers: Sequence[str] | Callable[[], Sequence[Target]],
-                 set_version: Callable[[int], object] | None = None, *,
+                 staleness: StalenessControl | None = None, *,
                  record: Callable[[str, PushRecord], None] | None = None,
                  registry: CollectorRegistry | None = None, pin_memory: bool = False):
         self.config = config
@@ -391,7 +394,7 @@ class CheckpointPusher:
         else:
             static = [Target(a, a, named=False) for a in servers]
             self._servers = lambda: static
-        self._set_version = set_version
+        self._staleness = staleness
         self._record = record
         self.metrics = PushMetrics(registry)
         self.token = config.token.get_secret_value()
@@ -410,12 +413,14 @@ class CheckpointPusher:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
-    def push_model(self, model: torch.nn.Module, version: int | None = None) -> PushRound | None:
+    def push_model(self, model: torch.nn.Module, version: int | None = None, unacked: int = 0
+                   ) -> PushRound | None:
         """Snapshot ``model`` (FSDP2-sharded or plain) as ``version`` (default: the next) and hand it to the
         servers; every rank calls this (the all-gathers are collectives), rank 0 pushes and gets the round,
         others get None. Floating tensors are cast to the dtypes the servers serve (learned from their Status;
         before the first answer the snapshot keeps the model's dtypes and each stream casts). A LoRA model
-        pushes its adapter alone, in the trainer's dtype (the engine casts it)."""
+        pushes its adapter alone, in the trainer's dtype (the engine casts it). ``unacked``: groups trained into
+        the model that the buffer has not counted yet (acks wait for a checkpoint)."""
         lora = is_lora(model)
         params = iter_adapter_params(model) if lora else iter_full_params(model)
         if dist.is_initialized() and dist.get_rank() != 0:
@@ -423,20 +428,24 @@ class CheckpointPusher:
                 pass
             return None
         if lora:
-            return self.push(adapter_metas(model), params, version, adapter_config_json(model))  # type: ignore[arg-type]
-        return self.push(model_metas(model, self.served_dtypes), params, version)  # type: ignore[arg-type]
+            metas, config = adapter_metas(model), adapter_config_json(model)
+        else:
+            metas, config = model_metas(model, self.served_dtypes), ""
+        return self.push(metas, params, version, config, unacked)  # type: ignore[arg-type]
 
     def push(self, metas: Sequence[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],
-             version: int | None = None, adapter_config: str = "") -> PushRound:
+             version: int | None = None, adapter_config: str = "", unacked: int = 0) -> PushRound:
         """Snapshot ``tensors`` (in ``metas`` order) as ``version`` (default: above every version pushed,
         published or served) and offer it to every live server; returns at once. ``adapter_config`` (peft's
-        adapter_config.json) makes it an adapter push, whose delivery each server's commit must verify."""
+        adapter_config.json) makes it an adapter push, whose delivery each server's commit must verify.
+        The groups the tensors were trained on (the buffer's count plus ``unacked``) are published with it."""
         start = time.perf_counter()
+        trained = self._staleness.trained() + unacked if self._staleness is not None else 0
         targets = self._list_servers()
         if version is None:
             version = max([self.last_pushed, self.published, *(t.version for t in targets)]) + 1
         snapshot = take_snapshot(version, metas, tensors, self._pool, adapter_config)
-        rnd = PushRound(version, targets, time.perf_counter() - start)
+        rnd = PushRound(version, targets, time.perf_counter() - start, trained)
         with self._lock:
             self.last_pushed = max(self.last_pushed, version)
             self._rounds[version] = rnd
@@ -516,9 +525,9 @@ class CheckpointPusher:
             with self._lock:
                 self._catch_up(targets)
                 quorum = quorum_of(self.config.quorum, len(targets))
-                ready = [r.version for r in self._rounds.values() if not r.published and r.commits >= quorum]
+                ready = [r for r in self._rounds.values() if not r.published and r.commits >= quorum]
             if ready:
-                self._publish(max(ready))
+                self._publish(max(ready, key=lambda r: r.version))
 
     def _catch_up(self, targets: list[Target]) -> None:
         """Offer the newest version to live servers that lack it and are not backing off; drop the links of
@@ -557,7 +566,7 @@ class CheckpointPusher:
             report = rnd.final and not rnd.published and not rnd.reported
             rnd.reported |= report
         if publish:
-            self._publish(result.version)
+            self._publish(rnd)
         if report and any(not s.ok and not s.skipped for s in rnd.servers):
             self.metrics.unpublished.inc()
             reasons = "; ".join(s.error or f"server {s.server_id}: skipped for a newer version"
@@ -565,7 +574,8 @@ class CheckpointPusher:
             where = f"on {rnd.commits} of {len(rnd.targets)} servers" if rnd.commits else "on no server"
             log.error("version %d not published: committed %s, quorum %d. %s", rnd.version, where, quorum, reasons)
 
-    def _publish(self, version: int) -> None:
+    def _publish(self, published: PushRound) -> None:
+        version = published.version
         with self._lock:
             for rnd in self._rounds.values():
                 rnd.published |= rnd.version <= version
@@ -573,9 +583,9 @@ class CheckpointPusher:
                 return
             self.published = version
         log.info("version %d published", version)
-        if self._set_version is not None:
+        if self._staleness is not None:
             try:
-                self._set_version(version)
+                self._staleness.set_version(version, published.trained)
             except redis.RedisError as exc:
                 log.error("version %d committed by a quorum but not recorded in Redis: %s", version, exc)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from buffer.colocation import DeviceTurns
 from buffer.registry import ServerRegistry
+from buffer.staleness import StalenessControl
 from trainer.checkpoint_pusher import PushResult, PushRound
 from trainer.parallel import iter_full_params
 
@@ -42,7 +42,7 @@ class LocalPusher:
         model_path: Path,
         turns: DeviceTurns | None = None,
         servers: ServerRegistry | None = None,
-        set_version: Callable[[int], object] | None = None,
+        staleness: StalenessControl | None = None,
         timeout_s: float = 600.0,
         overlap: bool = False,
     ) -> None:
@@ -50,24 +50,26 @@ class LocalPusher:
         self.model_path = Path(model_path)
         self.turns = turns
         self.servers = servers
-        self._set_version = set_version
+        self._staleness = staleness
         self.timeout_s = timeout_s
         self.overlap = overlap
         self.published = 0
         self.last_pushed = 0
-        self.written: tuple[int, Path] | None = None
+        self.written: tuple[int, Path, int] | None = None  # version, directory, groups trained on
 
     # ---- Pusher -------------------------------------------------------------------------------
 
-    def push_model(self, model: nn.Module) -> PushRound | None:
+    def push_model(self, model: nn.Module, unacked: int = 0) -> PushRound | None:
         """Write the full weights (every rank gathers; rank 0 writes). The first write keeps the published
-        version (the weights the run resumes from), each later one is the next version."""
+        version (the weights the run resumes from), each later one is the next version. ``unacked``: groups
+        trained into the model that the buffer has not counted yet."""
         params = iter_full_params(model)
         if dist.is_initialized() and dist.get_rank() != 0:
             for _ in params:
                 pass
             return None
         start = time.perf_counter()
+        trained = self._staleness.trained() + unacked if self._staleness is not None else 0
         version = self.published if self.written is None else max(self.last_pushed, self.published) + 1
         out = self.root / f"v{version}"
         partial = self.root / f".v{version}.partial"
@@ -80,9 +82,9 @@ class LocalPusher:
             shutil.copy(config, partial / "config.json")
         shutil.rmtree(out, ignore_errors=True)
         partial.rename(out)
-        self.written, self.last_pushed = (version, out), version
+        self.written, self.last_pushed = (version, out, trained), version
         self._prune()
-        return PushRound(version, [], time.perf_counter() - start)
+        return PushRound(version, [], time.perf_counter() - start, trained)
 
     def take_results(self) -> list[PushResult]:
         return []
@@ -111,11 +113,11 @@ class LocalPusher:
             return
         if self.written is None:
             raise RuntimeError("give_device before any weights were written: push_model first")
-        version, path = self.written
+        version, path, trained = self.written
         self.turns.give(step, version, str(path))
         self.published = max(self.published, version)
-        if self._set_version is not None:
-            self._set_version(version)
+        if self._staleness is not None:
+            self._staleness.set_version(version, trained)
 
     def _prune(self) -> None:
         keep = {f"v{v}" for v in range(self.last_pushed - KEEP_VERSIONS + 1, self.last_pushed + 1)}

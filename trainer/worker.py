@@ -69,7 +69,7 @@ class Pusher(Protocol):
 
     published: int
 
-    def push_model(self, model: nn.Module) -> PushRound | None: ...
+    def push_model(self, model: nn.Module, *, unacked: int = 0) -> PushRound | None: ...
 
     def take_results(self) -> list[PushResult]: ...
 
@@ -122,8 +122,11 @@ class Trainer:
         self._drained = False
         self._log: MetricsLog | None = None
 
-    def start(self, resume: bool = False, ctx: DistContext | None = None) -> Trainer:
-        """Join the process group, load and shard the model, and restore the latest checkpoint if asked."""
+    def start(self, resume: bool = False, ctx: DistContext | None = None, source: GroupSource | None = None
+              ) -> Trainer:
+        """Join the process group, load and shard the model, and restore the latest checkpoint if asked. Rank 0's
+        ``source`` acks the groups the checkpoint covers before the start push, which counts what its weights
+        were trained on (without it, covered groups that were acked before are counted again)."""
         self.ctx = ctx or init_distributed(self.cfg.device)
         adapter = partial(add_adapter, lora=self.lora, base_model=str(self.model_path)) if self.lora else None
         self.model = load_model(self.model_path, self.ctx, prepare=adapter)
@@ -153,6 +156,8 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", self.cfg.keep_checkpoints)
         if resume:
             self.restore()
+            if source is not None and self.ctx.is_main:
+                self.ack_checkpointed(source)
         elif self.checkpointer.latest() is not None:
             log.warning("%s holds checkpoints but resume is off: starting over", self.checkpointer.root)
         if self.ctx.is_main:
@@ -164,12 +169,12 @@ class Trainer:
             if self.ctx.world_size > 1:
                 dist.broadcast_object_list(published, src=0)
             self.pusher.published = published[0]
-            # A fresh run's servers already serve the weights it starts from, as version 0. Pushing them again as
-            # version 1 would put admission (a batch per version) one batch ahead of training for the whole run:
-            # a batch generated in every step only to be dropped as stale. A colocated run writes them all the
-            # same: its local push keeps the version, and the device is handed over with it.
+            # A fresh run's servers already serve the weights it starts from, as version 0: pushing them again
+            # would be a whole push for nothing. A colocated run writes them all the same: its local push keeps
+            # the version, and the device is handed over with it. Any other start pushes what it resumed from,
+            # trained on the groups its checkpoint covers (acked above), so admission opens nothing for it.
             if self.step > 0 or self.pusher.published > 0 or self.device_share is not None:
-                self.pusher.push_model(self.model)
+                self.pusher.push_model(self.model, unacked=len(self._covered))
         if self.device_share is not None:  # the servers serve what this trainer resumes from
             self.device_share.give_device(self.step)
         return self
@@ -286,10 +291,11 @@ class Trainer:
         if self.pusher is None:
             self.version += 1
             return {}
-        pushed = self.pusher.push_model(self.model)
+        pushed = self.pusher.push_model(self.model, unacked=len(self._unacked) + len(self._covered))
         if pushed is None:
             return {}
-        return {"pushed_version": pushed.version, "push_snapshot_s": pushed.snapshot_seconds}
+        return {"pushed_version": pushed.version, "pushed_trained": pushed.trained,
+                "push_snapshot_s": pushed.snapshot_seconds}
 
     def _push_outcomes(self) -> dict[str, Any]:
         """Pushes that finished since the last step: their commit pauses and failures."""

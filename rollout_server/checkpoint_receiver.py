@@ -111,10 +111,12 @@ class CheckpointService:
 
     def __init__(self, config: CheckpointConfig, model_dir: Path, stage_root: Path, engine: WeightEngine,
                  engine_url: str, version: int, metrics: CheckpointMetrics, *, server_id: str,
-                 adapter_name: str = "policy", on_adapter: Callable[[str | None], None] | None = None):
+                 adapter_name: str = "policy", on_adapter: Callable[[str | None], None] | None = None,
+                 on_commit: Callable[[int], None] | None = None):
         self.config = config
         self.adapter_name = adapter_name
         self.on_adapter = on_adapter or (lambda _name: None)
+        self.on_commit = on_commit or (lambda _version: None)  # the worker admits by the version it serves
         self.adapter_checksum = ""  # of the adapter served; "" while full weights serve
         self.model_dir = Path(model_dir)
         self.stage_root = Path(stage_root)
@@ -266,6 +268,7 @@ class CheckpointService:
                 old = state.current_dir
                 state.current, state.current_dir = version, path
                 self.metrics.version.set(version)
+                self.on_commit(version)
             elif state.staged_dir is None:  # keep it staged so the pusher can retry the Commit
                 old, state.staged, state.staged_dir = None, version, path
             else:  # a newer version was staged meanwhile
@@ -440,7 +443,8 @@ class CheckpointReceiver:
     def __init__(self, config: CheckpointConfig, model_dir: Path, engine: WeightEngine, engine_url: str,
                  server_name: str, host: str = "127.0.0.1", port: int = 0, version: int = 0,
                  metrics: CheckpointMetrics | None = None, adapter_name: str = "policy",
-                 on_adapter: Callable[[str | None], None] | None = None):
+                 on_adapter: Callable[[str | None], None] | None = None,
+                 on_commit: Callable[[int], None] | None = None):
         self.config = config
         self.host = host
         self.port = port
@@ -448,7 +452,8 @@ class CheckpointReceiver:
         stage_root = Path(config.stage_dir) / server_name
         shutil.rmtree(stage_root, ignore_errors=True)
         self.service = CheckpointService(config, model_dir, stage_root, engine, engine_url, version, self.metrics,
-                                         server_id=server_name, adapter_name=adapter_name, on_adapter=on_adapter)
+                                         server_id=server_name, adapter_name=adapter_name, on_adapter=on_adapter,
+                                         on_commit=on_commit)
         self._server: grpc.aio.Server | None = None
 
     @property
@@ -504,10 +509,11 @@ class ReceiverThread:
     def __init__(self, config: CheckpointConfig, model_dir: Path, engine_urls: list[str], server_name: str,
                  host: str, port: int, metrics: CheckpointMetrics, timeout_s: float = 600.0,
                  engine_api_key: str | None = None, adapter_name: str = "policy",
-                 on_adapter: Callable[[str | None], None] | None = None):
+                 on_adapter: Callable[[str | None], None] | None = None,
+                 on_commit: Callable[[int], None] | None = None):
         self._make = lambda engine: CheckpointReceiver(
             config, model_dir, engine, engine_urls[0], server_name, host=host, port=port, metrics=metrics,
-            adapter_name=adapter_name, on_adapter=on_adapter,
+            adapter_name=adapter_name, on_adapter=on_adapter, on_commit=on_commit,
         )
         self._urls = engine_urls
         self._timeout_s = timeout_s

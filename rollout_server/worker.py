@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 READ_BLOCK_MS = 500
+ADMISSION_POLL_MS = 50  # how long a read waits while only admission keeps train slots empty (room opens at a push)
 MAX_CACHED_LOOPS = 64
 TRAJECTORY_LOG_LEN = 20_000  # per job, for inspection through the API
 
@@ -111,14 +112,15 @@ class RolloutWorker:
         beat = asyncio.create_task(self._heartbeat_loop())
         try:
             while not self._stopping.is_set():
-                wanted = await self._free_slots()
+                wanted, admission_shut = await self._free_slots()
+                wait_ms = ADMISSION_POLL_MS if admission_shut else READ_BLOCK_MS
                 if not wanted:
-                    await asyncio.wait(list(self._inflight), timeout=READ_BLOCK_MS / 1000,
+                    await asyncio.wait(list(self._inflight), timeout=wait_ms / 1000,
                                        return_when=asyncio.FIRST_COMPLETED)
                     continue
                 entries: list[TaskEntry] = []
                 for i, (kind, count) in enumerate(wanted):
-                    block = READ_BLOCK_MS if i == len(wanted) - 1 and not entries else 0
+                    block = wait_ms if i == len(wanted) - 1 and not entries else 0
                     entries += await self._call(self.tasks.read, self.consumer, count, block, (kind,))
                 for entry in entries:
                     task = asyncio.create_task(self._handle(entry), name=f"group {entry.group_id}")
@@ -129,15 +131,17 @@ class RolloutWorker:
             beat.cancel()
             await self._close()
 
-    async def _free_slots(self) -> list[tuple[str, int]]:
-        """(kind, how many to read): eval first; train only while staleness admission has room.
-        Eval groups have their own limit: they are usually one greedy sample each."""
+    async def _free_slots(self) -> tuple[list[tuple[str, int]], bool]:
+        """(kind, how many to read), eval first, train only while staleness admission has room; and whether
+        admission alone keeps train slots empty. Eval groups have their own limit: they are usually one greedy
+        sample each."""
         n_eval = sum(1 for e in self._inflight.values() if e.kind == "eval")
         free = [("eval", self.config.max_concurrent_eval_groups - n_eval)]
         free_train = self.config.max_concurrent_groups - (len(self._inflight) - n_eval)
-        if free_train > 0 and await self._call(self.staleness.capacity, self.info.version) > 0:
+        shut = free_train > 0 and await self._call(self.staleness.capacity, self.info.version) == 0
+        if free_train > 0 and not shut:
             free.append(("train", free_train))
-        return [(kind, n) for kind, n in free if n > 0]
+        return [(kind, n) for kind, n in free if n > 0], shut
 
     async def _start(self) -> None:
         await self._call(self.tasks.ensure_groups)

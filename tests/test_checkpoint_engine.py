@@ -74,6 +74,7 @@ class Fleet:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.clients: list[EngineClient] = []
         self.receivers: list[CheckpointReceiver] = []
+        self.committed: list[list[int]] = [[] for _ in range(size)]  # each receiver's on_commit calls
 
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(WAIT_S)
@@ -86,7 +87,8 @@ class Fleet:
         async def receivers() -> None:
             for i, engine in enumerate(self.engines):
                 client = EngineClient(engine.url)
-                receiver = CheckpointReceiver(self.config, self.model_dir, client, engine.url, f"server{i}")
+                receiver = CheckpointReceiver(self.config, self.model_dir, client, engine.url, f"server{i}",
+                                              on_commit=self.committed[i].append)
                 await receiver.start()
                 self.clients.append(client)
                 self.receivers.append(receiver)
@@ -547,6 +549,7 @@ def test_failed_load_continues_on_old_weights_and_reports(fleet: Fleet, base_mod
     before = [greedy_engine(e.url) for e in fleet.engines]
     version = fleet.version()
     address = fleet.addresses[0]
+    committed = len(fleet.committed[0])
     stage_raw(address, snapshot_of(base_model, version + 1).chunks(4096))
     staged = fleet.receivers[0].service.stage_root / f"v{version + 1}"
     (staged / "model.safetensors").unlink()
@@ -569,6 +572,7 @@ def test_failed_load_continues_on_old_weights_and_reports(fleet: Fleet, base_mod
     catch_up.close()
     assert fleet.status(0).current_version == version + 1
     assert fleet.pusher().push_model(base_model, version=version + 2).wait(WAIT_S).ok  # both level again
+    assert fleet.committed[0][committed:] == [version + 1, version + 2]  # the worker hears of loads, not failures
 
 
 def test_push_to_registered_servers_records_the_version(fleet: Fleet, base_model: PreTrainedModel,

@@ -55,6 +55,9 @@ def test_a_frozen_server_never_stops_training(tmp_path: Path, tiny_model_dir: Pa
         tmp_path, "frozen", tiny_model_dir, "rollout.heartbeat_s=2", "trainer.total_steps=100000",
         "trainer.checkpoint_every=5", "checkpoint.connect_timeout_s=2", "checkpoint.stage_timeout_s=5",
         "checkpoint.commit_timeout_s=10", "api.port=0",
+        # Admission (η + 1 steps of 4 groups) shares 8 groups among the live servers; each has room for all 8, so
+        # the one left running can take the frozen one's share (its engine batches 16 sequences).
+        "rollout.max_concurrent_groups=8",
     )
     keys = Keys(cfg.run.name)
     client = redis.Redis.from_url(server.url)

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from buffer_helpers import client
 from net_helpers import bound_socket, refused_port
+from transformers import AutoModelForCausalLM
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
@@ -27,11 +28,12 @@ from buffer.registry import ServerRegistry
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
-from core.config import BufferConfig
+from core.config import BufferConfig, CheckpointConfig
 from core.jobs import JobSpec, TaskSource
 from core.tasks import load_tasks
 from rollout_server.engine.process import EngineProcess
 from rollout_server.metrics import RolloutMetrics
+from trainer.checkpoint_pusher import CheckpointPusher
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = Keys("t")
@@ -173,7 +175,9 @@ def serve_version(engine_url: str, model: Path, version: int) -> None:
 
 
 def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedRedis, workers, engine_url: str,
-                                                         tiny_model_dir: Path) -> None:
+                                                         tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Admission holds a server to the version it serves, and a push it commits opens room at once: the
+    heartbeat, which also reads the engine's version, is stretched past the test's length."""
     r = client(redis_server)
     q = TaskQueue(r, KEYS, BufferConfig())
     q.ensure_groups()
@@ -181,7 +185,8 @@ def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedR
     gids = submit(redis_server, "job", 2)
     staleness = StalenessControl(r, KEYS, BufferConfig(max_staleness=0, groups_per_step=1))  # bound 1 at version 0
     w = workers("srv-b", "buffer.max_groups=1", "buffer.max_staleness=0", "buffer.groups_per_step=1",
-                "rollout.max_concurrent_groups=1", "rollout.shutdown_grace_s=0.5")
+                "rollout.max_concurrent_groups=1", "rollout.shutdown_grace_s=0.5", "rollout.heartbeat_s=600",
+                "buffer.claim_idle_ms=600000", f"checkpoint.stage_dir={tmp_path / 'stage'}")
     wait_for(lambda: r.xlen(KEYS.groups) == 1 and r.xlen(KEYS.tasks_dead) == 1, w)
     [(_, dead)] = r.xrange(KEYS.tasks_dead)
     assert dead[b"gid"] == b"bad:0:empty" and b"invalid task" in dead[b"error"]
@@ -191,7 +196,14 @@ def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedR
     staleness.set_version(1, trained=1)  # a quorum committed version 1, but this server still serves version 0
     time.sleep(1.0)
     assert staleness.admitted() == 1 and pending(redis_server, "srv-b") == 0
-    serve_version(engine_url, tiny_model_dir, 1)  # its commit lands: one more group may start
+    [info] = ServerRegistry(r, KEYS).live_servers()
+    pusher = CheckpointPusher(CheckpointConfig(token=CHECKPOINT_TOKEN, stage_dir=tmp_path / "push"),
+                              [info.grpc_address])
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        assert pusher.push_model(model, version=1).wait(60).ok  # its commit lands: one more group may start
+    finally:
+        pusher.close()
     try:
         wait_for(lambda: pending(redis_server, "srv-b") == 1, w)  # rolled out, waiting for room in the buffer
     finally:

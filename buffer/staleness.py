@@ -2,12 +2,13 @@
 filter on the trainer's. Both read the one ``buffer`` config section (``max_staleness``, ``groups_per_step``,
 ``push_every``).
 
-Admission: a server starts a new train group only while ``admitted < trained(v) + (η + 1) × groups_per_version``,
-``groups_per_version = groups_per_step × push_every`` (a version spans ``push_every`` trainer steps, so the
-trainer needs that many steps' groups to reach the next one). ``v = min(version, served)``: ``version`` is the
-published version (a quorum of servers committed it) and ``served`` the version the admitting server itself
-serves. ``trained(v)`` is how many groups the weights of ``v`` were trained on, recorded with each published
-version; a lagging server counts ``groups_per_version`` fewer per version it lags. So a server that missed
+Admission: a server starts a new train group only while
+``admitted < trained(version) + (η + 1 − lag) × groups_per_version``, ``groups_per_version = groups_per_step ×
+push_every`` (a version spans ``push_every`` trainer steps, so the trainer needs that many steps' groups to
+reach the next one). ``version`` is the published version (a quorum of servers committed it) and
+``trained(version)`` how many groups its weights were trained on, recorded with it. ``lag = max(0, version −
+served)``, ``served`` being the version the admitting server itself serves: a lagging server counts
+``groups_per_version`` fewer per version it lags. So a server that missed
 pushes is held to its own weights: it stops taking work whose every token would reach the trainer already
 stale, and starts again once a push catches it up. Counting trained groups, not versions, keeps the bound
 exact when versions and steps part: a resumed trainer publishes the weights it resumed from as a new version,

@@ -4,7 +4,7 @@
     receiver reports it) against np.copyto of the same number of bytes, both into a warm,
     preallocated buffer and into fresh pages (np.empty each time, so page faults are included).
 (b) Stage throughput (pusher in this process -> gRPC -> receiver process writing the staged
-    safetensors on tmpfs, crc32s on both sides; timed by the receiver, from the manifest to the
+    safetensors on tmpfs, xxh3 digests on both sides; timed by the receiver, from the manifest to the
     trailer, since the pusher streams in the background) against raw loopback TCP moving the same bytes
     (sendall of 1 MiB slices -> recv_into a reused buffer in another process). For reference it
     also times a bare gRPC stream of the same 1 MiB messages into a sink that only counts them.
@@ -336,7 +336,7 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
     print(f"    pause / memcpy into fresh pages: {med(pause) / fresh:.2f}x (goal <= 3x against warm)")
     print(f"(b) stage {stage_gbs:.2f} GB/s (median of {pushes}: {', '.join(f'{s:.2f}s' for s in stage)}), "
           f"raw loopback TCP {tcp_gbs:.2f} GB/s ({', '.join(f'{s:.2f}s' for s in tcp)})")
-    print(f"    bare gRPC stream of 1 MiB messages (no crc32, no file) {gb / med(bare):.2f} GB/s, "
+    print(f"    bare gRPC stream of 1 MiB messages (no digests, no file) {gb / med(bare):.2f} GB/s, "
           f"{tcp_gbs / (gb / med(bare)):.1f}x slower than raw TCP on its own")
     print(f"(c) LoRA rank {lora_rank} adapter ({lora_bytes / 2**20:.1f} MiB fp32): commit pause median "
           f"{med(lora_pause) * 1e3:.1f} ms ({', '.join(f'{s * 1e3:.1f}' for s in lora_pause)} ms), full push "

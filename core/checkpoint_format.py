@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
+import xxhash
 
 from core.lora import PREFIX as LORA_PREFIX
 from proto import checkpoint_pb2 as pb
@@ -27,12 +27,13 @@ _FROM_SAFETENSORS = {st: name for name, (st, _) in DTYPES.items()}
 _FLOATING = ("float32", "bfloat16", "float16")
 SERVICE = pb.DESCRIPTOR.services_by_name["CheckpointEngine"].full_name
 REASON_KEY = "rollwave-reason"  # trailing metadata of a refused call: why, in one word (the metrics' reason label)
+MODEL_WEIGHTS = "model.safetensors"  # the one weights file of a staged full-model version
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
-def trailer_checksum(crcs: Sequence[int]) -> str:
-    """The stream checksum: crc32 of the per-tensor crc32s as little-endian u32 words, 8 hex digits."""
-    return f"{zlib.crc32(struct.pack(f'<{len(crcs)}I', *crcs)):08x}"
+def trailer_checksum(digests: Sequence[int]) -> str:
+    """The stream checksum: xxh3_64 of the per-tensor digests as little-endian u64 words, 16 hex digits."""
+    return f"{xxhash.xxh3_64_intdigest(struct.pack(f'<{len(digests)}Q', *digests)):016x}"
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
@@ -183,7 +184,7 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 class StagedFile:
-    """Writes ``model.safetensors`` straight from chunks: header from the manifest, bytes at their offsets."""
+    """Writes a staged weights file straight from chunks: header from the manifest, bytes at their offsets."""
 
     def __init__(self, path: Path, manifest: pb.Manifest):
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -196,15 +197,17 @@ class StagedFile:
         self.total = manifest.total_bytes
         self.base = 8 + len(raw)
         self.received = 0
-        self.crcs = [0] * len(self.tensors)
+        self.digests = [xxhash.xxh3_64() for _ in self.tensors]
         self._index = 0
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # An existing file at ``path`` is overwritten in place: its tmpfs pages are reused, not zeroed again.
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.ftruncate(self._fd, self.base + self.total)
         os.write(self._fd, struct.pack("<Q", len(raw)) + raw)
         # Allocating the tmpfs pages in one call is ~10x cheaper than faulting them in chunk by chunk.
         os.posix_fallocate(self._fd, 0, self.base + self.total)
 
     def write(self, offset: int, data: memoryview) -> None:
-        """Append one slice; chunks must arrive in offset order (the crc32s are computed on the fly)."""
+        """Append one slice; chunks must arrive in offset order (the digests are computed on the fly)."""
         if offset != self.received or offset + len(data) > self.total:
             raise StageError("offsets", f"chunk at offset {offset} with {len(data)} bytes; expected offset "
                                         f"{self.received}, payload is {self.total} bytes")
@@ -216,22 +219,23 @@ class StagedFile:
             if end <= 0:
                 self._index += 1
                 continue
-            self.crcs[self._index] = zlib.crc32(view[pos:pos + end], self.crcs[self._index])
+            self.digests[self._index].update(view[pos:pos + end])
             pos += end
         self.received += len(data)
 
     def finish(self, trailer: pb.Trailer) -> None:
-        """Check the byte count and every tensor's crc32 against the trailer."""
+        """Check the byte count and every tensor's xxh3 digest against the trailer."""
         if self.received != self.total:
             raise StageError("stream", f"stream ended after {self.received} of {self.total} bytes")
-        if len(trailer.crc32) != len(self.tensors):
-            raise StageError("checksum", f"trailer has {len(trailer.crc32)} crc32s for "
+        if len(trailer.xxh3) != len(self.tensors):
+            raise StageError("checksum", f"trailer has {len(trailer.xxh3)} xxh3 digests for "
                                          f"{len(self.tensors)} tensors")
-        for t, got, want in zip(self.tensors, self.crcs, trailer.crc32, strict=True):
+        digests = [d.intdigest() for d in self.digests]
+        for t, got, want in zip(self.tensors, digests, trailer.xxh3, strict=True):
             if got != want:
-                raise StageError("checksum", f"tensor {t.name}: crc32 {got:08x} of received bytes, "
-                                             f"pusher sent {want:08x}", grpc.StatusCode.DATA_LOSS)
-        expected = trailer_checksum(self.crcs)
+                raise StageError("checksum", f"tensor {t.name}: xxh3 {got:016x} of received bytes, "
+                                             f"pusher sent {want:016x}", grpc.StatusCode.DATA_LOSS)
+        expected = trailer_checksum(digests)
         if trailer.checksum != expected:
             raise StageError("checksum", f"stream checksum {trailer.checksum}, expected {expected}",
                              grpc.StatusCode.DATA_LOSS)

@@ -33,12 +33,12 @@ class Manifest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., adapter_config: _Optional[str] = ...) -> None: ...
 
 class Trailer(_message.Message):
-    __slots__ = ("crc32", "checksum")
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("xxh3", "checksum")
+    XXH3_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    crc32: _containers.RepeatedScalarFieldContainer[int]
+    xxh3: _containers.RepeatedScalarFieldContainer[int]
     checksum: str
-    def __init__(self, crc32: _Optional[_Iterable[int]] = ..., checksum: _Optional[str] = ...) -> None: ...
+    def __init__(self, xxh3: _Optional[_Iterable[int]] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("manifest", "data", "trailer", "offset")

@@ -16,6 +16,7 @@ the pusher's challenge (``core.checkpoint_auth``) before the pusher sends the to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import shutil
@@ -35,6 +36,7 @@ from safetensors.torch import load_file
 from core.checkpoint_auth import NONCE_BYTES, proof, server_credentials
 from core.checkpoint_format import (
     GRPC_OPTIONS,
+    MODEL_WEIGHTS,
     REASON_KEY,
     SERVICE,
     StagedFile,
@@ -185,8 +187,8 @@ class CheckpointService:
                 (partial / ADAPTER_CONFIG).write_text(manifest.adapter_config)
             else:
                 self._copy_model_files(partial)
-            staged = StagedFile(partial / (ADAPTER_WEIGHTS if manifest.adapter_config else "model.safetensors"),
-                                manifest)
+                self._recycle_served_file(partial / MODEL_WEIGHTS)
+            staged = StagedFile(partial / (ADAPTER_WEIGHTS if manifest.adapter_config else MODEL_WEIGHTS), manifest)
             try:
                 await self._receive(chunks, staged)
             finally:
@@ -219,6 +221,17 @@ class CheckpointService:
         for src in self.model_dir.iterdir():
             if src.is_file() and not src.name.endswith((".safetensors", ".safetensors.index.json")):
                 shutil.copy2(src, dest / src.name)
+
+    def _recycle_served_file(self, dest: Path) -> None:
+        """Move the served version's staged weights file to ``dest`` for the new stage to overwrite in place.
+
+        Its tmpfs pages are already allocated: fresh ones are zeroed by the kernel first, a third of a Stage's
+        time here. The engine holds the weights it serves in its own memory; nothing reads the file again.
+        """
+        served = self._state.current_dir
+        if served.parent == self.stage_root:
+            with contextlib.suppress(FileNotFoundError):
+                (served / MODEL_WEIGHTS).rename(dest)
 
     def _check_newer(self, version: int) -> None:
         """Versions only go up past the one served (or being committed), by at most ``max_version_jump``
@@ -437,7 +450,8 @@ class CheckpointReceiver:
     """The gRPC server of one rollout server, on the caller's event loop: ``await start()``, ``await stop()``.
 
     Staged versions live in ``config.stage_dir/<server_name>/v<version>/``; only the current and
-    the staged version are kept. ``version`` is the version the engine serves at start.
+    the staged version are kept, and the next stage reuses the current one's weights file. ``version`` is
+    the version the engine serves at start.
     """
 
     def __init__(self, config: CheckpointConfig, model_dir: Path, engine: WeightEngine, engine_url: str,

@@ -450,7 +450,7 @@ def test_corrupt_data_and_offsets_are_rejected_without_a_pause(fleet: Fleet, bas
     corrupt.data = bytes([corrupt.data[0] ^ 0xFF]) + corrupt.data[1:]
     owner = next(t.name for t in manifest.tensors if t.offset <= corrupt.offset < t.offset + t.nbytes)
     err = _refused(fleet.addresses[0], [head, *data[:hit], corrupt.SerializeToString(), *data[hit + 1:], trailer])
-    assert err.code() == grpc.StatusCode.DATA_LOSS and f"tensor {owner}: crc32" in err.details()
+    assert err.code() == grpc.StatusCode.DATA_LOSS and f"tensor {owner}: xxh3" in err.details()
     assert dict(err.trailing_metadata())["rollwave-reason"] == "checksum"
 
     err = _refused(fleet.addresses[1], [head, *data[:hit], *data[hit + 1:], trailer])
@@ -543,6 +543,34 @@ def test_quorum_publishes_without_an_unreachable_server(
     else:
         assert errors == [f"version {version} not published: committed on 2 of 3 servers, quorum 3. "
                           f"{by_address[dead].error}"]
+
+
+def test_the_next_stage_overwrites_the_served_file_in_place(fleet: Fleet, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """A stage reuses the served version's weights file (its tmpfs pages), and the engines serve the new bytes;
+    a stage that fails after taking the file leaves the served weights alone, and the next one starts afresh."""
+    first, second = perturbed(tiny_model_dir, 11, tmp_path / "a"), perturbed(tiny_model_dir, 12, tmp_path / "b")
+    version = fleet.version()
+    root = fleet.receivers[0].service.stage_root
+    pusher = fleet.pusher()
+    assert pusher.push_model(first, version=version + 1).wait(WAIT_S).ok
+    served = (root / f"v{version + 1}" / "model.safetensors").stat()
+    assert pusher.push_model(second, version=version + 2).wait(WAIT_S).ok
+    staged = (root / f"v{version + 2}" / "model.safetensors").stat()
+    assert (staged.st_ino, staged.st_size) == (served.st_ino, served.st_size)
+    assert not (root / f"v{version + 1}").exists()
+    assert all(greedy_engine(e.url) == greedy_reference(second) for e in fleet.engines)
+
+    head, *data, trailer = snapshot_of(first, version + 3).chunks(4096)
+    corrupt = pb.Chunk.FromString(data[-1])
+    corrupt.data = bytes([corrupt.data[0] ^ 0xFF]) + corrupt.data[1:]
+    err = _refused(fleet.addresses[0], [head, *data[:-1], corrupt.SerializeToString(), trailer])
+    assert err.code() == grpc.StatusCode.DATA_LOSS
+    assert fleet.status(0).current_version == version + 2
+    assert greedy_engine(fleet.engines[0].url) == greedy_reference(second)
+    assert pusher.push_model(first, version=version + 3).wait(WAIT_S).ok
+    assert all(greedy_engine(e.url) == greedy_reference(first) for e in fleet.engines)
+    pusher.close()
 
 
 def test_failed_load_continues_on_old_weights_and_reports(fleet: Fleet, base_model: PreTrainedModel) -> None:

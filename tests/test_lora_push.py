@@ -117,7 +117,7 @@ def test_adapter_push_serves_the_adapter_and_matches_the_trainer(fleet: Fleet, t
 
 
 def test_a_corrupted_adapter_fails_verification(fleet: Fleet, tiny_model_dir: Path) -> None:
-    """Bytes changed after the Stage (whose crc32s they passed) reach the engine: the checksum the engine reports
+    """Bytes changed after the Stage (whose xxh3 digests they passed) reach the engine: the checksum the engine reports
     differs from what was pushed, and the pusher refuses the delivery, naming the stage and counting it."""
     model = lora_model(tiny_model_dir, seed=3)
     version = fleet.status(0).current_version + 1

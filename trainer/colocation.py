@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from buffer.colocation import DeviceTurns
 from buffer.registry import ServerRegistry
 from buffer.staleness import StalenessControl
+from core.checkpoint_format import MODEL_WEIGHTS
 from trainer.checkpoint_pusher import PushResult, PushRound
 from trainer.parallel import iter_full_params
 
@@ -76,7 +77,7 @@ class LocalPusher:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in params}
-        save_file(tensors, partial / "model.safetensors")
+        save_file(tensors, partial / MODEL_WEIGHTS)
         config = self.model_path / "config.json"
         if config.exists():  # SGLang reads the directory as a model
             shutil.copy(config, partial / "config.json")

@@ -5,18 +5,18 @@ all-gather on FSDP2, cast to the served dtype as it lands: fp32 masters become a
 server) into a host buffer that the streams read. The buffer goes back to a small pool when the last stream
 lets go of it: a fresh multi-GiB buffer would cost its page faults (or a pinned allocation) on the training
 step's path every push. A stream to a server that serves another dtype than the snapshot's casts each tensor
-as it sends it (one tensor at a time, never a second copy of the model); each stream computes the crc32s of
-the bytes it sends, which trail the data.
+as it sends it (one tensor at a time, never a second copy of the model); each stream computes the xxh3
+digests of the bytes it sends, which trail the data.
 """
 
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from core.checkpoint_format import DTYPES, trailer_checksum
 from core.lora import adapter_checksum
@@ -168,17 +168,17 @@ class Snapshot:
 
     def chunks(self, chunk_bytes: int, dtypes: Mapping[str, torch.dtype] | None = None) -> Iterator[bytes]:
         """A whole Stage stream: the manifest (floating tensors in the dtype ``dtypes`` names), ``chunk_bytes``
-        slices of data, then the trailer with the crc32 of each tensor as sent."""
+        slices of data, then the trailer with the xxh3 digest of each tensor as sent."""
         out = cast_metas(self.metas, dtypes)
         yield self.manifest if out == self.metas else pb.Chunk(
             manifest=build_manifest(self.version, out, self.adapter_config)).SerializeToString()
-        crcs: list[int] = []
+        digests: list[int] = []
         pieces: list[memoryview] = []
         filled = offset = source = 0
         for meta, want in zip(self.metas, out, strict=True):
             view = self._tensor(meta, source, want)
             source += meta.nbytes
-            crcs.append(zlib.crc32(view))
+            digests.append(xxhash.xxh3_64_intdigest(view))
             pos = 0
             while pos < view.nbytes:
                 take = min(chunk_bytes - filled, view.nbytes - pos)
@@ -191,7 +191,7 @@ class Snapshot:
                     pieces, filled = [], 0
         if pieces:
             yield encode_data_chunk(offset, pieces)
-        yield pb.Chunk(trailer=pb.Trailer(crc32=crcs, checksum=trailer_checksum(crcs))).SerializeToString()
+        yield pb.Chunk(trailer=pb.Trailer(xxh3=digests, checksum=trailer_checksum(digests))).SerializeToString()
 
 
 def take_snapshot(version: int, metas: Sequence[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],

@@ -6,7 +6,9 @@
 (b) Stage throughput (pusher in this process -> gRPC -> receiver process writing the staged
     safetensors on tmpfs, xxh3 digests on both sides; timed by the receiver, from the manifest to the
     trailer, since the pusher streams in the background) against raw loopback TCP moving the same bytes
-    (sendall of 1 MiB slices -> recv_into a reused buffer in another process). For reference it
+    (sendall of 1 MiB slices -> recv_into a reused buffer in another process), in rounds of their own:
+    full pushes one after another, as a run makes them (each stage overwrites the served version's
+    file; a push after an adapter's finds none and allocates fresh pages). For reference it
     also times a bare gRPC stream of the same 1 MiB messages into a sink that only counts them.
 
 (c) The commit pause of a LoRA adapter push (``model.lora``: rank ``--lora-rank`` on the attention
@@ -55,8 +57,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "1073741824",
-              "MALLOC_TOP_PAD_": "67108864"}
+from buffer.redis_server import MALLOC_ENV  # noqa: E402
+
 TOKEN = os.environ.setdefault("ROLLWAVE_CHECKPOINT_TOKEN", secrets.token_urlsafe(32))  # children inherit it
 SLICE = 1 << 20
 
@@ -278,15 +280,17 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
                 raise RuntimeError(f"push of version {version} failed: {server.error}")
             return server
 
-        for round_ in range(pushes):
+        push(model)  # the first stage of a run allocates its tmpfs pages; later ones reuse the served file's
+        for _ in range(pushes):
             tcp.append(raw_tcp_seconds(int(port), src))
             bare.append(raw_grpc_seconds(f"127.0.0.1:{counter_port}", src))
+            stage.append(push(model).stage_seconds)
+        for round_ in range(pushes):
             for target in (model, lora) if round_ % 2 == 0 else (lora, model):
                 server = push(target)
                 if target is lora:
                     lora_pause.append(server.pause_seconds)
                     continue
-                stage.append(server.stage_seconds)
                 pause.append(server.pause_seconds)
                 load.append(server.load_seconds)
         pusher.close()

@@ -178,17 +178,18 @@ class Snapshot:
         for meta, want in zip(self.metas, out, strict=True):
             view = self._tensor(meta, source, want)
             source += meta.nbytes
-            digests.append(xxhash.xxh3_64_intdigest(view))
-            pos = 0
+            digest, pos = xxhash.xxh3_64(), 0
             while pos < view.nbytes:
                 take = min(chunk_bytes - filled, view.nbytes - pos)
                 pieces.append(view[pos:pos + take])
+                digest.update(pieces[-1])  # while the slice is in cache for the copy that sends it
                 filled += take
                 pos += take
                 if filled == chunk_bytes:
                     yield encode_data_chunk(offset, pieces)
                     offset += filled
                     pieces, filled = [], 0
+            digests.append(digest.intdigest())
         if pieces:
             yield encode_data_chunk(offset, pieces)
         yield pb.Chunk(trailer=pb.Trailer(xxh3=digests, checksum=trailer_checksum(digests))).SerializeToString()

@@ -366,6 +366,12 @@ class _Link:
                                                 f"{snapshot.adapter_checksum}")
 
 
+def groups_trained(staleness: StalenessControl | None, unacked: int) -> int:
+    """What a pushed version was trained on, for admission: the buffer's run-wide count of trained groups plus
+    the ``unacked`` ones in the weights that the buffer has not counted yet (0 without a buffer)."""
+    return staleness.trained() + unacked if staleness is not None else 0
+
+
 def registered_servers(registry: ServerRegistry) -> Callable[[], list[Target]]:
     """The registry's live rollout servers with a gRPC address, read again at every push."""
     return lambda: [Target(s.server_id, s.grpc_address, s.version) for s in registry.live_servers()
@@ -440,7 +446,7 @@ class CheckpointPusher:
         adapter_config.json) makes it an adapter push, whose delivery each server's commit must verify.
         The groups the tensors were trained on (the buffer's count plus ``unacked``) are published with it."""
         start = time.perf_counter()
-        trained = self._staleness.trained() + unacked if self._staleness is not None else 0
+        trained = groups_trained(self._staleness, unacked)
         targets = self._list_servers()
         if version is None:
             version = max([self.last_pushed, self.published, *(t.version for t in targets)]) + 1

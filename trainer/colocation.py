@@ -26,7 +26,7 @@ from buffer.colocation import DeviceTurns
 from buffer.registry import ServerRegistry
 from buffer.staleness import StalenessControl
 from core.checkpoint_format import MODEL_WEIGHTS
-from trainer.checkpoint_pusher import PushResult, PushRound
+from trainer.checkpoint_pusher import PushResult, PushRound, groups_trained
 from trainer.parallel import iter_full_params
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class LocalPusher:
         self.overlap = overlap
         self.published = 0
         self.last_pushed = 0
-        self.written: tuple[int, Path, int] | None = None  # version, directory, groups trained on
+        self.written: tuple[int, int] | None = None  # version (in root/v<version>), groups trained on
 
     # ---- Pusher -------------------------------------------------------------------------------
 
@@ -70,7 +70,7 @@ class LocalPusher:
                 pass
             return None
         start = time.perf_counter()
-        trained = self._staleness.trained() + unacked if self._staleness is not None else 0
+        trained = groups_trained(self._staleness, unacked)
         version = self.published if self.written is None else max(self.last_pushed, self.published) + 1
         out = self.root / f"v{version}"
         partial = self.root / f".v{version}.partial"
@@ -83,7 +83,7 @@ class LocalPusher:
             shutil.copy(config, partial / "config.json")
         shutil.rmtree(out, ignore_errors=True)
         partial.rename(out)
-        self.written, self.last_pushed = (version, out, trained), version
+        self.written, self.last_pushed = (version, trained), version
         self._prune()
         return PushRound(version, [], time.perf_counter() - start, trained)
 
@@ -114,8 +114,8 @@ class LocalPusher:
             return
         if self.written is None:
             raise RuntimeError("give_device before any weights were written: push_model first")
-        version, path, trained = self.written
-        self.turns.give(step, version, str(path))
+        version, trained = self.written
+        self.turns.give(step, version, str(self.root / f"v{version}"))
         self.published = max(self.published, version)
         if self._staleness is not None:
             self._staleness.set_version(version, trained)

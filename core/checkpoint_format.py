@@ -200,11 +200,14 @@ class StagedFile:
         self.digests = [xxhash.xxh3_64() for _ in self.tensors]
         self._index = 0
         # An existing file at ``path`` is overwritten in place: its tmpfs pages are reused, not zeroed again.
+        size = self.base + self.total
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        os.ftruncate(self._fd, self.base + self.total)
+        os.ftruncate(self._fd, size)
         os.write(self._fd, struct.pack("<Q", len(raw)) + raw)
-        # Allocating the tmpfs pages in one call is ~10x cheaper than faulting them in chunk by chunk.
-        os.posix_fallocate(self._fd, 0, self.base + self.total)
+        # Allocating the tmpfs pages in one call is ~10x cheaper than faulting them in chunk by chunk; a file
+        # with every page allocated is left alone (fallocate would still walk its pages, 13 ms per 390 MiB).
+        if os.fstat(self._fd).st_blocks * 512 < size:
+            os.posix_fallocate(self._fd, 0, size)
 
     def write(self, offset: int, data: memoryview) -> None:
         """Append one slice; chunks must arrive in offset order (the digests are computed on the fly)."""

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+# Every process a test starts dumps its threads' Python stacks if it aborts (a trainer rank's rare abort at
+# teardown, "terminate called without an active exception", left no other trace).
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
 import io
 import multiprocessing as mp
 import shutil
@@ -32,24 +31,14 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from buffer.keys import Keys  # noqa: E402
-from buffer.redis_server import MALLOC_ENV, EmbeddedRedis  # noqa: E402
+from buffer.redis_server import EmbeddedRedis  # noqa: E402
 from buffer.replay import ReplayBuffer  # noqa: E402
 from buffer.schema import Sample, TrajectoryGroup, encode_group  # noqa: E402
 from core.config import BufferConfig  # noqa: E402
+from core.process import tune_malloc  # noqa: E402
 
 PAYLOAD = 65536
 KEYS = Keys("bench")
-_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3}
-
-
-def tune_malloc() -> None:
-    """The embedded Redis's glibc tuning (``MALLOC_ENV``) for the Python clients too: applied to this process
-    (inherited by the forked producers and trainer); keeps freed 64 KiB buffers instead of page-faulting."""
-    libc = ctypes.CDLL("libc.so.6")
-    for name, value in MALLOC_ENV.items():
-        libc.mallopt(_MALLOPT[name], int(value))
-
-
 def make_group(index: int, tokens: int, job: str = "job") -> TrajectoryGroup:
     mask = np.r_[np.zeros(64), np.ones(tokens - 64)]
     sample = Sample(0, np.arange(tokens) % 1000, 64, mask, -0.5 * mask, np.where(mask > 0, 0, -1), reward=1.0)

@@ -24,7 +24,8 @@
 TCP rounds and pushes alternate, so both see the same background load; medians are reported.
 The engine is idle during (a)-(c) so neither side competes with decoding for the CPU.
 Every process (this one re-executes itself) runs with glibc malloc tuned for large buffers
-(MALLOC_ENV); ``--plain-malloc`` keeps stock malloc. Last line: ``stall_vs_memcpy ratio <value>`` (the
+(MALLOC_ENV); ``--plain-malloc`` keeps stock malloc (but for the engine, which tunes its own at start).
+Last line: ``stall_vs_memcpy ratio <value>`` (the
 stall with the default ``kv_on_swap: recompute`` over the warm memcpy), after ``pause_vs_memcpy``,
 ``lora_pause_vs_full_pause`` and ``stall_keep_vs_memcpy``.
 
@@ -57,7 +58,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from buffer.redis_server import MALLOC_ENV  # noqa: E402
+from core.process import MALLOC_ENV  # noqa: E402
 
 TOKEN = os.environ.setdefault("ROLLWAVE_CHECKPOINT_TOKEN", secrets.token_urlsafe(32))  # children inherit it
 SLICE = 1 << 20

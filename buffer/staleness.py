@@ -14,8 +14,10 @@ stale, and starts again once a push catches it up. Counting trained groups, not 
 exact when versions and steps part: a resumed trainer publishes the weights it resumed from as a new version,
 trained on no more groups than before. Checked and incremented in one Lua call, so concurrent servers never
 overshoot. An admitted group id is remembered until its task is done, so a redelivered task is not admitted
-twice; a group that never reaches training (dead-lettered task, dropped as stale) gives its slot back, so the
-bound counts groups in flight or trained, as AReaL's ``StalenessManager`` does.
+twice, and a group already written is not admitted again (a server resumed from a freeze still holds tasks
+that another server reclaimed and finished meanwhile: each would otherwise take a slot for good); a group that
+never reaches training (dead-lettered task, dropped as stale) gives its slot back, so the bound counts groups in
+flight or trained, as AReaL's ``StalenessManager`` does.
 
 Filter: the trainer drops a group whose oldest generated token came from a policy older than
 ``version - max_staleness``, counted in ``rollwave_buffer_stale_dropped_total``.
@@ -34,10 +36,11 @@ from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
 from core.config import BufferConfig
 
-# KEYS: admitted, version, admitted ids, version's trained groups. ARGV: group id, max_staleness, groups per version,
-# served version ('' if unknown).
+# KEYS: admitted, version, admitted ids, version's trained groups, group state. ARGV: group id, max_staleness, groups
+# per version, served version ('' if unknown). A group already written (its task done by another server that
+# reclaimed it) takes no slot: it is in flight nowhere, and its duplicate is dropped at the put.
 _ADMIT = """
-if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return 1 end
+if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[5], ARGV[1]) == 1 then return 1 end
 local version = tonumber(redis.call('GET', KEYS[2]) or '0')
 local lag = 0
 if ARGV[4] ~= '' then lag = math.max(0, version - tonumber(ARGV[4])) end
@@ -137,7 +140,8 @@ class StalenessControl:
     def try_admit(self, group_id: str, served: int | None = None) -> bool:
         """Admit one group if the bound allows (for a server serving ``served``; None: unknown); a group id
         admitted before is admitted again at no cost."""
-        keys = [self.keys.admitted, self.keys.version, self.keys.admitted_ids, self.keys.version_trained]
+        keys = [self.keys.admitted, self.keys.version, self.keys.admitted_ids, self.keys.version_trained,
+                self.keys.group_state]
         args = [group_id, self.max_staleness, self.groups_per_version, "" if served is None else int(served)]
         return bool(self._admit(keys, args))
 

@@ -230,3 +230,20 @@ def test_cancelled_job_state_is_kept_on_submit(redis_server: EmbeddedRedis) -> N
     client(redis_server).hset(KEYS.job("job"), "state", "cancelled")
     q.submit("job", tasks(1), "train")
     assert q.job("job")["state"] == "cancelled"
+
+
+def test_a_task_finished_elsewhere_takes_no_admission_slot(redis_server: EmbeddedRedis) -> None:
+    q = queue(redis_server)
+    st = StalenessControl(client(redis_server), KEYS, BufferConfig(max_staleness=0, groups_per_step=2))
+    [gid] = q.submit("job", tasks(1), "train")
+    [held] = q.read("frozen", 1)  # read, then frozen (SIGSTOP) before its admission
+    time.sleep(0.4)
+    [taken] = q.read("live", 1)  # idle past claim_idle_ms: another server reclaims it, is admitted and finishes
+    assert taken.group_id == held.group_id == gid and st.try_admit(gid)
+    finish(redis_server, [taken])
+    assert st.admitted() == 1 and client(redis_server).hlen(KEYS.admitted_ids) == 0
+    assert st.try_admit(gid)  # the frozen server resumes: its copy runs, but holds no slot
+    finish(redis_server, [held])  # and its duplicate changes nothing
+    assert st.admitted() == 1 and client(redis_server).hlen(KEYS.admitted_ids) == 0
+    assert st.capacity() == 1  # the bound of 2 still has room for the next group
+    assert written_gids(redis_server) == [gid] and client(redis_server).xlen(KEYS.tasks("train")) == 0

@@ -38,12 +38,12 @@ def tune_malloc() -> list[str]:
             if name not in os.environ and mallopt(_MALLOPT[name], int(MALLOC_ENV[name])) == 1]
 
 
-def prepare_component() -> None:
+def prepare_component() -> list[str]:
     """First thing in every rollwave process (trainer, rollout server, engine), whoever starts it (the launcher,
     Ray, docker-compose, Helm): a crash dumps every thread's Python stack, not only the C++ runtime's one line,
-    and malloc is tuned."""
+    and malloc is tuned (returns the settings applied, as ``tune_malloc``)."""
     faulthandler.enable()
-    tune_malloc()
+    return tune_malloc()
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float, *, name: str = "", group: bool = False) -> int:

@@ -55,9 +55,11 @@ def test_a_frozen_server_never_stops_training(tmp_path: Path, tiny_model_dir: Pa
         tmp_path, "frozen", tiny_model_dir, "rollout.heartbeat_s=2", "trainer.total_steps=100000",
         "trainer.checkpoint_every=5", "checkpoint.connect_timeout_s=2", "checkpoint.stage_timeout_s=5",
         "checkpoint.commit_timeout_s=10", "api.port=0",
-        # Admission (η + 1 steps of 4 groups) shares 8 groups among the live servers; each has room for all 8, so
-        # the one left running can take the frozen one's share (its engine batches 16 sequences).
-        "rollout.max_concurrent_groups=8",
+        # Admission (η + 1 = 3 steps of 4 groups) shares 12 groups among the live servers; each has room for all 12,
+        # so the one left running can take the frozen one's share (its engine batches 24 sequences). With η = 1 the
+        # pipeline is two steps deep and the run latency-bound: one server then kept 0.48-0.59 of the rate, the
+        # bound itself; with η = 2 it keeps 0.66, the freeze's few seconds without a quorum included.
+        "buffer.max_staleness=2", "rollout.max_concurrent_groups=12", "engine.max_batch_size=24",
     )
     keys = Keys(cfg.run.name)
     client = redis.Redis.from_url(server.url)

@@ -8,12 +8,30 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Whether glibc serves a 1 MiB malloc from a fresh mmap (whose pages the kernel zeroes at every fault): its
+# mmapped-block count (mallinfo2's hblks) goes up while the block is held.
 PROBE = """
-import faulthandler
-from core.process import prepare_component, tune_malloc
-print(sorted(tune_malloc()), faulthandler.is_enabled())
-prepare_component()
-print(faulthandler.is_enabled())
+import ctypes, faulthandler
+from core.process import prepare_component
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+
+def mmapped_1mib():
+    before = libc.mallinfo2().hblks
+    block = libc.malloc(1 << 20)
+    mapped = libc.mallinfo2().hblks > before
+    libc.free(ctypes.c_void_p(block))
+    return mapped
+
+print(mmapped_1mib(), faulthandler.is_enabled())
+print(sorted(prepare_component()), mmapped_1mib(), faulthandler.is_enabled())
 """
 
 
@@ -26,8 +44,10 @@ def run_probe(**env: str) -> list[str]:
 
 def test_a_component_tunes_malloc_and_dumps_stacks_on_a_crash() -> None:
     assert run_probe() == [
-        "['MALLOC_MMAP_THRESHOLD_', 'MALLOC_TOP_PAD_', 'MALLOC_TRIM_THRESHOLD_'] False", "True"]
+        "True False", "['MALLOC_MMAP_THRESHOLD_', 'MALLOC_TOP_PAD_', 'MALLOC_TRIM_THRESHOLD_'] False True"]
 
 
 def test_malloc_settings_in_the_environment_win() -> None:
-    assert run_probe(MALLOC_TOP_PAD_="0") == ["['MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_'] False", "True"]
+    # glibc's own default threshold (128 KiB), set in the environment: a 1 MiB block stays an mmap
+    assert run_probe(MALLOC_MMAP_THRESHOLD_="131072") == [
+        "True False", "['MALLOC_TOP_PAD_', 'MALLOC_TRIM_THRESHOLD_'] True True"]

@@ -11,7 +11,7 @@ less than half its rate before the freeze, and the frozen server must show as a 
 - ``never``: it stays frozen; it leaves the live set and the run completes without it.
 
 In every case the accounting is exact: tasks submitted = groups trained + dropped as stale + dead-lettered,
-and no group is trained twice.
+no group is trained twice, and no admission slot is left held.
 """
 
 from __future__ import annotations
@@ -137,6 +137,9 @@ def test_a_frozen_server_never_stops_training(tmp_path: Path, tiny_model_dir: Pa
         assert feeder.submitted == trained + stale + dead, job
         trained_ids = trained_group_ids(tmp_path / "frozen")
         assert len(trained_ids) == len(set(trained_ids)) == trained
+        # every admission slot went to a trained group or was given back: none is held by a task long done
+        assert client.hlen(keys.admitted_ids) == 0
+        assert int(client.get(keys.admitted)) == int(client.get(keys.trained)) == trained
     finally:
         if frozen:  # a stopped process would sit on its SIGTERM until the stack's kill timeout
             os.killpg(stack.pid(FROZEN), signal.SIGCONT)

@@ -91,6 +91,7 @@ class RolloutWorker:
         self.episodes = EpisodeStore(tokenizer, rollout.openai_model, self.metrics)
         self.lease_s = min(rollout.heartbeat_s, buffer.claim_idle_ms / 3000)
         self._inflight: dict[asyncio.Task, TaskEntry] = {}
+        self._unadmitted: set[str] = set()  # train groups read whose admission is not yet settled
         self._loops: dict[tuple[str, int], AgentLoop] = {}
         self._next_engine = 0
         self._stopping = threading.Event()
@@ -123,6 +124,8 @@ class RolloutWorker:
                     block = wait_ms if i == len(wanted) - 1 and not entries else 0
                     entries += await self._call(self.tasks.read, self.consumer, count, block, (kind,))
                 for entry in entries:
+                    if entry.kind == "train":
+                        self._unadmitted.add(entry.group_id)
                     task = asyncio.create_task(self._handle(entry), name=f"group {entry.group_id}")
                     self._inflight[task] = entry
                     task.add_done_callback(self._inflight.pop)
@@ -132,16 +135,18 @@ class RolloutWorker:
             await self._close()
 
     async def _free_slots(self) -> tuple[list[tuple[str, int]], bool]:
-        """(kind, how many to read), eval first, train only while staleness admission has room; and whether
-        admission alone keeps train slots empty. Eval groups have their own limit: they are usually one greedy
-        sample each."""
+        """(kind, how many to read), eval first, train no more than staleness admission has room for; and
+        whether admission alone keeps train slots empty. A task read beyond that room would wait here for
+        admission, out of reach of a server that could start it sooner. Eval groups have their own limit:
+        they are usually one greedy sample each."""
         n_eval = sum(1 for e in self._inflight.values() if e.kind == "eval")
         free = [("eval", self.config.max_concurrent_eval_groups - n_eval)]
         free_train = self.config.max_concurrent_groups - (len(self._inflight) - n_eval)
-        shut = free_train > 0 and await self._call(self.staleness.capacity, self.info.version) == 0
-        if free_train > 0 and not shut:
-            free.append(("train", free_train))
-        return [(kind, n) for kind, n in free if n > 0], shut
+        room = 0
+        if free_train > 0:  # the groups read and not yet admitted will take some of it
+            room = max(0, await self._call(self.staleness.capacity, self.info.version) - len(self._unadmitted))
+        free.append(("train", min(free_train, room)))
+        return [(kind, n) for kind, n in free if n > 0], free_train > 0 and room == 0
 
     async def _start(self) -> None:
         await self._call(self.tasks.ensure_groups)
@@ -168,10 +173,13 @@ class RolloutWorker:
                 task = task.model_copy(update={"tools": spec.tools})
             if spec is not None and spec.agent is not None:
                 self._check_agent(spec.agent)
-            if entry.kind == "train" and not await self._call(self.staleness.admit, entry.group_id, self._stopping,
-                                                              None, lambda: self.info.version):
-                await self._call(self.tasks.hand_back, entry)
-                return
+            if entry.kind == "train":
+                admitted = await self._call(self.staleness.admit, entry.group_id, self._stopping, None,
+                                            lambda: self.info.version)
+                self._unadmitted.discard(entry.group_id)
+                if not admitted:
+                    await self._call(self.tasks.hand_back, entry)
+                    return
             with self.metrics.generating():
                 if spec is not None and spec.agent is not None:
                     group = await self._agent_group(spec.agent, loop, task, entry)
@@ -205,6 +213,8 @@ class RolloutWorker:
         except Exception as exc:  # a task that cannot be rolled out fails with its error; the server goes on
             log.warning("group %s failed: %s: %s", entry.group_id, type(exc).__name__, exc)
             await self._call(self.tasks.fail, entry, f"{type(exc).__name__}: {exc}")
+        finally:
+            self._unadmitted.discard(entry.group_id)
 
     async def _put(self, group: Any, entry: TaskEntry) -> None:
         """Write the group and ack its task, then log its samples for reading back through the API.

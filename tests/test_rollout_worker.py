@@ -185,7 +185,7 @@ def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedR
     gids = submit(redis_server, "job", 2)
     staleness = StalenessControl(r, KEYS, BufferConfig(max_staleness=0, groups_per_step=1))  # bound 1 at version 0
     w = workers("srv-b", "buffer.max_groups=1", "buffer.max_staleness=0", "buffer.groups_per_step=1",
-                "rollout.max_concurrent_groups=1", "rollout.shutdown_grace_s=0.5", "rollout.heartbeat_s=600",
+                "rollout.max_concurrent_groups=4", "rollout.shutdown_grace_s=0.5", "rollout.heartbeat_s=600",
                 "buffer.claim_idle_ms=600000", f"checkpoint.stage_dir={tmp_path / 'stage'}")
     wait_for(lambda: r.xlen(KEYS.groups) == 1 and r.xlen(KEYS.tasks_dead) == 1, w)
     [(_, dead)] = r.xrange(KEYS.tasks_dead)

@@ -303,7 +303,7 @@ import sys
 from pathlib import Path
 from core.config import CheckpointConfig
 from trainer.checkpoint_pusher import CheckpointPusher
-from trainer.parallel import close_distributed, init_distributed, load_model
+from trainer.parallel import close_distributed, exit_rank, init_distributed, load_model
 
 model_dir, version, token, stage_dir, *addresses = sys.argv[1:]
 ctx = init_distributed("cpu")
@@ -316,6 +316,7 @@ if ctx.is_main:
     print("ok" if pushed.ok else [s.error for s in pushed.servers], flush=True)
 pusher.close()
 close_distributed()
+exit_rank()
 """
 
 

@@ -34,7 +34,7 @@ from rollout_server.engine_client import EngineClient, EngineGroup
 from rollout_server.metrics import RolloutMetrics
 from services import demo
 from trainer.colocation import LocalPusher, held_bytes
-from trainer.parallel import close_distributed, init_distributed, iter_full_params
+from trainer.parallel import close_distributed, exit_rank, init_distributed, iter_full_params
 from trainer.worker import Trainer
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
@@ -225,6 +225,7 @@ def _ranks(rank: int, world: int, port: int, model_dir: Path, root: Path) -> Non
         trainer.close()
     finally:
         close_distributed()
+    exit_rank()
 
 
 def test_two_ranks_write_the_full_weights_once(tiny_model_dir: Path, tmp_path: Path) -> None:

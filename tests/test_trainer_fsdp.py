@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from core.config import LoraConfig, TrainerConfig
 from core.net import free_port_outside_ephemeral
 from trainer.batching import collate, rank_plan
 from trainer.optim import lr_factor
-from trainer.parallel import DistContext, close_distributed, init_distributed, iter_full_params
+from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, iter_full_params
 from trainer.worker import Trainer
 
 STEPS = 3
@@ -52,6 +54,27 @@ def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Pat
             torch.save({"records": records, "params": params, "critic": critic}, out)
     finally:
         close_distributed()
+    exit_rank()
+
+
+# What a rank prints and logs last, and whether the interpreter's teardown (an atexit hook) runs after it.
+EXIT_PROBE = """
+import atexit, logging, sys
+from trainer.parallel import exit_rank
+logging.basicConfig(stream=sys.stdout, format="%(message)s")
+atexit.register(print, "teardown")
+print("printed", end=" ")
+logging.getLogger("probe").warning("logged")
+exit_rank(3)
+"""
+
+
+@pytest.mark.parametrize(("world", "out"), [("2", "printed logged\n"), ("1", "printed logged\nteardown\n")])
+def test_one_of_several_ranks_exits_without_teardown(world: str, out: str) -> None:
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "WORLD_SIZE": world, "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-c", EXIT_PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (3, out), proc.stderr
 
 
 def _spawn(world: int, model_dir: Path, tmp_path: Path, cfg: dict, lora: dict | None = None) -> dict:

@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import logging
 import os
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from trainer.checkpoint import Checkpointer, export_hf
 from trainer.checkpoint_pusher import CheckpointPusher, registered_servers
 from trainer.colocation import LocalPusher
 from trainer.metrics import RedisStatus
-from trainer.parallel import DistContext, close_distributed, init_distributed
+from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed
 from trainer.worker import GroupSource, Trainer
 
 log = logging.getLogger("trainer")
@@ -154,4 +153,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -8,11 +8,14 @@ FSDP2 ``fully_shard`` wraps each decoder layer, then the root (embeddings, final
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -113,6 +116,20 @@ def close_distributed(timeout_s: float = 120.0) -> None:
                                f"left it within {timeout_s:g} s")
         time.sleep(0.01)
         left = store.add(CLOSED_KEY, 0)
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a rank's process once everything it opened is closed; one of several ranks skips the interpreter's
+    teardown. FSDP2's DTensors (parameters, optimizer state, DTensor's sharding caches) keep the gloo group, and
+    its threads, alive past ``close_distributed``, so a rank tears down while they still run; a peer's process
+    exiting then made a rank abort ("terminate called without an active exception", twice in CI, raised off the
+    Python threads while the main thread was in teardown). A rank that is alone exits as usual."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -98,7 +98,8 @@ def close_distributed(timeout_s: float = 120.0) -> None:
     """Leave the process group together: a rank whose gloo peers go away while its own group is still up
     aborts ("terminate called without an active exception"). So every rank destroys its group after a
     barrier, then counts itself out in the rendezvous store, and rank 0, whose process hosts the store,
-    exits only after every rank has counted itself out."""
+    exits only after every rank has counted itself out. Where FSDP2 still holds the group, its gloo threads
+    outlive this: a rank then ends its process with ``exit_rank``."""
     if not dist.is_initialized():
         return
     world, rank = dist.get_world_size(), dist.get_rank()

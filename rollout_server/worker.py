@@ -113,13 +113,15 @@ class RolloutWorker:
         beat = asyncio.create_task(self._heartbeat_loop())
         try:
             while not self._stopping.is_set():
-                wanted, admission_shut = await self._free_slots()
-                wait_ms = ADMISSION_POLL_MS if admission_shut else READ_BLOCK_MS
-                if not wanted:
+                wanted, shut_slots = await self._free_slots()
+                wait_ms = ADMISSION_POLL_MS if shut_slots else READ_BLOCK_MS
+                entries: list[TaskEntry] = []
+                if shut_slots:  # a dead server's admitted tasks may hold the whole window: taking them over opens it
+                    entries += await self._call(self.tasks.reclaim, self.consumer, shut_slots, "train")
+                if not wanted and not entries:
                     await asyncio.wait(list(self._inflight), timeout=wait_ms / 1000,
                                        return_when=asyncio.FIRST_COMPLETED)
                     continue
-                entries: list[TaskEntry] = []
                 for i, (kind, count) in enumerate(wanted):
                     block = wait_ms if i == len(wanted) - 1 and not entries else 0
                     entries += await self._call(self.tasks.read, self.consumer, count, block, (kind,))
@@ -134,9 +136,9 @@ class RolloutWorker:
             beat.cancel()
             await self._close()
 
-    async def _free_slots(self) -> tuple[list[tuple[str, int]], bool]:
-        """(kind, how many to read), eval first, train no more than staleness admission has room for; and
-        whether admission alone keeps train slots empty. A task read beyond that room would wait here for
+    async def _free_slots(self) -> tuple[list[tuple[str, int]], int]:
+        """(kind, how many to read), eval first, train no more than staleness admission has room for; and how
+        many train slots admission alone keeps empty. A task read beyond that room would wait here for
         admission, out of reach of a server that could start it sooner. Eval groups have their own limit:
         they are usually one greedy sample each."""
         n_eval = sum(1 for e in self._inflight.values() if e.kind == "eval")
@@ -146,7 +148,7 @@ class RolloutWorker:
         if free_train > 0:  # the groups read and not yet admitted will take some of it
             room = max(0, await self._call(self.staleness.capacity, self.info.version) - len(self._unadmitted))
         free.append(("train", min(free_train, room)))
-        return [(kind, n) for kind, n in free if n > 0], free_train > 0 and room == 0
+        return [(kind, n) for kind, n in free if n > 0], free_train if free_train > 0 and room == 0 else 0
 
     async def _start(self) -> None:
         await self._call(self.tasks.ensure_groups)

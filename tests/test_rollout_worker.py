@@ -217,6 +217,22 @@ def test_admission_bad_tasks_and_handing_back_on_sigterm(redis_server: EmbeddedR
     assert staleness.admitted() == 2 and r.hexists(KEYS.admitted_ids, gids[1])  # it keeps its slot
 
 
+def test_a_dead_servers_admitted_tasks_are_taken_over(redis_server: EmbeddedRedis, workers, tmp_path: Path) -> None:
+    """A server that admitted the whole staleness window and died holds every slot, so admission has no room
+    for anyone: the live server takes its tasks over once idle (``claim_idle_ms``) and writes their groups."""
+    r = client(redis_server)
+    gids = submit(redis_server, "job", 2)
+    cfg = BufferConfig(max_staleness=0, groups_per_step=2)  # a window of 2 groups at version 0
+    staleness = StalenessControl(r, KEYS, cfg)
+    held = TaskQueue(r, KEYS, cfg).read("dead", 2)
+    assert [e.group_id for e in held] == gids and all(staleness.try_admit(gid) for gid in gids)
+    assert staleness.capacity() == 0
+    w = workers("srv-t", "buffer.max_staleness=0", "buffer.groups_per_step=2", f"checkpoint.stage_dir={tmp_path}")
+    wait_for(lambda: r.xlen(KEYS.groups) == 2, w)
+    assert sorted(f[b"gid"].decode() for _, f in r.xrange(KEYS.groups)) == sorted(gids)
+    assert staleness.admitted() == 2 and r.xlen(KEYS.tasks("train")) == 0
+
+
 def test_failed_episodes_are_dead_letters_and_a_cancelled_job_is_not(redis_server: EmbeddedRedis, workers) -> None:
     """A reward function that raises: the group is not written with reward 0; the task is retried, then
     dead-lettered with the reason, and every failed episode is counted. A cancelled job's tasks are acked

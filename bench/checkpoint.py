@@ -25,9 +25,8 @@ TCP rounds and pushes alternate, so both see the same background load; medians a
 The engine is idle during (a)-(c) so neither side competes with decoding for the CPU.
 Every process (this one re-executes itself) runs with glibc malloc tuned for large buffers
 (MALLOC_ENV); ``--plain-malloc`` keeps stock malloc (but for the engine, which tunes its own at start).
-Last line: ``stall_vs_memcpy ratio <value>`` (the
-stall with the default ``kv_on_swap: recompute`` over the warm memcpy), after ``pause_vs_memcpy``,
-``lora_pause_vs_full_pause`` and ``stall_keep_vs_memcpy``.
+Last line: ``stall_vs_memcpy ratio <value>`` (the stall with the default ``kv_on_swap: recompute`` over the
+warm memcpy), after ``pause_vs_memcpy``, ``lora_pause_vs_full_pause`` and ``stall_keep_vs_memcpy``.
 
     python bench/checkpoint.py [--pushes 5] [--layers 9] [--lora-rank 16] [--streams 4] [--engine-threads N]
                                [--plain-malloc]

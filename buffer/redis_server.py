@@ -26,6 +26,8 @@ from core.net import BIND_RETRY_S, bind_retrying, free_port_outside_ephemeral
 from core.process import MALLOC_ENV, stop_process
 
 UNIX_PATH_MAX = 107
+
+
 class RedisStartError(RuntimeError):
     """redis-server did not come up; the message carries the tail of its log."""
 

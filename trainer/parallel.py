@@ -71,6 +71,11 @@ def _join_env_group(backend: str) -> None:
     bind_retrying(join, "trainer rendezvous (MASTER_PORT)", os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 
 
+def several_ranks() -> bool:
+    """Whether this process is one rank of a pool of several (torchrun's or the launcher's ``WORLD_SIZE``)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def init_distributed(device: str = "auto") -> DistContext:
     """Join (or create) the process group from torchrun's environment.
 
@@ -81,7 +86,7 @@ def init_distributed(device: str = "auto") -> DistContext:
     dev = resolve_device(device)
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if several_ranks():
             missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
             if missing:
                 raise ValueError(f"WORLD_SIZE is set but {', '.join(missing)} is not")
@@ -125,7 +130,7 @@ def exit_rank(code: int = 0) -> NoReturn:
     its threads, alive past ``close_distributed``, so a rank tears down while they still run; a peer's process
     exiting then made a rank abort ("terminate called without an active exception", twice in CI, raised off the
     Python threads while the main thread was in teardown). A rank that is alone exits as usual."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if not several_ranks():
         sys.exit(code)
     logging.shutdown()
     sys.stdout.flush()

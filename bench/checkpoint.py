@@ -19,14 +19,16 @@
     while full pushes commit, and the engine measures each swap from the last token before the pause to the
     first after it (``rollwave_engine_generation_stall_seconds``; the load, and the re-prefill of the retracted
     requests, included). Two receivers in front of the same engine, one per ``checkpoint.kv_on_swap``
-    (recompute: pause retract; keep: pause in_place), their pushes alternating.
+    (recompute: pause retract; keep: pause in_place), their pushes alternating. Beside it, the mean decode step
+    over (d) (``rollwave_engine_decode_step_seconds``): the time between tokens a request sees without a swap.
 
 TCP rounds and pushes alternate, so both see the same background load; medians are reported.
 The engine is idle during (a)-(c) so neither side competes with decoding for the CPU.
 Every process (this one re-executes itself) runs with glibc malloc tuned for large buffers
 (MALLOC_ENV); ``--plain-malloc`` keeps stock malloc (but for the engine, which tunes its own at start).
 Last line: ``stall_vs_memcpy ratio <value>`` (the stall with the default ``kv_on_swap: recompute`` over the
-warm memcpy), after ``pause_vs_memcpy``, ``lora_pause_vs_full_pause`` and ``stall_keep_vs_memcpy``.
+warm memcpy), after ``pause_vs_memcpy``, ``lora_pause_vs_full_pause``, ``stall_keep_vs_decode_step`` and
+``stall_keep_vs_memcpy``.
 
     python bench/checkpoint.py [--pushes 5] [--layers 9] [--lora-rank 16] [--streams 4] [--engine-threads N]
                                [--plain-malloc]
@@ -218,13 +220,13 @@ class Traffic:
                 self.errors.append(reply.text)
 
 
-def stall_totals(url: str) -> tuple[float, float]:
-    """(count, sum) of the engine's generation-stall histogram."""
+def engine_totals(url: str, name: str) -> tuple[float, float]:
+    """(count, sum) of the engine's histogram ``rollwave_engine_<name>_seconds``."""
     import httpx
 
     from services.report import histogram_totals
 
-    return histogram_totals(httpx.get(url + "/metrics", timeout=30).text, "rollwave_engine_generation_stall_seconds")
+    return histogram_totals(httpx.get(url + "/metrics", timeout=30).text, f"rollwave_engine_{name}_seconds")
 
 
 def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: int) -> None:
@@ -301,18 +303,23 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
         busy_pause: dict[str, list[float]] = {"recompute": [], "keep": []}
         with Traffic(engine.url, streams, model.config.vocab_size) as traffic:
             time.sleep(2.0)  # every stream is decoding
+            steps = engine_totals(engine.url, "decode_step")
             for round_ in range(pushes):
                 for mode in ("recompute", "keep") if round_ % 2 == 0 else ("keep", "recompute"):
-                    count, total = stall_totals(engine.url)
+                    count, total = engine_totals(engine.url, "generation_stall")
                     server = push(model, recompute_pusher if mode == "recompute" else keep_pusher)
                     deadline = time.monotonic() + 60
-                    while (totals := stall_totals(engine.url))[0] == count and time.monotonic() < deadline:
+                    while (totals := engine_totals(engine.url, "generation_stall"))[0] == count:
+                        if time.monotonic() > deadline:
+                            break
                         time.sleep(0.05)  # until the first token after the swap
                     count2, total2 = totals
                     if count2 != count + 1:
                         raise RuntimeError(f"{mode}: {count2 - count:g} stalls observed for one swap")
                     stall[mode].append(total2 - total)
                     busy_pause[mode].append(server.pause_seconds)
+            steps_after = engine_totals(engine.url, "decode_step")
+            decode_step = (steps_after[1] - steps[1]) / (steps_after[0] - steps[0])
         keep_pusher.close()
         recompute_pusher.close()
         if traffic.errors:
@@ -349,9 +356,12 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
         print(f"(d) kv_on_swap {mode:9s} with {streams} requests decoding: generation stall median "
               f"{med(stall[mode]) * 1e3:.1f} ms ({', '.join(f'{s * 1e3:.0f}' for s in stall[mode])} ms), "
               f"commit pause {med(busy_pause[mode]) * 1e3:.1f} ms")
+    print(f"    a decode step of those requests (their time between tokens) took {decode_step * 1e3:.1f} ms on "
+          f"average over (d); the stall counts one")
     print(f"stage_vs_raw_tcp ratio {stage_gbs / tcp_gbs:.3f} (goal >= 0.5)")
     print(f"pause_vs_memcpy ratio {med(pause) / warm:.3f}")
     print(f"lora_pause_vs_full_pause ratio {med(lora_pause) / med(pause):.3f}")
+    print(f"stall_keep_vs_decode_step ratio {med(stall['keep']) / decode_step:.3f}")
     print(f"stall_keep_vs_memcpy ratio {med(stall['keep']) / warm:.3f}")
     print(f"stall_vs_memcpy ratio {med(stall['recompute']) / warm:.3f} (goal <= 3)")
 

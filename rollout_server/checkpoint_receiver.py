@@ -2,7 +2,7 @@
 
 Stage writes a pushed version as an HF model directory on tmpfs while the engine keeps
 generating; Commit has the engine read it (``prepare_weights_from_disk``, still generating), then pauses it
-only for ``update_weights_from_disk`` of that directory, which then copies it in. A LoRA
+only for ``update_weights_from_disk`` of that directory, which then swaps it in. A LoRA
 adapter's push (``Manifest.adapter_config``) is staged as a peft adapter directory instead and Commit loads
 it by name (``/load_lora_adapter``, replacing the one served), reports the checksum the engine gives for it
 (so the pusher verifies the delivery) and tells the rollout worker to name it on its requests.
@@ -300,8 +300,9 @@ class CheckpointService:
         """prepare -> pause -> update_weights_from_disk -> continue; continue even when the load fails.
 
         The pause is ``retract`` (the running requests' KV is recomputed) or, with ``kv_on_swap: keep``,
-        ``in_place``. Preparing (full weights only) reads and faults in the staged files before the pause; an
-        engine that cannot (SGLang) reads them inside the load, and a failed prepare leaves the load to report.
+        ``in_place``. Preparing (full weights only) reads the staged files into the engine's spare parameters
+        before the pause; an engine that cannot (SGLang) reads them inside the load, and a failed prepare leaves
+        the load to report.
 
         The pause is timed from the moment the engine confirms it (generation has stopped; the engine
         finishes the decode step in progress first) to the moment continue returns. Pause and continue each

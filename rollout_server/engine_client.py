@@ -123,8 +123,8 @@ class EngineClient:
         await self._call("POST", "/resume_memory_occupation", {"tags": tags})
 
     async def prepare_weights_from_disk(self, model_path: str) -> bool:
-        """Have the engine read ``model_path`` and fault it in now, while it generates, so the next
-        ``update_weights_from_disk`` of it only copies inside the pause (the embedded engine's own route).
+        """Have the engine read ``model_path`` into spare parameters now, while it generates, so the next
+        ``update_weights_from_disk`` of it only swaps them in inside the pause (the embedded engine's own route).
         False from an engine without it (SGLang), which reads the directory inside the load instead."""
         try:
             _checked(await self._call("POST", "/prepare_weights_from_disk", {"model_path": model_path}),

@@ -70,8 +70,10 @@ def test_single_reply_has_sglang_shape(engine: str) -> None:
     assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
     assert all(isinstance(e[0], float) and e[0] <= 0 and e[2] is None for e in meta["output_token_logprobs"])
     assert meta["input_token_logprobs"] == [] and meta["e2e_latency"] > 0
+    steps = metric(engine, "rollwave_engine_decode_step_seconds_count")
     without = gen(engine, PROMPT, {"max_new_tokens": 2})
     assert "output_token_logprobs" not in without["meta_info"]
+    assert metric(engine, "rollwave_engine_decode_step_seconds_count") == steps + 1  # the first came from prefill
 
 
 def test_batch_is_a_list_in_input_order_with_suffixed_rids(engine: str) -> None:

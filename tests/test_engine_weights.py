@@ -195,8 +195,9 @@ def test_failed_update_keeps_the_old_weights(engine: str, tiny_model_dir: Path, 
 def test_prepared_weights_serve_and_a_rewritten_directory_is_read_again(
     engine: str, tiny_model_dir: Path, new_dir: Path, old_model, new_model, tmp_path: Path
 ) -> None:
-    """``/prepare_weights_from_disk`` reads a directory ahead; the next update from it serves those weights, unless
-    its files changed since, then it reads them again."""
+    """``/prepare_weights_from_disk`` reads and checks a directory ahead into spare parameters; the next update
+    from it swaps them in and keeps what it served as the spare, unless its files changed since, then it reads
+    them again."""
 
     def logprobs_match(model: torch.nn.Module) -> bool:
         sampling = {"max_new_tokens": 16, "temperature": 0.8}
@@ -207,12 +208,20 @@ def test_prepared_weights_serve_and_a_rewritten_directory_is_read_again(
     load(engine, tiny_model_dir, "v0")
     missing = post(engine, "/prepare_weights_from_disk", {"model_path": str(tmp_path / "nope")})
     assert missing.status_code == 400 and missing.json()["success"] is False and "nope" in missing.json()["message"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    (tmp_path / "bad").mkdir()
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file({**state, "model.norm.weight": torch.zeros(3)}, tmp_path / "bad" / "model.safetensors")
+    bad = post(engine, "/prepare_weights_from_disk", {"model_path": str(tmp_path / "bad")})
+    assert bad.status_code == 400 and "'model.norm.weight' has shape [3]" in bad.json()["message"], bad.text
     staged = tmp_path / "staged"
     shutil.copytree(new_dir, staged)
     ready = post(engine, "/prepare_weights_from_disk", {"model_path": str(staged)})
     assert ready.status_code == 200 and ready.json()["success"], ready.text
     load(engine, staged, "v1")
     assert logprobs_match(new_model)
+    served = metric(engine, 'rollwave_engine_memory_bytes{kind="weights"}')
+    assert metric(engine, 'rollwave_engine_memory_bytes{kind="spare_weights"}') == served  # swapped, not copied
     assert post(engine, "/prepare_weights_from_disk", {"model_path": str(staged)}).json()["success"]
     shutil.copyfile(tiny_model_dir / "model.safetensors", tmp_path / "old.safetensors")
     os.replace(tmp_path / "old.safetensors", staged / "model.safetensors")  # after the prepare

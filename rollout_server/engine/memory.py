@@ -6,12 +6,24 @@ uninitialised, as SGLang does without ``--enable-weights-cpu-backup``: the weigh
 before generation continues, and the scheduler refuses to continue until they are. ``kv_cache`` drops the KV
 of the requests in flight (they are retracted and prefilled again on continue); the engine keeps KV per batch
 only, so nothing else is cached. ``cuda_graph`` holds nothing here and is accepted for compatibility.
+
+Prepared weights (the embedded engine's ``/prepare_weights_from_disk``): a full checkpoint is copied, while the
+engine generates, into a second set of parameter tensors, so the load inside the pause only points the
+Parameters at them (microseconds, where copying every weight is a memcpy of the model). The storage swapped
+out is kept as that second set for the next prepare, which then writes into warm pages: one more copy of the
+weights in memory, reported as ``rollwave_engine_memory_bytes{kind="spare_weights"}`` and freed with the
+``weights`` tag.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Hashable
+
 import torch
 from torch import nn
+
+from rollout_server.engine.weights import copy_into
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -26,17 +38,31 @@ def parse_tags(tags: list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(tags))
 
 
+class PreparedWeights:
+    """A full checkpoint copied into tensors laid out as the parameters, for ``ModelMemory.swap_in``."""
+
+    def __init__(self, key: Hashable, tensors: dict[int, torch.Tensor]) -> None:
+        self.key = key
+        self.tensors = tensors  # by id of the Parameter they replace
+
+
 class ModelMemory:
     """The parameters of a served model, which can be freed and allocated again in place (same Parameter
-    objects, so hooks and tied names stay valid)."""
+    objects, so hooks and tied names stay valid), and the prepared and spare copies of them."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._freed: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
         self._unloaded: set[int] = set()  # allocated again since a release, not yet loaded
         self._names: dict[int, list[str]] = {}
+        self._params: dict[int, nn.Parameter] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(p), []).append(name)
+            self._params[id(p)] = p
+        self._layout = {i: (p.shape, p.dtype, p.device) for i, p in self._params.items()}
+        self._lock = threading.Lock()  # the two slots below; prepares run off the scheduler thread
+        self._spare: dict[int, torch.Tensor] = {}
+        self._prepared: PreparedWeights | None = None
 
     @property
     def released(self) -> bool:
@@ -55,11 +81,58 @@ class ModelMemory:
         """Bytes the parameters hold now."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    def spare_bytes(self) -> int:
+        """Bytes the spare and prepared copies hold now."""
+        with self._lock:
+            sets = [self._spare, self._prepared.tensors if self._prepared else {}]
+        return sum(t.numel() * t.element_size() for s in sets for t in s.values())
+
+    def prepare(self, key: Hashable, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy a full, checked checkpoint (``{name: tensor}``, one name per tied group enough) into the spare
+        set and hold it under ``key`` for ``take_prepared``. Runs off the scheduler thread: no parameter
+        holds the spare. Nothing is held while the weights are released."""
+        with self._lock:
+            spare, self._spare = self._spare, {}
+            self._prepared = None
+        filled: dict[int, torch.Tensor] = {}
+        for i, (shape, dtype, device) in self._layout.items():
+            src = next(tensors[n] for n in self._names[i] if n in tensors)
+            dst = spare.pop(i, None)
+            if dst is None:
+                dst = torch.empty(shape, dtype=dtype, device=device)
+            copy_into(dst, src.to(dtype))
+            filled[i] = dst
+        with self._lock:
+            if not self.released:
+                self._prepared = PreparedWeights(key, filled)
+
+    def take_prepared(self, key: Hashable) -> PreparedWeights | None:
+        """The weights prepared under ``key``, once; a set prepared under another key becomes the spare."""
+        with self._lock:
+            prepared, self._prepared = self._prepared, None
+            if prepared is None or prepared.key == key:
+                return prepared
+            self._spare = prepared.tensors
+        return None
+
+    def swap_in(self, prepared: PreparedWeights) -> None:
+        """Point every parameter at its prepared tensor (scheduler thread, between steps); the storage they
+        held becomes the spare set."""
+        old = {}
+        for i, tensor in prepared.tensors.items():
+            p = self._params[i]
+            old[i], p.data = p.data, tensor
+        self._unloaded.clear()
+        with self._lock:
+            self._spare = old
+
     def release(self) -> None:
         for p in self.model.parameters():
             if id(p) not in self._freed:
                 self._freed[id(p)] = (p.shape, p.dtype, p.device)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        with self._lock:  # after _freed is set, so a prepare finishing now holds nothing
+            self._spare, self._prepared = {}, None
 
     def resume(self) -> None:
         for p in self.model.parameters():

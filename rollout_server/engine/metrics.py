@@ -33,6 +33,13 @@ class EngineMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )
+        self.decode_step_seconds = Histogram(
+            "rollwave_engine_decode_step_seconds",
+            "One decode step of the running batch: a request's time between two tokens when no prefill or pause "
+            "comes between",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=r,
+        )
         self.weight_update_seconds = Histogram(
             "rollwave_engine_weight_update_seconds",
             "Duration of a weight load",

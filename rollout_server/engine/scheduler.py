@@ -37,7 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rollout_server.engine.kv import KVBatch
 from rollout_server.engine.lora import Adapter, AdapterSet
-from rollout_server.engine.memory import ModelMemory
+from rollout_server.engine.memory import ModelMemory, PreparedWeights
 from rollout_server.engine.metrics import EngineMetrics
 from rollout_server.engine.request import Request, abort_reason
 from rollout_server.engine.sampling import BatchSampler
@@ -100,6 +100,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self.metrics.memory_bytes.labels(kind="weights").set_function(self.memory.weight_bytes)
         self.metrics.memory_bytes.labels(kind="kv_cache").set_function(self._kv_bytes)
+        self.metrics.memory_bytes.labels(kind="spare_weights").set_function(self.memory.spare_bytes)
 
     # ---- called from other threads -------------------------------------------------------------
 
@@ -192,15 +193,24 @@ class Scheduler:
         return count + len(rows)
 
     def load_weights(
-        self, tensors: dict[str, torch.Tensor], *, require_all: bool, model_path: str | None, version: str | None
+        self,
+        tensors: dict[str, torch.Tensor] | PreparedWeights,
+        *,
+        require_all: bool,
+        model_path: str | None,
+        version: str | None,
     ) -> None:
-        """Copy checked tensors into the model (raises WeightError, keeping the old weights)."""
+        """Copy checked tensors into the model, or swap prepared ones in (raises WeightError, keeping the old
+        weights)."""
         start = time.monotonic()
         if self.memory.released:
             self.metrics.refused.labels(call="update_weights").inc()
             raise WeightError("the weights are released: resume_memory_occupation with tag 'weights' first")
-        load_into(self.model, tensors, require_all=require_all)
-        self.memory.loaded(set(tensors))
+        if isinstance(tensors, PreparedWeights):
+            self.memory.swap_in(tensors)
+        else:
+            load_into(self.model, tensors, require_all=require_all)
+            self.memory.loaded(set(tensors))
         if model_path is not None:
             self.model_path = model_path
         if version is not None:
@@ -346,12 +356,14 @@ class Scheduler:
         self._retire([offset + i for i in self._record(chunk, tokens, logprobs)])
 
     def _decode(self) -> None:
+        start = time.monotonic()
         if self._sampler is None:
             self._sampler = self._make_sampler(self._running)
         self.adapters.rows = [r.lora for r in self._running]
         logits = self._batch.decode(self.model, self._pending)
         tokens, logprobs = self._sampler.sample(logits)
         self._pending = tokens
+        self.metrics.decode_step_seconds.observe(time.monotonic() - start)
         self._retire(self._record(self._running, tokens, logprobs))
 
     def _record(self, reqs: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[int]:

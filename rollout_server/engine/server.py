@@ -53,7 +53,6 @@ def create_app(engine: Scheduler, spec: GenerateSpec, api_key: str | None = None
     app.state.engine = engine
     app.state.spec = spec
     app.state.weight_session = weights.WeightSession()
-    app.state.prepared_weights = weights.PreparedWeights()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -50,16 +50,7 @@ def read_hf_dir(model_dir: str | Path) -> dict[str, torch.Tensor]:
             tensors.update(load_file(root / name))
         except (OSError, SafetensorError) as exc:
             raise WeightError(f"{root / name}: cannot read safetensors ({exc})") from exc
-    for tensor in tensors.values():
-        _prefault(tensor)
     return tensors
-
-
-def _prefault(tensor: torch.Tensor) -> None:
-    """Touch one byte per page of a memory-mapped tensor, so the page faults happen now (before the
-    pause) and the swap itself copies at memcpy speed (2-3x faster on tmpfs)."""
-    if tensor.numel():
-        int(tensor.reshape(-1).view(torch.uint8)[::4096].sum())
 
 
 def decode_named_tensors(payload: str | bytes) -> dict[str, torch.Tensor]:
@@ -85,7 +76,16 @@ def decode_named_tensors(payload: str | bytes) -> dict[str, torch.Tensor]:
 
 
 def load_into(model: PreTrainedModel, tensors: dict[str, torch.Tensor], *, require_all: bool) -> None:
-    """Copy ``tensors`` into ``model`` after checking every name and shape.
+    """Copy ``tensors`` into ``model`` after checking every name and shape (``check_tensors``)."""
+    check_tensors(model, tensors, require_all=require_all)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            copy_into(state[name], tensor.to(state[name].dtype))
+
+
+def check_tensors(model: PreTrainedModel, tensors: dict[str, torch.Tensor], *, require_all: bool) -> None:
+    """WeightError naming the first tensor that is not a parameter of ``model`` or has the wrong shape.
 
     ``require_all`` (a full checkpoint) also demands every parameter; of tied parameters (one storage
     under several names, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) one name suffices.
@@ -107,14 +107,11 @@ def load_into(model: PreTrainedModel, tensors: dict[str, torch.Tensor], *, requi
         for names in groups.values():
             if not any(n in tensors for n in names):
                 raise WeightError(f"tensor {names[0]!r} is missing from the checkpoint")
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            _copy(state[name], tensor.to(state[name].dtype))
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Single-threaded memcpy for contiguous CPU tensors: torch's multi-threaded ``copy_`` is several
-    times slower on a loaded machine, and this copy is the whole of the weight-swap pause."""
+    times slower on a loaded machine, and an unprepared load copies inside the weight-swap pause."""
     if dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous():
         np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
     else:

@@ -12,6 +12,7 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from rollout_server.engine.memory import PreparedWeights
 from rollout_server.engine.protocol import (
     ContinueGenerationReq,
     PauseGenerationReq,
@@ -23,7 +24,7 @@ from rollout_server.engine.protocol import (
 )
 from rollout_server.engine.routes import EngineDep, on_engine, result
 from rollout_server.engine.scheduler import Scheduler
-from rollout_server.engine.weights import WeightError, decode_named_tensors, read_hf_dir
+from rollout_server.engine.weights import WeightError, check_tensors, decode_named_tensors, read_hf_dir
 
 SESSION_REQUIRED = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
 
@@ -41,30 +42,10 @@ def _session(request: Request) -> WeightSession:
     return request.app.state.weight_session
 
 
-class PreparedWeights:
-    """One directory read and faulted in by ``/prepare_weights_from_disk`` while the engine generates, so the
-    ``update_weights_from_disk`` of that path that follows only copies inside the pause. It is used once, and
-    only while the directory's safetensors files are unchanged (same names, sizes and mtimes)."""
-
-    def __init__(self) -> None:
-        self._held: tuple[str, tuple, dict[str, torch.Tensor]] | None = None
-
-    def hold(self, path: str, tensors: dict[str, torch.Tensor]) -> None:
-        self._held = (path, _fingerprint(path), tensors)
-
-    def take(self, path: str) -> dict[str, torch.Tensor] | None:
-        held, self._held = self._held, None
-        if held is None or held[0] != path or held[1] != _fingerprint(path):
-            return None
-        return held[2]
-
-
-def _fingerprint(path: str) -> tuple:
-    return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).glob("*.safetensors")))
-
-
-def _prepared(request: Request) -> PreparedWeights:
-    return request.app.state.prepared_weights
+def _prepared_key(path: str) -> tuple:
+    """What a prepared set is valid for: the directory, with its safetensors files' names, sizes and mtimes."""
+    files = Path(path).glob("*.safetensors")
+    return path, tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
 
 
 @router.post("/pause_generation")
@@ -85,7 +66,7 @@ async def continue_generation(obj: ContinueGenerationReq, engine: EngineDep) -> 
 
 async def _load(
     engine: Scheduler,
-    tensors_fn: Callable[[], dict],
+    tensors_fn: Callable[[], dict[str, torch.Tensor] | PreparedWeights],
     *,
     require_all: bool,
     model_path: str | None,
@@ -114,20 +95,26 @@ async def _load(
 
 
 @router.post("/prepare_weights_from_disk")
-async def prepare_weights_from_disk(obj: PrepareWeightsFromDiskReq, request: Request) -> JSONResponse:
-    """Read ``model_path`` and fault its pages in now, off the scheduler thread, for the next update from it."""
+async def prepare_weights_from_disk(obj: PrepareWeightsFromDiskReq, engine: EngineDep) -> JSONResponse:
+    """Read and check ``model_path`` and copy it into the spare parameters now, off the scheduler thread, so
+    the next update from it (while its files are unchanged) swaps them in without copying."""
+    def prepare() -> int:
+        key = _prepared_key(obj.model_path)
+        tensors = read_hf_dir(obj.model_path)
+        check_tensors(engine.model, tensors, require_all=True)
+        engine.memory.prepare(key, tensors)
+        return len(tensors)
+
     try:
-        tensors = await asyncio.to_thread(read_hf_dir, obj.model_path)
+        count = await asyncio.to_thread(prepare)
     except WeightError as exc:
         return result(False, f"Failed to prepare weights: {exc}")
-    _prepared(request).hold(obj.model_path, tensors)
-    return result(True, f"Prepared {len(tensors)} tensors from {obj.model_path}")
+    return result(True, f"Prepared {count} tensors from {obj.model_path}")
 
 
 @router.post("/update_weights_from_disk")
-async def update_weights_from_disk(obj: UpdateWeightsFromDiskReq, request: Request, engine: EngineDep
-                                   ) -> JSONResponse:
-    ready = _prepared(request).take(obj.model_path)
+async def update_weights_from_disk(obj: UpdateWeightsFromDiskReq, engine: EngineDep) -> JSONResponse:
+    ready = engine.memory.take_prepared(_prepared_key(obj.model_path))
     if obj.load_format not in (None, "auto", "safetensors"):
         ok, msg, n = False, f"load_format {obj.load_format!r} is not supported (use safetensors)", 0
     else:

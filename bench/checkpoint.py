@@ -19,8 +19,11 @@
     while full pushes commit, and the engine measures each swap from the last token before the pause to the
     first after it (``rollwave_engine_generation_stall_seconds``; the load, and the re-prefill of the retracted
     requests, included). Two receivers in front of the same engine, one per ``checkpoint.kv_on_swap``
-    (recompute: pause retract; keep: pause in_place), their pushes alternating. Beside it, the mean decode step
-    over (d) (``rollwave_engine_decode_step_seconds``): the time between tokens a request sees without a swap.
+    (recompute: pause retract; keep: pause in_place), their pushes alternating. The bench reads the engine's
+    metrics from 0.25 s after each commit on, not while the engine runs its first steps after the swap: on two
+    cores, a scrape every 50 ms there added ~25 ms to each stall it measured. Beside it, the mean decode step in
+    a 1 s window after each round (``rollwave_engine_decode_step_seconds``): the time between tokens with no
+    push running.
 
 TCP rounds and pushes alternate, so both see the same background load; medians are reported.
 The engine is idle during (a)-(c) so neither side competes with decoding for the CPU.
@@ -303,23 +306,27 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
         busy_pause: dict[str, list[float]] = {"recompute": [], "keep": []}
         with Traffic(engine.url, streams, model.config.vocab_size) as traffic:
             time.sleep(2.0)  # every stream is decoding
-            steps = engine_totals(engine.url, "decode_step")
+            quiet = [0.0, 0.0]  # (count, sum) of decode steps in windows with no push
             for round_ in range(pushes):
                 for mode in ("recompute", "keep") if round_ % 2 == 0 else ("keep", "recompute"):
                     count, total = engine_totals(engine.url, "generation_stall")
                     server = push(model, recompute_pusher if mode == "recompute" else keep_pusher)
                     deadline = time.monotonic() + 60
+                    time.sleep(0.25)  # no scrape of the engine's metrics while its first steps after the swap run
                     while (totals := engine_totals(engine.url, "generation_stall"))[0] == count:
                         if time.monotonic() > deadline:
                             break
-                        time.sleep(0.05)  # until the first token after the swap
+                        time.sleep(0.1)  # until the first token after the swap
                     count2, total2 = totals
                     if count2 != count + 1:
                         raise RuntimeError(f"{mode}: {count2 - count:g} stalls observed for one swap")
                     stall[mode].append(total2 - total)
                     busy_pause[mode].append(server.pause_seconds)
-            steps_after = engine_totals(engine.url, "decode_step")
-            decode_step = (steps_after[1] - steps[1]) / (steps_after[0] - steps[0])
+                before = engine_totals(engine.url, "decode_step")
+                time.sleep(1.0)
+                after = engine_totals(engine.url, "decode_step")
+                quiet = [quiet[0] + after[0] - before[0], quiet[1] + after[1] - before[1]]
+            decode_step = quiet[1] / quiet[0]
         keep_pusher.close()
         recompute_pusher.close()
         if traffic.errors:
@@ -357,7 +364,7 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
               f"{med(stall[mode]) * 1e3:.1f} ms ({', '.join(f'{s * 1e3:.0f}' for s in stall[mode])} ms), "
               f"commit pause {med(busy_pause[mode]) * 1e3:.1f} ms")
     print(f"    a decode step of those requests (their time between tokens) took {decode_step * 1e3:.1f} ms on "
-          f"average over (d); the stall counts one")
+          f"average in a 1 s window after each round, no push running; the stall counts one")
     print(f"stage_vs_raw_tcp ratio {stage_gbs / tcp_gbs:.3f} (goal >= 0.5)")
     print(f"pause_vs_memcpy ratio {med(pause) / warm:.3f}")
     print(f"lora_pause_vs_full_pause ratio {med(lora_pause) / med(pause):.3f}")

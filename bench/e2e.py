@@ -18,9 +18,10 @@ alternating order (A, B, B, A, ...), and the medians are reported.
 Prints per run and, as medians, per mode: trajectories/s, trained tokens/s, trainer idle fraction (time
 waiting for data / wall), rollout idle fraction (time with no group in flight or paused for a weight swap /
 wall), and the memory held while the trainer trains: the trainer's parameters and optimizer state (from its
-tensors) plus the engine's weights and KV cache (``rollwave_engine_memory_bytes``, sampled every 0.25 s while
-the trainer holds the device; decoupled or overlapped, it always does). These are tensor bytes, what a GPU's allocator
-would hold, not the processes' RSS. Last line: ``<B>_vs_<A> ratio <median trajectories/s B / A>``.
+tensors) plus the engine's weights, spare weights and KV cache (``rollwave_engine_memory_bytes``, sampled
+every 0.25 s while the trainer holds the device; decoupled or overlapped, it always does). These are tensor
+bytes, what a GPU's allocator would hold, not the processes' RSS. Last line: ``<B>_vs_<A> ratio <median
+trajectories/s B / A>``.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ MODES = {
 }
 COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "overlap": ("colocated", "overlap")}
 SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
-MEMORY = ('rollwave_engine_memory_bytes{kind="weights"}', 'rollwave_engine_memory_bytes{kind="kv_cache"}')
+MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("weights", "kv_cache", "spare_weights"))
 
 
 def placement(mode: str, pinned: bool) -> list[str]:

@@ -38,7 +38,7 @@ from trainer.parallel import close_distributed, exit_rank, init_distributed, ite
 from trainer.worker import Trainer
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
-MEMORY = ('rollwave_engine_memory_bytes{kind="weights"}', 'rollwave_engine_memory_bytes{kind="kv_cache"}')
+MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("weights", "kv_cache", "spare_weights"))
 STEPS = 2
 DEMO_STEPS = 20
 

@@ -44,8 +44,11 @@ def _session(request: Request) -> WeightSession:
 
 def _prepared_key(path: str) -> tuple:
     """What a prepared set is valid for: the directory, with its safetensors files' names, sizes and mtimes."""
-    files = Path(path).glob("*.safetensors")
-    return path, tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    try:
+        stats = [(f.name, f.stat()) for f in Path(path).glob("*.safetensors")]
+    except OSError as exc:  # a file removed while we look
+        raise WeightError(f"model_path {path}: {exc}") from exc
+    return path, tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
 
 
 @router.post("/pause_generation")
@@ -114,7 +117,10 @@ async def prepare_weights_from_disk(obj: PrepareWeightsFromDiskReq, engine: Engi
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(obj: UpdateWeightsFromDiskReq, engine: EngineDep) -> JSONResponse:
-    ready = engine.memory.take_prepared(_prepared_key(obj.model_path))
+    try:
+        ready = engine.memory.take_prepared(_prepared_key(obj.model_path))
+    except WeightError:
+        ready = None  # the load reads the directory and reports what is wrong with it
     if obj.load_format not in (None, "auto", "safetensors"):
         ok, msg, n = False, f"load_format {obj.load_format!r} is not supported (use safetensors)", 0
     else:

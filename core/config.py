@@ -363,6 +363,11 @@ class CheckpointConfig(Section):
         "or keep (pause in_place: they go on from the old weights' KV with no re-prefill, a shorter stall; the "
         "tokens after the swap are sampled from new weights over an old prefix, which importance correction sees)"
     )
+    prepare_weights: bool = Field(
+        True, description="receiver: before the pause, have the engine read the staged version into a spare copy of "
+        "its weights, so the load in the pause swaps pointers (the embedded engine; one more copy of the weights in "
+        "its memory). false: the load reads and copies the weights inside the pause, and no spare is held"
+    )
     empty_cache_on_resume: bool = Field(
         False, description="receiver: let continue_generation empty the CUDA cache (SGLang's torch_empty_cache)"
     )

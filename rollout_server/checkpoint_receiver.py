@@ -300,16 +300,16 @@ class CheckpointService:
         """prepare -> pause -> update_weights_from_disk -> continue; continue even when the load fails.
 
         The pause is ``retract`` (the running requests' KV is recomputed) or, with ``kv_on_swap: keep``,
-        ``in_place``. Preparing (full weights only) reads the staged files into the engine's spare parameters
-        before the pause; an engine that cannot (SGLang) reads them inside the load, and a failed prepare leaves
-        the load to report.
+        ``in_place``. Preparing (full weights only, unless ``checkpoint.prepare_weights`` is off) reads the staged
+        files into the engine's spare parameters before the pause; an engine that cannot (SGLang) reads them
+        inside the load, and a failed prepare leaves the load to report.
 
         The pause is timed from the moment the engine confirms it (generation has stopped; the engine
         finishes the decode step in progress first) to the moment continue returns. Pause and continue each
         have ``pause_timeout_s``: the version is refused, naming the stage; a pause that answers later is
         followed by its continue before any other swap, so the engine is never left paused."""
         limit = self.config.pause_timeout_s
-        if not (path / ADAPTER_CONFIG).is_file():
+        if self.config.prepare_weights and not (path / ADAPTER_CONFIG).is_file():
             await self._prepare(path)
         pause = asyncio.ensure_future(self.engine.pause(self.config.swap_pause))
         try:

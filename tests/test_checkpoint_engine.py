@@ -26,6 +26,7 @@ import grpc
 import httpx
 import pytest
 import torch
+from engine_helpers import metric
 from net_helpers import refused_port
 from pydantic import SecretStr
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -572,6 +573,32 @@ def test_the_next_stage_overwrites_the_served_file_in_place(fleet: Fleet, tiny_m
     assert pusher.push_model(first, version=version + 3).wait(WAIT_S).ok
     assert all(greedy_engine(e.url) == greedy_reference(first) for e in fleet.engines)
     pusher.close()
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+def test_a_prepared_version_is_swapped_in_and_unprepared_is_copied(tiny_model_dir: Path, tmp_path: Path,
+                                                                  prepare: bool) -> None:
+    """With ``checkpoint.prepare_weights`` (the default) the engine holds a spare copy of its weights after a
+    commit (what it served before the swap); without, the load copies in the pause and nothing more is held.
+    Either way the engine serves the pushed weights and the pause is timed."""
+    stage_dir = Path("/dev/shm") / f"rollwave-prepare-{tmp_path.name}"
+    fleet = Fleet(tiny_model_dir, stage_dir, tmp_path, size=1, prepare_weights=prepare)
+    try:
+        fleet.start()
+        [engine] = fleet.engines
+        pusher = fleet.pusher()
+        for version, seed in ((1, 21), (2, 22)):
+            model = perturbed(tiny_model_dir, seed, tmp_path / f"v{version}")
+            [server] = pusher.push_model(model, version=version).wait(WAIT_S).servers
+            assert server.ok and server.pause_seconds > 0, server
+            assert greedy_engine(engine.url) == greedy_reference(model)
+        pusher.close()
+        weights, spare = (metric(engine.url, f'rollwave_engine_memory_bytes{{kind="{kind}"}}')
+                          for kind in ("weights", "spare_weights"))
+        assert weights > 0 and spare == (weights if prepare else 0)
+    finally:
+        fleet.close()
+        shutil.rmtree(stage_dir, ignore_errors=True)
 
 
 def test_failed_load_continues_on_old_weights_and_reports(fleet: Fleet, base_model: PreTrainedModel) -> None:

@@ -52,7 +52,7 @@ class ModelMemory:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._freed: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
+        self._freed: set[int] = set()  # parameters released and not allocated again
         self._unloaded: set[int] = set()  # allocated again since a release, not yet loaded
         self._names: dict[int, list[str]] = {}
         self._params: dict[int, nn.Parameter] = {}
@@ -129,7 +129,7 @@ class ModelMemory:
     def release(self) -> None:
         for p in self.model.parameters():
             if id(p) not in self._freed:
-                self._freed[id(p)] = (p.shape, p.dtype, p.device)
+                self._freed.add(id(p))
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         with self._lock:  # after _freed is set, so a prepare finishing now holds nothing
             self._spare, self._prepared = {}, None
@@ -137,7 +137,8 @@ class ModelMemory:
     def resume(self) -> None:
         for p in self.model.parameters():
             if id(p) in self._freed:
-                shape, dtype, device = self._freed.pop(id(p))
+                self._freed.discard(id(p))
+                shape, dtype, device = self._layout[id(p)]
                 p.data = torch.empty(shape, dtype=dtype, device=device)
                 self._unloaded.add(id(p))
 

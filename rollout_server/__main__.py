@@ -74,12 +74,13 @@ async def engine_urls(cfg: EngineConfig, model: Path, stack: AsyncExitStack) -> 
     return [engine.url], engine.api_key
 
 
-def engine_metrics(url: str, key: str | None) -> Callable[[], tuple[str, bytes]]:
-    """Fetches an engine's ``/metrics`` with its key, for the metrics server to pass on."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+def engine_metrics(http: httpx.Client, url: str) -> Callable[[], tuple[str, bytes]]:
+    """Fetches an engine's ``/metrics`` for the metrics server to pass on, through ``http``, the server's one
+    client (with the engine's key): a client made per scrape builds a TLS context each time, ~10 ms of CPU taken
+    from the engine's core."""
 
     def fetch() -> tuple[str, bytes]:
-        reply = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=ENGINE_METRICS_TIMEOUT_S)
+        reply = http.get(url.rstrip("/") + "/metrics")
         reply.raise_for_status()
         return reply.headers.get("content-type", "text/plain"), reply.content
 
@@ -130,7 +131,9 @@ async def serve(cfg: Config) -> None:
         )
         rc = cfg.rollout
         if rc.metrics_port is not None:
-            proxies = {f"/engine/{i}/metrics": engine_metrics(url, key) for i, url in enumerate(urls)}
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            http = stack.enter_context(httpx.Client(headers=headers, timeout=ENGINE_METRICS_TIMEOUT_S))
+            proxies = {f"/engine/{i}/metrics": engine_metrics(http, url) for i, url in enumerate(urls)}
             server = await asyncio.to_thread(serve_metrics, metrics.registry, "rollout", rc.metrics_host,
                                              rc.metrics_port, proxies)
             stack.callback(server.shutdown)

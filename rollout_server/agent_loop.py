@@ -24,8 +24,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from buffer.schema import Sample, ToolCallRecord, TrajectoryGroup
 from core.config import RolloutConfig
 from core.rewards import RewardComputer, RewardError
@@ -211,7 +209,7 @@ class AgentLoop:
                 ep.builder.token_ids, self._sampling_params(max_new), return_logprob=True, rid=rid
             )
             turn = turn_from_reply(reply)
-        except (EngineError, httpx.HTTPError, EngineReplyError) as exc:
+        except (EngineError, EngineReplyError) as exc:
             ep.fail("engine", f"engine: {type(exc).__name__}: {exc}")
             return [], []
         ep.builder.add_generated(turn)

@@ -7,7 +7,12 @@ versions: the weight version is read from ``/model_info`` (0.5.23, embedded) or 
 last saw the server serve), and ``meta_info.weight_versions_approximate``: a swap during the request makes
 that label older than the tokens after it, never newer. ``update_weights_from_tensor`` opens the 0.5.23
 weight-update session when the server has one. Connection errors are retried with bounded exponential
-backoff; any other failure raises ``EngineError`` with the server's status and message.
+backoff; any other failure raises ``EngineError`` with the server's status and message (None and the transport's
+error for a timeout or a dropped connection).
+
+The transport is ``httpx2``, pydantic's maintained fork of httpx (the openai client's and huggingface_hub's):
+httpx's connection pool rescans every connection for each request, and with a batch's worth of requests in flight
+that took half of a rollout server's CPU (``bench/RESULTS.md``, e2e).
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ import logging
 import time
 from typing import Any
 
-import httpx
+import httpx2
 
 log = logging.getLogger(__name__)
-RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)
+RETRYABLE = (httpx2.ConnectError, httpx2.ConnectTimeout)
 # Idle connections are dropped before the server's keep-alive (uvicorn's 5 s, the embedded engine's and
 # SGLang's) ends them: a request sent on a connection the server is closing fails with ReadError, and while the
 # engines are released for training (colocated placement) every connection sits idle for the whole step.
@@ -51,11 +56,11 @@ class EngineClient:
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(
+        self._http = httpx2.AsyncClient(
             base_url=self.base_url,
             timeout=timeout_s,
             headers=headers,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=256,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
         self._retries = retries
@@ -227,7 +232,7 @@ class EngineClient:
         """One probe, no retries: True when ``/health`` answers 200."""
         try:
             return (await self._http.get("/health", timeout=30.0)).status_code == 200
-        except httpx.TransportError:
+        except httpx2.TransportError:
             return False
 
     async def wait_ready(self, timeout_s: float = 3600.0, log_every_s: float = 30.0) -> None:
@@ -247,7 +252,7 @@ class EngineClient:
 
     # ---- transport -----------------------------------------------------------------------------
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx2.Response:
         delay = self._backoff_s
         for attempt in range(self._retries + 1):
             try:
@@ -258,12 +263,14 @@ class EngineClient:
                     raise EngineError(None, f"cannot connect to {self.base_url} ({exc!r})", path) from exc
                 await asyncio.sleep(delay)
                 delay *= 2
+            except httpx2.HTTPError as exc:  # a timeout or a dropped connection, named like any other failure
+                raise EngineError(None, f"{self.base_url}: {type(exc).__name__}: {exc}", path) from exc
         if resp.status_code >= 400:
             raise EngineError(resp.status_code, _message(resp), path)
         return resp
 
 
-def _message(resp: httpx.Response) -> str:
+def _message(resp: httpx2.Response) -> str:
     """The server's message from any of SGLang's error shapes (or the raw text)."""
     try:
         body = resp.json()
@@ -279,7 +286,7 @@ def _message(resp: httpx.Response) -> str:
     return str(body)
 
 
-def _checked(resp: httpx.Response, path: str) -> dict[str, Any]:
+def _checked(resp: httpx2.Response, path: str) -> dict[str, Any]:
     """A ``{success, message}`` (or the LoRA routes' ``{success, error_message}``) reply, raised when not a success."""
     body = resp.json()
     if not body.get("success", False):

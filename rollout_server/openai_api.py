@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
 import uvicorn
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -383,7 +382,7 @@ class EpisodeStore:
             reply = await ep.engine.generate(ep.builder.token_ids, params, return_logprob=True,
                                              rid=f"{ep.episode_id}-{ep.num_turns}")
             turn = turn_from_reply(reply)
-        except (EngineError, httpx.HTTPError, EngineReplyError) as exc:
+        except (EngineError, EngineReplyError) as exc:
             self.fail(ep, "error", f"engine: {type(exc).__name__}: {exc}")
             raise APIError(503, f"the engine failed: {exc}", "engine_error", "server_error") from exc
         ep.builder.add_generated(turn)

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import httpx
 import redis
 from pydantic import ValidationError
 
@@ -324,7 +323,7 @@ class RolloutWorker:
         integer (logged: tokens of such a version are refused by the agent loop anyway)."""
         try:
             return parse_version(await self.engines[0].weight_version())
-        except (httpx.HTTPError, EngineError) as exc:
+        except EngineError as exc:
             log.warning("cannot read the weight version of %s: %s", self.engines[0].base_url, exc)
         except ValueError as exc:
             log.error("engine %s: %s", self.engines[0].base_url, exc)

@@ -324,3 +324,17 @@ def test_connection_errors_are_retried_then_reported() -> None:
             assert out["output_ids"] == [1, 2, 3]
 
     asyncio.run(run())
+
+
+def test_a_timeout_is_an_engine_error_naming_the_engine_and_the_call() -> None:
+    async def run() -> None:
+        gate = asyncio.Event()  # never set: /generate never answers
+        app, _, _ = sglang_056_stub(gate=gate)
+        async with serve(app) as url, EngineClient(url, timeout_s=0.3) as client:
+            with pytest.raises(EngineError) as exc:
+                await client.generate(PROMPT)
+            assert exc.value.status is None and exc.value.path == "/generate"
+            assert str(exc.value).startswith(f"/generate: {url}: ReadTimeout")
+            gate.set()
+
+    asyncio.run(run())

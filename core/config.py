@@ -139,6 +139,10 @@ class EngineConfig(Section):
     port: int = Field(0, ge=0, le=65535, description="embedded engine; 0 picks a free port (published in the registry)")
     max_batch_size: int = Field(64, ge=1)
     max_context: int = Field(1024, ge=16, description="prompt + generation tokens per request")
+    prefix_cache_tokens: int = Field(
+        16384, ge=0, description="embedded engine: tokens of finished requests' KV kept for the requests that "
+        "extend them (a multi-turn episode's next turn), as SGLang's radix cache; 0 turns it off"
+    )
     request_timeout_s: float = Field(600.0, gt=0)
     sglang_args: list[str] = Field(default_factory=list, description="extra flags for sglang.launch_server")
     threads: int = Field(0, ge=0, description="embedded engine: torch intra-op threads (0: torch's default)")

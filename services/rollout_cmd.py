@@ -128,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting the embedded engine on {model_dir}", file=sys.stderr)
     engine = EngineProcess(
         model_dir, host="127.0.0.1", max_batch_size=cfg.engine.max_batch_size, max_context=cfg.engine.max_context,
+        prefix_cache_tokens=cfg.engine.prefix_cache_tokens,
         api_key=key or secrets.token_urlsafe(32),
     )
     with engine:

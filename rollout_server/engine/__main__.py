@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     p.add_argument("--max-context", type=int, default=1024, help="prompt + new tokens per request")
     p.add_argument("--prefill-tokens", type=int, default=8192, help="padded tokens per prefill forward")
+    p.add_argument("--prefix-cache-tokens", type=int, default=16384,
+                   help="tokens of finished requests' KV kept for requests that extend them (0: off)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of draws for requests without sampling_seed")
     p.add_argument("--log-level", default="warning")
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         max_batch_size=args.max_batch_size,
         max_context=max_context,
         prefill_tokens=args.prefill_tokens,
+        prefix_cache_tokens=args.prefix_cache_tokens,
         seed=args.seed,
     )
     spec = GenerateSpec(tokenizer, model.config.vocab_size, max_context, eos_ids)

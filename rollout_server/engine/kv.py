@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from rollout_server.engine.prefix_cache import Layers
+
 
 class KVBatch:
     """The KV cache, attention mask and per-row lengths of the running sequences."""
@@ -39,18 +41,40 @@ class KVBatch:
         return sum(layer.nbytes for layer in self.cache.layers)
 
     @classmethod
-    def prefill(cls, model: PreTrainedModel, seqs: list[list[int]]) -> tuple[KVBatch, torch.Tensor]:
-        """Run ``seqs`` through the model; returns the batch and the next-token logits ``[B, V]``."""
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    def prefill(
+        cls, model: PreTrainedModel, seqs: list[list[int]], past: list[Layers | None] | None = None
+    ) -> tuple[KVBatch, torch.Tensor, list[int]]:
+        """Run ``seqs`` through the model; returns the batch, the next-token logits ``[B, V]`` and how many
+        tokens of each row came from ``past``.
+
+        ``past[i]``, when given, is the KV of a prefix of ``seqs[i]`` shorter than it (a prefix cache's entry).
+        The forward runs the same number of columns for every row, the longest uncached rest, so a row takes
+        from its past what lies before those columns and runs the rest again.
+        """
+        lengths = [len(s) for s in seqs]
+        cached = [0 if p is None else p[0][0].shape[-2] for p in past or [None] * len(seqs)]
+        width = max(lengths)
+        span = max(n - c for n, c in zip(lengths, cached, strict=True))  # columns the forward runs
+        reused = [max(0, n - span) for n in lengths]
+        ids = torch.zeros(len(seqs), span, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        for i, (seq, r) in enumerate(zip(seqs, reused, strict=True)):
+            ids[i, span - len(seq) + r :] = torch.tensor(seq[r:], dtype=torch.long)
             mask[i, width - len(seq) :] = 1
-        lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-        padded = bool((lengths < width).any())
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        padded = any(n < width for n in lengths)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)[:, width - span :]
         cache = Cache(layers=[_GrowingLayer() for _ in range(model.config.num_hidden_layers)])
+        if width > span:
+            first = next(p for p, r in zip(past, reused, strict=True) if r)
+            for index, layer in enumerate(cache.layers):
+                k0 = first[index][0]
+                keys = k0.new_zeros(len(seqs), k0.shape[0], width - span, k0.shape[-1])
+                values = keys.clone()
+                for i, r in enumerate(reused):
+                    if r:
+                        keys[i, :, width - span - r :] = past[i][index][0][:, :r]
+                        values[i, :, width - span - r :] = past[i][index][1][:, :r]
+                layer.load(keys, values, room=span + 64)
         out = model(
             input_ids=ids,
             attention_mask=mask if padded else None,
@@ -59,7 +83,12 @@ class KVBatch:
             use_cache=True,
             logits_to_keep=1,
         )
-        return cls(cache, mask, lengths), out.logits[:, -1, :]
+        return cls(cache, mask, torch.tensor(lengths)), out.logits[:, -1, :], reused
+
+    def row(self, i: int) -> Layers:
+        """Row ``i``'s keys and values over its real tokens (views into the batch's buffers)."""
+        n = int(self.lengths[i])
+        return [(layer.keys[i, :, -n:], layer.values[i, :, -n:]) for layer in self.cache.layers]
 
     def decode(self, model: PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (``[B]``); returns the next-token logits ``[B, V]``."""
@@ -121,12 +150,12 @@ class _GrowingLayer(DynamicLayer):
     def nbytes(self) -> int:
         return sum(b.nbytes for b in (self._kbuf, self._vbuf) if b is not None)
 
-    def load(self, keys: torch.Tensor, values: torch.Tensor) -> _GrowingLayer:
-        """Start from ``[B, H, L, D]`` tensors (copied, with room for 64 more columns)."""
+    def load(self, keys: torch.Tensor, values: torch.Tensor, room: int = 64) -> _GrowingLayer:
+        """Start from ``[B, H, L, D]`` tensors (copied, with room for ``room`` more columns)."""
         self.lazy_initialization(keys, values)
         self._kbuf = self._vbuf = None
         self._n = 0
-        self._write(keys, values, extra=64)
+        self._write(keys, values, extra=room)
         return self
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

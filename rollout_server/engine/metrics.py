@@ -13,6 +13,10 @@ class EngineMetrics:
         r = self.registry
         self.generated_tokens = Counter("rollwave_engine_generated_tokens", "Output tokens sampled", registry=r)
         self.prompt_tokens = Counter("rollwave_engine_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.cached_tokens = Counter(
+            "rollwave_engine_cached_tokens", "Prompt tokens whose keys and values came from the prefix cache",
+            registry=r,
+        )
         self.requests = Counter(
             "rollwave_engine_requests", "Finished requests by finish reason", ["finish"], registry=r
         )

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from rollout_server.engine.prefix_cache import Prefix
 from rollout_server.engine.sampling import SamplingParams
 
 
@@ -42,6 +43,9 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     spans: list[dict[str, Any]] = field(default_factory=list)
     num_retractions: int = 0
+    cached_tokens: int = 0  # of its last prefill, taken from the prefix cache
+    kv_epoch: int = -1  # the scheduler's load count at its last prefill
+    extends: Prefix | None = None  # the prefix cache's entry its last prefill started from
     finish_reason: dict[str, Any] | None = None
     finish_version: str | None = None
     future: Future = field(default_factory=Future)
@@ -97,7 +101,7 @@ class Request:
         meta.update(
             prompt_tokens=len(self.input_ids),
             completion_tokens=len(self.output_ids),
-            cached_tokens=0,
+            cached_tokens=self.cached_tokens,
             reasoning_tokens=0,
             num_retractions=self.num_retractions,
             weight_version=self.finish_version,

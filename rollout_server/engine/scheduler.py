@@ -39,6 +39,7 @@ from rollout_server.engine.kv import KVBatch
 from rollout_server.engine.lora import Adapter, AdapterSet
 from rollout_server.engine.memory import ModelMemory, PreparedWeights
 from rollout_server.engine.metrics import EngineMetrics
+from rollout_server.engine.prefix_cache import PrefixCache
 from rollout_server.engine.request import Request, abort_reason
 from rollout_server.engine.sampling import BatchSampler
 from rollout_server.engine.weights import WeightError, load_into
@@ -65,6 +66,7 @@ class Scheduler:
         max_batch_size: int = 64,
         max_context: int = 1024,
         prefill_tokens: int = 8192,
+        prefix_cache_tokens: int = 16384,
         seed: int = 0,
     ) -> None:
         self.model = model
@@ -78,6 +80,8 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_context = max_context
         self.prefill_tokens = prefill_tokens
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self._kv_epoch = 0  # counts loads: a request prefilled before the last one holds KV of older weights
         self.metrics = EngineMetrics()
         self.metrics.set_version(weight_version)
         self.paused: PauseMode | None = None
@@ -211,6 +215,7 @@ class Scheduler:
         else:
             load_into(self.model, tensors, require_all=require_all)
             self.memory.loaded(set(tensors))
+        self._new_kv_epoch()
         if model_path is not None:
             self.model_path = model_path
         if version is not None:
@@ -220,6 +225,7 @@ class Scheduler:
     def install_adapter(self, name: str, adapter: Adapter) -> None:
         """Serve ``adapter`` as ``name`` (replacing one of that name)."""
         self.adapters.install(name, adapter)
+        self._new_kv_epoch()
 
     def remove_adapter(self, name: str) -> int:
         """Stop serving ``name``; requests still naming it are aborted. Returns how many."""
@@ -227,6 +233,7 @@ class Scheduler:
             return 0
         aborted = self.abort_where(lambda r: r.lora == name)
         self.adapters.remove(name)
+        self._new_kv_epoch()
         return aborted
 
     def release_memory(self, tags: tuple[str, ...]) -> None:
@@ -242,6 +249,7 @@ class Scheduler:
             self._retract()
         if "weights" in tags:
             self.memory.release()
+        self._new_kv_epoch()
         self.released.update(tags)
         log.info("released memory %s", sorted(tags))
 
@@ -260,11 +268,23 @@ class Scheduler:
 
     def _kv_bytes(self) -> int:
         batch = self._batch
-        return 0 if batch is None else batch.nbytes
+        return self.prefix_cache.nbytes + (0 if batch is None else batch.nbytes)
+
+    def _new_kv_epoch(self) -> None:
+        """The weights or adapters changed (or the memory went): no KV computed so far is kept or reused."""
+        self._kv_epoch += 1
+        self.prefix_cache.clear()
 
     def set_version(self, version: str) -> None:
         self.version = version
         self.metrics.set_version(version)
+
+    def flush_cache(self) -> bool:
+        """SGLang's ``/flush_cache``: empty the prefix cache; refused (False) while requests are in flight."""
+        if not self.idle():
+            return False
+        self.prefix_cache.clear()
+        return True
 
     def idle(self) -> bool:
         """No request running or queued (queued ones do not count while paused, as in SGLang)."""
@@ -341,9 +361,24 @@ class Scheduler:
             self._admitting = []
 
     def _prefill(self, chunk: list[Request]) -> None:
-        self.adapters.rows = [r.lora for r in chunk]
-        batch, logits = KVBatch.prefill(self.model, [r.tokens for r in chunk])
+        """Prefill ``chunk``: each distinct sequence once (a group's samples share their prompt), from the
+        longest prefix the cache holds for it."""
+        rows: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        index = [rows.setdefault((r.lora, tuple(r.tokens)), len(rows)) for r in chunk]
+        first = {row: r for row, r in zip(index, chunk, strict=True)}
+        distinct = [first[row] for row in range(len(rows))]
+        hits = [self.prefix_cache.lookup(r.tokens, r.lora) for r in distinct]
+        past = [None if h is None else h.head(min(len(h.tokens), len(r.tokens) - 1)) for h, r in
+                zip(hits, distinct, strict=True)]
+        self.adapters.rows = [r.lora for r in distinct]
+        batch, logits, reused = KVBatch.prefill(self.model, [r.tokens for r in distinct], past)
+        if len(distinct) < len(chunk):
+            batch.keep(index)
+            logits = logits[index]
+        for r, row in zip(chunk, index, strict=True):
+            r.kv_epoch, r.extends, r.cached_tokens = self._kv_epoch, hits[row], reused[row]
         self.metrics.prompt_tokens.inc(sum(len(r.tokens) for r in chunk))
+        self.metrics.cached_tokens.inc(sum(reused))
         tokens, logprobs = self._make_sampler(chunk).sample(logits)
         if self._batch is None:
             self._batch, self._pending, self._running = batch, tokens, list(chunk)
@@ -387,7 +422,11 @@ class Scheduler:
             return
         gone = set(rows)
         for i in rows:
-            self._finish(self._running[i], reason)
+            r = self._running[i]
+            if r.kv_epoch == self._kv_epoch and self.prefix_cache.max_tokens:
+                n = int(self._batch.lengths[i])
+                self.prefix_cache.insert(r.tokens[:n], r.lora, self._batch.row(i), replaces=r.extends)
+            self._finish(r, reason)
         keep = [i for i in range(len(self._running)) if i not in gone]
         self._running = [self._running[i] for i in keep]
         if keep:

@@ -53,7 +53,7 @@ async def generate(request: Request, engine: EngineDep, spec: SpecDep) -> Respon
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(engine: EngineDep) -> Response:
-    ok = await on_engine(engine, engine.idle)
+    ok = await on_engine(engine, engine.flush_cache)
     return Response(FLUSH_TEXT, status_code=200 if ok else 400, media_type="text/plain")
 
 

@@ -1,0 +1,197 @@
+"""The embedded engine's prefix cache: a finished request's KV serves the requests that extend it (a multi-turn
+episode's next turn), with the same tokens and logprobs as a prefill from scratch; a group's identical prompts
+are prefilled once; loads, adapter changes and memory releases empty it, and a request whose KV spans a load is
+not kept; the bound evicts the least recently used; ``engine.prefix_cache_tokens=0`` turns it off end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from core.config import load_config
+from rollout_server.__main__ import engine_urls
+from rollout_server.engine.kv import KVBatch
+from rollout_server.engine.lora import Adapter
+from rollout_server.engine.prefix_cache import PrefixCache
+from rollout_server.engine.request import Request
+from rollout_server.engine.sampling import SamplingParams
+from rollout_server.engine.scheduler import Scheduler
+from rollout_server.engine_client import EngineClient
+
+WAIT_S = 60.0
+TOOL_ANSWER = [7, 8, 9]  # what a tool turn appends before the next assistant turn
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def scheduler(model: torch.nn.Module, tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[Scheduler]:
+    tokens = getattr(request, "param", 16384)
+    engine = Scheduler(model, AutoTokenizer.from_pretrained(tiny_model_dir), model_path=str(tiny_model_dir),
+                       prefix_cache_tokens=tokens)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def layers(n: int, value: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.full((2, n, 4), value), torch.full((2, n, 4), value)) for _ in range(3)]
+
+
+def greedy(rid: str, ids: list[int], n: int = 10) -> Request:
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    return Request(rid=rid, input_ids=list(ids), params=params, return_logprob=True, stop_ids=frozenset(),
+                   stop_window=1)
+
+
+def conversations(engine: Scheduler, prompts: list[list[int]], turns: int) -> list[list[Request]]:
+    """``turns`` rounds: every conversation is sent, then extended by its output and a tool answer."""
+    rounds, convs = [], [list(p) for p in prompts]
+    for turn in range(turns):
+        reqs = [greedy(f"t{turn}-{i}", c) for i, c in enumerate(convs)]
+        engine.submit(reqs)
+        for r in reqs:
+            r.future.result(timeout=WAIT_S)
+        rounds.append(reqs)
+        convs = [c + r.output_ids + TOOL_ANSWER for c, r in zip(convs, reqs, strict=True)]
+    return rounds
+
+
+def test_lookup_finds_the_longest_entry_under_the_same_adapter_and_the_bound_evicts_the_least_recent() -> None:
+    cache = PrefixCache(max_tokens=12)
+    cache.insert([1, 2, 3], None, layers(3))
+    cache.insert([1, 2, 3, 4, 5], None, layers(5, 1.0))
+    assert cache.lookup([1, 2, 3, 4, 5, 9], None).tokens == [1, 2, 3, 4, 5]
+    assert cache.lookup([1, 2, 3, 4], None).tokens == [1, 2, 3]
+    assert cache.lookup([1, 2, 3, 4], "a") is None and cache.lookup([2, 3], None) is None
+    cache.insert([1, 2, 3, 4, 5, 6], "a", layers(6))  # 14 tokens: [1..5], used least recently, leaves
+    assert cache.lookup([1, 2, 3, 4, 5, 9], None).tokens == [1, 2, 3]
+    assert cache.tokens == 9 and cache.nbytes == sum(k.nbytes + v.nbytes for k, v in layers(9))
+
+    extended = cache.lookup([1, 2, 3, 4, 5, 6, 7], "a")
+    cache.insert([1, 2, 3, 4, 5, 6, 7], "a", layers(7), replaces=extended)  # the longer one takes its place
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7, 8], "a").tokens == [1, 2, 3, 4, 5, 6, 7] and cache.tokens == 10
+    kept = layers(3, 3.0)
+    cache.insert([4, 4, 4], None, kept)  # 13 tokens: [1, 2, 3] leaves
+    cache.insert([4, 4, 4], None, layers(3))  # the same tokens again: kept once
+    kept[0][0].zero_()  # the cache holds a copy
+    assert cache.lookup([1, 2, 3], None) is None and cache.lookup([4, 4, 4, 4], None).layers[0][0].eq(3.0).all()
+    assert len(cache) == 2 and cache.tokens == 10
+    cache.insert(list(range(13)), None, layers(13))  # longer than the bound: not kept
+    assert cache.lookup(list(range(14)), None) is None and cache.tokens == 10
+    cache.clear()
+    assert len(cache) == cache.tokens == cache.nbytes == 0
+    off = PrefixCache(max_tokens=0)
+    off.insert([1], None, layers(1))
+    assert len(off) == 0
+
+
+def test_a_prefill_from_cached_keys_equals_one_from_scratch(model: torch.nn.Module) -> None:
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in (30, 17, 4, 3)]
+    scratch, logits, reused = KVBatch.prefill(model, seqs)
+    assert reused == [0, 0, 0, 0]
+    first, _, _ = KVBatch.prefill(model, [seqs[0][:25], seqs[1][:12]])
+    past = [first.row(0), first.row(1), None, None]
+    cached, cached_logits, reused = KVBatch.prefill(model, seqs, past)
+    assert reused == [25, 12, 0, 0]  # the forward runs 5 columns: each cached row's rest, the short rows whole
+    torch.testing.assert_close(cached_logits, logits, atol=1e-4, rtol=1e-4)
+    step = torch.tensor([11, 12, 13, 14])
+    torch.testing.assert_close(cached.decode(model, step), scratch.decode(model, step), atol=1e-4, rtol=1e-4)
+
+    longer = [seqs[0], seqs[1][:13]]  # rests of 5 and 1: row 1 runs 4 of its cached tokens again
+    _, want, _ = KVBatch.prefill(model, longer)
+    _, got, reused = KVBatch.prefill(model, longer, [first.row(0), first.row(1)])
+    assert reused == [25, 8]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheduler", [0, 16384], indirect=True, ids=["off", "on"])
+def test_multi_turn_conversations_reuse_their_earlier_turns(scheduler: Scheduler, model: torch.nn.Module) -> None:
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in (21, 40, 33)]
+    rounds = conversations(scheduler, [p for p in prompts for _ in range(2)], turns=3)  # a group of 2 each
+    prompt_tokens = scheduler.metrics.prompt_tokens._value.get()
+    assert prompt_tokens == sum(len(r.input_ids) for reqs in rounds for r in reqs)
+    for reqs in rounds:  # every turn's tokens and logprobs are those of a forward over the whole conversation
+        for r in reqs:
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([r.input_ids + r.output_ids])).logits[0]
+            lp = torch.log_softmax(logits[len(r.input_ids) - 1 : -1], -1)
+            assert r.output_ids == lp.argmax(-1).tolist()
+            torch.testing.assert_close(torch.tensor(r.logprobs), lp.max(-1).values, atol=1e-4, rtol=1e-4)
+    cached = [r.cached_tokens for reqs in rounds[1:] for r in reqs]
+    if scheduler.prefix_cache.max_tokens == 0:
+        assert cached == [0] * 12 and len(scheduler.prefix_cache) == 0
+        assert scheduler.metrics.cached_tokens._value.get() == 0
+        return
+    # turn 2 extends turn 1 by its 10 outputs and the tool answer: all but the last output and the answer
+    # (4 tokens) come from the cache, and turn 3 likewise
+    assert cached == [len(r.input_ids) - 4 for reqs in rounds[1:] for r in reqs]
+    assert scheduler.metrics.cached_tokens._value.get() == sum(cached) // 2  # a group's pair is prefilled once
+    assert rounds[1][0].reply(scheduler.tokenizer)["meta_info"]["cached_tokens"] == cached[0]
+    assert len(scheduler.prefix_cache) == 3  # each conversation's last turn (a pair's once); what they extended left
+    assert scheduler.flush_cache() and len(scheduler.prefix_cache) == 0
+    assert scheduler._kv_bytes() == 0
+
+
+def test_loads_adapters_and_releases_empty_the_cache_and_a_request_spanning_a_load_is_not_kept(
+    scheduler: Scheduler, model: torch.nn.Module
+) -> None:
+    def on_engine(fn: Callable[[], object]) -> object:
+        return scheduler.call(fn).result(timeout=WAIT_S)
+
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    conversations(scheduler, [[5, 6, 7, 8]], turns=1)
+    assert len(scheduler.prefix_cache) == 1
+    on_engine(lambda: scheduler.load_weights(weights, require_all=True, model_path=None, version="1"))
+    assert len(scheduler.prefix_cache) == 0
+
+    spanning = greedy("spans", [9, 10, 11], n=300)
+    scheduler.submit([spanning])
+    deadline = time.monotonic() + WAIT_S
+    while len(spanning.output_ids) < 5:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.001)
+    on_engine(lambda: scheduler.pause("in_place"))  # it keeps the KV of version 1 across the load
+    on_engine(lambda: scheduler.load_weights(weights, require_all=True, model_path=None, version="2"))
+    on_engine(scheduler.resume)
+    spanning.future.result(timeout=WAIT_S)
+    assert len(spanning.output_ids) == 300 and len(scheduler.prefix_cache) == 0
+
+    for change in (lambda: scheduler.install_adapter("a", Adapter("a", "0", 1.0, {})),
+                   lambda: scheduler.remove_adapter("a"), lambda: scheduler.release_memory(("kv_cache",))):
+        conversations(scheduler, [[5, 6, 7, 8]], turns=1)
+        assert len(scheduler.prefix_cache) == 1 and scheduler._kv_bytes() > 0
+        on_engine(change)
+        assert len(scheduler.prefix_cache) == 0 and scheduler._kv_bytes() == 0
+
+
+def test_the_engine_config_turns_the_cache_off(tiny_model_dir: Path) -> None:
+    """``engine.prefix_cache_tokens`` reaches the embedded engine the rollout server starts."""
+
+    async def second_turn_cached(overrides: list[str]) -> int:
+        cfg = load_config(None, overrides)
+        async with AsyncExitStack() as stack:
+            [url], key = await engine_urls(cfg.engine, tiny_model_dir, stack)
+            client = await stack.enter_async_context(EngineClient(url, api_key=key))
+            params = {"temperature": 0.0, "max_new_tokens": 6}
+            first = await client.generate([5, 6, 7, 8], params)
+            assert first["meta_info"]["cached_tokens"] == 0
+            second = await client.generate([5, 6, 7, 8, *first["output_ids"], *TOOL_ANSWER], params)
+            return second["meta_info"]["cached_tokens"]
+
+    assert asyncio.run(second_turn_cached(["engine.prefix_cache_tokens=0"])) == 0
+    assert asyncio.run(second_turn_cached([])) == 4 + 6 - 1  # the prompt and the first turn but its last token

@@ -147,6 +147,23 @@ def test_multi_turn_conversations_reuse_their_earlier_turns(scheduler: Scheduler
     assert scheduler._kv_bytes() == 0
 
 
+def test_later_turns_beside_a_new_prompt_run_only_their_rests(scheduler: Scheduler, model: torch.nn.Module) -> None:
+    gen = torch.Generator().manual_seed(1)
+    first = conversations(scheduler, [torch.randint(5, 200, (n,), generator=gen).tolist() for n in (12, 15, 9)], 1)
+    later = [greedy(f"later-{i}", r.input_ids + r.output_ids + TOOL_ANSWER) for i, r in enumerate(first[0])]
+    new = greedy("new", torch.randint(5, 200, (80,), generator=gen).tolist())
+    scheduler.call(lambda: scheduler.pause("retract")).result(timeout=WAIT_S)
+    scheduler.submit([*later, new])  # admitted together at continue: one chunk
+    scheduler.call(scheduler.resume).result(timeout=WAIT_S)
+    for r in [*later, new]:
+        r.future.result(timeout=WAIT_S)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([r.input_ids + r.output_ids])).logits[0]
+        assert r.output_ids == logits[len(r.input_ids) - 1 : -1].argmax(-1).tolist()
+    # one forward would run the later turns 80 columns wide, taking only their first 4-11 tokens from the cache
+    assert [r.cached_tokens for r in later] == [len(r.input_ids) - 4 for r in later] and new.cached_tokens == 0
+
+
 def test_loads_adapters_and_releases_empty_the_cache_and_a_request_spanning_a_load_is_not_kept(
     scheduler: Scheduler, model: torch.nn.Module
 ) -> None:

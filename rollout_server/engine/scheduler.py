@@ -362,19 +362,33 @@ class Scheduler:
 
     def _prefill(self, chunk: list[Request]) -> None:
         """Prefill ``chunk``: each distinct sequence once (a group's samples share their prompt), from the
-        longest prefix the cache holds for it."""
+        longest prefix the cache holds for it; in two forwards where one would run the short uncached rests of
+        later turns as wide as new prompts (``_split``)."""
         rows: dict[tuple[str | None, tuple[int, ...]], int] = {}
         index = [rows.setdefault((r.lora, tuple(r.tokens)), len(rows)) for r in chunk]
-        first = {row: r for row, r in zip(index, chunk, strict=True)}
-        distinct = [first[row] for row in range(len(rows))]
+        distinct = list({row: r for row, r in zip(index, chunk, strict=True)}.values())
         hits = [self.prefix_cache.lookup(r.tokens, r.lora) for r in distinct]
         past = [None if h is None else h.head(min(len(h.tokens), len(r.tokens) - 1)) for h, r in
                 zip(hits, distinct, strict=True)]
-        self.adapters.rows = [r.lora for r in distinct]
-        batch, logits, reused = KVBatch.prefill(self.model, [r.tokens for r in distinct], past)
-        if len(distinct) < len(chunk):
-            batch.keep(index)
-            logits = logits[index]
+        rests = [len(r.tokens) - (0 if p is None else p[0][0].shape[-2]) for r, p in zip(distinct, past, strict=True)]
+        parts = _split(sorted(range(len(distinct)), key=rests.__getitem__), rests)
+        reused = [0] * len(distinct)
+        batch = logits = None
+        for part in parts:
+            self.adapters.rows = [distinct[i].lora for i in part]
+            b, lg, used = KVBatch.prefill(self.model, [distinct[i].tokens for i in part], [past[i] for i in part])
+            for i, n in zip(part, used, strict=True):
+                reused[i] = n
+            if batch is None:
+                batch, logits = b, lg
+            else:
+                batch.merge(b)
+                logits = torch.cat([logits, lg])
+        position = {row: at for at, row in enumerate(row for part in parts for row in part)}
+        wanted = [position[row] for row in index]
+        if wanted != list(range(len(distinct))):
+            batch.keep(wanted)
+            logits = logits[wanted]
         for r, row in zip(chunk, index, strict=True):
             r.kv_epoch, r.extends, r.cached_tokens = self._kv_epoch, hits[row], reused[row]
         self.metrics.prompt_tokens.inc(sum(len(r.tokens) for r in chunk))
@@ -469,3 +483,11 @@ class Scheduler:
         for fn, fut in self._barriers:
             fut.set_exception(RuntimeError(f"engine closed before {fn!r} ran"))
         self._barriers.clear()
+
+
+def _split(order: list[int], rests: list[int]) -> list[list[int]]:
+    """Rows (``order``: by uncached rest, shortest first) in one prefill forward, or in two where that at least
+    halves the columns run: a forward runs every row as wide as its longest rest."""
+    n, widest = len(order), rests[order[-1]]
+    cost, at = min((k * rests[order[k - 1]] + (n - k) * widest, k) for k in range(1, n + 1))
+    return [order[:at], order[at:]] if at < n and 2 * cost <= n * widest else [order]

@@ -20,8 +20,9 @@ waiting for data / wall), rollout idle fraction (time with no group in flight or
 wall), and the memory held while the trainer trains: the trainer's parameters and optimizer state (from its
 tensors) plus the engine's weights, spare weights and KV cache (``rollwave_engine_memory_bytes``, sampled
 every 0.25 s while the trainer holds the device; decoupled or overlapped, it always does). These are tensor
-bytes, what a GPU's allocator would hold, not the processes' RSS. Last line: ``<B>_vs_<A> ratio <median
-trajectories/s B / A>``.
+bytes, what a GPU's allocator would hold, not the processes' RSS. Then the engine's prompt tokens per
+generated token, and the share of prompt tokens taken from its prefix cache. Last line: ``<B>_vs_<A> ratio
+<median trajectories/s B / A>``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ MODES = {
 }
 COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "overlap": ("colocated", "overlap")}
 SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
+TOKENS = tuple(f"rollwave_engine_{kind}_tokens_total" for kind in ("prompt", "cached", "generated"))
 MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("weights", "kv_cache", "spare_weights"))
 
 
@@ -139,6 +141,10 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
             wall = time.monotonic() - started
             memory.done.set()
             memory.join()
+            engine = dict.fromkeys(TOKENS, 0.0)
+            for line in httpx.get(memory.url, timeout=10).text.splitlines():
+                if line.startswith(TOKENS):
+                    engine[line.split()[0]] = float(line.split()[1])
             if not memory.samples:
                 raise RuntimeError(f"{name}: no engine memory sample was taken while the trainer held the device")
             stats = [s.stats for s in registry.live_servers()]
@@ -156,6 +162,8 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
         "trainer_mib": trainer_bytes / 2**20,
         "engine_mib": memory.peak / 2**20,
         "training_peak_mib": (trainer_bytes + memory.peak) / 2**20,
+        "prompt_per_generated": engine[TOKENS[0]] / max(engine[TOKENS[2]], 1.0),
+        "cached_fraction": engine[TOKENS[1]] / max(engine[TOKENS[0]], 1.0),
     }
 
 
@@ -163,7 +171,8 @@ def report(label: str, r: dict[str, float]) -> None:
     print(f"{label:>10}: {r['trajectories_per_s']:.2f} trajectories/s  {r['tokens_per_s']:.0f} tokens/s  trainer idle "
           f"{r['trainer_idle_fraction']:.2f}  rollout idle {r['rollout_idle_fraction']:.2f}  ({r['wall_s']:.1f} s)  "
           f"held while training: {r['training_peak_mib']:.2f} MiB (trainer {r['trainer_mib']:.2f} + engine "
-          f"{r['engine_mib']:.2f})", flush=True)
+          f"{r['engine_mib']:.2f})  prompt/generated tokens {r['prompt_per_generated']:.1f}, cached "
+          f"{r['cached_fraction']:.2f}", flush=True)
 
 
 def main() -> None:

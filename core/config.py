@@ -365,7 +365,8 @@ class CheckpointConfig(Section):
         "recompute", description="receiver: the KV of the requests running at a swap: recompute (pause retract: "
         "dropped and prefilled again under the new weights, so each token's logprob is the policy recorded for it) "
         "or keep (pause in_place: they go on from the old weights' KV with no re-prefill, a shorter stall; the "
-        "tokens after the swap are sampled from new weights over an old prefix, which importance correction sees)"
+        "tokens after the swap are sampled from new weights over an old prefix, which importance correction sees; "
+        "the load does not flush the engine's prefix cache either, so later turns also start from old-weight KV)"
     )
     prepare_weights: bool = Field(
         True, description="receiver: before the pause, have the engine read the staged version into a spare copy of "

@@ -300,9 +300,10 @@ class CheckpointService:
         """prepare -> pause -> update_weights_from_disk -> continue; continue even when the load fails.
 
         The pause is ``retract`` (the running requests' KV is recomputed) or, with ``kv_on_swap: keep``,
-        ``in_place``. Preparing (full weights only, unless ``checkpoint.prepare_weights`` is off) reads the staged
-        files into the engine's spare parameters before the pause; an engine that cannot (SGLang) reads them
-        inside the load, and a failed prepare leaves the load to report.
+        ``in_place``, and then the load keeps the prefix cache too (``flush_cache`` false; SGLang's flush would
+        fail with requests running). Preparing (full weights only, unless ``checkpoint.prepare_weights`` is off)
+        reads the staged files into the engine's spare parameters before the pause; an engine that cannot
+        (SGLang) reads them inside the load, and a failed prepare leaves the load to report.
 
         The pause is timed from the moment the engine confirms it (generation has stopped; the engine
         finishes the decode step in progress first) to the moment continue returns. Pause and continue each
@@ -328,7 +329,8 @@ class CheckpointService:
             if (path / ADAPTER_CONFIG).is_file():
                 swap.adapter_checksum = await self._load_adapter(path, version)
             else:
-                await self.engine.update_weights_from_disk(str(path), weight_version=str(version))
+                await self.engine.update_weights_from_disk(str(path), weight_version=str(version),
+                                                           flush_cache=self.config.kv_on_swap == "recompute")
                 await self._drop_adapter()
             swap.loaded = True
         except EngineError as exc:

@@ -108,7 +108,7 @@ def sglang_056_stub(with_version: bool = True, gate: asyncio.Event | None = None
     ``total_retractions`` (the version reported is the one at the end of the request), pause, continue and
     ``update_weights_from_disk``, ``update_weights_from_tensor`` without a session; no ``/model_info``.
     ``/generate`` waits for ``gate`` when one is given. Returns the app, the paths seen (and each pause's
-    mode) and the bodies of ``/continue_generation``."""
+    mode and each disk load's ``flush_cache``) and the bodies of ``/continue_generation``."""
     app = FastAPI()
     seen: list[str] = []
     continued: list[dict] = []
@@ -162,6 +162,7 @@ def sglang_056_stub(with_version: bool = True, gate: asyncio.Event | None = None
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: dict) -> dict:
         state["version"] = body.get("weight_version") or state["version"]
+        seen.append(f"flush_cache {body['flush_cache']}")
         return {"success": True, "message": "Success"}
 
     @app.post("/pause_generation")
@@ -251,8 +252,8 @@ def test_a_commit_pauses_and_empties_the_cuda_cache_as_configured(
 ) -> None:
     """A real push and Commit through the checkpoint receiver to an engine shaped like SGLang 0.5.6: the
     continue after the load says ``torch_empty_cache: false`` unless ``checkpoint.empty_cache_on_resume``; the
-    pause retracts unless ``checkpoint.kv_on_swap: keep`` (in_place); the engine has no prepare route (404), so
-    the load reads the staged directory itself."""
+    pause retracts unless ``checkpoint.kv_on_swap: keep`` (in_place, and the load keeps the prefix cache); the
+    engine has no prepare route (404), so the load reads the staged directory itself."""
     config = CheckpointConfig(token=SecretStr(secrets.token_urlsafe(32)), stage_dir=tmp_path / "stage",
                               empty_cache_on_resume=empty_cache, kv_on_swap=kv_on_swap)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -272,8 +273,8 @@ def test_a_commit_pauses_and_empties_the_cuda_cache_as_configured(
             assert continued == [{"torch_empty_cache": empty_cache}]
             mode = "in_place" if kv_on_swap == "keep" else "retract"
             swap = ["/prepare_weights_from_disk", "/pause_generation", f"pause {mode}", "/update_weights_from_disk",
-                    "/continue_generation"]
-            assert [p for p in seen if p in swap or p.startswith("pause ")] == swap
+                    f"flush_cache {kv_on_swap == 'recompute'}", "/continue_generation"]
+            assert [p for p in seen if p in swap or p.startswith(("pause ", "flush_cache "))] == swap
 
     asyncio.run(run())
 

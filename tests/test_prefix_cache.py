@@ -176,39 +176,57 @@ def test_loads_adapters_and_releases_empty_the_cache_and_a_request_spanning_a_lo
     on_engine(lambda: scheduler.load_weights(weights, require_all=True, model_path=None, version="1"))
     assert len(scheduler.prefix_cache) == 0
 
+    def started(req: Request) -> None:
+        scheduler.submit([req])
+        deadline = time.monotonic() + WAIT_S
+        while len(req.output_ids) < 5:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.001)
+
     spanning = greedy("spans", [9, 10, 11], n=300)
-    scheduler.submit([spanning])
-    deadline = time.monotonic() + WAIT_S
-    while len(spanning.output_ids) < 5:
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.001)
+    started(spanning)
     on_engine(lambda: scheduler.pause("in_place"))  # it keeps the KV of version 1 across the load
     on_engine(lambda: scheduler.load_weights(weights, require_all=True, model_path=None, version="2"))
     on_engine(scheduler.resume)
     spanning.future.result(timeout=WAIT_S)
     assert len(spanning.output_ids) == 300 and len(scheduler.prefix_cache) == 0
 
+    kept = greedy("kept", [9, 10, 11], n=300)  # a load told not to flush keeps what the old weights computed
+    started(kept)
+    on_engine(lambda: scheduler.pause("in_place"))
+    on_engine(lambda: scheduler.load_weights(weights, require_all=True, model_path=None, version="3",
+                                             flush_cache=False))
+    on_engine(scheduler.resume)
+    kept.future.result(timeout=WAIT_S)
+    assert len(scheduler.prefix_cache) == 1
+
     for change in (lambda: scheduler.install_adapter("a", Adapter("a", "0", 1.0, {})),
                    lambda: scheduler.remove_adapter("a"), lambda: scheduler.release_memory(("kv_cache",))):
         conversations(scheduler, [[5, 6, 7, 8]], turns=1)
-        assert len(scheduler.prefix_cache) == 1 and scheduler._kv_bytes() > 0
+        assert len(scheduler.prefix_cache) >= 1 and scheduler._kv_bytes() > 0
         on_engine(change)
         assert len(scheduler.prefix_cache) == 0 and scheduler._kv_bytes() == 0
 
 
-def test_the_engine_config_turns_the_cache_off(tiny_model_dir: Path) -> None:
-    """``engine.prefix_cache_tokens`` reaches the embedded engine the rollout server starts."""
+def test_the_engine_config_turns_the_cache_off_and_a_load_flushes_it_unless_told_not_to(tiny_model_dir: Path) -> None:
+    """``engine.prefix_cache_tokens`` reaches the embedded engine a rollout server starts; a load from disk keeps
+    the cache with ``flush_cache`` false (what the receiver sends with ``checkpoint.kv_on_swap: keep``)."""
 
-    async def second_turn_cached(overrides: list[str]) -> int:
+    async def cached_turns(overrides: list[str]) -> list[int]:
         cfg = load_config(None, overrides)
         async with AsyncExitStack() as stack:
             [url], key = await engine_urls(cfg.engine, tiny_model_dir, stack)
             client = await stack.enter_async_context(EngineClient(url, api_key=key))
             params = {"temperature": 0.0, "max_new_tokens": 6}
-            first = await client.generate([5, 6, 7, 8], params)
-            assert first["meta_info"]["cached_tokens"] == 0
-            second = await client.generate([5, 6, 7, 8, *first["output_ids"], *TOOL_ANSWER], params)
-            return second["meta_info"]["cached_tokens"]
+            conversation, cached = [5, 6, 7, 8], []
+            for flush in (None, False, True, None):
+                if flush is not None:
+                    await client.update_weights_from_disk(str(tiny_model_dir), "1", flush_cache=flush)
+                reply = await client.generate(conversation, params)
+                cached.append(reply["meta_info"]["cached_tokens"])
+                conversation = conversation + reply["output_ids"] + TOOL_ANSWER
+            return cached
 
-    assert asyncio.run(second_turn_cached(["engine.prefix_cache_tokens=0"])) == 0
-    assert asyncio.run(second_turn_cached([])) == 4 + 6 - 1  # the prompt and the first turn but its last token
+    assert asyncio.run(cached_turns(["engine.prefix_cache_tokens=0"])) == [0, 0, 0, 0]
+    # turns of 4, 13, 22 and 31 tokens: each takes all but its last 4 from the cache, except after the flush
+    assert asyncio.run(cached_turns([])) == [0, 13 - 4, 0, 31 - 4]

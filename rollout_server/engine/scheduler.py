@@ -203,9 +203,11 @@ class Scheduler:
         require_all: bool,
         model_path: str | None,
         version: str | None,
+        flush_cache: bool = True,
     ) -> None:
         """Copy checked tensors into the model, or swap prepared ones in (raises WeightError, keeping the old
-        weights)."""
+        weights). Without ``flush_cache`` (SGLang's flag) the prefix cache and the KV of the requests running
+        stay usable for later turns, though the old weights computed them."""
         start = time.monotonic()
         if self.memory.released:
             self.metrics.refused.labels(call="update_weights").inc()
@@ -215,7 +217,8 @@ class Scheduler:
         else:
             load_into(self.model, tensors, require_all=require_all)
             self.memory.loaded(set(tensors))
-        self._new_kv_epoch()
+        if flush_cache:
+            self._new_kv_epoch()
         if model_path is not None:
             self.model_path = model_path
         if version is not None:

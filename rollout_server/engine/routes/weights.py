@@ -75,6 +75,7 @@ async def _load(
     model_path: str | None,
     version: str | None,
     abort_all: bool,
+    flush_cache: bool,
 ) -> tuple[bool, str, int]:
     """Read the tensors off the event loop, then swap them in once the scheduler is between steps."""
     if abort_all:
@@ -86,7 +87,8 @@ async def _load(
 
     def apply() -> int:
         paused = engine.in_flight() if engine.paused else 0
-        engine.load_weights(tensors, require_all=require_all, model_path=model_path, version=version)
+        engine.load_weights(tensors, require_all=require_all, model_path=model_path, version=version,
+                            flush_cache=flush_cache)
         return paused
 
     try:
@@ -131,6 +133,7 @@ async def update_weights_from_disk(obj: UpdateWeightsFromDiskReq, engine: Engine
             model_path=obj.model_path,
             version=obj.weight_version,
             abort_all=obj.abort_all_requests,
+            flush_cache=obj.flush_cache,
         )
     body = {"success": ok, "message": msg, "num_paused_requests": n}
     return JSONResponse(body, status_code=200 if ok else 400)
@@ -176,6 +179,7 @@ async def update_weights_from_tensor(
         model_path=None,
         version=obj.weight_version,
         abort_all=obj.abort_all_requests,
+        flush_cache=obj.flush_cache,
     )
     return result(ok, msg)
 

@@ -389,7 +389,7 @@ class Scheduler:
                 logits = torch.cat([logits, lg])
         position = {row: at for at, row in enumerate(row for part in parts for row in part)}
         wanted = [position[row] for row in index]
-        if wanted != list(range(len(distinct))):
+        if wanted != list(range(len(wanted))):  # duplicates, or rows reordered by the split
             batch.keep(wanted)
             logits = logits[wanted]
         for r, row in zip(chunk, index, strict=True):

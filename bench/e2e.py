@@ -16,11 +16,12 @@ Placement as in the demo: the rollout server and its engine pinned to one CPU, t
 alternating order (A, B, B, A, ...), and the medians are reported.
 
 Prints per run and, as medians, per mode: trajectories/s, trained tokens/s, trainer idle fraction (time
-waiting for data / wall), rollout idle fraction (time with no group in flight or paused for a weight swap /
-wall), and the memory held while the trainer trains: the trainer's parameters and optimizer state (from its
-tensors) plus the engine's weights, spare weights and KV cache (``rollwave_engine_memory_bytes``, sampled
-every 0.25 s while the trainer holds the device; decoupled or overlapped, it always does). These are tensor
-bytes, what a GPU's allocator would hold, not the processes' RSS. Then the engine's prompt tokens per
+waiting for data / wall) and how long it waited for its first batch (the pipeline's fill, which async cannot
+overlap and a short run weighs heavily), rollout idle fraction (time with no group in flight or paused for a
+weight swap / wall), and the memory held while the trainer trains: the trainer's parameters and optimizer
+state (from its tensors) plus the engine's weights, spare weights and KV cache (``rollwave_engine_memory_bytes``,
+sampled every 0.25 s while the trainer holds the device; decoupled or overlapped, it always does). These are
+tensor bytes, what a GPU's allocator would hold, not the processes' RSS. Then the engine's prompt tokens per
 generated token, and the share of prompt tokens taken from its prefix cache. Last line: ``<B>_vs_<A> ratio
 <median trajectories/s B / A>``.
 """
@@ -157,6 +158,7 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
         "trajectories_per_s": trajectories / wall,
         "tokens_per_s": sum(r.get("loss_tokens", 0) for r in records) / wall,
         "trainer_idle_fraction": idle / wall,
+        "first_wait_s": records[0]["wait_s"],
         "rollout_idle_fraction": max(0.0, 1.0 - rollout_busy / wall),
         "wall_s": wall,
         "trainer_mib": trainer_bytes / 2**20,
@@ -168,11 +170,12 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
 
 
 def report(label: str, r: dict[str, float]) -> None:
-    print(f"{label:>10}: {r['trajectories_per_s']:.2f} trajectories/s  {r['tokens_per_s']:.0f} tokens/s  trainer idle "
-          f"{r['trainer_idle_fraction']:.2f}  rollout idle {r['rollout_idle_fraction']:.2f}  ({r['wall_s']:.1f} s)  "
+    print(f"{label:>10}: {r['trajectories_per_s']:.2f} trajectories/s  {r['tokens_per_s']:.0f} tokens/s  "
+          f"trainer idle {r['trainer_idle_fraction']:.2f} (first batch {r['first_wait_s']:.1f} s)  "
+          f"rollout idle {r['rollout_idle_fraction']:.2f}  ({r['wall_s']:.1f} s)  "
           f"held while training: {r['training_peak_mib']:.2f} MiB (trainer {r['trainer_mib']:.2f} + engine "
-          f"{r['engine_mib']:.2f})  prompt/generated tokens {r['prompt_per_generated']:.1f}, cached "
-          f"{r['cached_fraction']:.2f}", flush=True)
+          f"{r['engine_mib']:.2f})  prompt/generated tokens {r['prompt_per_generated']:.1f}, "
+          f"cached {r['cached_fraction']:.2f}", flush=True)
 
 
 def main() -> None:

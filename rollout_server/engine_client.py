@@ -61,7 +61,7 @@ class EngineClient:
             timeout=timeout_s,
             headers=headers,
             limits=httpx2.Limits(max_connections=None, max_keepalive_connections=256,
-                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
+                                 keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
         self._retries = retries
         self._backoff_s = backoff_s

@@ -7,9 +7,8 @@ start with an entry's prefills only the rest.
 
 An entry holds what the weights and adapters loaded when it was computed made of its tokens: the scheduler
 clears the cache at every load that flushes (SGLang's ``flush_cache``, the default) and keeps no request whose
-KV spans one. The cache holds at most
-``max_tokens`` tokens (0 turns it off); the least recently used entries leave first, and an entry leaves
-when the request that extended it is kept in its place.
+KV spans one. The cache holds at most ``max_tokens`` tokens (0 turns it off); the least recently used entries
+leave first, and an entry leaves when the request that extended it is kept in its place.
 """
 
 from __future__ import annotations

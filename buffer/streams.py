@@ -42,17 +42,20 @@ return {claimed, deleted, last}
 """
 
 # Renew leases: reset the idle time of entries still owned by this consumer (JUSTID: no delivery counted).
-# KEYS[1] stream; ARGV: group, consumer, ids... Returns the ids still owned.
+# KEYS[1] stream; ARGV: group, consumer, ids... Returns the ids another consumer owns now (an acked id: no one).
 RENEW_LUA = """
-local kept = {}
+local taken = {}
 for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-    kept[#kept + 1] = ARGV[i]
+  if p[1] then
+    if p[1][2] == ARGV[2] then
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    else
+      taken[#taken + 1] = ARGV[i]
+    end
   end
 end
-return kept
+return taken
 """
 
 Claimed = tuple[str, int, dict[bytes, bytes]]

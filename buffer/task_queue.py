@@ -282,14 +282,15 @@ class TaskQueue:
     def renew(self, consumer: str, entries: Sequence[TaskEntry]) -> list[TaskEntry]:
         """Reset the idle time of tasks this consumer still holds, so live work is not reclaimed.
 
-        Returns the entries that another consumer has claimed meanwhile (the lease was lost)."""
+        Returns the entries that another consumer has claimed meanwhile (the lease was lost). One acked meanwhile
+        (its group finished while the renewal was on its way) is pending for no one, and was not lost."""
         by_stream: dict[str, list[TaskEntry]] = {}
         for e in entries:
             by_stream.setdefault(e.stream, []).append(e)
         lost = []
         for stream, group in by_stream.items():
-            kept = {i.decode() for i in self._renew([stream], [ROLLOUT_GROUP, consumer, *(e.entry_id for e in group)])}
-            lost += [e for e in group if e.entry_id not in kept]
+            taken = {i.decode() for i in self._renew([stream], [ROLLOUT_GROUP, consumer, *(e.entry_id for e in group)])}
+            lost += [e for e in group if e.entry_id in taken]
         return lost
 
 

@@ -7,8 +7,9 @@ versions: the weight version is read from ``/model_info`` (0.5.23, embedded) or 
 last saw the server serve), and ``meta_info.weight_versions_approximate``: a swap during the request makes
 that label older than the tokens after it, never newer. ``update_weights_from_tensor`` opens the 0.5.23
 weight-update session when the server has one. Connection errors are retried with bounded exponential
-backoff; any other failure raises ``EngineError`` with the server's status and message (None and the transport's
-error for a timeout or a dropped connection).
+backoff and a connection dropped without an answer is replayed once (``DROPPED``); any other failure raises
+``EngineError`` with the server's status and message (None and the transport's error for a timeout, or for a
+connection dropped again).
 
 The transport is ``httpx2``, pydantic's maintained fork of httpx (the openai client's and huggingface_hub's):
 httpx's connection pool rescans every connection for each request, and with a batch's worth of requests in flight
@@ -26,6 +27,11 @@ import httpx2
 
 log = logging.getLogger(__name__)
 RETRYABLE = (httpx2.ConnectError, httpx2.ConnectTimeout)
+# A kept-alive connection the server closed just as the request went out (its keep-alive ended while this
+# process was too busy to send: the pool checks a connection's age when it assigns it, not when it sends) fails
+# before any answer. Every call here may be sent twice (a reload of the same weights, a fresh sample), so such a
+# failure is replayed once on a fresh connection; a timeout is not (the server may still be working on it).
+DROPPED = (httpx2.ReadError, httpx2.RemoteProtocolError, httpx2.WriteError)
 # Idle connections are dropped before the server's keep-alive (uvicorn's 5 s, the embedded engine's and
 # SGLang's) ends them: a request sent on a connection the server is closing fails with ReadError, and while the
 # engines are released for training (colocated placement) every connection sits idle for the whole step.
@@ -253,17 +259,24 @@ class EngineClient:
     # ---- transport -----------------------------------------------------------------------------
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx2.Response:
-        delay = self._backoff_s
-        for attempt in range(self._retries + 1):
+        refused = 0
+        replayed = False
+        while True:
             try:
                 resp = await self._http.request(method, path, json=body)
                 break
             except RETRYABLE as exc:
-                if attempt == self._retries:
+                if refused == self._retries:
                     raise EngineError(None, f"cannot connect to {self.base_url} ({exc!r})", path) from exc
-                await asyncio.sleep(delay)
-                delay *= 2
-            except httpx2.HTTPError as exc:  # a timeout or a dropped connection, named like any other failure
+                await asyncio.sleep(self._backoff_s * 2**refused)
+                refused += 1
+            except DROPPED as exc:
+                if replayed:
+                    raise EngineError(None, f"{self.base_url}: {type(exc).__name__}: {exc}", path) from exc
+                replayed = True
+                log.info("%s%s: the connection dropped without an answer (%s); replaying it on a fresh one",
+                         self.base_url, path, type(exc).__name__)
+            except httpx2.HTTPError as exc:  # a timeout, named like any other failure
                 raise EngineError(None, f"{self.base_url}: {type(exc).__name__}: {exc}", path) from exc
         if resp.status_code >= 400:
             raise EngineError(resp.status_code, _message(resp), path)

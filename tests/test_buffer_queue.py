@@ -140,6 +140,8 @@ def test_renewed_leases_are_not_reclaimed(redis_server: EmbeddedRedis) -> None:
     stolen = q.read("other", 1)
     assert [e.group_id for e in stolen] == [held[0].group_id]
     assert q.renew("busy", held) == [held[0]]  # the lease on the taken one is lost
+    assert q.cancel(held[1])
+    assert q.renew("busy", held) == [held[0]]  # one acked (finished) meanwhile is not
 
 
 def test_failures_requeue_then_dead_letter_with_error(redis_server: EmbeddedRedis) -> None:

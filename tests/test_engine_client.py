@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import socket
-from collections.abc import AsyncIterator, Iterator
+import struct
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -337,5 +339,59 @@ def test_a_timeout_is_an_engine_error_naming_the_engine_and_the_call() -> None:
             assert exc.value.status is None and exc.value.path == "/generate"
             assert str(exc.value).startswith(f"/generate: {url}: ReadTimeout")
             gate.set()
+
+    asyncio.run(run())
+
+
+@asynccontextmanager
+async def dropping_server(drop: Callable[[int], bool]) -> AsyncIterator[tuple[str, list[int]]]:
+    """A bare HTTP/1.1 server answering ``{"model_path": "stub"}`` on kept-alive connections; it drops (closes,
+    unanswered) the request ``drop(n)`` names, ``n`` counting the requests on that connection from 0. Yields its
+    URL and each connection's request count."""
+    body = json.dumps({"model_path": "stub"}).encode()
+    counts: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        counts.append(0)
+        conn = len(counts) - 1
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                counts[conn] += 1
+                if drop(counts[conn] - 1):
+                    # RST on the first connection (the client reads ReadError), a plain close after it
+                    # (RemoteProtocolError: disconnected without a response)
+                    if conn == 0:
+                        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                                    struct.pack("ii", 1, 0))
+                    writer.close()
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", counts
+
+
+def test_a_connection_dropped_without_an_answer_is_replayed_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The pool checks a kept-alive connection when it hands it out, so a process too busy to send at once can
+    send on one the engine has just closed: the call is replayed on a fresh connection, once."""
+    async def run() -> None:
+        async with dropping_server(lambda n: n == 1) as (url, counts), EngineClient(url) as client:
+            with caplog.at_level("INFO", logger="rollout_server.engine_client"):
+                assert (await client.model_info())["model_path"] == "stub"
+                assert (await client.model_info())["model_path"] == "stub"  # dropped, then replayed
+            assert counts == [2, 1]
+            assert f"{url}/model_info: the connection dropped without an answer (ReadError)" in caplog.text
+        async with dropping_server(lambda n: True) as (url, counts), EngineClient(url) as client:
+            with pytest.raises(EngineError) as exc:
+                await client.model_info()
+            assert counts == [1, 1]  # one replay, then the error
+            assert exc.value.status is None and exc.value.path == "/model_info"
+            assert str(exc.value).startswith(f"/model_info: {url}: RemoteProtocolError")
 
     asyncio.run(run())

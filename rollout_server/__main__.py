@@ -179,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for name in ("httpx", "httpx2"):  # one INFO line per request otherwise: thousands a minute to the engine
-        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the agents' openai client: an INFO line per request
     cfg = load_config_or_exit(args.config, args.overrides, check=_start)
     try:
         asyncio.run(serve(cfg))

@@ -11,30 +11,32 @@ backoff and a connection dropped without an answer is replayed once (``DROPPED``
 ``EngineError`` with the server's status and message (None and the transport's error for a timeout, or for a
 connection dropped again).
 
-The transport is ``httpx2``, pydantic's maintained fork of httpx (the openai client's and huggingface_hub's):
-httpx's connection pool rescans every connection for each request, and with a batch's worth of requests in flight
-that took half of a rollout server's CPU (``bench/RESULTS.md``, e2e).
+The transport is aiohttp (SGLang's own client library): httpx's connection pool, and that of its fork httpx2,
+probes idle connections on every request, and with a batch's worth of requests in flight that was a third to a
+half of a rollout server's CPU, on the core it shares with the engine (``bench/RESULTS.md``, e2e).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
-import httpx2
+import aiohttp
 
 log = logging.getLogger(__name__)
-RETRYABLE = (httpx2.ConnectError, httpx2.ConnectTimeout)
+RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # A kept-alive connection the server closed just as the request went out (its keep-alive ended while this
-# process was too busy to send: the pool checks a connection's age when it assigns it, not when it sends) fails
-# before any answer. Every call here may be sent twice (a reload of the same weights, a fresh sample), so such a
-# failure is replayed once on a fresh connection; a timeout is not (the server may still be working on it).
-DROPPED = (httpx2.ReadError, httpx2.RemoteProtocolError, httpx2.WriteError)
+# process was too busy to send) fails before any answer. Every call here may be sent twice (a reload of the same
+# weights, a fresh sample), so such a failure is replayed once on a fresh connection; a timeout is not (the
+# server may still be working on it). Connection errors (RETRYABLE) are caught first: they are OS errors too.
+DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 # Idle connections are dropped before the server's keep-alive (uvicorn's 5 s, the embedded engine's and
-# SGLang's) ends them: a request sent on a connection the server is closing fails with ReadError, and while the
-# engines are released for training (colocated placement) every connection sits idle for the whole step.
+# SGLang's) ends them, and while the engines are released for training (colocated placement) every connection
+# sits idle for the whole step.
 KEEPALIVE_EXPIRY_S = 2.0
 
 
@@ -60,15 +62,10 @@ class EngineClient:
         backoff_s: float = 0.1,
         api_key: str | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
-        self._http = httpx2.AsyncClient(
-            base_url=self.base_url,
-            timeout=timeout_s,
-            headers=headers,
-            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=256,
-                                 keepalive_expiry=KEEPALIVE_EXPIRY_S),
-        )
+        self._timeout = aiohttp.ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)
+        self._http: aiohttp.ClientSession | None = None  # opened on first use, in the loop that uses it
         self._retries = retries
         self._backoff_s = backoff_s
         self._has_session: bool | None = None  # 0.5.23's begin/end_weight_update, probed on first use
@@ -83,7 +80,15 @@ class EngineClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+            self._http = aiohttp.ClientSession(connector=connector, headers=self._headers, timeout=self._timeout)
+        return self._http
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -237,8 +242,10 @@ class EngineClient:
     async def health(self) -> bool:
         """One probe, no retries: True when ``/health`` answers 200."""
         try:
-            return (await self._http.get("/health", timeout=30.0)).status_code == 200
-        except httpx2.TransportError:
+            async with self._session().get(self.base_url + "/health",
+                                           timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
             return False
 
     async def wait_ready(self, timeout_s: float = 3600.0, log_every_s: float = 30.0) -> None:
@@ -258,12 +265,13 @@ class EngineClient:
 
     # ---- transport -----------------------------------------------------------------------------
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx2.Response:
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Reply:
         refused = 0
         replayed = False
         while True:
             try:
-                resp = await self._http.request(method, path, json=body)
+                async with self._session().request(method, self.base_url + path, json=body) as resp:
+                    reply = Reply(resp.status, resp.reason or "", await resp.read())
                 break
             except RETRYABLE as exc:
                 if refused == self._retries:
@@ -276,19 +284,38 @@ class EngineClient:
                 replayed = True
                 log.info("%s%s: the connection dropped without an answer (%s); replaying it on a fresh one",
                          self.base_url, path, type(exc).__name__)
-            except httpx2.HTTPError as exc:  # a timeout, named like any other failure
+            except TimeoutError as exc:
+                waited = self._timeout.sock_read
+                raise EngineError(None, f"{self.base_url}: no answer within {waited:g} s", path) from exc
+            except aiohttp.ClientError as exc:
                 raise EngineError(None, f"{self.base_url}: {type(exc).__name__}: {exc}", path) from exc
-        if resp.status_code >= 400:
-            raise EngineError(resp.status_code, _message(resp), path)
-        return resp
+        if reply.status >= 400:
+            raise EngineError(reply.status, _message(reply), path)
+        return reply
 
 
-def _message(resp: httpx2.Response) -> str:
+@dataclass(frozen=True)
+class Reply:
+    """An engine's answer, read whole."""
+
+    status: int
+    reason: str
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode(errors="replace")
+
+
+def _message(resp: Reply) -> str:
     """The server's message from any of SGLang's error shapes (or the raw text)."""
     try:
         body = resp.json()
     except ValueError:
-        return resp.text.strip() or resp.reason_phrase
+        return resp.text.strip() or resp.reason
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and "message" in err:
@@ -299,11 +326,11 @@ def _message(resp: httpx2.Response) -> str:
     return str(body)
 
 
-def _checked(resp: httpx2.Response, path: str) -> dict[str, Any]:
+def _checked(resp: Reply, path: str) -> dict[str, Any]:
     """A ``{success, message}`` (or the LoRA routes' ``{success, error_message}``) reply, raised when not a success."""
     body = resp.json()
     if not body.get("success", False):
-        raise EngineError(resp.status_code, str(body.get("message") or body.get("error_message")), path)
+        raise EngineError(resp.status, str(body.get("message") or body.get("error_message")), path)
     return body
 
 

@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # the agents' openai client: an INFO line per request
+    for name in ("httpx", "httpx2"):  # an INFO line per request otherwise (metrics proxy, the agents' openai client)
+        logging.getLogger(name).setLevel(logging.WARNING)
     cfg = load_config_or_exit(args.config, args.overrides, check=_start)
     try:
         asyncio.run(serve(cfg))

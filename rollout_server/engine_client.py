@@ -11,9 +11,9 @@ backoff and a connection dropped without an answer is replayed once (``DROPPED``
 ``EngineError`` with the server's status and message (None and the transport's error for a timeout, or for a
 connection dropped again).
 
-The transport is aiohttp (SGLang's own client library): httpx's connection pool, and that of its fork httpx2,
-probes idle connections on every request, and with a batch's worth of requests in flight that was a third to a
-half of a rollout server's CPU, on the core it shares with the engine (``bench/RESULTS.md``, e2e).
+The transport is aiohttp: httpx's connection pool, and that of its fork httpx2, probes idle connections on every
+request, and with a batch's worth of requests in flight that was a third to a half of a rollout server's CPU, on
+the core it shares with the engine (``bench/http_client.py``, ``bench/RESULTS.md``).
 """
 
 from __future__ import annotations

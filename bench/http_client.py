@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -45,7 +46,7 @@ uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(
 """
 
 
-async def calls(send, n: int, concurrency: int) -> None:
+async def calls(send: Callable[[], Awaitable[None]], n: int, concurrency: int) -> None:
     async def agent(k: int) -> None:
         for _ in range(k):
             await send()

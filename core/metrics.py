@@ -14,6 +14,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from core.net import bind_retrying
 
 log = logging.getLogger(__name__)
+SHUTDOWN_POLL_S = 0.05
 Proxy = Callable[[], tuple[str, bytes]]  # -> (content type, body)
 
 
@@ -57,5 +58,7 @@ def serve_metrics(
         lambda p: make_server(host, p, app, ThreadingWSGIServer, handler_class=_QuietHandler),
         f"{component} metrics", host, port,
     )
-    threading.Thread(target=server.serve_forever, name=f"metrics-{server.server_port}", daemon=True).start()
+    # shutdown() waits for the loop's next poll: 0.5 s by default, on every component's way out
+    threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL_S,), name=f"metrics-{server.server_port}",
+                     daemon=True).start()
     return server

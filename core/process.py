@@ -3,8 +3,10 @@ SIGKILL), a launched component dying with the launcher that started it, and what
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -41,8 +43,14 @@ def tune_malloc() -> list[str]:
 def prepare_component() -> list[str]:
     """First thing in every rollwave process (trainer, rollout server, engine), whoever starts it (the launcher,
     Ray, docker-compose, Helm): a crash dumps every thread's Python stack, not only the C++ runtime's one line,
-    and malloc is tuned (returns the settings applied, as ``tune_malloc``)."""
+    malloc is tuned (returns the settings applied, as ``tune_malloc``), and the exit is quick.
+
+    The quick exit: the interpreter's last garbage collection walks every object torch and transformers made
+    (about 0.9 s of a component's exit, bench/process_exit.py), and a run's end waits on the trainer's exit. The
+    last exit handler freezes them all out of that collection; every component closes what it opened before.
+    """
     faulthandler.enable()
+    atexit.register(gc.freeze)  # registered first, so it runs after every other exit handler
     return tune_malloc()
 
 

@@ -35,9 +35,19 @@ print(sorted(prepare_component()), mmapped_1mib(), faulthandler.is_enabled())
 """
 
 
-def run_probe(**env: str) -> list[str]:
+# An exit handler registered before prepare_component runs after every one it registers.
+EXIT_PROBE = """
+import atexit, gc
+atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0))
+from core.process import prepare_component
+print("frozen at start:", gc.get_freeze_count() > 0)
+prepare_component()
+"""
+
+
+def run_probe(probe: str = PROBE, **env: str) -> list[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "PYTHONFAULTHANDLER"}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**clean, **env, "PYTHONPATH": str(ROOT)},
+    out = subprocess.run([sys.executable, "-c", probe], env={**clean, **env, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, timeout=60, check=True)
     return out.stdout.splitlines()
 
@@ -51,3 +61,8 @@ def test_malloc_settings_in_the_environment_win() -> None:
     # glibc's own default threshold (128 KiB), set in the environment: a 1 MiB block stays an mmap
     assert run_probe(MALLOC_MMAP_THRESHOLD_="131072") == [
         "True False", "['MALLOC_TOP_PAD_', 'MALLOC_TRIM_THRESHOLD_'] True True"]
+
+
+def test_a_component_exits_without_the_last_garbage_collection() -> None:
+    # every object is frozen out of the interpreter's final collection (bench/process_exit.py times it)
+    assert run_probe(EXIT_PROBE) == ["frozen at start: False", "frozen at exit: True"]

@@ -12,6 +12,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,6 +117,9 @@ def test_metrics_jsonl_and_prometheus(uninterrupted: dict) -> None:
     trainer = uninterrupted["trainer"]
     lines = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    stamps = [r["time"] for r in lines]  # Unix time at the end of each step's update
+    assert stamps == sorted(stamps) and stamps[-1] - stamps[0] >= sum(r["step_time_s"] for r in lines[1:])
+    assert stamps[-1] <= time.time()
     for key in ("reward_mean", "reward_std", "staleness_hist", "is_ratio_mean", "is_ratio_max", "clip_fraction"):
         assert key in lines[-1]
     for key in ("masked_fraction", "kl", "entropy", "logprob_gap", "tokens_per_s", "wait_s", "stale_dropped"):

@@ -265,7 +265,7 @@ class Trainer:
         shared device the step runs between taking it from the engines and giving it back."""
         device_wait_s = self.device_share.take_device(self.step + 1) if self.device_share is not None else 0.0
         record = self.train_step(groups, self.version, self.step)
-        record.update(step=self.step + 1, policy_version=self.version, wait_s=wait_s)
+        record.update(step=self.step + 1, policy_version=self.version, wait_s=wait_s, time=time.time())
         record.update(idle_fraction=wait_s / (wait_s + record["step_time_s"]), stale_dropped=self._stale_dropped,
                       degenerate_dropped=self._degenerate_dropped)
         record["group_ids"] = [g.group_id for g in groups]

@@ -7,7 +7,8 @@ one trainer pushing a version every step). ``rollout.mode=sync`` differs from as
 against ``placement.mode=colocated`` (the engine releases its memory while the trainer trains, and takes the
 weights by a local push); ``--compare overlap`` runs colocated against its one-step overlap
 (``placement.colocated_staleness=1``: the engine keeps its memory and generates while the trainer trains).
-The model is the tiny one after a short SFT warm start, so episodes are multi-turn with real tool calls.
+The model is the tiny one after the demo's SFT warm start, so episodes are multi-turn with real tool calls and
+about half of them earn the reward: every step has a gradient and every push new weights.
 
 Placement as in the demo: the rollout server and its engine pinned to one CPU, the trainer to another
 (``placement.rollout_cpus`` / ``trainer_cpus``, one torch thread each); colocated, both take turns on both CPUs
@@ -15,15 +16,15 @@ Placement as in the demo: the rollout server and its engine pinned to one CPU, t
 ``--no-placement`` leaves them to the scheduler (one torch thread each). Each mode runs ``--runs`` times (3), in
 alternating order (A, B, B, A, ...), and the medians are reported.
 
-Prints per run and, as medians, per mode: trajectories/s, trained tokens/s, trainer idle fraction (time
-waiting for data / wall) and how long it waited for its first batch (the pipeline's fill, which async cannot
-overlap and a short run weighs heavily), rollout idle fraction (time with no group in flight or paused for a
-weight swap / wall), and the memory held while the trainer trains: the trainer's parameters and optimizer
-state (from its tensors) plus the engine's weights, spare weights and KV cache (``rollwave_engine_memory_bytes``,
-sampled every 0.25 s while the trainer holds the device; decoupled or overlapped, it always does). These are
-tensor bytes, what a GPU's allocator would hold, not the processes' RSS. Then the engine's prompt tokens per
-generated token, and the share of prompt tokens taken from its prefix cache. Last line: ``<B>_vs_<A> ratio
-<median trajectories/s B / A>``.
+Prints per run and, as medians, per mode: trajectories/s, trained tokens/s, the mean training reward, trainer
+idle fraction (time waiting for data / wall) and how long after the tasks' submission its first batch came (the
+pipeline's fill, which async cannot overlap and a short run weighs heavily), rollout idle fraction (time with no
+group in flight or paused for a weight swap / wall), and the memory held while the trainer trains: the trainer's
+parameters and optimizer state (from its tensors) plus the engine's weights, spare weights and KV cache
+(``rollwave_engine_memory_bytes``, sampled every 0.25 s while the trainer holds the device; decoupled or
+overlapped, it always does). These are tensor bytes, what a GPU's allocator would hold, not the processes' RSS.
+Then the engine's prompt tokens per generated token, and the share of prompt tokens taken from its prefix cache.
+Last line: ``<B>_vs_<A> ratio <median trajectories/s B / A>``.
 """
 
 from __future__ import annotations
@@ -51,10 +52,8 @@ from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
 from core.config import dump_config, load_config
 from core.jobs import JobSpec, TaskSource
-from core.tasks import load_tasks
-from core.tiny_model import build_tiny_model
+from services.demo import policy
 from services.launcher import LocalStack, components, ensure_checkpoint_token
-from trainer.sft import warm_start
 
 MODES = {
     "sync": ["rollout.mode=sync"],
@@ -135,10 +134,10 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
             memory = EngineMemory(registry.live_servers()[0].metrics_address,
                                   DeviceTurns(client, keys) if turns else None)
             memory.start()
-            started = time.monotonic()
+            started, started_unix = time.monotonic(), time.time()
             queue.submit("bench", [t.model_dump() for t in tasks], "train", spec.model_dump_json())
             while not stack.finished("trainer-0"):
-                time.sleep(0.2)
+                time.sleep(0.05)
             wall = time.monotonic() - started
             memory.done.set()
             memory.join()
@@ -151,14 +150,17 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
             stats = [s.stats for s in registry.live_servers()]
         records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     trajectories = sum(r["samples"] for r in records)
-    idle = sum(r["wait_s"] for r in records)
+    # the trainer waits from its own start, before the clock: count its idle time from the clock's start
+    first_wait = records[0]["time"] - records[0]["step_time_s"] - started_unix
+    idle = sum(r["wait_s"] for r in records) - max(0.0, records[0]["wait_s"] - first_wait)
     rollout_busy = sum(s.get("busy_s", 0.0) - s.get("paused_s", 0.0) for s in stats)
     trainer_bytes = max(r["held_bytes"] for r in records)
     return {
         "trajectories_per_s": trajectories / wall,
         "tokens_per_s": sum(r.get("loss_tokens", 0) for r in records) / wall,
+        "reward": statistics.mean(r["reward_mean"] for r in records),
         "trainer_idle_fraction": idle / wall,
-        "first_wait_s": records[0]["wait_s"],
+        "first_wait_s": first_wait,
         "rollout_idle_fraction": max(0.0, 1.0 - rollout_busy / wall),
         "wall_s": wall,
         "trainer_mib": trainer_bytes / 2**20,
@@ -171,6 +173,7 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
 
 def report(label: str, r: dict[str, float]) -> None:
     print(f"{label:>10}: {r['trajectories_per_s']:.2f} trajectories/s  {r['tokens_per_s']:.0f} tokens/s  "
+          f"reward {r['reward']:.2f}  "
           f"trainer idle {r['trainer_idle_fraction']:.2f} (first batch {r['first_wait_s']:.1f} s)  "
           f"rollout idle {r['rollout_idle_fraction']:.2f}  ({r['wall_s']:.1f} s)  "
           f"held while training: {r['training_peak_mib']:.2f} MiB (trainer {r['trainer_mib']:.2f} + engine "
@@ -181,7 +184,10 @@ def report(label: str, r: dict[str, float]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--sft-steps", type=int, default=250)
+    p.add_argument("--sft-steps", type=int, default=700,
+                   help="the demo's SFT warm start (fewer steps leave a policy that earns no reward, so no gradient)")
+    p.add_argument("--warm-start", type=Path, metavar="DIR",
+                   help="start from this SFT warm start (an earlier demo's runs/<name>/sft) instead of making one")
     p.add_argument("--runs", type=int, default=3, help="runs of each mode, in alternating order")
     p.add_argument("--no-placement", action="store_true", help="pin nothing (one torch thread per component)")
     p.add_argument("--compare", choices=sorted(COMPARE), default="sync",
@@ -197,9 +203,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rollwave-e2e-") as tmp, \
             tempfile.TemporaryDirectory(prefix="rollwave-e2e-stage-", dir=shm) as stage:
         root = Path(tmp)
-        base = build_tiny_model(root / "base")
-        model = warm_start(base, root / "sft", load_tasks("arith", split="train", limit=2000, seed=1),
-                           steps=args.sft_steps)
+        model = policy(load_config(None, []), root, args.sft_steps, args.warm_start)
         for i in range(args.runs):
             for mode in (first, second) if i % 2 == 0 else (second, first):
                 overrides = [*placement(mode, not args.no_placement), f"checkpoint.stage_dir={stage}", *args.overrides]

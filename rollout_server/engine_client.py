@@ -138,13 +138,14 @@ class EngineClient:
         """``/resume_memory_occupation``; resumed weights must be updated before generation continues."""
         await self._call("POST", "/resume_memory_occupation", {"tags": tags})
 
-    async def prepare_weights_from_disk(self, model_path: str) -> bool:
+    async def prepare_weights_from_disk(self, model_path: str, prefill_running: bool = False) -> bool:
         """Have the engine read ``model_path`` into spare parameters now, while it generates, so the next
-        ``update_weights_from_disk`` of it only swaps them in inside the pause (the embedded engine's own route).
-        False from an engine without it (SGLang), which reads the directory inside the load instead."""
+        ``update_weights_from_disk`` of it only swaps them in inside the pause (the embedded engine's own route);
+        with ``prefill_running`` it also computes the running requests' KV under them, for a load that retracts
+        them. False from an engine without it (SGLang), which reads the directory inside the load instead."""
+        body = {"model_path": model_path, "prefill_running": prefill_running}
         try:
-            _checked(await self._call("POST", "/prepare_weights_from_disk", {"model_path": model_path}),
-                     "/prepare_weights_from_disk")
+            _checked(await self._call("POST", "/prepare_weights_from_disk", body), "/prepare_weights_from_disk")
         except EngineError as exc:
             if exc.status == 404:
                 return False
@@ -368,9 +369,10 @@ class EngineGroup:
     async def resume_memory(self, tags: list[str] | None = None) -> None:
         await asyncio.gather(*(e.resume_memory(tags) for e in self.engines))
 
-    async def prepare_weights_from_disk(self, model_path: str) -> bool:
+    async def prepare_weights_from_disk(self, model_path: str, prefill_running: bool = False) -> bool:
         """True when every engine prepared ``model_path``."""
-        return all(await asyncio.gather(*(e.prepare_weights_from_disk(model_path) for e in self.engines)))
+        return all(await asyncio.gather(*(e.prepare_weights_from_disk(model_path, prefill_running)
+                                          for e in self.engines)))
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True

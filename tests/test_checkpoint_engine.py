@@ -575,27 +575,39 @@ def test_the_next_stage_overwrites_the_served_file_in_place(fleet: Fleet, tiny_m
     pusher.close()
 
 
-@pytest.mark.parametrize("prepare", [True, False])
+@pytest.mark.parametrize(("prepare", "kv_on_swap"), [(True, "recompute"), (False, "recompute"), (True, "keep")])
 def test_a_prepared_version_is_swapped_in_and_unprepared_is_copied(tiny_model_dir: Path, tmp_path: Path,
-                                                                  prepare: bool) -> None:
+                                                                  prepare: bool, kv_on_swap: str) -> None:
     """With ``checkpoint.prepare_weights`` (the default) the engine holds a spare copy of its weights after a
     commit (what it served before the swap); without, the load copies in the pause and nothing more is held.
-    Either way the engine serves the pushed weights and the pause is timed."""
+    Prepared under ``kv_on_swap: recompute`` (the default), the engine also computes the KV of the request
+    running through each commit under the new weights before the pause. Either way the engine serves the pushed
+    weights and the pause is timed."""
     stage_dir = Path("/dev/shm") / f"rollwave-prepare-{tmp_path.name}"
-    fleet = Fleet(tiny_model_dir, stage_dir, tmp_path, size=1, prepare_weights=prepare)
+    fleet = Fleet(tiny_model_dir, stage_dir, tmp_path, size=1, prepare_weights=prepare, kv_on_swap=kv_on_swap)
+    sampling = {"temperature": 0.0, "max_new_tokens": 1000, "ignore_eos": True}
+    long = {"input_ids": PROMPTS[0], "sampling_params": sampling}
     try:
         fleet.start()
         [engine] = fleet.engines
         pusher = fleet.pusher()
-        for version, seed in ((1, 21), (2, 22)):
-            model = perturbed(tiny_model_dir, seed, tmp_path / f"v{version}")
-            [server] = pusher.push_model(model, version=version).wait(WAIT_S).servers
-            assert server.ok and server.pause_seconds > 0, server
-            assert greedy_engine(engine.url) == greedy_reference(model)
+        with ThreadPoolExecutor(1) as pool:
+            for version, seed in ((1, 21), (2, 22)):
+                model = perturbed(tiny_model_dir, seed, tmp_path / f"v{version}")
+                started = metric(engine.url, "rollwave_engine_generated_tokens_total")
+                running = pool.submit(httpx.post, engine.url + "/generate", json=long, timeout=WAIT_S)
+                wait_for(lambda started=started: metric(engine.url, "rollwave_engine_generated_tokens_total")
+                         > started + 5, "the long request to start")
+                [server] = pusher.push_model(model, version=version).wait(WAIT_S).servers
+                assert server.ok and server.pause_seconds > 0, server
+                assert running.result().json()["meta_info"]["weight_version"] == str(version)  # it spanned the swap
+                assert greedy_engine(engine.url) == greedy_reference(model)
         pusher.close()
         weights, spare = (metric(engine.url, f'rollwave_engine_memory_bytes{{kind="{kind}"}}')
                           for kind in ("weights", "spare_weights"))
         assert weights > 0 and spare == (weights if prepare else 0)
+        ahead = metric(engine.url, "rollwave_engine_ahead_tokens_total")
+        assert (ahead >= 2 * len(PROMPTS[0])) == (prepare and kv_on_swap == "recompute"), ahead
     finally:
         fleet.close()
         shutil.rmtree(stage_dir, ignore_errors=True)

@@ -62,8 +62,9 @@ def kept_kv(old: torch.nn.Module, new: torch.nn.Module, prompt: list[int], outpu
     return lp.gather(1, torch.tensor(output[k:])[:, None]).squeeze(1)
 
 
-def span_across_update(url: str, mode: str, new_dir: Path) -> dict:
-    """Start a long request, pause in ``mode`` once it has produced tokens, load ``new_dir`` as v1, continue."""
+def span_across_update(url: str, mode: str, new_dir: Path, ahead: bool = False) -> dict:
+    """Start a long request, pause in ``mode`` once it has produced tokens, load ``new_dir`` as v1, continue;
+    ``ahead``: prepare ``new_dir`` first, with the running request's KV computed under it."""
 
     async def run() -> dict:
         async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
@@ -72,6 +73,11 @@ def span_across_update(url: str, mode: str, new_dir: Path) -> dict:
             )
             start = metric(url, "rollwave_engine_generated_tokens_total")
             await until(url, "rollwave_engine_generated_tokens_total", start + 20)
+            if ahead:
+                prepared = await client.post("/prepare_weights_from_disk",
+                                             json={"model_path": str(new_dir), "prefill_running": True})
+                computed = int(prepared.json()["message"].split("KV of ")[1].split()[0])
+                assert computed >= len(PROMPT) + 20, prepared.text
             await client.post("/pause_generation", json={"mode": mode})
             reply = await client.post(
                 "/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": "v1"}
@@ -87,10 +93,12 @@ def span_across_update(url: str, mode: str, new_dir: Path) -> dict:
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("mode", ["retract", "in_place"])
+@pytest.mark.parametrize(("mode", "ahead"), [("retract", False), ("in_place", False), ("retract", True)])
 def test_request_spanning_an_update_records_versions_and_right_logprobs(
-    engine: str, tiny_model_dir: Path, new_dir: Path, old_model, new_model, mode: str
+    engine: str, tiny_model_dir: Path, new_dir: Path, old_model, new_model, mode: str, ahead: bool
 ) -> None:
+    """``ahead``: the request's KV under the new weights was computed before the pause (kv_on_swap recompute with
+    prepared weights), so its re-prefill runs only the tokens since, with the same logprobs as a full one."""
     load(engine, tiny_model_dir, "v0")
     stalls = "rollwave_engine_generation_stall_seconds_count"
     stalled = "rollwave_engine_generation_stall_seconds_sum"
@@ -98,7 +106,7 @@ def test_request_spanning_an_update_records_versions_and_right_logprobs(
     post(engine, "/pause_generation", {"mode": mode})  # nothing running: nothing stalls
     post(engine, "/continue_generation", {})
     assert metric(engine, stalls) == before
-    out = span_across_update(engine, mode, new_dir)
+    out = span_across_update(engine, mode, new_dir, ahead)
     assert metric(engine, stalls) == before + 1  # the swap stalled the request once, measured to its next token
     assert 0 < metric(engine, stalled) - before_s < 60
     meta = out["meta_info"]
@@ -109,6 +117,7 @@ def test_request_spanning_an_update_records_versions_and_right_logprobs(
     assert old == {"version": "v0", "start": 0, "end": k} and new == {"version": "v1", "start": k, "end": n}
     assert 0 < k < n
     assert meta["num_retractions"] == (1 if mode == "retract" else 0)
+    assert (meta["cached_tokens"] >= len(PROMPT) + 20) == ahead  # the re-prefill started from the KV computed ahead
     got = torch.tensor([e[0] for e in meta["output_token_logprobs"]])
     t = LONG["temperature"]
     want_old = teacher_forced(old_model, PROMPT, out["output_ids"], t)

@@ -12,17 +12,20 @@ engine generates, into a second set of parameter tensors, so the load inside the
 Parameters at them (microseconds, where copying every weight is a memcpy of the model). The storage swapped
 out is kept as that second set for the next prepare, which then writes into warm pages: one more copy of the
 weights in memory, reported as ``rollwave_engine_memory_bytes{kind="spare_weights"}`` and freed with the
-``weights`` tag.
+``weights`` tag. A prepared set also carries the KV the scheduler computed under it before the swap
+(``Scheduler.prefill_ahead``), which the load puts in the prefix cache for the requests its pause retracted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
 import torch
 from torch import nn
 
+from rollout_server.engine.prefix_cache import Layers
 from rollout_server.engine.weights import copy_into
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -39,11 +42,13 @@ def parse_tags(tags: list[str] | None) -> tuple[str, ...]:
 
 
 class PreparedWeights:
-    """A full checkpoint copied into tensors laid out as the parameters, for ``ModelMemory.swap_in``."""
+    """A full checkpoint copied into tensors laid out as the parameters, for ``ModelMemory.swap_in``, and the KV
+    that the scheduler computed under it ahead of the swap (``Scheduler.prefill_ahead``)."""
 
     def __init__(self, key: Hashable, tensors: dict[int, torch.Tensor]) -> None:
         self.key = key
         self.tensors = tensors  # by id of the Parameter they replace
+        self.ahead: list[tuple[list[int], Layers]] = []  # (tokens, their KV under these weights)
 
 
 class ModelMemory:
@@ -87,10 +92,10 @@ class ModelMemory:
             sets = [self._spare, self._prepared.tensors if self._prepared else {}]
         return sum(t.numel() * t.element_size() for s in sets for t in s.values())
 
-    def prepare(self, key: Hashable, tensors: dict[str, torch.Tensor]) -> None:
+    def prepare(self, key: Hashable, tensors: dict[str, torch.Tensor]) -> PreparedWeights | None:
         """Copy a full, checked checkpoint (``{name: tensor}``, one name per tied group enough) into the spare
-        set and hold it under ``key`` for ``take_prepared``. Runs off the scheduler thread: no parameter
-        holds the spare. Nothing is held while the weights are released."""
+        set and hold it under ``key`` for ``take_prepared``; returns what is held. Runs off the scheduler thread:
+        no parameter holds the spare. Nothing is held while the weights are released."""
         with self._lock:
             spare, self._spare = self._spare, {}
             self._prepared = None
@@ -105,6 +110,12 @@ class ModelMemory:
         with self._lock:
             if not self.released:
                 self._prepared = PreparedWeights(key, filled)
+            return self._prepared
+
+    def holds(self, prepared: PreparedWeights) -> bool:
+        """``prepared`` is still the set the next load of its key swaps in (not taken, replaced or released)."""
+        with self._lock:
+            return self._prepared is prepared
 
     def take_prepared(self, key: Hashable) -> PreparedWeights | None:
         """The weights prepared under ``key``, once; a set prepared under another key becomes the spare."""
@@ -118,13 +129,28 @@ class ModelMemory:
     def swap_in(self, prepared: PreparedWeights) -> None:
         """Point every parameter at its prepared tensor (scheduler thread, between steps); the storage they
         held becomes the spare set."""
-        old = {}
-        for i, tensor in prepared.tensors.items():
-            p = self._params[i]
-            old[i], p.data = p.data, tensor
+        old = self._point(prepared.tensors)
         self._unloaded.clear()
         with self._lock:
             self._spare = old
+
+    @contextlib.contextmanager
+    def serving(self, prepared: PreparedWeights) -> Iterator[None]:
+        """The model runs on ``prepared`` inside the block and on its own weights again after it (scheduler
+        thread, between steps)."""
+        old = self._point(prepared.tensors)
+        try:
+            yield
+        finally:
+            self._point(old)
+
+    def _point(self, tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Point the parameters at ``tensors`` (by id); returns what they held."""
+        old = {}
+        for i, tensor in tensors.items():
+            p = self._params[i]
+            old[i], p.data = p.data, tensor
+        return old
 
     def release(self) -> None:
         for p in self.model.parameters():

@@ -13,6 +13,11 @@ class EngineMetrics:
         r = self.registry
         self.generated_tokens = Counter("rollwave_engine_generated_tokens", "Output tokens sampled", registry=r)
         self.prompt_tokens = Counter("rollwave_engine_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.ahead_tokens = Counter(
+            "rollwave_engine_ahead_tokens",
+            "Tokens of running requests whose KV was computed ahead under prepared weights (kv_on_swap: recompute)",
+            registry=r,
+        )
         self.cached_tokens = Counter(
             "rollwave_engine_cached_tokens", "Prompt tokens whose keys and values came from the prefix cache",
             registry=r,

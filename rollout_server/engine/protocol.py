@@ -284,9 +284,12 @@ class UpdateWeightsFromDiskReq(BaseModel):
 
 
 class PrepareWeightsFromDiskReq(BaseModel):
-    """rollwave's own route (SGLang has none): read ``model_path`` ahead of its ``update_weights_from_disk``."""
+    """rollwave's own route (SGLang has none): read ``model_path`` ahead of its ``update_weights_from_disk``;
+    ``prefill_running``: also compute the KV of the requests running now under it, for the load that retracts
+    them (``Scheduler.prefill_ahead``)."""
 
     model_path: str
+    prefill_running: bool = False
 
 
 class UpdateWeightsFromTensorReq(BaseModel):

@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -39,7 +40,7 @@ from rollout_server.engine.kv import KVBatch
 from rollout_server.engine.lora import Adapter, AdapterSet
 from rollout_server.engine.memory import ModelMemory, PreparedWeights
 from rollout_server.engine.metrics import EngineMetrics
-from rollout_server.engine.prefix_cache import PrefixCache
+from rollout_server.engine.prefix_cache import Layers, PrefixCache
 from rollout_server.engine.request import Request, abort_reason
 from rollout_server.engine.sampling import BatchSampler
 from rollout_server.engine.weights import WeightError, load_into
@@ -51,6 +52,16 @@ PauseMode = Literal["abort", "retract", "in_place"]
 
 class EngineFailure(RuntimeError):
     """A model step failed; the requests it was running end with this error."""
+
+
+@dataclass
+class _AheadJob:
+    """A ``prefill_ahead`` in progress: the requests whose KV is still to compute under ``prepared``."""
+
+    prepared: PreparedWeights
+    requests: deque[Request]
+    done: Future
+    tokens: int = 0
 
 
 class Scheduler:
@@ -100,6 +111,7 @@ class Scheduler:
         self._paused_at = 0.0
         self._last_token_at = 0.0  # when the last step sampled tokens
         self._stalled_since: float | None = None  # a pause stopped running requests at this time
+        self._ahead: _AheadJob | None = None  # a prefill_ahead in progress
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self.metrics.memory_bytes.labels(kind="weights").set_function(self.memory.weight_bytes)
@@ -150,6 +162,16 @@ class Scheduler:
         """
         fut: Future = Future()
         self._inbox.put(lambda: self._barriers.append((fn, fut)))
+        return fut
+
+    def prefill_ahead(self, prepared: PreparedWeights | None) -> Future:
+        """Compute, under ``prepared``, the KV of the requests running now (the base model's), one prefill chunk
+        between decode steps, for the load that swaps it in to put in the prefix cache: a request that load's
+        pause retracts then prefills only what it generated since, so ``kv_on_swap: recompute`` leaves the
+        re-prefill out of the stall. Resolves with the tokens computed: 0 without a prefix cache or requests
+        running; a load of ``prepared``, or its replacement, ends the job with what is done."""
+        fut: Future = Future()
+        self._inbox.put(lambda: self._start_ahead(prepared, fut))
         return fut
 
     # ---- commands (scheduler thread) -----------------------------------------------------------
@@ -212,13 +234,19 @@ class Scheduler:
         if self.memory.released:
             self.metrics.refused.labels(call="update_weights").inc()
             raise WeightError("the weights are released: resume_memory_occupation with tag 'weights' first")
+        ahead: list[tuple[list[int], Layers]] = []
         if isinstance(tensors, PreparedWeights):
+            if self._ahead is not None and self._ahead.prepared is tensors:
+                self._end_ahead()
             self.memory.swap_in(tensors)
+            ahead = tensors.ahead
         else:
             load_into(self.model, tensors, require_all=require_all)
             self.memory.loaded(set(tensors))
         if flush_cache:
             self._new_kv_epoch()
+            for tokens, layers in ahead:  # computed under these weights: the retracted requests start from it
+                self.prefix_cache.insert(tokens, None, layers)
         if model_path is not None:
             self.model_path = model_path
         if version is not None:
@@ -301,7 +329,8 @@ class Scheduler:
     def _loop(self) -> None:
         with torch.inference_mode():
             while not self._closed:
-                busy = bool(self._barriers) or (self.paused is None and bool(self._running or self._waiting))
+                busy = bool(self._barriers) or (
+                    self.paused is None and bool(self._running or self._waiting or self._ahead))
                 self._drain(block=not busy)
                 self._run_barriers()
                 if self.paused is None and not self._closed:
@@ -312,6 +341,8 @@ class Scheduler:
                     except Exception as exc:  # a failed forward fails its requests loudly, the engine lives on
                         log.exception("engine step failed")
                         self._fail_running(exc)
+                    if self._ahead is not None:
+                        self._ahead_step()
                 self.metrics.running.set(len(self._running))
                 self.metrics.waiting.set(len(self._waiting) + len(self._gated))
                 self.metrics.pending_updates.set(len(self._barriers))
@@ -406,6 +437,51 @@ class Scheduler:
         self._sampler = None
         offset = len(self._running) - len(chunk)
         self._retire([offset + i for i in self._record(chunk, tokens, logprobs)])
+
+    def _start_ahead(self, prepared: PreparedWeights | None, fut: Future) -> None:
+        self._end_ahead()  # a newer prepare replaces the one in progress
+        requests = deque(r for r in self._running if r.lora is None)
+        if prepared is None or not self.prefix_cache.max_tokens or not requests:
+            fut.set_result(0)
+            return
+        self._ahead = _AheadJob(prepared, requests, fut)
+
+    def _ahead_step(self) -> None:
+        """One prefill chunk (``prefill_tokens``) of the ahead job, under its prepared weights."""
+        job = self._ahead
+        assert job is not None
+        chunk: list[Request] = []
+        width = 0
+        while self.memory.holds(job.prepared) and job.requests:
+            r = job.requests[0]
+            w = max(width, len(r.input_ids) + len(r.output_ids))
+            if chunk and w * (len(chunk) + 1) > self.prefill_tokens:
+                break
+            job.requests.popleft()
+            if r.finish_reason is None:
+                chunk.append(r)
+                width = w
+        if chunk:
+            seqs = [r.tokens for r in chunk]
+            self.adapters.rows = [None] * len(chunk)
+            try:
+                with self.memory.serving(job.prepared):
+                    batch, _, _ = KVBatch.prefill(self.model, seqs)
+            except Exception as exc:  # the swap will re-prefill them: only the job fails
+                log.exception("computing the KV of running requests ahead of a load failed")
+                self._ahead = None
+                job.done.set_exception(exc)
+                return
+            job.prepared.ahead += [(seq, batch.row(i)) for i, seq in enumerate(seqs)]
+            job.tokens += sum(map(len, seqs))
+            self.metrics.ahead_tokens.inc(sum(map(len, seqs)))
+        if not job.requests or not self.memory.holds(job.prepared):
+            self._end_ahead()
+
+    def _end_ahead(self) -> None:
+        job, self._ahead = self._ahead, None
+        if job is not None:
+            job.done.set_result(job.tokens)
 
     def _decode(self) -> None:
         start = time.monotonic()

@@ -102,19 +102,23 @@ async def _load(
 @router.post("/prepare_weights_from_disk")
 async def prepare_weights_from_disk(obj: PrepareWeightsFromDiskReq, engine: EngineDep) -> JSONResponse:
     """Read and check ``model_path`` and copy it into the spare parameters now, off the scheduler thread, so
-    the next update from it (while its files are unchanged) swaps them in without copying."""
-    def prepare() -> int:
+    the next update from it (while its files are unchanged) swaps them in without copying; with
+    ``prefill_running``, answer once the running requests' KV under it is computed too."""
+    def prepare() -> tuple[int, PreparedWeights | None]:
         key = _prepared_key(obj.model_path)
         tensors = read_hf_dir(obj.model_path)
         check_tensors(engine.model, tensors, require_all=True)
-        engine.memory.prepare(key, tensors)
-        return len(tensors)
+        return len(tensors), engine.memory.prepare(key, tensors)
 
     try:
-        count = await asyncio.to_thread(prepare)
+        count, prepared = await asyncio.to_thread(prepare)
     except WeightError as exc:
         return result(False, f"Failed to prepare weights: {exc}")
-    return result(True, f"Prepared {count} tensors from {obj.model_path}")
+    message = f"Prepared {count} tensors from {obj.model_path}"
+    if obj.prefill_running:
+        tokens = await asyncio.wrap_future(engine.prefill_ahead(prepared))
+        message += f"; computed the KV of {tokens} tokens of running requests under them"
+    return result(True, message)
 
 
 @router.post("/update_weights_from_disk")

@@ -1,0 +1,111 @@
+"""The KV of the running requests computed ahead under prepared weights (``Scheduler.prefill_ahead``): the load
+that swaps them in puts it in the prefix cache, so the requests its pause retracted prefill only what they
+generated since, and every token after the swap is exactly what the new weights give over the whole sequence."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import perturbed_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout_server.engine.request import Request
+from rollout_server.engine.sampling import SamplingParams
+from rollout_server.engine.scheduler import Scheduler
+
+WAIT_S = 60.0
+
+
+@pytest.fixture
+def scheduler(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[Scheduler]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    engine = Scheduler(model, AutoTokenizer.from_pretrained(tiny_model_dir), model_path=str(tiny_model_dir),
+                       prefix_cache_tokens=getattr(request, "param", 16384), prefill_tokens=64)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def greedy(rid: str, ids: list[int], n: int) -> Request:
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    return Request(rid=rid, input_ids=list(ids), params=params, return_logprob=True, stop_ids=frozenset(),
+                   stop_window=1)
+
+
+def running(scheduler: Scheduler, prompts: list[list[int]], n: int) -> list[Request]:
+    """Requests of ``n`` tokens each, submitted and waited for until every one has decoded a few."""
+    reqs = [greedy(f"r{i}", p, n) for i, p in enumerate(prompts)]
+    scheduler.submit(reqs)
+    deadline = time.monotonic() + WAIT_S
+    while min(len(r.output_ids) for r in reqs) < 3:
+        assert time.monotonic() < deadline, "the requests never started"
+        time.sleep(0.001)
+    return reqs
+
+
+def on_engine(scheduler: Scheduler, fn: Callable[[], object]) -> object:
+    return scheduler.call(fn).result(timeout=WAIT_S)
+
+
+def test_a_retracted_request_prefills_only_what_it_generated_since_and_continues_on_the_new_weights(
+    scheduler: Scheduler, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    new_dir = perturbed_model(tiny_model_dir, tmp_path / "v1", seed=1)
+    tensors = load_file(new_dir / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in (21, 40, 33, 60)]
+    reqs = running(scheduler, prompts, n=900)
+
+    prepared = scheduler.memory.prepare("v1", tensors)
+    computed = scheduler.prefill_ahead(prepared).result(timeout=WAIT_S)
+    snapshot = {tuple(tokens) for tokens, _ in prepared.ahead}
+    # every request that was running is computed, in chunks of at most prefill_tokens (64) per forward
+    assert len(prepared.ahead) == 4 and computed == sum(len(t) for t in snapshot) > sum(map(len, prompts))
+    assert scheduler.metrics.ahead_tokens._value.get() == computed
+    on_engine(scheduler, lambda: scheduler.pause("retract"))
+    on_engine(scheduler, lambda: scheduler.load_weights(scheduler.memory.take_prepared("v1"), require_all=True,
+                                                        model_path=str(new_dir), version="1"))
+    on_engine(scheduler, scheduler.resume)
+    for r in reqs:
+        r.future.result(timeout=WAIT_S)
+
+    new_model = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
+    for r in reqs:
+        ahead = next(t for t in snapshot if list(t) == r.tokens[: len(t)])
+        # its re-prefill ran only the rest (all of the computed KV but the last token, if it decoded none since)
+        assert r.num_retractions == 1 and len(ahead) - 1 <= r.cached_tokens <= len(ahead)
+        start = next(s["start"] for s in r.spans if s["version"] == "1")
+        with torch.no_grad():
+            logits = new_model(input_ids=torch.tensor([r.tokens])).logits[0]
+        lp = torch.log_softmax(logits[len(r.input_ids) - 1 : -1], -1)[start:]
+        assert r.output_ids[start:] == lp.argmax(-1).tolist()
+        torch.testing.assert_close(torch.tensor(r.logprobs[start:]), lp.max(-1).values, atol=1e-4, rtol=1e-4)
+
+
+def test_nothing_is_computed_ahead_when_it_cannot_be_used(scheduler: Scheduler, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    tensors = load_file(perturbed_model(tiny_model_dir, tmp_path / "v1", seed=1) / "model.safetensors")
+    assert scheduler.prefill_ahead(scheduler.memory.prepare("idle", tensors)).result(timeout=WAIT_S) == 0
+    reqs = running(scheduler, [[5, 6, 7, 8]], n=400)
+    prepared = scheduler.memory.prepare("v1", tensors)
+    scheduler.memory.prepare("v2", tensors)  # v1 is no longer the set the next load would swap in
+    assert scheduler.prefill_ahead(prepared).result(timeout=WAIT_S) == 0 and not prepared.ahead
+    on_engine(scheduler, lambda: scheduler.abort(None))
+    reqs[0].future.result(timeout=WAIT_S)
+
+
+@pytest.mark.parametrize("scheduler", [0], indirect=True)
+def test_an_engine_without_a_prefix_cache_computes_nothing_ahead(scheduler: Scheduler, tiny_model_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    tensors = load_file(perturbed_model(tiny_model_dir, tmp_path / "v1", seed=1) / "model.safetensors")
+    reqs = running(scheduler, [[5, 6, 7, 8]], n=400)
+    assert scheduler.prefill_ahead(scheduler.memory.prepare("v1", tensors)).result(timeout=WAIT_S) == 0
+    on_engine(scheduler, lambda: scheduler.abort(None))
+    reqs[0].future.result(timeout=WAIT_S)

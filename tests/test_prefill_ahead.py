@@ -1,6 +1,7 @@
 """The KV of the running requests computed ahead under prepared weights (``Scheduler.prefill_ahead``): the load
 that swaps them in puts it in the prefix cache, so the requests its pause retracted prefill only what they
-generated since, and every token after the swap is exactly what the new weights give over the whole sequence."""
+generated since (a request admitted while the KV is computed too), and every token after the swap is exactly
+what the new weights give over the whole sequence."""
 
 from __future__ import annotations
 
@@ -64,10 +65,14 @@ def test_a_retracted_request_prefills_only_what_it_generated_since_and_continues
     reqs = running(scheduler, prompts, n=900)
 
     prepared = scheduler.memory.prepare("v1", tensors)
-    computed = scheduler.prefill_ahead(prepared).result(timeout=WAIT_S)
+    job = scheduler.prefill_ahead(prepared)
+    late = greedy("late", torch.randint(5, 200, (30,), generator=gen).tolist(), 900)
+    scheduler.submit([late])  # admitted after the job took its requests: its last sweep takes this one
+    reqs.append(late)
+    computed = job.result(timeout=WAIT_S)
     snapshot = {tuple(tokens) for tokens, _ in prepared.ahead}
-    # every request that was running is computed, in chunks of at most prefill_tokens (64) per forward
-    assert len(prepared.ahead) == 4 and computed == sum(len(t) for t in snapshot) > sum(map(len, prompts))
+    # every request running is computed, in chunks of at most prefill_tokens (64) per forward
+    assert len(prepared.ahead) == 5 and computed == sum(len(t) for t in snapshot) > sum(map(len, prompts)) + 30
     assert scheduler.metrics.ahead_tokens._value.get() == computed
     on_engine(scheduler, lambda: scheduler.pause("retract"))
     on_engine(scheduler, lambda: scheduler.load_weights(scheduler.memory.take_prepared("v1"), require_all=True,

@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -56,12 +56,15 @@ class EngineFailure(RuntimeError):
 
 @dataclass
 class _AheadJob:
-    """A ``prefill_ahead`` in progress: the requests whose KV is still to compute under ``prepared``."""
+    """A ``prefill_ahead`` in progress: the requests whose KV is still to compute under ``prepared``; once they
+    are done, one more sweep takes the requests admitted since."""
 
     prepared: PreparedWeights
     requests: deque[Request]
     done: Future
+    seen: set[Request] = field(default_factory=set)  # every request queued in the job
     tokens: int = 0
+    swept: bool = False
 
 
 class Scheduler:
@@ -444,7 +447,7 @@ class Scheduler:
         if prepared is None or not self.prefix_cache.max_tokens or not requests:
             fut.set_result(0)
             return
-        self._ahead = _AheadJob(prepared, requests, fut)
+        self._ahead = _AheadJob(prepared, requests, fut, seen=set(requests))
 
     def _ahead_step(self) -> None:
         """One prefill chunk (``prefill_tokens``) of the ahead job, under its prepared weights."""
@@ -475,6 +478,9 @@ class Scheduler:
             job.prepared.ahead += [(seq, batch.row(i)) for i, seq in enumerate(seqs)]
             job.tokens += sum(map(len, seqs))
             self.metrics.ahead_tokens.inc(sum(map(len, seqs)))
+        if not job.requests and not job.swept:
+            job.swept = True
+            job.requests.extend(r for r in self._running if r.lora is None and r not in job.seen)
         if not job.requests or not self.memory.holds(job.prepared):
             self._end_ahead()
 

@@ -223,6 +223,16 @@ class Traffic:
                 self.errors.append(reply.text)
 
 
+def engine_counter(url: str, name: str) -> float:
+    """The engine's counter ``rollwave_engine_<name>_total``."""
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(f"rollwave_engine_{name}_total "):
+            return float(line.split()[1])
+    raise RuntimeError(f"the engine exports no rollwave_engine_{name}_total")
+
+
 def engine_totals(url: str, name: str) -> tuple[float, float]:
     """(count, sum) of the engine's histogram ``rollwave_engine_<name>_seconds``."""
     import httpx
@@ -304,12 +314,14 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
         recompute_pusher = CheckpointPusher(CheckpointConfig(token=TOKEN, stage_dir=stage_dir), [address])
         stall: dict[str, list[float]] = {"recompute": [], "keep": []}
         busy_pause: dict[str, list[float]] = {"recompute": [], "keep": []}
+        reuse: dict[str, list[tuple[float, float]]] = {"recompute": [], "keep": []}  # (ahead, cached) tokens
         with Traffic(engine.url, streams, model.config.vocab_size) as traffic:
             time.sleep(2.0)  # every stream is decoding
             quiet = [0.0, 0.0]  # (count, sum) of decode steps in windows with no push
             for round_ in range(pushes):
                 for mode in ("recompute", "keep") if round_ % 2 == 0 else ("keep", "recompute"):
                     count, total = engine_totals(engine.url, "generation_stall")
+                    tokens = [engine_counter(engine.url, name) for name in ("ahead_tokens", "cached_tokens")]
                     server = push(model, recompute_pusher if mode == "recompute" else keep_pusher)
                     deadline = time.monotonic() + 60
                     time.sleep(0.25)  # no scrape of the engine's metrics while its first steps after the swap run
@@ -321,6 +333,9 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
                     if count2 != count + 1:
                         raise RuntimeError(f"{mode}: {count2 - count:g} stalls observed for one swap")
                     stall[mode].append(total2 - total)
+                    ahead, cached = (engine_counter(engine.url, name) - t
+                                     for name, t in zip(("ahead_tokens", "cached_tokens"), tokens, strict=True))
+                    reuse[mode].append((ahead, cached))
                     busy_pause[mode].append(server.pause_seconds)
                 before = engine_totals(engine.url, "decode_step")
                 time.sleep(1.0)
@@ -363,6 +378,8 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
         print(f"(d) kv_on_swap {mode:9s} with {streams} requests decoding: generation stall median "
               f"{med(stall[mode]) * 1e3:.1f} ms ({', '.join(f'{s * 1e3:.0f}' for s in stall[mode])} ms), "
               f"commit pause {med(busy_pause[mode]) * 1e3:.1f} ms")
+        print("    tokens whose KV was computed ahead of each swap / taken from the prefix cache by then: "
+              + ", ".join(f"{a:.0f}/{c:.0f}" for a, c in reuse[mode]))
     print(f"    a decode step of those requests (their time between tokens) took {decode_step * 1e3:.1f} ms on "
           f"average in a 1 s window after each round, no push running; the stall counts one")
     print(f"stage_vs_raw_tcp ratio {stage_gbs / tcp_gbs:.3f} (goal >= 0.5)")

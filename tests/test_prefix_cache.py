@@ -1,7 +1,8 @@
 """The embedded engine's prefix cache: a finished request's KV serves the requests that extend it (a multi-turn
 episode's next turn), with the same tokens and logprobs as a prefill from scratch; a group's identical prompts
-are prefilled once; loads, adapter changes and memory releases empty it, and a request whose KV spans a load is
-not kept; the bound evicts the least recently used; ``engine.prefix_cache_tokens=0`` turns it off end to end."""
+are prefilled once; loads and memory releases empty it, an adapter loaded again or unloaded takes its own entries,
+and a request whose KV spans a load or a reload of its adapter is not kept; the bound evicts the least recently used;
+``engine.prefix_cache_tokens=0`` turns it off end to end."""
 
 from __future__ import annotations
 
@@ -164,7 +165,7 @@ def test_later_turns_beside_a_new_prompt_run_only_their_rests(scheduler: Schedul
     assert [r.cached_tokens for r in later] == [len(r.input_ids) - 4 for r in later] and new.cached_tokens == 0
 
 
-def test_loads_adapters_and_releases_empty_the_cache_and_a_request_spanning_a_load_is_not_kept(
+def test_loads_and_releases_empty_the_cache_adapters_take_their_own_and_a_request_spanning_a_load_is_not_kept(
     scheduler: Scheduler, model: torch.nn.Module
 ) -> None:
     def on_engine(fn: Callable[[], object]) -> object:
@@ -200,12 +201,31 @@ def test_loads_adapters_and_releases_empty_the_cache_and_a_request_spanning_a_lo
     kept.future.result(timeout=WAIT_S)
     assert len(scheduler.prefix_cache) == 1
 
-    for change in (lambda: scheduler.install_adapter("a", Adapter("a", "0", 1.0, {})),
-                   lambda: scheduler.remove_adapter("a"), lambda: scheduler.release_memory(("kv_cache",))):
-        conversations(scheduler, [[5, 6, 7, 8]], turns=1)
-        assert len(scheduler.prefix_cache) >= 1 and scheduler._kv_bytes() > 0
+    # an adapter loaded again or unloaded takes only its own KV: the base model's stays
+    on_engine(lambda: scheduler.install_adapter("a", Adapter("a", "0", 1.0, {})))
+    base = [5, 6, 7, 8]
+    conversations(scheduler, [base], turns=1)
+    for change in (lambda: scheduler.install_adapter("a", Adapter("a", "1", 1.0, {})),
+                   lambda: scheduler.remove_adapter("a")):
+        if "a" not in scheduler.adapters.loaded:
+            on_engine(lambda: scheduler.install_adapter("a", Adapter("a", "2", 1.0, {})))
+        adapted = greedy("on-a", [9, 10, 11], n=10)
+        adapted.lora = "a"
+        scheduler.submit([adapted])
+        adapted.future.result(timeout=WAIT_S)
+        entries = list(scheduler.prefix_cache._entries.values())
+        assert {e.lora for e in entries} == {None, "a"} and any(e.tokens[:4] == base for e in entries)
         on_engine(change)
-        assert len(scheduler.prefix_cache) == 0 and scheduler._kv_bytes() == 0
+        assert list(scheduler.prefix_cache._entries.values()) == [e for e in entries if e.lora is None]
+    on_engine(lambda: scheduler.install_adapter("a", Adapter("a", "3", 1.0, {})))
+    spanning = greedy("spans-a", [9, 10, 11], n=300)
+    spanning.lora = "a"
+    started(spanning)
+    on_engine(lambda: scheduler.install_adapter("a", Adapter("a", "4", 1.0, {})))  # mid-request
+    spanning.future.result(timeout=WAIT_S)
+    assert len(spanning.output_ids) == 300 and "a" not in {e.lora for e in scheduler.prefix_cache._entries.values()}
+    on_engine(lambda: scheduler.release_memory(("kv_cache",)))
+    assert len(scheduler.prefix_cache) == 0 and scheduler._kv_bytes() == 0
 
 
 def test_the_engine_config_turns_the_cache_off_and_a_load_flushes_it_unless_told_not_to(tiny_model_dir: Path) -> None:

@@ -7,8 +7,9 @@ start with an entry's prefills only the rest.
 
 An entry holds what the weights and adapters loaded when it was computed made of its tokens: the scheduler
 clears the cache at every load that flushes (SGLang's ``flush_cache``, the default) and keeps no request whose
-KV spans one. The cache holds at most ``max_tokens`` tokens (0 turns it off); the least recently used entries
-leave first, and an entry leaves when the request that extended it is kept in its place.
+KV spans one; an adapter loaded again or unloaded takes only its own entries and requests with it. The cache
+holds at most ``max_tokens`` tokens (0 turns it off); the least recently used entries leave first, and an entry
+leaves when the request that extended it is kept in its place.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ class PrefixCache:
         self.nbytes += entry.nbytes
         while self._tokens > self.max_tokens:
             self._drop(next(iter(self._entries.values())))
+
+    def drop_adapter(self, lora: str) -> None:
+        """Drop the entries adapter ``lora`` computed."""
+        for entry in [e for e in self._entries.values() if e.lora == lora]:
+            self._drop(entry)
 
     def clear(self) -> None:
         self._entries.clear()

@@ -44,7 +44,7 @@ class Request:
     spans: list[dict[str, Any]] = field(default_factory=list)
     num_retractions: int = 0
     cached_tokens: int = 0  # of its last prefill, taken from the prefix cache
-    kv_epoch: int = -1  # the scheduler's load count at its last prefill
+    kv_epoch: int = -1  # the scheduler's load count at its last prefill; -1: its KV is never cached
     extends: Prefix | None = None  # the prefix cache's entry its last prefill started from
     finish_reason: dict[str, Any] | None = None
     finish_version: str | None = None

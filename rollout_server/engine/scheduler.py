@@ -168,11 +168,12 @@ class Scheduler:
         return fut
 
     def prefill_ahead(self, prepared: PreparedWeights | None) -> Future:
-        """Compute, under ``prepared``, the KV of the requests running now (the base model's), one prefill chunk
-        between decode steps, for the load that swaps it in to put in the prefix cache: a request that load's
-        pause retracts then prefills only what it generated since, so ``kv_on_swap: recompute`` leaves the
-        re-prefill out of the stall. Resolves with the tokens computed: 0 without a prefix cache or requests
-        running; a load of ``prepared``, or its replacement, ends the job with what is done."""
+        """Compute, under ``prepared``, the KV of the requests running now, then of those admitted meanwhile (the
+        base model's), one prefill chunk between decode steps, for the load that swaps it in to put in the prefix
+        cache: a request that load's pause retracts then prefills only what it generated since, so
+        ``kv_on_swap: recompute`` leaves the re-prefill out of the stall. Resolves with the tokens computed: 0
+        without a prefix cache or requests running; a load of ``prepared``, or its replacement, ends the job with
+        what is done."""
         fut: Future = Future()
         self._inbox.put(lambda: self._start_ahead(prepared, fut))
         return fut
@@ -257,9 +258,10 @@ class Scheduler:
         self.metrics.weight_update_seconds.observe(time.monotonic() - start)
 
     def install_adapter(self, name: str, adapter: Adapter) -> None:
-        """Serve ``adapter`` as ``name`` (replacing one of that name)."""
+        """Serve ``adapter`` as ``name`` (replacing one of that name). Only KV that adapter computed is stale:
+        the base model's and other adapters' stay in the prefix cache."""
         self.adapters.install(name, adapter)
-        self._new_kv_epoch()
+        self._forget_adapter_kv(name)
 
     def remove_adapter(self, name: str) -> int:
         """Stop serving ``name``; requests still naming it are aborted. Returns how many."""
@@ -267,7 +269,7 @@ class Scheduler:
             return 0
         aborted = self.abort_where(lambda r: r.lora == name)
         self.adapters.remove(name)
-        self._new_kv_epoch()
+        self._forget_adapter_kv(name)
         return aborted
 
     def release_memory(self, tags: tuple[str, ...]) -> None:
@@ -303,6 +305,13 @@ class Scheduler:
     def _kv_bytes(self) -> int:
         batch = self._batch
         return self.prefix_cache.nbytes + (0 if batch is None else batch.nbytes)
+
+    def _forget_adapter_kv(self, name: str) -> None:
+        """Adapter ``name`` changed: its cached KV leaves, and its running requests' KV is never cached."""
+        self.prefix_cache.drop_adapter(name)
+        for r in self._running:
+            if r.lora == name:
+                r.kv_epoch = -1
 
     def _new_kv_epoch(self) -> None:
         """The weights or adapters changed (or the memory went): no KV computed so far is kept or reused."""

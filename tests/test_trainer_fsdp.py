@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from core.config import LoraConfig, TrainerConfig
 from core.net import free_port_outside_ephemeral
+from trainer import losses
 from trainer.batching import collate, rank_plan
 from trainer.optim import lr_factor
 from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, iter_full_params
@@ -168,9 +169,28 @@ def test_proximal_shortcut_equals_no_grad_recompute(ctx: DistContext, tiny_model
     prox = step.proximal_logprobs(batch)
     for rows in step._plan(list(range(len(batch))), batch.lengths.tolist()):
         mb = batch.select(rows)
-        logp, _ = step._forward_logprobs(step.model, mb)  # with autograd on, as in the update
+        logp, _, columns = step._forward_logprobs(step.model, mb)  # with autograd on, as in the update
         assert logp.requires_grad
-        assert torch.equal(logp.detach(), prox[rows, : logp.shape[1]])
+        assert torch.equal(logp.detach(), prox[rows, columns])
+    trainer.close()
+
+
+def test_logprobs_skip_the_prompt_columns_no_row_trains_on(ctx: DistContext, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """The LM head runs from the first column any row of the micro-batch trains on; its logprobs there are those
+    of a full forward."""
+    trainer = Trainer(TrainerConfig(**CFG), tiny_model_dir, tmp_path).start(ctx=ctx)
+    step = trainer.train_step
+    batch = collate(synthetic_groups(0, 3), vocab_size=step.vocab_size)
+    mb = batch.select(list(range(len(batch))))
+    logp, logits, columns = step._forward_logprobs(step.model, mb)
+    first = int(mb.loss_mask.any(dim=0).nonzero()[0])
+    assert columns == slice(first, mb.loss_mask.shape[1]) and first > 0 and logits.shape[1] == columns.stop - first
+    assert not mb.loss_mask[:, :first].any()
+    with torch.no_grad():
+        full = step.model(input_ids=mb.input_ids).logits[:, :-1].float() / mb.temperatures[:, None, None]
+    want = losses.logprobs_from_logits(full, mb.input_ids[:, 1:])[:, columns]
+    torch.testing.assert_close(logp.detach(), want, rtol=1e-5, atol=1e-5)
     trainer.close()
 
 

@@ -156,11 +156,18 @@ class TrainStep:
         out["policy_updates"] = updates if train_policy else 0
         return out
 
-    def _forward_logprobs(self, model: nn.Module, mb: Batch) -> tuple[Tensor, Tensor]:
-        """(logprobs [b, l-1] fp32, logits [b, l-1, V] scaled by 1/temperature of each row's group) of the
-        micro-batch: the distribution the rollout sampled from, so π_θ, π_prox and π_behav are comparable."""
-        logits = model(input_ids=mb.input_ids).logits[:, :-1].float() / mb.temperatures[:, None, None]
-        return losses.logprobs_from_logits(logits, mb.input_ids[:, 1:]), logits
+    def _forward_logprobs(self, model: nn.Module, mb: Batch) -> tuple[Tensor, Tensor, slice]:
+        """(logprobs [b, w] fp32, logits [b, w, V] scaled by 1/temperature of each row's group, the columns of
+        the micro-batch's per-token fields they are) of the micro-batch: the distribution the rollout sampled
+        from, so π_θ, π_prox and π_behav are comparable. The columns start at the first one any row trains on:
+        the LM head and the softmax skip the prompts before it (``logits_to_keep``), which no loss reads."""
+        trained = mb.loss_mask.any(dim=0).nonzero()
+        start = int(trained[0]) if len(trained) else 0
+        keep = mb.input_ids.shape[1] - start
+        logits = model(input_ids=mb.input_ids, logits_to_keep=keep).logits[:, :-1].float()
+        logits = logits / mb.temperatures[:, None, None]
+        columns = slice(start, start + logits.shape[1])
+        return losses.logprobs_from_logits(logits, mb.input_ids[:, start + 1 :]), logits, columns
 
     @torch.no_grad()
     def proximal_logprobs(self, batch: Batch, minibatches: list[list[int]] | None = None) -> Tensor:
@@ -170,9 +177,9 @@ class TrainStep:
         prox = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.ctx.device)
         for minibatch in minibatches or [list(range(len(batch)))]:
             for rows, mb in self._micro_batches(minibatch, batch):
-                logp, _ = self._forward_logprobs(self.model, mb)
+                logp, _, columns = self._forward_logprobs(self.model, mb)
                 if rows:
-                    prox[rows, : logp.shape[1]] = logp
+                    prox[rows, columns] = logp
         return prox
 
     def _plan(self, rows: list[int], lengths: list[int]) -> list[list[int]]:
@@ -200,15 +207,15 @@ class TrainStep:
             ref_logp = None
             if self.ref_model is not None:  # a collective too: run it on dummy micro-batches as well
                 with torch.no_grad():
-                    ref_logp, _ = self._forward_logprobs(self.ref_model, mb)
-            logp, logits = self._forward_logprobs(self.model, mb)
+                    ref_logp, _, _ = self._forward_logprobs(self.ref_model, mb)
+            logp, logits, columns = self._forward_logprobs(self.model, mb)
             if not mb_rows:
                 (logits.sum() * 0.0).backward()
                 continue
-            width = logp.shape[1]
-            mb_adv = adv[mb_rows, :width].to(self.ctx.device)
-            mb_prox = logp.detach() if prox is None else prox[mb_rows, :width]
-            total = self._loss(logp, logits, mb, mb_adv, mb_prox, ref_logp, denom, acc)
+            mb_adv = adv[mb_rows, columns].to(self.ctx.device)
+            mb_prox = logp.detach() if prox is None else prox[mb_rows, columns]
+            total = self._loss(logp, logits, mb.loss_mask[:, columns], mb.behaviour_logprobs[:, columns], mb_adv,
+                               mb_prox, ref_logp, denom, acc)
             (total * self.ctx.world_size).backward()  # FSDP averages gradients over ranks; we want the sum
         norm = clip_grad_norm(self.model, cfg.grad_clip)
         if math.isfinite(norm):
@@ -222,17 +229,19 @@ class TrainStep:
         self,
         logp: Tensor,
         logits: Tensor,
-        mb: Batch,
+        mask: Tensor,
+        behaviour: Tensor,
         adv: Tensor,
         prox: Tensor,
         ref_logp: Tensor | None,
         denom: int,
         acc: _Accumulator,
     ) -> Tensor:
-        """Policy loss + KL penalty - entropy bonus of one micro-batch, all over the step's denominator."""
-        cfg, mask = self.cfg, mb.loss_mask
+        """Policy loss + KL penalty - entropy bonus of one micro-batch's trained columns (``mask``, ``behaviour``,
+        ``adv`` and ``prox`` cut to the columns of ``logp``), all over the step's denominator."""
+        cfg = self.cfg
         kwargs = {"loss_agg": cfg.loss_agg, "denominator": denom, **self.loss_kwargs}
-        pg, metrics = self.loss_fn(logp, prox, mb.behaviour_logprobs, adv, mask, **kwargs)
+        pg, metrics = self.loss_fn(logp, prox, behaviour, adv, mask, **kwargs)
         total = pg
         if cfg.entropy_coef > 0:
             entropy = losses.entropy_from_logits(logits)

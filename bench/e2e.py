@@ -6,7 +6,9 @@ one trainer pushing a version every step). ``rollout.mode=sync`` differs from as
 (eta = 0: a batch is generated for the current version only). ``--compare colocated`` runs decoupled async
 against ``placement.mode=colocated`` (the engine releases its memory while the trainer trains, and takes the
 weights by a local push); ``--compare overlap`` runs colocated against its one-step overlap
-(``placement.colocated_staleness=1``: the engine keeps its memory and generates while the trainer trains).
+(``placement.colocated_staleness=1``: the engine keeps its memory and generates while the trainer trains);
+``--compare ahead`` runs async with ``checkpoint.prefill_ahead=false`` (the retracted requests prefilled again
+after each swap) against async as it is (their KV computed under the new weights before the pause).
 The model is the tiny one after the demo's SFT warm start, so episodes are multi-turn with real tool calls and
 about half of them earn the reward: every step has a gradient and every push new weights.
 
@@ -60,8 +62,10 @@ MODES = {
     "async": ["rollout.mode=async"],
     "colocated": ["rollout.mode=async", "placement.mode=colocated"],
     "overlap": ["rollout.mode=async", "placement.mode=colocated", "placement.colocated_staleness=1"],
+    "reprefill": ["rollout.mode=async", "checkpoint.prefill_ahead=false"],
 }
-COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "overlap": ("colocated", "overlap")}
+COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "overlap": ("colocated", "overlap"),
+           "ahead": ("reprefill", "async")}
 SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
 TOKENS = tuple(f"rollwave_engine_{kind}_tokens_total" for kind in ("prompt", "cached", "generated"))
 MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("weights", "kv_cache", "spare_weights"))
@@ -192,7 +196,8 @@ def main() -> None:
     p.add_argument("--no-placement", action="store_true", help="pin nothing (one torch thread per component)")
     p.add_argument("--compare", choices=sorted(COMPARE), default="sync",
                    help="sync: sync against async; colocated: decoupled async against colocated; overlap: "
-                   "colocated against its one-step overlap")
+                   "colocated against its one-step overlap; ahead: async re-prefilling after each swap against "
+                   "async with the KV computed ahead")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
     first, second = COMPARE[args.compare]

@@ -373,6 +373,12 @@ class CheckpointConfig(Section):
         "its weights, so the load in the pause swaps pointers (the embedded engine; one more copy of the weights in "
         "its memory). false: the load reads and copies the weights inside the pause, and no spare is held"
     )
+    prefill_ahead: bool = Field(
+        True, description="receiver, with prepare_weights and kv_on_swap recompute: the prepare also has the engine "
+        "compute the running requests' KV under the new weights, while it generates, so after the swap they prefill "
+        "only the tokens since (the stall drops to about one decode step; the same prefill runs before the pause "
+        "and the version lands that much later). false: they are prefilled again after the swap, in the stall"
+    )
     empty_cache_on_resume: bool = Field(
         False, description="receiver: let continue_generation empty the CUDA cache (SGLang's torch_empty_cache)"
     )

@@ -302,10 +302,10 @@ class CheckpointService:
         The pause is ``retract`` (the running requests' KV is recomputed) or, with ``kv_on_swap: keep``,
         ``in_place``, and then the load keeps the prefix cache too (``flush_cache`` false; SGLang's flush would
         fail with requests running). Preparing (full weights only, unless ``checkpoint.prepare_weights`` is off)
-        reads the staged files into the engine's spare parameters before the pause, and under ``recompute`` has
-        the engine compute the running requests' KV under them too, so the retracted requests prefill only what
-        they generated since; an engine that cannot (SGLang) reads them inside the load, and a failed prepare
-        leaves the load to report.
+        reads the staged files into the engine's spare parameters before the pause, and under ``recompute`` (unless
+        ``checkpoint.prefill_ahead`` is off) has the engine compute the running requests' KV under them too, so
+        the retracted requests prefill only what they generated since; an engine that cannot (SGLang) reads them
+        inside the load, and a failed prepare leaves the load to report.
 
         The pause is timed from the moment the engine confirms it (generation has stopped; the engine
         finishes the decode step in progress first) to the moment continue returns. Pause and continue each
@@ -348,7 +348,7 @@ class CheckpointService:
         limit = self.config.pause_timeout_s
         try:
             await asyncio.wait_for(self.engine.prepare_weights_from_disk(
-                str(path), prefill_running=self.config.kv_on_swap == "recompute"), limit)
+                str(path), prefill_running=self.config.prefill_ahead and self.config.kv_on_swap == "recompute"), limit)
         except (EngineError, TimeoutError) as exc:
             why = f"no answer within {limit:g} s" if isinstance(exc, TimeoutError) else str(exc)
             log.warning("engine %s: prepare_weights_from_disk of %s failed (%s); the load reads it in the pause",

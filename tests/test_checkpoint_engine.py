@@ -575,16 +575,19 @@ def test_the_next_stage_overwrites_the_served_file_in_place(fleet: Fleet, tiny_m
     pusher.close()
 
 
-@pytest.mark.parametrize(("prepare", "kv_on_swap"), [(True, "recompute"), (False, "recompute"), (True, "keep")])
+@pytest.mark.parametrize(("prepare", "kv_on_swap", "ahead"),
+                         [(True, "recompute", True), (False, "recompute", True), (True, "keep", True),
+                          (True, "recompute", False)])
 def test_a_prepared_version_is_swapped_in_and_unprepared_is_copied(tiny_model_dir: Path, tmp_path: Path,
-                                                                  prepare: bool, kv_on_swap: str) -> None:
+                                                                  prepare: bool, kv_on_swap: str, ahead: bool) -> None:
     """With ``checkpoint.prepare_weights`` (the default) the engine holds a spare copy of its weights after a
     commit (what it served before the swap); without, the load copies in the pause and nothing more is held.
-    Prepared under ``kv_on_swap: recompute`` (the default), the engine also computes the KV of the request
-    running through each commit under the new weights before the pause. Either way the engine serves the pushed
-    weights and the pause is timed."""
+    Prepared under ``kv_on_swap: recompute`` (the default) with ``checkpoint.prefill_ahead`` (the default), the
+    engine also computes the KV of the request running through each commit under the new weights before the
+    pause. Either way the engine serves the pushed weights and the pause is timed."""
     stage_dir = Path("/dev/shm") / f"rollwave-prepare-{tmp_path.name}"
-    fleet = Fleet(tiny_model_dir, stage_dir, tmp_path, size=1, prepare_weights=prepare, kv_on_swap=kv_on_swap)
+    fleet = Fleet(tiny_model_dir, stage_dir, tmp_path, size=1, prepare_weights=prepare, kv_on_swap=kv_on_swap,
+                  prefill_ahead=ahead)
     sampling = {"temperature": 0.0, "max_new_tokens": 1000, "ignore_eos": True}
     long = {"input_ids": PROMPTS[0], "sampling_params": sampling}
     try:
@@ -606,8 +609,8 @@ def test_a_prepared_version_is_swapped_in_and_unprepared_is_copied(tiny_model_di
         weights, spare = (metric(engine.url, f'rollwave_engine_memory_bytes{{kind="{kind}"}}')
                           for kind in ("weights", "spare_weights"))
         assert weights > 0 and spare == (weights if prepare else 0)
-        ahead = metric(engine.url, "rollwave_engine_ahead_tokens_total")
-        assert (ahead >= 2 * len(PROMPTS[0])) == (prepare and kv_on_swap == "recompute"), ahead
+        computed = metric(engine.url, "rollwave_engine_ahead_tokens_total")
+        assert (computed >= 2 * len(PROMPTS[0])) == (prepare and kv_on_swap == "recompute" and ahead), computed
     finally:
         fleet.close()
         shutil.rmtree(stage_dir, ignore_errors=True)

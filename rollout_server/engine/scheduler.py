@@ -314,7 +314,7 @@ class Scheduler:
                 r.kv_epoch = -1
 
     def _new_kv_epoch(self) -> None:
-        """The weights or adapters changed (or the memory went): no KV computed so far is kept or reused."""
+        """The weights changed (or the memory went): no KV computed so far is kept or reused."""
         self._kv_epoch += 1
         self.prefix_cache.clear()
 
@@ -574,6 +574,7 @@ class Scheduler:
         self._closed = True
         self.paused = None
         self.abort(None)
+        self._end_ahead()
         for fn, fut in self._barriers:
             fut.set_exception(RuntimeError(f"engine closed before {fn!r} ran"))
         self._barriers.clear()

@@ -379,7 +379,8 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
               f"{med(stall[mode]) * 1e3:.1f} ms ({', '.join(f'{s * 1e3:.0f}' for s in stall[mode])} ms), "
               f"commit pause {med(busy_pause[mode]) * 1e3:.1f} ms")
         print("    tokens whose KV was computed ahead of each swap / taken from the prefix cache by then: "
-              + ", ".join(f"{a:.0f}/{c:.0f}" for a, c in reuse[mode]))
+              + ", ".join(f"{a:.0f}/{c:.0f}" for a, c in reuse[mode]) + "; commit pauses "
+              + ", ".join(f"{p * 1e3:.0f}" for p in busy_pause[mode]) + " ms")
     print(f"    a decode step of those requests (their time between tokens) took {decode_step * 1e3:.1f} ms on "
           f"average in a 1 s window after each round, no push running; the stall counts one")
     print(f"stage_vs_raw_tcp ratio {stage_gbs / tcp_gbs:.3f} (goal >= 0.5)")

@@ -117,13 +117,13 @@ class RolloutWorker:
                 entries: list[TaskEntry] = []
                 if shut_slots:  # a dead server's admitted tasks may hold the whole window: taking them over opens it
                     entries += await self._call(self.tasks.reclaim, self.consumer, shut_slots, "train")
-                if not wanted and not entries:
+                idle = not self._inflight  # eval slots are free then, so something is wanted
+                for i, (kind, count) in enumerate(wanted):
+                    block = wait_ms if idle and i == len(wanted) - 1 and not entries else 0
+                    entries += await self._call(self.tasks.read, self.consumer, count, block, (kind,))
+                if not entries and not idle:  # a group that ends frees a slot: wait on that, not in a read
                     await asyncio.wait(list(self._inflight), timeout=wait_ms / 1000,
                                        return_when=asyncio.FIRST_COMPLETED)
-                    continue
-                for i, (kind, count) in enumerate(wanted):
-                    block = wait_ms if i == len(wanted) - 1 and not entries else 0
-                    entries += await self._call(self.tasks.read, self.consumer, count, block, (kind,))
                 for entry in entries:
                     if entry.kind == "train":
                         self._unadmitted.add(entry.group_id)

@@ -5,6 +5,7 @@ mid-task (another worker finishes the task, its group is written once) and shuts
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -20,7 +21,7 @@ import httpx
 import pytest
 from buffer_helpers import client
 from net_helpers import bound_socket, refused_port
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
@@ -28,11 +29,14 @@ from buffer.registry import ServerRegistry
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
-from core.config import BufferConfig, CheckpointConfig
+from core.config import BufferConfig, CheckpointConfig, RolloutConfig
 from core.jobs import JobSpec, TaskSource
 from core.tasks import load_tasks
 from rollout_server.engine.process import EngineProcess
+from rollout_server.engine_client import EngineClient
 from rollout_server.metrics import RolloutMetrics
+from rollout_server.tools import ToolRegistry
+from rollout_server.worker import RolloutWorker
 from trainer.checkpoint_pusher import CheckpointPusher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -326,3 +330,40 @@ def test_busy_time_is_reported_while_groups_overlap_without_a_gap() -> None:
     assert busy >= 0.3
     time.sleep(0.2)  # idle time is not counted
     assert metrics.stats()["busy_s"] == busy
+
+
+def test_a_slot_freed_by_a_group_is_not_held_empty_by_a_blocking_read(
+    redis_server: EmbeddedRedis, engine_url: str, tiny_model_dir: Path
+) -> None:
+    """While groups are in flight the worker waits on them, not in a blocking read of the task streams: eval
+    slots are always free, and a read that blocked on them kept a train slot freed meanwhile empty for up to
+    READ_BLOCK_MS, once per group (the async pipeline idled a third of its time so)."""
+    submit(redis_server, "job", 3)
+    rollout = RolloutConfig(n_samples=2, max_new_tokens=8, max_turns=2, max_concurrent_groups=1)
+    engine = EngineClient(engine_url)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    worker = RolloutWorker(client(redis_server), "t", rollout, BufferConfig(), [engine], tokenizer,
+                           ToolRegistry.from_file(None), RolloutMetrics())
+    reads: list[tuple[int, int]] = []
+    read = worker.tasks.read
+
+    def spy(consumer: str, count: int, block_ms: int = 0, kinds: tuple[str, ...] = ("eval", "train")) -> list:
+        reads.append((block_ms, len(worker._inflight)))
+        return read(consumer, count, block_ms, kinds)
+
+    worker.tasks.read = spy
+
+    async def run() -> None:
+        serving = asyncio.create_task(worker.run())
+        deadline = time.monotonic() + 90
+        while client(redis_server).xlen(KEYS.groups) < 3:
+            assert time.monotonic() < deadline and not serving.done(), "3 groups not written in 90 s"
+            await asyncio.sleep(0.05)
+        worker.stop()
+        await asyncio.wait_for(serving, 30)
+        await engine.aclose()
+
+    asyncio.run(run())
+    assert any(inflight for _, inflight in reads)  # it did read while a group was in flight
+    assert [block for block, inflight in reads if inflight and block] == []
+    assert any(block for block, inflight in reads if not inflight)  # and blocked only with nothing in flight

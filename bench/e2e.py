@@ -8,7 +8,9 @@ against ``placement.mode=colocated`` (the engine releases its memory while the t
 weights by a local push); ``--compare overlap`` runs colocated against its one-step overlap
 (``placement.colocated_staleness=1``: the engine keeps its memory and generates while the trainer trains);
 ``--compare ahead`` runs async with ``checkpoint.prefill_ahead=false`` (the retracted requests prefilled again
-after each swap) against async as it is (their KV computed under the new weights before the pause).
+after each swap) against async as it is (their KV computed under the new weights before the pause);
+``--compare share`` runs async with ``trainer.share_prefix=false`` (each sample's prompt through the trainer's
+model again) against async as it is (a group's prompt once per micro-batch).
 The model is the tiny one after the demo's SFT warm start, so episodes are multi-turn with real tool calls and
 about half of them earn the reward: every step has a gradient and every push new weights.
 
@@ -63,9 +65,10 @@ MODES = {
     "colocated": ["rollout.mode=async", "placement.mode=colocated"],
     "overlap": ["rollout.mode=async", "placement.mode=colocated", "placement.colocated_staleness=1"],
     "reprefill": ["rollout.mode=async", "checkpoint.prefill_ahead=false"],
+    "per_sample": ["rollout.mode=async", "trainer.share_prefix=false"],
 }
 COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "overlap": ("colocated", "overlap"),
-           "ahead": ("reprefill", "async")}
+           "ahead": ("reprefill", "async"), "share": ("per_sample", "async")}
 SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
 TOKENS = tuple(f"rollwave_engine_{kind}_tokens_total" for kind in ("prompt", "cached", "generated"))
 MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("weights", "kv_cache", "spare_weights"))
@@ -197,7 +200,8 @@ def main() -> None:
     p.add_argument("--compare", choices=sorted(COMPARE), default="sync",
                    help="sync: sync against async; colocated: decoupled async against colocated; overlap: "
                    "colocated against its one-step overlap; ahead: async re-prefilling after each swap against "
-                   "async with the KV computed ahead")
+                   "async with the KV computed ahead; share: async training each sample's prompt against async "
+                   "training a group's prompt once")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
     first, second = COMPARE[args.compare]

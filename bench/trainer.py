@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, not
 from buffer.schema import Sample, TrajectoryGroup  # noqa: E402
 from core.config import TrainerConfig  # noqa: E402
 from core.tiny_model import build_tiny_model  # noqa: E402
-from trainer.batching import collate, rank_plan  # noqa: E402
+from trainer.batching import collate, plan_ranks  # noqa: E402
 from trainer.optim import build_optimizer, build_scheduler  # noqa: E402
 from trainer.parallel import close_distributed, init_distributed, load_model  # noqa: E402
 from trainer.step import TrainStep  # noqa: E402
@@ -74,7 +74,7 @@ def make_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0) -> li
 def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups, cfg: TrainerConfig) -> None:
     batch = collate(groups)
     lengths = batch.lengths.tolist()
-    plan = rank_plan(list(range(len(batch))), lengths, 1, 0, cfg.micro_batch_tokens)
+    plan = plan_ranks(list(range(len(batch))), lengths, 1, cfg.micro_batch_tokens)[0]
     tokens = int(batch.loss_mask.sum())
     for rows in plan:
         mb = batch.select(rows)
@@ -103,7 +103,9 @@ def main() -> None:
         cfg = TrainerConfig(micro_batch_tokens=4096, device="cpu", lr=1e-5)
         model = load_model(model_dir, ctx)
         optimizer = build_optimizer(model, cfg)
-        step = TrainStep(model, optimizer, build_scheduler(optimizer, cfg), cfg, ctx)
+        scheduler = build_scheduler(optimizer, cfg)
+        step = TrainStep(model, optimizer, scheduler, cfg, ctx)
+        per_sample = TrainStep(model, optimizer, scheduler, cfg.model_copy(update={"share_prefix": False}), ctx)
         plain = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
         plain_opt = build_optimizer(plain, cfg)
     groups = make_groups(args.groups, args.group_size, plain.config.vocab_size)
@@ -120,6 +122,7 @@ def main() -> None:
     variants = {
         "plain": lambda: plain_step(plain, plain_opt, groups, cfg),
         "step": run_step,
+        "step per sample": lambda: per_sample(groups, 0),
         "step+recompute": run_recompute,
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -137,6 +140,7 @@ def main() -> None:
     rate = {name: tokens / statistics.median(t) for name, t in times.items()}
     for name, value in rate.items():
         print(f"{name:>15}: {value:10.0f} tokens/s  (median of {len(times[name])})")
+    print(f"shared_prompt_vs_per_sample ratio {rate['step'] / rate['step per sample']:.3f}")
     print(f"step+recompute_vs_plain ratio {rate['step+recompute'] / rate['plain']:.3f}")
     print(f"train_step_vs_plain ratio {rate['step'] / rate['plain']:.3f}")
 

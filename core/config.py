@@ -319,6 +319,10 @@ class TrainerConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3", "low-var-kl"] = "low-var-kl"
     entropy_coef: float = Field(0.0, ge=0)
     micro_batch_tokens: int = Field(4096, ge=16)
+    share_prefix: bool = Field(
+        True, description="run the prompt a group's samples share once per micro-batch, its KV reused by each "
+        "sample: the same loss and gradients as a forward per sample, for fewer tokens"
+    )
     ppo_minibatches: int = Field(
         1, ge=1, description="optimizer updates per step; 1: π_prox is the step's own forward, so u ≡ 1 and "
         "clip_eps never acts; >1 recomputes π_prox and the later minibatches are clipped against it"

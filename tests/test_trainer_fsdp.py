@@ -15,10 +15,11 @@ import torch.multiprocessing as mp
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+from buffer.schema import Sample, TrajectoryGroup
 from core.config import LoraConfig, TrainerConfig
 from core.net import free_port_outside_ephemeral
 from trainer import losses
-from trainer.batching import collate, rank_plan
+from trainer.batching import collate, fed_tokens, plan_ranks
 from trainer.optim import lr_factor
 from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, iter_full_params
 from trainer.worker import Trainer
@@ -167,7 +168,7 @@ def test_proximal_shortcut_equals_no_grad_recompute(ctx: DistContext, tiny_model
     step = trainer.train_step
     batch = collate(synthetic_groups(0, 3), vocab_size=step.vocab_size)
     prox = step.proximal_logprobs(batch)
-    for rows in step._plan(list(range(len(batch))), batch.lengths.tolist()):
+    for rows in step._plan(list(range(len(batch))), batch):
         mb = batch.select(rows)
         logp, _, columns = step._forward_logprobs(step.model, mb)  # with autograd on, as in the update
         assert logp.requires_grad
@@ -246,12 +247,94 @@ def test_collate_aligns_to_predicted_tokens_and_rejects_bad_ids() -> None:
 
 def test_rank_plan_gives_every_rank_the_same_number_of_micro_batches() -> None:
     lengths = [100] + [10] * 10
-    plans = [rank_plan(list(range(11)), lengths, 2, rank, budget=40) for rank in (0, 1)]
+    plans = plan_ranks(list(range(11)), lengths, 2, budget=40)
     assert plans[0] == [[0], [], []]  # the long row alone, then dummies to match rank 1's three
     assert plans[1] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
     for plan in plans:
         for mb in plan:
             assert len(mb) <= 1 or len(mb) * max(lengths[r] for r in mb) <= 40
+
+
+def test_rank_plan_keeps_a_group_together() -> None:
+    """With the rows' groups, a group's rows go to one rank and to as few micro-batches as the budget allows;
+    a group over the budget is cut into pieces that fit."""
+    groups = [0] * 4 + [1] * 2 + [2] * 6 + [3]
+    lengths = [12, 14, 13, 12, 30, 29, 10, 12, 11, 10, 13, 10, 40]
+    rows = list(range(len(groups)))
+    plans = plan_ranks(rows, lengths, 2, budget=60, groups=groups)
+    assert sorted(r for plan in plans for mb in plan for r in mb) == rows
+    assert len(plans[0]) == len(plans[1])
+    for group in range(4):
+        members = {r for r, g in enumerate(groups) if g == group}
+        holders = [(rank, i) for rank, plan in enumerate(plans) for i, mb in enumerate(plan) if members & set(mb)]
+        assert len({rank for rank, _ in holders}) == 1, group
+        assert len(holders) == (2 if group == 2 else 1), group  # 6 rows x 13 tokens > 60: two pieces
+    for plan in plans:
+        for mb in plan:
+            assert len(mb) <= 1 or len(mb) * max(lengths[r] for r in mb) <= 60
+
+
+def test_a_shared_prompt_trains_exactly_like_a_forward_per_sample(ctx: DistContext, tiny_model_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """``share_prefix``: each group's prompt runs once per micro-batch, and the step's loss, gradient and updated
+    weights are those of a forward per sample (``share_prefix: false``)."""
+    groups = synthetic_groups(5, 3)
+    batch = collate(groups)
+    runs = {}
+    for share in (True, False):
+        cfg = TrainerConfig(**{**CFG, "lr": 1e-4, "micro_batch_tokens": 4096, "share_prefix": share})
+        trainer = Trainer(cfg, tiny_model_dir, tmp_path / str(share)).start(ctx=ctx)
+        fed: list[int] = []
+        embeddings = trainer.model.get_input_embeddings()
+        embeddings.register_forward_hook(lambda _m, args, _o, fed=fed: fed.append(args[0].numel()))
+        record = trainer.train(groups)
+        params = {name: t.clone() for name, t in iter_full_params(trainer.model)}
+        trainer.close()
+        runs[share] = record, params, fed
+    (shared, shared_params, shared_fed), (plain, plain_params, plain_fed) = runs[True], runs[False]
+    rows, longest = len(batch), int(batch.lengths.max())
+    prefix = min(int(np.flatnonzero(s.loss_mask)[0]) for g in groups for s in g.samples) - 1
+    assert plain_fed == [rows * longest] and shared_fed == [len(groups) * prefix, rows * (longest - prefix)]
+    for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "is_ratio_mean", "logprob_gap"):
+        assert shared[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
+    for name, value in plain_params.items():  # Adam's summation-order noise where a gradient is ~0: ~lr/100
+        torch.testing.assert_close(shared_params[name], value, rtol=1e-4, atol=1e-5)
+
+
+def _groups_of(prompt_len: int, completions: list[list[int]]) -> list[TrajectoryGroup]:
+    """One group per list of completion lengths, its samples sharing a prompt of ``prompt_len`` tokens."""
+    rng = np.random.default_rng(0)
+    groups = []
+    for g, lengths in enumerate(completions):
+        prompt = rng.integers(3, 600, prompt_len)
+        samples = [Sample(i, np.r_[prompt, rng.integers(3, 600, n)], prompt_len,
+                          np.r_[np.zeros(prompt_len), np.ones(n)], np.zeros(prompt_len + n),
+                          np.zeros(prompt_len + n, dtype=int), reward=float(i % 2))
+                   for i, n in enumerate(lengths)]
+        groups.append(TrajectoryGroup(run="test", job_id="job", task_id=f"g{g}", samples=samples))
+    return groups
+
+
+def test_the_step_keeps_a_group_together_only_where_that_feeds_the_model_fewer_tokens(
+    ctx: DistContext, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Long shared prompts: a group per micro-batch, its prompt fed once. Short prompts and completions of very
+    different lengths: rows sorted by length, as without sharing, since padding each row of a group to its
+    longest would cost more than the prompt saves."""
+    cfg = TrainerConfig(**{**CFG, "micro_batch_tokens": 400})
+    trainer = Trainer(cfg, tiny_model_dir, tmp_path).start(ctx=ctx)
+    for prompt_len, completions, grouped in ((100, [[20, 22, 21, 20]] * 3, True),
+                                             (2, [[5, 90, 6, 95], [4, 92, 7, 88]], False)):
+        batch = collate(_groups_of(prompt_len, completions))
+        rows, lengths = list(range(len(batch))), batch.lengths.tolist()
+        by_group = plan_ranks(rows, lengths, 1, 400, batch.group_index.tolist())
+        by_length = plan_ranks(rows, lengths, 1, 400)
+        assert by_group != by_length
+        assert (fed_tokens(batch, by_group) < fed_tokens(batch, by_length)) == grouped
+        assert trainer.train_step._plan(rows, batch) == (by_group if grouped else by_length)[0]
+    assert fed_tokens(batch, [[[0, 4]]]) == 2 * 7  # no two rows of one group: nothing shared
+    assert fed_tokens(batch, [[[0, 1]]]) == 1 * 1 + 2 * (92 - 1)  # shared up to the first trained column
+    trainer.close()
 
 
 def test_lr_schedule_warmup_then_constant_or_cosine() -> None:

@@ -103,44 +103,83 @@ def collate(
     )
 
 
-def shard_rows(rows: list[int], lengths: list[int], world_size: int) -> list[list[int]]:
-    """``rows`` per rank, balanced by tokens (longest first to the least loaded rank); each shard is
-    sorted by length so micro-batches waste little padding. Deterministic: every rank computes all."""
+def _shard(units: list[list[int]], lengths: list[int], world_size: int) -> list[list[list[int]]]:
+    """``units`` (lists of rows that stay together) per rank, balanced by tokens (most first to the least
+    loaded rank); each shard is sorted by length so micro-batches waste little padding. Deterministic: every
+    rank computes all."""
     load = [0] * world_size
-    shards: list[list[int]] = [[] for _ in range(world_size)]
-    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
+    shards: list[list[list[int]]] = [[] for _ in range(world_size)]
+    for unit in sorted(units, key=lambda u: (-sum(lengths[r] for r in u), u[0])):
         rank = min(range(world_size), key=lambda k: (load[k], k))
-        shards[rank].append(row)
-        load[rank] += lengths[row]
-    return [sorted(s, key=lambda r: (lengths[r], r)) for s in shards]
+        shards[rank].append(sorted(unit, key=lambda r: (lengths[r], r)))
+        load[rank] += sum(lengths[r] for r in unit)
+    return [sorted(s, key=lambda u: (lengths[u[-1]], u[0])) for s in shards]
 
 
-def plan_micro_batches(rows: list[int], lengths: list[int], budget_tokens: int) -> list[list[int]]:
-    """Greedy, in order: a micro-batch grows while rows × longest row ≤ ``budget_tokens``.
-
-    A row longer than the budget gets a micro-batch of its own (it is never split).
-    """
+def _pack(pieces: list[list[int]], lengths: list[int], budget_tokens: int) -> list[list[int]]:
+    """Greedy, in order: a micro-batch grows by whole pieces while rows × longest row ≤ ``budget_tokens``;
+    a piece over the budget gets a micro-batch of its own."""
     plan: list[list[int]] = []
     current: list[int] = []
     longest = 0
-    for row in rows:
-        grown = max(longest, lengths[row])
-        if current and grown * (len(current) + 1) > budget_tokens:
+    for piece in pieces:
+        grown = max(longest, *(lengths[r] for r in piece))
+        if current and grown * (len(current) + len(piece)) > budget_tokens:
             plan.append(current)
-            current, grown = [], lengths[row]
-        current.append(row)
+            current, grown = [], max(lengths[r] for r in piece)
+        current += piece
         longest = grown
     if current:
         plan.append(current)
     return plan
 
 
-def rank_plan(rows: list[int], lengths: list[int], world_size: int, rank: int, budget: int) -> list[list]:
-    """This rank's micro-batches of ``rows``, padded with empty ones to the largest count of any rank.
+def plan_micro_batches(units: list[list[int]], lengths: list[int], budget_tokens: int) -> list[list[int]]:
+    """Micro-batches of whole ``units`` (rows sorted by length within each) while rows × longest row ≤
+    ``budget_tokens``. A unit over the budget is cut into pieces that fit; a row longer than the budget gets a
+    micro-batch of its own (it is never split)."""
+    pieces = [piece for unit in units for piece in _pack([[r] for r in unit], lengths, budget_tokens)]
+    return _pack(pieces, lengths, budget_tokens)
 
-    Every FSDP forward and backward is a collective, so all ranks must run the same number of them;
-    an empty micro-batch runs on a dummy input with zero loss.
+
+def plan_ranks(
+    rows: list[int], lengths: list[int], world_size: int, budget: int, groups: list[int] | None = None
+) -> list[list[list[int]]]:
+    """Every rank's micro-batches of ``rows``, padded with empty ones to the largest count of any rank.
+
+    With ``groups`` (each row's group) a group's rows stay together: on one rank, in as few micro-batches as
+    the budget allows, so the step runs their shared prompt once (``trainer.share_prefix``). Without, rows
+    are placed one by one. Every FSDP forward and backward is a collective, so all ranks must run the same
+    number of them; an empty micro-batch runs on a dummy input with zero loss.
     """
-    plans = [plan_micro_batches(shard, lengths, budget) for shard in shard_rows(rows, lengths, world_size)]
+    units: dict[int, list[int]] = {}
+    for row in rows:
+        units.setdefault(row if groups is None else groups[row], []).append(row)
+    plans = [plan_micro_batches(shard, lengths, budget) for shard in _shard(list(units.values()), lengths, world_size)]
     count = max(len(p) for p in plans)
-    return plans[rank] + [[] for _ in range(count - len(plans[rank]))]
+    return [plan + [[] for _ in range(count - len(plan))] for plan in plans]
+
+
+def shared_prefix(mb: Batch) -> int:
+    """How many leading tokens every row of a micro-batch shares with the first row of its group in it, up to
+    the first column any row trains on (whose logits must come from the rows' own forward); 0 when no two rows
+    are of one group."""
+    groups = mb.group_index.tolist()
+    if len(set(groups)) == len(groups):
+        return 0
+    leader = torch.tensor([groups.index(g) for g in groups], device=mb.input_ids.device)
+    same = (mb.input_ids == mb.input_ids[leader]).int().cumprod(dim=1).sum(dim=1).min()
+    trained = mb.loss_mask.any(dim=0)
+    start = torch.where(trained.any(), trained.int().argmax(), 0)
+    return int(torch.minimum(same, start))
+
+
+def fed_tokens(batch: Batch, plans: list[list[list[int]]]) -> int:
+    """Tokens the model is fed (padding included) to run ``plans`` over ``batch``, prompts shared where
+    ``shared_prefix`` allows."""
+    total = 0
+    for rows in (mb for plan in plans for mb in plan if mb):
+        mb = batch.select(rows)
+        prefix, width = shared_prefix(mb), mb.input_ids.shape[1]
+        total += len(set(mb.group_index.tolist())) * prefix + len(rows) * (width - prefix)
+    return total

@@ -18,17 +18,20 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from buffer.schema import TrajectoryGroup
 from core.config import TrainerConfig
 from trainer import losses
 from trainer.advantages import compute_advantages, gae, whiten
-from trainer.batching import Batch, collate, rank_plan
+from trainer.batching import Batch, collate, fed_tokens, plan_ranks, shared_prefix
 from trainer.critic import CriticStep
 from trainer.optim import clip_grad_norm
 from trainer.parallel import DistContext
@@ -160,14 +163,44 @@ class TrainStep:
         """(logprobs [b, w] fp32, logits [b, w, V] scaled by 1/temperature of each row's group, the columns of
         the micro-batch's per-token fields they are) of the micro-batch: the distribution the rollout sampled
         from, so π_θ, π_prox and π_behav are comparable. The columns start at the first one any row trains on:
-        the LM head and the softmax skip the prompts before it (``logits_to_keep``), which no loss reads."""
-        trained = mb.loss_mask.any(dim=0).nonzero()
-        start = int(trained[0]) if len(trained) else 0
+        the LM head and the softmax skip the prompts before it (``logits_to_keep``), which no loss reads.
+
+        With ``trainer.share_prefix`` the tokens before those columns that every row shares with the first row
+        of its group (the prompt) run once per group, and each row continues from its group's KV: the same
+        numbers and gradients as a forward per row, for a group's prompt once instead of once per sample."""
+        start, prefix, leaders, rows_leader = self._layout(mb)
         keep = mb.input_ids.shape[1] - start
-        logits = model(input_ids=mb.input_ids, logits_to_keep=keep).logits[:, :-1].float()
-        logits = logits / mb.temperatures[:, None, None]
+        if prefix:
+            cache = model(input_ids=mb.input_ids[leaders, :prefix], use_cache=True, logits_to_keep=1).past_key_values
+            cache.reorder_cache(rows_leader)
+            out = model(input_ids=mb.input_ids[:, prefix:], past_key_values=cache, logits_to_keep=keep)
+        else:
+            out = model(input_ids=mb.input_ids, logits_to_keep=keep)
+        logits = out.logits[:, :-1].float() / mb.temperatures[:, None, None]
         columns = slice(start, start + logits.shape[1])
         return losses.logprobs_from_logits(logits, mb.input_ids[:, start + 1 :]), logits, columns
+
+    def _layout(self, mb: Batch) -> tuple[int, int, Tensor | None, Tensor | None]:
+        """(first trained column, shared prefix length (0: none), each group's first row, each row's group
+        position among them) of a micro-batch. Every rank shares or none does: sharing runs the model twice,
+        and FSDP's forwards and backwards are collectives."""
+        trained = mb.loss_mask.any(dim=0)
+        start = int(torch.where(trained.any(), trained.int().argmax(), 0))
+        if not self.cfg.share_prefix:
+            return start, 0, None, None
+        prefix = shared_prefix(mb)
+        if self.ctx.world_size > 1:
+            everyone = torch.tensor([int(prefix > 0)], device=self.ctx.device)
+            dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+            prefix *= int(everyone.item())
+        if not prefix:
+            return start, 0, None, None
+        groups = mb.group_index.tolist()
+        order = list(dict.fromkeys(groups))
+        position = {g: i for i, g in enumerate(order)}
+        device = mb.input_ids.device
+        leaders = torch.tensor([groups.index(g) for g in order], device=device)
+        return start, prefix, leaders, torch.tensor([position[g] for g in groups], device=device)
 
     @torch.no_grad()
     def proximal_logprobs(self, batch: Batch, minibatches: list[list[int]] | None = None) -> Tensor:
@@ -182,15 +215,24 @@ class TrainStep:
                     prox[rows, columns] = logp
         return prox
 
-    def _plan(self, rows: list[int], lengths: list[int]) -> list[list[int]]:
-        return rank_plan(rows, lengths, self.ctx.world_size, self.ctx.rank, self.cfg.micro_batch_tokens)
+    def _plan(self, rows: list[int], batch: Batch) -> list[list[int]]:
+        """This rank's micro-batches of ``rows``. With ``share_prefix``, a group's rows stay together where that
+        feeds the model fewer tokens than rows sorted by length (a group's prompt once, but each row padded to
+        its micro-batch's longest); every rank makes the same choice."""
+        lengths, world, budget = batch.lengths.tolist(), self.ctx.world_size, self.cfg.micro_batch_tokens
+        plans = plan_ranks(rows, lengths, world, budget)
+        if self.cfg.share_prefix:
+            grouped = plan_ranks(rows, lengths, world, budget, batch.group_index.tolist())
+            if fed_tokens(batch, grouped) < fed_tokens(batch, plans):
+                plans = grouped
+        return plans[self.ctx.rank]
 
     def _micro_batches(self, rows: list[int], batch: Batch) -> list[tuple[list[int], Batch]]:
         """This rank's micro-batches of ``rows``: (their rows, the micro-batch on this rank's device)."""
-        return [(mb_rows, self._micro_batch(batch, mb_rows)) for mb_rows in self._plan(rows, batch.lengths.tolist())]
+        return [(mb_rows, self._micro_batch(batch, mb_rows)) for mb_rows in self._plan(rows, batch)]
 
     def _micro_batch(self, batch: Batch, rows: list[int]) -> Batch:
-        """The rows on this rank's device; an empty list gives a 2-token dummy (zero loss, see rank_plan)."""
+        """The rows on this rank's device; an empty list gives a 2-token dummy (zero loss, see plan_ranks)."""
         if not rows:
             dummy = batch.select([0])
             return Batch(**{**vars(dummy), "input_ids": dummy.input_ids[:, :2]}).to(self.ctx.device)
@@ -202,6 +244,38 @@ class TrainStep:
         mask_rows = batch.loss_mask[rows]
         denom = losses.agg_denominator(mask_rows, cfg.loss_agg)
         plan = self._micro_batches(rows, batch)
+        with self._unsharded_through_backward():
+            self._accumulate(plan, adv, prox, denom, acc)
+        norm = clip_grad_norm(self.model, cfg.grad_clip)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:
+            log.warning("gradient norm is %s: update skipped", norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @contextmanager
+    def _unsharded_through_backward(self) -> Iterator[None]:
+        """Keep the layers unsharded after their backward while the micro-batches run, then reshard them.
+
+        A shared prompt's forward saves the unsharded weights for its backward, which runs only when the
+        gradient comes back through its KV, after FSDP would have resharded the layer that made it. The update
+        then holds one unsharded copy of the model (ZeRO-2's memory, not ZeRO-3's), so only where sharing is on."""
+        hold = self.cfg.share_prefix
+        if hold:
+            self.model.set_reshard_after_backward(False)
+        try:
+            yield
+        finally:
+            if hold:
+                self.model.set_reshard_after_backward(True)
+                for module in self.model.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
+
+    def _accumulate(self, plan: list[tuple[list[int], Batch]], adv: Tensor, prox: Tensor | None, denom: int,
+                    acc: _Accumulator) -> None:
+        """Forward and backward of each micro-batch, the gradients summed; FSDP reduces them on the last."""
         for i, (mb_rows, mb) in enumerate(plan):
             self.model.set_requires_gradient_sync(i == len(plan) - 1)
             ref_logp = None
@@ -217,13 +291,6 @@ class TrainStep:
             total = self._loss(logp, logits, mb.loss_mask[:, columns], mb.behaviour_logprobs[:, columns], mb_adv,
                                mb_prox, ref_logp, denom, acc)
             (total * self.ctx.world_size).backward()  # FSDP averages gradients over ranks; we want the sum
-        norm = clip_grad_norm(self.model, cfg.grad_clip)
-        if math.isfinite(norm):
-            self.optimizer.step()
-        else:
-            log.warning("gradient norm is %s: update skipped", norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
 
     def _loss(
         self,

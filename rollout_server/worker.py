@@ -121,7 +121,7 @@ class RolloutWorker:
                 for i, (kind, count) in enumerate(wanted):
                     block = wait_ms if idle and i == len(wanted) - 1 and not entries else 0
                     entries += await self._call(self.tasks.read, self.consumer, count, block, (kind,))
-                if not entries and not idle:  # a group that ends frees a slot: wait on that, not in a read
+                if not entries and self._inflight:  # a group that ends frees a slot: wait on that, not in a read
                     await asyncio.wait(list(self._inflight), timeout=wait_ms / 1000,
                                        return_when=asyncio.FIRST_COMPLETED)
                 for entry in entries:

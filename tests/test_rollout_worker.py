@@ -337,7 +337,8 @@ def test_a_slot_freed_by_a_group_is_not_held_empty_by_a_blocking_read(
 ) -> None:
     """While groups are in flight the worker waits on them, not in a blocking read of the task streams: eval
     slots are always free, and a read that blocked on them kept a train slot freed meanwhile empty for up to
-    READ_BLOCK_MS, once per group (the async pipeline idled a third of its time so)."""
+    READ_BLOCK_MS, once per group (the async pipeline idled a third of its time so). A read during which the
+    last group ends leaves nothing to wait on, and the loop goes on."""
     submit(redis_server, "job", 3)
     rollout = RolloutConfig(n_samples=2, max_new_tokens=8, max_turns=2, max_concurrent_groups=1)
     engine = EngineClient(engine_url)
@@ -349,6 +350,10 @@ def test_a_slot_freed_by_a_group_is_not_held_empty_by_a_blocking_read(
 
     def spy(consumer: str, count: int, block_ms: int = 0, kinds: tuple[str, ...] = ("eval", "train")) -> list:
         reads.append((block_ms, len(worker._inflight)))
+        if len(reads) == 3 and worker._inflight:  # the last group in flight ends during this read
+            deadline = time.monotonic() + 60
+            while worker._inflight and time.monotonic() < deadline:
+                time.sleep(0.01)
         return read(consumer, count, block_ms, kinds)
 
     worker.tasks.read = spy
@@ -357,7 +362,10 @@ def test_a_slot_freed_by_a_group_is_not_held_empty_by_a_blocking_read(
         serving = asyncio.create_task(worker.run())
         deadline = time.monotonic() + 90
         while client(redis_server).xlen(KEYS.groups) < 3:
-            assert time.monotonic() < deadline and not serving.done(), "3 groups not written in 90 s"
+            if serving.done():
+                serving.result()  # raises what stopped the worker
+                raise AssertionError("the worker stopped before writing 3 groups")
+            assert time.monotonic() < deadline, "3 groups not written in 90 s"
             await asyncio.sleep(0.05)
         worker.stop()
         await asyncio.wait_for(serving, 30)

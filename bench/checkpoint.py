@@ -18,8 +18,10 @@
 (d) The generation stall a user sees, with requests in flight: ``--streams`` requests decode without pause
     while full pushes commit, and the engine measures each swap from the last token before the pause to the
     first after it (``rollwave_engine_generation_stall_seconds``; the load, and the re-prefill of the retracted
-    requests, included). Two receivers in front of the same engine, one per ``checkpoint.kv_on_swap``
-    (recompute: pause retract; keep: pause in_place), their pushes alternating. The bench reads the engine's
+    requests, included). Three receivers in front of the same engine (``SWAP_MODES``), their pushes in rotating
+    order: ``recompute`` (the default: pause retract, the retracted requests prefilled again after the swap),
+    ``ahead`` (``checkpoint.prefill_ahead``: their KV computed under the new weights before the pause) and
+    ``keep`` (``kv_on_swap: keep``: pause in_place). The bench reads the engine's
     metrics from 0.25 s after each commit on, not while the engine runs its first steps after the swap: on two
     cores, a scrape every 50 ms there added ~25 ms to each stall it measured. Beside it, the mean decode step in
     a 1 s window after each round (``rollwave_engine_decode_step_seconds``): the time between tokens with no
@@ -30,8 +32,8 @@ The engine is idle during (a)-(c) so neither side competes with decoding for the
 Every process (this one re-executes itself) runs with glibc malloc tuned for large buffers
 (MALLOC_ENV); ``--plain-malloc`` keeps stock malloc (but for the engine, which tunes its own at start).
 Last line: ``stall_vs_memcpy ratio <value>`` (the stall with the default ``kv_on_swap: recompute`` over the
-warm memcpy), after ``pause_vs_memcpy``, ``lora_pause_vs_full_pause``, ``stall_keep_vs_decode_step`` and
-``stall_keep_vs_memcpy``.
+warm memcpy), after ``pause_vs_memcpy``, ``lora_pause_vs_full_pause``, ``stall_keep_vs_decode_step``,
+``stall_keep_vs_memcpy`` and ``stall_ahead_vs_memcpy``.
 
     python bench/checkpoint.py [--pushes 5] [--layers 9] [--lora-rank 16] [--streams 4] [--engine-threads N]
                                [--plain-malloc]
@@ -66,6 +68,12 @@ from core.process import MALLOC_ENV  # noqa: E402
 
 TOKEN = os.environ.setdefault("ROLLWAVE_CHECKPOINT_TOKEN", secrets.token_urlsafe(32))  # children inherit it
 SLICE = 1 << 20
+# (d): what a swap does to the requests decoding through it, one receiver each (checkpoint.kv_on_swap, prefill_ahead)
+SWAP_MODES = {
+    "recompute": {"kv_on_swap": "recompute", "prefill_ahead": False},
+    "ahead": {"kv_on_swap": "recompute", "prefill_ahead": True},
+    "keep": {"kv_on_swap": "keep"},
+}
 
 
 def build_model_dir(out: Path, layers: int) -> tuple[Path, int]:
@@ -88,15 +96,15 @@ def build_model_dir(out: Path, layers: int) -> tuple[Path, int]:
     return out, sum(p.numel() for p in model.parameters())
 
 
-async def serve_receiver(model: str, engine_url: str, stage_dir: str, kv_on_swap: str) -> None:
-    """Child mode: one checkpoint receiver in front of the engine, until stdin closes."""
+async def serve_receiver(model: str, engine_url: str, stage_dir: str, mode: str) -> None:
+    """Child mode: one checkpoint receiver (a mode of ``SWAP_MODES``) in front of the engine, until stdin closes."""
     from core.config import CheckpointConfig
     from rollout_server.checkpoint_receiver import CheckpointReceiver
     from rollout_server.engine_client import EngineClient
 
     async with EngineClient(engine_url) as client:
-        config = CheckpointConfig(token=TOKEN, stage_dir=Path(stage_dir), kv_on_swap=kv_on_swap)
-        receiver = CheckpointReceiver(config, Path(model), client, engine_url, f"bench-{kv_on_swap}")
+        config = CheckpointConfig(token=TOKEN, stage_dir=Path(stage_dir), **SWAP_MODES[mode])
+        receiver = CheckpointReceiver(config, Path(model), client, engine_url, f"bench-{mode}")
         print(await receiver.start(), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         await receiver.stop()
@@ -268,7 +276,7 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
         print(f"model: {n_params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB fp32, {len(metas)} tensors")
         engine = EngineProcess(model_dir, threads=engine_threads, log_path=work / "engine.log").start(timeout_s=300)
         receivers = {mode: child(["--serve-receiver", str(model_dir), engine.url, str(stage_dir / mode), mode], env)
-                     for mode in ("recompute", "keep")}
+                     for mode in SWAP_MODES}
         address = receivers["recompute"][1]
         sink, port = child(["--tcp-sink", str(nbytes), str(pushes)], env)
         counter, counter_port = child(["--grpc-sink"], env)
@@ -310,19 +318,19 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
                 load.append(server.load_seconds)
         pusher.close()
 
-        keep_pusher = CheckpointPusher(CheckpointConfig(token=TOKEN, stage_dir=stage_dir), [receivers["keep"][1]])
-        recompute_pusher = CheckpointPusher(CheckpointConfig(token=TOKEN, stage_dir=stage_dir), [address])
-        stall: dict[str, list[float]] = {"recompute": [], "keep": []}
-        busy_pause: dict[str, list[float]] = {"recompute": [], "keep": []}
-        reuse: dict[str, list[tuple[float, float]]] = {"recompute": [], "keep": []}  # (ahead, cached) tokens
+        pushers = {mode: CheckpointPusher(CheckpointConfig(token=TOKEN, stage_dir=stage_dir), [receivers[mode][1]])
+                   for mode in SWAP_MODES}
+        stall: dict[str, list[float]] = {mode: [] for mode in SWAP_MODES}
+        busy_pause: dict[str, list[float]] = {mode: [] for mode in SWAP_MODES}
+        reuse: dict[str, list[tuple[float, float]]] = {mode: [] for mode in SWAP_MODES}  # (ahead, cached) tokens
         with Traffic(engine.url, streams, model.config.vocab_size) as traffic:
             time.sleep(2.0)  # every stream is decoding
             quiet = [0.0, 0.0]  # (count, sum) of decode steps in windows with no push
             for round_ in range(pushes):
-                for mode in ("recompute", "keep") if round_ % 2 == 0 else ("keep", "recompute"):
+                for mode in list(SWAP_MODES)[round_ % 3:] + list(SWAP_MODES)[: round_ % 3]:
                     count, total = engine_totals(engine.url, "generation_stall")
                     tokens = [engine_counter(engine.url, name) for name in ("ahead_tokens", "cached_tokens")]
-                    server = push(model, recompute_pusher if mode == "recompute" else keep_pusher)
+                    server = push(model, pushers[mode])
                     deadline = time.monotonic() + 60
                     time.sleep(0.25)  # no scrape of the engine's metrics while its first steps after the swap run
                     while (totals := engine_totals(engine.url, "generation_stall"))[0] == count:
@@ -342,8 +350,8 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
                 after = engine_totals(engine.url, "decode_step")
                 quiet = [quiet[0] + after[0] - before[0], quiet[1] + after[1] - before[1]]
             decode_step = quiet[1] / quiet[0]
-        keep_pusher.close()
-        recompute_pusher.close()
+        for each in pushers.values():
+            each.close()
         if traffic.errors:
             raise RuntimeError(f"{len(traffic.errors)} requests failed during (d): {traffic.errors[0]}")
     finally:
@@ -374,8 +382,8 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
     print(f"(c) LoRA rank {lora_rank} adapter ({lora_bytes / 2**20:.1f} MiB fp32): commit pause median "
           f"{med(lora_pause) * 1e3:.1f} ms ({', '.join(f'{s * 1e3:.1f}' for s in lora_pause)} ms), full push "
           f"{med(pause) * 1e3:.1f} ms")
-    for mode in ("recompute", "keep"):
-        print(f"(d) kv_on_swap {mode:9s} with {streams} requests decoding: generation stall median "
+    for mode in SWAP_MODES:
+        print(f"(d) {mode:9s} with {streams} requests decoding: generation stall median "
               f"{med(stall[mode]) * 1e3:.1f} ms ({', '.join(f'{s * 1e3:.0f}' for s in stall[mode])} ms), "
               f"commit pause {med(busy_pause[mode]) * 1e3:.1f} ms")
         print("    tokens whose KV was computed ahead of each swap / taken from the prefix cache by then: "
@@ -388,6 +396,7 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
     print(f"lora_pause_vs_full_pause ratio {med(lora_pause) / med(pause):.3f}")
     print(f"stall_keep_vs_decode_step ratio {med(stall['keep']) / decode_step:.3f}")
     print(f"stall_keep_vs_memcpy ratio {med(stall['keep']) / warm:.3f}")
+    print(f"stall_ahead_vs_memcpy ratio {med(stall['ahead']) / warm:.3f}")
     print(f"stall_vs_memcpy ratio {med(stall['recompute']) / warm:.3f} (goal <= 3)")
 
 

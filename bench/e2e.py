@@ -7,10 +7,11 @@ one trainer pushing a version every step). ``rollout.mode=sync`` differs from as
 against ``placement.mode=colocated`` (the engine releases its memory while the trainer trains, and takes the
 weights by a local push); ``--compare overlap`` runs colocated against its one-step overlap
 (``placement.colocated_staleness=1``: the engine keeps its memory and generates while the trainer trains);
-``--compare ahead`` runs async with ``checkpoint.prefill_ahead=false`` (the retracted requests prefilled again
-after each swap) against async as it is (their KV computed under the new weights before the pause);
-``--compare share`` runs async with ``trainer.share_prefix=false`` (each sample's prompt through the trainer's
-model again) against async as it is (a group's prompt once per micro-batch).
+``--compare ahead`` runs async as it is (the requests a swap retracts prefilled again after it) against async
+with ``checkpoint.prefill_ahead=true`` (their KV computed under the new weights before the pause);
+``--compare share`` runs sync with ``trainer.share_prefix=false`` (each sample's prompt through the trainer's
+model again) against sync as it is (a group's prompt once per micro-batch): sync waits on every train step, so
+the step's time shows in full.
 The model is the tiny one after the demo's SFT warm start, so episodes are multi-turn with real tool calls and
 about half of them earn the reward: every step has a gradient and every push new weights.
 
@@ -64,11 +65,11 @@ MODES = {
     "async": ["rollout.mode=async"],
     "colocated": ["rollout.mode=async", "placement.mode=colocated"],
     "overlap": ["rollout.mode=async", "placement.mode=colocated", "placement.colocated_staleness=1"],
-    "reprefill": ["rollout.mode=async", "checkpoint.prefill_ahead=false"],
-    "per_sample": ["rollout.mode=async", "trainer.share_prefix=false"],
+    "ahead": ["rollout.mode=async", "checkpoint.prefill_ahead=true"],
+    "sync_per_sample": ["rollout.mode=sync", "trainer.share_prefix=false"],
 }
 COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "overlap": ("colocated", "overlap"),
-           "ahead": ("reprefill", "async"), "share": ("per_sample", "async")}
+           "ahead": ("async", "ahead"), "share": ("sync_per_sample", "sync")}
 SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
 TOKENS = tuple(f"rollwave_engine_{kind}_tokens_total" for kind in ("prompt", "cached", "generated"))
 MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("weights", "kv_cache", "spare_weights"))
@@ -200,7 +201,7 @@ def main() -> None:
     p.add_argument("--compare", choices=sorted(COMPARE), default="sync",
                    help="sync: sync against async; colocated: decoupled async against colocated; overlap: "
                    "colocated against its one-step overlap; ahead: async re-prefilling after each swap against "
-                   "async with the KV computed ahead; share: async training each sample's prompt against async "
+                   "async with the KV computed ahead; share: sync training each sample's prompt against sync "
                    "training a group's prompt once")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()

@@ -321,7 +321,8 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(4096, ge=16)
     share_prefix: bool = Field(
         True, description="run the prompt a group's samples share once per micro-batch, its KV reused by each "
-        "sample: the same loss and gradients as a forward per sample, for fewer tokens"
+        "sample: the same loss and gradients as a forward per sample, for fewer tokens; FSDP then holds the "
+        "layers unsharded through each update (false where one unsharded copy of the model does not fit)"
     )
     ppo_minibatches: int = Field(
         1, ge=1, description="optimizer updates per step; 1: π_prox is the step's own forward, so u ≡ 1 and "
@@ -378,10 +379,10 @@ class CheckpointConfig(Section):
         "its memory). false: the load reads and copies the weights inside the pause, and no spare is held"
     )
     prefill_ahead: bool = Field(
-        True, description="receiver, with prepare_weights and kv_on_swap recompute: the prepare also has the engine "
+        False, description="receiver, with prepare_weights and kv_on_swap recompute: the prepare also has the engine "
         "compute the running requests' KV under the new weights, while it generates, so after the swap they prefill "
-        "only the tokens since (the stall drops to about one decode step; the same prefill runs before the pause "
-        "and the version lands that much later). false: they are prefilled again after the swap, in the stall"
+        "only the tokens since: the stall a request sees drops to about one decode step, but a server that never "
+        "idles generates ~15% less (bench/e2e.py --compare ahead). false: they are prefilled again after the swap"
     )
     empty_cache_on_resume: bool = Field(
         False, description="receiver: let continue_generation empty the CUDA cache (SGLang's torch_empty_cache)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from core.config import LoraConfig, TrainerConfig
 from core.net import free_port_outside_ephemeral
 from trainer import losses
 from trainer.batching import collate, fed_tokens, plan_ranks
-from trainer.optim import lr_factor
+from trainer.optim import apply_gradients, lr_factor
 from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, iter_full_params
 from trainer.worker import Trainer
 
@@ -335,6 +336,21 @@ def test_the_step_keeps_a_group_together_only_where_that_feeds_the_model_fewer_t
     assert fed_tokens(batch, [[[0, 4]]]) == 2 * 7  # no two rows of one group: nothing shared
     assert fed_tokens(batch, [[[0, 1]]]) == 1 * 1 + 2 * (92 - 1)  # shared up to the first trained column
     trainer.close()
+
+
+def test_a_non_finite_gradient_skips_the_update_and_says_whose(caplog: pytest.LogCaptureFixture) -> None:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(1, 3)).sum().backward()
+    assert apply_gradients(model, optimizer, 1.0, "policy") > 0  # a finite norm: the step is taken
+    assert not torch.equal(before[0], model.weight) and model.weight.grad is None
+    moved = [p.detach().clone() for p in model.parameters()]
+    (model(torch.ones(1, 3)).sum() * float("nan")).backward()
+    with caplog.at_level("WARNING"):
+        assert math.isnan(apply_gradients(model, optimizer, 1.0, "critic"))
+    assert all(torch.equal(a, b) for a, b in zip(moved, model.parameters(), strict=True))
+    assert model.weight.grad is None and "critic gradient norm is nan: update skipped" in caplog.text
 
 
 def test_lr_schedule_warmup_then_constant_or_cosine() -> None:

@@ -9,8 +9,6 @@ as the policy and trained with its own AdamW (``trainer.critic.lr``, constant) o
 
 from __future__ import annotations
 
-import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,10 +20,8 @@ from transformers import AutoModelForTokenClassification
 from core.config import TrainerConfig
 from trainer import losses
 from trainer.batching import Batch
-from trainer.optim import clip_grad_norm
+from trainer.optim import apply_gradients
 from trainer.parallel import DistContext, shard_model
-
-log = logging.getLogger(__name__)
 
 # (rows of the micro-batch, the micro-batch on this rank's device): every micro-batch of this rank for some rows
 MicroBatches = Callable[[list[int], Batch], list[tuple[list[int], Batch]]]
@@ -107,13 +103,7 @@ class CriticStep:
             tokens = float(mb.loss_mask.sum())
             sums += torch.stack([loss.detach().double(), metrics["value_clip_fraction"].double() * tokens,
                                  torch.tensor(tokens, dtype=torch.float64, device=self.ctx.device)])
-        norm = clip_grad_norm(self.model, cfg.grad_clip)
-        if math.isfinite(norm):
-            self.optimizer.step()
-        else:
-            log.warning("critic gradient norm is %s: update skipped", norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm, sums
+        return apply_gradients(self.model, self.optimizer, cfg.grad_clip, "critic"), sums
 
     def train(
         self, batch: Batch, old_values: Tensor, returns: Tensor, minibatches: list[list[int]]

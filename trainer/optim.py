@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -10,6 +11,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from core.config import TrainerConfig
+
+log = logging.getLogger(__name__)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
@@ -41,3 +44,15 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, what: str) -> float:
+    """Clip, step (skipped, and logged, when the norm is not finite) and zero the gradients of ``what`` (the
+    policy, the critic); returns the norm before clipping."""
+    norm = clip_grad_norm(model, max_norm)
+    if math.isfinite(norm):
+        optimizer.step()
+    else:
+        log.warning("%s gradient norm is %s: update skipped", what, norm)
+    optimizer.zero_grad(set_to_none=True)
+    return norm

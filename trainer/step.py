@@ -14,7 +14,6 @@ them in a no-grad pass, since later minibatches see updated weights.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections import Counter
@@ -33,11 +32,9 @@ from trainer import losses
 from trainer.advantages import compute_advantages, gae, whiten
 from trainer.batching import Batch, collate, fed_tokens, plan_ranks, shared_prefix
 from trainer.critic import CriticStep
-from trainer.optim import clip_grad_norm
+from trainer.optim import apply_gradients
 from trainer.parallel import DistContext
 from trainer.shaping import shape_batch
-
-log = logging.getLogger(__name__)
 
 _MEAN_KEYS = ("is_ratio_mean", "clip_fraction", "masked_fraction", "logprob_gap", "entropy", "kl")
 _SUM_KEYS = ("loss", "pg_loss")
@@ -246,13 +243,7 @@ class TrainStep:
         plan = self._micro_batches(rows, batch)
         with self._unsharded_through_backward():
             self._accumulate(plan, adv, prox, denom, acc)
-        norm = clip_grad_norm(self.model, cfg.grad_clip)
-        if math.isfinite(norm):
-            self.optimizer.step()
-        else:
-            log.warning("gradient norm is %s: update skipped", norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return apply_gradients(self.model, self.optimizer, cfg.grad_clip, "policy")
 
     @contextmanager
     def _unsharded_through_backward(self) -> Iterator[None]:

@@ -143,6 +143,11 @@ class EngineConfig(Section):
         16384, ge=0, description="embedded engine: tokens of finished requests' KV kept for the requests that "
         "extend them (a multi-turn episode's next turn), as SGLang's radix cache; 0 turns it off"
     )
+    admit_wait_ms: float = Field(
+        0.0, ge=0, le=10_000, description="embedded engine: while requests decode, a new one waits up to this long "
+        "to be prefilled together with later arrivals, unless the waiting ones would fill the batch (fewer, larger "
+        "prefills between decode steps: throughput for latency); 0: each is admitted at the next step"
+    )
     request_timeout_s: float = Field(600.0, gt=0)
     sglang_args: list[str] = Field(default_factory=list, description="extra flags for sglang.launch_server")
     threads: int = Field(0, ge=0, description="embedded engine: torch intra-op threads (0: torch's default)")

@@ -14,6 +14,9 @@ import torch
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
+from rollout_server.engine.request import Request
+from rollout_server.engine.sampling import SamplingParams
+
 
 def encode_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """One ``serialized_named_tensors`` element in the embedded engine's own format (base64 safetensors;
@@ -57,3 +60,10 @@ def perturbed_model(model_dir: Path, out: Path, seed: int) -> Path:
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(out)
     return out
+
+
+def greedy_request(rid: str, ids: list[int], n: int = 10) -> Request:
+    """A greedy request of ``n`` new tokens that ignores EOS, for a ``Scheduler`` driven directly."""
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    return Request(rid=rid, input_ids=list(ids), params=params, return_logprob=True, stop_ids=frozenset(),
+                   stop_window=1)

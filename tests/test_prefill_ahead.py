@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import perturbed_model
+from engine_helpers import greedy_request, perturbed_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_server.engine.request import Request
-from rollout_server.engine.sampling import SamplingParams
 from rollout_server.engine.scheduler import Scheduler
 
 WAIT_S = 60.0
@@ -34,15 +33,9 @@ def scheduler(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[
         engine.close()
 
 
-def greedy(rid: str, ids: list[int], n: int) -> Request:
-    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-    return Request(rid=rid, input_ids=list(ids), params=params, return_logprob=True, stop_ids=frozenset(),
-                   stop_window=1)
-
-
 def running(scheduler: Scheduler, prompts: list[list[int]], n: int) -> list[Request]:
     """Requests of ``n`` tokens each, submitted and waited for until every one has decoded a few."""
-    reqs = [greedy(f"r{i}", p, n) for i, p in enumerate(prompts)]
+    reqs = [greedy_request(f"r{i}", p, n) for i, p in enumerate(prompts)]
     scheduler.submit(reqs)
     deadline = time.monotonic() + WAIT_S
     while min(len(r.output_ids) for r in reqs) < 3:
@@ -66,7 +59,7 @@ def test_a_retracted_request_prefills_only_what_it_generated_since_and_continues
 
     prepared = scheduler.memory.prepare("v1", tensors)
     job = scheduler.prefill_ahead(prepared)
-    late = greedy("late", torch.randint(5, 200, (30,), generator=gen).tolist(), 900)
+    late = greedy_request("late", torch.randint(5, 200, (30,), generator=gen).tolist(), 900)
     scheduler.submit([late])  # admitted after the job took its requests: its last sweep takes this one
     reqs.append(late)
     computed = job.result(timeout=WAIT_S)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import greedy_request
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.config import load_config
@@ -22,7 +23,6 @@ from rollout_server.engine.kv import KVBatch
 from rollout_server.engine.lora import Adapter
 from rollout_server.engine.prefix_cache import PrefixCache
 from rollout_server.engine.request import Request
-from rollout_server.engine.sampling import SamplingParams
 from rollout_server.engine.scheduler import Scheduler
 from rollout_server.engine_client import EngineClient
 
@@ -51,17 +51,11 @@ def layers(n: int, value: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor]
     return [(torch.full((2, n, 4), value), torch.full((2, n, 4), value)) for _ in range(3)]
 
 
-def greedy(rid: str, ids: list[int], n: int = 10) -> Request:
-    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-    return Request(rid=rid, input_ids=list(ids), params=params, return_logprob=True, stop_ids=frozenset(),
-                   stop_window=1)
-
-
 def conversations(engine: Scheduler, prompts: list[list[int]], turns: int) -> list[list[Request]]:
     """``turns`` rounds: every conversation is sent, then extended by its output and a tool answer."""
     rounds, convs = [], [list(p) for p in prompts]
     for turn in range(turns):
-        reqs = [greedy(f"t{turn}-{i}", c) for i, c in enumerate(convs)]
+        reqs = [greedy_request(f"t{turn}-{i}", c) for i, c in enumerate(convs)]
         engine.submit(reqs)
         for r in reqs:
             r.future.result(timeout=WAIT_S)
@@ -151,8 +145,8 @@ def test_multi_turn_conversations_reuse_their_earlier_turns(scheduler: Scheduler
 def test_later_turns_beside_a_new_prompt_run_only_their_rests(scheduler: Scheduler, model: torch.nn.Module) -> None:
     gen = torch.Generator().manual_seed(1)
     first = conversations(scheduler, [torch.randint(5, 200, (n,), generator=gen).tolist() for n in (12, 15, 9)], 1)
-    later = [greedy(f"later-{i}", r.input_ids + r.output_ids + TOOL_ANSWER) for i, r in enumerate(first[0])]
-    new = greedy("new", torch.randint(5, 200, (80,), generator=gen).tolist())
+    later = [greedy_request(f"later-{i}", r.input_ids + r.output_ids + TOOL_ANSWER) for i, r in enumerate(first[0])]
+    new = greedy_request("new", torch.randint(5, 200, (80,), generator=gen).tolist())
     scheduler.call(lambda: scheduler.pause("retract")).result(timeout=WAIT_S)
     scheduler.submit([*later, new])  # admitted together at continue: one chunk
     scheduler.call(scheduler.resume).result(timeout=WAIT_S)
@@ -184,7 +178,7 @@ def test_loads_and_releases_empty_the_cache_adapters_take_their_own_and_a_reques
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.001)
 
-    spanning = greedy("spans", [9, 10, 11], n=300)
+    spanning = greedy_request("spans", [9, 10, 11], n=300)
     started(spanning)
     on_engine(lambda: scheduler.pause("in_place"))  # it keeps the KV of version 1 across the load
     on_engine(lambda: scheduler.load_weights(weights, require_all=True, model_path=None, version="2"))
@@ -192,7 +186,7 @@ def test_loads_and_releases_empty_the_cache_adapters_take_their_own_and_a_reques
     spanning.future.result(timeout=WAIT_S)
     assert len(spanning.output_ids) == 300 and len(scheduler.prefix_cache) == 0
 
-    kept = greedy("kept", [9, 10, 11], n=300)  # a load told not to flush keeps what the old weights computed
+    kept = greedy_request("kept", [9, 10, 11], n=300)  # a load told not to flush keeps what the old weights computed
     started(kept)
     on_engine(lambda: scheduler.pause("in_place"))
     on_engine(lambda: scheduler.load_weights(weights, require_all=True, model_path=None, version="3",
@@ -209,7 +203,7 @@ def test_loads_and_releases_empty_the_cache_adapters_take_their_own_and_a_reques
                    lambda: scheduler.remove_adapter("a")):
         if "a" not in scheduler.adapters.loaded:
             on_engine(lambda: scheduler.install_adapter("a", Adapter("a", "2", 1.0, {})))
-        adapted = greedy("on-a", [9, 10, 11], n=10)
+        adapted = greedy_request("on-a", [9, 10, 11], n=10)
         adapted.lora = "a"
         scheduler.submit([adapted])
         adapted.future.result(timeout=WAIT_S)
@@ -218,7 +212,7 @@ def test_loads_and_releases_empty_the_cache_adapters_take_their_own_and_a_reques
         on_engine(change)
         assert list(scheduler.prefix_cache._entries.values()) == [e for e in entries if e.lora is None]
     on_engine(lambda: scheduler.install_adapter("a", Adapter("a", "3", 1.0, {})))
-    spanning = greedy("spans-a", [9, 10, 11], n=300)
+    spanning = greedy_request("spans-a", [9, 10, 11], n=300)
     spanning.lora = "a"
     started(spanning)
     on_engine(lambda: scheduler.install_adapter("a", Adapter("a", "4", 1.0, {})))  # mid-request

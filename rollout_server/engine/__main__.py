@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-tokens", type=int, default=8192, help="padded tokens per prefill forward")
     p.add_argument("--prefix-cache-tokens", type=int, default=16384,
                    help="tokens of finished requests' KV kept for requests that extend them (0: off)")
+    p.add_argument("--admit-wait-ms", type=float, default=0.0,
+                   help="while requests decode, how long a new one may wait to be prefilled with later ones")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of draws for requests without sampling_seed")
     p.add_argument("--log-level", default="warning")
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         max_context=max_context,
         prefill_tokens=args.prefill_tokens,
         prefix_cache_tokens=args.prefix_cache_tokens,
+        admit_wait_s=args.admit_wait_ms / 1000,
         seed=args.seed,
     )
     spec = GenerateSpec(tokenizer, model.config.vocab_size, max_context, eos_ids)

@@ -81,6 +81,7 @@ class Scheduler:
         max_context: int = 1024,
         prefill_tokens: int = 8192,
         prefix_cache_tokens: int = 16384,
+        admit_wait_s: float = 0.0,
         seed: int = 0,
     ) -> None:
         self.model = model
@@ -94,6 +95,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_context = max_context
         self.prefill_tokens = prefill_tokens
+        self.admit_wait_s = admit_wait_s
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self._kv_epoch = 0  # counts loads: a request prefilled before the last one holds KV of older weights
         self.metrics = EngineMetrics()
@@ -391,7 +393,13 @@ class Scheduler:
         self._gated.clear()
 
     def _admit(self) -> None:
+        """Prefill waiting requests into the running batch; while it decodes, newcomers wait up to
+        ``admit_wait_s`` for company (each prefill forward holds every running request up), unless they would
+        fill the batch."""
         free = self.max_batch_size - len(self._running)
+        if self._running and len(self._waiting) < free and self._waiting \
+                and time.time() - self._waiting[0].created < self.admit_wait_s:
+            return
         while free > 0 and self._waiting:
             chunk: list[Request] = []
             width = 0

@@ -11,8 +11,9 @@ weights by a local push); ``--compare overlap`` runs colocated against its one-s
 with ``checkpoint.prefill_ahead=true`` (their KV computed under the new weights before the pause);
 ``--compare share`` runs sync with ``trainer.share_prefix=false`` (each sample's prompt through the trainer's
 model again) against sync as it is (a group's prompt once per micro-batch): sync waits on every train step, so
-the step's time shows in full; ``--compare admit`` runs async against async with ``engine.admit_wait_ms=100``
-(a request that arrives while others decode waits up to 100 ms to be prefilled with later arrivals).
+the step's time shows in full; ``--compare admit`` runs async with ``engine.admit_wait_ms=0`` (each request
+prefilled at the engine's next step) against async as it is (one that arrives while others decode waits up to
+100 ms to be prefilled with later arrivals).
 The model is the tiny one after the demo's SFT warm start, so episodes are multi-turn with real tool calls and
 about half of them earn the reward: every step has a gradient and every push new weights.
 
@@ -68,11 +69,11 @@ MODES = {
     "overlap": ["rollout.mode=async", "placement.mode=colocated", "placement.colocated_staleness=1"],
     "ahead": ["rollout.mode=async", "checkpoint.prefill_ahead=true"],
     "sync_per_sample": ["rollout.mode=sync", "trainer.share_prefix=false"],
-    "admit": ["rollout.mode=async", "engine.admit_wait_ms=100"],
+    "admit_at_once": ["rollout.mode=async", "engine.admit_wait_ms=0"],
 }
 COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "overlap": ("colocated", "overlap"),
            "ahead": ("async", "ahead"), "share": ("sync_per_sample", "sync"),
-           "admit": ("async", "admit")}
+           "admit": ("admit_at_once", "async")}
 SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
 TOKENS = tuple(f"rollwave_engine_{kind}_tokens_total" for kind in ("prompt", "cached", "generated"))
 MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("weights", "kv_cache", "spare_weights"))
@@ -205,7 +206,7 @@ def main() -> None:
                    help="sync: sync against async; colocated: decoupled async against colocated; overlap: "
                    "colocated against its one-step overlap; ahead: async re-prefilling after each swap against "
                    "async with the KV computed ahead; share: sync training each sample's prompt against sync "
-                   "training a group's prompt once; admit: async against async with engine.admit_wait_ms=100")
+                   "training a group's prompt once; admit: async admitting each request at once against async")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
     first, second = COMPARE[args.compare]

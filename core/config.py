@@ -144,9 +144,10 @@ class EngineConfig(Section):
         "extend them (a multi-turn episode's next turn), as SGLang's radix cache; 0 turns it off"
     )
     admit_wait_ms: float = Field(
-        0.0, ge=0, le=10_000, description="embedded engine: while requests decode, a new one waits up to this long "
+        100.0, ge=0, le=10_000, description="embedded engine: while requests decode, a new one waits up to this long "
         "to be prefilled together with later arrivals, unless the waiting ones would fill the batch (fewer, larger "
-        "prefills between decode steps: throughput for latency); 0: each is admitted at the next step"
+        "prefills between decode steps: +20% async throughput in bench/e2e.py for up to this much more latency per "
+        "turn); 0: each is admitted at the next step"
     )
     request_timeout_s: float = Field(600.0, gt=0)
     sglang_args: list[str] = Field(default_factory=list, description="extra flags for sglang.launch_server")

@@ -20,7 +20,7 @@ from buffer.schema import Sample, TrajectoryGroup
 from core.config import LoraConfig, TrainerConfig
 from core.net import free_port_outside_ephemeral
 from trainer import losses
-from trainer.batching import collate, fed_tokens, plan_ranks
+from trainer.batching import collate, fed_tokens, lay_out, layout, plan_ranks
 from trainer.optim import apply_gradients, lr_factor
 from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, iter_full_params
 from trainer.worker import Trainer
@@ -169,9 +169,8 @@ def test_proximal_shortcut_equals_no_grad_recompute(ctx: DistContext, tiny_model
     step = trainer.train_step
     batch = collate(synthetic_groups(0, 3), vocab_size=step.vocab_size)
     prox = step.proximal_logprobs(batch)
-    for rows in step._plan(list(range(len(batch))), batch):
-        mb = batch.select(rows)
-        logp, _, columns = step._forward_logprobs(step.model, mb)  # with autograd on, as in the update
+    for rows, mb, mb_layout in step._micro_batches(list(range(len(batch))), batch):
+        logp, _, columns = step._forward_logprobs(step.model, mb, mb_layout)  # with autograd on, as in the update
         assert logp.requires_grad
         assert torch.equal(logp.detach(), prox[rows, columns])
     trainer.close()
@@ -185,7 +184,7 @@ def test_logprobs_skip_the_prompt_columns_no_row_trains_on(ctx: DistContext, tin
     step = trainer.train_step
     batch = collate(synthetic_groups(0, 3), vocab_size=step.vocab_size)
     mb = batch.select(list(range(len(batch))))
-    logp, logits, columns = step._forward_logprobs(step.model, mb)
+    logp, logits, columns = step._forward_logprobs(step.model, mb, layout(mb))
     first = int(mb.loss_mask.any(dim=0).nonzero()[0])
     assert columns == slice(first, mb.loss_mask.shape[1]) and first > 0 and logits.shape[1] == columns.stop - first
     assert not mb.loss_mask[:, :first].any()
@@ -331,10 +330,13 @@ def test_the_step_keeps_a_group_together_only_where_that_feeds_the_model_fewer_t
         by_group = plan_ranks(rows, lengths, 1, 400, batch.group_index.tolist())
         by_length = plan_ranks(rows, lengths, 1, 400)
         assert by_group != by_length
-        assert (fed_tokens(batch, by_group) < fed_tokens(batch, by_length)) == grouped
-        assert trainer.train_step._plan(rows, batch) == (by_group if grouped else by_length)[0]
-    assert fed_tokens(batch, [[[0, 4]]]) == 2 * 7  # no two rows of one group: nothing shared
-    assert fed_tokens(batch, [[[0, 1]]]) == 1 * 1 + 2 * (92 - 1)  # shared up to the first trained column
+        assert (fed_tokens(lay_out(batch, by_group, True)) < fed_tokens(lay_out(batch, by_length, True))) == grouped
+        chosen = [m.rows for m in trainer.train_step._micro_batches(rows, batch)]
+        assert chosen == (by_group if grouped else by_length)[0]
+    assert fed_tokens(lay_out(batch, [[[0, 4]]], True)) == 2 * 7  # no two rows of one group: nothing shared
+    assert fed_tokens(lay_out(batch, [[[0, 1]]], True)) == 1 * 1 + 2 * (92 - 1)  # up to the first trained column
+    assert fed_tokens(lay_out(batch, [[[0, 1]]], False)) == 2 * 92
+    assert fed_tokens(lay_out(batch, [[[0, 1]], [[]]], True)) == 2 * 92 + 2  # a rank's dummy: no rank shares
     trainer.close()
 
 

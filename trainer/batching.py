@@ -10,6 +10,7 @@ t predict; they have L - 1 columns.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -160,26 +161,86 @@ def plan_ranks(
     return [plan + [[] for _ in range(count - len(plan))] for plan in plans]
 
 
-def shared_prefix(mb: Batch) -> int:
-    """How many leading tokens every row of a micro-batch shares with the first row of its group in it, up to
-    the first column any row trains on (whose logits must come from the rows' own forward); 0 when no two rows
-    are of one group."""
-    groups = mb.group_index.tolist()
-    if len(set(groups)) == len(groups):
-        return 0
-    leader = torch.tensor([groups.index(g) for g in groups], device=mb.input_ids.device)
-    same = (mb.input_ids == mb.input_ids[leader]).int().cumprod(dim=1).sum(dim=1).min()
+@dataclass(frozen=True)
+class Layout:
+    """How one micro-batch runs through the model: its LM head from ``start``, the first column any row trains
+    on. With ``prefix`` > 0 the first ``prefix`` tokens, which every row shares with the first row of its group,
+    run once per group (``trainer.share_prefix``): ``leaders`` are those first rows, ``rows_leader`` gives each
+    row's group among them."""
+
+    rows: int
+    width: int
+    start: int
+    prefix: int = 0
+    leaders: tuple[int, ...] = ()
+    rows_leader: tuple[int, ...] = ()
+
+    def fed_tokens(self) -> int:
+        """Tokens the model is fed, padding included."""
+        return len(self.leaders) * self.prefix + self.rows * (self.width - self.prefix)
+
+    def unshared(self) -> Layout:
+        return Layout(self.rows, self.width, self.start)
+
+
+def layout(mb: Batch) -> Layout:
+    """The layout of a micro-batch on the host (no device sync): the prefix is what every row shares with its
+    group's first row, up to the first trained column (whose logits must come from the rows' own forward)."""
     trained = mb.loss_mask.any(dim=0)
-    start = torch.where(trained.any(), trained.int().argmax(), 0)
-    return int(torch.minimum(same, start))
+    start = int(trained.int().argmax()) if trained.any() else 0
+    groups = mb.group_index.tolist()
+    plain = Layout(len(groups), int(mb.input_ids.shape[1]), start)
+    order = list(dict.fromkeys(groups))
+    if len(order) == len(groups):
+        return plain
+    leaders = [groups.index(g) for g in order]
+    position = {g: i for i, g in enumerate(order)}
+    rows_leader = [position[g] for g in groups]
+    own_leader = mb.input_ids[[leaders[i] for i in rows_leader]]
+    prefix = min(int((mb.input_ids == own_leader).int().cumprod(dim=1).sum(dim=1).min()), start)
+    return Layout(plain.rows, plain.width, start, prefix, tuple(leaders), tuple(rows_leader)) if prefix else plain
 
 
-def fed_tokens(batch: Batch, plans: list[list[list[int]]]) -> int:
-    """Tokens the model is fed (padding included) to run ``plans`` over ``batch``, prompts shared where
-    ``shared_prefix`` allows."""
-    total = 0
-    for rows in (mb for plan in plans for mb in plan if mb):
-        mb = batch.select(rows)
-        prefix, width = shared_prefix(mb), mb.input_ids.shape[1]
-        total += len(set(mb.group_index.tolist())) * prefix + len(rows) * (width - prefix)
-    return total
+class MicroBatch(NamedTuple):
+    """One micro-batch of a rank: its rows of the step's batch (none: a dummy), their tensors, its layout."""
+
+    rows: list[int]
+    batch: Batch
+    layout: Layout
+
+
+def micro_batch(batch: Batch, rows: list[int]) -> Batch:
+    """The rows of ``batch``; no rows give a 2-token dummy that trains on nothing (see ``plan_ranks``)."""
+    if rows:
+        return batch.select(rows)
+    dummy = batch.select([0])
+    return Batch(**{**vars(dummy), "input_ids": dummy.input_ids[:, :2], "loss_mask": dummy.loss_mask[:, :1] & False})
+
+
+def lay_out(batch: Batch, plans: list[list[list[int]]], share: bool) -> list[list[MicroBatch]]:
+    """Every rank's micro-batches of ``plans`` with their layouts. A shared prefix runs apart only where every
+    rank's micro-batch at that place has one: it takes the model two forwards, and FSDP's are collectives."""
+    out = [[MicroBatch(rows, mb, layout(mb)) for rows in plan for mb in [micro_batch(batch, rows)]] for plan in plans]
+    for i, column in enumerate(zip(*out, strict=True)):
+        if not share or not all(m.layout.prefix for m in column):
+            for plan in out:
+                plan[i] = plan[i]._replace(layout=plan[i].layout.unshared())
+    return out
+
+
+def fed_tokens(plans: list[list[MicroBatch]]) -> int:
+    """Tokens the model is fed (padding included) to run every rank's micro-batches."""
+    return sum(m.layout.fed_tokens() for plan in plans for m in plan)
+
+
+def plan_step(batch: Batch, rows: list[int], world_size: int, budget: int, share: bool) -> list[list[MicroBatch]]:
+    """Every rank's micro-batches of ``rows``. With ``share`` a group's rows stay together where that feeds the
+    model fewer tokens than rows sorted by length (a group's prompt once, but each row padded to its
+    micro-batch's longest); every rank computes all and so makes the same choice."""
+    lengths = batch.lengths.tolist()
+    plans = lay_out(batch, plan_ranks(rows, lengths, world_size, budget), share)
+    if share:
+        grouped = lay_out(batch, plan_ranks(rows, lengths, world_size, budget, batch.group_index.tolist()), share)
+        if fed_tokens(grouped) < fed_tokens(plans):
+            plans = grouped
+    return plans

@@ -9,7 +9,6 @@ as the policy and trained with its own AdamW (``trainer.critic.lr``, constant) o
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,12 +18,9 @@ from transformers import AutoModelForTokenClassification
 
 from core.config import TrainerConfig
 from trainer import losses
-from trainer.batching import Batch
+from trainer.batching import Batch, MicroBatch
 from trainer.optim import apply_gradients
 from trainer.parallel import DistContext, shard_model
-
-# (rows of the micro-batch, the micro-batch on this rank's device): every micro-batch of this rank for some rows
-MicroBatches = Callable[[list[int], Batch], list[tuple[list[int], Batch]]]
 
 
 def load_critic(path: Path | str, ctx: DistContext) -> nn.Module:
@@ -59,36 +55,36 @@ def explained_variance(values: Tensor, returns: Tensor, loss_mask: Tensor) -> fl
 class CriticStep:
     """Values before the step, then the critic's updates; every rank calls both with the same batch."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainerConfig, ctx: DistContext,
-                 micro_batches: MicroBatches) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainerConfig,
+                 ctx: DistContext) -> None:
         self.model, self.optimizer, self.cfg, self.ctx = model, optimizer, cfg, ctx
-        self.micro_batches = micro_batches
 
     def _values(self, mb: Batch) -> Tensor:
         """V(s_t) [b, l-1] fp32, aligned to the predicted token like ``loss_mask``: the state after token t."""
         return self.model(input_ids=mb.input_ids).logits[:, :-1, 0].float()
 
     @torch.no_grad()
-    def values(self, batch: Batch, minibatches: list[list[int]]) -> Tensor:
+    def values(self, batch: Batch, plans: list[list[MicroBatch]]) -> Tensor:
         """V_old [B, L-1] of every row, on the CPU of every rank: each rank computes its rows over the very
-        micro-batches of the update, then a sum over ranks fills in the others'."""
+        micro-batches of the update (``plans``: this rank's, per minibatch), then a sum over ranks fills in the
+        others'."""
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.ctx.device)
-        for minibatch in minibatches:
-            for rows, mb in self.micro_batches(minibatch, batch):
-                v = self._values(mb)
-                if rows:
-                    out[rows, : v.shape[1]] = v
+        for rows, mb, _ in (m for plan in plans for m in plan):
+            v = self._values(mb)
+            if rows:
+                out[rows, : v.shape[1]] = v
         if self.ctx.world_size > 1:
             dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out.cpu()
 
-    def update(self, batch: Batch, old_values: Tensor, returns: Tensor, rows: list[int]) -> tuple[float, Tensor]:
-        """One optimizer step on the value loss of ``rows``: (gradient norm, [loss sum, clipped tokens, tokens])."""
+    def update(self, batch: Batch, old_values: Tensor, returns: Tensor, rows: list[int],
+               plan: list[MicroBatch]) -> tuple[float, Tensor]:
+        """One optimizer step on the value loss of the minibatch ``rows`` over this rank's micro-batches of it
+        (``plan``): (gradient norm, [loss sum, clipped tokens, tokens])."""
         cfg = self.cfg
         denom = losses.agg_denominator(batch.loss_mask[rows], cfg.loss_agg)
         sums = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
-        plan = self.micro_batches(rows, batch)
-        for i, (mb_rows, mb) in enumerate(plan):
+        for i, (mb_rows, mb, _) in enumerate(plan):
             self.model.set_requires_gradient_sync(i == len(plan) - 1)
             v = self._values(mb)
             if not mb_rows:
@@ -106,10 +102,13 @@ class CriticStep:
         return apply_gradients(self.model, self.optimizer, cfg.grad_clip, "critic"), sums
 
     def train(
-        self, batch: Batch, old_values: Tensor, returns: Tensor, minibatches: list[list[int]]
+        self, batch: Batch, old_values: Tensor, returns: Tensor, minibatches: list[list[int]],
+        plans: list[list[MicroBatch]]
     ) -> dict[str, float]:
-        """The critic's updates of one step and their figures (reduced over ranks)."""
-        results = [self.update(batch, old_values, returns, rows) for rows in minibatches]
+        """The critic's updates of one step (one per minibatch, over this rank's ``plans`` of it) and their
+        figures (reduced over ranks)."""
+        results = [self.update(batch, old_values, returns, rows, plan)
+                   for rows, plan in zip(minibatches, plans, strict=True)]
         sums = torch.stack([s for _, s in results]).sum(dim=0)
         if self.ctx.world_size > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)

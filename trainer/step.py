@@ -30,7 +30,7 @@ from buffer.schema import TrajectoryGroup
 from core.config import TrainerConfig
 from trainer import losses
 from trainer.advantages import compute_advantages, gae, whiten
-from trainer.batching import Batch, collate, fed_tokens, plan_ranks, shared_prefix
+from trainer.batching import Batch, Layout, MicroBatch, collate, plan_step
 from trainer.critic import CriticStep
 from trainer.optim import apply_gradients
 from trainer.parallel import DistContext
@@ -110,7 +110,7 @@ class TrainStep:
             raise ValueError("trainer.kl_coef > 0 needs a reference model")
         if (cfg.advantage == "gae") != (critic is not None):
             raise ValueError("trainer.advantage=gae needs a critic, and only gae uses one")
-        self.critic = None if critic is None else CriticStep(*critic, cfg, ctx, self._micro_batches)
+        self.critic = None if critic is None else CriticStep(*critic, cfg, ctx)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.cfg, self.ctx = cfg, ctx
         self.temperature, self.ref_model, self.pad_id = temperature, ref_model, pad_id
@@ -132,9 +132,10 @@ class TrainStep:
         if updates > len(batch):
             raise ValueError(f"trainer.ppo_minibatches: {updates} exceeds the step's {len(batch)} samples")
         minibatches = _split(len(batch), updates)
+        plans = [self._micro_batches(rows, batch) for rows in minibatches]
         critic_out: dict[str, Any] = {}
         if self.critic is not None:
-            old_values = self.critic.values(batch, minibatches)
+            old_values = self.critic.values(batch, plans)
             adv, returns = gae(batch.rewards, old_values, batch.loss_mask, cfg.critic.gamma, cfg.critic.lam)
             adv = whiten(adv, batch.loss_mask)
         else:
@@ -144,11 +145,12 @@ class TrainStep:
         lr = self.scheduler.get_last_lr()[0]
         norms = [0.0]
         if train_policy:
-            prox = self.proximal_logprobs(batch, minibatches) if updates > 1 else None
-            norms = [self._update(batch, adv, rows, prox, acc) for rows in minibatches]
+            prox = self.proximal_logprobs(batch, plans) if updates > 1 else None
+            norms = [self._update(batch, adv, rows, plan, prox, acc) for rows, plan in zip(minibatches, plans,
+                                                                                          strict=True)]
             self.scheduler.step()
         if self.critic is not None:
-            critic_out = self.critic.train(batch, old_values, returns, minibatches)
+            critic_out = self.critic.train(batch, old_values, returns, minibatches, plans)
         out = batch_stats(groups, batch, policy_version) | shaping | acc.reduce(updates) | critic_out
         elapsed = time.perf_counter() - start
         out.update(lr=lr, grad_norm=max(norms), step_time_s=elapsed, tokens_per_s=out["tokens"] / elapsed)
@@ -156,20 +158,22 @@ class TrainStep:
         out["policy_updates"] = updates if train_policy else 0
         return out
 
-    def _forward_logprobs(self, model: nn.Module, mb: Batch) -> tuple[Tensor, Tensor, slice]:
+    def _forward_logprobs(self, model: nn.Module, mb: Batch, layout: Layout) -> tuple[Tensor, Tensor, slice]:
         """(logprobs [b, w] fp32, logits [b, w, V] scaled by 1/temperature of each row's group, the columns of
         the micro-batch's per-token fields they are) of the micro-batch: the distribution the rollout sampled
         from, so π_θ, π_prox and π_behav are comparable. The columns start at the first one any row trains on:
         the LM head and the softmax skip the prompts before it (``logits_to_keep``), which no loss reads.
 
-        With ``trainer.share_prefix`` the tokens before those columns that every row shares with the first row
-        of its group (the prompt) run once per group, and each row continues from its group's KV: the same
-        numbers and gradients as a forward per row, for a group's prompt once instead of once per sample."""
-        start, prefix, leaders, rows_leader = self._layout(mb)
+        With a shared prefix in the layout (``trainer.share_prefix``) the tokens before those columns that every
+        row shares with the first row of its group (the prompt) run once per group, and each row continues from
+        its group's KV: the same numbers and gradients as a forward per row, for a group's prompt once instead
+        of once per sample."""
+        start, prefix, device = layout.start, layout.prefix, mb.input_ids.device
         keep = mb.input_ids.shape[1] - start
         if prefix:
+            leaders = torch.tensor(layout.leaders, device=device)
             cache = model(input_ids=mb.input_ids[leaders, :prefix], use_cache=True, logits_to_keep=1).past_key_values
-            cache.reorder_cache(rows_leader)
+            cache.reorder_cache(torch.tensor(layout.rows_leader, device=device))
             out = model(input_ids=mb.input_ids[:, prefix:], past_key_values=cache, logits_to_keep=keep)
         else:
             out = model(input_ids=mb.input_ids, logits_to_keep=keep)
@@ -177,70 +181,30 @@ class TrainStep:
         columns = slice(start, start + logits.shape[1])
         return losses.logprobs_from_logits(logits, mb.input_ids[:, start + 1 :]), logits, columns
 
-    def _layout(self, mb: Batch) -> tuple[int, int, Tensor | None, Tensor | None]:
-        """(first trained column, shared prefix length (0: none), each group's first row, each row's group
-        position among them) of a micro-batch. Every rank shares or none does: sharing runs the model twice,
-        and FSDP's forwards and backwards are collectives."""
-        trained = mb.loss_mask.any(dim=0)
-        start = int(torch.where(trained.any(), trained.int().argmax(), 0))
-        if not self.cfg.share_prefix:
-            return start, 0, None, None
-        prefix = shared_prefix(mb)
-        if self.ctx.world_size > 1:
-            everyone = torch.tensor([int(prefix > 0)], device=self.ctx.device)
-            dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
-            prefix *= int(everyone.item())
-        if not prefix:
-            return start, 0, None, None
-        groups = mb.group_index.tolist()
-        order = list(dict.fromkeys(groups))
-        position = {g: i for i, g in enumerate(order)}
-        device = mb.input_ids.device
-        leaders = torch.tensor([groups.index(g) for g in order], device=device)
-        return start, prefix, leaders, torch.tensor([position[g] for g in groups], device=device)
-
     @torch.no_grad()
-    def proximal_logprobs(self, batch: Batch, minibatches: list[list[int]] | None = None) -> Tensor:
+    def proximal_logprobs(self, batch: Batch, plans: list[list[MicroBatch]] | None = None) -> Tensor:
         """log π_prox [B, L-1] of the rows this rank trains (0 elsewhere): a no-grad pass with the current
-        weights over the very micro-batches ``_update`` runs for each minibatch (default: the whole batch as
-        one), since each minibatch is sharded across ranks on its own."""
+        weights over the very micro-batches ``_update`` runs for each minibatch (``plans``; default: the whole
+        batch as one minibatch), since each minibatch is sharded across ranks on its own."""
         prox = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.ctx.device)
-        for minibatch in minibatches or [list(range(len(batch)))]:
-            for rows, mb in self._micro_batches(minibatch, batch):
-                logp, _, columns = self._forward_logprobs(self.model, mb)
-                if rows:
-                    prox[rows, columns] = logp
+        for rows, mb, layout in (m for plan in plans or [self._micro_batches(list(range(len(batch))), batch)]
+                                 for m in plan):
+            logp, _, columns = self._forward_logprobs(self.model, mb, layout)
+            if rows:
+                prox[rows, columns] = logp
         return prox
 
-    def _plan(self, rows: list[int], batch: Batch) -> list[list[int]]:
-        """This rank's micro-batches of ``rows``. With ``share_prefix``, a group's rows stay together where that
-        feeds the model fewer tokens than rows sorted by length (a group's prompt once, but each row padded to
-        its micro-batch's longest); every rank makes the same choice."""
-        lengths, world, budget = batch.lengths.tolist(), self.ctx.world_size, self.cfg.micro_batch_tokens
-        plans = plan_ranks(rows, lengths, world, budget)
-        if self.cfg.share_prefix:
-            grouped = plan_ranks(rows, lengths, world, budget, batch.group_index.tolist())
-            if fed_tokens(batch, grouped) < fed_tokens(batch, plans):
-                plans = grouped
-        return plans[self.ctx.rank]
+    def _micro_batches(self, rows: list[int], batch: Batch) -> list[MicroBatch]:
+        """This rank's micro-batches of ``rows``, on its device (see ``plan_step``)."""
+        plans = plan_step(batch, rows, self.ctx.world_size, self.cfg.micro_batch_tokens, self.cfg.share_prefix)
+        return [m._replace(batch=m.batch.to(self.ctx.device)) for m in plans[self.ctx.rank]]
 
-    def _micro_batches(self, rows: list[int], batch: Batch) -> list[tuple[list[int], Batch]]:
-        """This rank's micro-batches of ``rows``: (their rows, the micro-batch on this rank's device)."""
-        return [(mb_rows, self._micro_batch(batch, mb_rows)) for mb_rows in self._plan(rows, batch)]
-
-    def _micro_batch(self, batch: Batch, rows: list[int]) -> Batch:
-        """The rows on this rank's device; an empty list gives a 2-token dummy (zero loss, see plan_ranks)."""
-        if not rows:
-            dummy = batch.select([0])
-            return Batch(**{**vars(dummy), "input_ids": dummy.input_ids[:, :2]}).to(self.ctx.device)
-        return batch.select(rows).to(self.ctx.device)
-
-    def _update(self, batch: Batch, adv: Tensor, rows: list[int], prox: Tensor | None, acc: _Accumulator) -> float:
-        """Accumulate gradients over this rank's micro-batches of ``rows``, then one optimizer step."""
+    def _update(self, batch: Batch, adv: Tensor, rows: list[int], plan: list[MicroBatch], prox: Tensor | None,
+                acc: _Accumulator) -> float:
+        """Accumulate gradients over this rank's micro-batches (``plan``) of the minibatch ``rows``, then one
+        optimizer step."""
         cfg = self.cfg
-        mask_rows = batch.loss_mask[rows]
-        denom = losses.agg_denominator(mask_rows, cfg.loss_agg)
-        plan = self._micro_batches(rows, batch)
+        denom = losses.agg_denominator(batch.loss_mask[rows], cfg.loss_agg)
         with self._unsharded_through_backward():
             self._accumulate(plan, adv, prox, denom, acc)
         return apply_gradients(self.model, self.optimizer, cfg.grad_clip, "policy")
@@ -264,16 +228,16 @@ class TrainStep:
                     if isinstance(module, FSDPModule):
                         module.reshard()
 
-    def _accumulate(self, plan: list[tuple[list[int], Batch]], adv: Tensor, prox: Tensor | None, denom: int,
+    def _accumulate(self, plan: list[MicroBatch], adv: Tensor, prox: Tensor | None, denom: int,
                     acc: _Accumulator) -> None:
         """Forward and backward of each micro-batch, the gradients summed; FSDP reduces them on the last."""
-        for i, (mb_rows, mb) in enumerate(plan):
+        for i, (mb_rows, mb, layout) in enumerate(plan):
             self.model.set_requires_gradient_sync(i == len(plan) - 1)
             ref_logp = None
             if self.ref_model is not None:  # a collective too: run it on dummy micro-batches as well
                 with torch.no_grad():
-                    ref_logp, _, _ = self._forward_logprobs(self.ref_model, mb)
-            logp, logits, columns = self._forward_logprobs(self.model, mb)
+                    ref_logp, _, _ = self._forward_logprobs(self.ref_model, mb, layout)
+            logp, logits, columns = self._forward_logprobs(self.model, mb, layout)
             if not mb_rows:
                 (logits.sum() * 0.0).backward()
                 continue

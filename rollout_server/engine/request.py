@@ -38,7 +38,7 @@ class Request:
     return_prompt_token_ids: bool = False
     generator: torch.Generator | None = None
     lora: str | None = None  # the adapter it names (SGLang's lora_path); None: the base model
-    created: float = field(default_factory=time.time)
+    created: float = field(default_factory=time.monotonic)  # for its age (e2e_latency, the admission wait)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     spans: list[dict[str, Any]] = field(default_factory=list)
@@ -121,4 +121,4 @@ class Request:
         return out
 
     def _latency(self) -> float:
-        return time.time() - self.created
+        return time.monotonic() - self.created

@@ -398,7 +398,7 @@ class Scheduler:
         fill the batch."""
         free = self.max_batch_size - len(self._running)
         if self._running and len(self._waiting) < free and self._waiting \
-                and time.time() - self._waiting[0].created < self.admit_wait_s:
+                and time.monotonic() - self._waiting[0].created < self.admit_wait_s:
             return
         while free > 0 and self._waiting:
             chunk: list[Request] = []

@@ -1,6 +1,7 @@
 """The embedded engine's prefix cache: a finished request's KV serves the requests that extend it (a multi-turn
 episode's next turn), with the same tokens and logprobs as a prefill from scratch; a group's identical prompts
-are prefilled once; loads and memory releases empty it, an adapter loaded again or unloaded takes its own entries,
+are prefilled once, and requests prefilled together compute a prefix they share once; loads and memory
+releases empty it, an adapter loaded again or unloaded takes its own entries,
 and a request whose KV spans a load or a reload of its adapter is not kept; the bound evicts the least recently used;
 ``engine.prefix_cache_tokens=0`` turns it off end to end."""
 
@@ -21,7 +22,7 @@ from core.config import load_config
 from rollout_server.__main__ import engine_urls
 from rollout_server.engine.kv import KVBatch
 from rollout_server.engine.lora import Adapter
-from rollout_server.engine.prefix_cache import PrefixCache
+from rollout_server.engine.prefix_cache import PrefixCache, shared_prefixes
 from rollout_server.engine.request import Request
 from rollout_server.engine.scheduler import Scheduler
 from rollout_server.engine_client import EngineClient
@@ -157,6 +158,46 @@ def test_later_turns_beside_a_new_prompt_run_only_their_rests(scheduler: Schedul
         assert r.output_ids == logits[len(r.input_ids) - 1 : -1].argmax(-1).tolist()
     # one forward would run the later turns 80 columns wide, taking only their first 4-11 tokens from the cache
     assert [r.cached_tokens for r in later] == [len(r.input_ids) - 4 for r in later] and new.cached_tokens == 0
+
+
+def test_shared_prefixes_groups_rows_by_what_they_share_and_skips_what_the_cache_holds() -> None:
+    system = list(range(100, 120))  # 20 tokens every episode starts with
+    a, b = system + list(range(1, 26)), system + list(range(30, 60))  # two tasks' prompts: 45 and 50 tokens
+    seqs = [(None, a + [200 + i] * 5) for i in range(3)] + [(None, b + [210 + i] * 6) for i in range(2)]
+    seqs.append((None, [5] * 40))  # shares nothing
+    assert shared_prefixes(seqs, [0] * 6, 16) == [(45, [0, 1, 2]), (50, [3, 4])]
+    # the prefixes themselves share the system prompt: computed once too, one level up
+    assert shared_prefixes([(None, a), (None, b)], [0, 0], 16) == [(20, [0, 1])]
+    # a row whose cached KV covers all but 15 of the prefix gains too little; alone, its sibling has no one to share
+    assert shared_prefixes(seqs, [0, 0, 30, 0, 35, 0], 16) == [(45, [0, 1])]
+    # another adapter's rows, and rows sharing fewer than min_tokens, share nothing
+    assert shared_prefixes([(None, a + [1]), ("x", a + [2])], [0, 0], 16) == []
+    assert shared_prefixes([(None, a + [1]), (None, a + [2])], [0, 0], 46) == []
+    assert shared_prefixes([(None, a), (None, a + [3])], [0, 0], 16) == [(44, [0, 1])]  # each keeps a token to run
+
+
+def test_requests_prefilled_together_compute_what_they_share_once(scheduler: Scheduler, model: torch.nn.Module) -> None:
+    """A swap retracted a group's samples (one prompt, different outputs so far) and another task's: admitted
+    together, each prompt runs once, the system prompt the two share once, and every token is what a forward over
+    the whole sequence gives."""
+    system = list(range(100, 120))
+    a, b = system + list(range(1, 26)), system + list(range(30, 60))
+    reqs = [greedy_request(f"a{i}", a + [200 + i] * 5) for i in range(3)]
+    reqs += [greedy_request(f"b{i}", b + [210 + i] * 6) for i in range(2)] + [greedy_request("lone", [5] * 40)]
+    scheduler.call(lambda: scheduler.pause("retract")).result(timeout=WAIT_S)
+    scheduler.submit(reqs)  # admitted together at continue: one chunk
+    scheduler.call(scheduler.resume).result(timeout=WAIT_S)
+    for r in reqs:
+        r.future.result(timeout=WAIT_S)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([r.input_ids + r.output_ids])).logits[0]
+        lp = torch.log_softmax(logits[len(r.input_ids) - 1 : -1], -1)
+        assert r.output_ids == lp.argmax(-1).tolist(), r.rid
+        torch.testing.assert_close(torch.tensor(r.logprobs), lp.max(-1).values, atol=1e-4, rtol=1e-4)
+    assert scheduler.metrics.shared_tokens._value.get() == 45 * 2 + 50 + 20
+    # the group's rows run as wide as the other task's rest (6 columns), so one token of their prefix runs again
+    assert [r.cached_tokens for r in reqs] == [44] * 3 + [50] * 2 + [0]
+    assert scheduler.metrics.cached_tokens._value.get() == 0  # none of it came from the cache
 
 
 def test_loads_and_releases_empty_the_cache_adapters_take_their_own_and_a_request_spanning_a_load_is_not_kept(

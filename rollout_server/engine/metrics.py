@@ -22,6 +22,11 @@ class EngineMetrics:
             "rollwave_engine_cached_tokens", "Prompt tokens whose keys and values came from the prefix cache",
             registry=r,
         )
+        self.shared_tokens = Counter(
+            "rollwave_engine_shared_tokens",
+            "Prompt tokens not computed again because requests prefilled together shared them (computed once)",
+            registry=r,
+        )
         self.requests = Counter(
             "rollwave_engine_requests", "Finished requests by finish reason", ["finish"], registry=r
         )

@@ -10,13 +10,20 @@ clears the cache at every load that flushes (SGLang's ``flush_cache``, the defau
 KV spans one; an adapter loaded again or unloaded takes only its own entries and requests with it. The cache
 holds at most ``max_tokens`` tokens (0 turns it off); the least recently used entries leave first, and an entry
 leaves when the request that extended it is kept in its place.
+
+The cache holds whole sequences, so it serves a request only from one that it extends. Requests prefilled
+together often share a prefix that no entry holds: a group's samples after a swap retracted them (the prompt),
+episodes of different tasks (the system prompt and tool schema). ``shared_prefixes`` finds those, so the
+prefill computes each once, as a radix cache would.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import pairwise
 
+import numpy as np
 import torch
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer, keys and values [heads, tokens, head_dim]
@@ -102,3 +109,39 @@ class PrefixCache:
         del self._entries[entry.key]
         self._tokens -= len(entry.tokens)
         self.nbytes -= entry.nbytes
+
+
+def _common_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
+
+
+def shared_prefixes(seqs: list[tuple[str | None, list[int]]], cached: list[int],
+                    min_tokens: int) -> list[tuple[int, list[int]]]:
+    """Prefixes worth computing once for several of ``seqs`` ((adapter, tokens) rows, of which ``cached[i]``
+    tokens already have KV): (prefix length, its rows), every row left with at least one token of its own to run.
+
+    Rows sorted by tokens sit next to those they share most with; a run of them becomes one prefix while it
+    saves more than it loses: with n rows sharing p tokens, a row sharing l joins when n·min(p, l) ≥ (n-1)·p.
+    A prefix is kept for its rows that have at least ``min_tokens`` more of it than they have cached, if two do."""
+    order = sorted(range(len(seqs)), key=lambda i: (seqs[i][0] is not None, seqs[i][0] or "", seqs[i][1]))
+    runs: list[tuple[int, list[int]]] = []
+    rows, shared = order[:1], 0
+    for prev, row in pairwise(order):
+        (lora_a, a), (lora_b, b) = seqs[prev], seqs[row]
+        common = min(_common_length(a, b), len(a) - 1, len(b) - 1) if lora_a == lora_b else 0
+        n = len(rows)
+        if common >= min_tokens if n == 1 else n * min(shared, common) >= (n - 1) * shared:
+            shared = common if n == 1 else min(shared, common)
+            rows.append(row)
+        else:
+            runs.append((shared, rows))
+            rows, shared = [row], 0
+    runs.append((shared, rows))
+    out = []
+    for length, members in runs:
+        gaining = [i for i in members if cached[i] + min_tokens <= length]
+        if len(gaining) >= 2:
+            out.append((length, gaining))
+    return out

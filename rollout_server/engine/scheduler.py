@@ -40,7 +40,7 @@ from rollout_server.engine.kv import KVBatch
 from rollout_server.engine.lora import Adapter, AdapterSet
 from rollout_server.engine.memory import ModelMemory, PreparedWeights
 from rollout_server.engine.metrics import EngineMetrics
-from rollout_server.engine.prefix_cache import Layers, PrefixCache
+from rollout_server.engine.prefix_cache import Layers, Prefix, PrefixCache, shared_prefixes
 from rollout_server.engine.request import Request, abort_reason
 from rollout_server.engine.sampling import BatchSampler
 from rollout_server.engine.weights import WeightError, load_into
@@ -48,6 +48,7 @@ from rollout_server.engine.weights import WeightError, load_into
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
+SHARED_PREFIX_MIN_TOKENS = 16  # shorter shared prefixes are not worth a forward of their own
 
 
 class EngineFailure(RuntimeError):
@@ -97,6 +98,7 @@ class Scheduler:
         self.prefill_tokens = prefill_tokens
         self.admit_wait_s = admit_wait_s
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.shared_prefix_min_tokens = SHARED_PREFIX_MIN_TOKENS
         self._kv_epoch = 0  # counts loads: a request prefilled before the last one holds KV of older weights
         self.metrics = EngineMetrics()
         self.metrics.set_version(weight_version)
@@ -416,37 +418,16 @@ class Scheduler:
 
     def _prefill(self, chunk: list[Request]) -> None:
         """Prefill ``chunk``: each distinct sequence once (a group's samples share their prompt), from the
-        longest prefix the cache holds for it; in two forwards where one would run the short uncached rests of
-        later turns as wide as new prompts (``_split``)."""
+        longest prefix the cache holds for it or that it shares with others in the chunk (``_prefill_kv``)."""
         rows: dict[tuple[str | None, tuple[int, ...]], int] = {}
         index = [rows.setdefault((r.lora, tuple(r.tokens)), len(rows)) for r in chunk]
         distinct = list({row: r for row, r in zip(index, chunk, strict=True)}.values())
-        hits = [self.prefix_cache.lookup(r.tokens, r.lora) for r in distinct]
-        past = [None if h is None else h.head(min(len(h.tokens), len(r.tokens) - 1)) for h, r in
-                zip(hits, distinct, strict=True)]
-        rests = [len(r.tokens) - (0 if p is None else p[0][0].shape[-2]) for r, p in zip(distinct, past, strict=True)]
-        parts = _split(sorted(range(len(distinct)), key=rests.__getitem__), rests)
-        reused = [0] * len(distinct)
-        batch = logits = None
-        for part in parts:
-            self.adapters.rows = [distinct[i].lora for i in part]
-            b, lg, used = KVBatch.prefill(self.model, [distinct[i].tokens for i in part], [past[i] for i in part])
-            for i, n in zip(part, used, strict=True):
-                reused[i] = n
-            if batch is None:
-                batch, logits = b, lg
-            else:
-                batch.merge(b)
-                logits = torch.cat([logits, lg])
-        position = {row: at for at, row in enumerate(row for part in parts for row in part)}
-        wanted = [position[row] for row in index]
-        if wanted != list(range(len(wanted))):  # duplicates, or rows reordered by the split
-            batch.keep(wanted)
-            logits = logits[wanted]
+        batch, logits, reused, hits = self._prefill_kv([(r.lora, r.tokens) for r in distinct], index)
         for r, row in zip(chunk, index, strict=True):
             r.kv_epoch, r.extends, r.cached_tokens = self._kv_epoch, hits[row], reused[row]
         self.metrics.prompt_tokens.inc(sum(len(r.tokens) for r in chunk))
-        self.metrics.cached_tokens.inc(sum(reused))
+        self.metrics.cached_tokens.inc(sum(min(n, len(h.tokens), len(r.tokens) - 1) for n, h, r in
+                                           zip(reused, hits, distinct, strict=True) if h is not None))
         tokens, logprobs = self._make_sampler(chunk).sample(logits)
         if self._batch is None:
             self._batch, self._pending, self._running = batch, tokens, list(chunk)
@@ -457,6 +438,51 @@ class Scheduler:
         self._sampler = None
         offset = len(self._running) - len(chunk)
         self._retire([offset + i for i in self._record(chunk, tokens, logprobs)])
+
+    def _prefill_kv(
+        self, seqs: list[tuple[str | None, list[int]]], rows: list[int] | None = None
+    ) -> tuple[KVBatch, torch.Tensor, list[int], list[Prefix | None]]:
+        """Run (adapter, tokens) ``seqs`` through the model: the batch and the next-token logits of ``rows``
+        (indices into ``seqs``; default: each once, in order), and for each of ``seqs`` how many of its tokens
+        came from earlier KV and the cache entry it extends.
+
+        A row starts from the longest cache entry it extends, or from a prefix it shares with other rows
+        (``shared_prefixes``), computed first and once (recursively: those prefixes may share one too). The
+        rows run in two forwards where one would run the short uncached rests of later turns as wide as new
+        prompts (``_split``)."""
+        hits = [self.prefix_cache.lookup(tokens, lora) for lora, tokens in seqs]
+        past: list[Layers | None] = [None if h is None else h.head(min(len(h.tokens), len(tokens) - 1))
+                                     for h, (_, tokens) in zip(hits, seqs, strict=True)]
+        cached = [0 if p is None else p[0][0].shape[-2] for p in past]
+        prefixes = shared_prefixes(seqs, cached, self.shared_prefix_min_tokens)
+        if prefixes:
+            heads, _, _, _ = self._prefill_kv([(seqs[sharing[0]][0], seqs[sharing[0]][1][:n])
+                                               for n, sharing in prefixes])
+            for at, (n, sharing) in enumerate(prefixes):
+                for i in sharing:
+                    past[i] = heads.row(at)
+                self.metrics.shared_tokens.inc(n * (len(sharing) - 1))
+        rests = [len(tokens) - (0 if p is None else p[0][0].shape[-2]) for p, (_, tokens) in zip(past, seqs,
+                                                                                                  strict=True)]
+        parts = _split(sorted(range(len(seqs)), key=rests.__getitem__), rests)
+        reused = [0] * len(seqs)
+        batch = logits = None
+        for part in parts:
+            self.adapters.rows = [seqs[i][0] for i in part]
+            b, lg, used = KVBatch.prefill(self.model, [seqs[i][1] for i in part], [past[i] for i in part])
+            for i, n in zip(part, used, strict=True):
+                reused[i] = n
+            if batch is None:
+                batch, logits = b, lg
+            else:
+                batch.merge(b)
+                logits = torch.cat([logits, lg])
+        position = {row: at for at, row in enumerate(row for part in parts for row in part)}
+        wanted = [position[row] for row in (range(len(seqs)) if rows is None else rows)]
+        if wanted != list(range(len(wanted))):  # duplicates, or rows reordered by the split
+            batch.keep(wanted)
+            logits = logits[wanted]
+        return batch, logits, reused, hits
 
     def _start_ahead(self, prepared: PreparedWeights | None, fut: Future) -> None:
         self._end_ahead()  # a newer prepare replaces the one in progress

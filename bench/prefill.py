@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from rollout_server.engine.request import Request  # noqa: E402
 from rollout_server.engine.sampling import SamplingParams  # noqa: E402
-from rollout_server.engine.scheduler import SHARED_PREFIX_MIN_TOKENS, Scheduler  # noqa: E402
+from rollout_server.engine.scheduler import SHARED_PREFIX_MIN_SAVED, Scheduler  # noqa: E402
 
 WAIT_S = 600.0
 
@@ -68,7 +68,7 @@ def main() -> None:
         try:
             for i in range(args.rounds):
                 for side in ("shared", "per_request") if i % 2 == 0 else ("per_request", "shared"):
-                    engine.shared_prefix_min_tokens = SHARED_PREFIX_MIN_TOKENS if side == "shared" else 10**9
+                    engine.shared_prefix_min_saved = SHARED_PREFIX_MIN_SAVED if side == "shared" else 10**9
                     reqs = retracted(gen, vocab, system, groups=4, samples=8)
                     engine.call(lambda: engine.pause("retract")).result(timeout=WAIT_S)
                     engine.submit(reqs)  # admitted together at continue, as after a swap

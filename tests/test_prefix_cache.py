@@ -24,7 +24,7 @@ from rollout_server.engine.kv import KVBatch
 from rollout_server.engine.lora import Adapter
 from rollout_server.engine.prefix_cache import PrefixCache, shared_prefixes
 from rollout_server.engine.request import Request
-from rollout_server.engine.scheduler import Scheduler
+from rollout_server.engine.scheduler import SHARED_PREFIX_MIN_SAVED, Scheduler
 from rollout_server.engine_client import EngineClient
 
 WAIT_S = 60.0
@@ -176,10 +176,13 @@ def test_shared_prefixes_groups_rows_by_what_they_share_and_skips_what_the_cache
     assert shared_prefixes([(None, a), (None, a + [3])], [0, 0], 16) == [(44, [0, 1])]  # each keeps a token to run
 
 
-def test_requests_prefilled_together_compute_what_they_share_once(scheduler: Scheduler, model: torch.nn.Module) -> None:
+@pytest.mark.parametrize("min_saved", [SHARED_PREFIX_MIN_SAVED, 0])
+def test_requests_prefilled_together_compute_what_they_share_once(scheduler: Scheduler, model: torch.nn.Module,
+                                                                  min_saved: int) -> None:
     """A swap retracted a group's samples (one prompt, different outputs so far) and another task's: admitted
     together, each prompt runs once, the system prompt the two share once, and every token is what a forward over
-    the whole sequence gives."""
+    the whole sequence gives. Under ``shared_prefix_min_saved`` tokens saved, nothing runs apart."""
+    scheduler.shared_prefix_min_saved = min_saved
     system = list(range(100, 120))
     a, b = system + list(range(1, 26)), system + list(range(30, 60))
     reqs = [greedy_request(f"a{i}", a + [200 + i] * 5) for i in range(3)]
@@ -194,10 +197,13 @@ def test_requests_prefilled_together_compute_what_they_share_once(scheduler: Sch
         lp = torch.log_softmax(logits[len(r.input_ids) - 1 : -1], -1)
         assert r.output_ids == lp.argmax(-1).tolist(), r.rid
         torch.testing.assert_close(torch.tensor(r.logprobs), lp.max(-1).values, atol=1e-4, rtol=1e-4)
+    assert scheduler.metrics.cached_tokens._value.get() == 0  # none of it came from the cache
+    if min_saved > 45 * 2 + 50:
+        assert scheduler.metrics.shared_tokens._value.get() == 0 and [r.cached_tokens for r in reqs] == [0] * 6
+        return
     assert scheduler.metrics.shared_tokens._value.get() == 45 * 2 + 50 + 20
     # the group's rows run as wide as the other task's rest (6 columns), so one token of their prefix runs again
     assert [r.cached_tokens for r in reqs] == [44] * 3 + [50] * 2 + [0]
-    assert scheduler.metrics.cached_tokens._value.get() == 0  # none of it came from the cache
 
 
 def test_loads_and_releases_empty_the_cache_adapters_take_their_own_and_a_request_spanning_a_load_is_not_kept(

@@ -48,7 +48,8 @@ from rollout_server.engine.weights import WeightError, load_into
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
-SHARED_PREFIX_MIN_TOKENS = 16  # shorter shared prefixes are not worth a forward of their own
+SHARED_PREFIX_MIN_TOKENS = 16  # a row gains from a shared prefix only if it has this many more of it than cached
+SHARED_PREFIX_MIN_SAVED = 1024  # a prefill's shared prefixes get a forward of their own if it saves this many tokens
 
 
 class EngineFailure(RuntimeError):
@@ -98,7 +99,7 @@ class Scheduler:
         self.prefill_tokens = prefill_tokens
         self.admit_wait_s = admit_wait_s
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
-        self.shared_prefix_min_tokens = SHARED_PREFIX_MIN_TOKENS
+        self.shared_prefix_min_saved = SHARED_PREFIX_MIN_SAVED
         self._kv_epoch = 0  # counts loads: a request prefilled before the last one holds KV of older weights
         self.metrics = EngineMetrics()
         self.metrics.set_version(weight_version)
@@ -447,15 +448,18 @@ class Scheduler:
         came from earlier KV and the cache entry it extends.
 
         A row starts from the longest cache entry it extends, or from a prefix it shares with other rows
-        (``shared_prefixes``), computed first and once (recursively: those prefixes may share one too). The
+        (``shared_prefixes``), computed first and once (recursively: those prefixes may share one too) where
+        that saves at least ``shared_prefix_min_saved`` tokens (a forward of its own is not free: sharing the
+        system prompt of every admission made the tiny model's async runs slower; a swap's retracted groups
+        save far more). The
         rows run in two forwards where one would run the short uncached rests of later turns as wide as new
         prompts (``_split``)."""
         hits = [self.prefix_cache.lookup(tokens, lora) for lora, tokens in seqs]
         past: list[Layers | None] = [None if h is None else h.head(min(len(h.tokens), len(tokens) - 1))
                                      for h, (_, tokens) in zip(hits, seqs, strict=True)]
         cached = [0 if p is None else p[0][0].shape[-2] for p in past]
-        prefixes = shared_prefixes(seqs, cached, self.shared_prefix_min_tokens)
-        if prefixes:
+        prefixes = shared_prefixes(seqs, cached, SHARED_PREFIX_MIN_TOKENS)
+        if prefixes and sum(n * (len(rows) - 1) for n, rows in prefixes) >= self.shared_prefix_min_saved:
             heads, _, _, _ = self._prefill_kv([(seqs[sharing[0]][0], seqs[sharing[0]][1][:n])
                                                for n, sharing in prefixes])
             for at, (n, sharing) in enumerate(prefixes):

@@ -114,6 +114,27 @@ def test_a_prefill_from_cached_keys_equals_one_from_scratch(model: torch.nn.Modu
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_merged_and_kept_rows_decode_as_their_own_forwards(model: torch.nn.Module) -> None:
+    """Admissions merge into the running batch and finished rows leave it (one copy each, the shorter side
+    left-padded with zeros); every row then decodes as a forward over its own sequence."""
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in (9, 30, 14, 22, 5)]
+    batch, _, _ = KVBatch.prefill(model, seqs[:3])
+    other, _, _ = KVBatch.prefill(model, seqs[3:])
+    batch.merge(other)
+    assert batch.mask.shape[1] == 30 and batch.lengths.tolist() == [9, 30, 14, 22, 5]
+    assert all(not layer.keys[3, :, :8].any() for layer in batch.cache.layers)  # 22 tokens padded to 30 by zeros
+    batch.keep([4, 0, 3])  # the longest left: 8 columns are padding in every row kept
+    assert batch.mask.shape[1] == 22 and batch.lengths.tolist() == [5, 9, 22]
+    kept = [seqs[4], seqs[0], seqs[3]]
+    for step in ([11, 12, 13], [14, 15, 16]):
+        got = batch.decode(model, torch.tensor(step))
+        kept = [seq + [t] for seq, t in zip(kept, step, strict=True)]
+        with torch.no_grad():
+            want = torch.stack([model(input_ids=torch.tensor([seq])).logits[0, -1] for seq in kept])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("scheduler", [0, 16384], indirect=True, ids=["off", "on"])
 def test_multi_turn_conversations_reuse_their_earlier_turns(scheduler: Scheduler, model: torch.nn.Module) -> None:
     gen = torch.Generator().manual_seed(0)

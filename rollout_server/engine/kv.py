@@ -104,32 +104,20 @@ class KVBatch:
         return out.logits[:, -1, :]
 
     def merge(self, other: KVBatch) -> None:
-        """Append ``other``'s rows after ours."""
+        """Append ``other``'s rows after ours (one copy of each into a new buffer, the shorter left-padded)."""
         width = max(self.mask.shape[1], other.mask.shape[1])
-        pairs = []
-        for a, b in zip(self.cache.layers, other.cache.layers, strict=True):
-            ka, va, kb, vb = a.keys, a.values, b.keys, b.values
-            pairs.append(
-                (
-                    torch.cat([_left_pad(ka, width), _left_pad(kb, width)]),
-                    torch.cat([_left_pad(va, width), _left_pad(vb, width)]),
-                )
-            )
+        layers = [_GrowingLayer().stack(a, b, width) for a, b in zip(self.cache.layers, other.cache.layers,
+                                                                     strict=True)]
         mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for m in (self.mask, other.mask)])
-        self._set(_cache_from(pairs), mask, torch.cat([self.lengths, other.lengths]))
+        self._set(Cache(layers=layers), mask, torch.cat([self.lengths, other.lengths]))
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (in that order) and drop the columns that are padding in all of them."""
+        """Keep only ``rows`` (in that order) and drop the columns that are padding in all of them (one copy)."""
         index = torch.tensor(rows, dtype=torch.long)
         lengths = self.lengths[index]
         start = self.mask.shape[1] - int(lengths.max())
-        pairs = [(layer.keys[index, :, start:], layer.values[index, :, start:]) for layer in self.cache.layers]
-        self._set(_cache_from(pairs), self.mask[index, start:], lengths)
-
-
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Pad the sequence dim (``-2``) of a ``[B, H, L, D]`` tensor on the left with zeros to ``width``."""
-    return F.pad(t, (0, 0, width - t.shape[-2], 0))
+        layers = [_GrowingLayer().gather(layer, index, start) for layer in self.cache.layers]
+        self._set(Cache(layers=layers), self.mask[index, start:], lengths)
 
 
 class _GrowingLayer(DynamicLayer):
@@ -158,6 +146,36 @@ class _GrowingLayer(DynamicLayer):
         self._write(keys, values, extra=room)
         return self
 
+    def gather(self, source: _GrowingLayer, index: torch.Tensor, start: int, room: int = 64) -> _GrowingLayer:
+        """Start from rows ``index`` of ``source``'s columns from ``start`` on, copied once into the new buffer."""
+        keys, values = source.keys[:, :, start:], source.values[:, :, start:]
+        self._allocate(keys, len(index), keys.shape[-2], room)
+        n = self._n
+        with torch.no_grad():  # a cache never carries gradients (and out= refuses tensors that might)
+            torch.index_select(keys, 0, index, out=self._kbuf[:, :, :n])
+            torch.index_select(values, 0, index, out=self._vbuf[:, :, :n])
+        return self
+
+    def stack(self, first: _GrowingLayer, second: _GrowingLayer, width: int, room: int = 64) -> _GrowingLayer:
+        """Start from ``first``'s rows then ``second``'s, each left-padded with zeros to ``width`` columns."""
+        self._allocate(first.keys, first.keys.shape[0] + second.keys.shape[0], width, room)
+        at = 0
+        with torch.no_grad():
+            for layer in (first, second):
+                rows, n = layer.keys.shape[0], layer.keys.shape[-2]
+                for buf, part in ((self._kbuf, layer.keys), (self._vbuf, layer.values)):
+                    buf[at : at + rows, :, : width - n].zero_()  # padding: masked out, but never NaN
+                    buf[at : at + rows, :, width - n : width] = part
+                at += rows
+        return self
+
+    def _allocate(self, like: torch.Tensor, rows: int, n: int, room: int) -> None:
+        self.lazy_initialization(like, like)
+        shape = (rows, like.shape[1], n + room, like.shape[3])
+        self._kbuf, self._vbuf, self._n = like.new_empty(shape), like.new_empty(shape), n
+        self.keys = self._kbuf[:, :, :n]
+        self.values = self._vbuf[:, :, :n]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -178,7 +196,3 @@ class _GrowingLayer(DynamicLayer):
         self._n = n + q
         self.keys = self._kbuf[:, :, : self._n]
         self.values = self._vbuf[:, :, : self._n]
-
-
-def _cache_from(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Cache:
-    return Cache(layers=[_GrowingLayer().load(k, v) for k, v in pairs])

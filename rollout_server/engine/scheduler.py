@@ -449,17 +449,16 @@ class Scheduler:
 
         A row starts from the longest cache entry it extends, or from a prefix it shares with other rows
         (``shared_prefixes``), computed first and once (recursively: those prefixes may share one too) where
-        that saves at least ``shared_prefix_min_saved`` tokens (a forward of its own is not free: sharing the
-        system prompt of every admission made the tiny model's async runs slower; a swap's retracted groups
-        save far more). The
-        rows run in two forwards where one would run the short uncached rests of later turns as wide as new
-        prompts (``_split``)."""
+        that saves at least ``shared_prefix_min_saved`` tokens: a forward of its own is not free, so a system
+        prompt that two episodes share is not worth one, a swap's retracted groups are. The rows run in two
+        forwards where one would run the short uncached rests of later turns as wide as new prompts
+        (``_split``)."""
         hits = [self.prefix_cache.lookup(tokens, lora) for lora, tokens in seqs]
         past: list[Layers | None] = [None if h is None else h.head(min(len(h.tokens), len(tokens) - 1))
                                      for h, (_, tokens) in zip(hits, seqs, strict=True)]
         cached = [0 if p is None else p[0][0].shape[-2] for p in past]
         prefixes = shared_prefixes(seqs, cached, SHARED_PREFIX_MIN_TOKENS)
-        if prefixes and sum(n * (len(rows) - 1) for n, rows in prefixes) >= self.shared_prefix_min_saved:
+        if prefixes and sum(n * (len(sharing) - 1) for n, sharing in prefixes) >= self.shared_prefix_min_saved:
             heads, _, _, _ = self._prefill_kv([(seqs[sharing[0]][0], seqs[sharing[0]][1][:n])
                                                for n, sharing in prefixes])
             for at, (n, sharing) in enumerate(prefixes):

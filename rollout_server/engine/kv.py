@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from rollout_server.engine.prefix_cache import Layers
+from rollout_server.engine.prefix_cache import Layers, past_length
 
 
 class KVBatch:
@@ -52,7 +52,7 @@ class KVBatch:
         from its past what lies before those columns and runs the rest again.
         """
         lengths = [len(s) for s in seqs]
-        cached = [0 if p is None else p[0][0].shape[-2] for p in past or [None] * len(seqs)]
+        cached = [past_length(p) for p in past or [None] * len(seqs)]
         width = max(lengths)
         span = max(n - c for n, c in zip(lengths, cached, strict=True))  # columns the forward runs
         reused = [max(0, n - span) for n in lengths]

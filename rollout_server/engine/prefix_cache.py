@@ -111,6 +111,11 @@ class PrefixCache:
         self.nbytes -= entry.nbytes
 
 
+def past_length(past: Layers | None) -> int:
+    """Tokens whose KV ``past`` holds (0: none)."""
+    return 0 if past is None else past[0][0].shape[-2]
+
+
 def _common_length(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))

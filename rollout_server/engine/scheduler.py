@@ -40,7 +40,7 @@ from rollout_server.engine.kv import KVBatch
 from rollout_server.engine.lora import Adapter, AdapterSet
 from rollout_server.engine.memory import ModelMemory, PreparedWeights
 from rollout_server.engine.metrics import EngineMetrics
-from rollout_server.engine.prefix_cache import Layers, Prefix, PrefixCache, shared_prefixes
+from rollout_server.engine.prefix_cache import Layers, Prefix, PrefixCache, past_length, shared_prefixes
 from rollout_server.engine.request import Request, abort_reason
 from rollout_server.engine.sampling import BatchSampler
 from rollout_server.engine.weights import WeightError, load_into
@@ -456,8 +456,10 @@ class Scheduler:
         hits = [self.prefix_cache.lookup(tokens, lora) for lora, tokens in seqs]
         past: list[Layers | None] = [None if h is None else h.head(min(len(h.tokens), len(tokens) - 1))
                                      for h, (_, tokens) in zip(hits, seqs, strict=True)]
-        cached = [0 if p is None else p[0][0].shape[-2] for p in past]
-        prefixes = shared_prefixes(seqs, cached, SHARED_PREFIX_MIN_TOKENS)
+        # no prefix can save more than every row but one running the longest whole: small prefills skip the search
+        bound = (len(seqs) - 1) * max(len(tokens) for _, tokens in seqs)
+        prefixes = [] if bound < self.shared_prefix_min_saved else shared_prefixes(
+            seqs, [past_length(p) for p in past], SHARED_PREFIX_MIN_TOKENS)
         if prefixes and sum(n * (len(sharing) - 1) for n, sharing in prefixes) >= self.shared_prefix_min_saved:
             heads, _, _, _ = self._prefill_kv([(seqs[sharing[0]][0], seqs[sharing[0]][1][:n])
                                                for n, sharing in prefixes])
@@ -465,8 +467,7 @@ class Scheduler:
                 for i in sharing:
                     past[i] = heads.row(at)
                 self.metrics.shared_tokens.inc(n * (len(sharing) - 1))
-        rests = [len(tokens) - (0 if p is None else p[0][0].shape[-2]) for p, (_, tokens) in zip(past, seqs,
-                                                                                                  strict=True)]
+        rests = [len(tokens) - past_length(p) for p, (_, tokens) in zip(past, seqs, strict=True)]
         parts = _split(sorted(range(len(seqs)), key=rests.__getitem__), rests)
         reused = [0] * len(seqs)
         batch = logits = None

@@ -181,9 +181,14 @@ def test_later_turns_beside_a_new_prompt_run_only_their_rests(scheduler: Schedul
     assert [r.cached_tokens for r in later] == [len(r.input_ids) - 4 for r in later] and new.cached_tokens == 0
 
 
+def two_prompts() -> tuple[list[int], list[int]]:
+    """Two tasks' prompts, 45 and 50 tokens, whose first 20 (a system prompt) are the same."""
+    system = list(range(100, 120))
+    return system + list(range(1, 26)), system + list(range(30, 60))
+
+
 def test_shared_prefixes_groups_rows_by_what_they_share_and_skips_what_the_cache_holds() -> None:
-    system = list(range(100, 120))  # 20 tokens every episode starts with
-    a, b = system + list(range(1, 26)), system + list(range(30, 60))  # two tasks' prompts: 45 and 50 tokens
+    a, b = two_prompts()
     seqs = [(None, a + [200 + i] * 5) for i in range(3)] + [(None, b + [210 + i] * 6) for i in range(2)]
     seqs.append((None, [5] * 40))  # shares nothing
     assert shared_prefixes(seqs, [0] * 6, 16) == [(45, [0, 1, 2]), (50, [3, 4])]
@@ -204,8 +209,7 @@ def test_requests_prefilled_together_compute_what_they_share_once(scheduler: Sch
     together, each prompt runs once, the system prompt the two share once, and every token is what a forward over
     the whole sequence gives. Under ``shared_prefix_min_saved`` tokens saved, nothing runs apart."""
     scheduler.shared_prefix_min_saved = min_saved
-    system = list(range(100, 120))
-    a, b = system + list(range(1, 26)), system + list(range(30, 60))
+    a, b = two_prompts()
     reqs = [greedy_request(f"a{i}", a + [200 + i] * 5) for i in range(3)]
     reqs += [greedy_request(f"b{i}", b + [210 + i] * 6) for i in range(2)] + [greedy_request("lone", [5] * 40)]
     scheduler.call(lambda: scheduler.pause("retract")).result(timeout=WAIT_S)

@@ -16,11 +16,11 @@ from rollout_server.engine.protocol import GenerateSpec
 from rollout_server.engine.scheduler import Scheduler
 
 
-def _scheduler(request: Request) -> Scheduler:
+async def _scheduler(request: Request) -> Scheduler:  # async: a plain def would hop to a worker thread per request
     return request.app.state.engine
 
 
-def _spec(request: Request) -> GenerateSpec:
+async def _spec(request: Request) -> GenerateSpec:
     return request.app.state.spec
 
 

@@ -50,7 +50,7 @@ def decode_rate(model: torch.nn.Module, batch: int, prompt: int, steps: int) -> 
         out = model(input_ids=ids, use_cache=True)
         for _ in range(steps):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
-            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=token, cache=out.cache, use_cache=True)
     return batch * steps / (time.perf_counter() - start)
 
 

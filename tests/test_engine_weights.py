@@ -56,7 +56,7 @@ def kept_kv(old: torch.nn.Module, new: torch.nn.Module, prompt: list[int], outpu
     k-th token was sampled, not yet fed), then the new weights over the rest on top of it. Logprobs of
     output[k:]."""
     with torch.no_grad():
-        cache = old(input_ids=torch.tensor([prompt + output[: k - 1]]), use_cache=True).past_key_values
+        cache = old(input_ids=torch.tensor([prompt + output[: k - 1]]), use_cache=True).cache
         logits = new(input_ids=torch.tensor([output[k - 1 : -1]]), cache=cache).logits[0].float()
     lp = torch.log_softmax(logits / temperature, dim=-1)
     return lp.gather(1, torch.tensor(output[k:])[:, None]).squeeze(1)

@@ -172,9 +172,9 @@ class TrainStep:
         keep = mb.input_ids.shape[1] - start
         if prefix:
             leaders = torch.tensor(layout.leaders, device=device)
-            cache = model(input_ids=mb.input_ids[leaders, :prefix], use_cache=True, logits_to_keep=1).past_key_values
+            cache = model(input_ids=mb.input_ids[leaders, :prefix], use_cache=True, logits_to_keep=1).cache
             cache.reorder_cache(torch.tensor(layout.rows_leader, device=device))
-            out = model(input_ids=mb.input_ids[:, prefix:], past_key_values=cache, logits_to_keep=keep)
+            out = model(input_ids=mb.input_ids[:, prefix:], cache=cache, logits_to_keep=keep)
         else:
             out = model(input_ids=mb.input_ids, logits_to_keep=keep)
         logits = out.logits[:, :-1].float() / mb.temperatures[:, None, None]

@@ -79,7 +79,7 @@ class KVBatch:
             input_ids=ids,
             attention_mask=mask if padded else None,
             position_ids=positions,
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -97,7 +97,7 @@ class KVBatch:
             input_ids=tokens[:, None],
             attention_mask=self.mask if self._padded else None,
             position_ids=self.lengths[:, None],
-            past_key_values=self.cache,
+            cache=self.cache,
             use_cache=True,
         )
         self.lengths = self.lengths + 1

@@ -199,8 +199,8 @@ def report(label: str, r: dict[str, float]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30,
-                   help="trainer steps per run: the demo runs 100, and the pipeline's fill and the rollout's lead at the "
-                   "end weigh on a short run as they never do on a long one")
+                   help="trainer steps per run: the demo runs 100, and the pipeline's fill and the rollout's lead at "
+                   "the end weigh on a short run as they never do on a long one")
     p.add_argument("--sft-steps", type=int, default=700,
                    help="the demo's SFT warm start (fewer steps leave a policy that earns no reward, so no gradient)")
     p.add_argument("--warm-start", type=Path, metavar="DIR",

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.tiny_model import build_tiny_model  # noqa: E402
+from core.transformers_compat import CACHE_ARG  # noqa: E402
 
 
 def train(model_dir: Path, cpu: int, started, stop) -> None:
@@ -50,7 +51,7 @@ def decode_rate(model: torch.nn.Module, batch: int, prompt: int, steps: int) -> 
         out = model(input_ids=ids, use_cache=True)
         for _ in range(steps):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
-            out = model(input_ids=token, cache=out.cache, use_cache=True)
+            out = model(input_ids=token, use_cache=True, **{CACHE_ARG: out[CACHE_ARG]})
     return batch * steps / (time.perf_counter() - start)
 
 

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.tiny_model import build_tiny_model  # noqa: E402
+from core.transformers_compat import CACHE_ARG  # noqa: E402
 from rollout_server.engine.process import EngineProcess  # noqa: E402
 from rollout_server.engine.weights import load_model  # noqa: E402
 from rollout_server.engine_client import EngineClient  # noqa: E402
@@ -48,13 +49,13 @@ def bare_tokens_per_s(model: torch.nn.Module, batch: list[list[int]], new_tokens
     ids = torch.tensor(batch)
     start = time.perf_counter()
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_ARG: cache}).logits[:, -1]
     for step in range(new_tokens):
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         token = torch.multinomial(logprobs.exp(), 1)
         logprobs.gather(1, token)
         if step + 1 < new_tokens:
-            logits = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=token, use_cache=True, **{CACHE_ARG: cache}).logits[:, -1]
     return ids.shape[0] * new_tokens / (time.perf_counter() - start)
 
 

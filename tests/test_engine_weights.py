@@ -18,6 +18,7 @@ from engine_helpers import encode_named_tensors, metric, perturbed_model, post, 
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from core.transformers_compat import CACHE_ARG
 from rollout_server.engine.process import EngineProcess
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
@@ -56,8 +57,8 @@ def kept_kv(old: torch.nn.Module, new: torch.nn.Module, prompt: list[int], outpu
     k-th token was sampled, not yet fed), then the new weights over the rest on top of it. Logprobs of
     output[k:]."""
     with torch.no_grad():
-        cache = old(input_ids=torch.tensor([prompt + output[: k - 1]]), use_cache=True).cache
-        logits = new(input_ids=torch.tensor([output[k - 1 : -1]]), cache=cache).logits[0].float()
+        cache = old(input_ids=torch.tensor([prompt + output[: k - 1]]), use_cache=True)[CACHE_ARG]
+        logits = new(input_ids=torch.tensor([output[k - 1 : -1]]), **{CACHE_ARG: cache}).logits[0].float()
     lp = torch.log_softmax(logits / temperature, dim=-1)
     return lp.gather(1, torch.tensor(output[k:])[:, None]).squeeze(1)
 

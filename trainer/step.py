@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from buffer.schema import TrajectoryGroup
 from core.config import TrainerConfig
+from core.transformers_compat import CACHE_ARG
 from trainer import losses
 from trainer.advantages import compute_advantages, gae, whiten
 from trainer.batching import Batch, Layout, MicroBatch, collate, plan_step
@@ -172,9 +173,10 @@ class TrainStep:
         keep = mb.input_ids.shape[1] - start
         if prefix:
             leaders = torch.tensor(layout.leaders, device=device)
-            cache = model(input_ids=mb.input_ids[leaders, :prefix], use_cache=True, logits_to_keep=1).cache
+            prompts = model(input_ids=mb.input_ids[leaders, :prefix], use_cache=True, logits_to_keep=1)
+            cache = getattr(prompts, CACHE_ARG)
             cache.reorder_cache(torch.tensor(layout.rows_leader, device=device))
-            out = model(input_ids=mb.input_ids[:, prefix:], cache=cache, logits_to_keep=keep)
+            out = model(input_ids=mb.input_ids[:, prefix:], logits_to_keep=keep, **{CACHE_ARG: cache})
         else:
             out = model(input_ids=mb.input_ids, logits_to_keep=keep)
         logits = out.logits[:, :-1].float() / mb.temperatures[:, None, None]

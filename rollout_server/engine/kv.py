@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from core.transformers_compat import CACHE_ARG
 from rollout_server.engine.prefix_cache import Layers, past_length
 
 
@@ -79,7 +80,7 @@ class KVBatch:
             input_ids=ids,
             attention_mask=mask if padded else None,
             position_ids=positions,
-            cache=cache,
+            **{CACHE_ARG: cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -97,7 +98,7 @@ class KVBatch:
             input_ids=tokens[:, None],
             attention_mask=self.mask if self._padded else None,
             position_ids=self.lengths[:, None],
-            cache=self.cache,
+            **{CACHE_ARG: self.cache},
             use_cache=True,
         )
         self.lengths = self.lengths + 1

@@ -9,6 +9,7 @@ if it outlives the timeout.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -64,6 +65,9 @@ def dump_dom(url: str, virtual_time_ms: int = 5000, timeout_s: float = 60.0, win
             _reap_group(proc.pid)
     if proc.returncode != 0 or "<html" not in out.lower():
         raise RuntimeError(f"chromium gave no DOM for {url} (exit {proc.returncode}); stderr:\n{err[-3000:]}")
+    if 'class="neterror"' in out:  # Chromium 150 and later dump their own error page for a URL that failed
+        codes = sorted(set(re.findall(r"\bERR_[A-Z_]+", out)))
+        raise RuntimeError(f"chromium gave no DOM for {url}: it showed its error page ({', '.join(codes)})")
     return out
 
 

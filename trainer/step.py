@@ -173,8 +173,7 @@ class TrainStep:
         keep = mb.input_ids.shape[1] - start
         if prefix:
             leaders = torch.tensor(layout.leaders, device=device)
-            prompts = model(input_ids=mb.input_ids[leaders, :prefix], use_cache=True, logits_to_keep=1)
-            cache = getattr(prompts, CACHE_ARG)
+            cache = model(input_ids=mb.input_ids[leaders, :prefix], use_cache=True, logits_to_keep=1)[CACHE_ARG]
             cache.reorder_cache(torch.tensor(layout.rows_leader, device=device))
             out = model(input_ids=mb.input_ids[:, prefix:], logits_to_keep=keep, **{CACHE_ARG: cache})
         else:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from safetensors.torch import load_file
 
@@ -85,6 +86,9 @@ class CheckpointMetrics:
                                       ["reason"], registry=r)
         self.commit_failures = Counter("rollwave_rollout_commit_failures", "failed commits", ["reason"],
                                        registry=r)
+        self.refused = Counter("rollwave_rollout_checkpoint_refused", "checkpoint calls refused before they ran "
+                               "(unauthenticated: no or a wrong token; nonce: a malformed challenge)", ["reason"],
+                               registry=r)
 
 
 @dataclass
@@ -160,6 +164,7 @@ class CheckpointService:
                 version, received = await self._stage(request_iterator)
             except StageError as exc:
                 self.metrics.stage_failures.labels(exc.reason).inc()
+                log.warning("%s: stage refused (%s): %s", self.server_id, exc.reason, exc)
                 await context.abort(exc.code, str(exc), trailing_metadata=((REASON_KEY, exc.reason),))
             except asyncio.CancelledError:
                 self.metrics.stage_failures.labels("stream").inc()
@@ -174,7 +179,7 @@ class CheckpointService:
         kind, _, payload = parse_chunk(first or b"")
         if kind != "manifest":
             raise StageError("manifest", "the first chunk of a Stage stream must carry the manifest")
-        manifest = pb.Manifest.FromString(payload)
+        manifest = _parse(pb.Manifest, payload, "manifest")
         version = manifest.version
         self._check_newer(version)
         check_manifest(manifest, self.served)
@@ -208,7 +213,7 @@ class CheckpointService:
             if kind == "data":
                 staged.write(offset, payload)
             elif kind == "trailer":
-                staged.finish(pb.Trailer.FromString(payload))
+                staged.finish(_parse(pb.Trailer, payload, "stream"))
                 if await anext(chunks, None) is not None:
                     raise StageError("stream", "data after the trailer")
                 return
@@ -264,6 +269,7 @@ class CheckpointService:
         try:
             return await asyncio.shield(commit)
         except StageError as exc:
+            log.warning("%s: commit of version %d failed (%s): %s", self.server_id, request.version, exc.reason, exc)
             await context.abort(exc.code, str(exc), trailing_metadata=((REASON_KEY, exc.reason),))
 
     async def _commit(self, version: int) -> pb.CommitReply:
@@ -423,6 +429,9 @@ class CheckpointService:
     async def Prove(self, request: pb.ProveRequest, context: grpc.aio.ServicerContext) -> pb.ProveReply:
         """The answer to the pusher's challenge: only a holder of the token can compute it, for this address."""
         if len(request.nonce) != NONCE_BYTES:
+            self.metrics.refused.labels("nonce").inc()
+            log.warning("%s: Prove from %s refused: a nonce of %d bytes, not %d", self.server_id, context.peer(),
+                        len(request.nonce), NONCE_BYTES)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the nonce must be {NONCE_BYTES} bytes")
         return pb.ProveReply(server_id=self.server_id,
                              proof=proof(self._token, request.nonce, self.server_id, self.address))
@@ -431,14 +440,24 @@ class CheckpointService:
 _PROVE = f"/{SERVICE}/Prove"
 
 
+def _parse(message: type[Message], payload: memoryview, reason: str) -> Any:
+    """A Stage stream's manifest or trailer; bytes that do not parse are a refused stage, not a crash."""
+    try:
+        return message.FromString(payload)
+    except DecodeError as exc:
+        raise StageError(reason, f"the {message.DESCRIPTOR.name} does not parse: {exc}") from None
+
+
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>`` with UNAUTHENTICATED;
     ``Prove`` needs none (the pusher proves nothing, it checks the server's answer)."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, metrics: CheckpointMetrics):
         self._expected = f"Bearer {token}".encode()
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            metrics.refused.labels("unauthenticated").inc()
+            log.warning("checkpoint call from %s refused: missing or wrong checkpoint token", context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong checkpoint token")
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
@@ -490,7 +509,8 @@ class CheckpointReceiver:
         retried for a bounded time (``bind_retrying``; the wait blocks this loop, which serves nothing yet)."""
         # Without SO_REUSEPORT (on by default in gRPC) a second receiver on a busy port fails instead of sharing it.
         options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
-        server = grpc.aio.server(interceptors=[TokenInterceptor(self.config.token.get_secret_value())], options=options)
+        interceptor = TokenInterceptor(self.config.token.get_secret_value(), self.metrics)
+        server = grpc.aio.server(interceptors=[interceptor], options=options)
         server.add_generic_rpc_handlers((self.service.handlers(),))
         credentials = server_credentials(self.config)
         self.port = bind_retrying(partial(self._add_port, server, credentials), "checkpoint receiver", self.host,

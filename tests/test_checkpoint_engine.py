@@ -458,6 +458,17 @@ def test_corrupt_data_and_offsets_are_rejected_without_a_pause(fleet: Fleet, bas
     err = _refused(fleet.addresses[1], [head, *data[:hit], *data[hit + 1:], trailer])
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected offset" in err.details()
 
+    def manifest_failures() -> float:
+        return fleet.receivers[0].metrics.registry.get_sample_value(
+            "rollwave_rollout_stage_failures_total", {"reason": "manifest"}) or 0.0
+
+    before = manifest_failures()
+    field = pb.Chunk.DESCRIPTOR.fields_by_name["manifest"].number
+    garbage = bytes([field << 3 | 2, 3]) + b"\xff\xff\xff"  # a manifest field whose bytes are no Manifest
+    err = _refused(fleet.addresses[0], [garbage, *data, trailer])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "the Manifest does not parse" in err.details()
+    assert manifest_failures() == before + 1
+
     half = {t.name: torch.float16 for t in manifest.tensors}  # a pusher that ignored the served dtypes
     err = _refused(fleet.addresses[1], list(snapshot_of(base_model, version + 1).chunks(4096, half)))
     first = manifest.tensors[0].name
@@ -472,13 +483,22 @@ def test_corrupt_data_and_offsets_are_rejected_without_a_pause(fleet: Fleet, bas
         "rollwave_rollout_stage_failures_total", {"reason": "checksum"}) == 1
 
 
-def test_wrong_or_missing_token_is_unauthenticated(fleet: Fleet, base_model: PreTrainedModel) -> None:
+def test_wrong_or_missing_token_is_unauthenticated(
+    fleet: Fleet, base_model: PreTrainedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refused() -> float:
+        return fleet.receivers[0].metrics.registry.get_sample_value(
+            "rollwave_rollout_checkpoint_refused_total", {"reason": "unauthenticated"}) or 0.0
+
+    before = refused()
     with pytest.raises(grpc.RpcError) as info:
         fleet.status(0, token="wrong")
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with grpc.insecure_channel(fleet.addresses[0]) as channel, pytest.raises(grpc.RpcError) as info:
         pb_grpc.CheckpointEngineStub(channel).Commit(pb.CommitRequest(version=99), timeout=WAIT_S)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert refused() == before + 2
+    assert caplog.text.count("refused: missing or wrong checkpoint token") == 2
     pusher = fleet.pusher(token=SecretStr("wrong"))
     pushed = pusher.push_model(base_model, version=fleet.version() + 1)
     assert pushed is not None
@@ -927,12 +947,16 @@ def test_servers_that_cannot_prove_the_token_get_no_token_and_no_weights(
 def test_a_proof_binds_the_address_and_the_server_id(fleet: Fleet) -> None:
     """A real receiver's answer checks only for its own id and the address it is reached at."""
     nonce = secrets.token_bytes(NONCE_BYTES)
+    refused = fleet.receivers[1].metrics.registry.get_sample_value(
+        "rollwave_rollout_checkpoint_refused_total", {"reason": "nonce"}) or 0.0
     with grpc.insecure_channel(fleet.addresses[1]) as channel:
         stub = pb_grpc.CheckpointEngineStub(channel)
         reply = stub.Prove(pb.ProveRequest(nonce=nonce), timeout=WAIT_S)  # no token needed
         with pytest.raises(grpc.RpcError) as info:
             stub.Prove(pb.ProveRequest(nonce=b"short"), timeout=WAIT_S)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fleet.receivers[1].metrics.registry.get_sample_value(
+        "rollwave_rollout_checkpoint_refused_total", {"reason": "nonce"}) == refused + 1
     assert reply.server_id == "server1"
     assert reply.proof == proof(TOKEN, nonce, "server1", fleet.addresses[1])
     assert reply.proof != proof(TOKEN, nonce, "server1", fleet.addresses[0])

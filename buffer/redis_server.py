@@ -15,7 +15,10 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -242,12 +245,38 @@ def credentials(cfg: RedisConfig) -> dict[str, str]:
     return login
 
 
+class OutageRetry(Retry):
+    """redis-py's retry with backoff, bounded by time instead of a count: a failing call is retried until
+    ``outage_s`` has passed since its first try (redis-py nests the connect's retries inside the command's, so a
+    count multiplies), then fails with an error naming ``peer``."""
+
+    def __init__(self, peer: str, outage_s: float) -> None:
+        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), retries=-1)
+        self.peer = peer
+        self.outage_s = outage_s
+
+    def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + self.outage_s
+
+        def give_up_after_deadline(error: Exception, *count: int) -> None:
+            fail(error, *count)
+            if time.monotonic() < deadline:
+                return
+            if str(error).startswith(f"Redis at {self.peer}: "):  # a nested retry (the connect's) gave up
+                raise error
+            raise type(error)(f"Redis at {self.peer}: {error} (retried for {self.outage_s:g} s)") from error
+
+        return super().call_with_retry(do, give_up_after_deadline, *args, **kwargs)
+
+
 def client_for(url: str, cfg: RedisConfig, outage_s: float = 60.0) -> redis.Redis:
-    """A client, logged in as ``cfg`` says, that rides out a Redis restart: connection errors are retried
-    with backoff for about ``outage_s`` (every component must survive Redis coming back with its AOF)."""
-    backoff = ExponentialBackoff(cap=2.0, base=0.05)
-    retry = Retry(backoff, retries=int(outage_s / 2.0) + 6)
+    """A client, logged in as ``cfg`` says, that rides out a Redis restart: failed calls are retried with
+    backoff for about ``outage_s`` (every component must survive Redis coming back with its AOF). A server that
+    accepts but does not answer fails each try after ``redis.timeout_s``, so nothing hangs."""
+    parts = urlsplit(url)
+    peer = parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"
     return redis.Redis.from_url(
-        url, retry=retry, retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=30,
+        url, retry=OutageRetry(peer, outage_s), retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        health_check_interval=30, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
         **credentials(cfg),
     )

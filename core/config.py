@@ -126,6 +126,10 @@ class RedisConfig(Section):
     appendfsync: Literal["always", "everysec"] = Field(
         "everysec", description="embedded Redis AOF fsync: always (no acknowledged write lost) or everysec"
     )
+    timeout_s: float = Field(
+        5.0, gt=1.0, description="seconds a Redis connect or reply may take before it is an error naming the "
+        "server (each retry of the outage policy waits as long); above the 1 s that blocking reads wait"
+    )
 
 
 class EngineConfig(Section):
@@ -150,7 +154,6 @@ class EngineConfig(Section):
         "turn); 0: each is admitted at the next step"
     )
     request_timeout_s: float = Field(600.0, gt=0)
-    sglang_args: list[str] = Field(default_factory=list, description="extra flags for sglang.launch_server")
     threads: int = Field(0, ge=0, description="embedded engine: torch intra-op threads (0: torch's default)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="embedded engine: dtype of the served weights (auto: the checkpoint's, as SGLang)"

@@ -227,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tools", help="comma-separated tool names")
     p.add_argument("--reward", help="a built-in (gsm8k, tool, tool_last) or a rollout.reward_allowlist name")
     p.add_argument("--wait", action="store_true", help="show progress until the job is done")
+    p.add_argument("--timeout", type=float, metavar="S", help="with --wait: fail (exit 1) if the job is not done "
+                   "after S seconds (default: wait as long as it runs)")
     _api_args(p)
     p.set_defaults(func=_handler("services.client_cmd:submit"))
 

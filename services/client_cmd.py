@@ -85,13 +85,16 @@ def submit(args: argparse.Namespace) -> int:
         job = _json(client.post("/v1/jobs", json=job_from_args(args)))
         print(f"job {job['job_id']} ({job['kind']}): {job['progress']['submitted']} tasks")
         if args.wait:
-            job = wait_for_job(client, job["job_id"])
+            job = wait_for_job(client, job["job_id"], args.timeout)
             print(json.dumps({k: job[k] for k in ("job_id", "state", "progress", "reward_mean", "accuracy")}))
     return 0
 
 
-def wait_for_job(client: httpx.Client, job_id: str, poll_s: float = 1.0) -> dict[str, Any]:
-    """Poll until the job is done or cancelled, with a progress bar of finished tasks."""
+def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = None,
+                 poll_s: float = 1.0) -> dict[str, Any]:
+    """Poll until the job is done or cancelled, with a progress bar of finished tasks; ``TimeoutError`` once
+    ``timeout_s`` passed (None: as long as the job runs)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     job = _get(client, f"/v1/jobs/{job_id}")
     with tqdm(total=job["progress"]["submitted"], desc=f"job {job_id}", unit="task") as bar:
         while True:
@@ -101,6 +104,10 @@ def wait_for_job(client: httpx.Client, job_id: str, poll_s: float = 1.0) -> dict
             bar.refresh()
             if job["state"] in ("done", "cancelled"):
                 return job
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id} at {client.base_url}: still {job['state']} after {timeout_s:g} s, "
+                                   f"{bar.n} of {p['submitted']} tasks finished (is a rollout server up? see "
+                                   "rollwave status)")
             time.sleep(poll_s)
             job = _get(client, f"/v1/jobs/{job_id}")
 

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
 from tqdm import tqdm
 
 from buffer.keys import Keys
-from buffer.redis_server import EmbeddedRedis, credentials
+from buffer.redis_server import EmbeddedRedis, client_for
 from core.config import Config, dump_config, load_config
 from core.tasks import load_tasks
 from core.tiny_model import build_tiny_model
@@ -44,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-start", type=Path, metavar="DIR",
                    help="start RL from this SFT warm start (an earlier run's runs/<name>/sft) instead of making one")
     p.add_argument("--eval-tasks", type=int, default=200, help="held-out arith problems per evaluation")
-    p.add_argument("--timeout-min", type=float, default=14.0, help="give up on RL after this many minutes")
+    p.add_argument("--timeout-min", type=float, default=14.0,
+                   help="give up on RL, or on an eval job, after this many minutes")
     p.add_argument("--agent", metavar="MODULE:FUNCTION",
                    help="train and evaluate this OpenAI-client agent (an agent job, allowed on the demo's server) "
                         "instead of the built-in agent loop, e.g. rollout_server.agents.calculator_agent:run")
@@ -73,13 +73,14 @@ def _sft(cfg: Config, run_dir: Path, steps: int) -> Path:
         return warm_start(base, run_dir / "sft", tasks, steps=steps, seed=cfg.run.seed, progress=progress)
 
 
-def _evaluate(api: httpx.Client, n: int, seed: int, label: str, agent: str | None) -> tuple[float, float]:
+def _evaluate(api: httpx.Client, n: int, seed: int, label: str, agent: str | None,
+              timeout_s: float) -> tuple[float, float]:
     """(accuracy, share of the answers that called a tool) of a greedy eval job on ``n`` held-out problems."""
     body = {"kind": "eval", "name": label, "source": {"kind": "arith", "split": "test", "limit": n, "seed": seed},
             "agent": agent}
     reply = api.post("/v1/jobs", json=body)
     reply.raise_for_status()
-    job = wait_for_job(api, reply.json()["job_id"])
+    job = wait_for_job(api, reply.json()["job_id"], timeout_s)
     samples, cursor = [], ""
     while cursor is not None:
         page = api.get(f"/v1/jobs/{job['job_id']}/trajectories", params={"cursor": cursor, "limit": 200}).json()
@@ -158,15 +159,17 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
         with EmbeddedRedis(run_dir / "redis", aof=cfg.redis.aof, password=password) as redis_server:
             specs = components(cfg, config_path, redis_server.url, trainer_args=())
             with LocalStack(specs, run_dir / "logs") as stack, \
-                    redis.Redis.from_url(redis_server.url, **credentials(cfg.redis)) as client, \
+                    client_for(redis_server.url, cfg.redis) as client, \
                     httpx.Client(base_url=published_api_url(client, Keys(cfg.run.name)), headers=auth,
                                  timeout=30) as api:
                 _wait_ready(api)
-                before, tools_before = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out before RL", agent)
+                before, tools_before = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out before RL", agent,
+                                                timeout_s)
                 rl_started = time.monotonic()
                 job = _train(api, stack, cfg, timeout_s, agent)
                 rl_seconds = time.monotonic() - rl_started
-                after, tools_after = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out after RL", agent)
+                after, tools_after = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out after RL", agent,
+                                              timeout_s)
                 status = api.get("/v1/status").json()
                 stalls, stalled_s = _generation_stalls(status)
     finally:  # every component has stopped: the run's staging area (local pushes) would hold tmpfs RAM for good

@@ -30,12 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import redis
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.keys import Keys
-from buffer.redis_server import EmbeddedRedis, credentials
+from buffer.redis_server import EmbeddedRedis, client_for
 from core.config import Config, dump_config, load_config
 from core.net import free_port_outside_ephemeral
 from core.process import stop_process
@@ -224,8 +223,12 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
             cfg.redis.password.get_secret_value() if cfg.redis.password is not None else None,
         )
         state["actors"].append("redis")
-        redis_url = ray.get(actor.url.remote(), timeout=120)
-    with redis.Redis.from_url(redis_url, **credentials(cfg.redis)) as client:  # the API publishes its address afresh
+        try:
+            redis_url = ray.get(actor.url.remote(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError("the Redis actor did not report its URL within 120 s (see `ray status` and "
+                               f"{run_dir / 'logs'})") from None
+    with client_for(redis_url, cfg.redis) as client:  # the API publishes its address afresh
         client.delete(Keys(cfg.run.name).api)
     forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     for spec in specs:
@@ -267,7 +270,7 @@ def up(args: argparse.Namespace) -> int:
     _state_path(cfg).write_text(json.dumps(state))
     ray.shutdown()
     try:
-        with redis.Redis.from_url(redis_url, **credentials(cfg.redis)) as client:
+        with client_for(redis_url, cfg.redis) as client:
             api = published_api_url(client, Keys(cfg.run.name))
     except TimeoutError as exc:
         print(f"error: {exc} (see {run_dir / 'logs' / 'api.log'}); the rest is up: `rollwave down` stops it",

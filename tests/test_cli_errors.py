@@ -139,6 +139,17 @@ def test_api_refusals_are_one_line_naming_the_problem(argv: list[str], needle: s
     assert_one_error_line(proc, 2, needle)
 
 
+def test_wait_gives_up_after_the_timeout_naming_the_job(live_api: str, tmp_path: Path) -> None:
+    """No rollout server serves this API, so the job never finishes: ``--timeout 2`` ends the wait, exit 1."""
+    proc = rollwave("submit", "--source", "arith", "--limit", "2", "--wait", "--timeout", "2", "--api", live_api,
+                    cwd=tmp_path, env={"ROLLWAVE_API_TOKEN": TOKEN})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]  # the rest: the progress bar
+    assert errors == [proc.stderr.splitlines()[-1]], proc.stderr
+    assert errors[0].startswith("error: TimeoutError: job ")
+    assert f"at {live_api}: still running after 2 s, 0 of 2 tasks finished" in errors[0]
+
+
 def test_a_missing_or_wrong_token_says_where_to_give_it(live_api: str, tmp_path: Path) -> None:
     hint = "HTTP 401: missing or wrong bearer token (give the run's api.token in ROLLWAVE_API_TOKEN or --token-file)"
     assert_one_error_line(rollwave("jobs", "--api", live_api, cwd=tmp_path), 2, hint)

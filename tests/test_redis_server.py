@@ -12,7 +12,7 @@ import pytest
 import redis
 from buffer_helpers import client
 
-from buffer.redis_server import EmbeddedRedis, RedisStartError, connect, find_redis_server
+from buffer.redis_server import EmbeddedRedis, RedisStartError, client_for, connect, find_redis_server
 from core.config import RedisConfig, load_config
 from core.net import PortBusyError
 
@@ -98,6 +98,14 @@ def test_connect_uses_url_env_or_starts_embedded(tmp_path: Path, monkeypatch: py
     try:
         assert server is not None and server.data_dir == (tmp_path / "redis").absolute()
         assert r.ping()
+        mine, elsewhere = connect(RedisConfig(data_dir=tmp_path / "mine"), tmp_path / "other")
+        try:  # redis.data_dir: the embedded server keeps its AOF there, not under the run directory
+            assert elsewhere is not None and mine.set("k", "v")
+            assert list((tmp_path / "mine").rglob("*.aof*")) and not (tmp_path / "other").exists()
+        finally:
+            mine.close()
+            assert elsewhere is not None
+            elsewhere.stop()
         r2, none = connect(RedisConfig(url=server.url), tmp_path / "other")
         assert none is None and r2.ping()
         r2.close()
@@ -111,6 +119,24 @@ def test_connect_uses_url_env_or_starts_embedded(tmp_path: Path, monkeypatch: py
         server.stop()
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(server.url, retry=None, socket_connect_timeout=1).ping()
+
+
+@pytest.mark.parametrize("answers", [False, True], ids=["refused", "silent"])
+def test_a_dead_or_silent_redis_is_an_error_naming_it_after_the_outage(answers: bool) -> None:
+    """A refused connection is retried for ``outage_s``; a server that accepts and never replies fails each try
+    after ``redis.timeout_s`` (here 1.2 s, not the default 5): either way the error names the server, no hang."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        if answers:
+            sock.listen(64)  # the kernel accepts; nothing ever replies
+        port = sock.getsockname()[1]
+        url = f"redis://127.0.0.1:{port}"
+        error = redis.TimeoutError if answers else redis.ConnectionError
+        start = time.monotonic()
+        with pytest.raises(error, match=rf"Redis at 127.0.0.1:{port}: .*retried for 2 s"):
+            client_for(url, RedisConfig(url=url, timeout_s=1.2), outage_s=2.0).ping()
+        elapsed = time.monotonic() - start
+    assert 2.0 <= elapsed < 4.5  # the default timeout_s (5 s) would have taken longer for one try alone
 
 
 def test_connect_logs_in_with_the_configured_user_and_password(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

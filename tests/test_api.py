@@ -72,6 +72,7 @@ def test_create_get_list_cancel(api: httpx.Client) -> None:
     assert api.get(f"/v1/jobs/{job['job_id']}/trajectories").json() == {"items": [], "next": None}
     assert api.post(f"/v1/jobs/{job['job_id']}/cancel").json()["state"] == "cancelled"
     assert api.get("/v1/jobs/nosuchjob").status_code == 404
+    assert _refused(api, "not_found") == 1
 
 
 def test_eval_job_defaults_to_greedy_single_sample(api: httpx.Client) -> None:
@@ -97,11 +98,16 @@ def test_eval_job_defaults_to_greedy_single_sample(api: httpx.Client) -> None:
         ({"source": {"kind": "inline", "tasks": [{"task_id": "a", "messages": []}]}}, "messages"),
     ],
 )
-def test_invalid_jobs_get_422_naming_the_field_and_leave_nothing(api: httpx.Client, body: dict, field: str) -> None:
+def test_invalid_jobs_get_422_naming_the_field_and_leave_nothing(
+    api: httpx.Client, body: dict, field: str, caplog: pytest.LogCaptureFixture
+) -> None:
     reply = api.post("/v1/jobs", json=body)
     assert reply.status_code == 422, reply.text
     assert field in reply.text
     assert api.get("/v1/jobs").json()["jobs"] == []
+    assert "rollwave_api_jobs_rejected_total 1.0" in api.get("/metrics").text  # each case has its own API
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(field.split(".")[-1] in message for message in warned), warned
 
 
 def test_malformed_jsonl_names_file_and_line(api: httpx.Client, data_root: Path) -> None:
@@ -233,6 +239,7 @@ def test_jobs_are_listed_a_page_at_a_time_in_two_round_trips(redis_url: str) -> 
         assert [j["job_id"] for j in api.get("/v1/jobs").json()["jobs"]] == newest_first
         assert api.get("/v1/jobs", params={"cursor": "nosuchjob"}).status_code == 422
         assert api.get("/v1/jobs", params={"limit": 201}).status_code == 422
+        assert (_refused(api, "cursor"), _refused(api, "validation")) == (1, 1)
 
 
 class CountingRedis(redis.Redis):

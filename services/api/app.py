@@ -13,13 +13,14 @@ import asyncio
 import logging
 import os
 import secrets
-from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import redis
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
@@ -41,7 +42,10 @@ from services.api.sampler import MetricsSampler
 STATIC = Path(__file__).resolve().parent.parent / "static"
 OPS_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 log = logging.getLogger(__name__)
-Refuse = Callable[[str, Scope], None]
+class Refuse(Protocol):
+    """Logs a refused request with the reason (and what was wrong) and counts it by reason."""
+
+    def __call__(self, reason: str, scope: Scope, detail: str = "") -> None: ...
 
 
 def check_api_config(cfg: Config) -> None:
@@ -92,9 +96,10 @@ def _auth(request: Request) -> None:
 
 
 def _refused(counter: Counter) -> Refuse:
-    def refuse(reason: str, scope: Scope) -> None:
+    def refuse(reason: str, scope: Scope, detail: str = "") -> None:
         client = scope.get("client") or ("?", 0)
-        log.warning("refused %s %s from %s: %s", scope.get("method"), scope.get("path"), client[0], reason)
+        log.warning("refused %s %s from %s: %s%s", scope.get("method"), scope.get("path"), client[0], reason,
+                    f": {detail}" if detail else "")
         counter.labels(reason=reason).inc()
 
     return refuse
@@ -172,7 +177,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     check_api_config(cfg)
     registry = CollectorRegistry()
     refused = Counter(
-        "rollwave_api_requests_refused_total", "Requests refused (auth, host, body_size)", ["reason"],
+        "rollwave_api_requests_refused_total",
+        "Requests refused (auth, host, body_size, validation, cursor, not_found)", ["reason"],
         registry=registry,
     )
     refuse = _refused(refused)
@@ -200,8 +206,24 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     app = FastAPI(title="rollwave", version="0.1.0", lifespan=lifespan)
 
     @app.exception_handler(NotFound)
-    async def not_found(_request: Request, exc: NotFound) -> JSONResponse:
+    async def not_found(request: Request, exc: NotFound) -> JSONResponse:
+        refuse("not_found", request.scope, str(exc))
         return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(InvalidCursor)
+    async def invalid_cursor(request: Request, exc: InvalidCursor) -> JSONResponse:
+        refuse("cursor", request.scope, str(exc))
+        detail = [{"loc": ["query", "cursor"], "msg": str(exc), "type": "value_error"}]
+        return JSONResponse({"detail": detail}, status_code=422)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's 422, logged and counted; a job spec that fails its schema is also a rejected job."""
+        refuse("validation", request.scope, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                                      for e in exc.errors()))
+        if request.method == "POST" and request.url.path == "/v1/jobs":
+            request.app.state.api.jobs_rejected.inc()
+        return await request_validation_exception_handler(request, exc)
 
     v1 = [Depends(_auth)]
 
@@ -255,10 +277,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         limit: Annotated[int, Query(ge=1, le=200)] = 50,
     ) -> dict[str, Any]:
         """Newest first, a page at a time: ``{"jobs": [...], "next": cursor or null}``."""
-        try:
-            return api.cluster.jobs(cursor, limit)
-        except InvalidCursor as exc:
-            raise HTTPException(422, [{"loc": ["query", "cursor"], "msg": str(exc), "type": "value_error"}]) from None
+        return api.cluster.jobs(cursor, limit)
 
     @app.get("/v1/jobs/{job_id}", dependencies=v1, tags=["jobs"])
     def get_job(job_id: str, api: State) -> dict[str, Any]:
@@ -277,10 +296,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         ] = "",
         limit: Annotated[int, Query(ge=1, le=200)] = 20,
     ) -> dict[str, Any]:
-        try:
-            return api.cluster.trajectories(job_id, cursor, limit)
-        except InvalidCursor as exc:
-            raise HTTPException(422, [{"loc": ["query", "cursor"], "msg": str(exc), "type": "value_error"}]) from None
+        return api.cluster.trajectories(job_id, cursor, limit)
 
     @app.get("/v1/status", dependencies=v1, tags=["cluster"])
     def status(api: State) -> dict[str, Any]:

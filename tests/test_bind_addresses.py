@@ -1,0 +1,195 @@
+"""Every bind address and port a component reads from the config is the one it serves on.
+
+Each server binds 127.0.0.2, a loopback address (Linux routes all of 127.0.0.0/8 to ``lo``) other than the default
+127.0.0.1, on a fixed free port, so a component that ignored the key would serve (and publish) 127.0.0.1 or a port
+of its own choosing. Each also shows nothing answers at 127.0.0.1 on that port: the key picked the address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AsyncExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from buffer_helpers import client
+
+from buffer.keys import Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.registry import ServerRegistry
+from core.config import ConfigError, EngineConfig
+from core.net import free_port_outside_ephemeral
+from core.process import stop_process
+from rollout_server.__main__ import engine_urls
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.2"  # loopback, and not the default 127.0.0.1
+RUN = "bind"
+KEYS = Keys(RUN)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports below the ephemeral range (no port-0 bind elsewhere takes them), free on ``HOST`` and
+    on 127.0.0.1 (where the tests then find nothing listening)."""
+    ports: set[int] = set()
+    while len(ports) < n:
+        port = free_port_outside_ephemeral(HOST)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.add(port)
+    return sorted(ports)
+
+
+def refused_on_default_host(port: int) -> bool:
+    """Whether a TCP connect to 127.0.0.1:``port`` is refused: nothing listens there."""
+    with socket.socket() as sock:
+        sock.settimeout(5)
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+@contextmanager
+def component(module: str, log: Path, *overrides: str, env: dict[str, str] | None = None) -> Iterator[Any]:
+    """``python -m module overrides...`` in its own session, its output in ``log``; on exit SIGTERM to the whole
+    group, waited for, then SIGKILL of what is left (an engine child included)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAVE_") and k != "REDIS_URL"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", module, *overrides], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, env={**clean, **(env or {})}, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        stop_process(proc, 60, name=module, group=True)
+
+
+def wait_for(what: str, get: Callable[[], Any], proc: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> Any:
+    """Poll ``get`` until it returns something truthy; fail with the log if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := get()):
+        tail = log.read_text(errors="replace")[-4000:]
+        assert proc.poll() is None, f"{what}: process exited with {proc.returncode}:\n{tail}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{tail}"
+        time.sleep(0.2)
+    return value
+
+
+def test_engine_host_port_and_max_context_are_the_embedded_engines(tiny_model_dir: Path) -> None:
+    """``engine_urls`` starts the embedded engine on engine.host:engine.port with engine.max_context; the same
+    long prompt that a default engine takes is refused by the 64-token one."""
+    [port] = free_ports(1)
+    prompt = [5 + i % 300 for i in range(80)]  # 80 tokens: over 64, far under the default 1024
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+
+    async def run() -> None:
+        async with AsyncExitStack() as stack:
+            (small, small_key), (default, default_key) = await asyncio.gather(
+                engine_urls(EngineConfig(host=HOST, port=port, max_context=64, threads=1), tiny_model_dir, stack),
+                engine_urls(EngineConfig(threads=1), tiny_model_dir, stack),
+            )
+            assert small == [f"http://{HOST}:{port}"]
+            assert default[0].startswith("http://127.0.0.1:") and default[0] != f"http://127.0.0.1:{port}"
+            assert refused_on_default_host(port)
+            async with httpx.AsyncClient(timeout=60) as http:
+                auth = {"Authorization": f"Bearer {small_key}"}
+                assert (await http.get(small[0] + "/health", headers=auth)).status_code == 200
+                refused = await http.post(small[0] + "/generate", json=body, headers=auth)
+                assert refused.status_code == 400, refused.text
+                assert "maximum context length of 64 tokens" in refused.json()["error"]["message"]
+                taken = await http.post(default[0] + "/generate", json=body,
+                                        headers={"Authorization": f"Bearer {default_key}"})
+                assert taken.status_code == 200, taken.text
+                assert taken.json()["meta_info"]["prompt_tokens"] == len(prompt)
+
+    asyncio.run(run())
+
+
+def test_an_sglang_backend_without_urls_is_refused(tiny_model_dir: Path) -> None:
+    async def run() -> None:
+        async with AsyncExitStack() as stack:
+            await engine_urls(EngineConfig(backend="sglang"), tiny_model_dir, stack)
+
+    with pytest.raises(ConfigError, match=r"^engine\.urls: engine\.backend=sglang needs the URLs of running servers"):
+        asyncio.run(run())
+
+
+def test_rollout_server_binds_and_publishes_its_configured_addresses(
+    tmp_path: Path, redis_server: EmbeddedRedis, tiny_model_dir: Path
+) -> None:
+    """``python -m rollout_server`` serves its checkpoint receiver, metrics, episode endpoint and engine on the
+    configured host and ports, and publishes exactly those in the registry."""
+    grpc_port, metrics_port, openai_port, engine_port = free_ports(4)
+    log = tmp_path / "rollout.log"
+    overrides = [
+        f"run.name={RUN}", f"run.dir={tmp_path}", f"redis.url={redis_server.url}", f"model.path={tiny_model_dir}",
+        f"checkpoint.stage_dir={tmp_path}/stage", "rollout.server_id=srv-bind", "rollout.heartbeat_s=0.2",
+        "engine.threads=1", f"engine.host={HOST}", f"engine.port={engine_port}",
+        f"rollout.grpc_host={HOST}", f"rollout.grpc_port={grpc_port}",
+        f"rollout.metrics_host={HOST}", f"rollout.metrics_port={metrics_port}",
+        f"rollout.openai_host={HOST}", f"rollout.openai_port={openai_port}",
+    ]
+    registry = ServerRegistry(client(redis_server), KEYS)
+    env = {"ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
+    with component("rollout_server", log, *overrides, env=env) as proc:
+        [info] = wait_for("the server's registry record", registry.live_servers, proc, log)
+        assert info.server_id == "srv-bind"
+        assert info.grpc_address == f"{HOST}:{grpc_port}"
+        assert info.metrics_address == f"{HOST}:{metrics_port}"
+        assert info.openai_url == f"http://{HOST}:{openai_port}"
+        assert info.engine_url == f"http://{HOST}:{engine_port}"
+        assert "rollwave_rollout_" in httpx.get(f"http://{HOST}:{metrics_port}/metrics", timeout=10).text
+        episode = httpx.get(f"http://{HOST}:{openai_port}/episodes/none/v1/models", timeout=10)
+        assert episode.status_code == 404 and "episode 'none' does not exist" in episode.text  # the endpoint
+        with socket.create_connection((HOST, grpc_port), timeout=5):
+            pass
+        for port in (grpc_port, metrics_port, openai_port, engine_port):
+            assert refused_on_default_host(port), port
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text(errors="replace")[-4000:]
+
+
+def test_trainer_serves_metrics_on_its_configured_address(
+    tmp_path: Path, redis_server: EmbeddedRedis, tiny_model_dir: Path
+) -> None:
+    """``python -m trainer`` (rank 0) serves Prometheus on trainer.metrics_host:trainer.metrics_port and publishes
+    that address for the API."""
+    [port] = free_ports(1)
+    log = tmp_path / "trainer.log"
+    overrides = [
+        f"run.name={RUN}", f"run.dir={tmp_path}", f"redis.url={redis_server.url}", f"model.path={tiny_model_dir}",
+        f"checkpoint.stage_dir={tmp_path}/stage", "trainer.device=cpu", "trainer.threads=1",
+        "trainer.take_timeout_s=1", f"trainer.metrics_host={HOST}", f"trainer.metrics_port={port}",
+    ]
+    r = client(redis_server)
+    env = {"ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
+    with component("trainer", log, *overrides, env=env) as proc:
+        address = wait_for("the trainer's metrics address", lambda: r.hget(KEYS.trainer, "metrics_address"), proc, log)
+        assert address.decode() == f"{HOST}:{port}"
+        assert "rollwave_trainer_" in httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text
+        assert refused_on_default_host(port)
+
+
+def test_api_binds_its_configured_host(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+    """``python -m services.api`` binds api.host (loopback, so no token is needed) and publishes that URL."""
+    [port] = free_ports(1)
+    log = tmp_path / "api.log"
+    overrides = [f"run.name={RUN}", f"run.dir={tmp_path}", f"redis.url={redis_server.url}", f"api.host={HOST}",
+                 f"api.port={port}"]
+    r = client(redis_server)
+    with component("services.api", log, *overrides) as proc:
+        url = wait_for("the API's published URL", lambda: r.hget(KEYS.api, "url"), proc, log, timeout_s=60)
+        assert url.decode() == f"http://{HOST}:{port}"
+        assert httpx.get(f"http://{HOST}:{port}/healthz", timeout=10).json() == {"status": "ok"}
+        assert httpx.get(f"http://{HOST}:{port}/readyz", timeout=10).json() == {"status": "ready"}
+        assert refused_on_default_host(port)

@@ -219,6 +219,8 @@ def test_control_endpoints_need_a_valid_json_body(engine: str) -> None:
     bad = post(engine, "/pause_generation", {"mode": "bogus"})
     assert bad.status_code == 400 and bad.json()["type"] == "Bad Request"
     assert httpx.get(engine + "/no_such_route").json() == {"detail": "Not Found"}
+    metrics = httpx.get(engine + "/metrics").text
+    assert 'rollwave_engine_http_refused_total{status="404"} 1.0' in metrics  # the 400s: other tests count them too
 
 
 def test_duplicate_rid_in_flight_is_rejected_and_abort_matches_prefixes(engine: str) -> None:
@@ -313,7 +315,8 @@ def test_with_a_key_every_route_needs_it(tiny_model_dir: Path, tmp_path: Path) -
     assert {"/update_weights_from_disk", "/generate", "/pause_generation", "/health", "/metrics"} <= {
         p for p, _ in routes}
     planted = tmp_path / "planted"  # what an attacker would load: refused before it is even looked at
-    with EngineProcess(tiny_model_dir, threads=1, api_key=key) as proc:
+    log = tmp_path / "engine.log"
+    with EngineProcess(tiny_model_dir, threads=1, api_key=key, log_path=log) as proc:
         for path, method in routes:
             body = {"model_path": str(planted)} if method in ("POST", "PUT") else None
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
@@ -321,7 +324,10 @@ def test_with_a_key_every_route_needs_it(tiny_model_dir: Path, tmp_path: Path) -
                 assert (reply.status_code, reply.json()) == (401, {"error": "Unauthorized"}), (path, method, headers)
         auth = {"Authorization": f"Bearer {key}"}
         assert httpx.get(proc.url + "/health", headers=auth).status_code == 200
-        assert "rollwave_engine_generated_tokens_total" in httpx.get(proc.url + "/metrics", headers=auth).text
+        metrics = httpx.get(proc.url + "/metrics", headers=auth).text
+        assert "rollwave_engine_generated_tokens_total" in metrics
+        assert f'rollwave_engine_http_refused_total{{status="401"}} {3.0 * len(routes)}' in metrics
+        assert log.read_text().count('(401): {"error":"Unauthorized"}') == 3 * len(routes)
 
         async def through_the_client() -> tuple[str, dict]:
             async with EngineClient(proc.url, api_key=key) as client:

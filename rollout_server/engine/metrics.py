@@ -63,6 +63,10 @@ class EngineMetrics:
         self.memory_bytes = Gauge(
             "rollwave_engine_memory_bytes", "Bytes held by the weights and by the KV cache", ["kind"], registry=r
         )
+        self.http_refused = Counter(
+            "rollwave_engine_http_refused", "HTTP requests answered 4xx (bad request, unauthorized, refused call), "
+            "by status", ["status"], registry=r,
+        )
         self.refused = Counter(
             "rollwave_engine_refused", "Control calls refused (engine busy, memory released), by call", ["call"],
             registry=r,

@@ -242,7 +242,9 @@ class Scheduler:
         start = time.monotonic()
         if self.memory.released:
             self.metrics.refused.labels(call="update_weights").inc()
-            raise WeightError("the weights are released: resume_memory_occupation with tag 'weights' first")
+            reason = "the weights are released: resume_memory_occupation with tag 'weights' first"
+            log.warning("update_weights refused: %s", reason)
+            raise WeightError(reason)
         ahead: list[tuple[list[int], Layers]] = []
         if isinstance(tensors, PreparedWeights):
             if self._ahead is not None and self._ahead.prepared is tensors:

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from prometheus_client import Counter
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_server.engine.protocol import GenerateSpec
 from rollout_server.engine.routes import generate, info, lora, memory, object_error, weights
 from rollout_server.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+REASON_BYTES = 500  # of a refusal's body, logged as its reason
 
 
 class BearerAuth:
@@ -36,6 +41,36 @@ class BearerAuth:
                 await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RefusalLog:
+    """Logs every 4xx the engine answers with the reason its body gives, and counts it by status: whichever route,
+    middleware or validator refused the request."""
+
+    def __init__(self, app: ASGIApp, counter: Counter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status, body = 0, b""
+
+        async def watched(message: Message) -> None:
+            nonlocal status, body
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif 400 <= status < 500 and len(body) < REASON_BYTES:
+                body += message.get("body", b"")
+            await send(message)
+
+        await self.app(scope, receive, watched)
+        if 400 <= status < 500:
+            self.counter.labels(status=str(status)).inc()
+            client = scope.get("client") or ("?", 0)
+            log.warning("refused %s %s from %s (%d): %s", scope["method"], scope["path"], client[0], status,
+                        body[:REASON_BYTES].decode(errors="replace"))
 
 
 def create_app(engine: Scheduler, spec: GenerateSpec, api_key: str | None = None) -> FastAPI:
@@ -64,4 +99,5 @@ def create_app(engine: Scheduler, spec: GenerateSpec, api_key: str | None = None
         app.include_router(module.router)
     if api_key is not None:
         app.add_middleware(BearerAuth, key=api_key)
+    app.add_middleware(RefusalLog, counter=engine.metrics.http_refused)  # outermost: it sees BearerAuth's 401s too
     return app

@@ -162,6 +162,7 @@ class ReplayBuffer:
         result = int(self._put(keys, args))
         if result == 0:
             self.metrics.duplicates_dropped.inc()
+            log.info("group %s was written before: dropped this copy (its task acked)", group.group_id)
         return result
 
     def put(self, group: TrajectoryGroup, task: TaskEntry | None = None, timeout_s: float | None = None) -> bool:
@@ -273,6 +274,8 @@ class ReplayBuffer:
             pipe.xdel(self.keys.groups, *duplicates)
             pipe.execute()
             self.metrics.duplicates_dropped.inc(len(duplicates))
+            log.info("%s: acked away %d duplicate entries (groups already trained on or held): %s",
+                     self.keys.groups, len(duplicates), ", ".join(duplicates))
         return out
 
     def _drop_cancelled(self, items: list[tuple[str, TrajectoryGroup]]) -> list[tuple[str, TrajectoryGroup]]:
@@ -291,6 +294,7 @@ class ReplayBuffer:
         return [(e, g) for e, g in items if g.job_id not in cancelled]
 
     def _move_malformed(self, entry_id: str, fields: dict[bytes, bytes], error: str) -> None:
+        log.warning("%s: moved to %s: %s", self.keys.groups, self.keys.groups_malformed, error)
         raw = {b"f." + k: v for k, v in fields.items()}
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.keys.groups_malformed, {"stream": self.keys.groups, "entry_id": entry_id, "error": error, **raw})

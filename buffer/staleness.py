@@ -25,6 +25,7 @@ Filter: the trainer drops a group whose oldest generated token came from a polic
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,8 @@ from buffer.keys import Keys
 from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
 from core.config import BufferConfig
+
+log = logging.getLogger(__name__)
 
 # KEYS: admitted, version, admitted ids, version's trained groups, group state. ARGV: group id, max_staleness, groups
 # per version, served version ('' if unknown). A group already written (its task done by another server that
@@ -92,6 +95,8 @@ def split_stale(
         (stale if is_stale(item[1], version, max_staleness) else fresh).append(item)
     if stale:
         metrics.stale_dropped.inc(len(stale))
+        log.info("dropped %d stale group(s) at policy version %d (buffer.max_staleness %d): %s", len(stale), version,
+                 max_staleness, ", ".join(f"{g.group_id} (v{g.oldest_version()})" for _, g in stale))
     return fresh, stale
 
 

@@ -234,6 +234,7 @@ class TaskQueue:
 
     def move_malformed(self, stream: str, entry_id: str, fields: Mapping[bytes, bytes], error: str) -> None:
         """Move an unparseable entry to the malformed stream with the error and its raw fields."""
+        log.warning("%s: moved to %s: %s", stream, self.keys.tasks_malformed, error)
         raw = {b"f." + k: v for k, v in fields.items()}
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.keys.tasks_malformed, {"stream": stream, "entry_id": entry_id, "error": error, **raw})
@@ -253,6 +254,7 @@ class TaskQueue:
         moved = bool(self._dead_letter(keys, [*self._entry_args(entry), entry.deliveries, error]))
         if moved:
             self.metrics.dead_letters.inc()
+            log.warning("task %s (job %s) dead-lettered: %s", entry.group_id, entry.job_id, error)
         return moved
 
     def cancel(self, entry: TaskEntry) -> bool:
@@ -262,6 +264,7 @@ class TaskQueue:
         done = bool(self._cancel(keys, [ROLLOUT_GROUP, entry.entry_id, entry.group_id]))
         if done:
             self.metrics.cancelled.labels(stream="tasks").inc()
+            log.info("task %s of cancelled job %s acked away unrolled", entry.group_id, entry.job_id)
         return done
 
     def fail(self, entry: TaskEntry, error: str) -> bool:

@@ -253,8 +253,10 @@ class EpisodeStore:
         app = FastAPI(title="rollwave episode endpoint", docs_url=None, redoc_url=None)
 
         @app.exception_handler(APIError)
-        async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        async def _api_error(request: Request, exc: APIError) -> JSONResponse:
             self.metrics.openai_requests.labels(outcome=exc.code).inc()
+            log.warning("refused %s %s (%d %s): %s", request.method, request.url.path, exc.status, exc.code,
+                        exc.message)
             return exc.response()
 
         @app.exception_handler(RequestValidationError)

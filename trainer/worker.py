@@ -257,6 +257,8 @@ class Trainer:
             ids = [g.group_id for _, g in dropped]
             source.ack([e for e, _ in dropped], ids, degenerate_group_ids=ids)
             self.buffer_metrics.degenerate_dropped.inc(len(dropped))
+            log.info("dropped %d group(s) whose rewards are all equal (buffer.filter_degenerate_groups): %s",
+                     len(dropped), ", ".join(ids))
             self._degenerate_dropped += len(dropped)
         return kept
 

@@ -272,6 +272,29 @@ def test_real_engine_continues_a_multi_turn_context(engine_url: str, tokenizer: 
         assert _teacher_forced_gap(model, s, only=real) <= 1e-4
 
 
+def test_top_k_and_top_p_reach_the_engine_and_make_sampling_greedy(engine_url: str, tokenizer: Any,
+                                                                    model: Any) -> None:
+    """rollout.top_k and rollout.top_p go with every request: at temperature 1 the default samples of a group
+    differ, while top_k=1, or a top_p below the top token's probability, leaves only the most likely token: every
+    sample is the same greedy argmax continuation."""
+    task = load_tasks("arith", split="test", limit=1)[0]
+
+    async def roll(**sampling: Any) -> list[list[int]]:
+        async with EngineClient(engine_url) as client:
+            group = await _loop(client, tokenizer, max_new_tokens=12, max_turns=1, **sampling).run_group(
+                task, run="r", job_id="j", n=4)
+        return [s.token_ids.tolist() for s in group.samples]
+
+    default, top_k, top_p = (asyncio.run(roll(**sampling)) for sampling in ({}, {"top_k": 1}, {"top_p": 1e-6}))
+    assert len({tuple(ids) for ids in default}) > 1
+    assert top_k == top_p == [top_k[0]] * 4
+    greedy = torch.tensor([top_k[0]])
+    prompt_len = len(ChatRenderer(tokenizer).prompt_ids(task.messages, [CalculatorTool().schema]))
+    with torch.no_grad():
+        argmax = model(greedy).logits[0, prompt_len - 1 : -1].argmax(-1)
+    assert greedy[0, prompt_len:].tolist() == argmax.tolist()
+
+
 class FlakyTool(Tool):
     default_name = "flaky"
     default_schema = {"type": "function", "function": {"name": "flaky", "parameters": {"type": "object"}}}

@@ -127,6 +127,20 @@ def test_secrets_come_from_a_file_or_the_environment(tmp_path: Path) -> None:
         load_config(None, [f"engine.api_key_file={tmp_path / 'absent'}"], env={})
 
 
+@pytest.mark.parametrize("key", ["engine.api_key", "checkpoint.token"])
+def test_a_secret_file_alone_sets_the_secret(tmp_path: Path, key: str) -> None:
+    """``engine.api_key_file`` / ``checkpoint.token_file`` with no environment variable: the secret is the file's
+    content without its surrounding whitespace, and it is what the component that needs it gets."""
+    secret = "k3y-" + "x" * 36
+    path = tmp_path / "secret"
+    path.write_text(f"  {secret}\n\n")
+    cfg = load_config(None, [f"{key}_file={path}"], env={})
+    section, field = key.split(".")
+    assert getattr(getattr(cfg, section), field).get_secret_value() == secret
+    assert require_secret(cfg, key) == secret
+    assert getattr(getattr(load_config(None, [], env={}), section), field) is None  # unset without the file
+
+
 def test_dumped_configs_mask_secrets_and_read_them_back_from_the_environment(tmp_path: Path) -> None:
     cfg = load_config(None, [f"api.token={SECRET}", f"checkpoint.token={'c' * 40}"], env={})
     dumped = dump_config(cfg)

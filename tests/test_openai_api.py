@@ -183,6 +183,21 @@ def test_edited_history_is_marked_and_counted(tokenizer: Any, engine_url: str) -
     assert store.metrics.total("rollwave_rollout_history_mismatches_total") == 1
 
 
+def test_top_k_and_top_p_reach_the_engine(tokenizer: Any, engine_url: str) -> None:
+    """The episode's rollout.top_k / rollout.top_p go with the agent's requests to the engine: at temperature 1
+    episodes differ by default, and are all the same greedy completion with top_k=1 or a tiny top_p."""
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        await client.chat.completions.create(model="rollwave", messages=MESSAGES)
+
+    def completion(**sampling: Any) -> tuple[int, ...]:
+        sample, _ = _run(tokenizer, EngineClient(engine_url), agent, **sampling)
+        return tuple(sample.token_ids.tolist()[sample.prompt_len:])
+
+    assert len({completion() for _ in range(3)}) > 1
+    assert len({completion(top_k=1), completion(top_k=1), completion(top_p=1e-6), completion(top_p=1e-6)}) == 1
+
+
 def test_posted_reward_replaces_the_reward_function(tokenizer: Any) -> None:
     engine = ScriptedEngine(tokenizer, [("The answer is 41.", "stop")])
 

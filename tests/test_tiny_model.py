@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core.config import load_config
 from core.tasks.arith import CALCULATOR_SCHEMA, demonstration, generate
-from core.tiny_model import MARKER, build_tiny_model
+from core.tiny_model import MARKER, build_tiny_model, ensure_model
 from services.cli import main
 
 ECHO_SCHEMA = {
@@ -39,6 +40,19 @@ def test_same_seed_same_bytes_other_seed_other_weights(tiny_model_dir: Path, tmp
         # the tokenizer is seed-free, so models of every seed share token ids
         assert (again / name).read_bytes() == (tiny_model_dir / name).read_bytes()
         assert (other / name).read_bytes() == (tiny_model_dir / name).read_bytes()
+
+
+def test_model_seed_picks_the_weights_ensure_model_builds(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``model.seed`` is the seed of the tiny model a run builds (``init_if_missing``): the same seed gives the same
+    weights in another directory, and they differ from the default seed's (the session model, seed 0)."""
+    built = [
+        ensure_model(load_config(None, [f"model.path={tmp_path / name}", "model.init_if_missing=true",
+                                        "model.seed=7"], env={}).model)
+        for name in ("a", "b")
+    ]
+    weights = [(d / "model.safetensors").read_bytes() for d in built]
+    assert weights[0] == weights[1] != (tiny_model_dir / "model.safetensors").read_bytes()
+    assert json.loads((built[0] / MARKER).read_text())["seed"] == 7
 
 
 def test_existing_build_is_reused_and_foreign_dirs_are_refused(tmp_path: Path) -> None:

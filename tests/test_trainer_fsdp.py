@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -362,3 +363,63 @@ def test_lr_schedule_warmup_then_constant_or_cosine() -> None:
     assert [lr_factor(s, cos) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
     assert lr_factor(6, cos) == pytest.approx(0.5)  # halfway through the 8 decay steps
     assert lr_factor(10, cos) == pytest.approx(0.0) and lr_factor(50, cos) == pytest.approx(0.0)
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+
+
+def _second_step_after_a_gradient(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A step on a gradient of ones, then one on a zero gradient: the weights before and after that second step.
+    With a zero gradient AdamW moves a weight only by its decay and by the first moment (β1) it kept."""
+    for grad in (1.0, 0.0):
+        before = [_full(p) for p in _optimizer_params(optimizer)]
+        for p in _optimizer_params(optimizer):
+            p.grad = torch.full_like(p, grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return before, [_full(p) for p in _optimizer_params(optimizer)]
+
+
+def test_weight_decay_and_betas_reach_the_policy_and_critic_optimizers(ctx: DistContext, tiny_model_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    """trainer.weight_decay and trainer.betas set both AdamWs the trainer builds: with β1 = 0 a step on a zero
+    gradient keeps no momentum and only decays each weight by lr·wd; with the defaults (β1 = 0.9, no decay) the
+    same step still moves the weights on the first step's momentum."""
+    cfg = {**CFG, "advantage": "gae", "kl_coef": 0.0}
+    tuned = Trainer(TrainerConfig(**cfg, weight_decay=0.1, betas=(0.0, 0.99)), tiny_model_dir, tmp_path / "a")
+    tuned.start(ctx=ctx)
+    assert tuned.critic is not None
+    for optimizer in (tuned.optimizer, tuned.critic[1]):
+        [group] = optimizer.param_groups
+        assert (group["weight_decay"], group["betas"]) == (0.1, (0.0, 0.99))
+        before, after = _second_step_after_a_gradient(optimizer)
+        shrink = 1.0 - group["lr"] * 0.1
+        assert max(b.abs().max().item() for b in before) > 0.1 and shrink < 1.0
+        for b, a in zip(before, after, strict=True):
+            torch.testing.assert_close(a, b * shrink, rtol=1e-6, atol=0)
+    tuned.close()
+    default = Trainer(TrainerConfig(**cfg), tiny_model_dir, tmp_path / "b").start(ctx=ctx)
+    assert default.critic is not None
+    for optimizer in (default.optimizer, default.critic[1]):
+        before, after = _second_step_after_a_gradient(optimizer)
+        assert min((a - b).abs().min().item() for b, a in zip(before, after, strict=True)) > 0  # momentum moved all
+    default.close()
+
+
+def test_clip_eps_sets_how_many_tokens_the_later_minibatches_clip(ctx: DistContext, tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """trainer.clip_eps reaches the step's loss: over 4 minibatches at a high lr the later ones are clipped
+    against π_prox, and a tight ε clips more tokens than the default 0.2, giving another loss."""
+    cfg = {**CFG, "kl_coef": 0.0, "loss": "ppo", "lr": 0.05, "grad_clip": 100.0, "ppo_minibatches": 4}
+    records = {}
+    for eps in (1e-3, 0.2):
+        trainer = Trainer(TrainerConfig(**cfg, clip_eps=eps), tiny_model_dir, tmp_path / str(eps)).start(ctx=ctx)
+        records[eps] = trainer.train(synthetic_groups(0, 4))
+        trainer.close()
+    assert records[1e-3]["clip_fraction"] > records[0.2]["clip_fraction"] + 0.05  # of all tokens
+    assert records[1e-3]["pg_loss"] != records[0.2]["pg_loss"]

@@ -1,0 +1,176 @@
+"""``checkpoint.retries``: a Stage broken by the network is tried again, as many more times as the key says.
+
+A real receiver (on a background event loop, as in a rollout server) in front of a real embedded engine; the
+pusher reaches it through a TCP proxy that cuts one connection in the middle of a Stage stream, as a network
+fault would. The retry reconnects and streams again; without a retry left the push fails at stage ``stage``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from core.config import CheckpointConfig
+from rollout_server.checkpoint_receiver import CheckpointReceiver
+from rollout_server.engine.process import EngineProcess
+from rollout_server.engine_client import EngineClient
+from trainer.checkpoint_pusher import CheckpointPusher, PushResult
+
+TOKEN = secrets.token_urlsafe(32)
+WAIT_S = 60.0
+CUT_AFTER = 256 << 10  # bytes towards the receiver: far past Prove and Status, well inside a 2.4 MB Stage
+
+
+class CuttingProxy:
+    """A loopback TCP proxy to ``upstream`` that resets the next ``arm()``ed connection once it has carried
+    ``CUT_AFTER`` bytes towards the receiver; every other connection passes untouched."""
+
+    def __init__(self, upstream: tuple[str, int]):
+        self.upstream = upstream
+        self.cuts = 0
+        self._armed = 0
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._spawn(self._accept)
+
+    def arm(self) -> None:
+        with self._lock:
+            self._armed += 1
+
+    def _spawn(self, target: object, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(self.upstream)
+            with self._lock:
+                armed, self._armed = self._armed > 0, max(self._armed - 1, 0)
+                self._sockets += [client, server]
+            pair = (client, server)
+            self._spawn(self._pump, client, server, pair, CUT_AFTER if armed else None)
+            self._spawn(self._pump, server, client, pair, None)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, pair: tuple[socket.socket, socket.socket],
+              cut_after: int | None) -> None:
+        carried = 0
+        while True:
+            try:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                carried += len(data)
+                if cut_after is not None and carried > cut_after:
+                    with self._lock:
+                        self.cuts += 1
+                    for sock in pair:  # a reset both ways, as a dropped link
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                    break
+                dst.sendall(data)
+            except OSError:
+                break
+        for sock in pair:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            sockets = list(self._sockets)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in self._threads:
+            thread.join(WAIT_S)
+        for sock in sockets:
+            sock.close()
+
+
+class ProxiedServer:
+    """An engine process and its checkpoint receiver, reached through a ``CuttingProxy``. The receiver proves the
+    address the pusher dials (the proxy's), as a server behind a forwarded port is registered under that one."""
+
+    def __init__(self, model_dir: Path, stage_dir: Path, log_dir: Path):
+        self.config = CheckpointConfig(token=TOKEN, stage_dir=stage_dir, chunk_bytes=64 << 10, connect_timeout_s=5.0)
+        self.engine = EngineProcess(model_dir, log_path=log_dir / "engine.log").start()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.client = EngineClient(self.engine.url)
+        self.receiver = CheckpointReceiver(self.config, model_dir, self.client, self.engine.url, "server0")
+        self._run(self.receiver.start())
+        self.proxy = CuttingProxy((self.receiver.host, self.receiver.port))
+        self.receiver.service.address = self.proxy.address
+
+    def _run(self, coro: object) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(WAIT_S)  # type: ignore[arg-type]
+
+    def push(self, model: PreTrainedModel, version: int, retries: int) -> PushResult:
+        """One push with ``checkpoint.retries=retries`` whose first Stage connection the proxy cuts."""
+        self.proxy.arm()
+        pusher = CheckpointPusher(self.config.model_copy(update={"retries": retries}), [self.proxy.address])
+        try:
+            pushed = pusher.push_model(model, version=version)
+            assert pushed is not None
+            [result] = pushed.wait(WAIT_S).servers
+            return result
+        finally:
+            pusher.close()
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self.receiver.stop()
+            await self.client.aclose()
+
+        try:
+            self.proxy.close()
+            self._run(stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+            self.loop.close()
+            self.engine.close()
+
+
+@pytest.fixture
+def server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ProxiedServer]:
+    proxied = ProxiedServer(tiny_model_dir, tmp_path / "stage", tmp_path)
+    try:
+        yield proxied
+    finally:
+        proxied.close()
+
+
+def test_a_stage_cut_by_the_network_is_retried_only_with_retries_left(server: ProxiedServer,
+                                                                      tiny_model_dir: Path) -> None:
+    """retries=0: the cut Stage fails the push, tried once, and the server keeps its version. retries=1: the same
+    cut costs one more Stage attempt on a new connection, and the version is committed."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    none = server.push(model, version=1, retries=0)
+    assert (none.ok, none.stage, none.reason, none.stage_attempts, none.commit_attempts) == (
+        False, "stage", "unavailable", 1, 0), none
+    assert server.proxy.cuts == 1 and server.receiver.version == 0
+    once = server.push(model, version=1, retries=1)
+    assert (once.ok, once.stage_attempts, once.commit_attempts) == (True, 2, 1), once
+    assert server.proxy.cuts == 2 and server.receiver.version == 1

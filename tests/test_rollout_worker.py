@@ -143,6 +143,26 @@ def test_worker_serves_then_finishes_in_flight_group_on_sigterm(redis_server: Em
     assert all(s.num_generated > 0 and s.oldest_version() == 0 for s in group.samples)
 
 
+def test_eval_groups_in_flight_are_capped_by_max_concurrent_eval_groups(redis_server: EmbeddedRedis, workers) -> None:
+    """rollout.max_concurrent_eval_groups=2: of six eval tasks the worker never holds more than two at once (a task
+    read stays pending until its group is written); at the default (64) it takes all six together."""
+    r = client(redis_server)
+    peaks = {}
+    for name, extra in (("srv-cap", ("rollout.max_concurrent_eval_groups=2",)), ("srv-free", ())):
+        job = f"ev-{name}"
+        submit(redis_server, job, 6, "eval")
+        w = workers(name, "rollout.max_new_tokens=48", *extra)
+        peaks[name], deadline = 0, time.monotonic() + 90
+        while r.xlen(KEYS.eval(job)) < 6:  # polled closely: an episode of the tiny model may last a fraction of a s
+            held = r.xpending(KEYS.tasks("eval"), ROLLOUT_GROUP)["consumers"]
+            peaks[name] = max([peaks[name]] + [c["pending"] for c in held if c["name"] == name.encode()])
+            assert w.proc.poll() is None and time.monotonic() < deadline, w.log()
+            time.sleep(0.005)
+        w.proc.send_signal(signal.SIGTERM)
+        assert w.proc.wait(60) == 0, w.log()
+    assert 1 <= peaks["srv-cap"] <= 2 and peaks["srv-free"] > 2, peaks
+
+
 def test_sigkilled_worker_task_is_finished_by_another_and_written_once(
     redis_server: EmbeddedRedis, workers
 ) -> None:

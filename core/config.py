@@ -344,6 +344,10 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    dist_timeout_s: float = Field(
+        1800.0, gt=0, description="several ranks: how long the rendezvous waits for every rank, and a collective "
+        "for the slowest one, before it is an error naming the pool's address (torch's gloo default)"
+    )
     threads: int = Field(0, ge=0, description="torch intra-op threads per rank (0: torch's default)")
     metrics_port: int | None = Field(
         0, ge=0, le=65535, description="rank 0; 0 picks a free port (published in the trainer status); null: none"
@@ -512,6 +516,10 @@ class Config(Section):
                 raise ValueError("placement.mode=colocated: model.lora is not supported (the local push writes "
                                  "full weights); use placement.mode=decoupled")
             self.buffer.max_staleness = self.placement.colocated_staleness
+            if self.trainer.dist_timeout_s <= self.placement.colocated_timeout_s:
+                raise ValueError(f"trainer.dist_timeout_s ({self.trainer.dist_timeout_s:g}) must exceed "
+                                 f"placement.colocated_timeout_s ({self.placement.colocated_timeout_s:g}): the other "
+                                 "ranks wait at a barrier while rank 0 waits for the servers to release")
         return self
 
 

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_model(cfg.model)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
-    ctx = init_distributed(cfg.trainer.device)
+    ctx = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     with contextlib.ExitStack() as stack:
         stack.callback(close_distributed)
         metrics = CollectorRegistry()

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -56,17 +57,22 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _join_env_group(backend: str) -> None:
+def _join_env_group(backend: str, timeout_s: float) -> None:
     """``env://`` rendezvous; rank 0 binds MASTER_PORT, retried while it is busy (e.g. by the rank it
-    replaces), so a restarted pool does not die on its old port."""
+    replaces), so a restarted pool does not die on its old port. A rank missing after ``timeout_s`` is an error
+    naming the pool's address, this rank and the stage."""
+    where = (f"trainer rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
+             f"(rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']})")
 
     def join(_port: int) -> None:
         try:
-            dist.init_process_group(backend, init_method="env://")
+            dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
         except dist.DistNetworkError as exc:
             if "EADDRINUSE" in str(exc):
                 raise OSError(errno.EADDRINUSE, str(exc)) from exc
-            raise
+            raise ConnectionError(f"{where}: {str(exc).splitlines()[0]} (trainer.dist_timeout_s)") from None
+        except dist.DistStoreError as exc:
+            raise TimeoutError(f"{where}: {str(exc).splitlines()[0]} (trainer.dist_timeout_s)") from None
 
     bind_retrying(join, "trainer rendezvous (MASTER_PORT)", os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 
@@ -76,7 +82,7 @@ def several_ranks() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def init_distributed(device: str = "auto") -> DistContext:
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistContext:
     """Join (or create) the process group from torchrun's environment.
 
     A pool of one (no RANK/WORLD_SIZE, or WORLD_SIZE=1) needs no rendezvous: its store is in-process,
@@ -90,7 +96,7 @@ def init_distributed(device: str = "auto") -> DistContext:
             missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
             if missing:
                 raise ValueError(f"WORLD_SIZE is set but {', '.join(missing)} is not")
-            _join_env_group(backend)
+            _join_env_group(backend, timeout_s)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dev.type == "cuda":

@@ -127,7 +127,7 @@ class Trainer:
         """Join the process group, load and shard the model, and restore the latest checkpoint if asked. Rank 0's
         ``source`` acks the groups the checkpoint covers before the start push, which counts what its weights
         were trained on (without it, covered groups that were acked before are counted again)."""
-        self.ctx = ctx or init_distributed(self.cfg.device)
+        self.ctx = ctx or init_distributed(self.cfg.device, self.cfg.dist_timeout_s)
         adapter = partial(add_adapter, lora=self.lora, base_model=str(self.model_path)) if self.lora else None
         self.model = load_model(self.model_path, self.ctx, prepare=adapter)
         ref = None

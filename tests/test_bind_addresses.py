@@ -1,13 +1,15 @@
-"""Every bind address and port a component reads from the config is the one it serves on.
+"""Every bind address and port a component reads from the config is the one it serves on and publishes.
 
-Each server binds 127.0.0.2, a loopback address (Linux routes all of 127.0.0.0/8 to ``lo``) other than the default
-127.0.0.1, on a fixed free port, so a component that ignored the key would serve (and publish) 127.0.0.1 or a port
-of its own choosing. Each also shows nothing answers at 127.0.0.1 on that port: the key picked the address.
+Each server is given the host ``localhost`` (not the default ``127.0.0.1``, yet still 127.0.0.1 for an IPv4
+socket: tests bind loopback only) and a fixed free port, so a component that ignored the host key would publish
+``127.0.0.1``, and one that ignored the port a port of its own choosing. Each also shows, from the kernel's socket
+table, that what listens on that port is bound to loopback, never to a wildcard address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import secrets
 import signal
@@ -33,31 +35,41 @@ from core.process import stop_process
 from rollout_server.__main__ import engine_urls
 
 ROOT = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.2"  # loopback, and not the default 127.0.0.1
+HOST = "localhost"  # not the default 127.0.0.1, and loopback
 RUN = "bind"
 KEYS = Keys(RUN)
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports below the ephemeral range (no port-0 bind elsewhere takes them), free on ``HOST`` and
-    on 127.0.0.1 (where the tests then find nothing listening)."""
+    """``n`` distinct free ports below the ephemeral range (no port-0 bind elsewhere takes them)."""
     ports: set[int] = set()
     while len(ports) < n:
-        port = free_port_outside_ephemeral(HOST)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.add(port)
+        ports.add(free_port_outside_ephemeral("127.0.0.1"))
     return sorted(ports)
 
 
-def refused_on_default_host(port: int) -> bool:
-    """Whether a TCP connect to 127.0.0.1:``port`` is refused: nothing listens there."""
-    with socket.socket() as sock:
-        sock.settimeout(5)
-        return sock.connect_ex(("127.0.0.1", port)) != 0
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses of the sockets listening on ``port`` (IPv4 and IPv6), from /proc/net/tcp{,6}."""
+    found = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)  # the kernel prints each 32-bit word in host (little-endian) order
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add(socket.inet_ntop(family, words))
+    return found
+
+
+def on_loopback_only(port: int) -> bool:
+    """Something listens on ``port``, and only on loopback: 127.0.0.1, or for gRPC, which binds every address of
+    ``localhost``, ::1 and 127.0.0.1 as ::ffff:127.0.0.1; never a wildcard address."""
+    addresses = [ipaddress.ip_address(a) for a in listening_addresses(port)]
+    mapped = [a.ipv4_mapped if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped else a for a in addresses]
+    return bool(mapped) and all(a.is_loopback for a in mapped)
 
 
 @contextmanager
@@ -100,7 +112,7 @@ def test_engine_host_port_and_max_context_are_the_embedded_engines(tiny_model_di
             )
             assert small == [f"http://{HOST}:{port}"]
             assert default[0].startswith("http://127.0.0.1:") and default[0] != f"http://127.0.0.1:{port}"
-            assert refused_on_default_host(port)
+            assert on_loopback_only(port)
             async with httpx.AsyncClient(timeout=60) as http:
                 auth = {"Authorization": f"Bearer {small_key}"}
                 assert (await http.get(small[0] + "/health", headers=auth)).status_code == 200
@@ -154,7 +166,7 @@ def test_rollout_server_binds_and_publishes_its_configured_addresses(
         with socket.create_connection((HOST, grpc_port), timeout=5):
             pass
         for port in (grpc_port, metrics_port, openai_port, engine_port):
-            assert refused_on_default_host(port), port
+            assert on_loopback_only(port), port
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text(errors="replace")[-4000:]
 
@@ -177,7 +189,7 @@ def test_trainer_serves_metrics_on_its_configured_address(
         address = wait_for("the trainer's metrics address", lambda: r.hget(KEYS.trainer, "metrics_address"), proc, log)
         assert address.decode() == f"{HOST}:{port}"
         assert "rollwave_trainer_" in httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text
-        assert refused_on_default_host(port)
+        assert on_loopback_only(port)
 
 
 def test_api_binds_its_configured_host(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
@@ -192,4 +204,4 @@ def test_api_binds_its_configured_host(tmp_path: Path, redis_server: EmbeddedRed
         assert url.decode() == f"http://{HOST}:{port}"
         assert httpx.get(f"http://{HOST}:{port}/healthz", timeout=10).json() == {"status": "ok"}
         assert httpx.get(f"http://{HOST}:{port}/readyz", timeout=10).json() == {"status": "ready"}
-        assert refused_on_default_host(port)
+        assert on_loopback_only(port)

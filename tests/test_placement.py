@@ -3,16 +3,22 @@ runs one torch thread per CPU unless told otherwise; a CPU it may not use is ref
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
+import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
 
-from core.config import ConfigError
+from buffer.redis_server import EmbeddedRedis
+from core.config import ConfigError, EngineConfig
 from core.placement import pin
+from rollout_server.__main__ import engine_urls
 from tests.stack_helpers import affinities
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,3 +78,75 @@ def test_a_component_refuses_its_placement_at_start(tmp_path: Path) -> None:
                           capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env={**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": "x" * 32})
     assert proc.returncode == 2 and "placement.trainer_cpus: CPU 4096" in proc.stderr, proc.stderr
+
+
+# Imported by every Python process started with its folder first on PYTHONPATH: it writes the torch thread count the
+# process runs with to $THREADS_PROBE_OUT once $THREADS_PROBE_OUT.ask exists (from a thread of its own: torch hands
+# every thread the count set last), or at a normal exit.
+THREADS_PROBE = """
+import atexit, os, sys, threading, time
+
+def _report():
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        with open(os.environ["THREADS_PROBE_OUT"] + ".tmp", "w") as out:
+            out.write(str(torch.get_num_threads()))
+        os.replace(os.environ["THREADS_PROBE_OUT"] + ".tmp", os.environ["THREADS_PROBE_OUT"])
+
+def _on_ask():
+    while not os.path.exists(os.environ["THREADS_PROBE_OUT"] + ".ask"):
+        time.sleep(0.05)
+    _report()
+
+threading.Thread(target=_on_ask, daemon=True).start()
+atexit.register(_report)
+"""
+
+
+def _probe_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """(the variables that make a Python process report its torch threads, the file it writes them to). Torch's
+    own default there is 1 thread (OMP_NUM_THREADS), so a count of 2 comes from the config alone."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(THREADS_PROBE)
+    path = os.pathsep.join(p for p in (str(probe), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    out = tmp_path / "torch_threads"
+    return {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "THREADS_PROBE_OUT": str(out)}, out
+
+
+def test_the_embedded_engine_runs_engine_threads_torch_threads(tmp_path: Path, tiny_model_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.threads reaches the embedded engine the rollout server starts (``engine_urls``): its process runs 2
+    torch threads where torch alone would run 1."""
+    env, out = _probe_env(tmp_path)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+    async def ask_while_serving() -> None:
+        async with AsyncExitStack() as stack:
+            await engine_urls(EngineConfig(threads=2), tiny_model_dir, stack)  # returns once the engine is healthy
+            Path(f"{out}.ask").touch()
+            deadline = time.monotonic() + 30
+            while not out.exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+
+    asyncio.run(ask_while_serving())
+    assert out.read_text() == "2"
+
+
+def test_the_trainer_runs_trainer_threads_torch_threads(tmp_path: Path, tiny_model_dir: Path,
+                                                        redis_server: EmbeddedRedis) -> None:
+    """trainer.threads reaches ``python -m trainer``: the process runs 2 torch threads where torch alone would run 1
+    (an empty buffer with stop_when_drained makes it exit after one read)."""
+    env, out = _probe_env(tmp_path)
+    env["ROLLWAVE_CHECKPOINT_TOKEN"] = secrets.token_urlsafe(32)
+    overrides = [
+        "run.name=threads", f"run.dir={tmp_path}", f"redis.url={redis_server.url}", f"model.path={tiny_model_dir}",
+        f"checkpoint.stage_dir={tmp_path}/stage", "trainer.device=cpu", "trainer.threads=2",
+        "trainer.take_timeout_s=1", "trainer.stop_when_drained=true",
+    ]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAVE_") and k != "REDIS_URL"}
+    proc = subprocess.run([sys.executable, "-m", "trainer", *overrides], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env={**clean, **env})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert out.read_text() == "2"

@@ -23,7 +23,14 @@ from core.net import free_port_outside_ephemeral
 from trainer import losses
 from trainer.batching import collate, fed_tokens, lay_out, layout, plan_ranks
 from trainer.optim import apply_gradients, lr_factor
-from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, iter_full_params
+from trainer.parallel import (
+    DistContext,
+    close_distributed,
+    exit_rank,
+    init_distributed,
+    iter_full_params,
+    resolve_device,
+)
 from trainer.worker import Trainer
 
 STEPS = 3
@@ -423,3 +430,82 @@ def test_clip_eps_sets_how_many_tokens_the_later_minibatches_clip(ctx: DistConte
         trainer.close()
     assert records[1e-3]["clip_fraction"] > records[0.2]["clip_fraction"] + 0.05  # of all tokens
     assert records[1e-3]["pg_loss"] != records[0.2]["pg_loss"]
+
+
+def _grad_norm_at_step(optimizer: torch.optim.Optimizer, seen: list[float]) -> None:
+    """Record in ``seen`` the global norm of the gradients ``optimizer`` steps on: after the clip, before Adam."""
+
+    def hook(opt: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
+        grads = [_full(p.grad).double() for p in _optimizer_params(opt) if p.grad is not None]
+        seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+    optimizer.register_step_pre_hook(hook)
+
+
+def test_grad_clip_bounds_the_gradient_the_policy_and_critic_optimizers_step_on(
+    ctx: DistContext, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """trainer.grad_clip scales the policy's and the critic's gradients down to that norm before AdamW steps: at
+    1e-3 both optimizers see a norm of exactly 1e-3 (the default 1.0 would leave them at their own norm, or 1.0),
+    while the record reports the norm before the clip, far above it; with a clip far above the norm, the
+    optimizers see the reported norm itself."""
+    cfg = {**CFG, "advantage": "gae", "kl_coef": 0.0}
+    for clip in (1e-3, 1e6):
+        trainer = Trainer(TrainerConfig(**cfg, grad_clip=clip), tiny_model_dir, tmp_path / str(clip)).start(ctx=ctx)
+        assert trainer.critic is not None
+        policy: list[float] = []
+        critic: list[float] = []
+        _grad_norm_at_step(trainer.optimizer, policy)
+        _grad_norm_at_step(trainer.critic[1], critic)
+        record = trainer.train(synthetic_groups(0, GROUPS))
+        trainer.close()
+        assert record["policy_updates"] == 1 and len(policy) == len(critic) == 1
+        assert min(record["grad_norm"], record["critic_grad_norm"]) > 0.01  # the clip at 1e-3 really acts
+        if clip < 1:
+            assert policy[0] == pytest.approx(clip, rel=1e-4) and critic[0] == pytest.approx(clip, rel=1e-4)
+        else:
+            assert policy[0] == pytest.approx(record["grad_norm"], rel=1e-5)
+            assert critic[0] == pytest.approx(record["critic_grad_norm"], rel=1e-5)
+
+
+def test_kl_coef_adds_its_share_of_the_kl_to_the_loss(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """trainer.kl_coef > 0 scores a reference policy and adds kl_coef · KL to the loss. The first step starts at the
+    reference (KL 0, and low-var-kl has no gradient there), so a run with kl_coef 0.5 and one with 0 take the same
+    first step; on the second, from the same moved policy, the policy loss is the same but the loss is larger by
+    0.5 · kl and the gradient differs. Ignored, the KL would be 0 (no reference) or missing from the loss."""
+    cfg = {**CFG, "lr": 0.05, "entropy_coef": 0.0, "loss_agg": "token-mean"}
+    records = {}
+    for coef in (0.5, 0.0):
+        trainer = Trainer(TrainerConfig(**{**cfg, "kl_coef": coef}), tiny_model_dir, tmp_path / str(coef))
+        trainer.start(ctx=ctx)
+        assert (trainer.train_step.ref_model is not None) == (coef > 0)
+        records[coef] = [trainer.train(synthetic_groups(seed, GROUPS)) for seed in range(2)]
+        trainer.close()
+    (first, second), (first0, second0) = records[0.5], records[0.0]
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6) and first["loss"] == pytest.approx(first0["loss"], rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(first0["grad_norm"], rel=1e-5)
+    assert second0["kl"] == 0.0 and second0["loss"] == second0["pg_loss"]
+    assert second["kl"] > 1e-3  # the policy moved away from the reference
+    assert second["pg_loss"] == pytest.approx(second0["pg_loss"], rel=1e-4, abs=1e-6)
+    assert second["loss"] - second["pg_loss"] == pytest.approx(0.5 * second["kl"], rel=1e-4)
+    assert second["grad_norm"] != pytest.approx(second0["grad_norm"], rel=1e-3)
+
+
+def test_cuda_without_a_gpu_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """trainer.device=cuda on a host where torch sees no GPU is an error, not a silent fall back to the CPU that
+    auto (the default) would pick: resolve_device, a trainer's start and ``python -m trainer`` (one line, exit 2)
+    refuse it. Where torch sees a GPU, cuda is what it picks."""
+    if torch.cuda.is_available():
+        assert resolve_device("cuda").type == resolve_device("auto").type == "cuda"
+        return
+    message = "trainer.device: cuda requested but torch sees no GPU"
+    assert resolve_device("auto") == resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match=message):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match=message):
+        Trainer(TrainerConfig(device="cuda"), tiny_model_dir, tmp_path).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAVE_")}
+    proc = subprocess.run([sys.executable, "-m", "trainer", f"run.dir={tmp_path}", f"model.path={tiny_model_dir}",
+                           "trainer.device=cuda"], capture_output=True, text=True, timeout=120,
+                          env={**env, "ROLLWAVE_CHECKPOINT_TOKEN": "x" * 40}, cwd=Path(__file__).resolve().parents[1])
+    assert (proc.returncode, proc.stderr.strip()) == (2, f"error: {message}"), proc.stderr

@@ -4,6 +4,7 @@ dropout acts in the training forward only."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from core.config import LoraConfig, TrainerConfig
 from core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from trainer.checkpoint import export_hf
-from trainer.lora import add_adapter, iter_adapter_params
+from trainer.lora import adapter_config_json, add_adapter, iter_adapter_params
 from trainer.parallel import DistContext, close_distributed, init_distributed
 from trainer.worker import Trainer
 
@@ -100,3 +101,36 @@ def test_dropout_acts_in_the_training_forward_only(tiny_model_dir: Path) -> None
     with torch.enable_grad():
         first, second = model(input_ids=ids).logits, model(input_ids=ids).logits
     assert not torch.allclose(first, expected) and not torch.allclose(first, second)
+
+
+def _lora_layers(model: torch.nn.Module) -> list[peft.tuners.lora.Linear]:
+    return [m for m in model.modules() if isinstance(m, peft.tuners.lora.Linear)]
+
+
+def test_rank_and_alpha_set_the_adapter_shapes_and_its_scale(tiny_model_dir: Path) -> None:
+    """model.lora.rank is the inner dimension of every A and B, and alpha / rank the factor B @ A is scaled by: the
+    same A and B (rank 4) under alpha 32 move q_proj's output 4 times as far as under alpha 8. peft's defaults
+    (rank 8, alpha 8: scale 1) or ours (rank 8, alpha 16: scale 2) give other shapes and another scale; the
+    adapter config pushed to the engines carries both."""
+    lora = LoraConfig(rank=4, alpha=32, target_modules=["q_proj"])
+    models = {alpha: add_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                 lora.model_copy(update={"alpha": alpha})).eval() for alpha in (32.0, 8.0)}
+    with torch.no_grad():
+        for name, param in models[32.0].named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0, 0.5)  # a fresh B is 0: the adapter would add nothing
+    models[8.0].load_state_dict(models[32.0].state_dict())
+    layers = {alpha: _lora_layers(model) for alpha, model in models.items()}
+    assert len(layers[32.0]) == 2  # q_proj of each of the 2 layers
+    for layer in layers[32.0]:
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        assert a.shape == (4, layer.in_features) and b.shape == (layer.out_features, 4)
+        assert layer.scaling["default"] == 8.0
+    assert [layer.scaling["default"] for layer in layers[8.0]] == [2.0, 2.0]
+    x = torch.randn(3, layers[32.0][0].in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        deltas = {alpha: ls[0](x) - ls[0].base_layer(x) for alpha, ls in layers.items()}
+    assert deltas[8.0].abs().max() > 1e-3
+    torch.testing.assert_close(deltas[32.0], 4 * deltas[8.0], rtol=1e-4, atol=1e-6)
+    config = json.loads(adapter_config_json(models[32.0]))
+    assert (config["r"], config["lora_alpha"]) == (4, 32.0)

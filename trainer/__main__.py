@@ -34,7 +34,7 @@ from trainer.checkpoint import Checkpointer, export_hf
 from trainer.checkpoint_pusher import CheckpointPusher, registered_servers
 from trainer.colocation import LocalPusher
 from trainer.metrics import RedisStatus
-from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed
+from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, resolve_device
 from trainer.worker import GroupSource, Trainer
 
 log = logging.getLogger("trainer")
@@ -90,11 +90,14 @@ def _connect(
 
 
 def _start(cfg: Config, pushes: bool) -> None:
-    """What a trainer process needs before it starts: the checkpoint token (when it pushes), its CPUs."""
+    """What a trainer process needs before it starts: the checkpoint token (when it pushes), its CPUs, its device
+    and a model (built here if ``model.init_if_missing``); what it lacks is one line naming the key, exit 2."""
     if pushes and cfg.placement.mode == "decoupled":
         require_secret(cfg, "checkpoint.token")
     cfg.trainer.threads = pin(cfg.placement.trainer_cpus, "placement.trainer_cpus", cfg.trainer.threads,
                               sharers=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    resolve_device(cfg.trainer.device)
+    ensure_model(cfg.model)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
             raise FileNotFoundError(f"no checkpoint under {cfg.run.path / 'checkpoints'}")
         print(export_hf(ckpt, cfg.model.path, args.export_hf, cfg.model.lora, merge=args.merge_lora))
         return 0
-    ensure_model(cfg.model)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     ctx = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)

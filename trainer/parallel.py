@@ -26,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from core.config import ConfigError
 from core.net import bind_retrying
 
 CLOSED_KEY = "rollwave/ranks_closed"  # in the rendezvous store: ranks that have destroyed their group
@@ -52,7 +53,7 @@ def resolve_device(choice: str) -> torch.device:
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("trainer.device: cuda requested but torch sees no GPU")
+            raise ConfigError("trainer.device: cuda requested but torch sees no GPU")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 

@@ -89,23 +89,23 @@ def _connect(
     return buffer, pusher, RedisStatus(client, keys)
 
 
-def _start(cfg: Config, pushes: bool) -> None:
-    """What a trainer process needs before it starts: the checkpoint token (when it pushes), its CPUs, its device
-    and a model (built here if ``model.init_if_missing``); what it lacks is one line naming the key, exit 2."""
-    if pushes and cfg.placement.mode == "decoupled":
-        require_secret(cfg, "checkpoint.token")
+def _start(cfg: Config, trains: bool) -> None:
+    """What a trainer process needs before it starts: its CPUs; to train, the checkpoint token (when it pushes),
+    its device and a model (built here if ``model.init_if_missing``). What it lacks is one line naming the key."""
     cfg.trainer.threads = pin(cfg.placement.trainer_cpus, "placement.trainer_cpus", cfg.trainer.threads,
                               sharers=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    resolve_device(cfg.trainer.device)
-    ensure_model(cfg.model)
+    if trains:
+        if cfg.placement.mode == "decoupled":
+            require_secret(cfg, "checkpoint.token")
+        resolve_device(cfg.trainer.device)
+        ensure_model(cfg.model)
 
 
 def main(argv: list[str] | None = None) -> int:
     prepare_component()
     die_with_parent()
     args = _parser().parse_args(argv)
-    pushes = args.export_hf is None
-    cfg = load_config_or_exit(args.config, args.overrides, check=partial(_start, pushes=pushes))
+    cfg = load_config_or_exit(args.config, args.overrides, check=partial(_start, trains=args.export_hf is None))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.export_hf is not None:
         checkpoints = Checkpointer(cfg.run.path / "checkpoints", cfg.trainer.keep_checkpoints)

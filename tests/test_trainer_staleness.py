@@ -3,6 +3,7 @@ version spans k steps, and a producer that obeys admission must keep the trainer
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,36 @@ def test_degenerate_groups_are_dropped_and_give_their_admission_back(
     assert trainer.metrics.registry.get_sample_value("rollwave_buffer_degenerate_dropped_total") == GPS
     assert client.hget(keys.job("job"), "trained") == str(GPS).encode()
     assert staleness.admitted() == GPS  # trained groups keep theirs
+
+
+@pytest.mark.parametrize(("take_timeout_s", "reads"), [(0.25, range(3, 100)), (5.0, range(1, 2))])
+def test_take_timeout_s_is_how_long_each_buffer_read_waits(
+    ctx: DistContext, tiny_model_dir: Path, redis_server: EmbeddedRedis, tmp_path: Path, take_timeout_s: float,
+    reads: range,
+) -> None:
+    """trainer.take_timeout_s bounds each read of an empty buffer, after which rank 0 reads again (and, with
+    several ranks, broadcasts in between): a batch that arrives 1.5 s late takes several reads of 0.25 s, and
+    one read at the default 5 s."""
+    run = f"take-{take_timeout_s}"
+    cfg = BufferConfig(groups_per_step=1)
+    replay = ReplayBuffer(redis.Redis.from_url(redis_server.url), Keys(run), cfg)
+    replay.ensure_group()
+    trainer_cfg = TrainerConfig(total_steps=1, take_timeout_s=take_timeout_s, device="cpu")
+    trainer = Trainer(trainer_cfg, tiny_model_dir, tmp_path, cfg).start(ctx=ctx)
+    calls = []
+    take = replay.take
+
+    def counted(max_groups: int, timeout_s: float) -> list:
+        calls.append(timeout_s)
+        return take(max_groups, timeout_s)
+
+    replay.take = counted  # type: ignore[method-assign]
+    late = threading.Timer(1.5, lambda: replay.put_many(synthetic_groups(0, 1, run=run)))
+    late.start()
+    try:
+        groups, waited = trainer.next_batch(replay)
+    finally:
+        late.join()
+        trainer.close()
+    assert len(groups) == 1 and waited >= 1.4
+    assert len(calls) in reads and set(calls) == {take_timeout_s}, calls

@@ -315,6 +315,10 @@ def test_grafana_provisioning_points_at_the_dashboard_and_datasource() -> None:
     mounts = dict(v.split(":")[:2] for v in SERVICES["grafana"]["volumes"])
     assert mounts["./grafana/dashboards"] == provider["options"]["path"]
     assert mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
+    env = SERVICES["grafana"]["environment"]  # anonymous viewers only: no admin/admin account to log in with
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert env["GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION"] == env["GF_AUTH_DISABLE_LOGIN_FORM"] == "true"
+    assert not any("PASSWORD" in key for key in env)
 
 
 def test_dashboard_panels_are_well_formed() -> None:

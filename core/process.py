@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
 PARENT_PID_ENV = "ROLLWAVE_PARENT_PID"
@@ -52,6 +53,13 @@ def prepare_component() -> list[str]:
     faulthandler.enable()
     atexit.register(gc.freeze)  # registered first, so it runs after every other exit handler
     return tune_malloc()
+
+
+def forget_environment(names: Iterable[str]) -> None:
+    """Drop ``names`` (secrets, once read into the config) from this process's environment, so no child it starts
+    later (an engine, an agent, a tool) inherits them."""
+    for name in names:
+        os.environ.pop(name, None)
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float, *, name: str = "", group: bool = False) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import secrets
 import signal
 import sys
@@ -28,11 +29,11 @@ import httpx
 from buffer.colocation import DeviceTurns
 from buffer.keys import Keys
 from buffer.redis_server import connect
-from core.config import Config, ConfigError, EngineConfig, LoraConfig, load_config_or_exit, require_secret
+from core.config import SECRETS, Config, ConfigError, EngineConfig, LoraConfig, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
 from core.net import is_loopback
 from core.placement import pin
-from core.process import die_with_parent, prepare_component
+from core.process import die_with_parent, forget_environment, prepare_component
 from core.tiny_model import ensure_model
 from rollout_server.agent_loop import parse_version
 from rollout_server.checkpoint_receiver import CheckpointMetrics, ReceiverThread
@@ -182,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("httpx", "httpx2"):  # an INFO line per request otherwise (metrics proxy, the agents' openai client)
         logging.getLogger(name).setLevel(logging.WARNING)
     cfg = load_config_or_exit(args.config, args.overrides, check=_start)
+    cfg.redis.url = os.environ.get("REDIS_URL") or cfg.redis.url  # read now: the agents run by this server must
+    forget_environment([*SECRETS.values(), "REDIS_URL"])  # not inherit its secrets or Redis's address
     try:
         asyncio.run(serve(cfg))
     except ConfigError as exc:

@@ -26,6 +26,13 @@ def hog(task: dict[str, Any], base_url: str, api_key: str) -> float:
     return float(len(bytearray(1 << 30)))
 
 
+def environment(task: dict[str, Any], base_url: str, api_key: str) -> float:
+    """Fails, naming which of the rollout server's secrets (and Redis's address) its environment holds."""
+    names = ("ROLLWAVE_CHECKPOINT_TOKEN", "ROLLWAVE_API_TOKEN", "ROLLWAVE_ENGINE_API_KEY", "ROLLWAVE_REDIS_PASSWORD",
+             "REDIS_URL")
+    raise RuntimeError(f"visible: {[name for name in names if name in os.environ]}")
+
+
 def first_fails(task: dict[str, Any], base_url: str, api_key: str) -> float:
     try:
         os.close(os.open(Path(os.environ["AGENT_FIXTURE_DIR"]) / task["task_id"], os.O_CREAT | os.O_EXCL))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from core.config import MIN_SECRET_CHARS
 from core.net import is_loopback
 from rollout_server.engine import ENGINE_KEY_ENV
 
@@ -130,6 +131,9 @@ def api_key(args: argparse.Namespace) -> str | None:
     if not key and not is_loopback(args.host):
         raise ValueError(f"--host {args.host} is not loopback: give SGLang an API key in {ENGINE_KEY_ENV} or "
                          "--api-key-file (and the rollout servers the same engine.api_key)")
+    if key and len(key) < MIN_SECRET_CHARS:
+        where = f"--api-key-file {args.api_key_file}" if args.api_key_file else ENGINE_KEY_ENV
+        raise ValueError(f"{where}: the key must be at least {MIN_SECRET_CHARS} characters")
     return key or None
 
 

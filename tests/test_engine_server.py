@@ -351,3 +351,26 @@ def test_off_loopback_the_engine_needs_a_key(tiny_model_dir: Path) -> None:
                            "--host", "0.0.0.0", "--port", "1"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "error: --host 0.0.0.0 is not loopback: set ROLLWAVE_ENGINE_API_KEY" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "rollout_server.engine", "--model", str(tiny_model_dir)],
+                          env={**env, "ROLLWAVE_ENGINE_API_KEY": "k" * 31}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "error: ROLLWAVE_ENGINE_API_KEY: must be at least 32 characters" in proc.stderr
+
+
+def test_a_keyless_engine_answers_only_loopback_host_names(engine: str) -> None:
+    """Without a key the engine is on loopback, and a web page that rebinds its own name to 127.0.0.1 must not
+    reach its routes (a weight load among them): any Host but a loopback name is 400, logged and counted."""
+    port = engine.rsplit(":", 1)[1]
+    evil = {"Host": f"rebind.attacker.example:{port}"}
+    before = httpx.get(engine + "/metrics").text
+    assert httpx.post(engine + "/update_weights_from_disk", json={"model_path": "/x"}, headers=evil).status_code == 400
+    assert httpx.get(engine + "/health", headers=evil).status_code == 400
+    assert httpx.get(engine + "/health", headers={"Host": f"localhost:{port}"}).status_code == 200
+    metrics = httpx.get(engine + "/metrics").text
+
+    def refused_400(text: str) -> float:
+        line = next((x for x in text.splitlines() if x.startswith('rollwave_engine_http_refused_total{status="400"}')),
+                    "0 0")
+        return float(line.split()[-1])
+
+    assert refused_400(metrics) == refused_400(before) + 2

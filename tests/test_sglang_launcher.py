@@ -176,3 +176,6 @@ def test_off_loopback_sglang_needs_a_key(tmp_path: Path) -> None:
     assert proc.stderr.startswith("error: --host 0.0.0.0 is not loopback: give SGLang an API key"), proc.stderr
     on_loopback = _sglang(tmp_path, env={})
     assert on_loopback.returncode == 0 and "--api-key" not in json.loads(on_loopback.stdout)["argv"]
+    short = _sglang(tmp_path, "--host", "0.0.0.0", env={"ROLLWAVE_ENGINE_API_KEY": "k" * 31})
+    assert short.returncode == 2 and short.stdout == ""
+    assert short.stderr.startswith("error: ROLLWAVE_ENGINE_API_KEY: the key must be at least 32 characters")

@@ -16,7 +16,7 @@ import sys
 import torch
 import uvicorn
 
-from core.config import CONFIG_ERROR_EXIT
+from core.config import CONFIG_ERROR_EXIT, MIN_SECRET_CHARS
 from core.net import is_loopback, listen_socket
 from core.process import prepare_component
 from rollout_server.engine import ENGINE_KEY_ENV
@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     prepare_component()
     args = parse_args(argv)
     api_key = os.environ.get(ENGINE_KEY_ENV) or None
+    if api_key is not None and len(api_key) < MIN_SECRET_CHARS:
+        print(f"error: {ENGINE_KEY_ENV}: must be at least {MIN_SECRET_CHARS} characters", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR_EXIT)
     if api_key is None and not is_loopback(args.host):
         print(f"error: --host {args.host} is not loopback: set {ENGINE_KEY_ENV} so callers need the key",
               file=sys.stderr)

@@ -17,14 +17,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from core.net import LOOPBACK_NAMES
 from rollout_server.engine.protocol import GenerateSpec
 from rollout_server.engine.routes import generate, info, lora, memory, object_error, weights
 from rollout_server.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 REASON_BYTES = 500  # of a refusal's body, logged as its reason
+LOOPBACK_HOSTS = ["127.0.0.1", *sorted(LOOPBACK_NAMES)]  # Host names a keyless engine answers
 
 
 class BearerAuth:
@@ -99,5 +102,7 @@ def create_app(engine: Scheduler, spec: GenerateSpec, api_key: str | None = None
         app.include_router(module.router)
     if api_key is not None:
         app.add_middleware(BearerAuth, key=api_key)
+    else:  # keyless, so on loopback: a web page that rebinds its own name to 127.0.0.1 gets 400, not the routes
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=LOOPBACK_HOSTS)
     app.add_middleware(RefusalLog, counter=engine.metrics.http_refused)  # outermost: it sees BearerAuth's 401s too
     return app

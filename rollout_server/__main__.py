@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import secrets
@@ -29,11 +30,21 @@ import httpx
 from buffer.colocation import DeviceTurns
 from buffer.keys import Keys
 from buffer.redis_server import connect
-from core.config import SECRETS, Config, ConfigError, EngineConfig, LoraConfig, load_config_or_exit, require_secret
+from core.config import (
+    SECRETS,
+    Config,
+    ConfigError,
+    EngineConfig,
+    LoraConfig,
+    RolloutConfig,
+    load_config_or_exit,
+    require_secret,
+)
 from core.metrics import serve_metrics
 from core.net import is_loopback
 from core.placement import pin
 from core.process import die_with_parent, forget_environment, prepare_component
+from core.rewards import load_reward_fn
 from core.tiny_model import ensure_model
 from rollout_server.agent_loop import parse_version
 from rollout_server.checkpoint_receiver import CheckpointMetrics, ReceiverThread
@@ -41,7 +52,7 @@ from rollout_server.colocation import EngineTurns
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient, EngineError, EngineGroup
 from rollout_server.metrics import RolloutMetrics
-from rollout_server.tools import ToolRegistry
+from rollout_server.tools import ToolConfigError, ToolRegistry
 from rollout_server.worker import RolloutWorker
 
 log = logging.getLogger("rollout_server")
@@ -165,11 +176,35 @@ def name_adapter(engines: list[EngineClient], name: str | None) -> None:
 
 def _start(cfg: Config) -> None:
     """What a rollout server needs before it starts: the checkpoint token, usable engines, its CPUs (which the
-    embedded engine it starts inherits, with one torch thread per CPU unless ``engine.threads`` says)."""
+    embedded engine it starts inherits, with one torch thread per CPU unless ``engine.threads`` says), and the
+    code and tools its config names, so a typo stops it here rather than failing every task later."""
     if cfg.placement.mode == "decoupled":
         require_secret(cfg, "checkpoint.token")
     check_engines(cfg.engine)
     cfg.engine.threads = pin(cfg.placement.rollout_cpus, "placement.rollout_cpus", cfg.engine.threads)
+    check_code(cfg.rollout)
+    try:
+        ToolRegistry.from_file(cfg.rollout.tools)
+    except ToolConfigError as exc:
+        raise ConfigError(f"rollout.tools: {exc}") from None
+
+
+def check_code(cfg: RolloutConfig) -> None:
+    """Every reward function of ``rollout.reward_allowlist`` imports (the worker imports them here too), and the
+    module of every ``rollout.agent_allowlist`` entry exists (agents are imported only in their own processes)."""
+    for name in cfg.reward_allowlist:
+        try:
+            load_reward_fn(name, cfg.reward_allowlist)
+        except ValueError as exc:
+            raise ConfigError(f"rollout.reward_allowlist.{name}: {exc}") from None
+    for entry in cfg.agent_allowlist:
+        module = entry.partition(":")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError(f"rollout.agent_allowlist: {entry}: no module {module!r} on this server's path")
 
 
 def main(argv: list[str] | None = None) -> int:

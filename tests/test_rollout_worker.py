@@ -395,3 +395,23 @@ def test_a_slot_freed_by_a_group_is_not_held_empty_by_a_blocking_read(
     assert any(inflight for _, inflight in reads)  # it did read while a group was in flight
     assert [block for block, inflight in reads if inflight and block] == []
     assert any(block for block, inflight in reads if not inflight)  # and blocked only with nothing in flight
+
+
+@pytest.mark.parametrize(("override", "error"), [
+    ("rollout.reward_allowlist={judge: nomod:fn}",
+     "error: rollout.reward_allowlist.judge: reward 'judge' (nomod:fn): cannot import: No module named 'nomod'"),
+    ("rollout.agent_allowlist=[nomod:run]",
+     "error: rollout.agent_allowlist: nomod:run: no module 'nomod' on this server's path"),
+    ("rollout.tools={tmp}/none.yaml", "error: rollout.tools: "),
+], ids=["reward", "agent", "tools"])
+def test_code_or_tools_the_config_names_that_do_not_load_stop_the_server_at_start(
+    override: str, error: str, tmp_path: Path
+) -> None:
+    """A typo in an allowlist or the tools file is one line and exit 2 when the server starts, before it connects
+    to anything, not a failure of every task that needs it later."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAVE_")}
+    proc = subprocess.run([sys.executable, "-m", "rollout_server", "redis.url=redis://127.0.0.1:1/0",
+                           override.replace("{tmp}", str(tmp_path))], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**env, "ROLLWAVE_CHECKPOINT_TOKEN": CHECKPOINT_TOKEN})
+    assert proc.returncode == 2 and proc.stderr.strip().startswith(error), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

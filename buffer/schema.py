@@ -10,6 +10,7 @@ Schema versions: 2 adds the group's sampling ``temperature``; a version-1 group 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -176,24 +177,92 @@ def _check_fields(d: Any, required: list[str], known: frozenset[str], where: str
     if missing:
         raise SchemaError(f"{where}: missing field(s) {', '.join(missing)}")
     if not known.issuperset(d):
-        raise SchemaError(f"{where}: unknown field(s) {', '.join(sorted(set(d) - known))}")
+        raise SchemaError(f"{where}: unknown field(s) {', '.join(sorted(map(str, set(d) - known)))}")
+
+
+# Wire types, checked field by field before anything computes with them: msgpack yields exact builtin types,
+# so ``type(v) in allowed`` is both fast and strict (a bool is not an int here). (allowed types, what the
+# error says is expected, must be finite).
+_FieldType = tuple[frozenset[type], str, bool]
+_INT: _FieldType = (frozenset({int}), "an int", False)
+_NUMBER: _FieldType = (frozenset({int, float}), "a number", False)
+_FINITE: _FieldType = (frozenset({int, float}), "a finite number", True)
+_OPT_FINITE: _FieldType = (frozenset({int, float, type(None)}), "a finite number or nil", True)
+_STR: _FieldType = (frozenset({str}), "a str", False)
+_OPT_STR: _FieldType = (frozenset({str, type(None)}), "a str or nil", False)
+_BOOL: _FieldType = (frozenset({bool}), "a bool", False)
+_MAP: _FieldType = (frozenset({dict}), "a map", False)
+_LIST: _FieldType = (frozenset({list}), "a list", False)
+
+_GROUP_TYPES = {"run": _STR, "job_id": _STR, "task_id": _STR, "samples": _LIST, "kind": _STR, "created": _NUMBER,
+                "temperature": _OPT_FINITE}
+_SAMPLE_TYPES = {"sample_index": _INT, "prompt_len": _INT, "reward": _FINITE, "reward_info": _MAP,
+                 "finish_reason": _STR, "num_turns": _INT, "tool_calls": _LIST, "messages": _LIST,
+                 "queued": _NUMBER, "started": _NUMBER, "finished": _NUMBER, "versions_approximate": _BOOL}
+_TOOL_CALL_TYPES = {"name": _STR, "ok": _BOOL, "error": _OPT_STR, "latency_s": _NUMBER}
+_TOOL_CALL_FIELDS = frozenset(f.name for f in fields(ToolCallRecord))
+# a field added to the dataclasses without a wire type here would go unchecked
+assert set(_GROUP_TYPES) == set(_GROUP_FIELDS) and set(_TOOL_CALL_TYPES) == _TOOL_CALL_FIELDS
+assert set(_SAMPLE_TYPES) | set(ARRAY_DTYPES) == set(_SAMPLE_FIELDS)
+
+
+def _types_ok(d: dict[str, Any], types: dict[str, _FieldType]) -> bool:
+    """Every present field of ``d`` has its wire type (the fast check; ``_type_error`` says what is wrong)."""
+    for name, value in d.items():
+        spec = types.get(name)
+        if spec is not None and (type(value) not in spec[0] or spec[2] and type(value) is float
+                                 and not math.isfinite(value)):
+            return False
+    return True
+
+
+def _type_error(d: dict[str, Any], types: dict[str, _FieldType], where: str) -> SchemaError:
+    """The error naming the first field of ``d`` whose type ``_types_ok`` refused."""
+    for name, value in d.items():
+        if name in types:
+            allowed, expected, finite = types[name]
+            if type(value) not in allowed:
+                return SchemaError(f"{where}.{name}: expected {expected}, got {type(value).__name__}")
+            if finite and type(value) is float and not math.isfinite(value):
+                return SchemaError(f"{where}.{name}: expected {expected}, got {value!r}")
+    return SchemaError(f"{where}: a field has the wrong type")  # unreachable while the two agree
 
 
 def _sample_from_wire(d: dict[str, Any], known: frozenset[str], where: str) -> Sample:
-    """A sample from its wire map, its arrays viewing the message's bytes; ``TrajectoryGroup.validate`` checks it."""
+    """A sample from its wire map, its arrays viewing the message's bytes; ``TrajectoryGroup.validate`` checks it.
+
+    Types are checked here, before anything computes with them, so a bad producer fails naming the field
+    and not later in the trainer."""
     _check_fields(d, _REQUIRED_SAMPLE, known, where)
+    if not _types_ok(d, _SAMPLE_TYPES):
+        raise _type_error(d, _SAMPLE_TYPES, where)
     kwargs = dict(d)
     for name, dtype in ARRAY_DTYPES.items():
         raw = kwargs[name]
         if not isinstance(raw, bytes | bytearray) or len(raw) % dtype.itemsize:
             raise SchemaError(f"{where}.{name}: not a {dtype} buffer")
         kwargs[name] = np.frombuffer(raw, dtype=dtype)
-    try:
-        kwargs["tool_calls"] = [ToolCallRecord(**t) for t in kwargs.get("tool_calls", [])]
-        sample = Sample(**kwargs)
-    except TypeError as exc:
-        raise SchemaError(f"{where}.tool_calls: {exc}") from None
-    return sample
+    messages = kwargs.get("messages")
+    if messages and set(map(type, messages)) != {dict}:
+        i, bad = next((i, m) for i, m in enumerate(messages) if type(m) is not dict)
+        raise SchemaError(f"{where}.messages[{i}]: expected a map, got {type(bad).__name__}")
+    calls = kwargs.get("tool_calls")
+    if calls:
+        kwargs["tool_calls"] = [_tool_call_from_wire(call, where, i) for i, call in enumerate(calls)]
+    return Sample(**kwargs)
+
+
+def _tool_call_from_wire(d: Any, where: str, i: int) -> ToolCallRecord:
+    """Tool call ``i`` of a sample; built first and checked after, as most samples carry a few valid ones."""
+    try:  # a TypeError: not a map, or a field missing or unknown; _check_fields names it
+        record = ToolCallRecord(**d)
+    except TypeError:
+        record = None
+    if record is not None and _types_ok(d, _TOOL_CALL_TYPES):
+        return record
+    where = f"{where}.tool_calls[{i}]"
+    _check_fields(d, ["name", "ok"], _TOOL_CALL_FIELDS, where)
+    raise _type_error(d, _TOOL_CALL_TYPES, where)
 
 
 def encode_group(group: TrajectoryGroup) -> bytes:
@@ -209,19 +278,19 @@ def decode_group(data: bytes) -> TrajectoryGroup:
     """Inverse of ``encode_group``; any defect raises ``SchemaError`` naming the field."""
     try:
         wire = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
+    except (msgpack.UnpackException, ValueError) as exc:
         raise SchemaError(f"trajectory group: not valid msgpack ({exc})") from None
     if not isinstance(wire, dict):
         raise SchemaError(f"trajectory group: expected a map, got {type(wire).__name__}")
     version = wire.pop("schema_version", None)
-    if version not in READABLE_VERSIONS:
+    if type(version) is not int or version not in READABLE_VERSIONS:
         readable = ", ".join(map(str, READABLE_VERSIONS))
         raise SchemaError(f"trajectory group: schema_version {version!r} is not supported (want {readable})")
     group_known, sample_known = _KNOWN_FIELDS[version]
     _check_fields(wire, _REQUIRED_GROUP, group_known, "trajectory group")
-    if not isinstance(wire["samples"], list):
-        raise SchemaError("trajectory group.samples: expected a list")
-    where = f"group {wire['task_id']}"
+    where = f"group {wire['task_id']}" if type(wire["task_id"]) is str else "trajectory group"
+    if not _types_ok(wire, _GROUP_TYPES):
+        raise _type_error(wire, _GROUP_TYPES, where)
     wire["samples"] = [_sample_from_wire(s, sample_known, f"{where}.samples[{i}]")
                        for i, s in enumerate(wire["samples"])]
     group = TrajectoryGroup(**wire)

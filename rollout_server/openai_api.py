@@ -34,7 +34,16 @@ import uvicorn
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from buffer.schema import Sample, ToolCallRecord
 from core.config import RolloutConfig
@@ -83,13 +92,85 @@ class ToolDef(BaseModel):
     function: FunctionDef
 
 
+class TextPart(BaseModel):
+    """A content part: only text, as the chat template takes text (an image part would silently vanish)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """A chat message as the template renders it, checked before any of it is recorded; other OpenAI
+    fields (``refusal``, ``audio``, ...) are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _content(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """One clear message instead of one error per member of the union."""
+        try:
+            return handler(value)
+        except ValidationError:
+            if not isinstance(value, list):
+                raise PydanticCustomError("content", "expected a string, null or a list of text parts") from None
+            i = next(i for i, part in enumerate(value) if not _is_text_part(part))
+            raise PydanticCustomError(
+                "content", "part {index} is not a text part (type 'text' with a string 'text'; only text is supported)",
+                {"index": i}) from None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _only_assistant_calls(cls, value: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if value and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"only assistant messages carry tool calls, not {info.data['role']} messages")
+        return value
+
+
+def _is_text_part(part: Any) -> bool:
+    try:
+        TextPart.model_validate(part)
+    except ValidationError:
+        return False
+    return True
+
+
+def _param(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error location as OpenAI's ``param``: ``messages[1].tool_calls[0].function``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out
+
+
 class ChatRequest(BaseModel):
     """The fields we act on; other OpenAI fields are accepted and ignored (see the module docstring)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     stream: bool = False
@@ -262,8 +343,10 @@ class EpisodeStore:
         @app.exception_handler(RequestValidationError)
         async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
             first = exc.errors()[0] if exc.errors() else {}
-            where = ".".join(str(p) for p in first.get("loc", ())[1:])
-            code = "invalid_tools" if where.startswith("tools") else "invalid_request"
+            loc = first.get("loc", ())[1:]  # after "body"
+            code = {"tools": "invalid_tools", "messages": "invalid_messages"}.get(loc[0] if loc else "",
+                                                                                 "invalid_request")
+            where = _param(loc)
             return await _api_error(_request, APIError(400, f"{where}: {first.get('msg', 'invalid')}", code,
                                                        param=where or None))
 
@@ -312,7 +395,7 @@ class EpisodeStore:
         async with ep.lock:
             if ep.failure is not None and ep.failure[0] != "history_mismatch":
                 raise APIError(409, f"episode {ep.episode_id} has ended: {ep.failure[1]}", "episode_closed")
-            self._extend(ep, req.messages, tools)
+            self._extend(ep, [m.model_dump(exclude_unset=True) for m in req.messages], tools)
             reply, max_new = await self._generate(ep, req)
             message, finish = self._record(ep, reply, names, max_new)
         self.metrics.openai_requests.labels(outcome="ok").inc()

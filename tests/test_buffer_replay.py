@@ -243,6 +243,30 @@ def test_malformed_group_entries_are_moved_aside(redis_server: EmbeddedRedis) ->
     assert buf.metrics.malformed.labels(stream="groups")._value.get() == 3
 
 
+def test_group_with_a_wrong_field_type_is_moved_aside_and_the_rest_of_the_read_delivered(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """A producer bug (``prompt_len: "8"``) between good groups of one read costs that entry only: the good
+    ones are delivered by the same take and acked as usual, none left pending behind it."""
+    buf = buffer(redis_server)
+    r = client(redis_server)
+    fill(buf, 1)
+    wire = msgpack.unpackb(encode_group(make_group("job", "job:1:bad")))
+    wire["samples"][0]["prompt_len"] = "8"
+    bad = msgpack.packb(wire)
+    r.xadd(KEYS.groups, {"g": bad, "gid": "job:1:bad", "job": "job"})  # the fields the producer's Lua writes
+    fill(buf, 2, job="later")
+    got = buf.take(10, 0.2)
+    assert [g.group_id for _, g in got] == ["job:0:x", "later:0:x", "later:1:x"]
+    [(_, moved)] = r.xrange(KEYS.groups_malformed)
+    assert "group job:1:bad.samples[0].prompt_len: expected an int, got str" in moved[b"error"].decode()
+    assert moved[b"f.g"] == bad and moved[b"f.gid"] == b"job:1:bad"
+    assert buf.metrics.malformed.labels(stream="groups")._value.get() == 1
+    assert buf.ack([i for i, _ in got], [g.group_id for _, g in got]) == 3
+    assert r.xpending(KEYS.groups, TRAINER_GROUP)["pending"] == 0 and r.xlen(KEYS.groups) == 0
+    assert buf.take(10, 0.1) == []
+
+
 def test_eval_groups_go_to_their_job_stream_unbounded(redis_server: EmbeddedRedis) -> None:
     buf = buffer(redis_server, max_groups=1)
     for i in range(3):

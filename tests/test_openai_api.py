@@ -265,3 +265,69 @@ def test_openai_shaped_errors(tokenizer: Any) -> None:
     assert "64 tokens" in errors["context"].body["message"]
     assert engine.calls == []
     assert store.metrics.total("rollwave_rollout_openai_requests_total", outcome="model_not_found") == 1
+
+
+def _call(arguments: str | None = '{"expression": "6*7"}', **function: Any) -> dict[str, Any]:
+    """An assistant tool call as the openai client re-sends it; ``None`` leaves a part out."""
+    fn = {"name": "calculator", **({} if arguments is None else {"arguments": arguments}), **function}
+    return {"id": "call_1", "type": "function", "function": fn}
+
+
+# (what replaces or follows the recorded assistant turn, the message index and path the 400 names)
+MALFORMED: list[tuple[str, dict[str, Any], str]] = [
+    ("follows", {"content": "42"}, "messages[3].role"),
+    ("follows", {"role": 5, "content": "42"}, "messages[3].role"),
+    ("follows", {"role": "bot", "content": "42"}, "messages[3].role"),
+    ("follows", {"role": "tool", "tool_call_id": "call_1", "content": 42}, "messages[3].content"),
+    ("follows", {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]},
+     "messages[3].content"),
+    ("follows", {"role": "user", "content": "hi", "tool_calls": [_call()]}, "messages[3].tool_calls"),
+    ("follows", {"role": "tool", "tool_call_id": 1, "content": "42"}, "messages[3].tool_call_id"),
+    ("replaces", {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function"}]},
+     "messages[2].tool_calls[0].function"),
+    ("replaces", {"role": "assistant", "content": None, "tool_calls": [_call(arguments=None)]},
+     "messages[2].tool_calls[0].function.arguments"),
+    ("replaces", {"role": "assistant", "content": None, "tool_calls": [_call(arguments={"expression": "6*7"})]},
+     "messages[2].tool_calls[0].function.arguments"),
+    ("replaces", {"role": "assistant", "content": None, "tool_calls": "abc"}, "messages[2].tool_calls"),
+]
+
+
+def test_malformed_messages_are_refused_naming_the_field_and_record_nothing(tokenizer: Any) -> None:
+    """Each malformed message is a 400 in OpenAI's shape whose ``param`` is its path, counted like the other
+    refusals; the episode is unchanged, so the agent's next valid request (an assistant turn with content
+    None and tool_calls re-sent as the openai client dumps it, then the tool result) continues it."""
+    engine = ScriptedEngine(tokenizer, [(CALC.format("6*7"), "stop"), ("The answer is 42.", "stop")])
+    refused: list[tuple[str, Any]] = []
+    recorded: list[Any] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        async def refuse(messages: list[Any], want: str) -> None:
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(model="rollwave", messages=messages, tools=TOOLS)
+            refused.append((want, info.value))
+
+        await refuse([{"role": "bot", "content": "hi"}, *MESSAGES], "messages[0].role")
+        assert ep.builder is None and ep.messages == []
+        first = await client.chat.completions.create(model="rollwave", messages=MESSAGES, tools=TOOLS)
+        assistant = first.choices[0].message.model_dump()  # content None, tool_calls, refusal None, ...
+        assert assistant["content"] is None and assistant["tool_calls"]
+        assistant["tool_calls"][0]["id"] = "call_1"
+        history = [*MESSAGES, assistant]
+        recorded.append((len(ep.builder), list(ep.messages)))
+        for where, message, want in MALFORMED:
+            await refuse([*history, message] if where == "follows" else [*MESSAGES, message], want)
+        assert (len(ep.builder), ep.messages) == recorded[0]
+        await client.chat.completions.create(model="rollwave", tools=TOOLS, messages=[
+            *history, {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "42"}]}])
+
+    sample, store = _run(tokenizer, engine, agent, max_new_tokens=64)
+    assert len(refused) == len(MALFORMED) + 1
+    for want, error in refused:
+        assert (error.status_code, error.code, error.body["param"]) == (400, "invalid_messages", want), want
+        assert error.body["message"].startswith(want + ": "), error.body["message"]
+    assert store.metrics.total("rollwave_rollout_openai_requests_total", outcome="invalid_messages") == len(refused)
+    assert len(engine.calls) == 2 and sample.num_turns == 2 and sample.finish_reason == "stop"
+    assert store.metrics.total("rollwave_rollout_history_mismatches_total") == 0
+    assert [m["role"] for m in sample.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert sample.reward == 1.0 and [t.name for t in sample.tool_calls] == ["calculator"]

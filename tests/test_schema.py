@@ -149,3 +149,71 @@ def test_arrays_assigned_after_construction_travel_in_the_schema_dtype() -> None
     assert back.behaviour_logprobs.dtype == np.dtype("<f4") and back.token_ids.dtype == np.dtype("<i4")
     assert np.array_equal(back.behaviour_logprobs, sample.behaviour_logprobs.astype(np.float32))
     assert np.array_equal(back.token_ids, sample.token_ids)
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "error"),
+    [
+        (("run",), 1, r"group t-1\.run: expected a str, got int"),
+        (("job_id",), None, r"group t-1\.job_id: expected a str, got NoneType"),
+        (("task_id",), 7, r"trajectory group\.task_id: expected a str, got int"),
+        (("samples",), {"0": 1}, r"group t-1\.samples: expected a list, got dict"),
+        (("kind",), b"train", r"group t-1\.kind: expected a str, got bytes"),
+        (("created",), "now", r"group t-1\.created: expected a number, got str"),
+        (("temperature",), "0.7", r"group t-1\.temperature: expected a finite number or nil, got str"),
+        (("temperature",), NAN, r"group t-1\.temperature: expected a finite number or nil, got nan"),
+        (("samples", 1), 5, r"group t-1\.samples\[1\]: expected a map, got int"),
+        (("samples", 1, "sample_index"), 1.0, r"samples\[1\]\.sample_index: expected an int, got float"),
+        (("samples", 0, "prompt_len"), "8", r"group t-1\.samples\[0\]\.prompt_len: expected an int, got str"),
+        (("samples", 0, "prompt_len"), True, r"samples\[0\]\.prompt_len: expected an int, got bool"),
+        (("samples", 0, "reward"), "abc", r"samples\[0\]\.reward: expected a finite number, got str"),
+        (("samples", 0, "reward"), NAN, r"samples\[0\]\.reward: expected a finite number, got nan"),
+        (("samples", 0, "reward"), float("-inf"), r"samples\[0\]\.reward: expected a finite number, got -inf"),
+        (("samples", 0, "reward_info"), [1], r"samples\[0\]\.reward_info: expected a map, got list"),
+        (("samples", 0, "finish_reason"), 5, r"samples\[0\]\.finish_reason: expected a str, got int"),
+        (("samples", 0, "num_turns"), None, r"samples\[0\]\.num_turns: expected an int, got NoneType"),
+        (("samples", 0, "tool_calls"), "calc", r"samples\[0\]\.tool_calls: expected a list, got str"),
+        (("samples", 0, "messages"), 5, r"samples\[0\]\.messages: expected a list, got int"),
+        (("samples", 0, "messages", 0), "hi", r"samples\[0\]\.messages\[0\]: expected a map, got str"),
+        (("samples", 0, "queued"), "1", r"samples\[0\]\.queued: expected a number, got str"),
+        (("samples", 0, "started"), [], r"samples\[0\]\.started: expected a number, got list"),
+        (("samples", 0, "finished"), {}, r"samples\[0\]\.finished: expected a number, got dict"),
+        (("samples", 0, "versions_approximate"), 1, r"samples\[0\]\.versions_approximate: expected a bool, got int"),
+        (("samples", 2, "tool_calls", 0), "calc", r"samples\[2\]\.tool_calls\[0\]: expected a map, got str"),
+        (("samples", 2, "tool_calls", 0, "name"), 3, r"samples\[2\]\.tool_calls\[0\]\.name: expected a str, got int"),
+        (("samples", 2, "tool_calls", 0, "ok"), "yes", r"tool_calls\[0\]\.ok: expected a bool, got str"),
+        (("samples", 2, "tool_calls", 0, "error"), 1, r"tool_calls\[0\]\.error: expected a str or nil, got int"),
+        (("samples", 2, "tool_calls", 0, "latency_s"), "1", r"tool_calls\[0\]\.latency_s: expected a number, got str"),
+        (("samples", 2, "tool_calls", 0, "extra"), 1, r"tool_calls\[0\]: unknown field\(s\) extra"),
+    ],
+)
+def test_wrong_field_type_names_the_field(path: tuple, value: object, error: str) -> None:
+    """A producer bug must fail decoding, naming the field, not reach the trainer as a str or NaN."""
+    wire = msgpack.unpackb(encode_group(make_group()))
+    *parents, last = path
+    node = wire
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    with pytest.raises(SchemaError, match=error):
+        decode_group(msgpack.packb(wire))
+
+
+def test_tool_call_without_a_required_field_names_it() -> None:
+    wire = msgpack.unpackb(encode_group(make_group()))
+    del wire["samples"][1]["tool_calls"][0]["ok"]
+    with pytest.raises(SchemaError, match=r"samples\[1\]\.tool_calls\[0\]: missing field\(s\) ok"):
+        decode_group(msgpack.packb(wire))
+
+
+def test_whole_numbers_decode_where_floats_are_expected() -> None:
+    """msgpack keeps 1 and 1.0 apart; a producer writing an int reward or timestamp is still valid."""
+    wire = msgpack.unpackb(encode_group(make_group()))
+    wire["temperature"] = 1
+    wire["samples"][0].update(reward=1, queued=5)
+    wire["samples"][0]["tool_calls"][0]["latency_s"] = 0
+    group = decode_group(msgpack.packb(wire))
+    assert group.temperature == 1 and group.rewards.tolist() == [1.0, 1.0, 0.0]

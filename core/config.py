@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -34,6 +35,7 @@ from pydantic import (
 
 from core.rewards import BUILTIN as BUILTIN_REWARDS
 from core.rewards import IMPORT_PATH, REWARD_NAME
+from core.text_files import TextFileError, load_yaml, read_text
 
 MIN_SECRET_CHARS = 32
 MASK = "**********"  # how pydantic prints a SecretStr, and so how dump_config writes one
@@ -111,6 +113,15 @@ class ModelConfig(Section):
     lora: LoraConfig | None = Field(None, description="train a LoRA adapter instead of every weight (null: off)")
 
 
+def check_redis_url(url: str) -> str:
+    """A Redis URL with no password in it: a URL lands on command lines, in logs and in dumped configs, which
+    ``redis.password`` never does."""
+    if urlsplit(url).password is not None:
+        raise ValueError("carries a password: give it in redis.password (env ROLLWAVE_REDIS_PASSWORD, or "
+                         "redis.password_file) and leave it out of the URL")
+    return url
+
+
 class RedisConfig(Section):
     url: str | None = Field(None, description="external Redis; None starts the embedded redis-server")
     username: str | None = Field(None, description="Redis ACL user to log in as with redis.password (None or "
@@ -130,6 +141,11 @@ class RedisConfig(Section):
         5.0, gt=1.0, description="seconds a Redis connect or reply may take before it is an error naming the "
         "server (each retry of the outage policy waits as long); above the 1 s that blocking reads wait"
     )
+
+    @field_validator("url")
+    @classmethod
+    def _no_password_in_url(cls, url: str | None) -> str | None:
+        return url if url is None else check_redis_url(url)
 
 
 class EngineConfig(Section):
@@ -563,15 +579,22 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
 
 
 def read_yaml(path: Path, what: str) -> Any:
-    """A YAML file's content; ConfigError naming the file (and the line) when it is missing or not YAML."""
+    """A YAML file's content; ConfigError naming the file (and the line) when it is missing, not UTF-8, not
+    YAML or names a key twice (``core.text_files.load_yaml``)."""
     try:
-        return yaml.safe_load(path.read_text())
+        return load_yaml(path)
     except FileNotFoundError as exc:
         raise ConfigError(f"{what} {path} does not exist") from exc
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from exc
+    except TextFileError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _a(value: Any) -> str:
+    """What a YAML value is, for a message: ``a list``, ``a mapping``, ``a number``."""
+    kind = {bool: "boolean", int: "number", float: "number", dict: "mapping", list: "list"}.get(
+        type(value), type(value).__name__
+    )
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
 def _resolve_secrets(tree: dict[str, Any], env: Mapping[str, str]) -> frozenset[str]:
@@ -591,10 +614,14 @@ def _resolve_secrets(tree: dict[str, Any], env: Mapping[str, str]) -> frozenset[
                 raise ConfigError(f"{dotted}: set {dotted} or {dotted}_file, not both")
             continue
         if file is not None:
+            if not isinstance(file, str | os.PathLike):
+                raise ConfigError(f"{dotted}_file: expected a path, got {_a(file)}")
             try:
-                value = Path(file).read_text().strip()
+                value = read_text(file).strip()
             except OSError as exc:
                 raise ConfigError(f"{dotted}_file: cannot read {file}: {exc.strerror or exc}") from None
+            except TextFileError as exc:
+                raise ConfigError(f"{dotted}_file: {exc}") from None
         elif env.get(var):
             value = env[var]
         elif value == MASK:  # a dumped config: unset here; a component that needs it says where to put it

@@ -14,6 +14,7 @@ import httpx
 from tqdm import tqdm
 
 from core.config import SECRETS, read_yaml
+from core.text_files import TextFileError, read_text
 from services.cli import CliError
 
 TOKEN_ENV = SECRETS["api.token"]
@@ -22,7 +23,10 @@ TOKEN_ENV = SECRETS["api.token"]
 def _token(args: argparse.Namespace) -> str | None:
     """The API token from ``--token-file``, else the environment: never from the command line, which others can read."""
     if args.token_file:
-        return Path(args.token_file).read_text().strip()
+        try:
+            return read_text(args.token_file).strip()
+        except TextFileError as exc:
+            raise CliError(f"--token-file {exc}") from None
     return os.environ.get(TOKEN_ENV) or None
 
 
@@ -65,6 +69,11 @@ def job_from_args(args: argparse.Namespace) -> dict[str, Any]:
         loaded = read_yaml(Path(args.file), "job file")
         if not isinstance(loaded, dict):
             raise CliError(f"{args.file}: a job file must be a mapping (the body of POST /v1/jobs)")
+        for key in ("source", "sampling"):  # mappings in the body, which the flags below set keys in
+            if key in loaded and not isinstance(loaded[key], dict):
+                got = repr(loaded[key])
+                got = got if len(got) <= 60 else got[:57] + "..."
+                raise CliError(f"{args.file}: {key} must be a mapping, got {got}")
         body = loaded
     source = body.setdefault("source", {})
     for flag, key in (("source", "kind"), ("path", "path"), ("split", "split"), ("limit", "limit"), ("seed", "seed")):

@@ -73,6 +73,26 @@ BAD_INPUT = [  # (argv, what the error line must name); {tmp} is the test's dire
     (["submit", "-f", "{tmp}"], "{tmp}: Is a directory"),
     (["submit", "--source", "nosuch"], "argument --source: invalid choice: 'nosuch'"),
     (["jobs", "--api", "localhost:8000"], "--api localhost:8000"),
+    # input files that are not UTF-8, name a key twice, or hold the wrong kind of value
+    (["config", "check", "-c", "{tmp}/latin1.yaml"], "{tmp}/latin1.yaml:2: not valid UTF-8 (byte 0xe9 at column 12)"),
+    (["config", "check", "-c", "{tmp}/dup.yaml"], "{tmp}/dup.yaml:3: duplicate key 'run' (first on line 1)"),
+    (["config", "check", "-c", "{tmp}/secret-list.yaml"], "api.token_file: expected a path, got a list"),
+    (["config", "check", "-c", "{demo}", "api.token_file={tmp}/latin1.yaml"],
+     "api.token_file: {tmp}/latin1.yaml:2: not valid UTF-8 (byte 0xe9 at column 12)"),
+    (["submit", "-f", "{tmp}/latin1.yaml"], "{tmp}/latin1.yaml:2: not valid UTF-8 (byte 0xe9 at column 12)"),
+    (["submit", "-f", "{tmp}/job-dup.yaml"], "{tmp}/job-dup.yaml:2: duplicate key 'kind' (first on line 1)"),
+    (["submit", "-f", "{tmp}/job-source.yaml", "--limit", "3"],
+     "{tmp}/job-source.yaml: source must be a mapping, got 'arith'"),
+    (["submit", "-f", "{tmp}/job-sampling.yaml", "--temperature", "0.7"],
+     "{tmp}/job-sampling.yaml: sampling must be a mapping, got 0.5"),
+    (["submit", "--token-file", "{tmp}/latin1.yaml", "--limit", "2"],
+     "--token-file {tmp}/latin1.yaml:2: not valid UTF-8 (byte 0xe9 at column 12)"),
+    (["rollout", "--task", "jsonl", "--path", "{tmp}/latin1.jsonl"],
+     "{tmp}/latin1.jsonl:1: not valid UTF-8 (byte 0xe9 at column 11)"),
+    (["rollout", "--task", "arith", "rollout.tools={tmp}/latin1.yaml"],
+     "{tmp}/latin1.yaml:2: not valid UTF-8 (byte 0xe9 at column 12)"),
+    (["rollout", "--task", "arith", "rollout.tools={tmp}/dup.yaml"],
+     "{tmp}/dup.yaml:3: duplicate key 'run' (first on line 1)"),
     (["trajectories"], "the following arguments are required: job"),
 ]
 
@@ -81,6 +101,13 @@ BAD_INPUT = [  # (argv, what the error line must name); {tmp} is the test's dire
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("")
     (tmp_path / "bad.yaml").write_text("kind: [train\n")
+    (tmp_path / "latin1.yaml").write_bytes(b"run:\n  name: caf\xe9\n")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"q": "caf\xe9"}\n')
+    (tmp_path / "dup.yaml").write_text("run: {name: a}\nmodel: {seed: 1}\nrun: {seed: 3}\n")
+    (tmp_path / "secret-list.yaml").write_text("api: {token_file: [1, 2]}\n")
+    (tmp_path / "job-dup.yaml").write_text("kind: train\nkind: eval\nsource: {kind: arith, limit: 2}\n")
+    (tmp_path / "job-source.yaml").write_text("source: arith\n")
+    (tmp_path / "job-sampling.yaml").write_text("source: {kind: arith, limit: 2}\nsampling: 0.5\n")
     fill = {"tmp": str(tmp_path), "demo": str(DEMO)}
     proc = rollwave(*(a.format(**fill) for a in argv), cwd=tmp_path)
     assert_one_error_line(proc, 2, needle.format(**fill))

@@ -178,3 +178,78 @@ def test_server_id_cannot_name_a_path_outside_the_stage_dir(server_id: str) -> N
     with pytest.raises(ConfigError, match="rollout.server_id"):
         load_config(None, [f"rollout.server_id='{server_id}'"])
     assert load_config(None, ["rollout.server_id=rollout-0.a..b_c"]).rollout.server_id == "rollout-0.a..b_c"
+
+
+# Input files: not UTF-8, keys given twice, a *_file that is not a path (core.text_files)
+
+LATIN1 = "run:\n  name: caf\xe9\n".encode("latin-1")  # é as one Latin-1 byte: not UTF-8
+
+
+def test_a_config_file_that_is_not_utf8_names_file_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(LATIN1)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}:2: not valid UTF-8 (byte 0xe9 at column 12)"
+    path.write_bytes(b"\xef\xbb\xbfrun:\n  name: x\n")  # a byte order mark is still allowed
+    assert load_config(path).run.name == "x"
+    path.write_bytes(b"\xef\xbb\xbfrun:\n  name: caf\xe9\n")
+    with pytest.raises(ConfigError, match=f"^{path}:2: not valid UTF-8 \\(byte 0xe9 at column 12\\)$"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("run: {name: a}\nmodel: {seed: 1}\nrun: {seed: 3}\n", ":3: duplicate key 'run' (first on line 1)"),
+        ("run:\n  name: a\n  seed: 1\n  name: b\n", ":4: duplicate key 'name' (first on line 2)"),
+        ("rollout:\n  reward_allowlist: {a: m:f, b: m:g, a: m:h}\n", ":2: duplicate key 'a' (first on line 2)"),
+    ],
+    ids=["top level", "nested", "flow mapping"],
+)
+def test_a_key_given_twice_in_a_config_file_is_an_error(tmp_path: Path, body: str, message: str) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text(body)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}{message}"
+
+
+def test_a_merge_key_may_still_be_overridden(tmp_path: Path) -> None:
+    path = tmp_path / "merge.yaml"
+    path.write_text("run:\n  <<: {name: a, seed: 1}\n  seed: 3\n")
+    cfg = load_config(path)
+    assert (cfg.run.name, cfg.run.seed) == ("a", 3)
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "got"),
+    [("file", "[1, 2]", "a list"), ("file", "{a: 1}", "a mapping"), ("file", "3", "a number"),
+     ("file", "true", "a boolean"), ("override", "[1, 2]", "a list")],
+)
+def test_a_secret_file_key_that_is_not_a_path_names_the_key(tmp_path: Path, where: str, value: str, got: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"api: {{token_file: {value}}}\n" if where == "file" else "")
+    overrides = [f"api.token_file={value}"] if where == "override" else []
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides, env={})
+    assert str(err.value) == f"api.token_file: expected a path, got {got}"
+
+
+@pytest.mark.parametrize("key", ["api.token", "checkpoint.token", "engine.api_key", "redis.password"])
+def test_a_secret_file_that_is_not_utf8_names_the_key_file_and_line(tmp_path: Path, key: str) -> None:
+    path = tmp_path / "secret"
+    path.write_bytes(b"x" * 40 + b"\n\xe9\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}_file={path}"], env={})
+    assert str(err.value) == f"{key}_file: {path}:2: not valid UTF-8 (byte 0xe9 at column 1)"
+    assert "x" * 40 not in str(err.value)  # the secret is never echoed
+
+
+def test_config_check_says_a_file_is_not_utf8_in_one_line_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(LATIN1)
+    assert main(["config", "check", "-c", str(path)]) == 2
+    assert capsys.readouterr().err == f"error: {path}:2: not valid UTF-8 (byte 0xe9 at column 12)\n"

@@ -362,3 +362,25 @@ def test_python_does_not_block_the_event_loop() -> None:
         return ticks
 
     assert run(scenario()) >= 5
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"- name: calcul\xe9\n", ":1: not valid UTF-8 (byte 0xe9 at column 15)"),
+        (b"tools:\n  - name: calculator\n    name: python\n", ":3: duplicate key 'name' (first on line 2)"),
+        (b"tools: [{name: calculator}]\ntools: [{name: python}]\n", ":2: duplicate key 'tools' (first on line 1)"),
+        (b"- [\n", ":2: not valid YAML: "),
+    ],
+    ids=["not utf-8", "key twice in an entry", "tools twice", "not yaml"],
+)
+def test_a_tool_config_that_is_not_utf8_or_names_a_key_twice_names_file_and_line(
+    tmp_path: Path, body: bytes, message: str
+) -> None:
+    cfg = tmp_path / "tools.yaml"
+    cfg.write_bytes(body)
+    with pytest.raises(ToolConfigError) as info:
+        ToolRegistry.from_file(cfg)
+    assert str(info.value).startswith(f"{cfg}{message}")
+    cfg.write_bytes(b"\xef\xbb\xbf- name: calculator\n")  # a byte order mark is allowed
+    assert list(ToolRegistry.from_file(cfg).tools) == ["calculator"]

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from core.text_files import utf8_lines
+
 # Shared by every built-in source and by the tokenizer corpus; short, because the tiny model's context is.
 SYSTEM_PROMPT = "Use the calculator for arithmetic. End with: The answer is N."
 
@@ -64,8 +66,8 @@ def split_file(source: str, path: str | None, split: str | None, root: Path | No
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line number, row)`` per non-blank line; a line that is not a JSON object is a ValueError."""
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, line in utf8_lines(f, path):  # a line that is not UTF-8: TextFileError (a ValueError)
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -89,10 +91,16 @@ def field(row: dict[str, Any], key: str, kind: type[T], where: str, *, label: st
     return value
 
 
-def window(items: list[T], offset: int, limit: int | None) -> list[T]:
-    """``items[offset : offset + limit]`` after checking both."""
+def window(items: list[T], offset: int, limit: int | None, *, file: Path | None = None) -> list[T]:
+    """``items[offset : offset + limit]`` after checking both; with ``file`` (the rows' file) an empty file or an
+    offset past its last row is an error naming it, not an empty job."""
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    if file is not None and not items:
+        raise ValueError(f"{file}: no rows")
+    if file is not None and offset >= len(items):
+        rows = f"{len(items)} row" if len(items) == 1 else f"{len(items)} rows"
+        raise ValueError(f"offset {offset} is past the {rows} of {file}")
     return items[offset:] if limit is None else items[offset : offset + limit]

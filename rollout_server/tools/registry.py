@@ -16,8 +16,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from core.text_files import TextFileError, load_yaml
 from rollout_server.tools.base import Tool
 
 BUILTIN_TOOLS: dict[str, str] = {
@@ -63,11 +62,11 @@ class ToolRegistry:
             return cls.builtin()
         path = Path(path)
         try:
-            data = yaml.safe_load(path.read_text())
+            data = load_yaml(path)
         except FileNotFoundError:
             raise ToolConfigError(f"tool config {path} does not exist") from None
-        except yaml.YAMLError as exc:
-            raise ToolConfigError(f"{path}: not valid YAML: {exc}") from None
+        except TextFileError as exc:  # not UTF-8, not YAML, a key twice: names the file and the line
+            raise ToolConfigError(str(exc)) from None
         entries = data.get("tools") if isinstance(data, dict) else data
         if not isinstance(entries, list):
             raise ToolConfigError(f"{path}: expected a list of tools (or a mapping with key 'tools')")

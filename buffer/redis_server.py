@@ -24,7 +24,7 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from core.config import RedisConfig
+from core.config import ConfigError, RedisConfig, check_redis_url
 from core.net import BIND_RETRY_S, bind_retrying, free_port_outside_ephemeral
 from core.process import MALLOC_ENV, stop_process
 
@@ -215,12 +215,23 @@ class EmbeddedRedis:
         self.stop()
 
 
+def configured_url(cfg: RedisConfig) -> str | None:
+    """``REDIS_URL`` (environment) or ``redis.url``, whichever is set first; ConfigError for one carrying a password
+    (``check_redis_url``), since a URL is passed on and printed."""
+    if os.environ.get("REDIS_URL"):
+        try:
+            return check_redis_url(os.environ["REDIS_URL"])
+        except ValueError as exc:
+            raise ConfigError(f"REDIS_URL: {exc}") from None
+    return cfg.url
+
+
 def connect(cfg: RedisConfig, run_dir: Path) -> tuple[redis.Redis, EmbeddedRedis | None]:
     """A client for ``REDIS_URL`` (environment) or ``cfg.url``; without either, start the embedded server.
 
     The caller owns the returned server (if any) and stops it when done.
     """
-    url = os.environ.get("REDIS_URL") or cfg.url
+    url = configured_url(cfg)
     server = None
     if not url:
         server = EmbeddedRedis(

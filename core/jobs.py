@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from core.config import RolloutConfig, check_sampling
 from core.rewards import REWARD_NAME
 from core.tasks import Task, load_tasks
+from core.tasks.check import check_inline
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
 
@@ -53,14 +54,18 @@ class TaskSource(Strict):
             raise ValueError("kind=arith needs `limit` (the number of generated problems)")
         return self
 
-    def load(self, data_root: Path | None = None) -> list[Task]:
-        """The tasks; with ``data_root``, a ``path`` is read relative to it and must not lead out of it."""
+    def load(self, data_root: Path | None = None, reward: str | None = None, agent: bool = False) -> list[Task]:
+        """The tasks, each checked as a jsonl row is (``core.tasks.check``: a ValueError names the field, e.g.
+        ``source.tasks[0].messages[0].role``); inline task ids must be unique. With ``data_root``, a ``path`` is
+        read relative to it and must not lead out of it. ``reward`` is the reward function that scores the
+        tasks, when known (``JobSpec.load_tasks``); ``agent``: an agent runs them (and may post the reward)."""
         if self.kind == "inline":
             assert self.tasks is not None
+            check_inline(self.tasks, label="source.tasks", reward=reward, agent=agent)
             return list(self.tasks)
         return load_tasks(
             self.kind, path=self.path, split=self.split, limit=self.limit, seed=self.seed, offset=self.offset,
-            root=data_root,
+            root=data_root, reward=reward,
         )
 
 
@@ -125,6 +130,11 @@ class JobSpec(Strict):
             if self.sampling.temperature is None:
                 self.sampling = self.sampling.model_copy(update={"temperature": 0.0})
         return self
+
+    def load_tasks(self, data_root: Path | None = None, run_reward: str | None = None) -> list[Task]:
+        """The source's tasks, each checked against the reward function that will score it: the job's ``reward``,
+        else the run's ``rollout.reward`` (``run_reward``)."""
+        return self.source.load(data_root, self.reward or run_reward, agent=self.agent is not None)
 
 
 def rollout_settings(spec: JobSpec, defaults: RolloutConfig) -> RolloutConfig:

@@ -67,9 +67,39 @@ def extract_answer(text: str, mode: str = "flexible") -> str | None:
     return _last(_NUMBER, text)
 
 
+def gsm8k_gold(ground_truth: Any) -> Decimal | None:
+    """The number a gsm8k ``ground_truth`` stands for (read as text, after its last ``####``); None when it is
+    not a finite number (a NaN or infinite gold would never match, and score every answer 0)."""
+    gold = normalize_number(str(ground_truth).split("####")[-1])
+    return gold if gold is not None and gold.is_finite() else None
+
+
+def check_reward_spec(kind: str, spec: Mapping[str, Any], label: str = "reward") -> None:
+    """Raise ValueError, naming the field as ``{label}.<key>``, when the built-in reward ``kind`` cannot score a
+    task with reward spec ``spec``: the rules its function applies when it scores, checked when the task is given.
+
+    ``gsm8k`` needs a ``ground_truth`` that is a finite number (``42``, ``"1,600"``, ``"... #### 42"``) and a
+    ``mode`` of ``MODES`` if it names one; ``tool`` and ``tool_last`` read nothing from the spec.
+    A kind that is not a built-in is the operator's function (``rollout.reward_allowlist``): nothing to check here.
+    """
+    if kind != "gsm8k":
+        return
+    if "ground_truth" not in spec:
+        raise ValueError(f"missing field '{label}.ground_truth' (the gsm8k reward compares the answer with it)")
+    ground_truth = spec["ground_truth"]
+    if gsm8k_gold(ground_truth) is None:
+        raise ValueError(
+            f"field '{label}.ground_truth' is {ground_truth!r}: the gsm8k reward needs a finite number "
+            "(e.g. 42 or \"1,600\")"
+        )
+    mode = spec.get("mode", "flexible")
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"field '{label}.mode' is {mode!r}; valid: {', '.join(MODES)}")
+
+
 def gsm8k_reward(text: str, ground_truth: str, mode: str = "flexible") -> float:
     """1.0 when the extracted answer equals ``ground_truth`` numerically, else 0.0."""
-    gold = normalize_number(ground_truth.split("####")[-1])
+    gold = gsm8k_gold(ground_truth)
     if gold is None:
         raise ValueError(f"gsm8k ground_truth {ground_truth!r} is not a number")
     found = extract_answer(text, mode)

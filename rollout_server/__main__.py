@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import importlib.util
 import logging
-import os
 import secrets
 import signal
 import sys
@@ -29,7 +28,7 @@ import httpx
 
 from buffer.colocation import DeviceTurns
 from buffer.keys import Keys
-from buffer.redis_server import connect
+from buffer.redis_server import configured_url, connect
 from core.config import (
     SECRETS,
     Config,
@@ -218,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("httpx", "httpx2"):  # an INFO line per request otherwise (metrics proxy, the agents' openai client)
         logging.getLogger(name).setLevel(logging.WARNING)
     cfg = load_config_or_exit(args.config, args.overrides, check=_start)
-    cfg.redis.url = os.environ.get("REDIS_URL") or cfg.redis.url  # read now: the agents run by this server must
-    forget_environment([*SECRETS.values(), "REDIS_URL"])  # not inherit its secrets or Redis's address
     try:
+        cfg.redis.url = configured_url(cfg.redis)  # read now: the agents run by this server must not inherit
+        forget_environment([*SECRETS.values(), "REDIS_URL"])  # its secrets or Redis's address
         asyncio.run(serve(cfg))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -34,7 +34,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.keys import Keys
-from buffer.redis_server import EmbeddedRedis, client_for
+from buffer.redis_server import EmbeddedRedis, client_for, configured_url
 from core.config import Config, dump_config, load_config
 from core.net import free_port_outside_ephemeral
 from core.process import stop_process
@@ -216,7 +216,7 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
         wanted = math.ceil(sum(s.num_cpus for s in specs)) + 1  # + the Redis actor
         state.update(start_head(max(wanted, os.cpu_count() or 1), run_dir / "logs" / "ray-head.log"))
     _connect(state)
-    redis_url = os.environ.get("REDIS_URL") or cfg.redis.url
+    redis_url = configured_url(cfg.redis)
     if not redis_url:
         actor = RedisActor.options(name="redis", lifetime="detached").remote(
             str(cfg.redis.data_dir or run_dir / "redis"), cfg.redis.port, cfg.redis.aof,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -265,3 +266,48 @@ def test_ops_endpoints(api: httpx.Client) -> None:
     assert status["version"] == 0 and status["servers"] == [] and status["buffer"]["groups"]["length"] == 0
     summary = api.get("/v1/metrics/summary").json()
     assert set(summary["series"]) >= {"reward_mean", "policy_version", "buffer_depth_groups"}
+
+
+def _rejected(api: httpx.Client, body: dict[str, Any], *expected: str) -> None:
+    """A 422 whose detail names ``source`` and carries each of ``expected``; the job leaves nothing behind."""
+    reply = api.post("/v1/jobs", json=body)
+    assert reply.status_code == 422, reply.text
+    detail = reply.json()["detail"][0]
+    assert detail["loc"] == ["body", "source"], detail
+    for text in expected:
+        assert text in detail["msg"], (text, detail["msg"])
+    assert api.get("/v1/jobs").json()["jobs"] == []
+
+
+def test_bad_inline_tasks_and_jsonl_rewards_are_refused_naming_the_field(api: httpx.Client, data_root: Path) -> None:
+    task = {"task_id": "a", "messages": [{"role": "user", "content": "q"}], "reward": {"ground_truth": "1"}}
+    inline = {"kind": "inline", "tasks": [task | {"messages": [{"role": "bot", "content": "q"}]}]}
+    _rejected(api, {"source": inline}, "source.tasks[0].messages[0].role", "'bot'")
+    _rejected(api, {"source": {"kind": "inline", "tasks": [task, task]}}, "duplicate task id 'a'")
+    _rejected(api, {"source": {"kind": "inline", "tasks": [task | {"reward": {}}]}},  # the run's reward: gsm8k
+              "source.tasks[0].reward.ground_truth")
+    row = {"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}}
+    for name, reward_model, field in (("gt_list", {"ground_truth": [1, 2]}, "reward_model.ground_truth"),
+                                      ("kind", {"ground_truth": "1", "kind": "tool_first"}, "reward_model.kind"),
+                                      ("mode", {"ground_truth": "1", "mode": "fuzzy"}, "reward_model.mode")):
+        path = data_root / f"{name}.jsonl"
+        path.write_text(json.dumps(row) + "\n" + json.dumps(row | {"reward_model": reward_model}) + "\n")
+        _rejected(api, {"source": {"kind": "jsonl", "path": path.name}, "reward": "gsm8k"}, f"{path}:2: ", field)
+    (data_root / "empty.jsonl").write_text("")
+    _rejected(api, {"source": {"kind": "jsonl", "path": "empty.jsonl"}}, f"{data_root / 'empty.jsonl'}: no rows")
+    (data_root / "three.jsonl").write_text("".join(json.dumps(row | {"id": i}) + "\n" for i in range(3)))
+    _rejected(api, {"source": {"kind": "jsonl", "path": "three.jsonl", "offset": 5}},
+              f"offset 5 is past the 3 rows of {data_root / 'three.jsonl'}")
+    assert api.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": [task]}}).status_code == 201
+
+
+def test_rows_for_the_jobs_allowlisted_reward_are_accepted(redis_url: str) -> None:
+    allowlist = "rollout.reward_allowlist={judge: 'tests.test_rewards:good_reward'}"
+    with serve(redis_url, "api-row-rewards", allowlist) as api:
+        task = {"task_id": "a", "messages": [{"role": "user", "content": "q"}],
+                "reward": {"kind": "judge", "x": [1]}}
+        source = {"kind": "inline", "tasks": [task]}
+        assert api.post("/v1/jobs", json={"source": source, "reward": "judge"}).status_code == 201
+        reply = api.post("/v1/jobs", json={"source": source, "reward": "tool"})  # no rollout could score it
+        assert reply.status_code == 422 and "source.tasks[0].reward.kind" in reply.text, reply.text
+        assert len(api.get("/v1/jobs").json()["jobs"]) == 1

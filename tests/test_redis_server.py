@@ -13,7 +13,7 @@ import redis
 from buffer_helpers import client
 
 from buffer.redis_server import EmbeddedRedis, RedisStartError, client_for, connect, find_redis_server
-from core.config import RedisConfig, load_config
+from core.config import ConfigError, RedisConfig, load_config
 from core.net import PortBusyError
 
 
@@ -119,6 +119,17 @@ def test_connect_uses_url_env_or_starts_embedded(tmp_path: Path, monkeypatch: py
         server.stop()
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(server.url, retry=None, socket_connect_timeout=1).ping()
+
+
+def test_a_password_never_rides_in_a_redis_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A URL is passed on command lines, printed and dumped with the config; redis.password is none of these."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    with pytest.raises(ConfigError, match=r"redis.url: .*carries a password: give it in redis.password"):
+        load_config(None, ["redis.url=redis://:hunter2hunter2@10.0.0.9:6379/0"], env={})
+    monkeypatch.setenv("REDIS_URL", "redis://rollwave:hunter2hunter2@10.0.0.9:6379/0")
+    with pytest.raises(ConfigError, match=r"^REDIS_URL: carries a password"):
+        connect(RedisConfig(), tmp_path)
+    assert not (tmp_path / "redis").exists()
 
 
 @pytest.mark.parametrize("answers", [False, True], ids=["refused", "silent"])

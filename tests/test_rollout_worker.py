@@ -410,8 +410,9 @@ def test_code_or_tools_the_config_names_that_do_not_load_stop_the_server_at_star
     """A typo in an allowlist or the tools file is one line and exit 2 when the server starts, before it connects
     to anything, not a failure of every task that needs it later."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAVE_")}
-    proc = subprocess.run([sys.executable, "-m", "rollout_server", "redis.url=redis://127.0.0.1:1/0",
-                           override.replace("{tmp}", str(tmp_path))], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    argv = [sys.executable, "-m", "rollout_server", "redis.url=redis://127.0.0.1:1/0",
+            override.replace("{tmp}", str(tmp_path))]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**env, "ROLLWAVE_CHECKPOINT_TOKEN": CHECKPOINT_TOKEN})
     assert proc.returncode == 2 and proc.stderr.strip().startswith(error), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

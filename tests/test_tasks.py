@@ -166,7 +166,7 @@ def test_jsonl_reads_verl_rows(tmp_path: Path) -> None:
         "tools_kwargs": {"calculator": {"create_kwargs": {"precision": 2}}},
         "reward_model": {"ground_truth": 7, "kind": "tool"},
     }
-    bare = {"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "x"}}
+    bare = {"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "5"}}  # gsm8k: a number
     path = _write(tmp_path / "mix.jsonl", [verl, alias, bare])
     first, second, third = load_tasks("jsonl", path=str(path))
     assert first.task_id == "jsonl-mix-17" and first.tools == ["calculator", "check_answer"]
@@ -215,3 +215,130 @@ def test_jsonl_reports_bad_rows_with_file_line_and_field(tmp_path: Path) -> None
         load_tasks("jsonl", path=str(tmp_path / "absent.jsonl"))
     with pytest.raises(ValueError, match="limit must be >= 0"):
         load_tasks("jsonl", path=str(_write(tmp_path / "ok.jsonl", [ok])), limit=-1)
+
+
+# Task files that are not UTF-8 (core.text_files): the error names file, line and column, for each file source
+
+@pytest.mark.parametrize(
+    ("source", "good", "bad"),
+    [
+        ("jsonl", {"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}},
+         b'{"prompt": [{"role": "user", "content": "caf\xe9"}], "reward_model": {"ground_truth": "1"}}'),
+        ("gsm8k", {"question": "q", "answer": "#### 1"}, b'{"question": "caf\xe9", "answer": "#### 1"}'),
+    ],
+)
+def test_a_task_file_that_is_not_utf8_names_file_line_and_column(
+    tmp_path: Path, source: str, good: dict[str, object], bad: bytes
+) -> None:
+    path = tmp_path / "latin1.jsonl"
+    column = bad.index(b"\xe9") + 1
+    path.write_bytes(json.dumps(good).encode() + b"\n" + bad + b"\n")
+    with pytest.raises(ValueError) as err:
+        load_tasks(source, path=str(path))
+    assert str(err.value) == f"{path}:2: not valid UTF-8 (byte 0xe9 at column {column})"
+    path.write_bytes(json.dumps(good).encode() + b"\r\n" + json.dumps(good, ensure_ascii=False).encode() + b"\r\n")
+    assert len(load_tasks(source, path=str(path))) == 2  # CRLF lines still read
+
+
+# Reward specs, inline tasks and empty windows are checked when they are given (core.tasks.check), not in a rollout
+
+_ROW = {"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}}
+
+
+@pytest.mark.parametrize(
+    ("reward_model", "message"),
+    [
+        ({"ground_truth": [1, 2]}, "field 'reward_model.ground_truth' is [1, 2]: the gsm8k reward needs a finite"),
+        ({"ground_truth": None}, "field 'reward_model.ground_truth' is None"),
+        ({"ground_truth": "abc"}, "field 'reward_model.ground_truth' is 'abc'"),
+        ({"ground_truth": float("nan")}, "field 'reward_model.ground_truth' is nan"),
+        ({"ground_truth": "Infinity"}, "field 'reward_model.ground_truth' is 'Infinity'"),
+        ({"ground_truth": True}, "field 'reward_model.ground_truth' is True"),
+        ({"ground_truth": "1", "mode": "fuzzy"}, "field 'reward_model.mode' is 'fuzzy'; valid: strict, flexible"),
+        ({"ground_truth": "1", "kind": "gsm8k", "mode": None}, "field 'reward_model.mode' is None"),
+        ({"ground_truth": "1", "kind": "os:system"}, "field 'reward_model.kind' is 'os:system': not a built-in"),
+    ],
+)
+def test_jsonl_reward_specs_are_checked_with_the_reward_functions_rules(
+    tmp_path: Path, reward_model: dict[str, object], message: str
+) -> None:
+    path = _write(tmp_path / "gt.jsonl", [_ROW | {"id": "a"}, _ROW | {"reward_model": reward_model}])
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: {message}")):
+        load_tasks("jsonl", path=str(path))
+
+
+def test_jsonl_reward_kinds_are_checked_against_the_jobs_reward(tmp_path: Path) -> None:
+    good = {"ground_truth": "#### 1,600", "mode": "strict"}
+    rows = [_ROW | {"id": "a", "reward_model": good}, _ROW | {"id": "b", "reward_model": {"ground_truth": 3.5}},
+            _ROW | {"id": "c", "reward_model": {"ground_truth": [1, 2], "kind": "tool"}}]  # tool reads no ground truth
+    assert len(load_tasks("jsonl", path=str(_write(tmp_path / "ok.jsonl", rows)))) == 3
+    judge_row = _ROW | {"reward_model": {"ground_truth": {"any": 1}, "kind": "judge"}}
+    judged = _write(tmp_path / "judged.jsonl", [judge_row])
+    # a row meant for the job's allowlisted function is not the built-ins' business, nor one whose run is not known
+    assert load_tasks("jsonl", path=str(judged), reward="judge")[0].reward["kind"] == "judge"
+    assert len(load_tasks("jsonl", path=str(judged))) == 1
+    for reward in ("gsm8k", "other"):
+        with pytest.raises(ValueError, match=re.escape(f"{judged}:1: field 'reward_model.kind' is 'judge': not a "
+                                                       f"built-in reward (gsm8k, tool, tool_last) nor this job's "
+                                                       f"reward {reward!r}")):
+            load_tasks("jsonl", path=str(judged), reward=reward)
+    # a built-in kind is checked whatever the job's reward
+    bad = _write(tmp_path / "bad.jsonl", [_ROW | {"reward_model": {"ground_truth": "x", "kind": "gsm8k"}}])
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:1: field 'reward_model.ground_truth' is 'x'")):
+        load_tasks("jsonl", path=str(bad), reward="judge")
+
+
+def test_an_empty_file_or_an_offset_past_its_end_names_the_file(tmp_path: Path) -> None:
+    empty = _write(tmp_path / "empty.jsonl", ["", "  "])
+    with pytest.raises(ValueError, match=re.escape(f"{empty}: no rows")):
+        load_tasks("jsonl", path=str(empty))
+    three = _write(tmp_path / "tasks.jsonl", [_ROW | {"id": i} for i in range(3)])
+    with pytest.raises(ValueError, match=re.escape(f"offset 5 is past the 3 rows of {three}")):
+        load_tasks("jsonl", path=str(three), offset=5)
+    with pytest.raises(ValueError, match=re.escape(f"offset 3 is past the 3 rows of {three}")):
+        load_tasks("jsonl", path=str(three), offset=3)
+    assert [t.task_id for t in load_tasks("jsonl", path=str(three), offset=2)] == ["2"]
+    gsm = _write(tmp_path / "gsm.jsonl", [{"question": "q", "answer": "#### 1"}])
+    with pytest.raises(ValueError, match=re.escape(f"offset 1 is past the 1 row of {gsm}")):
+        load_tasks("gsm8k", path=str(gsm), offset=1)
+    with pytest.raises(ValueError, match=re.escape(f"{_write(tmp_path / 'none.jsonl', [])}: no rows")):
+        load_tasks("gsm8k", path=str(tmp_path / "none.jsonl"))
+
+
+def _inline(*tasks: dict[str, object], **job: object):
+    from core.jobs import JobSpec
+
+    return JobSpec.model_validate({"source": {"kind": "inline", "tasks": list(tasks)}, **job})
+
+
+def test_inline_tasks_get_the_jsonl_row_checks_naming_their_path() -> None:
+    ok = {"task_id": "a", "messages": [{"role": "user", "content": "q"}], "reward": {}}
+    bad = {
+        "source.tasks[1].messages[0].role' is 'bot'; valid: system, user, assistant, tool":
+            {"messages": [{"role": "bot", "content": 5}]},
+        "missing field 'source.tasks[1].messages[0].role'": {"messages": [{"content": "q"}]},
+        "field 'source.tasks[1].messages[1].content' must be str, got NoneType":
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]},
+        "field 'source.tasks[1].reward.ground_truth' is [1, 2]": {"reward": {"kind": "gsm8k", "ground_truth": [1, 2]}},
+        "field 'source.tasks[1].reward.mode' is 'fuzzy'": {"reward": {"kind": "gsm8k", "ground_truth": 1,
+                                                                      "mode": "fuzzy"}},
+        "field 'source.tasks[1].reward.kind' must be str, got int": {"reward": {"kind": 5}},
+        "field 'source.tasks[1].reward.kind' is 'os:system'": {"reward": {"kind": "os:system"}},
+        "field 'source.tasks[1].task_id': duplicate task id 'a' (first at source.tasks[0])": {"task_id": "a"},
+    }
+    for message, change in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            _inline(ok, ok | {"task_id": "b"} | change).load_tasks()
+    # no kind: scored by the job's reward function, checked when that is a built-in the job names
+    assert len(_inline(ok).load_tasks()) == 1 and len(_inline(ok, reward="tool").load_tasks()) == 1
+    assert len(_inline(ok, reward="judge").load_tasks()) == 1  # an allowlisted function: its rules are not core's
+    with pytest.raises(ValueError, match=re.escape("missing field 'source.tasks[0].reward.ground_truth'")):
+        _inline(ok, reward="gsm8k").load_tasks()
+    assert len(_inline(ok, reward="gsm8k", agent="pkg.mod:agent").load_tasks()) == 1  # the agent may post the reward
+    with pytest.raises(ValueError, match=re.escape("field 'source.tasks[0].reward.kind' is 'foo'")):
+        _inline(ok | {"reward": {"kind": "foo"}}, reward="judge").load_tasks()
+    judged = _inline(ok | {"reward": {"kind": "judge", "rubric": [1]}}, reward="judge").load_tasks()
+    assert judged[0].reward["kind"] == "judge"
+    # the caller may name the function that scores the job when the job does not (the run's rollout.reward)
+    with pytest.raises(ValueError, match="reward.ground_truth"):
+        _inline(ok).load_tasks(run_reward="gsm8k")

@@ -60,4 +60,4 @@ def load(
                 },
             )
         )
-    return window(tasks, offset, limit)
+    return window(tasks, offset, limit, file=file)

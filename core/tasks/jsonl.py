@@ -3,8 +3,10 @@
 ``{"prompt": [messages], "tools_kwargs": {...}, "reward_model": {"ground_truth": ..., "style": "rule"},
 "data_source": ..., "extra_info": {...}}``. ``messages`` is accepted for ``prompt``; ``tools_kwargs`` may also
 sit in ``extra_info`` (where verl puts it); ``tools`` (names) defaults to the keys of ``tools_kwargs``;
-``reward_model`` may name a ``kind`` (default ``gsm8k``). The task id is ``id``, else
-``jsonl-{file}-{extra_info.index}``, else ``jsonl-{file}-{line}``.
+``reward_model`` may name a ``kind`` (default ``gsm8k``), and is checked against the reward function that
+will score the row (a gsm8k ``ground_truth`` must be a number...: ``core.tasks.check``). The task id is ``id``,
+else ``jsonl-{file}-{extra_info.index}``, else ``jsonl-{file}-{line}``. An empty file, or an ``offset`` past its
+last row, is an error naming the file.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from core.tasks.base import Task, field, read_jsonl, split_file, window
-
-_ROLES = ("system", "user", "assistant", "tool")
+from core.tasks.check import check_task
 
 
 def load(
@@ -24,64 +25,46 @@ def load(
     limit: int | None = None,
     offset: int = 0,
     root: Path | None = None,
+    reward: str | None = None,
 ) -> list[Task]:
-    """Every row is validated (a bad row anywhere fails loudly), then ``offset``/``limit`` pick the window."""
+    """Every row is validated (a bad row anywhere fails loudly), then ``offset``/``limit`` pick the window.
+
+    ``reward`` is the job's reward function, when known: a row's reward spec is checked against the function
+    that will score it (``core.tasks.check``).
+    """
     file = split_file("jsonl", path, split, root)
     tasks: list[Task] = []
     first_line: dict[str, int] = {}
     for line, row in read_jsonl(file):
         where = f"{file}:{line}"
-        task = _task(row, file, line, where)
+        task = _task(row, file, line, where, reward)
         if task.task_id in first_line:
             first = first_line[task.task_id]
             raise ValueError(f"{where}: duplicate task id {task.task_id!r} (first on line {first})")
         first_line[task.task_id] = line
         tasks.append(task)
-    return window(tasks, offset, limit)
+    return window(tasks, offset, limit, file=file)
 
 
-def _messages(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
+def _task(row: dict[str, Any], file: Path, line: int, where: str, reward: str | None) -> Task:
     key = "prompt" if "prompt" in row or "messages" not in row else "messages"
     messages = field(row, key, list, where)
-    if not messages:
-        raise ValueError(f"{where}: field {key!r} is empty")
-    for i, message in enumerate(messages):
-        label = f"{key}[{i}]"
-        if not isinstance(message, dict):
-            raise ValueError(f"{where}: field {label!r} must be an object, got {type(message).__name__}")
-        role = field(message, "role", str, where, label=f"{label}.role")
-        if role not in _ROLES:
-            raise ValueError(f"{where}: field '{label}.role' is {role!r}; valid: {', '.join(_ROLES)}")
-        field(message, "content", str, where, label=f"{label}.content")
-    return messages
-
-
-def _tools_kwargs(row: dict[str, Any], extra: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
-    holder, label = (row, "tools_kwargs") if "tools_kwargs" in row else (extra, "extra_info.tools_kwargs")
-    kwargs = field(holder, "tools_kwargs", dict, where, label=label) if "tools_kwargs" in holder else {}
-    for name, value in kwargs.items():
-        if not isinstance(value, dict):
-            raise ValueError(f"{where}: field '{label}.{name}' must be dict, got {type(value).__name__}")
-    return kwargs
-
-
-def _task(row: dict[str, Any], file: Path, line: int, where: str) -> Task:
-    messages = _messages(row, where)
     extra = field(row, "extra_info", dict, where) if "extra_info" in row else {}
-    tools_kwargs = _tools_kwargs(row, extra, where)
-    if "tools" in row:
-        tools = field(row, "tools", list, where)
-        for i, name in enumerate(tools):
-            if not isinstance(name, str):
-                raise ValueError(f"{where}: field 'tools[{i}]' must be str, got {type(name).__name__}")
-    else:
-        tools = list(tools_kwargs)
+    holder, kwargs_label = (row, "tools_kwargs") if "tools_kwargs" in row else (extra, "extra_info.tools_kwargs")
+    tools_kwargs = field(holder, "tools_kwargs", dict, where, label=kwargs_label) if "tools_kwargs" in holder else {}
+    tools = field(row, "tools", list, where) if "tools" in row else list(tools_kwargs)
     reward_model = field(row, "reward_model", dict, where)
     if "ground_truth" not in reward_model:
         raise ValueError(f"{where}: missing field 'reward_model.ground_truth'")
     kind = reward_model.get("kind", "gsm8k")
     if not isinstance(kind, str):
         raise ValueError(f"{where}: field 'reward_model.kind' must be str, got {type(kind).__name__}")
+    spec = {**reward_model, "kind": kind}
+    check_task(
+        messages=messages, tools=tools, tools_kwargs=tools_kwargs, reward_spec=spec, where=where,
+        labels={"messages": key, "tools": "tools", "tools_kwargs": kwargs_label, "reward": "reward_model"},
+        reward=reward,
+    )
     if "id" in row:
         raw = row["id"]
         if isinstance(raw, bool) or not isinstance(raw, str | int) or raw == "":
@@ -96,7 +79,7 @@ def _task(row: dict[str, Any], file: Path, line: int, where: str) -> Task:
         messages=messages,
         tools=tools,
         tools_kwargs=tools_kwargs,
-        reward={**reward_model, "kind": kind},
+        reward=spec,
         meta={
             "source": "jsonl",
             "file": str(file),

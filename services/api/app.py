@@ -255,7 +255,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
             names = ", ".join(sorted(allowed))
             raise reject(api, "reward", f"reward {spec.reward!r} is not one this run allows: {names}")
         try:
-            tasks = spec.source.load(cfg.api.data_root)
+            tasks = spec.load_tasks(cfg.api.data_root, cfg.rollout.reward)
         except (ValueError, OSError) as exc:
             raise reject(api, "source", str(exc)) from None
         if not tasks:

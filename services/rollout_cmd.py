@@ -107,7 +107,8 @@ async def _rollout(
 
 def _task(args: argparse.Namespace, cfg: Config) -> Task:
     """The task to roll out, read before anything starts, so a wrong --task or --path fails at once."""
-    tasks = load_tasks(args.task, path=args.path, split=args.split, limit=1, seed=cfg.run.seed, offset=args.index)
+    tasks = load_tasks(args.task, path=args.path, split=args.split, limit=1, seed=cfg.run.seed, offset=args.index,
+                       reward=cfg.rollout.reward)
     if not tasks:
         raise ConfigError(f"task source {args.task!r} has no task at index {args.index}")
     return tasks[0]

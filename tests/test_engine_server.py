@@ -374,3 +374,17 @@ def test_a_keyless_engine_answers_only_loopback_host_names(engine: str) -> None:
         return float(line.split()[-1])
 
     assert refused_400(metrics) == refused_400(before) + 2
+
+
+def test_a_model_without_a_tokenizer_is_refused_and_the_engine_says_why(
+    tiny_model_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Without tokenizer files transformers would give a one-token vocabulary that encodes every prompt as
+    nothing; the engine refuses the directory, and its error reaches its parent's log (no log file given)."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (bare / name).write_bytes((tiny_model_dir / name).read_bytes())
+    with pytest.raises(RuntimeError, match="engine exited with code 1"):
+        EngineProcess(bare, threads=1).start(60)
+    assert f"{bare} has no tokenizer (none of tokenizer.json, tokenizer_config.json" in capfd.readouterr().out

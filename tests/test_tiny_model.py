@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.config import load_config
+from core.config import ConfigError, load_config
 from core.tasks.arith import CALCULATOR_SCHEMA, demonstration, generate
 from core.tiny_model import MARKER, build_tiny_model, ensure_model
 from services.cli import main
@@ -198,3 +198,10 @@ def test_cli_init_reports_where_and_how_big(tmp_path: Path, capsys: pytest.Captu
     assert str(out) in printed and "parameters" in printed
     assert main(["model", "init", "--out", str(out), "--seed", "5"]) == 2
     assert "seed 4" in capsys.readouterr().err
+
+
+def test_a_model_path_without_a_tokenizer_is_a_config_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
+    with pytest.raises(ConfigError, match=rf"^model.path: {tmp_path} has no tokenizer \(none of tokenizer.json"):
+        ensure_model(load_config(None, [f"model.path={tmp_path}"], env={}).model)

@@ -91,7 +91,7 @@ class EngineProcess:
         self.port = sock.getsockname()[1]
         self.url = f"http://{self.host}:{self.port}"
         self._log = open(self._log_path, "ab") if self._log_path else None  # noqa: SIM115
-        out = self._log or subprocess.DEVNULL
+        out = self._log  # None: the engine writes where this process does, so why it died is in this one's log
         env = {k: v for k, v in os.environ.items() if k != ENGINE_KEY_ENV}
         if self.api_key is not None:
             env[ENGINE_KEY_ENV] = self.api_key

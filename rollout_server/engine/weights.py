@@ -24,6 +24,8 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from core.tiny_model import missing_tokenizer
+
 
 class WeightError(ValueError):
     """An update that cannot be applied; the message names the tensor or file."""
@@ -122,6 +124,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto"
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, frozenset[int]]:
     """The model in eval mode with its weights in ``dtype`` (``auto``: the checkpoint's, as SGLang's
     ``--dtype auto``; bfloat16 runs on CPU too), its tokenizer, and every end-of-sequence id it declares."""
+    if (why := missing_tokenizer(Path(model_dir))) is not None:
+        raise ValueError(why)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
     model.eval()
     layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])

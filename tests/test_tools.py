@@ -151,6 +151,12 @@ def test_registry_builtin_and_yaml(tmp_path: Path) -> None:
         ("- name: calculator\n- name: calculator\n", "two tools are named 'calculator'"),
         ("tools: 3\n", "expected a list"),
         ("- [\n", "not valid YAML"),
+        ("- name: calculator\n  schema: {type: function, function: {parameters: x}}\n",
+         r"tools\[0\] \(calculator\): schema.function.parameters: Input should be a valid dictionary"),
+        ("- name: calculator\n  schema: {type: function, function: {parameters: {type: object, required: e}}}\n",
+         r"tools\[0\] \(calculator\): schema.function.parameters.required: Input should be a valid list"),
+        ("- name: calculator\n  schema: {type: tool, function: {}}\n", r"schema.type: Input should be 'function'"),
+        ("- name: calculator\n  schema: {type: function}\n", r"schema.function: Field required"),
     ],
 )
 def test_registry_errors_name_file_and_entry(tmp_path: Path, body: str, message: str) -> None:
@@ -384,3 +390,13 @@ def test_a_tool_config_that_is_not_utf8_or_names_a_key_twice_names_file_and_line
     assert str(info.value).startswith(f"{cfg}{message}")
     cfg.write_bytes(b"\xef\xbb\xbf- name: calculator\n")  # a byte order mark is allowed
     assert list(ToolRegistry.from_file(cfg).tools) == ["calculator"]
+
+
+def test_a_schema_without_a_function_name_takes_the_tools(tmp_path: Path) -> None:
+    """The name the model must call is the tool's, whether the configured schema names one or not."""
+    cfg = tmp_path / "tools.yaml"
+    cfg.write_text("- name: calculator\n  schema: {type: function, function: {description: adds,\n"
+                   "    parameters: {type: object, properties: {expression: {type: string}},\n"
+                   "    required: [expression]}}}\n")
+    [schema] = ToolRegistry.from_file(cfg).schemas(["calculator"])
+    assert schema["function"]["name"] == "calculator" and schema["function"]["description"] == "adds"

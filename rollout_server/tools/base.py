@@ -45,7 +45,7 @@ class Tool(abc.ABC):
         if not self.name:
             raise ValueError(f"{type(self).__name__}: a tool needs a name")
         self.schema = copy.deepcopy(schema if schema is not None else self.default_schema)
-        if self.schema.get("function", {}).get("name") not in (None, self.name):
+        if isinstance(self.schema.get("function"), dict):  # the name the model calls is the tool's
             self.schema["function"]["name"] = self.name
         self._instances: dict[str, dict[str, Any]] = {}
 

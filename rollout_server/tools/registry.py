@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.text_files import TextFileError, load_yaml
 from rollout_server.tools.base import Tool
@@ -29,6 +31,31 @@ _ENTRY_KEYS = {"name", "class", "schema", "kwargs"}
 
 class ToolConfigError(ValueError):
     """A tool config that cannot be loaded; the message names the file and the entry."""
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class _Parameters(_Open):
+    """JSON Schema of the arguments, as far as the tools' own argument check reads it."""
+
+    type: Literal["object"]
+    properties: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    required: list[str] = Field(default_factory=list)
+
+
+class _Function(_Open):
+    name: str | None = None
+    description: str = ""
+    parameters: _Parameters = Field(default_factory=lambda: _Parameters(type="object"))
+
+
+class _ToolSchema(_Open):
+    """An OpenAI function schema: ``{type: function, function: {name, description, parameters}}``."""
+
+    type: Literal["function"]
+    function: _Function
 
 
 def import_class(path: str) -> type:
@@ -109,8 +136,15 @@ def _build(entry: Any, where: str) -> Tool:
     if not (isinstance(tool_cls, type) and issubclass(tool_cls, Tool)):
         raise ToolConfigError(f"{where}: {class_path} is not a subclass of rollout_server.tools.base.Tool")
     schema = entry.get("schema")
-    if schema is not None and not (isinstance(schema, dict) and isinstance(schema.get("function"), dict)):
-        raise ToolConfigError(f"{where}: 'schema' must be {{type: function, function: {{name, ...}}}}")
+    if schema is not None:
+        try:
+            _ToolSchema.model_validate(schema)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            at = ".".join(["schema", *map(str, err["loc"])])
+            raise ToolConfigError(f"{where}: {at}: {err['msg']} (an OpenAI function schema: {{type: function, "
+                                  "function: {name, description, parameters: {type: object, properties, "
+                                  "required}}}})") from None
     kwargs = entry.get("kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ToolConfigError(f"{where}: 'kwargs' must be a mapping")

@@ -311,3 +311,21 @@ def test_rows_for_the_jobs_allowlisted_reward_are_accepted(redis_url: str) -> No
         reply = api.post("/v1/jobs", json={"source": source, "reward": "tool"})  # no rollout could score it
         assert reply.status_code == 422 and "source.tasks[0].reward.kind" in reply.text, reply.text
         assert len(api.get("/v1/jobs").json()["jobs"]) == 1
+
+
+def test_a_job_naming_a_tool_the_run_does_not_have_is_refused(api: httpx.Client, tmp_path: Path,
+                                                               redis_url: str) -> None:
+    """The tools a job or its tasks name must be the run's (rollout.tools; here the built-in ones): otherwise every
+    group would fail at rollout, and be dead-lettered, for a typo."""
+    reply = api.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 1}, "tools": ["calculator", "nosuch"]})
+    assert reply.status_code == 422 and reply.json()["detail"][0]["loc"] == ["body", "tools"], reply.text
+    assert "unknown tool(s) nosuch; this run's tools (rollout.tools): calculator, python, check_answer" in reply.text
+    task = {"task_id": "a", "messages": [{"role": "user", "content": "q"}], "tools": ["shell"],
+            "reward": {"ground_truth": "1"}}
+    reply = api.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": [task]}})
+    assert reply.status_code == 422 and "unknown tool(s) shell" in reply.text, reply.text
+    assert api.get("/v1/jobs").json()["jobs"] == []
+    own = tmp_path / "tools.yaml"
+    own.write_text("- name: shell\n  class: rollout_server.tools.calculator:CalculatorTool\n")
+    with serve(redis_url, "api-own-tools", f"rollout.tools={own}") as custom:
+        assert custom.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": [task]}}).status_code == 201

@@ -88,16 +88,7 @@ class ToolRegistry:
         if path is None:
             return cls.builtin()
         path = Path(path)
-        try:
-            data = load_yaml(path)
-        except FileNotFoundError:
-            raise ToolConfigError(f"tool config {path} does not exist") from None
-        except TextFileError as exc:  # not UTF-8, not YAML, a key twice: names the file and the line
-            raise ToolConfigError(str(exc)) from None
-        entries = data.get("tools") if isinstance(data, dict) else data
-        if not isinstance(entries, list):
-            raise ToolConfigError(f"{path}: expected a list of tools (or a mapping with key 'tools')")
-        tools = [_build(entry, f"{path}: tools[{i}]") for i, entry in enumerate(entries)]
+        tools = [_build(entry, f"{path}: tools[{i}]") for i, entry in enumerate(_entries(path))]
         try:
             return cls(tools)
         except ToolConfigError as exc:
@@ -111,6 +102,27 @@ class ToolRegistry:
     def schemas(self, names: list[str]) -> list[dict[str, Any]]:
         """OpenAI function schemas of ``names``, in that order (what the chat template renders)."""
         return [self.get(n).schema for n in names]
+
+
+def tool_names(path: str | Path | None) -> list[str]:
+    """The names of the tools a YAML config (None: the built-in tools) configures, without building any: what a
+    job may ask for, checked where the tools themselves do not run (the API)."""
+    if path is None:
+        return list(BUILTIN_TOOLS)
+    return [e["name"] for e in _entries(Path(path)) if isinstance(e, dict) and isinstance(e.get("name"), str)]
+
+
+def _entries(path: Path) -> list[Any]:
+    try:
+        data = load_yaml(path)
+    except FileNotFoundError:
+        raise ToolConfigError(f"tool config {path} does not exist") from None
+    except TextFileError as exc:  # not UTF-8, not YAML, a key twice: names the file and the line
+        raise ToolConfigError(str(exc)) from None
+    entries = data.get("tools") if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise ToolConfigError(f"{path}: expected a list of tools (or a mapping with key 'tools')")
+    return entries
 
 
 def _build(entry: Any, where: str) -> Tool:

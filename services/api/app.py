@@ -36,6 +36,7 @@ from core.config import Config, ConfigError, require_secret
 from core.jobs import JobSpec
 from core.net import is_loopback
 from core.rewards import BUILTIN as BUILTIN_REWARDS
+from rollout_server.tools.registry import ToolConfigError, tool_names
 from services.api.cluster import ClusterView, InvalidCursor, NotFound
 from services.api.sampler import MetricsSampler
 
@@ -175,6 +176,11 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     the launcher that started it finds it.
     """
     check_api_config(cfg)
+    try:  # the tools a job may name; the rollout servers build them, this only reads their names
+        tools: list[str] | None = tool_names(cfg.rollout.tools)
+    except ToolConfigError as exc:
+        log.warning("cannot read rollout.tools here (%s): jobs' tool names are checked by the rollout servers", exc)
+        tools = None
     registry = CollectorRegistry()
     refused = Counter(
         "rollwave_api_requests_refused_total",
@@ -260,6 +266,11 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
             raise reject(api, "source", str(exc)) from None
         if not tasks:
             raise reject(api, "source", "no tasks")
+        asked = {name for t in tasks for name in (spec.tools if spec.tools is not None else t.tools)}
+        if tools is not None and (unknown := sorted(asked - set(tools))):
+            field = "tools" if spec.tools is not None else "source"
+            raise reject(api, field, f"unknown tool(s) {', '.join(unknown)}; this run's tools (rollout.tools): "
+                                     f"{', '.join(tools) or 'none'}")
         if len(tasks) > cfg.api.max_job_tasks:
             cap = cfg.api.max_job_tasks
             raise reject(api, "source", f"{len(tasks)} tasks; a job may hold at most api.max_job_tasks={cap}")

@@ -685,14 +685,26 @@ def load_config(
 CONFIG_ERROR_EXIT = 2  # a component's exit status for a config it cannot start with: restarting cannot help
 
 
+def refuse_secret_overrides(overrides: list[str]) -> None:
+    """ConfigError for a secret given as a ``key=value`` of a command line, which other users can read
+    (``/proc/<pid>/cmdline``, ``ps``): secrets come from the environment or a file."""
+    for override in overrides:
+        key = override.partition("=")[0].strip()
+        if key in SECRETS:
+            raise ConfigError(f"{key}: never on the command line, where other users can read it: give it in "
+                              f"{SECRETS[key]} or {key}_file")
+
+
 def load_config_or_exit(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
     check: Callable[[Config], object] | None = None,
 ) -> Config:
-    """``load_config`` for a command line: a bad config is one line on stderr naming the key, and exit 2.
-    ``check`` adds what the starting component needs (``require_secret``); its ConfigError exits the same way."""
+    """``load_config`` for a command line: a bad config is one line on stderr naming the key, and exit 2; a secret
+    among the overrides too. ``check`` adds what the starting component needs (``require_secret``); its
+    ConfigError exits the same way."""
     try:
+        refuse_secret_overrides(overrides or [])
         cfg = load_config(path, overrides)
         if check is not None:
             check(cfg)

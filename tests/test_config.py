@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from core.config import MASK, ConfigError, dump_config, load_config, require_secret
+from core.config import MASK, ConfigError, dump_config, load_config, load_config_or_exit, require_secret
 from core.jobs import JobSpec
 from core.tiny_model import ensure_model
 from services.api.app import check_api_config
@@ -160,9 +160,22 @@ def test_dumped_configs_mask_secrets_and_read_them_back_from_the_environment(tmp
 def test_config_check_prints_secrets_masked(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLLWAVE_CHECKPOINT_TOKEN", "c" * 40)
-    assert main(["config", "check", "-c", str(ROOT / "configs/demo.yaml"), f"api.token={SECRET}"]) == 0
+    monkeypatch.setenv("ROLLWAVE_API_TOKEN", SECRET)
+    assert main(["config", "check", "-c", str(ROOT / "configs/demo.yaml")]) == 0
     out = capsys.readouterr().out
     assert SECRET not in out and "c" * 40 not in out and f"token: '{MASK}'" in out
+
+
+@pytest.mark.parametrize("key", ["api.token", "checkpoint.token", "engine.api_key", "redis.password"])
+def test_a_secret_is_never_taken_from_a_command_line(key: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Other users read command lines (``ps``); a secret there is refused, by ``config check`` and components."""
+    assert main(["config", "check", "-c", str(ROOT / "configs/demo.yaml"), f"{key}={SECRET}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {key}: never on the command line, where other users can read it")
+    assert SECRET not in err
+    with pytest.raises(SystemExit) as exit_:
+        load_config_or_exit(None, [f"{key}={SECRET}"])
+    assert exit_.value.code == 2 and f"{key}: never on the command line" in capsys.readouterr().err
 
 
 def test_require_secret_says_where_to_put_it() -> None:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 WARM_START = ROOT / "tests/data/arith_warm_start"
 AGENT = "rollout_server.agents.calculator_agent:run"
-STEPS = 16
+STEPS = 24
 EVAL_TASKS = 100
 
 

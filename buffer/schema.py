@@ -206,26 +206,18 @@ assert set(_GROUP_TYPES) == set(_GROUP_FIELDS) and set(_TOOL_CALL_TYPES) == _TOO
 assert set(_SAMPLE_TYPES) | set(ARRAY_DTYPES) == set(_SAMPLE_FIELDS)
 
 
-def _types_ok(d: dict[str, Any], types: dict[str, _FieldType]) -> bool:
-    """Every present field of ``d`` has its wire type (the fast check; ``_type_error`` says what is wrong)."""
+def _wrong_type(d: dict[str, Any], types: dict[str, _FieldType], where: str) -> SchemaError | None:
+    """The error naming the first present field of ``d`` without its wire type, or None."""
     for name, value in d.items():
         spec = types.get(name)
-        if spec is not None and (type(value) not in spec[0] or spec[2] and type(value) is float
-                                 and not math.isfinite(value)):
-            return False
-    return True
-
-
-def _type_error(d: dict[str, Any], types: dict[str, _FieldType], where: str) -> SchemaError:
-    """The error naming the first field of ``d`` whose type ``_types_ok`` refused."""
-    for name, value in d.items():
-        if name in types:
-            allowed, expected, finite = types[name]
-            if type(value) not in allowed:
-                return SchemaError(f"{where}.{name}: expected {expected}, got {type(value).__name__}")
-            if finite and type(value) is float and not math.isfinite(value):
-                return SchemaError(f"{where}.{name}: expected {expected}, got {value!r}")
-    return SchemaError(f"{where}: a field has the wrong type")  # unreachable while the two agree
+        if spec is None:
+            continue
+        allowed, expected, finite = spec
+        if type(value) not in allowed:
+            return SchemaError(f"{where}.{name}: expected {expected}, got {type(value).__name__}")
+        if finite and type(value) is float and not math.isfinite(value):
+            return SchemaError(f"{where}.{name}: expected {expected}, got {value!r}")
+    return None
 
 
 def _sample_from_wire(d: dict[str, Any], known: frozenset[str], where: str) -> Sample:
@@ -234,8 +226,8 @@ def _sample_from_wire(d: dict[str, Any], known: frozenset[str], where: str) -> S
     Types are checked here, before anything computes with them, so a bad producer fails naming the field
     and not later in the trainer."""
     _check_fields(d, _REQUIRED_SAMPLE, known, where)
-    if not _types_ok(d, _SAMPLE_TYPES):
-        raise _type_error(d, _SAMPLE_TYPES, where)
+    if (error := _wrong_type(d, _SAMPLE_TYPES, where)) is not None:
+        raise error
     kwargs = dict(d)
     for name, dtype in ARRAY_DTYPES.items():
         raw = kwargs[name]
@@ -258,11 +250,14 @@ def _tool_call_from_wire(d: Any, where: str, i: int) -> ToolCallRecord:
         record = ToolCallRecord(**d)
     except TypeError:
         record = None
-    if record is not None and _types_ok(d, _TOOL_CALL_TYPES):
-        return record
     where = f"{where}.tool_calls[{i}]"
-    _check_fields(d, ["name", "ok"], _TOOL_CALL_FIELDS, where)
-    raise _type_error(d, _TOOL_CALL_TYPES, where)
+    if record is None:
+        _check_fields(d, ["name", "ok"], _TOOL_CALL_FIELDS, where)
+    error = _wrong_type(d, _TOOL_CALL_TYPES, where)
+    if error is not None:
+        raise error
+    assert record is not None  # a map with the known fields and their types builds
+    return record
 
 
 def encode_group(group: TrajectoryGroup) -> bytes:
@@ -289,8 +284,8 @@ def decode_group(data: bytes) -> TrajectoryGroup:
     group_known, sample_known = _KNOWN_FIELDS[version]
     _check_fields(wire, _REQUIRED_GROUP, group_known, "trajectory group")
     where = f"group {wire['task_id']}" if type(wire["task_id"]) is str else "trajectory group"
-    if not _types_ok(wire, _GROUP_TYPES):
-        raise _type_error(wire, _GROUP_TYPES, where)
+    if (error := _wrong_type(wire, _GROUP_TYPES, where)) is not None:
+        raise error
     wire["samples"] = [_sample_from_wire(s, sample_known, f"{where}.samples[{i}]")
                        for i, s in enumerate(wire["samples"])]
     group = TrajectoryGroup(**wire)

@@ -99,7 +99,7 @@ def engine_metrics(http: httpx.Client, url: str) -> Callable[[], tuple[str, byte
     return fetch
 
 
-async def serve(cfg: Config) -> None:
+async def serve(cfg: Config, tools: ToolRegistry) -> None:
     async with AsyncExitStack() as stack:
         client, redis_server = connect(cfg.redis, cfg.run.path)
         stack.callback(client.close)
@@ -122,7 +122,7 @@ async def serve(cfg: Config) -> None:
         tokenizer = AutoTokenizer.from_pretrained(model)
         metrics = RolloutMetrics()
         worker = RolloutWorker(client, cfg.run.name, cfg.rollout, cfg.buffer, engines,
-                                tokenizer, ToolRegistry.from_file(cfg.rollout.tools), metrics)
+                                tokenizer, tools, metrics)
         turns = None
         if cfg.placement.mode == "colocated":  # weights come as local pushes: no receiver
             turns = EngineTurns(DeviceTurns(client, Keys(cfg.run.name)), EngineGroup(engines), worker.consumer,
@@ -176,14 +176,19 @@ def name_adapter(engines: list[EngineClient], name: str | None) -> None:
 def _start(cfg: Config) -> None:
     """What a rollout server needs before it starts: the checkpoint token, usable engines, its CPUs (which the
     embedded engine it starts inherits, with one torch thread per CPU unless ``engine.threads`` says), and the
-    code and tools its config names, so a typo stops it here rather than failing every task later."""
+    code its config names, so a typo stops it here rather than failing every task later."""
     if cfg.placement.mode == "decoupled":
         require_secret(cfg, "checkpoint.token")
     check_engines(cfg.engine)
     cfg.engine.threads = pin(cfg.placement.rollout_cpus, "placement.rollout_cpus", cfg.engine.threads)
     check_code(cfg.rollout)
+
+
+def load_tools(cfg: RolloutConfig) -> ToolRegistry:
+    """The tools ``rollout.tools`` names, built once (the python tool probes its sandbox): a bad file stops the
+    server here rather than failing every task later."""
     try:
-        ToolRegistry.from_file(cfg.rollout.tools)
+        return ToolRegistry.from_file(cfg.tools)
     except ToolConfigError as exc:
         raise ConfigError(f"rollout.tools: {exc}") from None
 
@@ -218,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     cfg = load_config_or_exit(args.config, args.overrides, check=_start)
     try:
+        tools = load_tools(cfg.rollout)
         cfg.redis.url = configured_url(cfg.redis)  # read now: the agents run by this server must not inherit
         forget_environment([*SECRETS.values(), "REDIS_URL"])  # its secrets or Redis's address
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, tools))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -205,3 +205,20 @@ def test_api_binds_its_configured_host(tmp_path: Path, redis_server: EmbeddedRed
         assert httpx.get(f"http://{HOST}:{port}/healthz", timeout=10).json() == {"status": "ok"}
         assert httpx.get(f"http://{HOST}:{port}/readyz", timeout=10).json() == {"status": "ready"}
         assert on_loopback_only(port)
+
+
+def test_trainer_rendezvous_listens_on_master_addr_only(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Rank 0 of a pool hosts the rendezvous store on MASTER_ADDR alone (torch's own store binds every address,
+    which would take rendezvous traffic from the network); left waiting for rank 1, it gives up after
+    trainer.dist_timeout_s."""
+    [port] = free_ports(1)
+    log = tmp_path / "trainer.log"
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": HOST, "MASTER_PORT": str(port),
+           "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
+    overrides = [f"run.dir={tmp_path}", f"model.path={tiny_model_dir}", "trainer.device=cpu",
+                 "trainer.dist_timeout_s=15"]
+    with component("trainer", log, *overrides, env=env) as proc:
+        wait_for("the rendezvous store", lambda: listening_addresses(port), proc, log)
+        assert on_loopback_only(port), listening_addresses(port)
+        assert proc.wait(60) == 1
+    assert f"TimeoutError: trainer rendezvous at {HOST}:{port} (rank 0 of 2)" in log.read_text()

@@ -7,7 +7,6 @@ FSDP2 ``fully_shard`` wraps each decoder layer, then the root (embeddings, final
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import sys
@@ -27,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from core.config import ConfigError
-from core.net import bind_retrying
+from core.net import listen_socket
 
 CLOSED_KEY = "rollwave/ranks_closed"  # in the rendezvous store: ranks that have destroyed their group
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
@@ -58,24 +57,32 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def _rendezvous_store(host: str, port: int, rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """The pool's TCPStore, hosted by rank 0 on ``host`` only (torch's own binds every address of the machine,
+    so a pool on one host would take rendezvous traffic from the network). Rank 0 retries its port while it is
+    busy (e.g. by the rank it replaces), so a restarted pool does not die on its old port. Under torchrun its
+    agent hosts the store (``TORCHELASTIC_USE_AGENT_STORE``) and every rank is a client."""
+    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    listener = listen_socket(host, port, "trainer rendezvous (MASTER_PORT)")
+    return dist.TCPStore(host, port, world, is_master=True, timeout=timeout, multi_tenant=True,
+                         master_listen_fd=listener.detach())
+
+
 def _join_env_group(backend: str, timeout_s: float) -> None:
-    """``env://`` rendezvous; rank 0 binds MASTER_PORT, retried while it is busy (e.g. by the rank it
-    replaces), so a restarted pool does not die on its old port. A rank missing after ``timeout_s`` is an error
-    naming the pool's address, this rank and the stage."""
-    where = (f"trainer rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
-             f"(rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']})")
-
-    def join(_port: int) -> None:
-        try:
-            dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
-        except dist.DistNetworkError as exc:
-            if "EADDRINUSE" in str(exc):
-                raise OSError(errno.EADDRINUSE, str(exc)) from exc
-            raise ConnectionError(f"{where}: {str(exc).splitlines()[0]} (trainer.dist_timeout_s)") from None
-        except dist.DistStoreError as exc:
-            raise TimeoutError(f"{where}: {str(exc).splitlines()[0]} (trainer.dist_timeout_s)") from None
-
-    bind_retrying(join, "trainer rendezvous (MASTER_PORT)", os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    """Rendezvous at MASTER_ADDR:MASTER_PORT. A rank missing after ``timeout_s`` is an error naming the pool's
+    address, this rank and the stage."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    where = f"trainer rendezvous at {host}:{port} (rank {rank} of {world})"
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        store = _rendezvous_store(host, port, rank, world, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    except dist.DistNetworkError as exc:
+        raise ConnectionError(f"{where}: {str(exc).splitlines()[0]} (trainer.dist_timeout_s)") from None
+    except dist.DistStoreError as exc:
+        raise TimeoutError(f"{where}: {str(exc).splitlines()[0]} (trainer.dist_timeout_s)") from None
 
 
 def several_ranks() -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import os
 import secrets
 import signal
@@ -48,28 +49,37 @@ def free_ports(n: int) -> list[int]:
     return sorted(ports)
 
 
-def listening_addresses(port: int) -> set[str]:
-    """The local addresses of the sockets listening on ``port`` (IPv4 and IPv6), from /proc/net/tcp{,6}."""
+def listening_sockets(tables: dict[str, str]) -> set[tuple[str, int]]:
+    """(address, port) of the sockets listening in /proc/net/tcp and tcp6 texts (keys ``tcp``, ``tcp6``)."""
     found = set()
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        if not Path(table).exists():
-            continue
-        for line in Path(table).read_text().splitlines()[1:]:
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in tables.get(name, "").splitlines()[1:]:
             local, state = line.split()[1], line.split()[3]
             address, port_hex = local.split(":")
-            if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+            if state == "0A":  # LISTEN
                 raw = bytes.fromhex(address)  # the kernel prints each 32-bit word in host (little-endian) order
                 words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                found.add(socket.inet_ntop(family, words))
+                found.add((socket.inet_ntop(family, words), int(port_hex, 16)))
     return found
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses of the sockets listening on ``port`` (IPv4 and IPv6), from /proc/net/tcp{,6}."""
+    tables = {name: path.read_text() for name in ("tcp", "tcp6") if (path := Path("/proc/net", name)).exists()}
+    return {address for address, p in listening_sockets(tables) if p == port}
+
+
+def loopback(address: str) -> bool:
+    """127.0.0.0/8 or ::1, also as an IPv4-mapped IPv6 address."""
+    a = ipaddress.ip_address(address)
+    return (a.ipv4_mapped if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped else a).is_loopback
 
 
 def on_loopback_only(port: int) -> bool:
     """Something listens on ``port``, and only on loopback: 127.0.0.1, or for gRPC, which binds every address of
     ``localhost``, ::1 and 127.0.0.1 as ::ffff:127.0.0.1; never a wildcard address."""
-    addresses = [ipaddress.ip_address(a) for a in listening_addresses(port)]
-    mapped = [a.ipv4_mapped if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped else a for a in addresses]
-    return bool(mapped) and all(a.is_loopback for a in mapped)
+    addresses = listening_addresses(port)
+    return bool(addresses) and all(loopback(a) for a in addresses)
 
 
 @contextmanager
@@ -222,3 +232,38 @@ def test_trainer_rendezvous_listens_on_master_addr_only(tmp_path: Path, tiny_mod
         assert on_loopback_only(port), listening_addresses(port)
         assert proc.wait(60) == 1
     assert f"TimeoutError: trainer rendezvous at {HOST}:{port} (rank 0 of 2)" in log.read_text()
+
+
+POOL_RANK = """
+import json, sys, torch, torch.distributed as dist
+from trainer.parallel import close_distributed, init_distributed
+init_distributed("cpu", 60)
+dist.all_reduce(torch.ones(1))  # every pair of ranks is connected: all their sockets are open
+if dist.get_rank() == 0:
+    print(json.dumps({name: open(f"/proc/net/{name}").read() for name in ("tcp", "tcp6")}))
+dist.barrier()
+close_distributed()
+"""
+
+
+def test_a_pool_on_loopback_keeps_its_collectives_on_loopback(tmp_path: Path) -> None:
+    """Gloo binds its sockets to the address the hostname resolves to: on a host whose name resolves to its
+    network address (as in most containers), a pool rendezvousing on 127.0.0.1 would take collective traffic,
+    which sets weights, from the network. In a network namespace with such an address and such a hosts file,
+    two ranks at MASTER_ADDR=127.0.0.1 listen on loopback only."""
+    hosts = tmp_path / "hosts"
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", OMP_NUM_THREADS="1")
+    rank = f"{sys.executable} -c '{POOL_RANK}'"
+    script = (
+        "set -e; ip link set lo up; ip link add v0 type veth peer name v1; ip addr add 10.77.0.1/24 dev v0; "
+        f"ip link set v0 up; printf '10.77.0.1 %s\\n' \"$(hostname)\" > {hosts}; mount --bind {hosts} /etc/hosts; "
+        f"getent hosts \"$(hostname)\" >&2; RANK=1 {rank} & RANK=0 {rank}; wait"
+    )
+    proc = subprocess.run(["unshare", "-n", "-m", "bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.startswith("10.77.0.1 "), proc.stderr[-3000:]  # the hostname resolves off loopback
+    sockets = listening_sockets(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert len(sockets) >= 3, sockets  # the store, and a socket per pair of ranks in each rank
+    assert [s for s in sockets if not loopback(s[0])] == [], sockets

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from core.config import ConfigError
-from core.net import listen_socket
+from core.net import is_loopback, listen_socket
 
 CLOSED_KEY = "rollwave/ranks_closed"  # in the rendezvous store: ranks that have destroyed their group
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
@@ -70,12 +70,16 @@ def _rendezvous_store(host: str, port: int, rank: int, world: int, timeout: time
 
 
 def _join_env_group(backend: str, timeout_s: float) -> None:
-    """Rendezvous at MASTER_ADDR:MASTER_PORT. A rank missing after ``timeout_s`` is an error naming the pool's
-    address, this rank and the stage."""
+    """Rendezvous at MASTER_ADDR:MASTER_PORT; a loopback address keeps the whole pool's sockets on loopback
+    (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise). A rank missing after ``timeout_s`` is an
+    error naming the pool's address, this rank and the stage."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     where = f"trainer rendezvous at {host}:{port} (rank {rank} of {world})"
     timeout = timedelta(seconds=timeout_s)
+    if is_loopback(host):  # gloo and NCCL would bind the address the hostname resolves to
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, "lo")
     try:
         store = _rendezvous_store(host, port, rank, world, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

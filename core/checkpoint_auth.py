@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Any
 
 import grpc
 
@@ -46,10 +47,20 @@ def server_credentials(cfg: CheckpointConfig) -> grpc.ServerCredentials | None:
 
 
 def channel_credentials(cfg: CheckpointConfig) -> grpc.ChannelCredentials | None:
-    """The pusher's TLS credentials (a server must present a certificate signed by ``tls_ca`` for the host
-    the pusher dials; the pusher presents its own), or None for plaintext channels."""
+    """The pusher's TLS credentials (it presents its own certificate), or None for plaintext channels."""
     files = _tls_files(cfg)
     if files is None:
         return None
     key, cert, ca = files
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None, cfg: CheckpointConfig,
+                 options: list[tuple[str, Any]]) -> grpc.Channel:
+    """A channel to a receiver: plaintext without ``credentials``; else TLS, where the server must present a
+    certificate signed by ``tls_ca`` for the host dialled, or for ``tls_server_name`` when that is set."""
+    if credentials is None:
+        return grpc.insecure_channel(address, options=options)
+    if cfg.tls_server_name is not None:
+        options = [*options, ("grpc.ssl_target_name_override", cfg.tls_server_name)]
+    return grpc.secure_channel(address, credentials, options=options)

@@ -429,6 +429,10 @@ class CheckpointConfig(Section):
         None, description="PEM CA that signs the peers' certificates; with tls_cert and tls_key set, the "
         "checkpoint plane is mutual TLS (unset: plaintext gRPC, still with the token and the servers' proof)"
     )
+    tls_server_name: str | None = Field(
+        None, description="pusher: the DNS name every receiver's certificate must carry, checked instead of the "
+        "host it dials (for receivers that advertise an IP address, as pods do); unset: that host"
+    )
     quorum: int | Literal["majority", "all"] = Field(
         "majority",
         description="servers that must commit a version before it is published (rw:<run>:version, admission): "
@@ -446,6 +450,8 @@ class CheckpointConfig(Section):
         given = [f for f in ("tls_cert", "tls_key", "tls_ca") if getattr(self, f) is not None]
         if given and len(given) < 3:
             raise ValueError(f"TLS needs tls_cert, tls_key and tls_ca together; only {', '.join(given)} set")
+        if self.tls_server_name is not None and not given:
+            raise ValueError("tls_server_name needs TLS (tls_cert, tls_key and tls_ca)")
         return self
 
     @property

@@ -40,7 +40,7 @@ KNOWN = {
     "merge", "mergeOverwrite", "deepCopy", "int", "int64", "float64", "toString", "toStrings", "add",
     "sub", "mul", "div", "mod", "max", "min", "until", "join", "split", "splitList", "first", "last",
     "append", "uniq", "has", "kindIs", "typeOf", "fail", "cat", "regexMatch", "regexReplaceAll", "dig",
-    "semverCompare", "now", "date",
+    "semverCompare", "now", "date", "genCA", "genSignedCert",
 }
 
 

@@ -1003,8 +1003,8 @@ def test_duplicate_manifest_names_are_found_in_linear_time() -> None:
     assert CountingName.compared <= n
 
 
-def make_pki(out: Path, name: str) -> SimpleNamespace:
-    """A throwaway CA (openssl CLI) and two certificates it signs: a server's for 127.0.0.1, a client's."""
+def make_pki(out: Path, name: str, server_san: str = "IP:127.0.0.1") -> SimpleNamespace:
+    """A throwaway CA (openssl CLI) and two certificates it signs: a server's (for 127.0.0.1), a client's."""
     openssl = shutil.which("openssl")
     assert openssl, "the TLS tests need the openssl command (Debian package openssl)"
     out.mkdir(parents=True)
@@ -1014,7 +1014,7 @@ def make_pki(out: Path, name: str) -> SimpleNamespace:
 
     key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     run("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", f"/CN={name}-ca")
-    for leaf, san in (("server", "IP:127.0.0.1"), ("client", "DNS:trainer")):
+    for leaf, san in (("server", server_san), ("client", "DNS:trainer")):
         run("req", *key, "-keyout", f"{leaf}.key", "-out", f"{leaf}.csr", "-subj", f"/CN={name}-{leaf}",
             "-addext", f"subjectAltName={san}")
         run("x509", "-req", "-in", f"{leaf}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
@@ -1062,4 +1062,37 @@ def test_checkpoint_plane_over_mutual_tls(tiny_model_dir: Path, base_model: PreT
         assert push(1 + 5, **mine).ok and receiver.version == 6
     finally:
         tls.close()
+        shutil.rmtree(stage_dir, ignore_errors=True)
+
+
+def test_tls_server_name_is_checked_instead_of_the_dialled_host(
+    tiny_model_dir: Path, base_model: PreTrainedModel, tmp_path: Path
+) -> None:
+    """A receiver advertised by IP (as a pod is) whose certificate names only ``rollwave-receiver``: a pusher
+    with ``checkpoint.tls_server_name: rollwave-receiver`` pushes; one that checks the IP it dials, or another
+    name, fails to connect and leaves the version as it was."""
+    pki = make_pki(tmp_path / "pki", "rollwave", server_san="DNS:rollwave-receiver")
+    stage_dir = Path("/dev/shm") / f"rollwave-tls-name-{tmp_path.name}"
+    fleet = Fleet(tiny_model_dir, stage_dir, tmp_path, size=1, tls_cert=pki.server_cert, tls_key=pki.server_key,
+                  tls_ca=pki.ca)
+    try:
+        fleet.start()
+        [address], [receiver] = fleet.addresses, fleet.receivers
+        client = {"tls_cert": pki.client_cert, "tls_key": pki.client_key, "tls_ca": pki.ca}
+
+        def push(version: int, name: str | None) -> PushRound:
+            pusher = CheckpointPusher(fleet.config.model_copy(update={**client, "tls_server_name": name}), [address])
+            pushed = pusher.push_model(base_model, version=version)
+            assert pushed is not None
+            pushed.wait(WAIT_S)
+            pusher.close()
+            return pushed
+
+        for name in (None, "other-name"):
+            [result] = push(1, name).servers
+            assert not result.ok and result.stage == "connect", result
+        assert receiver.version == 0
+        assert push(1, "rollwave-receiver").ok and receiver.version == 1
+    finally:
+        fleet.close()
         shutil.rmtree(stage_dir, ignore_errors=True)

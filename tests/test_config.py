@@ -52,6 +52,7 @@ def test_layering_defaults_file_overrides(tmp_path: Path) -> None:
         (["checkpoint.connect_timeout_s=0"], "checkpoint.connect_timeout_s:"),
         (["checkpoint.tls_cert=a.pem", "checkpoint.tls_key=a.key"],
          "checkpoint: TLS needs tls_cert, tls_key and tls_ca together; only tls_cert, tls_key set"),
+        (["checkpoint.tls_server_name=rollwave-receiver"], "checkpoint: tls_server_name needs TLS"),
         (["checkpoint.max_version_jump=0"], "checkpoint.max_version_jump:"),
     ],
 )

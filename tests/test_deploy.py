@@ -8,7 +8,8 @@ What is checked:
   compose services on the ports they expose. Security: secrets have no defaults and reach each
   container, only its own, in its environment; engines listen on loopback (the embedded one a child,
   each SGLang server sharing its rollout server's network namespace); only the trainer mounts runs/
-  and nothing but model-init writes the models.
+  and nothing but model-init writes the models; the checkpoint plane is mutual TLS with the certificates
+  the checkpoint-tls job makes (its script runs here, and a handshake uses what it made).
 - The Dockerfiles COPY every package and only files that exist and that their .dockerignore lets
   through, install torch from the CPU index (CPU image) and never reinstall it (GPU image), install
   bubblewrap and run as an unprivileged uid. Images are not built here.
@@ -41,6 +42,7 @@ import yaml
 from helm_lint import lint_chart
 from prometheus_harness import load_dashboard, panel_queries, promql_errors
 from pydantic import BaseModel
+from tls_handshake import handshakes
 
 from core.config import SECRETS, Config, load_config, require_secret
 from core.net import is_loopback
@@ -236,6 +238,55 @@ def test_compose_mounts_what_each_container_needs_and_no_more() -> None:
             assert mounts["models"].endswith(":ro") == (name != "model-init"), f"{name}: {mounts['models']}"
         if "runs" in mounts:  # checkpoints (loaded on --resume): written and read by the trainer only
             assert "trainer" in [_interpolate(str(a)) for a in svc["command"]], name
+
+
+def _run_config(cmd: list[str]) -> Config:
+    overrides = [a for a in cmd[cmd.index("-c") + 2:] if "=" in a and not a.startswith("-")]
+    return load_config(DEPLOY / "config" / "run.yaml", overrides, env={})
+
+
+def test_compose_checkpoint_plane_is_mutual_tls_with_the_certificates_it_makes(tmp_path: Path) -> None:
+    """The checkpoint-tls job's script, run as compose runs it, makes a CA (its key not kept), the receiver's
+    and the trainer's certificates, readable by their owner only, and keeps them when run again. Every rollout
+    server and trainer mounts them read-only and waits for the job; with the files where the containers see
+    them, a receiver configured as the rollout servers are and a pusher configured as the trainers are complete
+    a mutual TLS handshake at an IP address, which fails if the pusher checks that address instead of
+    checkpoint.tls_server_name."""
+    job = SERVICES["checkpoint-tls"]
+    assert job["command"][:2] == ["sh", "/scripts/checkpoint-tls.sh"] and job["command"][2] == "/tls"
+    assert "./checkpoint-tls.sh:/scripts/checkpoint-tls.sh:ro" in job["volumes"]
+    assert not set(job["environment"]) & set(SECRETS.values())
+    script = DEPLOY / "checkpoint-tls.sh"
+    subprocess.run(["sh", str(script), str(tmp_path), *job["command"][3:]], check=True, capture_output=True,
+                   timeout=60)
+    files = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert files == dict.fromkeys(["ca.crt", "receiver.crt", "receiver.key", "trainer.crt", "trainer.key"], 0o600)
+    ca = (tmp_path / "ca.crt").read_bytes()
+    again = subprocess.run(["sh", str(script), str(tmp_path), "other-name"], check=True, capture_output=True,
+                           text=True, timeout=60)
+    assert "keeping" in again.stdout and (tmp_path / "ca.crt").read_bytes() == ca
+
+    def local(cfg: Config) -> Config:  # the paths under /tls, as this test wrote them
+        moved = {k: tmp_path / Path(getattr(cfg.checkpoint, k)).relative_to("/tls")
+                 for k in ("tls_cert", "tls_key", "tls_ca")}
+        return cfg.checkpoint.model_copy(update=moved)
+
+    receivers, pushers = [], []
+    for name, cmd in _rollwave_commands().items():
+        module = cmd[cmd.index("-m") + 1]
+        if module == "services.api":
+            continue
+        svc = SERVICES[name]
+        assert "checkpoint-tls:/tls:ro" in svc["volumes"], name
+        assert svc["depends_on"]["checkpoint-tls"] == {"condition": "service_completed_successfully"}, name
+        cfg = _run_config(cmd)
+        assert cfg.checkpoint.tls_server_name == "rollwave-checkpoint-receiver", name
+        (receivers if module == "rollout_server" else pushers).append(local(cfg))
+    assert len(receivers) == 3 and len(pushers) == 2
+    assert {r.tls_cert.name for r in receivers} == {"receiver.crt"}
+    assert {p.tls_cert.name for p in pushers} == {"trainer.crt"}
+    assert handshakes(receivers[0], pushers[0])
+    assert not handshakes(receivers[0], pushers[0].model_copy(update={"tls_server_name": None}))
 
 
 # ---- Dockerfiles ------------------------------------------------------------------------------
@@ -499,6 +550,8 @@ def test_chart_sets_only_run_config_keys_that_exist() -> None:
     expr = re.search(r"\$base := (dict.*?)-?\}\}", helpers, re.S).group(1)
     tree = _go_dict_keys(expr)
     keys = [f"{section}.{key}" for section, sub in tree.items() for key in sub]
+    tls = re.search(r"\$tls := (dict.*?)-?\}\}", helpers, re.S).group(1)  # merged into checkpoint when enabled
+    keys += [f"checkpoint.{key}" for key in _go_dict_keys(tls)]
     assert len(keys) >= 10
     args = []
     for path in (CHART / "templates").glob("*.yaml"):

@@ -17,9 +17,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+import grpc
 import helm_python as helm
 import pytest
 import yaml
+from tls_handshake import handshakes
 
 from core.config import Config, load_config, require_secret
 
@@ -84,6 +86,7 @@ def test_default_values_render_a_complete_cpu_stack(tmp_path: Path) -> None:
         ("NetworkPolicy", "rw-rollwave-redis"),
         ("NetworkPolicy", "rw-rollwave-rollout"),
         ("NetworkPolicy", "rw-rollwave-trainer"),
+        ("Secret", "rw-rollwave-checkpoint-tls"),
         ("Secret", "rw-rollwave-secrets"),
         ("Service", "rw-rollwave-api"),
         ("Service", "rw-rollwave-redis"),
@@ -196,7 +199,7 @@ def test_trainer_pool_spans_nodes_with_gpus(tmp_path: Path) -> None:
 def test_external_redis_and_existing_secret(tmp_path: Path) -> None:
     docs = render({"redis": {"url": "rediss://redis.example:6380/2"},
                    "secrets": {"existingSecret": "my-secrets", "apiTokenKey": "api", "checkpointTokenKey": "ckpt"}})
-    assert not [d for d in docs if "redis" in d["metadata"]["name"] or d["kind"] == "Secret"]
+    assert not [d for d in docs if "redis" in d["metadata"]["name"] or d["metadata"]["name"] == "rw-rollwave-secrets"]
     api = containers(find(docs, "Deployment", "-api"))["api"]
     env = {e["name"]: e for e in api["env"]}
     assert env["REDIS_URL"]["value"] == "rediss://redis.example:6380/2"
@@ -319,3 +322,64 @@ def test_the_api_answers_its_service_names(tmp_path: Path) -> None:
     with_data = find(render({"api": {"dataClaim": "tasks"}}), "Deployment", "-api")["spec"]["template"]["spec"]
     [volume] = [v for v in with_data["volumes"] if v["name"] == "data"]
     assert volume["persistentVolumeClaim"] == {"claimName": "tasks", "readOnly": True}
+
+
+def tls_volume(doc: dict[str, Any], container: str) -> dict[str, Any] | None:
+    """The checkpoint-tls volume a workload's container mounts at /tls (None: none)."""
+    mounts = [m for m in containers(doc)[container].get("volumeMounts", []) if m["name"] == "checkpoint-tls"]
+    volumes = [v for v in doc["spec"]["template"]["spec"]["volumes"] if v["name"] == "checkpoint-tls"]
+    if not mounts:
+        assert not volumes
+        return None
+    assert mounts == [{"name": "checkpoint-tls", "mountPath": "/tls", "readOnly": True}]
+    [volume] = volumes
+    return volume["secret"]
+
+
+def test_the_checkpoint_plane_is_mutual_tls_with_the_charts_certificates(tmp_path: Path) -> None:
+    """By default the chart makes a CA and two certificates it signs: rollout servers serve the receiver's
+    (naming checkpointTLS.serverName) and the trainer presents its own. With those files as the pods get them, a
+    pusher configured as the trainer is completes a mutual TLS handshake with a receiver configured as a rollout
+    server is, at an IP address (as pods advertise); checking the dialled IP instead, or presenting no
+    certificate, fails."""
+    docs = render({"checkpointTLS": {"enabled": True, "existingSecret": "", "serverName": "receivers.rw"}})
+    data = {k: base64.b64decode(v) for k, v in find(docs, "Secret", "-checkpoint-tls")["data"].items()}
+    configs = {}
+    for kind, suffix, container, side in (("StatefulSet", "-rollout", "rollout-server", "receiver"),
+                                          ("StatefulSet", "-trainer", "trainer", "trainer")):
+        doc = find(docs, kind, suffix)
+        assert tls_volume(doc, container) == {
+            "secretName": "rw-rollwave-checkpoint-tls", "defaultMode": 0o440,
+            "items": [{"key": "ca.crt", "path": "ca.crt"}, {"key": f"{side}.crt", "path": "tls.crt"},
+                      {"key": f"{side}.key", "path": "tls.key"}]}
+        pod_dir = tmp_path / side  # the files as the pod sees them under /tls
+        pod_dir.mkdir()
+        for item in tls_volume(doc, container)["items"]:
+            (pod_dir / item["path"]).write_bytes(data[item["key"]])
+        argv = containers(doc)[container]["command"] + containers(doc)[container]["args"]
+        cfg = run_config(docs, tmp_path, argv).checkpoint
+        assert (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) == (Path("/tls/tls.crt"), Path("/tls/tls.key"),
+                                                           Path("/tls/ca.crt"))
+        assert cfg.tls_server_name == "receivers.rw"
+        configs[side] = cfg.model_copy(update={"tls_cert": pod_dir / "tls.crt", "tls_key": pod_dir / "tls.key",
+                                               "tls_ca": pod_dir / "ca.crt"})
+    trainer = configs["trainer"]
+    assert handshakes(configs["receiver"], trainer)
+    assert not handshakes(configs["receiver"], trainer.model_copy(update={"tls_server_name": None}))
+    assert not handshakes(configs["receiver"], trainer, grpc.ssl_channel_credentials(data["ca.crt"]))
+
+
+def test_checkpoint_tls_can_be_off_or_come_from_an_existing_secret(tmp_path: Path) -> None:
+    """``checkpointTLS.enabled: false``: no Secret, no mount, a plaintext plane (token and proof only);
+    ``existingSecret``: the chart generates none and the pods mount the one named."""
+    off = render({"checkpointTLS": {"enabled": False, "existingSecret": "", "serverName": "x"}})
+    assert not [d for d in off if d["metadata"]["name"].endswith("-checkpoint-tls")]
+    for suffix, container in (("-rollout", "rollout-server"), ("-trainer", "trainer")):
+        doc = find(off, "StatefulSet", suffix)
+        assert tls_volume(doc, container) is None
+        argv = containers(doc)[container]["command"] + containers(doc)[container]["args"]
+        assert run_config(off, tmp_path, argv).checkpoint.tls_cert is None
+    mine = render({"checkpointTLS": {"enabled": True, "existingSecret": "my-pki", "serverName": "x"}})
+    assert not [d for d in mine if d["metadata"]["name"].endswith("-checkpoint-tls")]
+    for suffix, container in (("-rollout", "rollout-server"), ("-trainer", "trainer")):
+        assert tls_volume(find(mine, "StatefulSet", suffix), container)["secretName"] == "my-pki"

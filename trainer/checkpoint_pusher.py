@@ -48,7 +48,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from buffer.registry import PushRecord, ServerRegistry
 from buffer.staleness import StalenessControl
-from core.checkpoint_auth import NONCE_BYTES, channel_credentials, proof
+from core.checkpoint_auth import NONCE_BYTES, channel_credentials, open_channel, proof
 from core.checkpoint_format import GRPC_OPTIONS, REASON_KEY, SERVICE
 from core.config import CheckpointConfig
 from proto import checkpoint_pb2 as pb
@@ -189,9 +189,7 @@ class _Link:
         self._busy = False
         self._closed = False
         self._cond = threading.Condition()
-        credentials = pusher.channel_credentials
-        self._channel = (grpc.insecure_channel(target.address, options=GRPC_OPTIONS) if credentials is None
-                         else grpc.secure_channel(target.address, credentials, options=GRPC_OPTIONS))
+        self._channel = open_channel(target.address, pusher.channel_credentials, self._config, GRPC_OPTIONS)
         self._stage = self._channel.stream_unary(_STAGE_METHOD, request_serializer=None,
                                                  response_deserializer=pb.StageReply.FromString)
         self._stub = pb_grpc.CheckpointEngineStub(self._channel)

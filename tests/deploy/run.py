@@ -14,7 +14,8 @@ Steps, each with a deadline that names it when it passes:
    (host networking, every service on 127.0.0.1 at free ports), merged by ``docker-compose config`` with
    the published ports dropped (see ``merged_compose_file``), fresh secrets in the environment.
 5. Through the API: a train job and an eval job; the trainer trains steps and a weight version is
-   published and served; the eval job finishes. Redis refuses its default user. Prometheus scrapes every
+   published and served, over mutual TLS (the receiver presents the deployment CA's certificate and refuses
+   plaintext); the eval job finishes. Redis refuses its default user. Prometheus scrapes every
    target of its config and they are all up.
 6. ``docker-compose down -v``, the index server and (if started here) dockerd are stopped.
 The outcome goes to .deploy-test/last.log too; a failure that starts with ``docker:`` means no Docker
@@ -30,6 +31,7 @@ import re
 import secrets
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -39,6 +41,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import redis
 import yaml
@@ -345,6 +348,28 @@ def compose(env: dict[str, str], *args: str, step: str, timeout_s: float = 600, 
     return run([compose_bin(), *files, "--profile", "cpu", *args], step, timeout_s, env=env, cwd=ROOT, quiet=quiet)
 
 
+def check_checkpoint_tls(port: int) -> None:
+    """The weights that were just served came over TLS: the receiver presents a certificate of the deployment's
+    CA for the name the trainer checks, and a plaintext gRPC channel to it never becomes ready."""
+    try:
+        pem = ssl.get_server_certificate(("127.0.0.1", port), timeout=10)
+    except (ssl.SSLError, OSError) as exc:
+        raise DeployError(f"checkpoint TLS: no TLS handshake with the receiver at 127.0.0.1:{port}: {exc}") from None
+    text = run(["openssl", "x509", "-noout", "-issuer", "-ext", "subjectAltName"], "checkpoint TLS: openssl x509",
+               30, quiet=True, input=pem).stdout
+    if "CN=rollwave checkpoint CA" not in text.replace(" = ", "=") or "DNS:rollwave-checkpoint-receiver" not in text:
+        raise DeployError(f"checkpoint TLS: the receiver's certificate is not the deployment's:\n{text}")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=5)
+        raise DeployError(f"checkpoint TLS: the receiver at 127.0.0.1:{port} accepted a plaintext gRPC channel")
+    except grpc.FutureTimeoutError:
+        pass
+    finally:
+        channel.close()
+    log("checkpoint plane: mutual TLS (" + " ".join(text.split()) + "); a plaintext channel is refused")
+
+
 def check_stack(env: dict[str, str]) -> None:
     api_url = f"http://127.0.0.1:{env['DEPLOY_API_PORT']}"
     auth = {"Authorization": f"Bearer {env['ROLLWAVE_API_TOKEN']}"}
@@ -367,6 +392,7 @@ def check_stack(env: dict[str, str]) -> None:
         status = wait_until("2 trainer steps and a published weight version served", 1200, trained, poll_s=5)
         log(f"trained: step {status['trainer']['step']}, published version {status['version']}, servers "
             f"{[(s['server_id'], s['version']) for s in status['servers']]}")
+        check_checkpoint_tls(int(env["DEPLOY_GRPC_PORT"]))
         evaluation = api.post("/v1/jobs", json={"kind": "eval", "name": "deploy-eval",
                                                 "source": {"kind": "arith", "split": "test", "limit": 8}})
         evaluation.raise_for_status()

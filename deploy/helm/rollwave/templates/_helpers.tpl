@@ -38,6 +38,33 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ .Values.gpuImage.repository }}:{{ .Values.gpuImage.tag }}
 {{- end -}}
 
+{{- define "rollwave.checkpointTLSSecretName" -}}
+{{- .Values.checkpointTLS.existingSecret | default (printf "%s-checkpoint-tls" (include "rollwave.fullname" .)) -}}
+{{- end -}}
+
+{{/* The checkpoint plane's TLS files of one side (dict "root" $ "side" "receiver"|"trainer") as /tls/tls.crt,
+/tls/tls.key and /tls/ca.crt: a volume for the pod, mounted by its rollwave container (checkpointTLS.enabled). */}}
+{{- define "rollwave.checkpointTLSVolume" -}}
+{{- if .root.Values.checkpointTLS.enabled }}
+- name: checkpoint-tls
+  secret:
+    secretName: {{ include "rollwave.checkpointTLSSecretName" .root }}
+    defaultMode: 0440
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: {{ .side }}.crt, path: tls.crt}
+      - {key: {{ .side }}.key, path: tls.key}
+{{- end }}
+{{- end -}}
+
+{{- define "rollwave.checkpointTLSMount" -}}
+{{- if .Values.checkpointTLS.enabled }}
+- name: checkpoint-tls
+  mountPath: /tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
 {{- define "rollwave.secretName" -}}
 {{- if .Values.secrets.existingSecret -}}
 {{- .Values.secrets.existingSecret -}}
@@ -66,6 +93,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "checkpoint" (dict "stage_dir" "/dev/shm/rollwave")
   "api" (dict "host" "0.0.0.0" "port" (int .Values.api.port) "data_root" "/data" "allowed_hosts" (include "rollwave.apiHosts" . | fromYamlArray))
 -}}
+{{- $tls := dict "tls_cert" "/tls/tls.crt" "tls_key" "/tls/tls.key" "tls_ca" "/tls/ca.crt" "tls_server_name" .Values.checkpointTLS.serverName -}}
+{{- if .Values.checkpointTLS.enabled }}{{ $_ := mergeOverwrite $base.checkpoint $tls }}{{ end -}}
 {{- toYaml (mergeOverwrite $base (deepCopy .Values.runConfig)) -}}
 {{- end -}}
 

@@ -87,6 +87,8 @@ def _join_env_group(backend: str, timeout_s: float) -> None:
         raise ConnectionError(f"{where}: {str(exc).splitlines()[0]} (trainer.dist_timeout_s)") from None
     except dist.DistStoreError as exc:
         raise TimeoutError(f"{where}: {str(exc).splitlines()[0]} (trainer.dist_timeout_s)") from None
+    except OSError as exc:  # rank 0 cannot listen there: MASTER_ADDR is not this host's, or the port stayed busy
+        raise ConnectionError(f"{where}: cannot listen: {exc}") from None
 
 
 def several_ranks() -> bool:

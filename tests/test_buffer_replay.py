@@ -232,35 +232,45 @@ def test_malformed_group_entries_are_moved_aside(redis_server: EmbeddedRedis) ->
     r.xadd(KEYS.groups, {"gid": "nope"})
     r.xadd(KEYS.groups, {"g": b"\xc1\xc1garbage", "gid": "bad"})
     r.xadd(KEYS.groups, {"g": msgpack.packb({"schema_version": 99}), "gid": "old"})
+    r.xadd(KEYS.groups, {"p": KEYS.payload("gone", "0"), "gid": "gone"})  # its payload key was lost
     fill(buf, 2, job="later")
     got = buf.take(10, 0.2)
     assert [g.group_id for _, g in got] == ["job:0:x", "later:0:x", "later:1:x"]
     errors = [f[b"error"].decode() for _, f in r.xrange(KEYS.groups_malformed)]
-    assert "missing field g" in errors[0]
+    assert "missing field p (the payload key) or g (the group)" in errors[0]
     assert "not valid msgpack" in errors[1]
     assert "schema_version 99 is not supported" in errors[2]
+    assert f"payload key {KEYS.payload('gone', '0')} is missing" in errors[3]
     assert r.xpending(KEYS.groups, TRAINER_GROUP)["pending"] == 3
-    assert buf.metrics.malformed.labels(stream="groups")._value.get() == 3
+    assert buf.metrics.malformed.labels(stream="groups")._value.get() == 4
 
 
+@pytest.mark.parametrize("stored", ["payload-key", "inline"])
 def test_group_with_a_wrong_field_type_is_moved_aside_and_the_rest_of_the_read_delivered(
-    redis_server: EmbeddedRedis,
+    stored: str, redis_server: EmbeddedRedis,
 ) -> None:
     """A producer bug (``prompt_len: "8"``) between good groups of one read costs that entry only: the good
-    ones are delivered by the same take and acked as usual, none left pending behind it."""
+    ones are delivered by the same take and acked as usual, none left pending behind it. The entry is moved
+    aside with its payload (from its payload key, which goes; or inline, as entries were once written)."""
     buf = buffer(redis_server)
     r = client(redis_server)
     fill(buf, 1)
     wire = msgpack.unpackb(encode_group(make_group("job", "job:1:bad")))
     wire["samples"][0]["prompt_len"] = "8"
     bad = msgpack.packb(wire)
-    r.xadd(KEYS.groups, {"g": bad, "gid": "job:1:bad", "job": "job"})  # the fields the producer's Lua writes
+    key = KEYS.payload("job:1:bad", "0")
+    if stored == "payload-key":  # the fields and key a put writes
+        r.set(key, bad)
+        r.xadd(KEYS.groups, {"p": key, "gid": "job:1:bad", "job": "job"})
+    else:
+        r.xadd(KEYS.groups, {"g": bad, "gid": "job:1:bad", "job": "job"})
     fill(buf, 2, job="later")
     got = buf.take(10, 0.2)
     assert [g.group_id for _, g in got] == ["job:0:x", "later:0:x", "later:1:x"]
     [(_, moved)] = r.xrange(KEYS.groups_malformed)
     assert "group job:1:bad.samples[0].prompt_len: expected an int, got str" in moved[b"error"].decode()
-    assert moved[b"f.g"] == bad and moved[b"f.gid"] == b"job:1:bad"
+    assert moved[b"payload" if stored == "payload-key" else b"f.g"] == bad and moved[b"f.gid"] == b"job:1:bad"
+    assert not r.exists(key)
     assert buf.metrics.malformed.labels(stream="groups")._value.get() == 1
     assert buf.ack([i for i, _ in got], [g.group_id for _, g in got]) == 3
     assert r.xpending(KEYS.groups, TRAINER_GROUP)["pending"] == 0 and r.xlen(KEYS.groups) == 0
@@ -331,3 +341,37 @@ def test_redis_restart_with_aof_loses_no_acked_group_and_no_pending_task(
         r.close()
     finally:
         server.stop()
+
+
+def test_payload_keys_live_exactly_as_long_as_their_entries(
+    redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put stores its encoded group under a key of its own, outside Lua. The key goes when its entry is acked
+    (trained, or dropped for a cancelled job) or moved aside, and right away when the put is refused (full) or
+    is a duplicate; a duplicate never touches the written copy's key, and a MULTI that runs twice (a client
+    retrying after a lost reply: same payload key) keeps it."""
+    buf = buffer(redis_server, max_groups=2)
+    r = client(redis_server)
+
+    def payloads() -> list[bytes]:
+        return sorted(r.keys(KEYS.prefix + "payload:*"))
+
+    assert buf.try_put(make_group("job", "job:0:x")) == 1 and buf.try_put(make_group("job", "job:1:x")) == 1
+    assert len(payloads()) == 2
+    assert buf.try_put(make_group("job", "job:2:x")) == -1 and len(payloads()) == 2  # full: its key went at once
+    assert buf.try_put(make_group("job", "job:0:x", reward=0.0)) == 0 and len(payloads()) == 2  # a duplicate
+    [(entry, fields)] = r.xrange(KEYS.groups, count=1)
+    monkeypatch.setattr("buffer.replay.secrets.token_hex", lambda _n: fields[b"p"].decode().rsplit(":", 1)[1])
+    assert buf.try_put(make_group("job", "job:0:x")) == 0 and len(payloads()) == 2  # the same MULTI again
+    monkeypatch.undo()
+    got = buf.take(2, 0.5)
+    assert [g.group_id for _, g in got] == ["job:0:x", "job:1:x"] and got[0][0] == entry.decode()
+    assert float(got[0][1].rewards.sum()) == 2.0  # the copy written first, not the duplicate's
+    assert buf.ack([got[0][0]], [got[0][1].group_id]) == 1 and len(payloads()) == 1
+    r.hset(KEYS.job("job"), "state", "cancelled")
+    assert buf.try_put(make_group("job", "job:3:x")) == 1  # taken back, the trained one made room
+    assert buf.take(2, 0.2) == [] and len(payloads()) == 1  # job:3:x acked away unread, its key too
+    assert buf.ack([got[1][0]], [got[1][1].group_id]) == 1 and payloads() == []  # the one still held
+    r.xadd(KEYS.groups, {"p": KEYS.payload("job:4:x", "0"), "gid": "job:4:x"})  # a payload that will not decode
+    r.set(KEYS.payload("job:4:x", "0"), b"\xc1")
+    assert buf.take(1, 0.2) == [] and payloads() == [] and r.xlen(KEYS.groups_malformed) == 1

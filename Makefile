@@ -10,7 +10,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 VENV_PACKAGES   = $(shell $(PY) -c 'import ensurepip' 2>/dev/null || echo ensurepip:python3-venv)
 TEST_PACKAGES  := prometheus:prometheus promtool:prometheus chromium:chromium ip:iproute2 unshare:util-linux bwrap:bubblewrap \
                   openssl:openssl
-DEPLOY_PACKAGES := dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap openssl:openssl
+DEPLOY_PACKAGES := dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap
 DEMO_PACKAGES  := unshare:util-linux bwrap:bubblewrap
 BENCH_PACKAGES := redis-benchmark:redis-tools
 

@@ -10,6 +10,10 @@ Without ``RAY_ADDRESS`` a local Ray head is started as ``ray start --head --bloc
 its own, with its own short temp dir, every address on 127.0.0.1 and as many logical CPUs as the
 stack asks for; ``down`` stops it by its process id (never ``ray stop``, which would end every
 Ray on the machine). ``<run dir>/ray.json`` records what ``up`` started, for ``down``.
+
+The checkpoint plane is mutual TLS unless ``checkpoint.tls_*`` are set: ``up`` makes a private CA and the
+receivers' and trainers' certificates once for the run, in ``<run dir>/checkpoint-tls``, which every node
+reads as it reads the run directory.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis, client_for, configured_url
+from core.checkpoint_pki import ensure_checkpoint_pki
 from core.config import Config, dump_config, load_config
 from core.net import free_port_outside_ephemeral
 from core.process import stop_process
@@ -45,6 +50,7 @@ from services.launcher import ComponentSpec, components, ensure_checkpoint_token
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
+CHECKPOINT_SERVER_NAME = "rollwave-checkpoint-receiver"
 FORWARDED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_HOME", "HF_HUB_OFFLINE")
 
 
@@ -127,6 +133,9 @@ def _absolute_paths(cfg: Config) -> None:
     for section in (cfg.api, cfg.checkpoint):
         if section.token_file is not None:
             section.token_file = section.token_file.absolute()
+    for name in ("tls_cert", "tls_key", "tls_ca"):
+        if (path := getattr(cfg.checkpoint, name)) is not None:
+            setattr(cfg.checkpoint, name, path.absolute())
     if cfg.engine.api_key_file is not None:
         cfg.engine.api_key_file = cfg.engine.api_key_file.absolute()
 
@@ -208,10 +217,27 @@ def _stop_all(state: dict[str, Any]) -> None:
         stop_head(state)
 
 
-def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_dir: Path) -> str:
+def _checkpoint_tls(cfg: Config, run_dir: Path) -> tuple[str, ...]:
+    """Unless ``checkpoint.tls_*`` are set, mutual TLS with a PKI made once for the run: ``cfg`` gets the
+    receivers' certificate; returns the trainers' overrides for theirs."""
+    if cfg.checkpoint.tls_ca is not None:
+        return ()
+    pki, made = ensure_checkpoint_pki(run_dir / "checkpoint-tls", CHECKPOINT_SERVER_NAME)
+    log.info("checkpoint plane: mutual TLS with the run's certificates in %s (%s)", pki.dir,
+             "made now" if made else "made before")
+    cfg.checkpoint = cfg.checkpoint.model_copy(update={  # all four at once: the section takes TLS whole or not
+        "tls_ca": pki.ca, "tls_cert": pki.cert("receiver"), "tls_key": pki.key("receiver"),
+        "tls_server_name": CHECKPOINT_SERVER_NAME,
+    })
+    return f"checkpoint.tls_cert={pki.cert('trainer')}", f"checkpoint.tls_key={pki.key('trainer')}"
+
+
+def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_dir: Path,
+            trainer_overrides: tuple[str, ...]) -> str:
     """Redis (unless external), then the components in one placement group; returns the Redis URL."""
     specs = components(cfg, run_dir / "config.yaml", None,  # Redis comes through REDIS_URL, set below
-                       rollout_servers=args.rollout_servers, trainer_ranks=args.trainer_ranks)
+                       rollout_servers=args.rollout_servers, trainer_ranks=args.trainer_ranks,
+                       trainer_args=("--resume", *trainer_overrides))
     if not os.environ.get("RAY_ADDRESS"):
         wanted = math.ceil(sum(s.num_cpus for s in specs)) + 1  # + the Redis actor
         state.update(start_head(max(wanted, os.cpu_count() or 1), run_dir / "logs" / "ray-head.log"))
@@ -259,11 +285,12 @@ def up(args: argparse.Namespace) -> int:
         raise CliError(f"{_state_path(cfg)} exists: the run is up; stop it with `rollwave down -c {args.config}` first")
     check_api_config(cfg)
     ensure_checkpoint_token(cfg)
+    trainer_overrides = _checkpoint_tls(cfg, run_dir)
     ensure_model(cfg.model)  # once here, not raced by every component
     (run_dir / "config.yaml").write_text(dump_config(cfg))  # secrets masked; components get theirs as env
     state: dict[str, Any] = {"namespace": f"rollwave-{cfg.run.name}", "actors": []}
     try:
-        redis_url = _launch(cfg, args, state, run_dir)
+        redis_url = _launch(cfg, args, state, run_dir, trainer_overrides)
     except BaseException:
         _stop_all(state)
         raise

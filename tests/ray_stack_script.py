@@ -1,4 +1,5 @@
-"""``rollwave up`` -> jobs -> a killed rollout server comes back -> ``rollwave down``, on a real local Ray.
+"""``rollwave up`` -> jobs and a push over mutual TLS -> a killed rollout server comes back -> ``rollwave down``,
+on a real local Ray.
 
 Run by ``tests/test_ray_launcher.py`` inside a network namespace that has only loopback, as
 ``python tests/ray_stack_script.py CONFIG``. It always runs ``rollwave down``, then prints one JSON
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 
 from core.config import Config, load_config
@@ -130,6 +132,22 @@ def _secrets_report(cfg: Config, trainer_env: dict[str, str], api_env: dict[str,
     }
 
 
+def _checkpoint_plane(cfg: Config, api: httpx.Client, server: dict[str, Any]) -> dict[str, Any]:
+    """A version pushed and published, whether the receiver takes a plaintext channel, the run's TLS files."""
+    status = wait_for("a version committed over the checkpoint plane",
+                      lambda: (s := api.get("/v1/status").json())["version"] >= 1 and s, 120)
+    channel = grpc.insecure_channel(server["grpc_address"])
+    try:
+        grpc.channel_ready_future(channel).result(timeout=5)
+        plaintext = True
+    except grpc.FutureTimeoutError:
+        plaintext = False
+    finally:
+        channel.close()
+    files = {p.name: oct(p.stat().st_mode & 0o777) for p in (cfg.run.path / "checkpoint-tls").iterdir()}
+    return {"published": status["version"] >= 1, "plaintext_accepted": plaintext, "files": files}
+
+
 def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
     """Jobs through the API, a trainer step, then SIGKILL the rollout server and watch it come back."""
     import ray
@@ -152,6 +170,7 @@ def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
     result["trainer"] = wait_for(
         "trainer step 1", lambda: (t := api.get("/v1/status").json()["trainer"]) and int(t["step"]) >= 1 and t, 120
     )
+    result["checkpoint_plane"] = _checkpoint_plane(cfg, api, first)
     result["listening_up"] = listening()
 
     state = json.loads((cfg.run.path / "ray.json").read_text())

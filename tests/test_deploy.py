@@ -9,7 +9,7 @@ What is checked:
   container, only its own, in its environment; engines listen on loopback (the embedded one a child,
   each SGLang server sharing its rollout server's network namespace); only the trainer mounts runs/
   and nothing but model-init writes the models; the checkpoint plane is mutual TLS with the certificates
-  the checkpoint-tls job makes (its script runs here, and a handshake uses what it made).
+  the checkpoint-tls job makes (its command runs here, and a handshake uses what it made).
 - The Dockerfiles COPY every package and only files that exist and that their .dockerignore lets
   through, install torch from the CPU index (CPU image) and never reinstall it (GPU image), install
   bubblewrap and run as an unprivileged uid. Images are not built here.
@@ -32,6 +32,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -246,24 +247,23 @@ def _run_config(cmd: list[str]) -> Config:
 
 
 def test_compose_checkpoint_plane_is_mutual_tls_with_the_certificates_it_makes(tmp_path: Path) -> None:
-    """The checkpoint-tls job's script, run as compose runs it, makes a CA (its key not kept), the receiver's
+    """The checkpoint-tls job's command, run as compose runs it, makes a CA (its key not kept), the receiver's
     and the trainer's certificates, readable by their owner only, and keeps them when run again. Every rollout
     server and trainer mounts them read-only and waits for the job; with the files where the containers see
     them, a receiver configured as the rollout servers are and a pusher configured as the trainers are complete
     a mutual TLS handshake at an IP address, which fails if the pusher checks that address instead of
-    checkpoint.tls_server_name."""
+    checkpoint.tls_server_name, or presents the receiver's certificate."""
     job = SERVICES["checkpoint-tls"]
-    assert job["command"][:2] == ["sh", "/scripts/checkpoint-tls.sh"] and job["command"][2] == "/tls"
-    assert "./checkpoint-tls.sh:/scripts/checkpoint-tls.sh:ro" in job["volumes"]
+    assert job["command"][:4] == ["python", "-m", "core.checkpoint_pki", "/tls"]
+    assert job["volumes"] == ["checkpoint-tls:/tls"]
     assert not set(job["environment"]) & set(SECRETS.values())
-    script = DEPLOY / "checkpoint-tls.sh"
-    subprocess.run(["sh", str(script), str(tmp_path), *job["command"][3:]], check=True, capture_output=True,
-                   timeout=60)
+    command = [sys.executable, *job["command"][1:3], str(tmp_path), *job["command"][4:]]
+    subprocess.run(command, check=True, capture_output=True, timeout=60, cwd=REPO)
     files = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
     assert files == dict.fromkeys(["ca.crt", "receiver.crt", "receiver.key", "trainer.crt", "trainer.key"], 0o600)
     ca = (tmp_path / "ca.crt").read_bytes()
-    again = subprocess.run(["sh", str(script), str(tmp_path), "other-name"], check=True, capture_output=True,
-                           text=True, timeout=60)
+    again = subprocess.run([*command[:-1], "other-name"], check=True, capture_output=True, text=True, timeout=60,
+                           cwd=REPO)
     assert "keeping" in again.stdout and (tmp_path / "ca.crt").read_bytes() == ca
 
     def local(cfg: Config) -> Config:  # the paths under /tls, as this test wrote them
@@ -287,6 +287,8 @@ def test_compose_checkpoint_plane_is_mutual_tls_with_the_certificates_it_makes(t
     assert {p.tls_cert.name for p in pushers} == {"trainer.crt"}
     assert handshakes(receivers[0], pushers[0])
     assert not handshakes(receivers[0], pushers[0].model_copy(update={"tls_server_name": None}))
+    as_receiver = {"tls_cert": receivers[0].tls_cert, "tls_key": receivers[0].tls_key}
+    assert not handshakes(receivers[0], pushers[0].model_copy(update=as_receiver))
 
 
 # ---- Dockerfiles ------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 ``tests/ray_stack_script.py`` runs in the namespace (``unshare -n``, then ``lo`` up): it brings the
 stack up with one rollout server and one trainer rank, runs an eval and a train job through the API,
-SIGKILLs the rollout server's process and waits for Ray to restart it, then runs ``rollwave down``.
+checks that the trainer's push went over the mutual TLS that ``up`` set up (a plaintext channel is
+refused), SIGKILLs the rollout server's process and waits for Ray to restart it, then runs ``rollwave down``.
 The test checks what the script reports: jobs done, a trainer step, the server back under a new
 process, every socket on loopback, and nothing left running or listening after ``down``.
 """
@@ -74,6 +75,9 @@ def test_up_jobs_restart_down_in_a_loopback_namespace(tmp_path: Path, tiny_model
     assert result["submitted"] == [201, 201], report
     assert result["eval"]["accuracy"] is not None and result["eval"]["progress"]["completed"] == 4, report
     assert int(result["trainer"]["step"]) >= 1, report
+    # no checkpoint.tls_* in the config: up made the run's PKI, and the version was pushed over it
+    keys = dict.fromkeys(["ca.crt", "receiver.crt", "receiver.key", "trainer.crt", "trainer.key"], "0o600")
+    assert result["checkpoint_plane"] == {"published": True, "plaintext_accepted": False, "files": keys}, report
     # secrets: each component gets only its own, in its environment; none is on a command line or in config.yaml
     assert result["secrets"] == {"trainer_env": ["ROLLWAVE_CHECKPOINT_TOKEN"], "api_env": ["ROLLWAVE_API_TOKEN"],
                                  "api_has_its_token": True, "in_argv": [], "in_config_yaml": []}, report
@@ -88,3 +92,26 @@ def test_up_jobs_restart_down_in_a_loopback_namespace(tmp_path: Path, tiny_model
     assert result["down"]["rc"] == 0, report
     assert result["left_after_down"] == [] and result["listening_after_down"] == [], report
     assert not result["state_file_left"], report
+
+
+def test_up_makes_the_run_a_checkpoint_pki_unless_tls_is_configured(tmp_path: Path) -> None:
+    """With no ``checkpoint.tls_*``, ``up``'s config has the receivers' certificate and the trainers' overrides
+    theirs, and the two complete a handshake; run again, the run keeps its CA. A configured TLS is left alone."""
+    from tls_handshake import handshakes
+
+    from core.config import load_config
+    from services.ray_launcher import _checkpoint_tls
+
+    cfg = load_config(None)
+    overrides = _checkpoint_tls(cfg, tmp_path)
+    receiver = cfg.checkpoint
+    assert receiver.tls_cert == tmp_path / "checkpoint-tls" / "receiver.crt"
+    trainer = load_config(None, [*overrides, *(f"checkpoint.{k}={getattr(receiver, k)}"
+                                              for k in ("tls_ca", "tls_server_name"))]).checkpoint
+    assert trainer.tls_cert == tmp_path / "checkpoint-tls" / "trainer.crt"
+    assert handshakes(receiver, trainer)
+    ca = receiver.tls_ca.read_bytes()
+    again = load_config(None)
+    assert _checkpoint_tls(again, tmp_path) == overrides and again.checkpoint.tls_ca.read_bytes() == ca
+    assert _checkpoint_tls(cfg, tmp_path / "other") == () and cfg.checkpoint == receiver
+    assert not (tmp_path / "other").exists()

@@ -35,7 +35,7 @@ from pydantic import (
 
 from core.rewards import BUILTIN as BUILTIN_REWARDS
 from core.rewards import IMPORT_PATH, REWARD_NAME
-from core.text_files import TextFileError, load_yaml, read_text
+from core.text_files import TextFileError, line_of, load_yaml, read_text, yaml_key_lines
 
 MIN_SECRET_CHARS = 32
 MASK = "**********"  # how pydantic prints a SecretStr, and so how dump_config writes one
@@ -571,8 +571,11 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def _format_validation_error(exc: ValidationError, source: str) -> str:
-    lines = []
+def _format_validation_error(exc: ValidationError, path: Path | None, overridden: list[str]) -> str:
+    """One line per error, naming the key and, where the file set it, ``file:line`` (an overridden key's
+    value came from the command line, so no line of the file is named for it)."""
+    lines = yaml_key_lines(path) if path is not None else {}
+    out = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
         msg = err["msg"].removeprefix("Value error, ")
@@ -580,8 +583,11 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
             msg = "unknown key"
         quiet = err["type"] == "extra_forbidden" or key in SECRETS  # never echo a secret
         got = "" if quiet else f" (got {err.get('input')!r})"
-        lines.append(f"{key}: {msg}{got}")
-    return f"invalid config{source}:\n  " + "\n  ".join(lines)
+        from_override = any(f"{key}.".startswith(f"{o}.") for o in overridden)
+        line = None if from_override else line_of(lines, err["loc"])
+        out.append(f"{path}:{line}: {key}: {msg}{got}" if line is not None else f"{key}: {msg}{got}")
+    source = f" from {path}" if path is not None else ""
+    return f"invalid config{source}:\n  " + "\n  ".join(out)
 
 
 def read_yaml(path: Path, what: str) -> Any:
@@ -666,24 +672,24 @@ def load_config(
     """Defaults < YAML file < ``key=value`` overrides, validated as one tree; unset secrets come from their
     ``_file`` or from ``env`` (default ``os.environ``)."""
     tree: dict[str, Any] = {}
-    source = ""
     if path is not None:
         path = Path(path)
-        source = f" from {path}"
         loaded = read_yaml(path, "config file")
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
         tree = loaded
+    overridden = []
     for item in overrides or []:
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
+        overridden.append(key)
     masked = _resolve_secrets(tree, os.environ if env is None else env)
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, source)) from None
+        raise ConfigError(_format_validation_error(exc, path, overridden)) from None
     cfg._masked_unset = masked
     return cfg
 

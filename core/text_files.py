@@ -100,3 +100,36 @@ def parse_yaml(text: str, path: str | Path) -> Any:
 def load_yaml(path: str | Path) -> Any:
     """A YAML file (UTF-8, a byte order mark allowed): ``parse_yaml`` of its text; OSError as ``open`` raises it."""
     return parse_yaml(read_text(path, bom=True), path)
+
+
+def yaml_key_lines(path: str | Path) -> dict[tuple[str, ...], int]:
+    """The line of every key and list item of a YAML file that ``load_yaml`` read, by its path of keys and
+    indices as text (``("trainer", "lr")``, ``("tools", "0")``), so that an error found in the loaded value
+    can name ``file:line``. Empty when the file no longer parses."""
+    try:
+        root = yaml.compose(read_text(path, bom=True), Loader=yaml.SafeLoader)
+    except (OSError, ValueError, yaml.YAMLError):
+        return {}
+    lines: dict[tuple[str, ...], int] = {}
+    todo: list[tuple[tuple[str, ...], yaml.Node | None]] = [((), root)]
+    while todo:
+        where, node = todo.pop()
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if key.tag != _MERGE_TAG and isinstance(key, yaml.ScalarNode):
+                    lines.setdefault((*where, key.value), key.start_mark.line + 1)
+                    todo.append(((*where, key.value), value))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                lines[(*where, str(i))] = item.start_mark.line + 1
+                todo.append(((*where, str(i)), item))
+    return lines
+
+
+def line_of(lines: dict[tuple[str, ...], int], loc: Iterable[object]) -> int | None:
+    """The line of the deepest key of ``loc`` (a validation error's location) that the file has, or None."""
+    parts = tuple(str(p) for p in loc)
+    for end in range(len(parts), 0, -1):
+        if (line := lines.get(parts[:end])) is not None:
+            return line
+    return None

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import httpx
 from tqdm import tqdm
 
 from core.config import SECRETS, read_yaml
-from core.text_files import TextFileError, read_text
+from core.text_files import TextFileError, line_of, read_text, yaml_key_lines
 from services.cli import CliError
 
 TOKEN_ENV = SECRETS["api.token"]
@@ -40,8 +41,9 @@ def _get(client: httpx.Client, path: str, **params: Any) -> Any:
     return _json(client.get(path, params=params))
 
 
-def _json(reply: httpx.Response) -> Any:
-    """The reply's body, or a CliError naming what the API refused (exit 2 for 4xx, 1 for 5xx)."""
+def _json(reply: httpx.Response, where: Callable[[list[Any]], str] = lambda _loc: "") -> Any:
+    """The reply's body, or a CliError naming what the API refused (exit 2 for 4xx, 1 for 5xx); ``where`` gives
+    the ``file:line: `` of a refused field's location in the body (a job file's)."""
     if reply.status_code < 400:
         return reply.json()
     status, what = reply.status_code, f"{reply.request.method} {reply.request.url.path}"
@@ -52,7 +54,8 @@ def _json(reply: httpx.Response) -> Any:
     detail = body.get("detail", reply.text) if isinstance(body, dict) else reply.text[:200] or reply.reason_phrase
     if isinstance(detail, list):  # FastAPI's validation errors: name each field
         detail = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'body'}: {e.get('msg')}" for e in detail
+            f"{where(e.get('loc', [])[1:])}{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'body'}: {e.get('msg')}"
+            for e in detail
         )
     hint = {
         401: f" (give the run's api.token in {TOKEN_ENV} or --token-file)",
@@ -60,6 +63,12 @@ def _json(reply: httpx.Response) -> Any:
         422: " (fix that field)",
     }.get(status, "")
     raise CliError(f"{what}: the API answered HTTP {status}: {detail}{hint}", 2 if status < 500 else 1)
+
+
+# flags that set a key of the job body: (flag, key in source), then (flag, key in the body)
+SOURCE_FLAGS = (("source", "kind"), ("path", "path"), ("split", "split"), ("limit", "limit"), ("seed", "seed"))
+BODY_FLAGS = (("kind", "kind"), ("n", "n_samples"), ("max_turns", "max_turns"), ("reward", "reward"),
+              ("temperature", "sampling.temperature"), ("tools", "tools"))
 
 
 def job_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -73,25 +82,43 @@ def job_from_args(args: argparse.Namespace) -> dict[str, Any]:
             if key in loaded and not isinstance(loaded[key], dict):
                 got = repr(loaded[key])
                 got = got if len(got) <= 60 else got[:57] + "..."
-                raise CliError(f"{args.file}: {key} must be a mapping, got {got}")
+                line = line_of(yaml_key_lines(args.file), [key])
+                raise CliError(f"{args.file}:{line}: {key} must be a mapping, got {got}")
         body = loaded
     source = body.setdefault("source", {})
-    for flag, key in (("source", "kind"), ("path", "path"), ("split", "split"), ("limit", "limit"), ("seed", "seed")):
+    for flag, key in SOURCE_FLAGS:
         if getattr(args, flag) is not None:
             source[key] = getattr(args, flag)
-    for flag, key in (("kind", "kind"), ("n", "n_samples"), ("max_turns", "max_turns"), ("reward", "reward")):
-        if getattr(args, flag) is not None:
-            body[key] = getattr(args, flag)
-    if args.temperature is not None:
-        body.setdefault("sampling", {})["temperature"] = args.temperature
-    if args.tools is not None:
-        body["tools"] = args.tools.split(",")
+    for flag, key in BODY_FLAGS:
+        if (value := getattr(args, flag)) is not None:
+            if key == "sampling.temperature":
+                body.setdefault("sampling", {})["temperature"] = value
+            else:
+                body[key] = value.split(",") if flag == "tools" else value
     return body
+
+
+def _job_file_lines(args: argparse.Namespace) -> Callable[[list[Any]], str]:
+    """``file:line: `` of a field of the job body that the job file set (not a flag), else nothing."""
+    if not args.file:
+        return lambda _loc: ""
+    lines = yaml_key_lines(args.file)
+    flagged = [f"source.{key}" for flag, key in SOURCE_FLAGS if getattr(args, flag) is not None]
+    flagged += [key for flag, key in BODY_FLAGS if getattr(args, flag) is not None]
+
+    def where(loc: list[Any]) -> str:
+        dotted = ".".join(map(str, loc))
+        if any(f"{dotted}.".startswith(f"{key}.") for key in flagged):
+            return ""
+        line = line_of(lines, loc)
+        return f"{args.file}:{line}: " if line is not None else ""
+
+    return where
 
 
 def submit(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        job = _json(client.post("/v1/jobs", json=job_from_args(args)))
+        job = _json(client.post("/v1/jobs", json=job_from_args(args)), _job_file_lines(args))
         print(f"job {job['job_id']} ({job['kind']}): {job['progress']['submitted']} tasks")
         if args.wait:
             job = wait_for_job(client, job["job_id"], args.timeout)

@@ -82,9 +82,9 @@ BAD_INPUT = [  # (argv, what the error line must name); {tmp} is the test's dire
     (["submit", "-f", "{tmp}/latin1.yaml"], "{tmp}/latin1.yaml:2: not valid UTF-8 (byte 0xe9 at column 12)"),
     (["submit", "-f", "{tmp}/job-dup.yaml"], "{tmp}/job-dup.yaml:2: duplicate key 'kind' (first on line 1)"),
     (["submit", "-f", "{tmp}/job-source.yaml", "--limit", "3"],
-     "{tmp}/job-source.yaml: source must be a mapping, got 'arith'"),
+     "{tmp}/job-source.yaml:1: source must be a mapping, got 'arith'"),
     (["submit", "-f", "{tmp}/job-sampling.yaml", "--temperature", "0.7"],
-     "{tmp}/job-sampling.yaml: sampling must be a mapping, got 0.5"),
+     "{tmp}/job-sampling.yaml:2: sampling must be a mapping, got 0.5"),
     (["submit", "--token-file", "{tmp}/latin1.yaml", "--limit", "2"],
      "--token-file {tmp}/latin1.yaml:2: not valid UTF-8 (byte 0xe9 at column 12)"),
     (["rollout", "--task", "jsonl", "--path", "{tmp}/latin1.jsonl"],
@@ -164,6 +164,19 @@ def live_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_api_refusals_are_one_line_naming_the_problem(argv: list[str], needle: str, live_api: str, tmp_path: Path):
     proc = rollwave(*argv, "--api", live_api, cwd=tmp_path, env={"ROLLWAVE_API_TOKEN": TOKEN})
     assert_one_error_line(proc, 2, needle)
+
+
+def test_a_job_file_field_the_api_refuses_is_named_by_its_line(live_api: str, tmp_path: Path) -> None:
+    """The API's 422 names fields of the body; for a job file the error line adds where each is in the file,
+    except a field a flag set, whose value is not the file's."""
+    (tmp_path / "job.yaml").write_text("kind: train\nsource:\n  kind: arith\n  limit: 0\nn_samples: 0\n")
+    env = {"ROLLWAVE_API_TOKEN": TOKEN}
+    line = assert_one_error_line(rollwave("submit", "-f", "job.yaml", "--api", live_api, cwd=tmp_path, env=env),
+                                 2, "HTTP 422: ")
+    assert "job.yaml:4: source.limit: Input should be" in line and "job.yaml:5: n_samples: Input should be" in line
+    line = assert_one_error_line(rollwave("submit", "-f", "job.yaml", "--limit", "-1", "--n", "2", "--api", live_api,
+                                          cwd=tmp_path, env=env), 2, "HTTP 422: source.limit: Input should be")
+    assert "job.yaml:" not in line
 
 
 def test_wait_gives_up_after_the_timeout_naming_the_job(live_api: str, tmp_path: Path) -> None:

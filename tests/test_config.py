@@ -69,6 +69,27 @@ def test_bad_yaml_names_file_and_line(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_a_bad_value_in_a_file_names_its_line(tmp_path: Path) -> None:
+    """Each error names the line of its key (a section's own check the section's line, a list item its line),
+    unless an override set the key: then the value is the command line's and no line of the file is named."""
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  name: x\ntrainer:\n  lr: fast\n  lrr: 1\ncheckpoint:\n  tls_ca: ca.pem\n"
+                    "engine:\n  urls:\n    - http://a:1\n    - [1, 2]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    lines = str(err.value).splitlines()[1:]
+    assert sorted(tuple(line.strip().split(": ")[:2]) for line in lines) == [
+        (f"{path}:11", "engine.urls.1"), (f"{path}:4", "trainer.lr"), (f"{path}:5", "trainer.lrr"),
+        (f"{path}:6", "checkpoint"),
+    ]
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["trainer.lr=slow", "engine.urls=[http://b:2]", "checkpoint.tls_ca=null"])
+    assert sorted(line.strip() for line in str(err.value).splitlines()[1:]) == [
+        f"{path}:5: trainer.lrr: unknown key",
+        "trainer.lr: Input should be a valid number, unable to parse string as a number (got 'slow')",
+    ]
+
+
 def test_cli_config_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "check", "-c", str(ROOT / "configs/demo.yaml"), "trainer.lr=2e-5"]) == 0
     out = capsys.readouterr().out

@@ -141,7 +141,9 @@ def test_registry_builtin_and_yaml(tmp_path: Path) -> None:
     ("body", "message"),
     [
         ("- name: x\n  class: no.such.module:Tool\n", r"tools\[0\] \(x\): cannot import class"),
-        ("- name: calculator\n- name: y\n  class: json:dumps\n", r"tools\[1\] \(y\): .*not a subclass"),
+        ("- name: calculator\n- name: y\n  class: json:dumps\n", r"bad\.yaml:2: tools\[1\] \(y\): .*not a subclass"),
+        ("tools:\n  - name: calculator\n\n  - name: w\n    class: json:dumps\n",
+         r"bad\.yaml:4: tools\[1\] \(w\): .*not a subclass"),
         ("- name: z\n", r"tools\[0\] \(z\): 'class' .* is required"),
         ("- name: calculator\n  colour: red\n", r"tools\[0\]: unknown key\(s\) colour"),
         (

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core.text_files import TextFileError, load_yaml
+from core.text_files import TextFileError, line_of, load_yaml, yaml_key_lines
 from rollout_server.tools.base import Tool
 
 BUILTIN_TOOLS: dict[str, str] = {
@@ -88,7 +88,7 @@ class ToolRegistry:
         if path is None:
             return cls.builtin()
         path = Path(path)
-        tools = [_build(entry, f"{path}: tools[{i}]") for i, entry in enumerate(_entries(path))]
+        tools = [_build(entry, where) for where, entry in _entries(path)]
         try:
             return cls(tools)
         except ToolConfigError as exc:
@@ -109,10 +109,11 @@ def tool_names(path: str | Path | None) -> list[str]:
     job may ask for, checked where the tools themselves do not run (the API)."""
     if path is None:
         return list(BUILTIN_TOOLS)
-    return [e["name"] for e in _entries(Path(path)) if isinstance(e, dict) and isinstance(e.get("name"), str)]
+    return [e["name"] for _, e in _entries(Path(path)) if isinstance(e, dict) and isinstance(e.get("name"), str)]
 
 
-def _entries(path: Path) -> list[Any]:
+def _entries(path: Path) -> list[tuple[str, Any]]:
+    """Each tool entry of the file, with where it is for an error: ``file:line: tools[i]``."""
     try:
         data = load_yaml(path)
     except FileNotFoundError:
@@ -122,7 +123,8 @@ def _entries(path: Path) -> list[Any]:
     entries = data.get("tools") if isinstance(data, dict) else data
     if not isinstance(entries, list):
         raise ToolConfigError(f"{path}: expected a list of tools (or a mapping with key 'tools')")
-    return entries
+    lines, under = yaml_key_lines(path), ("tools",) if isinstance(data, dict) else ()
+    return [(f"{path}:{line_of(lines, (*under, i))}: tools[{i}]", entry) for i, entry in enumerate(entries)]
 
 
 def _build(entry: Any, where: str) -> Tool:

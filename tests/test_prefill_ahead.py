@@ -48,6 +48,30 @@ def on_engine(scheduler: Scheduler, fn: Callable[[], object]) -> object:
     return scheduler.call(fn).result(timeout=WAIT_S)
 
 
+def assert_continued_from_the_kv_ahead(reqs: list[Request], snapshot: set[tuple[int, ...]], new_dir: Path) -> None:
+    """Each request, retracted once, prefilled only what it generated since its KV was computed ahead, and every
+    token after the swap is what the new weights give (greedy) over the whole sequence."""
+    new_model = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
+    for r in reqs:
+        ahead = next(t for t in snapshot if list(t) == r.tokens[: len(t)])
+        # its re-prefill ran only the rest (all of the computed KV but the last token, if it decoded none since)
+        assert r.num_retractions == 1 and len(ahead) - 1 <= r.cached_tokens <= len(ahead)
+        start = next(s["start"] for s in r.spans if s["version"] == "1")
+        with torch.no_grad():
+            logits = new_model(input_ids=torch.tensor([r.tokens])).logits[0]
+        lp = torch.log_softmax(logits[len(r.input_ids) - 1 : -1], -1)[start:]
+        assert r.output_ids[start:] == lp.argmax(-1).tolist()
+        torch.testing.assert_close(torch.tensor(r.logprobs[start:]), lp.max(-1).values, atol=1e-4, rtol=1e-4)
+
+
+def swap(scheduler: Scheduler, new_dir: Path) -> None:
+    """The receiver's commit: pause (retract), load the prepared version 1, continue."""
+    on_engine(scheduler, lambda: scheduler.pause("retract"))
+    on_engine(scheduler, lambda: scheduler.load_weights(scheduler.memory.take_prepared("v1"), require_all=True,
+                                                        model_path=str(new_dir), version="1"))
+    on_engine(scheduler, scheduler.resume)
+
+
 def test_a_retracted_request_prefills_only_what_it_generated_since_and_continues_on_the_new_weights(
     scheduler: Scheduler, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -67,24 +91,34 @@ def test_a_retracted_request_prefills_only_what_it_generated_since_and_continues
     # every request running is computed, in chunks of at most prefill_tokens (64) per forward
     assert len(prepared.ahead) == 5 and computed == sum(len(t) for t in snapshot) > sum(map(len, prompts)) + 30
     assert scheduler.metrics.ahead_tokens._value.get() == computed
-    on_engine(scheduler, lambda: scheduler.pause("retract"))
-    on_engine(scheduler, lambda: scheduler.load_weights(scheduler.memory.take_prepared("v1"), require_all=True,
-                                                        model_path=str(new_dir), version="1"))
-    on_engine(scheduler, scheduler.resume)
+    swap(scheduler, new_dir)
     for r in reqs:
         r.future.result(timeout=WAIT_S)
 
-    new_model = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
+    assert_continued_from_the_kv_ahead(reqs, snapshot, new_dir)
+
+
+def test_a_prompt_the_running_requests_share_is_computed_ahead_once_under_the_new_weights(
+    scheduler: Scheduler, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A group's samples share their prompt: computed ahead, it runs once for all of them (as a re-prefill after
+    the swap would run it), and under the new weights, never from the old weights' KV the prefix cache holds."""
+    new_dir = perturbed_model(tiny_model_dir, tmp_path / "v1", seed=1)
+    tensors = load_file(new_dir / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(5, 200, (400,), generator=gen).tolist()  # 3 x 400 saved: over SHARED_PREFIX_MIN_SAVED
+    scheduler.prefill_tokens = 4096  # the whole group in one chunk, as at the default 8192
+    reqs = running(scheduler, [[*prompt, 5 + i] for i in range(4)], n=600)  # within the model's 1024 positions
+    shared = scheduler.metrics.shared_tokens._value.get()
+    prepared = scheduler.memory.prepare("v1", tensors)
+    computed = scheduler.prefill_ahead(prepared).result(timeout=WAIT_S)
+    snapshot = {tuple(tokens) for tokens, _ in prepared.ahead}
+    assert len(snapshot) == 4 and computed == sum(map(len, snapshot))
+    assert scheduler.metrics.shared_tokens._value.get() - shared >= 3 * len(prompt)
+    swap(scheduler, new_dir)
     for r in reqs:
-        ahead = next(t for t in snapshot if list(t) == r.tokens[: len(t)])
-        # its re-prefill ran only the rest (all of the computed KV but the last token, if it decoded none since)
-        assert r.num_retractions == 1 and len(ahead) - 1 <= r.cached_tokens <= len(ahead)
-        start = next(s["start"] for s in r.spans if s["version"] == "1")
-        with torch.no_grad():
-            logits = new_model(input_ids=torch.tensor([r.tokens])).logits[0]
-        lp = torch.log_softmax(logits[len(r.input_ids) - 1 : -1], -1)[start:]
-        assert r.output_ids[start:] == lp.argmax(-1).tolist()
-        torch.testing.assert_close(torch.tensor(r.logprobs[start:]), lp.max(-1).values, atol=1e-4, rtol=1e-4)
+        r.future.result(timeout=WAIT_S)
+    assert_continued_from_the_kv_ahead(reqs, snapshot, new_dir)
 
 
 def test_nothing_is_computed_ahead_when_it_cannot_be_used(scheduler: Scheduler, tiny_model_dir: Path,

@@ -443,11 +443,12 @@ class Scheduler:
         self._retire([offset + i for i in self._record(chunk, tokens, logprobs)])
 
     def _prefill_kv(
-        self, seqs: list[tuple[str | None, list[int]]], rows: list[int] | None = None
+        self, seqs: list[tuple[str | None, list[int]]], rows: list[int] | None = None, cached: bool = True
     ) -> tuple[KVBatch, torch.Tensor, list[int], list[Prefix | None]]:
         """Run (adapter, tokens) ``seqs`` through the model: the batch and the next-token logits of ``rows``
         (indices into ``seqs``; default: each once, in order), and for each of ``seqs`` how many of its tokens
-        came from earlier KV and the cache entry it extends.
+        came from earlier KV and the cache entry it extends (none without ``cached``: the weights served are not
+        those that computed the cache's KV).
 
         A row starts from the longest cache entry it extends, or from a prefix it shares with other rows
         (``shared_prefixes``), computed first and once (recursively: those prefixes may share one too) where
@@ -455,7 +456,7 @@ class Scheduler:
         prompt that two episodes share is not worth one, a swap's retracted groups are. The rows run in two
         forwards where one would run the short uncached rests of later turns as wide as new prompts
         (``_split``)."""
-        hits = [self.prefix_cache.lookup(tokens, lora) for lora, tokens in seqs]
+        hits = [self.prefix_cache.lookup(tokens, lora) if cached else None for lora, tokens in seqs]
         past: list[Layers | None] = [None if h is None else h.head(min(len(h.tokens), len(tokens) - 1))
                                      for h, (_, tokens) in zip(hits, seqs, strict=True)]
         # no prefix can save more than every row but one running the longest whole: small prefills skip the search
@@ -464,7 +465,7 @@ class Scheduler:
             seqs, [past_length(p) for p in past], SHARED_PREFIX_MIN_TOKENS)
         if prefixes and sum(n * (len(sharing) - 1) for n, sharing in prefixes) >= self.shared_prefix_min_saved:
             heads, _, _, _ = self._prefill_kv([(seqs[sharing[0]][0], seqs[sharing[0]][1][:n])
-                                               for n, sharing in prefixes])
+                                               for n, sharing in prefixes], cached=cached)
             for at, (n, sharing) in enumerate(prefixes):
                 for i in sharing:
                     past[i] = heads.row(at)
@@ -515,10 +516,9 @@ class Scheduler:
                 width = w
         if chunk:
             seqs = [r.tokens for r in chunk]
-            self.adapters.rows = [None] * len(chunk)
-            try:
+            try:  # the cache holds the old weights' KV; prefixes the chunk shares are computed once all the same
                 with self.memory.serving(job.prepared):
-                    batch, _, _ = KVBatch.prefill(self.model, seqs)
+                    batch, _, _, _ = self._prefill_kv([(None, seq) for seq in seqs], cached=False)
             except Exception as exc:  # the swap will re-prefill them: only the job fails
                 log.exception("computing the KV of running requests ahead of a load failed")
                 self._ahead = None

@@ -19,9 +19,9 @@
     while full pushes commit, and the engine measures each swap from the last token before the pause to the
     first after it (``rollwave_engine_generation_stall_seconds``; the load, and the re-prefill of the retracted
     requests, included). Three receivers in front of the same engine (``SWAP_MODES``), their pushes in rotating
-    order: ``recompute`` (the default: pause retract, the retracted requests prefilled again after the swap),
-    ``ahead`` (``checkpoint.prefill_ahead``: their KV computed under the new weights before the pause) and
-    ``keep`` (``kv_on_swap: keep``: pause in_place). The bench reads the engine's
+    order: ``default`` (the defaults: pause retract, the retracted requests' KV computed under the new weights
+    before the pause, ``checkpoint.prefill_ahead``), ``reprefill`` (``prefill_ahead: false``: they are prefilled
+    again after the swap) and ``keep`` (``kv_on_swap: keep``: pause in_place). The bench reads the engine's
     metrics from 0.25 s after each commit on, not while the engine runs its first steps after the swap: on two
     cores, a scrape every 50 ms there added ~25 ms to each stall it measured. Beside it, the mean decode step in
     a 1 s window after each round (``rollwave_engine_decode_step_seconds``): the time between tokens with no
@@ -31,9 +31,9 @@ TCP rounds and pushes alternate, so both see the same background load; medians a
 The engine is idle during (a)-(c) so neither side competes with decoding for the CPU.
 Every process (this one re-executes itself) runs with glibc malloc tuned for large buffers
 (MALLOC_ENV); ``--plain-malloc`` keeps stock malloc (but for the engine, which tunes its own at start).
-Last line: ``stall_vs_memcpy ratio <value>`` (the stall with the default ``kv_on_swap: recompute`` over the
-warm memcpy), after ``pause_vs_memcpy``, ``lora_pause_vs_full_pause``, ``stall_keep_vs_decode_step``,
-``stall_keep_vs_memcpy`` and ``stall_ahead_vs_memcpy``.
+Last line: ``stall_vs_memcpy ratio <value>`` (the stall at the defaults over the warm memcpy), after
+``pause_vs_memcpy``, ``lora_pause_vs_full_pause``, ``stall_keep_vs_decode_step``, ``stall_keep_vs_memcpy`` and
+``stall_reprefill_vs_memcpy``.
 
     python bench/checkpoint.py [--pushes 5] [--layers 9] [--lora-rank 16] [--streams 4] [--engine-threads N]
                                [--plain-malloc]
@@ -70,8 +70,8 @@ TOKEN = os.environ.setdefault("ROLLWAVE_CHECKPOINT_TOKEN", secrets.token_urlsafe
 SLICE = 1 << 20
 # (d): what a swap does to the requests decoding through it, one receiver each (checkpoint.kv_on_swap, prefill_ahead)
 SWAP_MODES = {
-    "recompute": {"kv_on_swap": "recompute", "prefill_ahead": False},
-    "ahead": {"kv_on_swap": "recompute", "prefill_ahead": True},
+    "default": {},
+    "reprefill": {"kv_on_swap": "recompute", "prefill_ahead": False},
     "keep": {"kv_on_swap": "keep"},
 }
 
@@ -277,7 +277,7 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
         engine = EngineProcess(model_dir, threads=engine_threads, log_path=work / "engine.log").start(timeout_s=300)
         receivers = {mode: child(["--serve-receiver", str(model_dir), engine.url, str(stage_dir / mode), mode], env)
                      for mode in SWAP_MODES}
-        address = receivers["recompute"][1]
+        address = receivers["default"][1]
         sink, port = child(["--tcp-sink", str(nbytes), str(pushes)], env)
         counter, counter_port = child(["--grpc-sink"], env)
         procs += [proc for proc, _ in receivers.values()] + [sink, counter]
@@ -396,8 +396,8 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
     print(f"lora_pause_vs_full_pause ratio {med(lora_pause) / med(pause):.3f}")
     print(f"stall_keep_vs_decode_step ratio {med(stall['keep']) / decode_step:.3f}")
     print(f"stall_keep_vs_memcpy ratio {med(stall['keep']) / warm:.3f}")
-    print(f"stall_ahead_vs_memcpy ratio {med(stall['ahead']) / warm:.3f}")
-    print(f"stall_vs_memcpy ratio {med(stall['recompute']) / warm:.3f} (goal <= 3)")
+    print(f"stall_reprefill_vs_memcpy ratio {med(stall['reprefill']) / warm:.3f}")
+    print(f"stall_vs_memcpy ratio {med(stall['default']) / warm:.3f} (goal <= 3)")
 
 
 def main() -> None:

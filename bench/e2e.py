@@ -7,8 +7,8 @@ one trainer pushing a version every step). ``rollout.mode=sync`` differs from as
 against ``placement.mode=colocated`` (the engine releases its memory while the trainer trains, and takes the
 weights by a local push); ``--compare overlap`` runs colocated against its one-step overlap
 (``placement.colocated_staleness=1``: the engine keeps its memory and generates while the trainer trains);
-``--compare ahead`` runs async as it is (the requests a swap retracts prefilled again after it) against async
-with ``checkpoint.prefill_ahead=true`` (their KV computed under the new weights before the pause);
+``--compare ahead`` runs async with ``checkpoint.prefill_ahead=false`` (the requests a swap retracts prefilled
+again after it) against async as it is (their KV computed under the new weights before the pause);
 ``--compare share`` runs sync with ``trainer.share_prefix=false`` (each sample's prompt through the trainer's
 model again) against sync as it is (a group's prompt once per micro-batch): sync waits on every train step, so
 the step's time shows in full; ``--compare admit`` runs async with ``engine.admit_wait_ms=0`` (each request
@@ -70,12 +70,12 @@ MODES = {
     "async": ["rollout.mode=async"],
     "colocated": ["rollout.mode=async", "placement.mode=colocated"],
     "overlap": ["rollout.mode=async", "placement.mode=colocated", "placement.colocated_staleness=1"],
-    "ahead": ["rollout.mode=async", "checkpoint.prefill_ahead=true"],
+    "reprefill": ["rollout.mode=async", "checkpoint.prefill_ahead=false"],
     "sync_per_sample": ["rollout.mode=sync", "trainer.share_prefix=false"],
     "admit_at_once": ["rollout.mode=async", "engine.admit_wait_ms=0"],
 }
 COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "overlap": ("colocated", "overlap"),
-           "ahead": ("async", "ahead"), "share": ("sync_per_sample", "sync"),
+           "ahead": ("reprefill", "async"), "share": ("sync_per_sample", "sync"),
            "admit": ("admit_at_once", "async")}
 SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
 TOKENS = tuple(f"rollwave_engine_{kind}_tokens_total" for kind in ("prompt", "cached", "generated"))

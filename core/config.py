@@ -408,10 +408,11 @@ class CheckpointConfig(Section):
         "its memory). false: the load reads and copies the weights inside the pause, and no spare is held"
     )
     prefill_ahead: bool = Field(
-        False, description="receiver, with prepare_weights and kv_on_swap recompute: the prepare also has the engine "
-        "compute the running requests' KV under the new weights, while it generates, so after the swap they prefill "
-        "only the tokens since: the stall a request sees drops to about one decode step, but a server that never "
-        "idles generates ~15% less (bench/e2e.py --compare ahead). false: they are prefilled again after the swap"
+        True, description="receiver, with prepare_weights and kv_on_swap recompute: the prepare also has the engine "
+        "compute the running requests' KV under the new weights, while it generates (a prompt they share once), so "
+        "after the swap they prefill only the tokens since: the stall a request sees drops to about one decode "
+        "step, and the prefill is moved, not added (bench/e2e.py --compare ahead). false: they are prefilled again "
+        "after the swap, inside the stall"
     )
     empty_cache_on_resume: bool = Field(
         False, description="receiver: let continue_generation empty the CUDA cache (SGLang's torch_empty_cache)"

@@ -602,7 +602,7 @@ def test_a_prepared_version_is_swapped_in_and_unprepared_is_copied(tiny_model_di
                                                                   prepare: bool, kv_on_swap: str, ahead: bool) -> None:
     """With ``checkpoint.prepare_weights`` (the default) the engine holds a spare copy of its weights after a
     commit (what it served before the swap); without, the load copies in the pause and nothing more is held.
-    Prepared under ``kv_on_swap: recompute`` (the default) with ``checkpoint.prefill_ahead`` (not the default), the
+    Prepared under ``kv_on_swap: recompute`` (the default) with ``checkpoint.prefill_ahead`` (the default), the
     engine also computes the KV of the request running through each commit under the new weights before the
     pause. Either way the engine serves the pushed weights and the pause is timed."""
     stage_dir = Path("/dev/shm") / f"rollwave-prepare-{tmp_path.name}"

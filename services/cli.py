@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, help="samples per task")
     p.add_argument("--temperature", type=float)
     p.add_argument("--max-turns", type=int)
-    p.add_argument("--tools", help="comma-separated tool names")
+    p.add_argument("--tools", type=lambda names: names.split(","), help="comma-separated tool names")
     p.add_argument("--reward", help="a built-in (gsm8k, tool, tool_last) or a rollout.reward_allowlist name")
     p.add_argument("--wait", action="store_true", help="show progress until the job is done")
     p.add_argument("--timeout", type=float, metavar="S", help="with --wait: fail (exit 1) if the job is not done "

@@ -65,10 +65,10 @@ def _json(reply: httpx.Response, where: Callable[[list[Any]], str] = lambda _loc
     raise CliError(f"{what}: the API answered HTTP {status}: {detail}{hint}", 2 if status < 500 else 1)
 
 
-# flags that set a key of the job body: (flag, key in source), then (flag, key in the body)
-SOURCE_FLAGS = (("source", "kind"), ("path", "path"), ("split", "split"), ("limit", "limit"), ("seed", "seed"))
-BODY_FLAGS = (("kind", "kind"), ("n", "n_samples"), ("max_turns", "max_turns"), ("reward", "reward"),
-              ("temperature", "sampling.temperature"), ("tools", "tools"))
+# the flags that set a key of the job body (dotted)
+JOB_FLAGS = (("source", "source.kind"), ("path", "source.path"), ("split", "source.split"), ("limit", "source.limit"),
+             ("seed", "source.seed"), ("kind", "kind"), ("n", "n_samples"), ("max_turns", "max_turns"),
+             ("reward", "reward"), ("temperature", "sampling.temperature"), ("tools", "tools"))
 
 
 def job_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -85,16 +85,14 @@ def job_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 line = line_of(yaml_key_lines(args.file), [key])
                 raise CliError(f"{args.file}:{line}: {key} must be a mapping, got {got}")
         body = loaded
-    source = body.setdefault("source", {})
-    for flag, key in SOURCE_FLAGS:
-        if getattr(args, flag) is not None:
-            source[key] = getattr(args, flag)
-    for flag, key in BODY_FLAGS:
+    body.setdefault("source", {})
+    for flag, key in JOB_FLAGS:
         if (value := getattr(args, flag)) is not None:
-            if key == "sampling.temperature":
-                body.setdefault("sampling", {})["temperature"] = value
-            else:
-                body[key] = value.split(",") if flag == "tools" else value
+            *parents, leaf = key.split(".")
+            target = body
+            for part in parents:
+                target = target.setdefault(part, {})
+            target[leaf] = value
     return body
 
 
@@ -103,8 +101,7 @@ def _job_file_lines(args: argparse.Namespace) -> Callable[[list[Any]], str]:
     if not args.file:
         return lambda _loc: ""
     lines = yaml_key_lines(args.file)
-    flagged = [f"source.{key}" for flag, key in SOURCE_FLAGS if getattr(args, flag) is not None]
-    flagged += [key for flag, key in BODY_FLAGS if getattr(args, flag) is not None]
+    flagged = [key for flag, key in JOB_FLAGS if getattr(args, flag) is not None]
 
     def where(loc: list[Any]) -> str:
         dotted = ".".join(map(str, loc))

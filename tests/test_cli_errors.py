@@ -236,3 +236,18 @@ def test_top_level_help_is_for_users(tmp_path: Path) -> None:
     assert "trains LLM agents with reinforcement learning" in proc.stdout
     assert "rollwave up -c configs/demo.yaml" in proc.stdout and "--debug" in proc.stdout
     assert "dispatcher" not in proc.stdout
+
+
+def test_submit_flags_lay_their_keys_over_the_job_file(tmp_path: Path) -> None:
+    """Each flag sets its key of the body, over the file's value, and leaves the file's other keys as they are."""
+    from services.client_cmd import job_from_args
+
+    job = tmp_path / "job.yaml"
+    job.write_text("kind: train\nsource: {kind: arith, limit: 8, split: train}\nsampling: {top_p: 0.9}\nn_samples: 4\n")
+    args = build_parser().parse_args(["submit", "-f", str(job), "--limit", "3", "--temperature", "0.7", "--tools",
+                                      "calculator,python", "--n", "2", "--seed", "5"])
+    assert job_from_args(args) == {
+        "kind": "train", "source": {"kind": "arith", "limit": 3, "split": "train", "seed": 5},
+        "sampling": {"top_p": 0.9, "temperature": 0.7}, "n_samples": 2, "tools": ["calculator", "python"],
+    }
+    assert job_from_args(build_parser().parse_args(["submit", "--max-turns", "3"])) == {"source": {}, "max_turns": 3}

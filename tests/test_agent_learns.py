@@ -32,7 +32,10 @@ def test_openai_client_agent_learns(tmp_path: Path) -> None:
                        agent=AGENT)
     assert summary["steps"] == STEPS and summary["groups_trained"] >= STEPS * cfg.buffer.groups_per_step
     assert summary["final_policy_version"] >= STEPS - cfg.buffer.max_staleness
-    assert summary["groups_dropped_stale"] == 0, summary  # admission keeps every group within max_staleness
+    # Admission bounds the groups in flight, so all but an episode that outlives max_staleness versions (others
+    # finish and are trained meanwhile) stay within it: the demo drops 1-2% (bench/RESULTS.md); generating a
+    # batch ahead of training, as before d6563df, dropped half.
+    assert summary["groups_dropped_stale"] <= 0.05 * summary["groups_trained"], summary
     assert summary["heldout_tool_use_before"] > 0.5 and summary["heldout_tool_use_after"] > 0.5, summary
     assert summary["heldout_accuracy_after"] >= summary["heldout_accuracy_before"] + 0.1, summary
     assert summary["generation_stalls"] > 0 and summary["generation_stall_ms_mean"] > 0, summary  # swaps mid-decode

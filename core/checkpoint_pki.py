@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+RECEIVER_NAME = "rollwave-checkpoint-receiver"  # what compose, Helm and `rollwave up` give SERVER_NAME
 TRAINER_NAME = "rollwave-trainer"
 VALID_DAYS = 3650
 

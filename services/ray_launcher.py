@@ -39,7 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis, client_for, configured_url
-from core.checkpoint_pki import ensure_checkpoint_pki
+from core.checkpoint_pki import RECEIVER_NAME, ensure_checkpoint_pki
 from core.config import Config, dump_config, load_config
 from core.net import free_port_outside_ephemeral
 from core.process import stop_process
@@ -50,7 +50,6 @@ from services.launcher import ComponentSpec, components, ensure_checkpoint_token
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
-CHECKPOINT_SERVER_NAME = "rollwave-checkpoint-receiver"
 FORWARDED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_HOME", "HF_HUB_OFFLINE")
 
 
@@ -222,12 +221,12 @@ def _checkpoint_tls(cfg: Config, run_dir: Path) -> tuple[str, ...]:
     receivers' certificate; returns the trainers' overrides for theirs."""
     if cfg.checkpoint.tls_ca is not None:
         return ()
-    pki, made = ensure_checkpoint_pki(run_dir / "checkpoint-tls", CHECKPOINT_SERVER_NAME)
+    pki, made = ensure_checkpoint_pki(run_dir / "checkpoint-tls", RECEIVER_NAME)
     log.info("checkpoint plane: mutual TLS with the run's certificates in %s (%s)", pki.dir,
              "made now" if made else "made before")
     cfg.checkpoint = cfg.checkpoint.model_copy(update={  # all four at once: the section takes TLS whole or not
         "tls_ca": pki.ca, "tls_cert": pki.cert("receiver"), "tls_key": pki.key("receiver"),
-        "tls_server_name": CHECKPOINT_SERVER_NAME,
+        "tls_server_name": RECEIVER_NAME,
     })
     return f"checkpoint.tls_cert={pki.cert('trainer')}", f"checkpoint.tls_key={pki.key('trainer')}"
 

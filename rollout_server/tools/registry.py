@@ -88,7 +88,13 @@ class ToolRegistry:
         if path is None:
             return cls.builtin()
         path = Path(path)
-        tools = [_build(entry, where) for where, entry in _entries(path)]
+        entries, under = _entries(path)
+        tools = []
+        for i, entry in enumerate(entries):
+            try:
+                tools.append(_build(entry, f"tools[{i}]"))
+            except ToolConfigError as exc:  # the file's lines are looked up only for an error
+                raise ToolConfigError(f"{path}:{line_of(yaml_key_lines(path), (*under, i))}: {exc}") from None
         try:
             return cls(tools)
         except ToolConfigError as exc:
@@ -109,11 +115,11 @@ def tool_names(path: str | Path | None) -> list[str]:
     job may ask for, checked where the tools themselves do not run (the API)."""
     if path is None:
         return list(BUILTIN_TOOLS)
-    return [e["name"] for _, e in _entries(Path(path)) if isinstance(e, dict) and isinstance(e.get("name"), str)]
+    return [e["name"] for e in _entries(Path(path))[0] if isinstance(e, dict) and isinstance(e.get("name"), str)]
 
 
-def _entries(path: Path) -> list[tuple[str, Any]]:
-    """Each tool entry of the file, with where it is for an error: ``file:line: tools[i]``."""
+def _entries(path: Path) -> tuple[list[Any], tuple[str, ...]]:
+    """The tool entries of the file, and the keys they are under in it (``("tools",)`` or none)."""
     try:
         data = load_yaml(path)
     except FileNotFoundError:
@@ -123,8 +129,7 @@ def _entries(path: Path) -> list[tuple[str, Any]]:
     entries = data.get("tools") if isinstance(data, dict) else data
     if not isinstance(entries, list):
         raise ToolConfigError(f"{path}: expected a list of tools (or a mapping with key 'tools')")
-    lines, under = yaml_key_lines(path), ("tools",) if isinstance(data, dict) else ()
-    return [(f"{path}:{line_of(lines, (*under, i))}: tools[{i}]", entry) for i, entry in enumerate(entries)]
+    return entries, ("tools",) if isinstance(data, dict) else ()
 
 
 def _build(entry: Any, where: str) -> Tool:

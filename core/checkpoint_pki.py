@@ -5,8 +5,8 @@ SERVER_NAME``); Helm makes its own with sprig. In DIR, each readable by its owne
 - ``ca.crt``: the CA every side trusts; its key is never written, so nothing can sign another certificate;
 - ``receiver.crt``/``.key``: the rollout servers' (DNS name SERVER_NAME, which the pusher checks:
   ``checkpoint.tls_server_name``), for serving only;
-- ``trainer.crt``/``.key``: the trainers' (DNS name ``rollwave-trainer``), for dialling only, so a receiver's
-  key cannot push weights to another receiver.
+- ``trainer.crt``/``.key``: the trainers' (DNS name ``rollwave-trainer``, which the receivers check:
+  ``checkpoint.tls_client_name``), for dialling only, so a receiver's key cannot push weights to another receiver.
 A DIR that has ``ca.crt`` is kept as it is (it is written last).
 """
 
@@ -23,8 +23,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from core.config import TRAINER_CERT_NAME
+
 RECEIVER_NAME = "rollwave-checkpoint-receiver"  # what compose, Helm and `rollwave up` give SERVER_NAME
-TRAINER_NAME = "rollwave-trainer"
 VALID_DAYS = 3650
 
 
@@ -49,6 +50,13 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
+def _builder(subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey,
+             valid: tuple[datetime.datetime, datetime.datetime]) -> x509.CertificateBuilder:
+    """What all three certificates share: ``key``'s, for ``subject``, issued by ``issuer``, valid over ``valid``."""
+    return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(valid[0]).not_valid_after(valid[1]))
+
+
 def _write(path: Path, data: bytes) -> None:
     """Write ``data`` readable by its owner only (a key must never exist with wider permissions)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -63,12 +71,11 @@ def ensure_checkpoint_pki(directory: Path, server_name: str) -> tuple[Checkpoint
         return pki, False
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)
+    valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS))
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = _name("rollwave checkpoint CA")
     ca_cert = (
-        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+        _builder(ca_name, ca_name, ca_key, valid)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
                                      data_encipherment=False, key_agreement=False, key_cert_sign=True,
@@ -77,11 +84,10 @@ def ensure_checkpoint_pki(directory: Path, server_name: str) -> tuple[Checkpoint
         .sign(ca_key, hashes.SHA256())
     )
     for role, name, usage in (("receiver", server_name, ExtendedKeyUsageOID.SERVER_AUTH),
-                              ("trainer", TRAINER_NAME, ExtendedKeyUsageOID.CLIENT_AUTH)):
+                              ("trainer", TRAINER_CERT_NAME, ExtendedKeyUsageOID.CLIENT_AUTH)):
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (
-            x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+            _builder(_name(name), ca_name, key, valid)
             .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)

@@ -46,6 +46,7 @@ SECRETS: dict[str, str] = {
     "engine.api_key": "ROLLWAVE_ENGINE_API_KEY",
     "redis.password": "ROLLWAVE_REDIS_PASSWORD",
 }
+TRAINER_CERT_NAME = "rollwave-trainer"  # the trainers' checkpoint certificate that rollwave up, compose and Helm make
 GENERATE_HINT = "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
@@ -433,6 +434,11 @@ class CheckpointConfig(Section):
     tls_server_name: str | None = Field(
         None, description="pusher: the DNS name every receiver's certificate must carry, checked instead of the "
         "host it dials (for receivers that advertise an IP address, as pods do); unset: that host"
+    )
+    tls_client_name: str | None = Field(
+        TRAINER_CERT_NAME, description="receiver, with TLS: the name (common name or DNS name) the pusher's "
+        "certificate must carry, or every call is refused (PERMISSION_DENIED), so no other certificate the CA signed "
+        "(a receiver's own, which Helm's allow to dial) can stage weights; null: any certificate tls_ca signed"
     )
     quorum: int | Literal["majority", "all"] = Field(
         "majority",

@@ -87,8 +87,8 @@ class CheckpointMetrics:
         self.commit_failures = Counter("rollwave_rollout_commit_failures", "failed commits", ["reason"],
                                        registry=r)
         self.refused = Counter("rollwave_rollout_checkpoint_refused", "checkpoint calls refused before they ran "
-                               "(unauthenticated: no or a wrong token; nonce: a malformed challenge)", ["reason"],
-                               registry=r)
+                               "(unauthenticated: no or a wrong token; certificate: the caller's certificate lacks "
+                               "checkpoint.tls_client_name; nonce: a malformed challenge)", ["reason"], registry=r)
 
 
 @dataclass
@@ -448,12 +448,16 @@ def _parse(message: type[Message], payload: memoryview, reason: str) -> Any:
         raise StageError(reason, f"the {message.DESCRIPTOR.name} does not parse: {exc}") from None
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>`` with UNAUTHENTICATED;
-    ``Prove`` needs none (the pusher proves nothing, it checks the server's answer)."""
+class CallerInterceptor(grpc.aio.ServerInterceptor):
+    """Lets a call run only for an allowed caller. Its ``authorization`` metadata must be ``Bearer <token>``
+    (else UNAUTHENTICATED), except on ``Prove`` (the pusher proves nothing there, it checks the server's answer);
+    with ``client_name`` (``checkpoint.tls_client_name`` on a TLS port) the caller's certificate must carry that
+    name, on every call (else PERMISSION_DENIED): the CA may have signed others, such as the receivers' own."""
 
-    def __init__(self, token: str, metrics: CheckpointMetrics):
+    def __init__(self, token: str, client_name: str | None, metrics: CheckpointMetrics):
         self._expected = f"Bearer {token}".encode()
+        self._client_name = client_name
+        self._metrics = metrics
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
             metrics.refused.labels("unauthenticated").inc()
@@ -466,9 +470,32 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
         got = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if handler_call_details.method == _PROVE or hmac.compare_digest(str(got).encode(), self._expected):
-            return await continuation(handler_call_details)
-        return self._deny_stream if handler_call_details.method.endswith("/Stage") else self._deny_unary
+        if handler_call_details.method != _PROVE and not hmac.compare_digest(str(got).encode(), self._expected):
+            return self._deny_stream if handler_call_details.method.endswith("/Stage") else self._deny_unary
+        handler = await continuation(handler_call_details)
+        if self._client_name is None or handler is None:
+            return handler
+        return self._named_caller_only(handler)
+
+    def _named_caller_only(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """``handler`` behind the check of the name in the caller's certificate."""
+        stream = handler.stream_unary is not None
+        behaviour = handler.stream_unary if stream else handler.unary_unary
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            auth = context.auth_context()
+            names = sorted({name.decode(errors="replace") for field in ("x509_common_name",
+                            "x509_subject_alternative_name") for name in auth.get(field, ())})
+            if self._client_name not in names:
+                self._metrics.refused.labels("certificate").inc()
+                why = f"its certificate names {', '.join(names) or 'nothing'}, not {self._client_name}"
+                log.warning("checkpoint call from %s refused (checkpoint.tls_client_name): %s", context.peer(), why)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"refused by checkpoint.tls_client_name: {why}")
+            return await behaviour(request, context)
+
+        make = grpc.stream_unary_rpc_method_handler if stream else grpc.unary_unary_rpc_method_handler
+        return make(checked, handler.request_deserializer, handler.response_serializer)
 
 
 class CheckpointReceiver:
@@ -509,10 +536,11 @@ class CheckpointReceiver:
         retried for a bounded time (``bind_retrying``; the wait blocks this loop, which serves nothing yet)."""
         # Without SO_REUSEPORT (on by default in gRPC) a second receiver on a busy port fails instead of sharing it.
         options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
-        interceptor = TokenInterceptor(self.config.token.get_secret_value(), self.metrics)
+        credentials = server_credentials(self.config)
+        client_name = self.config.tls_client_name if credentials is not None else None
+        interceptor = CallerInterceptor(self.config.token.get_secret_value(), client_name, self.metrics)
         server = grpc.aio.server(interceptors=[interceptor], options=options)
         server.add_generic_rpc_handlers((self.service.handlers(),))
-        credentials = server_credentials(self.config)
         self.port = bind_retrying(partial(self._add_port, server, credentials), "checkpoint receiver", self.host,
                                   self.port)
         self.service.address = self.address

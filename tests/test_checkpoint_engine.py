@@ -1026,13 +1026,15 @@ def make_pki(out: Path, name: str, server_san: str = "IP:127.0.0.1") -> SimpleNa
 
 def test_checkpoint_plane_over_mutual_tls(tiny_model_dir: Path, base_model: PreTrainedModel, tmp_path: Path) -> None:
     """``checkpoint.tls_cert/tls_key/tls_ca``: the receiver serves TLS and wants a client certificate from its
-    CA; a pusher with one pushes; a plaintext pusher, a pusher with another CA's certificate, and a pusher that
-    does not trust the server's CA all fail to connect and leave the version as it was. The receiver also
-    has ``max_version_jump`` 5: a jump of 6 is refused, 5 is taken."""
+    CA that names ``tls_client_name`` (here ``trainer``); a pusher with one pushes; a plaintext pusher, a pusher
+    with another CA's certificate, one that does not trust the server's CA, and one presenting a certificate of
+    the right CA with another name (the receiver's own: these allow any use) all fail to connect and leave the
+    version as it was; the last is counted as refused for its certificate. The receiver also has
+    ``max_version_jump`` 5: a jump of 6 is refused, 5 is taken."""
     pki, other = make_pki(tmp_path / "pki", "rollwave"), make_pki(tmp_path / "other", "other")
     stage_dir = Path("/dev/shm") / f"rollwave-tls-{tmp_path.name}"
     tls = Fleet(tiny_model_dir, stage_dir, tmp_path, size=1, tls_cert=pki.server_cert, tls_key=pki.server_key,
-                tls_ca=pki.ca, max_version_jump=5)
+                tls_ca=pki.ca, tls_client_name="trainer", max_version_jump=5)
     try:
         tls.start()
         [address], [receiver] = tls.addresses, tls.receivers
@@ -1052,10 +1054,15 @@ def test_checkpoint_plane_over_mutual_tls(tiny_model_dir: Path, base_model: PreT
             push(2, tls_cert=None, tls_key=None, tls_ca=None),  # plaintext
             push(2, tls_cert=other.client_cert, tls_key=other.client_key, tls_ca=pki.ca),  # a stranger's certificate
             push(2, tls_cert=pki.client_cert, tls_key=pki.client_key, tls_ca=other.ca),  # does not trust the server
+            push(2, tls_cert=pki.server_cert, tls_key=pki.server_key, tls_ca=pki.ca),  # not named tls_client_name
         ]
         for pushed in refused:
             [result] = pushed.servers
             assert not result.ok and result.stage == "connect", result
+        assert "refused by checkpoint.tls_client_name: its certificate names 127.0.0.1, rollwave-server, " \
+               "not trainer" in refused[-1].servers[0].error
+        assert receiver.metrics.registry.get_sample_value("rollwave_rollout_checkpoint_refused_total",
+                                                          {"reason": "certificate"}) >= 1
         assert receiver.version == 1
         [jump] = push(1 + 6, **mine).servers
         assert (jump.stage, jump.reason) == ("stage", "version") and "max_version_jump=5" in jump.error
@@ -1074,7 +1081,7 @@ def test_tls_server_name_is_checked_instead_of_the_dialled_host(
     pki = make_pki(tmp_path / "pki", "rollwave", server_san="DNS:rollwave-receiver")
     stage_dir = Path("/dev/shm") / f"rollwave-tls-name-{tmp_path.name}"
     fleet = Fleet(tiny_model_dir, stage_dir, tmp_path, size=1, tls_cert=pki.server_cert, tls_key=pki.server_key,
-                  tls_ca=pki.ca)
+                  tls_ca=pki.ca, tls_client_name="trainer")
     try:
         fleet.start()
         [address], [receiver] = fleet.addresses, fleet.receivers

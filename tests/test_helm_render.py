@@ -21,9 +21,10 @@ import grpc
 import helm_python as helm
 import pytest
 import yaml
+from cryptography import x509
 from tls_handshake import handshakes
 
-from core.config import Config, load_config, require_secret
+from core.config import TRAINER_CERT_NAME, Config, load_config, require_secret
 
 CHART = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "rollwave"
 PROMETHEUS = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "prometheus.yml"
@@ -341,7 +342,8 @@ def test_the_checkpoint_plane_is_mutual_tls_with_the_charts_certificates(tmp_pat
     (naming checkpointTLS.serverName) and the trainer presents its own. With those files as the pods get them, a
     pusher configured as the trainer is completes a mutual TLS handshake with a receiver configured as a rollout
     server is, at an IP address (as pods advertise); checking the dialled IP instead, or presenting no
-    certificate, fails."""
+    certificate, fails. sprig's certificates allow both uses, so the receiver's key completes a handshake as a
+    client too: the receivers' ``checkpoint.tls_client_name`` names the trainer's certificate alone."""
     docs = render({"checkpointTLS": {"enabled": True, "existingSecret": "", "serverName": "receivers.rw"}})
     data = {k: base64.b64decode(v) for k, v in find(docs, "Secret", "-checkpoint-tls")["data"].items()}
     configs = {}
@@ -367,6 +369,13 @@ def test_the_checkpoint_plane_is_mutual_tls_with_the_charts_certificates(tmp_pat
     assert handshakes(configs["receiver"], trainer)
     assert not handshakes(configs["receiver"], trainer.model_copy(update={"tls_server_name": None}))
     assert not handshakes(configs["receiver"], trainer, grpc.ssl_channel_credentials(data["ca.crt"]))
+    receiver = configs["receiver"]
+    assert handshakes(receiver, trainer.model_copy(update={"tls_cert": receiver.tls_cert, "tls_key": receiver.tls_key}))
+    names = {side: x509.load_pem_x509_certificate(data[f"{side}.crt"]).extensions
+             .get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+             for side in ("receiver", "trainer")}
+    assert receiver.tls_client_name == TRAINER_CERT_NAME
+    assert names == {"receiver": ["receivers.rw"], "trainer": [TRAINER_CERT_NAME]}
 
 
 def test_checkpoint_tls_can_be_off_or_come_from_an_existing_secret(tmp_path: Path) -> None:

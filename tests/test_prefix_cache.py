@@ -116,7 +116,8 @@ def test_a_prefill_from_cached_keys_equals_one_from_scratch(model: torch.nn.Modu
 
 def test_merged_and_kept_rows_decode_as_their_own_forwards(model: torch.nn.Module) -> None:
     """Admissions merge into the running batch and finished rows leave it (one copy each, the shorter side
-    left-padded with zeros); every row then decodes as a forward over its own sequence."""
+    left-padded with zeros; rows leaving whose places the last rows fill are not copied at all, those rows move in
+    place); every row then decodes as a forward over its own sequence."""
     gen = torch.Generator().manual_seed(4)
     seqs = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in (9, 30, 14, 22, 5)]
     batch, _, _ = KVBatch.prefill(model, seqs[:3])
@@ -127,12 +128,26 @@ def test_merged_and_kept_rows_decode_as_their_own_forwards(model: torch.nn.Modul
     batch.keep([4, 0, 3])  # the longest left: 8 columns are padding in every row kept
     assert batch.mask.shape[1] == 22 and batch.lengths.tolist() == [5, 9, 22]
     kept = [seqs[4], seqs[0], seqs[3]]
-    for step in ([11, 12, 13], [14, 15, 16]):
-        got = batch.decode(model, torch.tensor(step))
-        kept = [seq + [t] for seq, t in zip(kept, step, strict=True)]
-        with torch.no_grad():
-            want = torch.stack([model(input_ids=torch.tensor([seq])).logits[0, -1] for seq in kept])
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    def decodes_as_alone(steps: list[list[int]]) -> None:
+        nonlocal kept
+        for step in steps:
+            got = batch.decode(model, torch.tensor(step))
+            kept = [seq + [t] for seq, t in zip(kept, step, strict=True)]
+            with torch.no_grad():
+                want = torch.stack([model(input_ids=torch.tensor([seq])).logits[0, -1] for seq in kept])
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    decodes_as_alone([[11, 12, 13], [14, 15, 16]])
+    batch.merge(KVBatch.prefill(model, [seqs[1][:12]])[0])
+    kept.append(seqs[1][:12])
+    decodes_as_alone([[17, 18, 19, 20]])
+    storages = [layer.keys.untyped_storage().data_ptr() for layer in batch.cache.layers]
+    batch.keep([3, 1])  # rows 0 and 2 (the longest) leave, the last row takes row 0's place
+    assert [layer.keys.untyped_storage().data_ptr() for layer in batch.cache.layers] == storages  # in place
+    assert batch.mask.shape[1] == 13 and batch.lengths.tolist() == [13, 12]
+    kept = [kept[3], kept[1]]
+    decodes_as_alone([[21, 22], [23, 24]])
 
 
 @pytest.mark.parametrize("scheduler", [0, 16384], indirect=True, ids=["off", "on"])

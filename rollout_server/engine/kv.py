@@ -113,12 +113,21 @@ class KVBatch:
         self._set(Cache(layers=layers), mask, torch.cat([self.lengths, other.lengths]))
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (in that order) and drop the columns that are padding in all of them (one copy)."""
+        """Keep only ``rows`` (in that order) and drop the columns that are padding in all of them.
+
+        Where each row stays where it is or comes from beyond the kept ones (rows leaving, the last ones filling
+        their places), only the rows that move are copied, in place; otherwise every kept row is copied once."""
         index = torch.tensor(rows, dtype=torch.long)
         lengths = self.lengths[index]
         start = self.mask.shape[1] - int(lengths.max())
-        layers = [_GrowingLayer().gather(layer, index, start) for layer in self.cache.layers]
-        self._set(Cache(layers=layers), self.mask[index, start:], lengths)
+        moved = [(to, row) for to, row in enumerate(rows) if row != to]
+        if all(row >= len(rows) for _, row in moved):
+            for layer in self.cache.layers:
+                layer.compact(moved, len(rows), start)
+            cache = self.cache
+        else:
+            cache = Cache(layers=[_GrowingLayer().gather(layer, index, start) for layer in self.cache.layers])
+        self._set(cache, self.mask[index, start:], lengths)
 
 
 class _GrowingLayer(DynamicLayer):
@@ -137,7 +146,7 @@ class _GrowingLayer(DynamicLayer):
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in (self._kbuf, self._vbuf) if b is not None)
+        return sum(b.untyped_storage().nbytes() for b in (self._kbuf, self._vbuf) if b is not None)
 
     def load(self, keys: torch.Tensor, values: torch.Tensor, room: int = 64) -> _GrowingLayer:
         """Start from ``[B, H, L, D]`` tensors (copied, with room for ``room`` more columns)."""
@@ -156,6 +165,19 @@ class _GrowingLayer(DynamicLayer):
             torch.index_select(keys, 0, index, out=self._kbuf[:, :, :n])
             torch.index_select(values, 0, index, out=self._vbuf[:, :, :n])
         return self
+
+    def compact(self, moved: list[tuple[int, int]], rows: int, start: int) -> None:
+        """In place: copy row ``src`` onto row ``dst`` for each ``(dst, src)`` of ``moved`` (every ``src`` at or
+        beyond ``rows``), then keep the first ``rows`` rows from column ``start`` on (views of the same buffers)."""
+        assert self._kbuf is not None and self._vbuf is not None
+        n = self._n
+        with torch.no_grad():
+            for buf in (self._kbuf, self._vbuf):
+                for dst, src in moved:
+                    buf[dst, :, start:n] = buf[src, :, start:n]
+        self._kbuf, self._vbuf, self._n = self._kbuf[:rows, :, start:], self._vbuf[:rows, :, start:], n - start
+        self.keys = self._kbuf[:, :, : self._n]
+        self.values = self._vbuf[:, :, : self._n]
 
     def stack(self, first: _GrowingLayer, second: _GrowingLayer, width: int, room: int = 64) -> _GrowingLayer:
         """Start from ``first``'s rows then ``second``'s, each left-padded with zeros to ``width`` columns."""

@@ -575,7 +575,9 @@ class Scheduler:
                 n = int(self._batch.lengths[i])
                 self.prefix_cache.insert(r.tokens[:n], r.lora, self._batch.row(i), replaces=r.extends)
             self._finish(r, reason)
-        keep = [i for i in range(len(self._running)) if i not in gone]
+        kept = len(self._running) - len(gone)
+        last = iter(i for i in range(kept, len(self._running)) if i not in gone)
+        keep = [next(last) if i in gone else i for i in range(kept)]  # the last rows fill the places left: no copy
         self._running = [self._running[i] for i in keep]
         if keep:
             self._batch.keep(keep)

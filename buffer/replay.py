@@ -41,13 +41,14 @@ log = logging.getLogger(__name__)
 READ_BLOCK_MS = 1000  # below the client's socket timeout; take() loops until its own deadline
 
 # KEYS: target stream (groups, or eval:<job>), group state, job hash, task stream, admitted ids, payload key
-# ('' for an eval group, whose entry holds its results only).
+# (none for an eval group, whose entry holds its results only: an ACL that confines the user to the run's keys
+# refuses a script naming any other, '' included).
 # ARGV: gid, job_id, backlog bound (0: none), task entry id ('' none), reward sum, sample count.
 # Runs in the MULTI that SET the payload key: a written train group's entry names it (so does its groups:state
 # value, which a retried MULTI finds); otherwise it is deleted.
 # Returns 1 written, 0 duplicate (already written; its task is acked all the same), -1 full (nothing done).
 _PUT = """
-local gid, bound, payload = ARGV[1], tonumber(ARGV[3]), KEYS[6]
+local gid, bound, payload = ARGV[1], tonumber(ARGV[3]), KEYS[6] or ''
 if bound > 0 then
   local pending = redis.call('XPENDING', KEYS[1], '""" + TRAINER_GROUP + """')[1]
   if redis.call('XLEN', KEYS[1]) - pending >= bound and redis.call('HEXISTS', KEYS[2], gid) == 0 then
@@ -162,17 +163,16 @@ class ReplayBuffer:
         reward_sum = float(group.rewards.sum())
         if not math.isfinite(reward_sum):
             raise ValueError(f"group {group.group_id}: rewards {group.rewards.tolist()} are not all finite")
-        payload = self.keys.payload(group.group_id, secrets.token_hex(8)) if train else ""
-        if train:
-            pipe.set(payload, encode_group(group))
         keys = [
             self.keys.groups if train else self.keys.eval(group.job_id),
             self.keys.group_state,
             self.keys.job(group.job_id),
             task.stream if task else self.keys.tasks(group.kind),
             self.keys.admitted_ids,
-            payload,
         ]
+        if train:
+            keys.append(self.keys.payload(group.group_id, secrets.token_hex(8)))
+            pipe.set(keys[-1], encode_group(group))
         args = [
             group.group_id, group.job_id, self.config.max_groups if train else 0,
             task.entry_id if task else "", repr(reward_sum), len(group.samples),

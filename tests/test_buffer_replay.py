@@ -13,6 +13,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+import redis
 from buffer_helpers import client, make_group
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
@@ -375,3 +376,30 @@ def test_payload_keys_live_exactly_as_long_as_their_entries(
     r.xadd(KEYS.groups, {"p": KEYS.payload("job:4:x", "0"), "gid": "job:4:x"})  # a payload that will not decode
     r.set(KEYS.payload("job:4:x", "0"), b"\xc1")
     assert buf.take(1, 0.2) == [] and payloads() == [] and r.xlen(KEYS.groups_malformed) == 1
+
+
+def test_a_user_confined_to_the_runs_keys_puts_takes_and_acks(redis_server: EmbeddedRedis) -> None:
+    """Compose and Helm log the components in as an ACL user that may touch ``rw:*`` keys only, which Redis checks
+    for every key a script names: train and eval groups go through put, take and ack as that user, their tasks
+    acked, and the jobs count them."""
+    password = "u" * 40
+    client(redis_server).acl_setuser("rollwave", enabled=True, passwords=[f"+{password}"], keys=["rw:*"],
+                                     channels=["*"], commands=["+@all", "-@admin", "-@dangerous"])
+    user = redis.Redis.from_url(redis_server.url, username="rollwave", password=password)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        user.set("elsewhere", 1)
+    q = TaskQueue(user, KEYS, BufferConfig())
+    q.ensure_groups()
+    buf = ReplayBuffer(user, KEYS, BufferConfig(), "trainer")
+    buf.ensure_group()
+    for kind in ("train", "eval"):
+        [gid] = q.submit(kind, [{"task_id": "a", "messages": []}], kind)
+        [entry] = q.read("srv", 1, kinds=(kind,))
+        assert buf.try_put(make_group(kind, gid, kind=kind, n=1), entry) == 1
+    [(entry_id, group)] = buf.take(5, 0.1)
+    assert buf.ack([entry_id], [group.group_id]) == 1
+    assert q.job("train")["trained"] == "1" and q.job("eval")["completed"] == "1"
+    assert user.xlen(KEYS.eval("eval")) == 1
+    assert user.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 0
+    assert user.xpending(KEYS.tasks("eval"), ROLLOUT_GROUP)["pending"] == 0
+    user.close()

@@ -403,6 +403,9 @@ def check_stack(env: dict[str, str]) -> None:
         job = wait_until(f"eval job {job_id} done", 900,
                          lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["state"] == "done" and j, poll_s=3)
         log(f"eval job done: {job['progress']}, accuracy {job.get('accuracy')}")
+        if job["progress"]["completed"] != 8 or job.get("accuracy") is None:
+            raise DeployError(f"eval job {job_id}: {job['progress']} of 8 tasks, accuracy {job.get('accuracy')}: "
+                              "every task should complete and be scored")
         api.post(f"/v1/jobs/{train.json()['job_id']}/cancel").raise_for_status()
     anonymous = redis.Redis(host="127.0.0.1", port=int(env["DEPLOY_REDIS_PORT"]), socket_timeout=10)
     try:

@@ -15,7 +15,8 @@ Steps, each with a deadline that names it when it passes:
    the published ports dropped (see ``merged_compose_file``), fresh secrets in the environment.
 5. Through the API: a train job and an eval job; the trainer trains steps and a weight version is
    published and served, over mutual TLS (the receiver presents the deployment CA's certificate and refuses
-   plaintext); the eval job finishes. Redis refuses its default user. Prometheus scrapes every
+   plaintext); every task of the eval job completes and is scored (as the run's ACL user, like everything
+   else). Redis refuses its default user. Prometheus scrapes every
    target of its config and they are all up.
 6. ``docker-compose down -v``, the index server and (if started here) dockerd are stopped.
 The outcome goes to .deploy-test/last.log too; a failure that starts with ``docker:`` means no Docker

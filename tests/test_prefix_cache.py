@@ -117,7 +117,8 @@ def test_a_prefill_from_cached_keys_equals_one_from_scratch(model: torch.nn.Modu
 def test_merged_and_kept_rows_decode_as_their_own_forwards(model: torch.nn.Module) -> None:
     """Admissions merge into the running batch and finished rows leave it (one copy each, the shorter side
     left-padded with zeros; rows leaving whose places the last rows fill are not copied at all, those rows move in
-    place); every row then decodes as a forward over its own sequence."""
+    place, while the rows kept are at least half those the buffers hold); every row then decodes as a forward over
+    its own sequence."""
     gen = torch.Generator().manual_seed(4)
     seqs = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in (9, 30, 14, 22, 5)]
     batch, _, _ = KVBatch.prefill(model, seqs[:3])
@@ -148,6 +149,12 @@ def test_merged_and_kept_rows_decode_as_their_own_forwards(model: torch.nn.Modul
     assert batch.mask.shape[1] == 13 and batch.lengths.tolist() == [13, 12]
     kept = [kept[3], kept[1]]
     decodes_as_alone([[21, 22], [23, 24]])
+    held = batch.nbytes
+    batch.keep([1])  # the last row could take row 0's place, but one row kept of the four held: a copy of its size
+    assert [layer.keys.untyped_storage().data_ptr() for layer in batch.cache.layers] != storages
+    assert batch.nbytes < held / 2 and batch.lengths.tolist() == [14]
+    kept = [kept[1]]
+    decodes_as_alone([[25], [26]])
 
 
 @pytest.mark.parametrize("scheduler", [0, 16384], indirect=True, ids=["off", "on"])

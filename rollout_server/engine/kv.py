@@ -116,12 +116,14 @@ class KVBatch:
         """Keep only ``rows`` (in that order) and drop the columns that are padding in all of them.
 
         Where each row stays where it is or comes from beyond the kept ones (rows leaving, the last ones filling
-        their places), only the rows that move are copied, in place; otherwise every kept row is copied once."""
+        their places), only the rows that move are copied, in place, as long as the rows kept are at least half
+        those the buffers hold (the rows that left never hold more memory than the live ones); otherwise every
+        kept row is copied once, into buffers of their size."""
         index = torch.tensor(rows, dtype=torch.long)
         lengths = self.lengths[index]
         start = self.mask.shape[1] - int(lengths.max())
         moved = [(to, row) for to, row in enumerate(rows) if row != to]
-        if all(row >= len(rows) for _, row in moved):
+        if all(row >= len(rows) for _, row in moved) and 2 * len(rows) >= self.cache.layers[0].rows_held:
             for layer in self.cache.layers:
                 layer.compact(moved, len(rows), start)
             cache = self.cache
@@ -147,6 +149,12 @@ class _GrowingLayer(DynamicLayer):
     @property
     def nbytes(self) -> int:
         return sum(b.untyped_storage().nbytes() for b in (self._kbuf, self._vbuf) if b is not None)
+
+    @property
+    def rows_held(self) -> int:
+        """Rows the buffers hold, those ``compact`` left behind included."""
+        assert self._kbuf is not None
+        return self._kbuf.untyped_storage().nbytes() // (self._kbuf.stride(0) * self._kbuf.element_size())
 
     def load(self, keys: torch.Tensor, values: torch.Tensor, room: int = 64) -> _GrowingLayer:
         """Start from ``[B, H, L, D]`` tensors (copied, with room for ``room`` more columns)."""

@@ -30,7 +30,10 @@ group in flight or paused for a weight swap / wall), and the memory held while t
 parameters and optimizer state (from its tensors) plus the engine's weights, spare weights and KV cache
 (``rollwave_engine_memory_bytes``, sampled every 0.25 s while the trainer holds the device; decoupled or
 overlapped, it always does). These are tensor bytes, what a GPU's allocator would hold, not the processes' RSS.
-Then the engine's prompt tokens per generated token, and the share of prompt tokens taken from its prefix cache.
+Then the engine's prompt tokens per generated token, the share of prompt tokens taken from its prefix cache, and,
+where the rollout and the trainer are pinned to CPUs of their own, the CPU time each side's CPUs were busy per
+trajectory (``/proc/stat``; the machine otherwise idle): what a trajectory costs, which the wall-clock rates
+cannot tell apart from waiting.
 Each run trains 30 steps (``--steps``), a third of the demo's 100: async pays once per run for what it cannot
 overlap, the first batch's generation (about 1 s) and the groups it generates ahead of the last step (up to
 ``max_staleness`` versions), and at 12 steps that weighed 8x more than in the demo.
@@ -97,6 +100,17 @@ def placement(mode: str, pinned: bool) -> list[str]:
     return [f"placement.rollout_cpus=[{cpus[0]}]", f"placement.trainer_cpus=[{cpus[-1]}]"]
 
 
+def cpu_busy_s(cpus: list[int]) -> float:
+    """Seconds the CPUs ``cpus`` have been busy since boot (``/proc/stat``: every state but idle, iowait and steal)."""
+    busy = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cpus:
+            ticks = [int(x) for x in fields[:8]]
+            busy += sum(ticks[:7]) - ticks[3] - ticks[4]  # not steal (index 7): time the host took
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 class EngineMemory(threading.Thread):
     """Samples the engine's weight and KV bytes through the rollout server's metrics proxy while the trainer
     holds the device (colocated: its turn; decoupled or overlapped: always); ``peak`` is the largest sum seen."""
@@ -149,11 +163,14 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
             memory = EngineMemory(registry.live_servers()[0].metrics_address,
                                   DeviceTurns(client, keys) if turns else None)
             memory.start()
+            sides = (cfg.placement.rollout_cpus, cfg.placement.trainer_cpus)
+            busy_before = [cpu_busy_s(cpus) for cpus in sides]
             started, started_unix = time.monotonic(), time.time()
             queue.submit("bench", [t.model_dump() for t in tasks], "train", spec.model_dump_json())
             while not stack.finished("trainer-0"):
                 time.sleep(0.05)
             wall = time.monotonic() - started
+            busy = [cpu_busy_s(cpus) - before for cpus, before in zip(sides, busy_before, strict=True)]
             memory.done.set()
             memory.join()
             engine = dict.fromkeys(TOKENS, 0.0)
@@ -170,6 +187,7 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
     idle = sum(r["wait_s"] for r in records) - max(0.0, records[0]["wait_s"] - first_wait)
     rollout_busy = sum(s.get("busy_s", 0.0) - s.get("paused_s", 0.0) for s in stats)
     trainer_bytes = max(r["held_bytes"] for r in records)
+    apart = all(sides) and not set(sides[0]) & set(sides[1])  # else one CPU's time is both sides'
     return {
         "trajectories_per_s": trajectories / wall,
         "tokens_per_s": sum(r.get("loss_tokens", 0) for r in records) / wall,
@@ -183,6 +201,8 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
         "training_peak_mib": (trainer_bytes + memory.peak) / 2**20,
         "prompt_per_generated": engine[TOKENS[0]] / max(engine[TOKENS[2]], 1.0),
         "cached_fraction": engine[TOKENS[1]] / max(engine[TOKENS[0]], 1.0),
+        "rollout_cpu_ms": 1e3 * busy[0] / trajectories if apart else float("nan"),
+        "trainer_cpu_ms": 1e3 * busy[1] / trajectories if apart else float("nan"),
     }
 
 
@@ -193,7 +213,8 @@ def report(label: str, r: dict[str, float]) -> None:
           f"rollout idle {r['rollout_idle_fraction']:.2f}  ({r['wall_s']:.1f} s)  "
           f"held while training: {r['training_peak_mib']:.2f} MiB (trainer {r['trainer_mib']:.2f} + engine "
           f"{r['engine_mib']:.2f})  prompt/generated tokens {r['prompt_per_generated']:.1f}, "
-          f"cached {r['cached_fraction']:.2f}", flush=True)
+          f"cached {r['cached_fraction']:.2f}  CPU ms per trajectory: rollout {r['rollout_cpu_ms']:.1f}, "
+          f"trainer {r['trainer_cpu_ms']:.1f}", flush=True)
 
 
 def main() -> None:

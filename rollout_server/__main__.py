@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         tools = load_tools(cfg.rollout)
         cfg.redis.url = configured_url(cfg.redis)  # read now: the agents run by this server must not inherit
         forget_environment([*SECRETS.values(), "REDIS_URL"])  # its secrets or Redis's address
-        uvloop.run(serve(cfg, tools))  # the agents' HTTP round trips cost ~18% less CPU than on asyncio's loop
+        uvloop.run(serve(cfg, tools))  # an engine round trip costs half the client CPU (bench/http_loop.py)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

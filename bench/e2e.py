@@ -30,7 +30,8 @@ group in flight or paused for a weight swap / wall), and the memory held while t
 parameters and optimizer state (from its tensors) plus the engine's weights, spare weights and KV cache
 (``rollwave_engine_memory_bytes``, sampled every 0.25 s while the trainer holds the device; decoupled or
 overlapped, it always does). These are tensor bytes, what a GPU's allocator would hold, not the processes' RSS.
-Then the engine's prompt tokens per generated token, the share of prompt tokens taken from its prefix cache, and,
+Then the tokens the engine generated per token trained (above 1: groups generated and never trained, as async's
+past the last step), its prompt tokens per generated token, the share of prompt tokens taken from its prefix cache, and,
 where the rollout and the trainer are pinned to CPUs of their own, the CPU time each side's CPUs were busy per
 trajectory (``/proc/stat``; the machine otherwise idle): what a trajectory costs, which the wall-clock rates
 cannot tell apart from waiting.
@@ -200,6 +201,7 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
         "engine_mib": memory.peak / 2**20,
         "training_peak_mib": (trainer_bytes + memory.peak) / 2**20,
         "prompt_per_generated": engine[TOKENS[0]] / max(engine[TOKENS[2]], 1.0),
+        "generated_per_trained": engine[TOKENS[2]] / max(sum(r.get("loss_tokens", 0) for r in records), 1),
         "cached_fraction": engine[TOKENS[1]] / max(engine[TOKENS[0]], 1.0),
         "rollout_cpu_ms": 1e3 * busy[0] / trajectories if apart else float("nan"),
         "trainer_cpu_ms": 1e3 * busy[1] / trajectories if apart else float("nan"),
@@ -212,7 +214,8 @@ def report(label: str, r: dict[str, float]) -> None:
           f"trainer idle {r['trainer_idle_fraction']:.2f} (first batch {r['first_wait_s']:.1f} s)  "
           f"rollout idle {r['rollout_idle_fraction']:.2f}  ({r['wall_s']:.1f} s)  "
           f"held while training: {r['training_peak_mib']:.2f} MiB (trainer {r['trainer_mib']:.2f} + engine "
-          f"{r['engine_mib']:.2f})  prompt/generated tokens {r['prompt_per_generated']:.1f}, "
+          f"{r['engine_mib']:.2f})  generated/trained tokens {r['generated_per_trained']:.2f}, "
+          f"prompt/generated tokens {r['prompt_per_generated']:.1f}, "
           f"cached {r['cached_fraction']:.2f}  CPU ms per trajectory: rollout {r['rollout_cpu_ms']:.1f}, "
           f"trainer {r['trainer_cpu_ms']:.1f}", flush=True)
 

@@ -89,6 +89,12 @@ class Keys:
         return self.prefix + "admitted"
 
     @property
+    def budget(self) -> str:
+        """How many train groups the run's trainer trains in all (``total_steps × groups_per_step``): admission's
+        cap, so the rollout generates nothing past the last step."""
+        return self.prefix + "budget"
+
+    @property
     def admitted_ids(self) -> str:
         """Hash of group ids admitted whose task is not yet done, so a redelivered task is not admitted twice."""
         return self.prefix + "admitted:ids"

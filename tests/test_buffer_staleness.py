@@ -3,6 +3,7 @@ plus the server registry and the buffer gauges."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -92,6 +93,31 @@ def test_the_bound_counts_trained_groups_not_versions(redis_server: EmbeddedRedi
     st.set_version(2, trained=st.trained())  # the restart's push: same weights, a new number
     assert st.capacity() == 0 and not st.try_admit("g4")
     assert st.bound(2, 2) == 4 == st.bound(1, 2)
+
+def test_the_runs_budget_caps_admission_and_a_slot_given_back_reopens_it(
+    redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trainer publishes how many groups it trains in all; admission never passes it, whatever room the
+    staleness bound has, so nothing is generated for steps that never come. A group that will not be trained
+    gives its slot back; a trainer resumed with more steps raises the budget."""
+    st = control(redis_server, max_staleness=2, gps=4)
+    assert st.budget() is None and st.capacity() == 12  # no budget published: the bound alone
+    st.set_budget(5)
+    assert st.budget() == 5 and st.bound(0, 0, budget=5) == 5 and st.bound(0, 0, budget=50) == 12
+    with caplog.at_level(logging.INFO, logger="buffer.staleness"):
+        assert st.capacity() == 5
+        assert [st.try_admit(f"g{i}") for i in range(7)] == [True] * 5 + [False] * 2
+        assert st.capacity() == 0 and st.capacity() == 0 and st.admitted() == 5
+    assert [r.getMessage() for r in caplog.records].count(
+        "admission reached the run's budget: its trainer trains 5 groups in all and as many are admitted (trained or "
+        "in flight); another is admitted only for one given back") == 1
+    assert st.try_admit("g2")  # already admitted: free, even at the budget
+    st.set_version(1, trained=4)  # the bound moves on; the budget does not
+    assert st.capacity() == 0 and not st.try_admit("g5")
+    assert st.release("g1") and st.capacity() == 1 and st.try_admit("g5") and not st.try_admit("g6")
+    st.set_budget(8)
+    assert st.capacity() == 3 and sum(st.try_admit(f"h{i}") for i in range(5)) == 3 and st.admitted() == 8
+
 
 def test_a_lagging_server_is_held_to_the_version_it_serves(redis_server: EmbeddedRedis) -> None:
     """Admission uses ``min(published, served)``: a server that missed pushes stops taking work that could only

@@ -176,13 +176,16 @@ def test_cli_resume_and_hf_export(tiny_model_dir: Path, redis_url: str, tmp_path
             }
         )
     )
+    client, keys = redis.Redis.from_url(redis_url), Keys("cli")
+    staleness = StalenessControl(client, keys, BufferConfig(max_staleness=ETA, groups_per_step=GPS))
     _cli(config)
+    assert staleness.budget() == 2 * GPS  # the run's budget: the rollout admits nothing past the last step
     _cli(config, "--resume", "trainer.total_steps=4")
+    assert staleness.budget() == 4 * GPS == staleness.trained()  # the groups trained before, and two more steps'
     lines = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
     assert [r["loss"] for r in lines] == [r["loss"] for r in uninterrupted["records"]]
     assert all(r["push_servers_ok"] == 0 and 0 <= r["idle_fraction"] <= 1 for r in lines)  # no servers here
-    client, keys = redis.Redis.from_url(redis_url), Keys("cli")
     status = {k.decode(): v.decode() for k, v in client.hgetall(keys.trainer).items()}
     # No server ever committed, so nothing was published; each run pushed at its start and after each step.
     assert (status["step"], status["version"], status["pushed_version"]) == ("4", "0", "3")

@@ -55,18 +55,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def _connect(
     cfg: Config, ctx: DistContext, stack: contextlib.ExitStack, metrics: CollectorRegistry
-) -> tuple[GroupSource | None, CheckpointPusher | LocalPusher, RedisStatus | None]:
+) -> tuple[GroupSource | None, CheckpointPusher | LocalPusher, RedisStatus | None, StalenessControl | None]:
     """Rank 0: the replay buffer, a pusher to the live servers (recording each push in the registry; colocated:
-    a local pusher that also hands the device over) and the status sink for the API; other ranks: a pusher
+    a local pusher that also hands the device over), the status sink for the API and the run's staleness control
+    (for the budget); other ranks: a pusher
     that only takes part in the gathers."""
     colocated = cfg.placement.mode == "colocated"
     local_root = cfg.checkpoint.stage_dir / cfg.run.name / "local_push"
     if not ctx.is_main:
         if colocated:
-            return None, LocalPusher(local_root, cfg.model.path), None
+            return None, LocalPusher(local_root, cfg.model.path), None, None
         pusher = CheckpointPusher(cfg.checkpoint, [])
         stack.callback(pusher.close)
-        return None, pusher, None
+        return None, pusher, None, None
     client, server = connect(cfg.redis, cfg.run.path)
     stack.callback(client.close)
     if server is not None:
@@ -81,12 +82,12 @@ def _connect(
         local = LocalPusher(local_root, cfg.model.path, DeviceTurns(client, keys), registry, staleness,
                             cfg.placement.colocated_timeout_s, overlap=cfg.placement.colocated_staleness == 1)
         local.published = staleness.version()
-        return buffer, local, RedisStatus(client, keys)
+        return buffer, local, RedisStatus(client, keys), staleness
     pusher = CheckpointPusher(cfg.checkpoint, registered_servers(registry), staleness,
                               record=registry.record_push, registry=metrics, pin_memory=ctx.device.type == "cuda")
     pusher.published = staleness.version()  # numbering continues above what this run published before
     stack.callback(pusher.close)
-    return buffer, pusher, RedisStatus(client, keys)
+    return buffer, pusher, RedisStatus(client, keys), staleness
 
 
 def _start(cfg: Config, trains: bool) -> None:
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         stack.callback(close_distributed)
         metrics = CollectorRegistry()
-        source, pusher, status = _connect(cfg, ctx, stack, metrics)
+        source, pusher, status, staleness = _connect(cfg, ctx, stack, metrics)
         trainer = Trainer(
             cfg.trainer,
             cfg.model.path,
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         ).start(resume=args.resume, ctx=ctx, source=source)
         stack.callback(trainer.close)
         tc = cfg.trainer
+        if staleness is not None:  # after start, which acks what a resumed checkpoint covers: nothing counted twice
+            remaining = max(0, tc.total_steps - trainer.step) * cfg.buffer.groups_per_step
+            staleness.set_budget(staleness.trained() + remaining)
         if ctx.is_main and tc.metrics_port is not None:
             server = serve_metrics(trainer.metrics.registry, "trainer", tc.metrics_host, tc.metrics_port)
             stack.callback(server.shutdown)

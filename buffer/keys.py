@@ -90,8 +90,8 @@ class Keys:
 
     @property
     def budget(self) -> str:
-        """How many train groups the run's trainer trains in all (``total_steps × groups_per_step``): admission's
-        cap, so the rollout generates nothing past the last step."""
+        """How many train groups the run trains in all, published by its trainer at start: admission's cap, so the
+        rollout generates nothing past the last step."""
         return self.prefix + "budget"
 
     @property

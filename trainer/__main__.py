@@ -58,8 +58,7 @@ def _connect(
 ) -> tuple[GroupSource | None, CheckpointPusher | LocalPusher, RedisStatus | None, StalenessControl | None]:
     """Rank 0: the replay buffer, a pusher to the live servers (recording each push in the registry; colocated:
     a local pusher that also hands the device over), the status sink for the API and the run's staleness control
-    (for the budget); other ranks: a pusher
-    that only takes part in the gathers."""
+    (to publish its budget); other ranks: a pusher that only takes part in the gathers."""
     colocated = cfg.placement.mode == "colocated"
     local_root = cfg.checkpoint.stage_dir / cfg.run.name / "local_push"
     if not ctx.is_main:

@@ -36,8 +36,8 @@ where the rollout and the trainer are pinned to CPUs of their own, the CPU time 
 trajectory (``/proc/stat``; the machine otherwise idle): what a trajectory costs, which the wall-clock rates
 cannot tell apart from waiting.
 Each run trains 30 steps (``--steps``), a third of the demo's 100: async pays once per run for what it cannot
-overlap, the first batch's generation (about 1 s) and the groups it generates ahead of the last step (up to
-``max_staleness`` versions), and at 12 steps that weighed 8x more than in the demo.
+overlap, the first batch's generation (about 1 s), and until the run's budget (admission stops at the groups the
+trainer trains) the groups it generated past the last step, which at 12 steps weighed 8x more than in the demo.
 Last line: ``<B>_vs_<A> ratio <median trajectories/s B / A>``.
 """
 
@@ -223,8 +223,8 @@ def report(label: str, r: dict[str, float]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30,
-                   help="trainer steps per run: the demo runs 100, and the pipeline's fill and the rollout's lead at "
-                   "the end weigh on a short run as they never do on a long one")
+                   help="trainer steps per run: the demo runs 100, and the pipeline's fill weighs on a short run as it "
+                   "never does on a long one")
     p.add_argument("--sft-steps", type=int, default=700,
                    help="the demo's SFT warm start (fewer steps leave a policy that earns no reward, so no gradient)")
     p.add_argument("--warm-start", type=Path, metavar="DIR",

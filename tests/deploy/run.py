@@ -62,6 +62,7 @@ PROJECT = "rollwave-deploy-test"
 MIRROR = os.environ.get("ROLLWAVE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 BASE_PACKAGES = "python3,python3-venv,passwd,ca-certificates,redis-server,prometheus"
 NO_DOCKER = 3
+EVAL_TASKS = 8  # the eval job's tasks, every one of which must complete and be scored
 SECRET_VARS = frozenset({"ROLLWAVE_API_TOKEN", "ROLLWAVE_CHECKPOINT_TOKEN", "ROLLWAVE_REDIS_PASSWORD"})
 # What the image's Python (Debian's 3.11.2) needs beyond what pip resolves for this interpreter: redis-py
 # wants async-timeout below 3.11.3.
@@ -398,14 +399,15 @@ def check_stack(env: dict[str, str]) -> None:
             f"{[(s['server_id'], s['version']) for s in status['servers']]}")
         check_checkpoint_tls(int(env["DEPLOY_GRPC_PORT"]))
         evaluation = api.post("/v1/jobs", json={"kind": "eval", "name": "deploy-eval",
-                                                "source": {"kind": "arith", "split": "test", "limit": 8}})
+                                                "source": {"kind": "arith", "split": "test", "limit": EVAL_TASKS}})
         evaluation.raise_for_status()
         job_id = evaluation.json()["job_id"]
         job = wait_until(f"eval job {job_id} done", 900,
                          lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["state"] == "done" and j, poll_s=3)
         log(f"eval job done: {job['progress']}, accuracy {job.get('accuracy')}")
-        if job["progress"]["completed"] != 8 or job.get("accuracy") is None:
-            raise DeployError(f"eval job {job_id}: {job['progress']} of 8 tasks, accuracy {job.get('accuracy')}: "
+        if job["progress"]["completed"] != EVAL_TASKS or job.get("accuracy") is None:
+            raise DeployError(f"eval job {job_id}: {job['progress']} of {EVAL_TASKS} tasks, "
+                              f"accuracy {job.get('accuracy')}: "
                               "every task should complete and be scored")
         api.post(f"/v1/jobs/{train.json()['job_id']}/cancel").raise_for_status()
     anonymous = redis.Redis(host="127.0.0.1", port=int(env["DEPLOY_REDIS_PORT"]), socket_timeout=10)

@@ -343,8 +343,10 @@ def test_the_checkpoint_plane_is_mutual_tls_with_the_charts_certificates(tmp_pat
     pusher configured as the trainer is completes a mutual TLS handshake with a receiver configured as a rollout
     server is, at an IP address (as pods advertise); checking the dialled IP instead, or presenting no
     certificate, fails. sprig's certificates allow both uses, so the receiver's key completes a handshake as a
-    client too: the receivers' ``checkpoint.tls_client_name`` names the trainer's certificate alone."""
-    docs = render({"checkpointTLS": {"enabled": True, "existingSecret": "", "serverName": "receivers.rw"}})
+    client too: the receivers' ``checkpoint.tls_client_name`` names the trainer's certificate alone
+    (``checkpointTLS.clientName``, here not the default)."""
+    docs = render({"checkpointTLS": {"enabled": True, "existingSecret": "", "serverName": "receivers.rw",
+                                     "clientName": "pusher.rw"}})
     data = {k: base64.b64decode(v) for k, v in find(docs, "Secret", "-checkpoint-tls")["data"].items()}
     configs = {}
     for kind, suffix, container, side in (("StatefulSet", "-rollout", "rollout-server", "receiver"),
@@ -374,8 +376,8 @@ def test_the_checkpoint_plane_is_mutual_tls_with_the_charts_certificates(tmp_pat
     names = {side: x509.load_pem_x509_certificate(data[f"{side}.crt"]).extensions
              .get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
              for side in ("receiver", "trainer")}
-    assert receiver.tls_client_name == TRAINER_CERT_NAME
-    assert names == {"receiver": ["receivers.rw"], "trainer": [TRAINER_CERT_NAME]}
+    assert receiver.tls_client_name == "pusher.rw"
+    assert names == {"receiver": ["receivers.rw"], "trainer": ["pusher.rw"]}
 
 
 def test_checkpoint_tls_can_be_off_or_come_from_an_existing_secret(tmp_path: Path) -> None:
@@ -391,4 +393,7 @@ def test_checkpoint_tls_can_be_off_or_come_from_an_existing_secret(tmp_path: Pat
     mine = render({"checkpointTLS": {"enabled": True, "existingSecret": "my-pki", "serverName": "x"}})
     assert not [d for d in mine if d["metadata"]["name"].endswith("-checkpoint-tls")]
     for suffix, container in (("-rollout", "rollout-server"), ("-trainer", "trainer")):
-        assert tls_volume(find(mine, "StatefulSet", suffix), container)["secretName"] == "my-pki"
+        doc = find(mine, "StatefulSet", suffix)
+        assert tls_volume(doc, container)["secretName"] == "my-pki"
+        argv = containers(doc)[container]["command"] + containers(doc)[container]["args"]
+        assert run_config(mine, tmp_path, argv).checkpoint.tls_client_name == TRAINER_CERT_NAME  # the default

@@ -93,7 +93,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "checkpoint" (dict "stage_dir" "/dev/shm/rollwave")
   "api" (dict "host" "0.0.0.0" "port" (int .Values.api.port) "data_root" "/data" "allowed_hosts" (include "rollwave.apiHosts" . | fromYamlArray))
 -}}
-{{- $tls := dict "tls_cert" "/tls/tls.crt" "tls_key" "/tls/tls.key" "tls_ca" "/tls/ca.crt" "tls_server_name" .Values.checkpointTLS.serverName -}}
+{{- $tls := dict "tls_cert" "/tls/tls.crt" "tls_key" "/tls/tls.key" "tls_ca" "/tls/ca.crt" "tls_server_name" .Values.checkpointTLS.serverName "tls_client_name" .Values.checkpointTLS.clientName -}}
 {{- if .Values.checkpointTLS.enabled }}{{ $_ := mergeOverwrite $base.checkpoint $tls }}{{ end -}}
 {{- toYaml (mergeOverwrite $base (deepCopy .Values.runConfig)) -}}
 {{- end -}}

@@ -31,10 +31,10 @@ parameters and optimizer state (from its tensors) plus the engine's weights, spa
 (``rollwave_engine_memory_bytes``, sampled every 0.25 s while the trainer holds the device; decoupled or
 overlapped, it always does). These are tensor bytes, what a GPU's allocator would hold, not the processes' RSS.
 Then the tokens the engine generated per token trained (above 1: groups generated and never trained, as async's
-past the last step), its prompt tokens per generated token, the share of prompt tokens taken from its prefix cache, and,
-where the rollout and the trainer are pinned to CPUs of their own, the CPU time each side's CPUs were busy per
-trajectory (``/proc/stat``; the machine otherwise idle): what a trajectory costs, which the wall-clock rates
-cannot tell apart from waiting.
+past the last step, or dropped as stale, whose count follows), its prompt tokens per generated token, the share of
+prompt tokens taken from its prefix cache, and, where the rollout and the trainer are pinned to CPUs of their own,
+the CPU time each side's CPUs were busy per trajectory (``/proc/stat``; the machine otherwise idle): what a
+trajectory costs, which the wall-clock rates cannot tell apart from waiting.
 Each run trains 30 steps (``--steps``), a third of the demo's 100: async pays once per run for what it cannot
 overlap, the first batch's generation (about 1 s), and until the run's budget (admission stops at the groups the
 trainer trains) the groups it generated past the last step, which at 12 steps weighed 8x more than in the demo.
@@ -202,6 +202,7 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
         "training_peak_mib": (trainer_bytes + memory.peak) / 2**20,
         "prompt_per_generated": engine[TOKENS[0]] / max(engine[TOKENS[2]], 1.0),
         "generated_per_trained": engine[TOKENS[2]] / max(sum(r.get("loss_tokens", 0) for r in records), 1),
+        "stale_dropped": sum(r.get("stale_dropped", 0) for r in records),
         "cached_fraction": engine[TOKENS[1]] / max(engine[TOKENS[0]], 1.0),
         "rollout_cpu_ms": 1e3 * busy[0] / trajectories if apart else float("nan"),
         "trainer_cpu_ms": 1e3 * busy[1] / trajectories if apart else float("nan"),
@@ -214,7 +215,8 @@ def report(label: str, r: dict[str, float]) -> None:
           f"trainer idle {r['trainer_idle_fraction']:.2f} (first batch {r['first_wait_s']:.1f} s)  "
           f"rollout idle {r['rollout_idle_fraction']:.2f}  ({r['wall_s']:.1f} s)  "
           f"held while training: {r['training_peak_mib']:.2f} MiB (trainer {r['trainer_mib']:.2f} + engine "
-          f"{r['engine_mib']:.2f})  generated/trained tokens {r['generated_per_trained']:.2f}, "
+          f"{r['engine_mib']:.2f})  generated/trained tokens {r['generated_per_trained']:.2f} "
+          f"({r['stale_dropped']:.0f} groups dropped as stale), "
           f"prompt/generated tokens {r['prompt_per_generated']:.1f}, "
           f"cached {r['cached_fraction']:.2f}  CPU ms per trajectory: rollout {r['rollout_cpu_ms']:.1f}, "
           f"trainer {r['trainer_cpu_ms']:.1f}", flush=True)

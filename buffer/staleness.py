@@ -160,9 +160,9 @@ class StalenessControl:
         """How many more groups would be admitted now (a hint; ``try_admit`` is the atomic check)."""
         version, trained, admitted, budget = self.redis.mget(
             self.keys.version, self.keys.version_trained, self.keys.admitted, self.keys.budget)
-        budget = None if budget is None else int(budget)
-        room = max(0, self.bound(int(version or 0), int(trained or 0), served, budget) - int(admitted or 0))
-        if budget is not None and int(admitted or 0) >= budget and not self._budget_logged:
+        admitted, budget = int(admitted or 0), None if budget is None else int(budget)
+        room = max(0, self.bound(int(version or 0), int(trained or 0), served, budget) - admitted)
+        if budget is not None and admitted >= budget and not self._budget_logged:
             self._budget_logged = True
             log.info("admission reached the run's budget: its trainer trains %d groups in all and as many are admitted "
                      "(trained or in flight); another is admitted only for one given back", budget)

@@ -170,7 +170,10 @@ class EngineConfig(Section):
         "prefills between decode steps: +20% async throughput in bench/e2e.py for up to this much more latency per "
         "turn); 0: each is admitted at the next step"
     )
-    request_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="how long the rollout server waits on one engine call (the connect, and each read "
+        "of the answer) before it fails with an EngineError naming the engine and the call"
+    )
     threads: int = Field(0, ge=0, description="embedded engine: torch intra-op threads (0: torch's default)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="embedded engine: dtype of the served weights (auto: the checkpoint's, as SGLang)"

@@ -2,7 +2,7 @@
 
 Starts the embedded engine on a free 127.0.0.1 port (unless ``--engine-url`` names a running one),
 rolls out ``--n`` samples of one task, prints every sample's turns, tool calls, loss mask, reward
-and finish reason, and stops the engine.
+and finish reason, and stops the engine. It exits 1 when a sample failed (an engine or tool error: no outcome).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from core.config import Config, ConfigError, load_config
 from core.tasks import Task, load_tasks
 from core.trajectory import masked_spans
 from rollout_server.tools import ToolRegistry
+from services.cli import CliError
 
 _DIM, _GREEN, _RESET = "\033[2m", "\033[32m", "\033[0m"
 
@@ -94,11 +95,14 @@ async def _rollout(
     from transformers import AutoTokenizer
 
     from rollout_server.agent_loop import AgentLoop
-    from rollout_server.engine_client import EngineClient
+    from rollout_server.engine_client import EngineClient, EngineError
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     async with EngineClient(url, timeout_s=cfg.engine.request_timeout_s, api_key=api_key) as client:
-        await client.wait_ready()
+        try:
+            await client.wait_ready(cfg.engine.ready_timeout_s)
+        except EngineError as exc:
+            raise ConfigError(f"engine.ready_timeout_s: {exc}") from None
         loop = AgentLoop(client, tokenizer, tools, cfg.rollout)
         group = await loop.run_group(task, run=cfg.run.name, job_id="cli", n=args.n)
     print(render_group(group, tokenizer, color=sys.stdout.isatty()))
@@ -122,16 +126,20 @@ def run(args: argparse.Namespace) -> int:
     url = args.engine_url or (cfg.engine.urls[0] if cfg.engine.urls else None)
     key = cfg.engine.api_key.get_secret_value() if cfg.engine.api_key is not None else None
     if url is not None:
-        asyncio.run(_rollout(args, cfg, task, tools, model_dir, url, key))
-        return 0
-    from rollout_server.engine.process import EngineProcess
+        group = asyncio.run(_rollout(args, cfg, task, tools, model_dir, url, key))
+    else:
+        from rollout_server.engine.process import EngineProcess
 
-    print(f"starting the embedded engine on {model_dir}", file=sys.stderr)
-    engine = EngineProcess(
-        model_dir, host="127.0.0.1", max_batch_size=cfg.engine.max_batch_size, max_context=cfg.engine.max_context,
-        prefix_cache_tokens=cfg.engine.prefix_cache_tokens,
-        api_key=key or secrets.token_urlsafe(32),
-    )
-    with engine:
-        asyncio.run(_rollout(args, cfg, task, tools, model_dir, engine.url, engine.api_key))
+        print(f"starting the embedded engine on {model_dir}", file=sys.stderr)
+        engine = EngineProcess(
+            model_dir, host="127.0.0.1", max_batch_size=cfg.engine.max_batch_size,
+            max_context=cfg.engine.max_context, prefix_cache_tokens=cfg.engine.prefix_cache_tokens,
+            api_key=key or secrets.token_urlsafe(32),
+        )
+        with engine:
+            group = asyncio.run(_rollout(args, cfg, task, tools, model_dir, engine.url, engine.api_key))
+    failed = [s for s in group.samples if s.failed]
+    if failed:  # printed above with their errors; the exit status says so too
+        raise CliError(f"{len(failed)} of {len(group.samples)} samples failed; first: "
+                       f"{failed[0].reward_info['error']}", 1)
     return 0

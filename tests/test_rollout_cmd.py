@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from http_harness import serve_app
+from net_helpers import refused_port
 
 from core.config import load_config
 from core.tasks import load_tasks
@@ -37,3 +44,48 @@ def test_run_seed_picks_the_task_the_rollout_command_rolls_out() -> None:
         assert (task.task_id, task.messages) == (want.task_id, want.messages)
         questions[seed] = task.messages[-1]["content"]
     assert questions[5] != questions[0]
+
+
+def test_rollout_waits_for_an_engine_only_engine_ready_timeout_s(tiny_model_dir: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine URL nothing answers on fails after ``engine.ready_timeout_s``, naming the key and the URL,
+    not after the default hour."""
+    with refused_port() as port:
+        start = time.monotonic()
+        code = main(["rollout", "--task", "arith", "--model", str(tiny_model_dir), "--engine-url",
+                     f"http://127.0.0.1:{port}", "engine.ready_timeout_s=1"])
+    assert code == 2 and time.monotonic() - start < 30
+    err = capsys.readouterr().err
+    assert f"engine.ready_timeout_s: http://127.0.0.1:{port}/health: not healthy after 1s" in err
+
+
+def test_an_engine_call_without_an_answer_fails_after_engine_request_timeout_s(
+        tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A healthy engine whose ``/generate`` never answers: each sample fails after ``engine.request_timeout_s``
+    with an error naming the engine and the call."""
+    released = threading.Event()
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse(None)
+
+    @app.post("/generate")
+    async def generate() -> dict:
+        while not released.is_set():  # hangs until the test ends
+            await asyncio.sleep(0.05)
+        return {}
+
+    with serve_app(app) as url:
+        try:
+            start = time.monotonic()
+            code = main(["rollout", "--task", "arith", "--n", "2", "--model", str(tiny_model_dir), "--engine-url",
+                         url, "engine.request_timeout_s=0.5"])
+            elapsed = time.monotonic() - start
+        finally:
+            released.set()
+    assert code == 1 and elapsed < 30
+    out = capsys.readouterr()
+    error = f"/generate: {url}: no answer within 0.5 s"
+    assert out.out.count(f"reward_info {{'error': 'engine: EngineError: {error}'}}") == 2
+    assert out.err.strip() == f"error: 2 of 2 samples failed; first: engine: EngineError: {error}"

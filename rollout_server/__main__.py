@@ -78,10 +78,7 @@ async def engine_urls(cfg: EngineConfig, model: Path, stack: AsyncExitStack) -> 
         return cfg.urls, key
     if cfg.backend != "embedded":
         raise ConfigError(f"engine.urls: engine.backend={cfg.backend} needs the URLs of running servers")
-    engine = EngineProcess(model, host=cfg.host, port=cfg.port, max_batch_size=cfg.max_batch_size,
-                           max_context=cfg.max_context, prefix_cache_tokens=cfg.prefix_cache_tokens,
-                           admit_wait_ms=cfg.admit_wait_ms, threads=cfg.threads, dtype=cfg.dtype,
-                           api_key=key or secrets.token_urlsafe(32))
+    engine = EngineProcess.from_config(model, cfg, key or secrets.token_urlsafe(32))
     await asyncio.to_thread(engine.start, cfg.ready_timeout_s)
     stack.callback(engine.close)
     return [engine.url], engine.api_key

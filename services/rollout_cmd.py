@@ -131,11 +131,7 @@ def run(args: argparse.Namespace) -> int:
         from rollout_server.engine.process import EngineProcess
 
         print(f"starting the embedded engine on {model_dir}", file=sys.stderr)
-        engine = EngineProcess(
-            model_dir, host="127.0.0.1", max_batch_size=cfg.engine.max_batch_size,
-            max_context=cfg.engine.max_context, prefix_cache_tokens=cfg.engine.prefix_cache_tokens,
-            api_key=key or secrets.token_urlsafe(32),
-        )
+        engine = EngineProcess.from_config(model_dir, cfg.engine, key or secrets.token_urlsafe(32), host="127.0.0.1")
         with engine:
             group = asyncio.run(_rollout(args, cfg, task, tools, model_dir, engine.url, engine.api_key))
     failed = [s for s in group.samples if s.failed]

@@ -17,6 +17,7 @@ import torch
 from engine_helpers import metric, post, teacher_forced, until
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core.config import EngineConfig
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine.protocol import ContractError, GenerateSpec, build_requests
 from rollout_server.engine.routes import generate, info, weights
@@ -305,6 +306,16 @@ def test_bf16_weights_served_on_cpu(tiny_model_dir: Path) -> None:
         reply = post(proc.url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "1"})
         assert reply.json()["success"], reply.text
         assert gen(proc.url, PROMPT, {"max_new_tokens": 4, "temperature": 0})["output_ids"] == out["output_ids"]
+
+
+def test_an_engine_started_from_its_config_section_serves_as_it_says(tiny_model_dir: Path) -> None:
+    """``EngineProcess.from_config``, as the rollout server and ``rollwave rollout`` start theirs: the section's
+    dtype, batch and context limits reach the engine, on a free loopback port when ``host`` is given."""
+    cfg = EngineConfig(dtype="bfloat16", max_batch_size=7, max_context=300, threads=1, port=1)
+    with EngineProcess.from_config(tiny_model_dir, cfg, secrets.token_urlsafe(32), host="127.0.0.1") as proc:
+        info = httpx.get(proc.url + "/model_info", headers={"Authorization": f"Bearer {proc.api_key}"}).json()
+    assert (info["dtype"], info["max_batch_size"], info["max_context"]) == ("bfloat16", 7, 300)
+    assert proc.port != 1
 
 
 def test_with_a_key_every_route_needs_it(tiny_model_dir: Path, tmp_path: Path) -> None:

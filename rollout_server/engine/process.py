@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from core.config import EngineConfig
 from core.net import listen_socket
 from core.process import stop_process
 from rollout_server.engine import ENGINE_KEY_ENV
@@ -77,6 +78,16 @@ class EngineProcess:
         self._log_path = log_path
         self._proc: subprocess.Popen | None = None
         self._log = None
+
+    @classmethod
+    def from_config(cls, model: str | Path, cfg: EngineConfig, api_key: str, host: str | None = None
+                    ) -> EngineProcess:
+        """The embedded engine as the ``engine`` section sets it up; ``host`` (then on any free port) in place of
+        ``engine.host`` and ``engine.port``."""
+        return cls(model, host=cfg.host if host is None else host, port=cfg.port if host is None else 0,
+                   dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_context=cfg.max_context,
+                   prefix_cache_tokens=cfg.prefix_cache_tokens, admit_wait_ms=cfg.admit_wait_ms,
+                   threads=cfg.threads, api_key=api_key)
 
     @property
     def pid(self) -> int:

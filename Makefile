@@ -14,7 +14,7 @@ DEPLOY_PACKAGES := dockerd:docker.io docker-compose:docker-compose debootstrap:d
 DEMO_PACKAGES  := unshare:util-linux bwrap:bubblewrap
 BENCH_PACKAGES := redis-benchmark:redis-tools
 
-.PHONY: install demo test test-deploy stress lint proto bench clean
+.PHONY: install demo test test-cuda test-deploy stress lint proto bench clean
 
 # $(call system_packages,COMMAND:PACKAGE ...): apt-get install, as root or else through sudo, the packages
 # whose command is not on PATH, without letting Debian start their daemons (a policy-rc.d that refuses, for
@@ -57,8 +57,13 @@ demo: install
 # because they time a whole stack and each wants every core.
 test: install
 	$(call system_packages,$(TEST_PACKAGES))
-	$(BIN)/python -m pytest -x -q -n 2 -m "not slow"
+	$(BIN)/python -m pytest -x -q -n 2 -m "not slow and not cuda"
 	$(BIN)/python -m pytest -x -q -m slow
+
+# The tests that need a GPU (marker cuda; the CPU tests above leave them out), on a host where torch sees one.
+test-cuda: install
+	$(PIP) install -c constraints.txt 'torch-memory-saver>=0.0.10'
+	$(BIN)/python -m pytest -q -s -m cuda
 
 # The compose deployment for real: builds the CPU image and runs the stack on this host (tests/deploy/run.py).
 test-deploy: install

@@ -364,6 +364,13 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    offload: Literal["auto", "memory_saver", "cpu", "none"] = Field(
+        "auto", description="placement.mode=colocated (turns, not the overlap): how the trainer gives the device "
+        "back between steps. memory_saver: its parameters and optimizer state live in a torch-memory-saver region, "
+        "paused to pinned host memory and resumed in place (CUDA, the torch-memory-saver package); cpu: they move "
+        "to host memory and back; none: they stay (the engines get what is left). auto: memory_saver where "
+        "installed, else cpu; on a CPU device nothing moves"
+    )
     dist_timeout_s: float = Field(
         1800.0, gt=0, description="several ranks: how long the rendezvous waits for every rank, and a collective "
         "for the slowest one, before it is an error naming the pool's address (torch's gloo default)"

@@ -38,6 +38,7 @@ from trainer.colocation import held_bytes
 from trainer.critic import build_critic_optimizer, load_critic
 from trainer.lora import add_adapter
 from trainer.metrics import MetricsLog, TrainerMetrics
+from trainer.offload import device_offload
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel import DistContext, init_distributed, load_model
 from trainer.shaping import is_degenerate
@@ -79,7 +80,9 @@ class Pusher(Protocol):
 class DeviceShare(Protocol):
     """Turns on a device the trainer shares with the engines (``trainer.colocation.LocalPusher``): every rank calls
     ``take_device`` before a step (it returns once the engines released their memory) and ``give_device`` after
-    it, once the step's push (if due) is written."""
+    it, once the step's push (if due) is written. With ``overlap`` the engines keep their memory while it trains."""
+
+    overlap: bool
 
     def take_device(self, step: int) -> float: ...
 
@@ -128,18 +131,27 @@ class Trainer:
         ``source`` acks the groups the checkpoint covers before the start push, which counts what its weights
         were trained on (without it, covered groups that were acked before are counted again)."""
         self.ctx = ctx or init_distributed(self.cfg.device, self.cfg.dist_timeout_s)
+        shared = self.device_share is not None and not self.device_share.overlap
+        self.offload = device_offload(self.cfg.offload, self.ctx.device, shared)
         adapter = partial(add_adapter, lora=self.lora, base_model=str(self.model_path)) if self.lora else None
-        self.model = load_model(self.model_path, self.ctx, prepare=adapter)
         ref = None
-        if self.cfg.kl_coef > 0:
-            ref = load_model(self.model_path, self.ctx).requires_grad_(False)
+        self.critic: tuple[nn.Module, torch.optim.Optimizer] | None = None
+        with self.offload.region():
+            self.model = load_model(self.model_path, self.ctx, prepare=adapter)
+            if self.cfg.kl_coef > 0:
+                ref = load_model(self.model_path, self.ctx).requires_grad_(False)
+            if self.cfg.advantage == "gae":
+                critic = load_critic(self.cfg.critic.path or self.model_path, self.ctx)
+                self.critic = (critic, build_critic_optimizer(critic, self.cfg))
         self.optimizer = build_optimizer(self.model, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
-        self.critic: tuple[nn.Module, torch.optim.Optimizer] | None = None
-        if self.cfg.advantage == "gae":
-            critic = load_critic(self.cfg.critic.path or self.model_path, self.ctx)
-            self.critic = (critic, build_critic_optimizer(critic, self.cfg))
-        elif self.cfg.critic.model_fields_set:
+        critic_model, critic_optimizer = self.critic or (None, None)
+        self._resident = [m for m in (self.model, ref, critic_model) if m is not None]  # what offload moves
+        self._optimizers = [o for o in (self.optimizer, critic_optimizer) if o is not None]
+        for optimizer in self._optimizers:
+            self.offload.attach(optimizer)
+        self._offloaded = False
+        if self.cfg.advantage != "gae" and self.cfg.critic.model_fields_set:
             log.warning("trainer.critic is set but trainer.advantage is %s: no critic is used", self.cfg.advantage)
         pad_id = getattr(self.model.config, "pad_token_id", None) or 0
         self.train_step = TrainStep(
@@ -176,6 +188,7 @@ class Trainer:
             if self.step > 0 or self.pusher.published > 0 or self.device_share is not None:
                 self.pusher.push_model(self.model, unacked=len(self._covered))
         if self.device_share is not None:  # the servers serve what this trainer resumes from
+            self._offload()
             self.device_share.give_device(self.step)
         return self
 
@@ -185,7 +198,8 @@ class Trainer:
         if path is None:
             log.warning("resume: no checkpoint in %s; starting from %s", self.checkpointer.root, self.model_path)
             return False
-        state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.critic)
+        with self.offload.region():  # the optimizer state it loads is allocated anew
+            state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.critic)
         self.step, self.version = state["step"], state["policy_version"]
         self._covered = [(e, g) for e, g in state["buffer"]["unacked"]]
         self._unacked = []
@@ -266,6 +280,7 @@ class Trainer:
         """One step on ``groups`` (every rank, same groups); then push, record and checkpoint as due. With a
         shared device the step runs between taking it from the engines and giving it back."""
         device_wait_s = self.device_share.take_device(self.step + 1) if self.device_share is not None else 0.0
+        onload_s = self._onload()
         record = self.train_step(groups, self.version, self.step)
         record.update(step=self.step + 1, policy_version=self.version, wait_s=wait_s, time=time.time())
         record.update(idle_fraction=wait_s / (wait_s + record["step_time_s"]), stale_dropped=self._stale_dropped,
@@ -275,18 +290,34 @@ class Trainer:
         self.step += 1
         if self.step % self.buffer.push_every == 0:
             record.update(self._push())
-        if self.device_share is not None:
-            self.device_share.give_device(self.step)
+        if self.step % self.cfg.checkpoint_every == 0 or self.done:
+            self.save_checkpoint()
         record.update(device_wait_s=device_wait_s, held_bytes=held_bytes(self.model, self.optimizer))
+        if self.device_share is not None:
+            record.update(onload_s=onload_s, offload_s=self._offload())
+            self.device_share.give_device(self.step)
         if self.ctx.is_main:
             record.update(self._push_outcomes())
             self.metrics.observe_step(record)
             self.metrics.version.set(self.version)
             assert self._log is not None
             self._log.write(record)
-        if self.step % self.cfg.checkpoint_every == 0 or self.done:
-            self.save_checkpoint()
         return record
+
+    def _offload(self) -> float:
+        """Free the device for the engines (``trainer.offload``); the seconds it took."""
+        start = time.perf_counter()
+        self.offload.offload(self._resident, self._optimizers)
+        self._offloaded = True
+        return time.perf_counter() - start
+
+    def _onload(self) -> float:
+        """Take the offloaded memory back for the trainer's turn; the seconds it took."""
+        start = time.perf_counter()
+        if self._offloaded:
+            self.offload.onload(self._resident, self._optimizers)
+            self._offloaded = False
+        return time.perf_counter() - start
 
     def _push(self) -> dict[str, Any]:
         """Hand the new weights to the pusher (every rank); rank 0's figures for the step's record."""
@@ -313,7 +344,11 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Checkpoint every rank's state; the entries trained so far become ready to ack."""
         state = {"policy_version": self.version, "buffer": {"unacked": self._unacked}}
+        offloaded = self._offloaded
+        self._onload()  # after the last step (finish): memory_saver's paused memory cannot be read
         path = self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, state, self.critic)
+        if offloaded:
+            self._offload()
         self._covered += self._unacked
         self._unacked = []
         return path

@@ -8,7 +8,8 @@ Two ways (``trainer.offload``):
   caches) stays valid. Only CUDA.
 - ``cpu``: parameters (``nn.Module.to``, which FSDP2 reshards itself for) and optimizer state move to host
   memory and back, then the caching allocator returns what it cached to the device.
-On a CPU device both hold their memory in host memory already: nothing moves.
+On a CPU device both hold their memory in host memory already: nothing moves. A checkpoint outside the trainer's
+turn (the last one, at the end of a run) takes the memory back for as long as it writes.
 """
 
 from __future__ import annotations

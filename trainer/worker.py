@@ -277,8 +277,9 @@ class Trainer:
         return kept
 
     def train(self, groups: list[TrajectoryGroup], wait_s: float = 0.0) -> dict[str, Any]:
-        """One step on ``groups`` (every rank, same groups); then push, record and checkpoint as due. With a
-        shared device the step runs between taking it from the engines and giving it back."""
+        """One step on ``groups`` (every rank, same groups); then push and checkpoint as due, and record. With a
+        shared device the step, its push and its checkpoint run between taking the device from the engines (the
+        trainer's memory comes back, ``trainer.offload``) and giving it back (the memory leaves again)."""
         device_wait_s = self.device_share.take_device(self.step + 1) if self.device_share is not None else 0.0
         onload_s = self._onload()
         record = self.train_step(groups, self.version, self.step)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from core.config import BufferConfig, ConfigError, TrainerConfig
 from tests.trainer_helpers import synthetic_groups
@@ -57,9 +58,10 @@ def test_a_colocated_step_takes_memory_back_after_the_engines_release_and_checkp
     events: list[str] = []
     monkeypatch.setattr("trainer.worker.device_offload", lambda *_: RecordingOffload(events))
     share = RecordingShare(tmp_path / "push", tiny_model_dir, events)
+    registry = CollectorRegistry()
     trainer = Trainer(TrainerConfig(total_steps=10, checkpoint_every=2, lr=1e-3, device="cpu", offload="cpu"),
                       tiny_model_dir, tmp_path / "run", BufferConfig(groups_per_step=2), pusher=share,
-                      device_share=share)
+                      device_share=share, registry=registry)
     trainer.start(ctx=ctx)
     original_save = trainer.checkpointer.save
 
@@ -73,6 +75,9 @@ def test_a_colocated_step_takes_memory_back_after_the_engines_release_and_checkp
         assert record["offload_s"] >= 0 and record["onload_s"] >= 0
     trainer.save_checkpoint()  # as finish() does after the last step: the memory comes back for it
     trainer.close()
+    for stage in ("wait", "onload", "offload"):
+        count = registry.get_sample_value("rollwave_trainer_device_handover_seconds_count", {"stage": stage})
+        assert count == 3, (stage, count)
     assert events == ["offload", "give 0",
                       "take 1", "onload", "offload", "give 1",
                       "take 2", "onload", "checkpoint", "offload", "give 2",

@@ -60,6 +60,14 @@ class TrainerMetrics:
         )
         self.gauges = {n: Gauge(f"rollwave_trainer_{n}", doc, registry=r) for n, doc in _GAUGES.items()}
         self.critic_gauges = {n: Gauge(f"rollwave_trainer_{n}", doc, registry=r) for n, doc in _CRITIC_GAUGES.items()}
+        self.handover = Histogram(
+            "rollwave_trainer_device_handover_seconds",
+            "placement.mode=colocated: per step, waiting for the engines to release the device (wait), taking the "
+            "trainer's memory back (onload), giving it back (offload; trainer.offload)",
+            ["stage"],
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=r,
+        )
         self.truncated = Counter(
             "rollwave_trainer_truncated_samples_total", "trained samples cut off by a token limit", registry=r
         )
@@ -77,6 +85,9 @@ class TrainerMetrics:
         for lag, count in record["staleness_hist"].items():
             for _ in range(count):
                 self.staleness.observe(int(lag))
+        if "onload_s" in record:  # the trainer shares its device
+            for stage, key in (("wait", "device_wait_s"), ("onload", "onload_s"), ("offload", "offload_s")):
+                self.handover.labels(stage=stage).observe(record[key])
         self.truncated.inc(record["truncated"])
         self.overlong_masked.inc(record["overlong_masked"])
         for name, gauge in self.gauges.items():

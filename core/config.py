@@ -318,6 +318,9 @@ class OverlongConfig(Section):
         return self
 
 
+TrainerOffload = Literal["auto", "memory_saver", "cpu", "none"]  # trainer.offload; trainer/offload.py
+
+
 class TrainerConfig(Section):
     total_steps: int = Field(100, ge=1)
     lr: float = Field(1e-4, gt=0)
@@ -364,7 +367,7 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    offload: Literal["auto", "memory_saver", "cpu", "none"] = Field(
+    offload: TrainerOffload = Field(
         "auto", description="placement.mode=colocated (turns, not the overlap): how the trainer gives the device "
         "back between steps. memory_saver: its parameters and optimizer state live in a torch-memory-saver region, "
         "paused to pinned host memory and resumed in place (CUDA, the torch-memory-saver package); cpu: they move "

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from core.config import BufferConfig, ConfigError, TrainerConfig
 from tests.trainer_helpers import synthetic_groups
 from trainer.colocation import LocalPusher
-from trainer.offload import KeepOnDevice, device_offload
+from trainer.offload import DeviceOffload, device_offload
 from trainer.worker import Trainer
 
 
@@ -27,7 +27,7 @@ def test_memory_saver_is_refused_on_a_cpu_device_and_the_error_names_the_key() -
     assert device_offload("cpu", torch.device("cpu"), shared=True).kind == "none"  # host memory already
 
 
-class RecordingOffload(KeepOnDevice):
+class RecordingOffload(DeviceOffload):
     def __init__(self, events: list[str]) -> None:
         self.events = events
 

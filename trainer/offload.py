@@ -20,35 +20,20 @@ import gc
 import importlib.util
 import logging
 from collections.abc import Iterator
-from typing import Literal, Protocol
 
 import torch
 from torch import nn
 
-from core.config import ConfigError
+from core.config import ConfigError, TrainerOffload
 
 log = logging.getLogger(__name__)
 
-OffloadChoice = Literal["auto", "memory_saver", "cpu", "none"]
 REGION_TAG = "rollwave-trainer"
 
 
-class DeviceOffload(Protocol):
-    """Where the trainer's persistent memory is allocated, and how it leaves the device and comes back."""
-
-    kind: str
-
-    def region(self) -> contextlib.AbstractContextManager[None]: ...
-
-    def attach(self, optimizer: torch.optim.Optimizer) -> None: ...
-
-    def offload(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None: ...
-
-    def onload(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None: ...
-
-
-class KeepOnDevice:
-    """``none``, and any placement where the trainer has the device to itself."""
+class DeviceOffload:
+    """Where the trainer's persistent memory is allocated, and how it leaves the device and comes back. This base
+    keeps it (``none``, and any placement where the trainer has the device to itself); the subclasses move it."""
 
     kind = "none"
 
@@ -65,7 +50,7 @@ class KeepOnDevice:
         pass
 
 
-class CpuOffload(KeepOnDevice):
+class CpuOffload(DeviceOffload):
     """Parameters and optimizer state to host memory after a step, back before the next."""
 
     kind = "cpu"
@@ -95,7 +80,7 @@ class CpuOffload(KeepOnDevice):
         torch.cuda.synchronize()
 
 
-class MemorySaverOffload(KeepOnDevice):
+class MemorySaverOffload(DeviceOffload):
     """torch-memory-saver's region with a CPU backup: pause and resume keep every address. Its allocator (torch
     mode) ends the process (status 1) when the caching allocator returns region memory outside a region, so the
     region's cache is emptied inside one, after each step and at exit."""
@@ -132,7 +117,7 @@ class MemorySaverOffload(KeepOnDevice):
             torch.cuda.empty_cache()
 
     def _at_exit(self) -> None:
-        """The trainer's tensors are gone by now: their memory leaves inside the region, and the interpreter's
+        """The trainer's tensors are mostly gone by now: their memory leaves inside the region, and the interpreter's
         teardown, which destroys the region's pool, runs as in one (torch-memory-saver's own switch, which its
         ``disable`` uses too)."""
         gc.collect()
@@ -143,14 +128,14 @@ class MemorySaverOffload(KeepOnDevice):
         self._saver.resume(REGION_TAG)
 
 
-def device_offload(choice: OffloadChoice, device: torch.device, shared: bool) -> DeviceOffload:
+def device_offload(choice: TrainerOffload, device: torch.device, shared: bool) -> DeviceOffload:
     """The offload ``trainer.offload`` asks for on ``device``; ``shared``: the engines take the device between
     steps (colocated, without the one-step overlap). ConfigError names what ``memory_saver`` lacks."""
     if not shared:
         if choice not in ("auto", "none"):
             log.warning("trainer.offload=%s: the trainer does not share its device (placement.mode decoupled, or "
                         "colocated_staleness 1): nothing is offloaded", choice)
-        return KeepOnDevice()
+        return DeviceOffload()
     installed = importlib.util.find_spec("torch_memory_saver") is not None
     if choice == "memory_saver":
         if device.type != "cuda":
@@ -159,7 +144,7 @@ def device_offload(choice: OffloadChoice, device: torch.device, shared: bool) ->
             raise ConfigError("trainer.offload: memory_saver needs the torch-memory-saver package "
                               "(pip install 'rollwave[sglang]', or torch-memory-saver alone)")
     if device.type != "cuda" or choice == "none":
-        return KeepOnDevice()
+        return DeviceOffload()
     if choice == "memory_saver" or (choice == "auto" and installed):
         return MemorySaverOffload()
     return CpuOffload(device)

@@ -34,6 +34,7 @@ _CRITIC_GAUGES = {  # trainer.advantage=gae only
     "value_loss": "the critic's clipped value loss of the last step",
     "explained_variance": "1 - Var(return - value) / Var(return) over the last step's trained tokens",
 }
+_HANDOVER = {"wait": "device_wait_s", "onload": "onload_s", "offload": "offload_s"}  # stage: step record key
 _FROM_STEP = {"masked_token_fraction": "masked_fraction", "tokens_per_second": "tokens_per_s"}
 
 
@@ -68,6 +69,8 @@ class TrainerMetrics:
             buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
             registry=r,
         )
+        for stage in _HANDOVER:  # exported at 0 where the trainer has its device to itself
+            self.handover.labels(stage=stage)
         self.truncated = Counter(
             "rollwave_trainer_truncated_samples_total", "trained samples cut off by a token limit", registry=r
         )
@@ -86,7 +89,7 @@ class TrainerMetrics:
             for _ in range(count):
                 self.staleness.observe(int(lag))
         if "onload_s" in record:  # the trainer shares its device
-            for stage, key in (("wait", "device_wait_s"), ("onload", "onload_s"), ("offload", "offload_s")):
+            for stage, key in _HANDOVER.items():
                 self.handover.labels(stage=stage).observe(record[key])
         self.truncated.inc(record["truncated"])
         self.overlong_masked.inc(record["overlong_masked"])

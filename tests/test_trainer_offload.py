@@ -1,4 +1,4 @@
-"""The trainer's offload between steps in colocated placement (``trainer.offload``, ``trainer.offload``'s module).
+"""The trainer's offload between steps in colocated placement (the ``trainer.offload`` key, trainer/offload.py).
 
 On CPU: the choice is refused where it cannot work, and a step runs in the order the engines need (device taken,
 memory back, train, checkpoint, memory out, device given). The ``cuda`` tests run where torch sees a GPU
@@ -59,7 +59,7 @@ def test_a_colocated_step_takes_memory_back_after_the_engines_release_and_checkp
     monkeypatch.setattr("trainer.worker.device_offload", lambda *_: RecordingOffload(events))
     share = RecordingShare(tmp_path / "push", tiny_model_dir, events)
     registry = CollectorRegistry()
-    trainer = Trainer(TrainerConfig(total_steps=10, checkpoint_every=2, lr=1e-3, device="cpu", offload="cpu"),
+    trainer = Trainer(TrainerConfig(total_steps=10, checkpoint_every=2, lr=1e-3, device="cpu"),
                       tiny_model_dir, tmp_path / "run", BufferConfig(groups_per_step=2), pusher=share,
                       device_share=share, registry=registry)
     trainer.start(ctx=ctx)

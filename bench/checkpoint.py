@@ -77,23 +77,11 @@ SWAP_MODES = {
 
 
 def build_model_dir(out: Path, layers: int) -> tuple[Path, int]:
-    """A random-init Qwen2 (hidden 1024, MLP 2816, 16/4 heads, tied embeddings, fp32) with the tiny
-    model's tokenizer; 9 layers is ~102M parameters. Returns the directory and the parameter count."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A random-init Qwen2 (hidden 1024, MLP 2816, 16/4 heads) with the tiny model's tokenizer; 9 layers is ~102M
+    parameters. Returns the directory and the parameter count."""
+    from core.tiny_model import save_random_qwen2
 
-    from core.tiny_model import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=2816,
-                         num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
-                         max_position_embeddings=1024, tie_word_embeddings=True, dtype="float32",
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).eval()
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out, sum(p.numel() for p in model.parameters())
+    return out, save_random_qwen2(out, layers=layers, hidden=1024, intermediate=2816, heads=16, kv_heads=4)
 
 
 async def serve_receiver(model: str, engine_url: str, stage_dir: str, mode: str) -> None:

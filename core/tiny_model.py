@@ -171,6 +171,22 @@ def build_model(tokenizer: Qwen2Tokenizer, seed: int) -> Qwen2ForCausalLM:
     return model.eval()
 
 
+def save_random_qwen2(out_dir: Path, *, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
+                      max_positions: int = 1024) -> int:
+    """A Qwen2 of this shape (random init from seed 0, fp32, tied embeddings) with the tiny model's tokenizer, saved
+    to ``out_dir``: the larger models benches and GPU tests need. Returns its parameter count."""
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=max_positions, tie_word_embeddings=True, dtype="float32",
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
 def _digests(directory: Path) -> dict[str, str]:
     return {
         p.name: hashlib.sha256(p.read_bytes()).hexdigest()

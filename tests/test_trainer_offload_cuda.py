@@ -21,10 +21,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from core.config import BufferConfig, TrainerConfig  # noqa: E402
-from core.tiny_model import build_tokenizer  # noqa: E402
+from core.tiny_model import save_random_qwen2  # noqa: E402
 from tests.trainer_helpers import synthetic_groups  # noqa: E402
 from trainer.colocation import LocalPusher  # noqa: E402
 from trainer.parallel import close_distributed, init_distributed  # noqa: E402
@@ -49,17 +48,10 @@ def cuda_ctx():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A ~36M-parameter Qwen2 (held: ~430 MB of fp32 weights and Adam state), large against allocator slack; its
+    """A 37.6M-parameter Qwen2 (held: 430 MiB of fp32 weights and Adam state), large against allocator slack; its
     MLP matrices (11 MiB) get segments of their own, which the caching allocator can give back."""
     out = tmp_path_factory.mktemp("model")
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=5632, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_random_qwen2(out, layers=4, hidden=512, intermediate=5632, heads=8, kv_heads=2, max_positions=512)
     return out
 
 

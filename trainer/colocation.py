@@ -129,7 +129,7 @@ class LocalPusher:
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes this rank keeps between steps: its parameters and optimizer state (its shards under FSDP2; gradients
-    are freed each step)."""
+    are freed each step), on the device unless ``trainer.offload`` moves them off it."""
     tensors = [*model.parameters()]
     for state in optimizer.state.values():
         tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]

@@ -1,5 +1,6 @@
 """The embedded engine's prefix cache: a finished request's KV serves the requests that extend it (a multi-turn
-episode's next turn), with the same tokens and logprobs as a prefill from scratch; a group's identical prompts
+episode's next turn), and the whole blocks of a prefix it shares with one it does not extend (another task's
+system prompt), with the same tokens and logprobs as a prefill from scratch; a group's identical prompts
 are prefilled once, and requests prefilled together compute a prefix they share once; loads and memory
 releases empty it, an adapter loaded again or unloaded takes its own entries,
 and a request whose KV spans a load or a reload of its adapter is not kept; the bound evicts the least recently used;
@@ -22,7 +23,7 @@ from core.config import load_config
 from rollout_server.__main__ import engine_urls
 from rollout_server.engine.kv import KVBatch
 from rollout_server.engine.lora import Adapter
-from rollout_server.engine.prefix_cache import PrefixCache, shared_prefixes
+from rollout_server.engine.prefix_cache import BLOCK_TOKENS, PrefixCache, shared_prefixes
 from rollout_server.engine.request import Request
 from rollout_server.engine.scheduler import SHARED_PREFIX_MIN_SAVED, Scheduler
 from rollout_server.engine_client import EngineClient
@@ -69,21 +70,23 @@ def test_lookup_finds_the_longest_entry_under_the_same_adapter_and_the_bound_evi
     cache = PrefixCache(max_tokens=12)
     cache.insert([1, 2, 3], None, layers(3))
     cache.insert([1, 2, 3, 4, 5], None, layers(5, 1.0))
-    assert cache.lookup([1, 2, 3, 4, 5, 9], None).tokens == [1, 2, 3, 4, 5]
-    assert cache.lookup([1, 2, 3, 4], None).tokens == [1, 2, 3]
+    assert cache.lookup([1, 2, 3, 4, 5, 9], None).entry.tokens == [1, 2, 3, 4, 5]
+    assert cache.lookup([1, 2, 3, 4], None).entry.tokens == [1, 2, 3]
     assert cache.lookup([1, 2, 3, 4], "a") is None and cache.lookup([2, 3], None) is None
     cache.insert([1, 2, 3, 4, 5, 6], "a", layers(6))  # 14 tokens: [1..5], used least recently, leaves
-    assert cache.lookup([1, 2, 3, 4, 5, 9], None).tokens == [1, 2, 3]
+    assert cache.lookup([1, 2, 3, 4, 5, 9], None).entry.tokens == [1, 2, 3]
     assert cache.tokens == 9 and cache.nbytes == sum(k.nbytes + v.nbytes for k, v in layers(9))
 
     extended = cache.lookup([1, 2, 3, 4, 5, 6, 7], "a")
-    cache.insert([1, 2, 3, 4, 5, 6, 7], "a", layers(7), replaces=extended)  # the longer one takes its place
-    assert cache.lookup([1, 2, 3, 4, 5, 6, 7, 8], "a").tokens == [1, 2, 3, 4, 5, 6, 7] and cache.tokens == 10
+    assert extended.extends and extended.tokens == 6
+    cache.insert([1, 2, 3, 4, 5, 6, 7], "a", layers(7), replaces=extended.entry)  # the longer one takes its place
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7, 8], "a").entry.tokens == [1, 2, 3, 4, 5, 6, 7] and cache.tokens == 10
     kept = layers(3, 3.0)
     cache.insert([4, 4, 4], None, kept)  # 13 tokens: [1, 2, 3] leaves
     cache.insert([4, 4, 4], None, layers(3))  # the same tokens again: kept once
     kept[0][0].zero_()  # the cache holds a copy
-    assert cache.lookup([1, 2, 3], None) is None and cache.lookup([4, 4, 4, 4], None).layers[0][0].eq(3.0).all()
+    assert cache.lookup([1, 2, 3], None) is None
+    assert cache.lookup([4, 4, 4, 4], None).entry.layers[0][0].eq(3.0).all()
     assert len(cache) == 2 and cache.tokens == 10
     cache.insert(list(range(13)), None, layers(13))  # longer than the bound: not kept
     assert cache.lookup(list(range(14)), None) is None and cache.tokens == 10
@@ -92,6 +95,27 @@ def test_lookup_finds_the_longest_entry_under_the_same_adapter_and_the_bound_evi
     off = PrefixCache(max_tokens=0)
     off.insert([1], None, layers(1))
     assert len(off) == 0
+
+
+def test_lookup_takes_the_whole_blocks_a_request_shares_with_an_entry_it_does_not_extend() -> None:
+    cache = PrefixCache(max_tokens=30, block=4)
+    first = list(range(1, 11))  # another episode's turn: the same first 8 tokens, then its own
+    cache.insert(first, None, layers(10))
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7, 99, 100], None).tokens == 4  # a whole block, not the 7 they share
+    hit = cache.lookup([*range(1, 10), 99], None)
+    assert (hit.entry.tokens, hit.tokens, hit.extends) == (first, 8, False)
+    assert cache.lookup([*range(1, 10), 99], "a") is None and cache.lookup([1, 2, 3, 99], None) is None
+    cache.insert([1, 2, 3, 4, 5, 6], None, layers(6))
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 50, 51], None).extends  # the one it extends: 6 tokens against 4
+    assert cache.lookup([*range(1, 10), 99], None).entry.tokens == first  # 8 shared beat the 6 it extends
+    cache.insert(list(range(1, 21)), "a", layers(20))  # 36 tokens: the least recent, [1..6], leaves
+    assert len(cache) == 2 and cache.lookup([1, 2, 3, 4, 5, 6, 50, 51], None).entry.tokens == first
+    assert cache.lookup([*range(1, 13), 99], "a").tokens == 12
+    cache.insert(list(range(40, 61)), None, layers(21))  # 51 tokens: both leave, and their blocks with them
+    assert len(cache) == 1 and cache.lookup([*range(1, 10), 99], None) is None
+    assert cache.lookup([*range(1, 13), 99], "a") is None and cache.lookup([*range(40, 52), 7], None).tokens == 12
+    cache.clear()
+    assert cache.lookup([*range(40, 52), 7], None) is None
 
 
 def test_a_prefill_from_cached_keys_equals_one_from_scratch(model: torch.nn.Module) -> None:
@@ -207,6 +231,24 @@ def two_prompts() -> tuple[list[int], list[int]]:
     """Two tasks' prompts, 45 and 50 tokens, whose first 20 (a system prompt) are the same."""
     system = list(range(100, 120))
     return system + list(range(1, 26)), system + list(range(30, 60))
+
+
+def test_a_new_task_takes_the_whole_blocks_of_the_system_prompt_another_tasks_turn_left(
+    scheduler: Scheduler, model: torch.nn.Module
+) -> None:
+    """Prefilled apart, a second task's prompt takes from the first task's finished turn the whole blocks of the
+    system prompt they share (16 of its 20 tokens), with the tokens and logprobs of a forward from scratch, and
+    the first task's entry stays: the second does not extend it."""
+    a, b = two_prompts()
+    [[first]] = conversations(scheduler, [a], 1)
+    [[second]] = conversations(scheduler, [b], 1)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([second.input_ids + second.output_ids])).logits[0]
+    lp = torch.log_softmax(logits[len(second.input_ids) - 1 : -1], -1)
+    assert second.output_ids == lp.argmax(-1).tolist()
+    torch.testing.assert_close(torch.tensor(second.logprobs), lp.max(-1).values, atol=1e-4, rtol=1e-4)
+    assert first.cached_tokens == 0 and second.cached_tokens == BLOCK_TOKENS == 16
+    assert scheduler.metrics.cached_tokens._value.get() == BLOCK_TOKENS and len(scheduler.prefix_cache) == 2
 
 
 def test_shared_prefixes_groups_rows_by_what_they_share_and_skips_what_the_cache_holds() -> None:

@@ -40,7 +40,7 @@ from rollout_server.engine.kv import KVBatch
 from rollout_server.engine.lora import Adapter, AdapterSet
 from rollout_server.engine.memory import ModelMemory, PreparedWeights
 from rollout_server.engine.metrics import EngineMetrics
-from rollout_server.engine.prefix_cache import Layers, Prefix, PrefixCache, past_length, shared_prefixes
+from rollout_server.engine.prefix_cache import Hit, Layers, PrefixCache, past_length, shared_prefixes
 from rollout_server.engine.request import Request, abort_reason
 from rollout_server.engine.sampling import BatchSampler
 from rollout_server.engine.weights import WeightError, load_into
@@ -427,10 +427,12 @@ class Scheduler:
         distinct = list({row: r for row, r in zip(index, chunk, strict=True)}.values())
         batch, logits, reused, hits = self._prefill_kv([(r.lora, r.tokens) for r in distinct], index)
         for r, row in zip(chunk, index, strict=True):
-            r.kv_epoch, r.extends, r.cached_tokens = self._kv_epoch, hits[row], reused[row]
+            hit = hits[row]
+            r.kv_epoch, r.cached_tokens = self._kv_epoch, reused[row]
+            r.extends = hit.entry if hit is not None and hit.extends else None
         self.metrics.prompt_tokens.inc(sum(len(r.tokens) for r in chunk))
-        self.metrics.cached_tokens.inc(sum(min(n, len(h.tokens), len(r.tokens) - 1) for n, h, r in
-                                           zip(reused, hits, distinct, strict=True) if h is not None))
+        self.metrics.cached_tokens.inc(sum(min(h.tokens, len(r.tokens) - 1) for h, r in zip(hits, distinct, strict=True)
+                                           if h is not None))
         tokens, logprobs = self._make_sampler(chunk).sample(logits)
         if self._batch is None:
             self._batch, self._pending, self._running = batch, tokens, list(chunk)
@@ -444,7 +446,7 @@ class Scheduler:
 
     def _prefill_kv(
         self, seqs: list[tuple[str | None, list[int]]], rows: list[int] | None = None, cached: bool = True
-    ) -> tuple[KVBatch, torch.Tensor, list[int], list[Prefix | None]]:
+    ) -> tuple[KVBatch, torch.Tensor, list[int], list[Hit | None]]:
         """Run (adapter, tokens) ``seqs`` through the model: the batch and the next-token logits of ``rows``
         (indices into ``seqs``; default: each once, in order), and for each of ``seqs`` how many of its tokens
         came from earlier KV and the cache entry it extends (none without ``cached``: the weights served are not
@@ -457,7 +459,7 @@ class Scheduler:
         forwards where one would run the short uncached rests of later turns as wide as new prompts
         (``_split``)."""
         hits = [self.prefix_cache.lookup(tokens, lora) if cached else None for lora, tokens in seqs]
-        past: list[Layers | None] = [None if h is None else h.head(min(len(h.tokens), len(tokens) - 1))
+        past: list[Layers | None] = [None if h is None else h.entry.head(min(h.tokens, len(tokens) - 1))
                                      for h, (_, tokens) in zip(hits, seqs, strict=True)]
         # no prefix can save more than every row but one running the longest whole: small prefills skip the search
         bound = (len(seqs) - 1) * max(len(tokens) for _, tokens in seqs)

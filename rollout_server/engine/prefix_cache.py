@@ -15,7 +15,7 @@ A request also takes the KV of a prefix it shares with an entry without extendin
 ``BLOCK_TOKENS`` (found by chained block hashes, as vLLM's prefix caching and SGLang's paged radix cache do):
 a new task's first turn reuses the system prompt and tool schema that every episode begins with, and, after a
 load emptied the cache, an episode's next turn reuses the prompt its group's first finished sibling computed
-again. In a 30-step async run of ``bench/e2e.py`` that made the rollout 10% faster (RESULTS, e2e). Requests
+again (async 1.125x faster for it in ``bench/e2e.py``'s runs, bench/RESULTS.md). Requests
 prefilled together often share a prefix that no entry holds: a group's samples after a swap retracted them
 (the prompt), episodes of different tasks. ``shared_prefixes`` finds those, so the prefill computes each once.
 """

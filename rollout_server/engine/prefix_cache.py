@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer, keys and values [heads, tokens, head_dim]
+Key = tuple[str | None, tuple[int, ...]]  # an entry's adapter and tokens
 
 
 BLOCK_TOKENS = 16  # the cache matches prefixes in blocks of this many tokens, as vLLM's prefix caching does
@@ -42,7 +43,7 @@ class Prefix:
     tokens: list[int]
     lora: str | None
     layers: Layers
-    key: tuple[str | None, tuple[int, ...]] = field(init=False)
+    key: Key = field(init=False)
     blocks: list[int] = field(default_factory=list)  # the chained hash of each whole block of ``tokens``
 
     def __post_init__(self) -> None:
@@ -86,8 +87,8 @@ class PrefixCache:
         self.block = block
         # by recency, the least recent first. A dict, not an OrderedDict: iterating an OrderedDict looks each key up
         # again, and hashing these keys (whole token tuples) made a scan of 70 entries cost ~120 us, not ~5
-        self._entries: dict[tuple[str | None, tuple[int, ...]], Prefix] = {}
-        self._by_block: dict[int, dict[tuple[str | None, tuple[int, ...]], None]] = {}  # hash -> entries, in order
+        self._entries: dict[Key, Prefix] = {}
+        self._by_block: dict[int, dict[Key, None]] = {}  # a block's chained hash -> the entries holding it, in order
         self._tokens = 0
         self.nbytes = 0
 
@@ -108,7 +109,7 @@ class PrefixCache:
             if (m <= n and entry.lora == lora and (hit is None or m > hit.tokens)
                     and entry.tokens[-1] == tokens[m - 1] and entry.tokens == tokens[:m]):
                 hit = Hit(entry, m)
-        sharing: dict[tuple[str | None, tuple[int, ...]], None] = {}
+        sharing: dict[Key, None] = {}
         shared = 0
         for end, h in _chained_hashes(tokens, lora, self.block):
             if h not in self._by_block:
@@ -116,8 +117,8 @@ class PrefixCache:
             sharing, shared = self._by_block[h], end
         if shared > (0 if hit is None else hit.tokens):
             # the newest entry that shares them (checked: hashes may collide)
-            entry = next((e for e in map(self._entries.get, reversed(sharing)) if e.tokens[:shared] == tokens[:shared]),
-                         None)
+            entry = next((e for e in map(self._entries.get, reversed(sharing))
+                          if e.lora == lora and e.tokens[:shared] == tokens[:shared]), None)
             if entry is not None:
                 hit = Hit(entry, shared)
         if hit is not None:
@@ -154,7 +155,7 @@ class PrefixCache:
         self._by_block.clear()
         self._tokens = self.nbytes = 0
 
-    def _touch(self, key: tuple[str | None, tuple[int, ...]]) -> None:
+    def _touch(self, key: Key) -> None:
         self._entries[key] = self._entries.pop(key)  # the most recent now
 
     def _drop(self, entry: Prefix) -> None:

@@ -431,8 +431,8 @@ class Scheduler:
             r.kv_epoch, r.cached_tokens = self._kv_epoch, reused[row]
             r.extends = hit.entry if hit is not None and hit.extends else None
         self.metrics.prompt_tokens.inc(sum(len(r.tokens) for r in chunk))
-        self.metrics.cached_tokens.inc(sum(min(h.tokens, len(r.tokens) - 1) for h, r in zip(hits, distinct, strict=True)
-                                           if h is not None))
+        self.metrics.cached_tokens.inc(sum(min(n, h.tokens, len(r.tokens) - 1) for n, h, r in
+                                           zip(reused, hits, distinct, strict=True) if h is not None))
         tokens, logprobs = self._make_sampler(chunk).sample(logits)
         if self._batch is None:
             self._batch, self._pending, self._running = batch, tokens, list(chunk)
@@ -449,10 +449,11 @@ class Scheduler:
     ) -> tuple[KVBatch, torch.Tensor, list[int], list[Hit | None]]:
         """Run (adapter, tokens) ``seqs`` through the model: the batch and the next-token logits of ``rows``
         (indices into ``seqs``; default: each once, in order), and for each of ``seqs`` how many of its tokens
-        came from earlier KV and the cache entry it extends (none without ``cached``: the weights served are not
-        those that computed the cache's KV).
+        came from earlier KV and what the prefix cache held of it (none without ``cached``: the weights served are
+        not those that computed the cache's KV).
 
-        A row starts from the longest cache entry it extends, or from a prefix it shares with other rows
+        A row starts from what the cache holds of it (the longest entry it extends, or the whole blocks it shares
+        with another), or from a prefix it shares with other rows
         (``shared_prefixes``), computed first and once (recursively: those prefixes may share one too) where
         that saves at least ``shared_prefix_min_saved`` tokens: a forward of its own is not free, so a system
         prompt that two episodes share is not worth one, a swap's retracted groups are. The rows run in two

@@ -6,8 +6,9 @@ The entrypoint is ``fn(task, base_url, api_key)`` (sync or async): ``task`` is t
 the job's reward function.
 
 Each run is a fresh process forked from a multiprocessing fork server that has already imported
-``openai`` and the allowed agents' modules (``start_fork_server``), so a sample starts in milliseconds
-instead of paying a Python start and those imports (about 1 s of CPU here). The child leads its own session,
+``openai`` and the allowed agents' modules and run the ``openai`` client once (``start_fork_server``), so a
+sample starts in milliseconds instead of paying a Python start, those imports (about 1 s of CPU here) and the
+client's first call (``agent_warmup``). The child leads its own session,
 sets its own address-space limit (``RLIMIT_AS``) before calling the agent, and sends its result back over a
 pipe; the parent kills the child's whole process group at the time limit. Anything the agent prints goes to
 the worker's stderr.
@@ -47,9 +48,10 @@ def agent_task(task: Any) -> dict[str, Any]:
 
 
 async def start_fork_server(entrypoints: list[str]) -> None:
-    """Start the fork server with ``openai`` and the modules of ``entrypoints`` imported (a module that fails
-    to import there is imported again, and fails loudly, in the sample's own process)."""
-    modules = dict.fromkeys(["rollout_server.agent_runner", "openai", *(e.partition(":")[0] for e in entrypoints)])
+    """Start the fork server with ``openai`` warmed up and the modules of ``entrypoints`` imported (a module that
+    fails to import there is imported again, and fails loudly, in the sample's own process)."""
+    modules = dict.fromkeys(["rollout_server.agent_runner", "rollout_server.agent_warmup",
+                             *(e.partition(":")[0] for e in entrypoints)])
     _FORK_SERVER.set_forkserver_preload(list(modules))
     await asyncio.to_thread(multiprocessing.forkserver.ensure_running)
 

@@ -7,6 +7,7 @@ one failure, so exactly one sample of a group crashes.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,12 @@ def environment(task: dict[str, Any], base_url: str, api_key: str) -> float:
     names = ("ROLLWAVE_CHECKPOINT_TOKEN", "ROLLWAVE_API_TOKEN", "ROLLWAVE_ENGINE_API_KEY", "ROLLWAVE_REDIS_PASSWORD",
              "REDIS_URL")
     raise RuntimeError(f"visible: {[name for name in names if name in os.environ]}")
+
+
+def warmed(task: dict[str, Any], base_url: str, api_key: str) -> float:
+    """Fails, saying whether its process started with the openai client's first-call modules loaded (forked
+    from the warmed-up fork server, ``rollout_server.agent_warmup``)."""
+    raise RuntimeError(f"warmed: {'openai.resources.chat.completions' in sys.modules}")
 
 
 def first_fails(task: dict[str, Any], base_url: str, api_key: str) -> float:

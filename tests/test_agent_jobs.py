@@ -27,7 +27,8 @@ KEYS, wait_for = worker_tests.KEYS, worker_tests.wait_for
 engine_url, workers = worker_tests.engine_url, worker_tests.workers  # the worker tests' fixtures
 CALC_AGENT = "rollout_server.agents.calculator_agent:run"
 ALLOW = [CALC_AGENT, "tests.agent_fixtures:first_fails", "tests.agent_fixtures:crash",
-         "tests.agent_fixtures:sleep", "tests.agent_fixtures:hog", "tests.agent_fixtures:environment"]
+         "tests.agent_fixtures:sleep", "tests.agent_fixtures:hog", "tests.agent_fixtures:environment",
+         "tests.agent_fixtures:warmed"]
 
 
 def submit_agent(server: EmbeddedRedis, job: str, agent: str, n: int = 1, offset: int = 0) -> list[str]:
@@ -90,13 +91,14 @@ def test_calculator_agent_job(redis_server: EmbeddedRedis, workers, tiny_model_d
 def test_agent_faults_fail_the_task(redis_server: EmbeddedRedis, workers) -> None:
     w = workers("srv-faults", f"rollout.agent_allowlist={json.dumps(ALLOW[2:])}", "rollout.agent_timeout_s=15",
                 "rollout.agent_memory_mb=300", "buffer.max_attempts=1")
-    for job in ("crash", "sleep", "hog", "environment"):
+    for job in ("crash", "sleep", "hog", "environment", "warmed"):
         submit_agent(redis_server, job, f"tests.agent_fixtures:{job}")
     submit_agent(redis_server, "unlisted", CALC_AGENT)
-    wait_for(lambda: len(dead_letters(redis_server)) == 5, w)
+    wait_for(lambda: len(dead_letters(redis_server)) == 6, w)
     errors = dead_letters(redis_server)
     assert "the agent crashed" in errors["crash"]
     assert "visible: []" in errors["environment"]  # the worker got a checkpoint token; its agents do not
+    assert "warmed: True" in errors["warmed"]  # forked from the fork server after its openai warm-up
     assert "ran past 15s" in errors["sleep"]
     assert "MemoryError" in errors["hog"]
     assert "not in this server's rollout.agent_allowlist" in errors["unlisted"]

@@ -14,6 +14,10 @@ model again) against sync as it is (a group's prompt once per micro-batch): sync
 the step's time shows in full; ``--compare admit`` runs async with ``engine.admit_wait_ms=0`` (each request
 prefilled at the engine's next step) against async as it is (one that arrives while others decode waits up to
 100 ms to be prefilled with later arrivals).
+``--compare unpinned`` runs async on the defaults, nothing pinned and torch's own thread count in the engine and
+the trainer (as many threads as cores each), with their idle OpenMP threads spinning a while before they sleep
+(libgomp's default, ``OMP_WAIT_POLICY`` empty) against sleeping at once (``PASSIVE``, what the launcher gives
+unpinned components unless the variable is set).
 The model is the tiny one after the demo's SFT warm start, so episodes are multi-turn with real tool calls and
 about half of them earn the reward: every step has a gradient and every push new weights.
 
@@ -52,6 +56,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import redis
@@ -77,10 +82,15 @@ MODES = {
     "reprefill": ["rollout.mode=async", "checkpoint.prefill_ahead=false"],
     "sync_per_sample": ["rollout.mode=sync", "trainer.share_prefix=false"],
     "admit_at_once": ["rollout.mode=async", "engine.admit_wait_ms=0"],
+    "unpinned_spin": ["rollout.mode=async"],
+    "unpinned": ["rollout.mode=async"],
 }
+# what the components inherit besides the config; an empty OMP_WAIT_POLICY is libgomp's default (spin a while, then
+# sleep), which unpinned components ran before the launcher gave them PASSIVE where it is not set
+MODE_ENV = {"unpinned_spin": {"OMP_WAIT_POLICY": ""}}
 COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "overlap": ("colocated", "overlap"),
            "ahead": ("reprefill", "async"), "share": ("sync_per_sample", "sync"),
-           "admit": ("admit_at_once", "async")}
+           "admit": ("admit_at_once", "async"), "unpinned": ("unpinned_spin", "unpinned")}
 SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
 TOKENS = tuple(f"rollwave_engine_{kind}_tokens_total" for kind in ("prompt", "cached", "generated"))
 MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("weights", "kv_cache", "spare_weights"))
@@ -89,7 +99,9 @@ MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("we
 def placement(mode: str, pinned: bool) -> list[str]:
     """The demo's placement: the rollout server and engine on the first usable CPU, the trainer on the last;
     colocated, each on all of them in its turn; overlapped, both on all of them at once, one thread each (two
-    each would thrash)."""
+    each would thrash); the unpinned modes, nothing (the defaults)."""
+    if mode.startswith("unpinned"):
+        return []
     cpus = sorted(os.sched_getaffinity(0))
     if not pinned or len(cpus) < 2:
         return ["engine.threads=1", "trainer.threads=1"]
@@ -156,7 +168,7 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
         queue = TaskQueue(client, keys, cfg.buffer)
         queue.ensure_groups()
         specs = components(cfg, config_path, server.url, api=False, trainer_args=())
-        with LocalStack(specs, run_dir / "logs") as stack:
+        with mock.patch.dict(os.environ, MODE_ENV.get(mode, {})), LocalStack(specs, run_dir / "logs") as stack:
             registry = ServerRegistry(client, keys)
             while not registry.live_servers():
                 time.sleep(0.2)

@@ -14,6 +14,25 @@ from core.config import ConfigError
 log = logging.getLogger(__name__)
 
 
+def idle_threads_env(cpus: list[int]) -> dict[str, str]:
+    """What the launcher adds to an unpinned component's environment: ``OMP_WAIT_POLICY=PASSIVE``, so its idle
+    OpenMP threads sleep at once (libgomp reads it as torch loads). Unpinned, the engine and the trainer each run
+    as many torch threads as there are cores, and libgomp's default, a spin before each sleep, took each side's
+    cores from the other's busy threads: an async run on two cores went 10x slower (``bench/e2e.py --compare
+    unpinned``). Pinned (``cpus``), nothing: a colocated run, on both cores in turns, was a quarter faster with
+    the spin. Nothing either where the variable is set already, which the component inherits."""
+    return {} if cpus or "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def idle_threads_sleep() -> None:
+    """Make the process's OpenMP threads sleep when they run out of work instead of spinning (``OMP_WAIT_POLICY``,
+    unless already set): called before torch loads, in the packages whose processes run torch. Unpinned, the
+    engine and the trainer each run as many torch threads as there are cores; spinning, each side's idle threads
+    took the cores from the other's busy ones and an async run on two cores went 15x slower (bench/e2e.py
+    ``--compare unpinned``). Sleeping costs a wake-up per parallel region, and nothing with one thread each."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def pin(cpus: list[int], key: str, threads: int, sharers: int = 1) -> int:
     """Pin this process (every thread it runs, and the children it starts) to ``cpus``, named by its config
     ``key``; returns the torch thread count to run: ``threads`` when set, else the CPUs' share of each of the

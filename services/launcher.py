@@ -33,6 +33,7 @@ import redis
 from buffer.keys import Keys
 from core.config import CONFIG_ERROR_EXIT, SECRETS, Config, secret_env
 from core.net import free_port_outside_ephemeral
+from core.placement import idle_threads_env
 from core.process import PARENT_PID_ENV, stop_process
 
 log = logging.getLogger(__name__)
@@ -81,12 +82,13 @@ def components(
     if trainer_ranks > 1:  # a pool of one needs no rendezvous
         pool.update(MASTER_ADDR=host, MASTER_PORT=str(free_port_outside_ephemeral(host)))
     for rank in range(trainer_ranks):
-        env = {**checkpoint_env, **pool, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        env = {**checkpoint_env, **pool, "RANK": str(rank), "LOCAL_RANK": str(rank),
+               **idle_threads_env(cfg.placement.trainer_cpus)}
         argv = [py, "-m", "trainer", "-c", str(config_path), *trainer_args, *common]
         specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu))
     for i in range(rollout_servers):
         argv = [py, "-m", "rollout_server", "-c", str(config_path), *common, f"rollout.server_id=rollout-{i}"]
-        env = {**checkpoint_env, **secret_env(cfg, "engine.api_key")}
+        env = {**checkpoint_env, **secret_env(cfg, "engine.api_key"), **idle_threads_env(cfg.placement.rollout_cpus)}
         specs.append(ComponentSpec(f"rollout-{i}", argv, env))
     if api:
         argv = [py, "-m", "services.api", "-c", str(config_path), *common]

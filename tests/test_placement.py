@@ -1,5 +1,6 @@
 """``placement``: a component pins every thread it runs (and the children it starts) to its CPU set, and
-runs one torch thread per CPU unless told otherwise; a CPU it may not use is refused naming the key."""
+runs one torch thread per CPU unless told otherwise; a CPU it may not use is refused naming the key. Unpinned,
+the launcher lets its idle OpenMP threads sleep unless ``OMP_WAIT_POLICY`` says otherwise."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from buffer.redis_server import EmbeddedRedis
-from core.config import ConfigError, EngineConfig
+from core.config import ConfigError, EngineConfig, load_config
 from core.placement import pin
 from rollout_server.__main__ import engine_urls
+from services.launcher import components
 from tests.stack_helpers import affinities
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,3 +152,22 @@ def test_the_trainer_runs_trainer_threads_torch_threads(tmp_path: Path, tiny_mod
                           timeout=120, env={**clean, **env})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert out.read_text() == "2"
+
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+@pytest.mark.parametrize("given", [None, "ACTIVE"])
+def test_unpinned_components_get_sleeping_openmp_threads_unless_told(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pinned: bool, given: str | None) -> None:
+    """The launcher gives the trainer and the rollout server (whose engine inherits it) ``OMP_WAIT_POLICY=PASSIVE``
+    when their placement pins them nowhere and the variable is not set: spinning, unpinned, they made an async
+    run 10x slower (bench/e2e.py); pinned, the spin made a colocated one faster."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    if given is not None:
+        monkeypatch.setenv("OMP_WAIT_POLICY", given)
+    cpus = f"[{USABLE[0]}]" if pinned else "[]"
+    cfg = load_config(None, [f"run.dir={tmp_path}", f"placement.rollout_cpus={cpus}", f"placement.trainer_cpus={cpus}"])
+    specs = components(cfg, tmp_path / "config.yaml", "redis://127.0.0.1:1", rollout_servers=2, api=True)
+    policies = {spec.name: spec.env.get("OMP_WAIT_POLICY") for spec in specs}
+    want = "PASSIVE" if not pinned and given is None else None
+    assert policies == {"trainer-0": want, "rollout-0": want, "rollout-1": want, "api": None}

@@ -121,6 +121,7 @@ def test_compose_redis_keeps_an_append_only_file_and_everyone_uses_it() -> None:
     assert any(v.endswith(":/data") for v in redis["volumes"])
     for name in _rollwave_commands():
         assert SERVICES[name]["environment"]["REDIS_URL"] == "redis://redis:6379/0", name
+        assert SERVICES[name]["environment"]["OMP_WAIT_POLICY"] == "PASSIVE", name  # unpinned: idle threads sleep
     assert load_config(DEPLOY / "config" / "run.yaml").redis.url == "redis://redis:6379/0"
 
 

@@ -103,6 +103,10 @@ def test_default_values_render_a_complete_cpu_stack(tmp_path: Path) -> None:
     assert secret_env(redis) == {"ROLLWAVE_REDIS_PASSWORD": "redis-password"}
     rollout = find(docs, "StatefulSet", "-rollout")
     assert rollout["spec"]["replicas"] == 2 and set(containers(rollout)) == {"model-init", "rollout-server"}
+    for name, container in [("rollout-server", containers(rollout)["rollout-server"]),
+                            ("trainer", containers(find(docs, "StatefulSet", "-trainer"))["trainer"])]:
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["OMP_WAIT_POLICY"] == "PASSIVE", name  # placement is empty: idle OpenMP threads sleep
     for doc in docs:
         for container in containers(doc).values() if doc["kind"] in ("Deployment", "StatefulSet") else []:
             assert "nvidia.com/gpu" not in container.get("resources", {}).get("limits", {}), container["name"]

@@ -117,6 +117,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "rollwave.env" -}}
 - name: HOME
   value: /tmp
+- name: OMP_WAIT_POLICY  # placement is empty: idle OpenMP threads sleep, not spin (docs/DECISIONS.md)
+  value: PASSIVE
 - name: REDIS_URL
   value: {{ include "rollwave.redisUrl" . | quote }}
 {{- if .Values.redis.auth.enabled }}

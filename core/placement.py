@@ -24,15 +24,6 @@ def idle_threads_env(cpus: list[int]) -> dict[str, str]:
     return {} if cpus or "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def idle_threads_sleep() -> None:
-    """Make the process's OpenMP threads sleep when they run out of work instead of spinning (``OMP_WAIT_POLICY``,
-    unless already set): called before torch loads, in the packages whose processes run torch. Unpinned, the
-    engine and the trainer each run as many torch threads as there are cores; spinning, each side's idle threads
-    took the cores from the other's busy ones and an async run on two cores went 15x slower (bench/e2e.py
-    ``--compare unpinned``). Sleeping costs a wake-up per parallel region, and nothing with one thread each."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def pin(cpus: list[int], key: str, threads: int, sharers: int = 1) -> int:
     """Pin this process (every thread it runs, and the children it starts) to ``cpus``, named by its config
     ``key``; returns the torch thread count to run: ``threads`` when set, else the CPUs' share of each of the

@@ -1,7 +1,7 @@
 """Warms the agent fork server: importing this module runs a few canned chats through the ``openai`` client.
 
 The client imports most of its modules and fills its caches on its first call, not when ``openai`` is imported,
-so every sample's process paid for them again (about 60 of its 105 ms of CPU here; ``bench/agent_fork.py``).
+so every sample's process paid for them again (about 60 of its 115 ms of CPU here; ``bench/agent_fork.py``).
 Imported in the fork server (``agent_runner.start_fork_server``), the chats run there once, against
 ``canned_openai_server`` on a loopback port of its own that closes when they are done: the async and the
 sync client, a tool call, a plain answer and a stream, as agents use them. A warm-up that fails only costs
@@ -21,9 +21,9 @@ from typing import Any
 import openai
 from aiohttp import web
 
+from core.tasks.arith import CALCULATOR_SCHEMA
+
 WARMUP_TIMEOUT_S = 30.0
-_TOOL = {"type": "function", "function": {"name": "calculator", "parameters": {
-    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
 def _completion(message: dict[str, Any], finish: str) -> dict[str, Any]:
@@ -70,17 +70,17 @@ async def canned_openai_server() -> AsyncIterator[str]:
 def _sync_chat(base_url: str) -> None:
     with openai.OpenAI(base_url=base_url, api_key="warmup", max_retries=0, timeout=10) as client:
         client.chat.completions.create(model="warmup", messages=[{"role": "user", "content": "2+3?"}],
-                                       tools=[_TOOL])
+                                       tools=[CALCULATOR_SCHEMA])
 
 
 async def _chats() -> None:
     async with canned_openai_server() as base_url:
         async with openai.AsyncOpenAI(base_url=base_url, api_key="warmup", max_retries=0, timeout=10) as client:
             messages: list[Any] = [{"role": "user", "content": "2+3?"}]
-            reply = await client.chat.completions.create(model="warmup", messages=messages, tools=[_TOOL])
+            reply = await client.chat.completions.create(model="warmup", messages=messages, tools=[CALCULATOR_SCHEMA])
             messages.append(reply.choices[0].message.model_dump(exclude_none=True))
             messages.append({"role": "tool", "tool_call_id": "call-0", "content": "5"})
-            await client.chat.completions.create(model="warmup", messages=messages, tools=[_TOOL])
+            await client.chat.completions.create(model="warmup", messages=messages, tools=[CALCULATOR_SCHEMA])
             async for _ in await client.chat.completions.create(model="warmup", messages=messages, stream=True):
                 pass
         await asyncio.to_thread(_sync_chat, base_url)

@@ -162,13 +162,13 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
     n_tasks = steps * cfg.buffer.groups_per_step * 3
     spec = JobSpec(source=TaskSource(kind="arith", split="train", limit=n_tasks, seed=7))
     tasks = spec.source.load()
-    with EmbeddedRedis(run_dir / "redis", aof=False) as server:
+    with EmbeddedRedis(run_dir / "redis", aof=False) as server, mock.patch.dict(os.environ, MODE_ENV.get(mode, {})):
         client = redis.Redis.from_url(server.url)
         keys = Keys(cfg.run.name)
         queue = TaskQueue(client, keys, cfg.buffer)
         queue.ensure_groups()
         specs = components(cfg, config_path, server.url, api=False, trainer_args=())
-        with mock.patch.dict(os.environ, MODE_ENV.get(mode, {})), LocalStack(specs, run_dir / "logs") as stack:
+        with LocalStack(specs, run_dir / "logs") as stack:
             registry = ServerRegistry(client, keys)
             while not registry.live_servers():
                 time.sleep(0.2)

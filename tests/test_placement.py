@@ -154,7 +154,6 @@ def test_the_trainer_runs_trainer_threads_torch_threads(tmp_path: Path, tiny_mod
     assert out.read_text() == "2"
 
 
-
 @pytest.mark.parametrize("pinned", [False, True])
 @pytest.mark.parametrize("given", [None, "ACTIVE"])
 def test_unpinned_components_get_sleeping_openmp_threads_unless_told(

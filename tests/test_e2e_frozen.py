@@ -36,7 +36,8 @@ from tests.stack_helpers import Feeder, stack_config, trained_group_ids, wait_fo
 
 pytestmark = pytest.mark.slow
 FREEZE_S = 60.0  # how long the server stays frozen (the probe: one minute)
-BEFORE_S = 20.0  # the window before the freeze that sets the trainer's reference rate
+BEFORE_S = 10.0  # the window before the freeze that sets the trainer's reference rate: 57-79 steps in it here, and
+# the rate during the freeze 7.1-7.8 steps/s against 5.7-7.9 before (2026-11-28), far above the half asserted
 FROZEN = "rollout-1"
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -92,11 +92,15 @@ class KVBatch:
         return [(layer.keys[i, :, -n:], layer.values[i, :, -n:]) for layer in self.cache.layers]
 
     def decode(self, model: PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (``[B]``); returns the next-token logits ``[B, V]``."""
+        """Feed one token per row (``[B]``); returns the next-token logits ``[B, V]``.
+
+        The padding mask goes in as the 4-D boolean one attention takes (``[B, 1, 1, L]``, true where a row attends),
+        which transformers passes through as it is: built by transformers from the 2-D mask at every step, it cost
+        0.3-0.5 ms of CPU a step (``bench/decode_mask.py``: 8 rows 2.76 ms against 2.29, 29 rows 4.15 against 3.83)."""
         self.mask = F.pad(self.mask, (0, 1), value=1)
         out = model(
             input_ids=tokens[:, None],
-            attention_mask=self.mask if self._padded else None,
+            attention_mask=self.mask.bool()[:, None, None, :] if self._padded else None,
             position_ids=self.lengths[:, None],
             **{CACHE_ARG: self.cache},
             use_cache=True,

@@ -16,13 +16,14 @@ import asyncio
 import json
 import multiprocessing
 import multiprocessing.forkserver
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,15 +34,10 @@ AGENT = "rollout_server.agents.calculator_agent:run"
 
 def children_cpu_s() -> float:
     """CPU of the reaped children of this process's fork server (its only child process)."""
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[1]) == os.getpid() and b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+    for child in psutil.Process().children():
+        if any("forkserver" in part for part in child.cmdline()):
+            times = child.cpu_times()
+            return times.children_user + times.children_system
     raise RuntimeError("no fork server among this process's children")
 
 

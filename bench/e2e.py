@@ -59,6 +59,7 @@ from pathlib import Path
 from unittest import mock
 
 import httpx
+import psutil
 import redis
 
 # bench/buffer.py sits beside this file: put the repository first so `import buffer` finds the package.
@@ -114,14 +115,10 @@ def placement(mode: str, pinned: bool) -> list[str]:
 
 
 def cpu_busy_s(cpus: list[int]) -> float:
-    """Seconds the CPUs ``cpus`` have been busy since boot (``/proc/stat``: every state but idle, iowait and steal)."""
-    busy = 0
-    for line in Path("/proc/stat").read_text().splitlines():
-        name, *fields = line.split()
-        if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cpus:
-            ticks = [int(x) for x in fields[:8]]
-            busy += sum(ticks[:7]) - ticks[3] - ticks[4]  # not steal (index 7): time the host took
-    return busy / os.sysconf("SC_CLK_TCK")
+    """Seconds the CPUs ``cpus`` have been busy since boot: every state but idle, iowait and steal (the time the
+    host took)."""
+    per_cpu = psutil.cpu_times(percpu=True)
+    return sum(t.user + t.nice + t.system + t.irq + t.softirq for t in (per_cpu[i] for i in cpus))
 
 
 class EngineMemory(threading.Thread):

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import uvicorn
 import uvloop
 
@@ -63,8 +64,8 @@ def serve(model_dir: Path, http: str, loop: str, port_file: Path) -> None:
 
 
 def process_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def own_cpu_s() -> float:

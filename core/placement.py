@@ -15,12 +15,13 @@ log = logging.getLogger(__name__)
 
 
 def idle_threads_env(cpus: list[int]) -> dict[str, str]:
-    """What the launcher adds to an unpinned component's environment: ``OMP_WAIT_POLICY=PASSIVE``, so its idle
-    OpenMP threads sleep at once (libgomp reads it as torch loads). Unpinned, the engine and the trainer each run
-    as many torch threads as there are cores, and libgomp's default, a spin before each sleep, took each side's
-    cores from the other's busy threads: an async run on two cores went 10x slower (``bench/e2e.py --compare
-    unpinned``). Pinned (``cpus``), nothing: a colocated run, on both cores in turns, was a quarter faster with
-    the spin. Nothing either where the variable is set already, which the component inherits."""
+    """What an unpinned process's environment gets (the launcher's components, and the test workers from
+    tests/conftest.py): ``OMP_WAIT_POLICY=PASSIVE``, so its idle OpenMP threads sleep at once (libgomp reads it
+    as torch loads). Unpinned, the engine and the trainer each run as many torch threads as there are cores, and
+    libgomp's default, a spin before each sleep, took each side's cores from the other's busy threads: an async
+    run on two cores went 10x slower (``bench/e2e.py --compare unpinned``). Pinned (``cpus``), nothing: a
+    colocated run, on both cores in turns, was a quarter faster with the spin. Nothing either where the variable
+    is set already, which the process inherits."""
     return {} if cpus or "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

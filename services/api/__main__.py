@@ -10,7 +10,7 @@ import uvicorn
 
 from core.config import load_config_or_exit
 from core.net import listen_socket
-from core.process import die_with_parent
+from core.process import die_with_parent, prepare_component
 from services.api.app import check_api_config, create_app
 
 
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.api", description=__doc__)
     parser.add_argument("-c", "--config")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
+    prepare_component()
     die_with_parent()
     args = parser.parse_args(argv)
     cfg = load_config_or_exit(args.config, args.overrides, check=check_api_config)

@@ -472,16 +472,22 @@ def test_kl_coef_adds_its_share_of_the_kl_to_the_loss(ctx: DistContext, tiny_mod
     """trainer.kl_coef > 0 scores a reference policy and adds kl_coef · KL to the loss. The first step starts at the
     reference (KL 0, and low-var-kl has no gradient there), so a run with kl_coef 0.5 and one with 0 take the same
     first step; on the second, from the same moved policy, the policy loss is the same but the loss is larger by
-    0.5 · kl and the gradient differs. Ignored, the KL would be 0 (no reference) or missing from the loss."""
+    0.5 · kl and the gradient differs. Ignored, the KL would be 0 (no reference) or missing from the loss.
+    trainer.kl_estimator k1 (log π − log π_ref) is 0 at the reference too, but its gradient is not: its first step
+    differs."""
     cfg = {**CFG, "lr": 0.05, "entropy_coef": 0.0, "loss_agg": "token-mean"}
     records = {}
-    for coef in (0.5, 0.0):
-        trainer = Trainer(TrainerConfig(**{**cfg, "kl_coef": coef}), tiny_model_dir, tmp_path / str(coef))
+    for coef, estimator in ((0.5, "low-var-kl"), (0.0, "low-var-kl"), (0.5, "k1")):
+        trainer = Trainer(TrainerConfig(**{**cfg, "kl_coef": coef, "kl_estimator": estimator}), tiny_model_dir,
+                          tmp_path / f"{coef}-{estimator}")
         trainer.start(ctx=ctx)
         assert (trainer.train_step.ref_model is not None) == (coef > 0)
-        records[coef] = [trainer.train(synthetic_groups(seed, GROUPS)) for seed in range(2)]
+        records[coef, estimator] = [trainer.train(synthetic_groups(seed, GROUPS)) for seed in range(2)]
         trainer.close()
-    (first, second), (first0, second0) = records[0.5], records[0.0]
+    (first, second), (first0, second0) = records[0.5, "low-var-kl"], records[0.0, "low-var-kl"]
+    first_k1 = records[0.5, "k1"][0]
+    assert first_k1["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert first_k1["grad_norm"] != pytest.approx(first0["grad_norm"], rel=1e-3)
     assert first["kl"] == pytest.approx(0.0, abs=1e-6) and first["loss"] == pytest.approx(first0["loss"], rel=1e-5)
     assert first["grad_norm"] == pytest.approx(first0["grad_norm"], rel=1e-5)
     assert second0["kl"] == 0.0 and second0["loss"] == second0["pg_loss"]

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from core.process import PR_SET_DUMPABLE
+
 ROOT = Path(__file__).resolve().parent.parent
 # Whether glibc serves a 1 MiB malloc from a fresh mmap (whose pages the kernel zeroes at every fault): its
 # mmapped-block count (mallinfo2's hblks) goes up while the block is held.
@@ -71,13 +73,13 @@ def test_a_component_exits_without_the_last_garbage_collection() -> None:
 # Both sides run as one user that is not root (root may read any process): as root, each switches to ``nobody``
 # once its imports are done (the interpreter's own files may be closed to that user). A process a user starts is
 # dumpable, which a switch of uid turns off, so the target turns it back on before it starts as a component or not.
-AS_ANOTHER_USER = """
+AS_ANOTHER_USER = f"""
 import ctypes, os, sys
 if os.getuid() == 0:
     os.setgroups([])
     os.setgid(65534)
     os.setuid(65534)
-    ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+    ctypes.CDLL(None).prctl({PR_SET_DUMPABLE}, 1, 0, 0, 0)
 """
 TARGET = """
 from core.process import forget_environment, prepare_component

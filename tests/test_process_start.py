@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from core.config import CONFIG_ERROR_EXIT
 from core.process import PR_SET_DUMPABLE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,9 +100,9 @@ except PermissionError:
 """
 
 
-def read_environment_of(kind: str) -> str:
+def read_environment_of(kind: str, **extra_env: str) -> str:
     """What another process of the target's user gets from the target's ``/proc/<pid>/environ``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ROLLWAVE_CHECKPOINT_TOKEN": "token-of-the-test"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ROLLWAVE_CHECKPOINT_TOKEN": "token-of-the-test", **extra_env}
     with subprocess.Popen([sys.executable, "-c", TARGET, kind], env=env, stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, text=True) as target:
         try:
@@ -118,3 +119,13 @@ def test_no_other_process_of_the_same_user_reads_a_components_secrets() -> None:
     # rollout server runs, as the same user, could read it; a component's is refused
     assert read_environment_of("plain") == "read True"
     assert read_environment_of("component") == "refused"
+
+
+def test_a_component_stays_inspectable_only_when_told() -> None:
+    # ROLLWAVE_INSPECTABLE=1, for debugging (py-spy, gdb), leaves it dumpable; a value neither 1 nor 0 stops it
+    assert read_environment_of("component", ROLLWAVE_INSPECTABLE="1") == "read True"
+    bad = subprocess.run([sys.executable, "-c", "from core.process import prepare_component; prepare_component()"],
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "ROLLWAVE_INSPECTABLE": "yes"},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == CONFIG_ERROR_EXIT, bad.stderr
+    assert "ROLLWAVE_INSPECTABLE='yes': want 1 (dumpable, for debugging) or 0" in bad.stderr

@@ -119,6 +119,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   value: /tmp
 - name: OMP_WAIT_POLICY  # placement is empty: idle OpenMP threads sleep, not spin (docs/DECISIONS.md)
   value: PASSIVE
+{{- if .Values.inspectable }}
+- name: ROLLWAVE_INSPECTABLE  # dumpable, for debugging: py-spy, gdb (docs/SECURITY.md)
+  value: "1"
+{{- end }}
 - name: REDIS_URL
   value: {{ include "rollwave.redisUrl" . | quote }}
 {{- if .Values.redis.auth.enabled }}

@@ -10,8 +10,9 @@ tokenizer stays on (no ``--skip-tokenizer-init``): stop strings such as ``</tool
 ``text`` of replies need it.
 
 An API key (``--api-key-file``, or ``ROLLWAVE_ENGINE_API_KEY``) reaches SGLang's ``--api-key`` through the
-environment: SGLang reads it from its argv, so a two-line bootstrap inserts it there inside the
-interpreter, and it never shows in the process's command line. Off loopback a key is required.
+environment: SGLang reads it from its argv, so a short bootstrap inserts it there inside the interpreter,
+and it never shows in the process's command line; nor in SGLang's log, where the bootstrap masks it. Off
+loopback a key is required.
 """
 
 from __future__ import annotations
@@ -34,12 +35,19 @@ from rollout_server.engine import ENGINE_KEY_ENV
 # has ``qwen``, so it is the default when the version is unknown.
 QWEN_RENAMED_IN = Version("0.5.3.post1")
 DEFAULT_TOOL_CALL_PARSER = "qwen"
-# ``python -c`` this instead of ``-m sglang.launch_server`` to give SGLang the key from the environment.
-LAUNCH_WITH_KEY_FROM_ENV = (
-    "import os, runpy, sys; "
-    f"sys.argv[1:1] = ['--api-key', os.environ.pop({ENGINE_KEY_ENV!r})]; "
-    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)"
-)
+# ``python -c`` this instead of ``-m sglang.launch_server`` to give SGLang the key from the environment. SGLang
+# logs its whole ``ServerArgs`` at start, the key among them: every log record made in its process shows
+# ``REDACTED`` in the key's place (SGLang runs in its own environment, which need not have rollwave: hence inline).
+REDACTED = "<engine api key>"
+LAUNCH_WITH_KEY_FROM_ENV = f"""import logging, os, runpy, sys
+key = os.environ.pop({ENGINE_KEY_ENV!r})
+sys.argv[1:1] = ['--api-key', key]
+class Record(logging.LogRecord):
+    def getMessage(self):
+        return super().getMessage().replace(key, {REDACTED!r})
+logging.setLogRecordFactory(Record)
+runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)
+"""
 
 
 def build_command(

@@ -133,14 +133,17 @@ def test_a_non_integer_weight_version_is_refused(capsys: pytest.CaptureFixture) 
 
 
 def _fake_sglang(root: Path) -> None:
-    """A ``sglang`` package whose launch_server prints what SGLang would see: its argv, and the process's."""
+    """A ``sglang`` package whose launch_server prints what SGLang would see: its argv, and the process's; and logs
+    its arguments as SGLang does at start (``logger.info(f"{server_args=}")``), after setting up its logging."""
     (root / "sglang").mkdir()
     (root / "sglang" / "__init__.py").write_text("__version__ = '0.5.23'\n")
     (root / "sglang" / "launch_server.py").write_text(
-        "import json, os, sys\n"
+        "import json, logging, os, sys\n"
         "if __name__ == '__main__':\n"
         "    print(json.dumps({'argv': sys.argv[1:], 'cmdline': open('/proc/self/cmdline').read(),\n"
         "                      'env': 'ROLLWAVE_ENGINE_API_KEY' in os.environ}))\n"
+        "    logging.basicConfig(level=logging.INFO, force=True)\n"
+        "    logging.getLogger('sglang.srt.entrypoints.engine').info('server_args=ServerArgs(argv=%r)', sys.argv[1:])\n"
     )
 
 
@@ -161,6 +164,7 @@ def test_the_api_key_reaches_sglang_through_the_environment_not_argv(tmp_path: P
     seen = json.loads(proc.stdout)
     assert seen["argv"][:2] == ["--api-key", key] and seen["argv"][seen["argv"].index("--host") + 1] == "10.0.0.5"
     assert key not in seen["cmdline"] and not seen["env"]  # and SGLang's own children do not inherit it
+    assert "server_args=ServerArgs(argv=['--api-key', '<engine api key>'" in proc.stderr and key not in proc.stderr
     key_file = tmp_path / "key"
     key_file.write_text(key + "\n")
     proc = _sglang(tmp_path, "--host", "0.0.0.0", "--api-key-file", str(key_file), env={})

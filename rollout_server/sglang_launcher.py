@@ -36,16 +36,24 @@ from rollout_server.engine import ENGINE_KEY_ENV
 QWEN_RENAMED_IN = Version("0.5.3.post1")
 DEFAULT_TOOL_CALL_PARSER = "qwen"
 # ``python -c`` this instead of ``-m sglang.launch_server`` to give SGLang the key from the environment. SGLang
-# logs its whole ``ServerArgs`` at start, the key among them: every log record made in its process shows
-# ``REDACTED`` in the key's place (SGLang runs in its own environment, which need not have rollwave: hence inline).
+# logs its whole ``ServerArgs`` at start, the key among them: a log record made in its process whose message holds
+# the key holds ``REDACTED`` instead (a plain LogRecord still, with its message formatted; SGLang runs in its own
+# environment, which need not have rollwave: hence inline).
 REDACTED = "<engine api key>"
 LAUNCH_WITH_KEY_FROM_ENV = f"""import logging, os, runpy, sys
 key = os.environ.pop({ENGINE_KEY_ENV!r})
 sys.argv[1:1] = ['--api-key', key]
-class Record(logging.LogRecord):
-    def getMessage(self):
-        return super().getMessage().replace(key, {REDACTED!r})
-logging.setLogRecordFactory(Record)
+make = logging.getLogRecordFactory()
+def record(*args, **kwargs):
+    r = make(*args, **kwargs)
+    try:
+        message = r.getMessage()
+    except Exception:
+        return r
+    if key in message:
+        r.msg, r.args = message.replace(key, {REDACTED!r}), None
+    return r
+logging.setLogRecordFactory(record)
 runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)
 """
 

@@ -174,7 +174,8 @@ def past_length(past: Layers | None) -> int:
     return 0 if past is None else past[0][0].shape[-2]
 
 
-def _common_length(a: list[int], b: list[int]) -> int:
+def common_length(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from the start."""
     n = min(len(a), len(b))
     differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(differ[0]) if differ.size else n
@@ -193,7 +194,7 @@ def shared_prefixes(seqs: list[tuple[str | None, list[int]]], cached: list[int],
     rows, shared = order[:1], 0
     for prev, row in pairwise(order):
         (lora_a, a), (lora_b, b) = seqs[prev], seqs[row]
-        common = min(_common_length(a, b), len(a) - 1, len(b) - 1) if lora_a == lora_b else 0
+        common = min(common_length(a, b), len(a) - 1, len(b) - 1) if lora_a == lora_b else 0
         n = len(rows)
         if common >= min_tokens if n == 1 else n * min(shared, common) >= (n - 1) * shared:
             shared = common if n == 1 else min(shared, common)

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,9 +40,10 @@ from rollout_server.engine.kv import KVBatch
 from rollout_server.engine.lora import Adapter, AdapterSet
 from rollout_server.engine.memory import ModelMemory, PreparedWeights
 from rollout_server.engine.metrics import EngineMetrics
-from rollout_server.engine.prefix_cache import Hit, Layers, PrefixCache, past_length, shared_prefixes
+from rollout_server.engine.prefix_cache import Hit, Layers, PrefixCache, common_length, past_length, shared_prefixes
 from rollout_server.engine.request import Request, abort_reason
 from rollout_server.engine.sampling import BatchSampler
+from rollout_server.engine.tree_prefill import tree_prefill
 from rollout_server.engine.weights import WeightError, load_into
 
 log = logging.getLogger(__name__)
@@ -445,12 +446,11 @@ class Scheduler:
         self._retire([offset + i for i in self._record(chunk, tokens, logprobs)])
 
     def _prefill_kv(
-        self, seqs: list[tuple[str | None, list[int]]], rows: list[int] | None = None, cached: bool = True
+        self, seqs: list[tuple[str | None, list[int]]], rows: list[int] | None = None
     ) -> tuple[KVBatch, torch.Tensor, list[int], list[Hit | None]]:
         """Run (adapter, tokens) ``seqs`` through the model: the batch and the next-token logits of ``rows``
         (indices into ``seqs``; default: each once, in order), and for each of ``seqs`` how many of its tokens
-        came from earlier KV and what the prefix cache held of it (none without ``cached``: the weights served are
-        not those that computed the cache's KV).
+        came from earlier KV and what the prefix cache held of it.
 
         A row starts from what the cache holds of it (the longest entry it extends, or the whole blocks it shares
         with another), or from a prefix it shares with other rows
@@ -459,7 +459,7 @@ class Scheduler:
         prompt that two episodes share is not worth one, a swap's retracted groups are. The rows run in two
         forwards where one would run the short uncached rests of later turns as wide as new prompts
         (``_split``)."""
-        hits = [self.prefix_cache.lookup(tokens, lora) if cached else None for lora, tokens in seqs]
+        hits = [self.prefix_cache.lookup(tokens, lora) for lora, tokens in seqs]
         past: list[Layers | None] = [None if h is None else h.entry.head(min(h.tokens, len(tokens) - 1))
                                      for h, (_, tokens) in zip(hits, seqs, strict=True)]
         # no prefix can save more than every row but one running the longest whole: small prefills skip the search
@@ -468,7 +468,7 @@ class Scheduler:
             seqs, [past_length(p) for p in past], SHARED_PREFIX_MIN_TOKENS)
         if prefixes and sum(n * (len(sharing) - 1) for n, sharing in prefixes) >= self.shared_prefix_min_saved:
             heads, _, _, _ = self._prefill_kv([(seqs[sharing[0]][0], seqs[sharing[0]][1][:n])
-                                               for n, sharing in prefixes], cached=cached)
+                                               for n, sharing in prefixes])
             for at, (n, sharing) in enumerate(prefixes):
                 for i in sharing:
                     past[i] = heads.row(at)
@@ -496,43 +496,47 @@ class Scheduler:
 
     def _start_ahead(self, prepared: PreparedWeights | None, fut: Future) -> None:
         self._end_ahead()  # a newer prepare replaces the one in progress
-        requests = deque(r for r in self._running if r.lora is None)
+        requests = _by_tokens(r for r in self._running if r.lora is None)
         if prepared is None or not self.prefix_cache.max_tokens or not requests:
             fut.set_result(0)
             return
         self._ahead = _AheadJob(prepared, requests, fut, seen=set(requests))
 
     def _ahead_step(self) -> None:
-        """One prefill chunk (``prefill_tokens``) of the ahead job, under its prepared weights."""
+        """One chunk of the ahead job under its prepared weights: requests, taken in token order, while their
+        distinct tokens (those not shared with the request before) stay within ``prefill_tokens``."""
         job = self._ahead
         assert job is not None
         chunk: list[Request] = []
-        width = 0
+        seqs: list[list[int]] = []
+        distinct = 0
         while self.memory.holds(job.prepared) and job.requests:
-            r = job.requests[0]
-            w = max(width, len(r.input_ids) + len(r.output_ids))
-            if chunk and w * (len(chunk) + 1) > self.prefill_tokens:
+            tokens = job.requests[0].tokens
+            own = len(tokens) - (common_length(seqs[-1], tokens) if seqs else 0)
+            if chunk and distinct + own > self.prefill_tokens:
                 break
-            job.requests.popleft()
+            r = job.requests.popleft()
             if r.finish_reason is None:
                 chunk.append(r)
-                width = w
+                seqs.append(tokens)
+                distinct += own
         if chunk:
-            seqs = [r.tokens for r in chunk]
-            try:  # the cache holds the old weights' KV; prefixes the chunk shares are computed once all the same
+            try:  # the cache holds the old weights' KV: every token is computed, each distinct one once
                 with self.memory.serving(job.prepared):
-                    batch, _, _, _ = self._prefill_kv([(None, seq) for seq in seqs], cached=False)
+                    self.adapters.rows = []  # base rows only (requests with an adapter are not computed ahead)
+                    layers, computed = tree_prefill(self.model, seqs)
             except Exception as exc:  # the swap will re-prefill them: only the job fails
                 log.exception("computing the KV of running requests ahead of a load failed")
                 self._ahead = None
                 job.done.set_exception(exc)
                 return
-            job.prepared.ahead += [(seq, batch.row(i)) for i, seq in enumerate(seqs)]
+            job.prepared.ahead += list(zip(seqs, layers, strict=True))
             job.tokens += sum(map(len, seqs))
             self.metrics.ahead_tokens.inc(sum(map(len, seqs)))
+            self.metrics.shared_tokens.inc(sum(map(len, seqs)) - computed)
         if not job.requests and not job.swept:
             job.swept = True
-            job.requests.extend(r for r in self._running if r.lora is None and r not in job.seen)
+            job.requests.extend(_by_tokens(r for r in self._running if r.lora is None and r not in job.seen))
         if not job.requests or not self.memory.holds(job.prepared):
             self._end_ahead()
 
@@ -623,6 +627,11 @@ class Scheduler:
         for fn, fut in self._barriers:
             fut.set_exception(RuntimeError(f"engine closed before {fn!r} ran"))
         self._barriers.clear()
+
+
+def _by_tokens(requests: Iterable[Request]) -> deque[Request]:
+    """``requests`` in the order of their tokens, each next to those it shares most with."""
+    return deque(sorted(requests, key=lambda r: r.tokens))
 
 
 def _split(order: list[int], rests: list[int]) -> list[list[int]]:

@@ -127,12 +127,13 @@ def test_frozen_servers_never_stop_training(tmp_path: Path, tiny_model_dir: Path
             newest = trainer("pushed_version")
             wait_for("the resumed servers at the newest version",
                      lambda: min(served().get(name, 0) for name in RESUMED) >= newest, stack, 60)
-            newer = trainer("pushed_version") - resumed  # versions the trainer pushed since (it never waits)
             missed = resumed - pushed_at_freeze
             for name in RESUMED:
                 landed = commits(metrics_address(name)) - (commits_before[name] if FATES[name] == "sigcont" else 0)
-                # the catch-up, a commit cut by the freeze, and the versions pushed since: no replay of the missed
-                assert landed <= 2 + newer and landed < missed, (name, landed, newer, missed)
+                newer = trainer("pushed_version") - resumed  # versions the trainer pushed since (it never waits)
+                # the catch-up, a commit cut by the freeze, the versions pushed since, and one the server committed
+                # before the trainer recorded it (its commit counts at once): no replay of the missed ones
+                assert landed <= 3 + newer and landed < missed, (name, landed, newer, missed)
             wait_for("the next version published", lambda: int(client.get(keys.version) or 0) > newest, stack, 60)
             assert status()["stragglers"] == list(frozen)  # the server that never came back, and only it
         wait_for("the trainer to drain the job", lambda: stack.finished("trainer-0"), stack, timeout_s=300)

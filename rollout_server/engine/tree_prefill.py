@@ -89,7 +89,7 @@ def _pack(seqs: list[list[int]], order: list[int], shared: int, row_tokens: int)
         seq = seqs[i]
         if len(seq) == shared:
             continue
-        known = shared if last is None else max(shared, common_length(seqs[last], seq))
+        known = shared if last is None else common_length(seqs[last], seq)  # at least ``shared``
         if not rows or len(rows[-1].ids) + len(seq) - known > row_tokens:
             rows.append(_Row())
             known = shared

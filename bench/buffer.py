@@ -9,6 +9,11 @@ The reference is ``redis-benchmark -t set,get -d 65536`` (50 clients) against th
 moving one 64 KiB item in and out of Redis once costs one SET and one GET, so the reference rate of
 items is ``1 / (1/set_rps + 1/get_rps)``. The headline ratio is buffer groups/s over that rate.
 Needs ``redis-benchmark`` (Debian ``redis-tools``).
+
+Each round also prints the CPU (user + system) each side spent per item: the producers' and the trainer's
+own (``getrusage`` around their loops), redis-benchmark's (its process) and Redis's (``INFO cpu`` around each
+side). Their quotient is the ratio the buffer would reach were both sides to keep the two cores busy: what
+the buffer's CPU allows, whatever its waits.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import csv
 import io
 import multiprocessing as mp
+import resource
 import shutil
 import subprocess
 import sys
@@ -51,10 +57,22 @@ def tokens_for_payload(target: int) -> int:
     return 64 + (target - base) // 13
 
 
-def producer(url: str, job: str, start: int, count: int, tokens: int, batch: int, cfg: BufferConfig, go) -> None:
+def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def redis_cpu_seconds(client: redis.Redis) -> float:
+    cpu = client.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
+def producer(url: str, job: str, start: int, count: int, tokens: int, batch: int, cfg: BufferConfig, go,
+             out) -> None:
     buf = ReplayBuffer(redis.Redis.from_url(url), KEYS, cfg, consumer="producer")
     todo = [make_group(i, tokens, job) for i in range(start, start + count)]
     go.wait()
+    cpu0 = cpu_seconds()
     delay = 0.001
     while todo:
         results = buf.put_many(todo[:batch])
@@ -65,12 +83,13 @@ def producer(url: str, job: str, start: int, count: int, tokens: int, batch: int
         else:  # the buffer is full: back off as ReplayBuffer.put does, so waiting costs little CPU
             time.sleep(delay)
             delay = min(2 * delay, 0.02)
+    out.put(("producers", cpu_seconds() - cpu0))
 
 
 def trainer(url: str, total: int, batch: int, cfg: BufferConfig, go, out) -> None:
     buf = ReplayBuffer(redis.Redis.from_url(url), KEYS, cfg)
     go.wait()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     done = 0
     while done < total:
         items = buf.take(min(batch, total - done), 30.0)
@@ -78,35 +97,54 @@ def trainer(url: str, total: int, batch: int, cfg: BufferConfig, go, out) -> Non
             raise RuntimeError(f"trainer: no group for 30 s after {done} of {total}")
         buf.ack([i for i, _ in items], [g.group_id for _, g in items])
         done += len(items)
-    out.put(time.perf_counter() - t0)
+    out.put(("trainer", cpu_seconds() - cpu0))
+    out.put(("elapsed", time.perf_counter() - t0))
 
 
-def run_buffer(url: str, job: str, total: int, tokens: int, producers: int, batch: int, max_groups: int) -> float:
-    """Seconds to move ``total`` groups of a fresh ``job`` from ``producers`` processes through one trainer."""
+def run_buffer(url: str, job: str, total: int, tokens: int, producers: int, batch: int,
+               max_groups: int) -> tuple[float, dict[str, float]]:
+    """Seconds to move ``total`` groups of a fresh ``job`` from ``producers`` processes through one trainer, and
+    the CPU seconds each side spent (``producers`` together, ``trainer``, ``redis``)."""
     cfg = BufferConfig(max_groups=max_groups)
     ReplayBuffer(redis.Redis.from_url(url), KEYS, cfg).ensure_group()
     ctx = mp.get_context("fork")
     go, out = ctx.Barrier(producers + 1), ctx.Queue()  # everyone starts once every producer built its groups
     share = total // producers
-    procs = [ctx.Process(target=producer, args=(url, job, p * share, share, tokens, batch, cfg, go))
+    procs = [ctx.Process(target=producer, args=(url, job, p * share, share, tokens, batch, cfg, go, out))
              for p in range(producers)]
     procs.append(ctx.Process(target=trainer, args=(url, share * producers, batch, cfg, go, out)))
+    client = redis.Redis.from_url(url)
+    redis0 = redis_cpu_seconds(client)
     for p in procs:
         p.start()
-    elapsed = out.get(timeout=600)
+    cpu = {"producers": 0.0}
+    for _ in range(producers + 2):  # each producer's CPU, the trainer's, then its elapsed time
+        key, value = out.get(timeout=600)
+        cpu[key] = cpu.get(key, 0.0) + value
+    cpu["redis"] = redis_cpu_seconds(client) - redis0
     for p in procs:
         p.join()
-    return elapsed
+    return cpu.pop("elapsed"), cpu
 
 
-def run_redis_benchmark(port: int, requests: int) -> dict[str, float]:
+def run_redis_benchmark(port: int, requests: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Operations per second of SET and of GET, and the CPU seconds spent (``client``, ``redis``)."""
     exe = shutil.which("redis-benchmark")
     if exe is None:
         sys.exit("redis-benchmark not found: apt-get install -y redis-tools")
     cmd = [exe, "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(PAYLOAD), "-n", str(requests),
            "-q", "--csv"]
+    client = redis.Redis(host="127.0.0.1", port=port)
+    redis0, client0 = redis_cpu_seconds(client), cpu_seconds(resource.RUSAGE_CHILDREN)
     rows = csv.DictReader(io.StringIO(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
-    return {row["test"]: float(row["rps"]) for row in rows}
+    cpu = {"client": cpu_seconds(resource.RUSAGE_CHILDREN) - client0, "redis": redis_cpu_seconds(client) - redis0}
+    return {row["test"]: float(row["rps"]) for row in rows}, cpu
+
+
+def per_item_us(cpu: dict[str, float], items: int) -> str:
+    """``cpu`` (seconds per side) as microseconds per item, the sides and their sum."""
+    sides = ", ".join(f"{side} {1e6 * s / items:.0f}" for side, s in cpu.items())
+    return f"{1e6 * sum(cpu.values()) / items:.0f} µs ({sides})"
 
 
 def main() -> None:
@@ -127,18 +165,24 @@ def main() -> None:
     size = len(encode_group(make_group(0, tokens)))
     total = args.groups // args.producers * args.producers
     best = {"SET": 0.0, "GET": 0.0, "pair": 0.0, "buffer": 0.0}
+    cpu_bound = {"pair": 0.0, "buffer": 0.0}  # items per CPU second, the best round of each side
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis", aof=False,
                                                              binary=args.redis_server) as server:
         version = redis.Redis.from_url(server.url).info("server")["redis_version"]
         for i in range(args.rounds):
-            rb = run_redis_benchmark(server.port, args.groups)
+            rb, rb_cpu = run_redis_benchmark(server.port, args.groups)
             pair = 1.0 / (1.0 / rb["SET"] + 1.0 / rb["GET"])
-            elapsed = run_buffer(server.url, f"job{i}", total, tokens, args.producers, args.batch, args.max_groups)
+            elapsed, buffer_cpu = run_buffer(server.url, f"job{i}", total, tokens, args.producers, args.batch,
+                                             args.max_groups)
             groups_s = total / elapsed
             print(f"round {i}: redis SET {rb['SET']:.0f}/s GET {rb['GET']:.0f}/s SET+GET {pair:.0f} items/s; "
                   f"buffer {groups_s:.0f} groups/s", flush=True)
+            print(f"  CPU per item: SET+GET {per_item_us(rb_cpu, args.groups)}; "
+                  f"buffer {per_item_us(buffer_cpu, total)}", flush=True)
             best = {"SET": max(best["SET"], rb["SET"]), "GET": max(best["GET"], rb["GET"]),
                     "pair": max(best["pair"], pair), "buffer": max(best["buffer"], groups_s)}
+            cpu_bound = {"pair": max(cpu_bound["pair"], args.groups / sum(rb_cpu.values())),
+                         "buffer": max(cpu_bound["buffer"], total / sum(buffer_cpu.values()))}
     mib = PAYLOAD / 2**20
     print(f"group payload            {size} bytes; Redis {version}; client malloc tuning "
           f"{'off' if args.no_malloc_tuning else 'on'}; best of {args.rounds} rounds")
@@ -147,6 +191,9 @@ def main() -> None:
     print(f"redis SET+GET per item   {best['pair']:10.0f} items/s  {best['pair'] * mib:8.0f} MiB/s")
     print(f"buffer put+take+ack      {best['buffer']:10.0f} groups/s {best['buffer'] * size / 2**20:8.0f} MiB/s "
           f"({args.producers} producers, 1 trainer, batch {args.batch}, max_groups {args.max_groups})")
+    print(f"CPU bound: SET+GET {1e6 / cpu_bound['pair']:.0f} µs per item, buffer {1e6 / cpu_bound['buffer']:.0f} "
+          f"µs per group (the least of any round): the buffer's CPU allows ratio "
+          f"{cpu_bound['buffer'] / cpu_bound['pair']:.3f}")
     print(f"buffer_vs_redis_benchmark ratio {best['buffer'] / best['pair']:.3f}")
 
 

@@ -113,15 +113,15 @@ def run_buffer(url: str, job: str, total: int, tokens: int, producers: int, batc
     procs = [ctx.Process(target=producer, args=(url, job, p * share, share, tokens, batch, cfg, go, out))
              for p in range(producers)]
     procs.append(ctx.Process(target=trainer, args=(url, share * producers, batch, cfg, go, out)))
-    client = redis.Redis.from_url(url)
-    redis0 = redis_cpu_seconds(client)
-    for p in procs:
-        p.start()
-    cpu = {"producers": 0.0}
-    for _ in range(producers + 2):  # each producer's CPU, the trainer's, then its elapsed time
-        key, value = out.get(timeout=600)
-        cpu[key] = cpu.get(key, 0.0) + value
-    cpu["redis"] = redis_cpu_seconds(client) - redis0
+    with redis.Redis.from_url(url) as client:
+        redis0 = redis_cpu_seconds(client)
+        for p in procs:
+            p.start()
+        cpu = {"producers": 0.0}
+        for _ in range(producers + 2):  # each producer's CPU, the trainer's, then its elapsed time
+            key, value = out.get(timeout=600)
+            cpu[key] = cpu.get(key, 0.0) + value
+        cpu["redis"] = redis_cpu_seconds(client) - redis0
     for p in procs:
         p.join()
     return cpu.pop("elapsed"), cpu
@@ -134,10 +134,11 @@ def run_redis_benchmark(port: int, requests: int) -> tuple[dict[str, float], dic
         sys.exit("redis-benchmark not found: apt-get install -y redis-tools")
     cmd = [exe, "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(PAYLOAD), "-n", str(requests),
            "-q", "--csv"]
-    client = redis.Redis(host="127.0.0.1", port=port)
-    redis0, client0 = redis_cpu_seconds(client), cpu_seconds(resource.RUSAGE_CHILDREN)
-    rows = csv.DictReader(io.StringIO(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
-    cpu = {"client": cpu_seconds(resource.RUSAGE_CHILDREN) - client0, "redis": redis_cpu_seconds(client) - redis0}
+    with redis.Redis(host="127.0.0.1", port=port) as client:
+        redis0, client0 = redis_cpu_seconds(client), cpu_seconds(resource.RUSAGE_CHILDREN)
+        rows = csv.DictReader(io.StringIO(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
+        cpu = {"client": cpu_seconds(resource.RUSAGE_CHILDREN) - client0,
+               "redis": redis_cpu_seconds(client) - redis0}
     return {row["test"]: float(row["rps"]) for row in rows}, cpu
 
 

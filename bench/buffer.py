@@ -11,7 +11,7 @@ items is ``1 / (1/set_rps + 1/get_rps)``. The headline ratio is buffer groups/s 
 Needs ``redis-benchmark`` (Debian ``redis-tools``).
 
 Each round also prints the CPU (user + system) each side spent per item: the producers' and the trainer's
-own (``getrusage`` around their loops), redis-benchmark's (its process) and Redis's (``INFO cpu`` around each
+own (``time.process_time`` around their loops), redis-benchmark's (its process) and Redis's (``INFO cpu`` around each
 side). Their quotient is the ratio the buffer would reach were both sides to keep the two cores busy: what
 the buffer's CPU allows, whatever its waits.
 """
@@ -22,7 +22,7 @@ import argparse
 import csv
 import io
 import multiprocessing as mp
-import resource
+import os
 import shutil
 import subprocess
 import sys
@@ -57,11 +57,6 @@ def tokens_for_payload(target: int) -> int:
     return 64 + (target - base) // 13
 
 
-def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
-    usage = resource.getrusage(who)
-    return usage.ru_utime + usage.ru_stime
-
-
 def redis_cpu_seconds(client: redis.Redis) -> float:
     cpu = client.info("cpu")
     return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
@@ -72,7 +67,7 @@ def producer(url: str, job: str, start: int, count: int, tokens: int, batch: int
     buf = ReplayBuffer(redis.Redis.from_url(url), KEYS, cfg, consumer="producer")
     todo = [make_group(i, tokens, job) for i in range(start, start + count)]
     go.wait()
-    cpu0 = cpu_seconds()
+    cpu0 = time.process_time()
     delay = 0.001
     while todo:
         results = buf.put_many(todo[:batch])
@@ -83,13 +78,13 @@ def producer(url: str, job: str, start: int, count: int, tokens: int, batch: int
         else:  # the buffer is full: back off as ReplayBuffer.put does, so waiting costs little CPU
             time.sleep(delay)
             delay = min(2 * delay, 0.02)
-    out.put(("producers", cpu_seconds() - cpu0))
+    out.put(("producers", time.process_time() - cpu0))
 
 
 def trainer(url: str, total: int, batch: int, cfg: BufferConfig, go, out) -> None:
     buf = ReplayBuffer(redis.Redis.from_url(url), KEYS, cfg)
     go.wait()
-    t0, cpu0 = time.perf_counter(), cpu_seconds()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     done = 0
     while done < total:
         items = buf.take(min(batch, total - done), 30.0)
@@ -97,7 +92,7 @@ def trainer(url: str, total: int, batch: int, cfg: BufferConfig, go, out) -> Non
             raise RuntimeError(f"trainer: no group for 30 s after {done} of {total}")
         buf.ack([i for i, _ in items], [g.group_id for _, g in items])
         done += len(items)
-    out.put(("trainer", cpu_seconds() - cpu0))
+    out.put(("trainer", time.process_time() - cpu0))
     out.put(("elapsed", time.perf_counter() - t0))
 
 
@@ -135,9 +130,10 @@ def run_redis_benchmark(port: int, requests: int) -> tuple[dict[str, float], dic
     cmd = [exe, "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(PAYLOAD), "-n", str(requests),
            "-q", "--csv"]
     with redis.Redis(host="127.0.0.1", port=port) as client:
-        redis0, client0 = redis_cpu_seconds(client), cpu_seconds(resource.RUSAGE_CHILDREN)
+        redis0, before = redis_cpu_seconds(client), os.times()
         rows = csv.DictReader(io.StringIO(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
-        cpu = {"client": cpu_seconds(resource.RUSAGE_CHILDREN) - client0,
+        after = os.times()  # the finished redis-benchmark's CPU is in this process's children's
+        cpu = {"client": after.children_user + after.children_system - before.children_user - before.children_system,
                "redis": redis_cpu_seconds(client) - redis0}
     return {row["test"]: float(row["rps"]) for row in rows}, cpu
 

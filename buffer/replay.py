@@ -77,23 +77,27 @@ return fresh
 """
 
 # KEYS: groups stream, group state, admitted counter, consumed ids list, trained counter. ARGV: job key prefix,
-# dedup window, then (entry id, gid, outcome, job) quadruples; outcome is the job counter: trained (also counted
-# run-wide), stale_dropped, degenerate_dropped or cancelled (all but trained give their admission slot back);
-# an empty job is looked up in the entry. Only entries still pending count, so acking twice changes nothing.
-# The entry's payload key (field p) goes with it. Consumed ids beyond the window leave groups:state.
-# Returns how many were acked.
+# dedup window, then (entry id, gid, outcome, job, payload key) quintuples; outcome is the job counter: trained
+# (also counted run-wide), stale_dropped, degenerate_dropped or cancelled (all but trained give their admission
+# slot back). The caller that read the entry passes its job and payload key ('' for a group stored inline), so
+# the script does not read the entry again; an empty job means the caller does not know the entry, and both are
+# looked up in it. Only entries still pending count, so acking twice changes nothing. The payload key goes with
+# the entry. Consumed ids beyond the window leave groups:state. Returns how many were acked.
 _ACK = """
 local acked = 0
-for i = 3, #ARGV, 4 do
-  local id, gid, outcome, job = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+for i = 3, #ARGV, 5 do
+  local id, gid, outcome, job, payload = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   if redis.call('XACK', KEYS[1], '""" + TRAINER_GROUP + """', id) == 1 then
-    local e = redis.call('XRANGE', KEYS[1], id, id)[1]
-    if e then
-      for j = 1, #e[2], 2 do
-        if e[2][j] == 'p' then redis.call('DEL', e[2][j + 1]) end
-        if e[2][j] == 'job' and job == '' then job = e[2][j + 1] end
+    if job == '' then
+      local e = redis.call('XRANGE', KEYS[1], id, id)[1]
+      if e then
+        for j = 1, #e[2], 2 do
+          if e[2][j] == 'p' then payload = e[2][j + 1] end
+          if e[2][j] == 'job' then job = e[2][j + 1] end
+        end
       end
     end
+    if payload ~= '' then redis.call('DEL', payload) end
     redis.call('XDEL', KEYS[1], id)
     redis.call('HSET', KEYS[2], gid, 't')
     redis.call('RPUSH', KEYS[4], gid)
@@ -137,7 +141,8 @@ class ReplayBuffer:
         self._ack = client.register_script(_ACK)
         self._reclaimer = Reclaimer(client, keys.groups, TRAINER_GROUP, consumer, config.claim_idle_ms,
                                     own_every_s=config.claim_idle_ms / 1000)
-        self._held: dict[str, tuple[str, str]] = {}  # entry id -> (group id, job id): taken, not yet acked
+        # entry id -> (group id, job id, payload key or '' when inline): taken, not yet acked
+        self._held: dict[str, tuple[str, str, str]] = {}
         self._closed = threading.Event()
 
     def ensure_group(self) -> None:
@@ -278,33 +283,33 @@ class ReplayBuffer:
         return [next(stored) if b"p" in fields else fields.get(b"g") for _, fields in entries]
 
     def _accept(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[tuple[str, TrajectoryGroup]]:
-        decoded: list[tuple[str, TrajectoryGroup]] = []
+        decoded: list[tuple[str, TrajectoryGroup, str]] = []  # (entry id, group, payload key or '' when inline)
         for (entry_id, fields), payload in zip(entries, self._payloads(entries), strict=True):
             try:
                 if payload is None:
                     raise SchemaError(f"payload key {fields[b'p'].decode(errors='replace')} is missing"
                                       if b"p" in fields else "missing field p (the payload key) or g (the group)")
-                decoded.append((entry_id, decode_group(payload)))
+                decoded.append((entry_id, decode_group(payload), fields.get(b"p", b"").decode()))
             except SchemaError as exc:
                 self._move_malformed(entry_id, fields, payload, f"group entry {entry_id}: {exc}")
         decoded = self._drop_cancelled(decoded)
         if not decoded:
             return []
-        states = self.redis.hmget(self.keys.group_state, [g.group_id for _, g in decoded])
-        held = {gid for gid, _job in self._held.values()}
-        out, duplicates = [], []
-        for (entry_id, group), state in zip(decoded, states, strict=True):
+        states = self.redis.hmget(self.keys.group_state, [g.group_id for _, g, _p in decoded])
+        held = {gid for gid, _job, _p in self._held.values()}
+        out, duplicates, payloads = [], [], []
+        for (entry_id, group, payload_key), state in zip(decoded, states, strict=True):
             if entry_id in self._held:
                 continue
             if state == b"t" or group.group_id in held:
                 duplicates.append(entry_id)
+                if payload_key:
+                    payloads.append(payload_key)
                 continue
             held.add(group.group_id)
-            self._held[entry_id] = (group.group_id, group.job_id)
+            self._held[entry_id] = (group.group_id, group.job_id, payload_key)
             out.append((entry_id, group))
         if duplicates:
-            dropped = set(duplicates)
-            payloads = [fields[b"p"] for entry_id, fields in entries if entry_id in dropped and b"p" in fields]
             pipe = self.redis.pipeline(transaction=True)
             pipe.xack(self.keys.groups, TRAINER_GROUP, *duplicates)
             pipe.xdel(self.keys.groups, *duplicates)
@@ -316,20 +321,22 @@ class ReplayBuffer:
                      self.keys.groups, len(duplicates), ", ".join(duplicates))
         return out
 
-    def _drop_cancelled(self, items: list[tuple[str, TrajectoryGroup]]) -> list[tuple[str, TrajectoryGroup]]:
+    def _drop_cancelled(
+        self, items: list[tuple[str, TrajectoryGroup, str]],
+    ) -> list[tuple[str, TrajectoryGroup, str]]:
         """Ack away the groups of cancelled jobs (job counter ``cancelled``, admission slot given back, never
-        trained); returns the others."""
-        jobs = sorted({g.job_id for _, g in items})
+        trained); returns the others. Items are (entry id, group, payload key)."""
+        jobs = sorted({g.job_id for _, g, _p in items})
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
             pipe.hget(self.keys.job(job), "state")
         cancelled = {job for job, state in zip(jobs, pipe.execute(), strict=True) if state == b"cancelled"}
-        dropped = [(e, g.group_id, "cancelled", g.job_id) for e, g in items if g.job_id in cancelled]
+        dropped = [(e, g.group_id, "cancelled", g.job_id, p) for e, g, p in items if g.job_id in cancelled]
         if dropped:
             acked = self._ack_outcomes(dropped)
             self.metrics.cancelled.labels(stream="groups").inc(acked)
             log.info("dropped %d group(s) of cancelled job(s) %s", acked, ", ".join(sorted(cancelled)))
-        return [(e, g) for e, g in items if g.job_id not in cancelled]
+        return [item for item in items if item[1].job_id not in cancelled]
 
     def _move_malformed(self, entry_id: str, fields: dict[bytes, bytes], payload: bytes | None, error: str) -> None:
         """Move an entry that does not decode aside, with its fields and its payload (nothing accepted is lost)."""
@@ -366,12 +373,13 @@ class ReplayBuffer:
         items = []
         for entry_id, gid in zip(entry_ids, group_ids, strict=True):
             held = self._held.get(entry_id)
-            job = held[1] if held is not None and held[0] == gid else ""
-            items.append((entry_id, gid, outcomes.get(gid, "trained"), job))
+            job, payload_key = held[1:] if held is not None and held[0] == gid else ("", "")  # "": read the entry
+            items.append((entry_id, gid, outcomes.get(gid, "trained"), job, payload_key))
         return self._ack_outcomes(items)
 
-    def _ack_outcomes(self, items: Sequence[tuple[str, str, str, str]]) -> int:
-        """Ack (entry id, group id, job counter, job id) items in one Lua call; forget them as held."""
+    def _ack_outcomes(self, items: Sequence[tuple[str, str, str, str, str]]) -> int:
+        """Ack (entry id, group id, job counter, job id, payload key) items in one Lua call (job '': the script
+        reads job and payload key from the entry); forget them as held."""
         args: list[str | int] = [self.keys.job_prefix, self.config.dedup_window]
         for item in items:
             args += item

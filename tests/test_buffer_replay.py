@@ -376,6 +376,11 @@ def test_payload_keys_live_exactly_as_long_as_their_entries(
     r.xadd(KEYS.groups, {"p": KEYS.payload("job:4:x", "0"), "gid": "job:4:x"})  # a payload that will not decode
     r.set(KEYS.payload("job:4:x", "0"), b"\xc1")
     assert buf.take(1, 0.2) == [] and payloads() == [] and r.xlen(KEYS.groups_malformed) == 1
+    assert buf.try_put(make_group("job2", "job2:5:x")) == 1
+    [(entry, group)] = buf.take(1, 0.5)
+    other = buffer(redis_server, "trainer-2")  # an ack from a trainer that never read the entry: the script does
+    assert other.ack([entry], [group.group_id]) == 1 and payloads() == []
+    assert r.hget(KEYS.job("job2"), "trained") == b"1"  # the job, too, read from the entry
 
 
 def test_a_user_confined_to_the_runs_keys_puts_takes_and_acks(redis_server: EmbeddedRedis) -> None:

@@ -505,6 +505,11 @@ class PlacementConfig(Section):
     trainer_cpus: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=list, description="CPU ids of the trainer's ranks (empty: not pinned)"
     )
+    agent_cpus: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, description="CPU ids of the processes that run agent jobs' agents, each pinned as it "
+        "starts (empty: the rollout server's). An agent is CPU work beside the engine: on a CPU host, give it "
+        "cores the engine does not use"
+    )
 
 
 class ApiConfig(Section):

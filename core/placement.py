@@ -25,6 +25,16 @@ def idle_threads_env(cpus: list[int]) -> dict[str, str]:
     return {} if cpus or "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def check_cpus(cpus: list[int], key: str) -> None:
+    """Every CPU of ``cpus`` (config ``key``) is one this process may use; a ConfigError naming the key and the
+    usable ones if not."""
+    usable = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - usable)
+    if missing:
+        raise ConfigError(f"{key}: CPU {', '.join(map(str, missing))} is not available to this process "
+                          f"(it may use {', '.join(map(str, sorted(usable)))})")
+
+
 def pin(cpus: list[int], key: str, threads: int, sharers: int = 1) -> int:
     """Pin this process (every thread it runs, and the children it starts) to ``cpus``, named by its config
     ``key``; returns the torch thread count to run: ``threads`` when set, else the CPUs' share of each of the
@@ -32,11 +42,7 @@ def pin(cpus: list[int], key: str, threads: int, sharers: int = 1) -> int:
     (torch's default). A CPU this process may not use is a ConfigError naming the key and the usable ones."""
     if not cpus:
         return threads
-    usable = os.sched_getaffinity(0)
-    missing = sorted(set(cpus) - usable)
-    if missing:
-        raise ConfigError(f"{key}: CPU {', '.join(map(str, missing))} is not available to this process "
-                          f"(it may use {', '.join(map(str, sorted(usable)))})")
+    check_cpus(cpus, key)
     for task in os.listdir("/proc/self/task"):  # every thread already running, not only the caller
         os.sched_setaffinity(int(task), set(cpus))
     log.info("pinned to CPUs %s (%s)", sorted(set(cpus)), key)

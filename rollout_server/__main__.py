@@ -42,7 +42,7 @@ from core.config import (
 )
 from core.metrics import serve_metrics
 from core.net import is_loopback
-from core.placement import pin
+from core.placement import check_cpus, pin
 from core.process import die_with_parent, forget_environment, prepare_component
 from core.rewards import load_reward_fn
 from core.tiny_model import ensure_model
@@ -120,7 +120,7 @@ async def serve(cfg: Config, tools: ToolRegistry) -> None:
         tokenizer = AutoTokenizer.from_pretrained(model)
         metrics = RolloutMetrics()
         worker = RolloutWorker(client, cfg.run.name, cfg.rollout, cfg.buffer, engines,
-                                tokenizer, tools, metrics)
+                                tokenizer, tools, metrics, agent_cpus=cfg.placement.agent_cpus)
         turns = None
         if cfg.placement.mode == "colocated":  # weights come as local pushes: no receiver
             turns = EngineTurns(DeviceTurns(client, Keys(cfg.run.name)), EngineGroup(engines), worker.consumer,
@@ -173,11 +173,13 @@ def name_adapter(engines: list[EngineClient], name: str | None) -> None:
 
 def _start(cfg: Config) -> None:
     """What a rollout server needs before it starts: the checkpoint token, usable engines, its CPUs (which the
-    embedded engine it starts inherits, with one torch thread per CPU unless ``engine.threads`` says), and the
+    embedded engine it starts inherits, with one torch thread per CPU unless ``engine.threads`` says) and its
+    agents' (checked while it may still use them all), and the
     code its config names, so a typo stops it here rather than failing every task later."""
     if cfg.placement.mode == "decoupled":
         require_secret(cfg, "checkpoint.token")
     check_engines(cfg.engine)
+    check_cpus(cfg.placement.agent_cpus, "placement.agent_cpus")  # the agents pin themselves: checked before this
     cfg.engine.threads = pin(cfg.placement.rollout_cpus, "placement.rollout_cpus", cfg.engine.threads)
     check_code(cfg.rollout)
 

@@ -8,10 +8,10 @@ the job's reward function.
 Each run is a fresh process forked from a multiprocessing fork server that has already imported
 ``openai`` and the allowed agents' modules and run the ``openai`` client once (``start_fork_server``), so a
 sample starts in milliseconds instead of paying a Python start, those imports (about 1 s of CPU here) and the
-client's first call (``agent_warmup``). The child leads its own session,
-sets its own address-space limit (``RLIMIT_AS``) before calling the agent, and sends its result back over a
-pipe; the parent kills the child's whole process group at the time limit. Anything the agent prints goes to
-the worker's stderr.
+client's first call (``agent_warmup``). The child leads its own session, pins itself to
+``placement.agent_cpus`` when set (off the engine's cores), sets its own address-space limit (``RLIMIT_AS``)
+before calling the agent, and sends its result back over a pipe; the parent kills the child's whole process
+group at the time limit. Anything the agent prints goes to the worker's stderr.
 """
 
 from __future__ import annotations
@@ -57,10 +57,11 @@ async def start_fork_server(entrypoints: list[str]) -> None:
 
 
 async def run_agent(entrypoint: str, task: Any, base_url: str, api_key: str, *, timeout_s: float,
-                    memory_mb: int) -> AgentOutcome:
-    """Run ``entrypoint`` for one sample in a child process; never raises for the agent's faults."""
+                    memory_mb: int, cpus: list[int] | None = None) -> AgentOutcome:
+    """Run ``entrypoint`` for one sample in a child process, pinned to ``cpus`` if given; never raises for the
+    agent's faults."""
     payload = {"entrypoint": entrypoint, "task": agent_task(task), "base_url": base_url, "api_key": api_key,
-               "memory_mb": memory_mb}
+               "memory_mb": memory_mb, "cpus": cpus or []}
     receive, send = _FORK_SERVER.Pipe(duplex=False)
     proc = _FORK_SERVER.Process(target=_child, args=(payload, send), name=f"agent {task.task_id}", daemon=True)
     try:
@@ -112,6 +113,8 @@ def _kill(proc: multiprocessing.process.BaseProcess) -> None:
 
 def _child(payload: dict[str, Any], result: Connection) -> None:
     os.setsid()
+    if payload["cpus"]:  # the rollout server checked them at start (placement.agent_cpus)
+        os.sched_setaffinity(0, payload["cpus"])
     limit = payload["memory_mb"] * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     os.dup2(2, 1)  # the agent's prints go to stderr

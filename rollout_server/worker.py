@@ -69,11 +69,13 @@ class RolloutWorker:
         tokenizer: Any,
         tools: ToolRegistry,
         metrics: RolloutMetrics | None = None,
+        agent_cpus: list[int] | None = None,
     ) -> None:
         if not engines:
             raise ValueError("the rollout worker needs at least one engine")
         self.run_name = run
         self.config = rollout
+        self.agent_cpus = agent_cpus or []  # placement.agent_cpus: where each agent process pins itself
         self.engines = engines
         self.tokenizer = tokenizer
         self.tools = tools
@@ -277,7 +279,7 @@ class RolloutWorker:
             try:
                 outcome = await run_agent(entrypoint, task, self.episodes.base_url(ep), ep.key,
                                           timeout_s=self.config.agent_timeout_s,
-                                          memory_mb=self.config.agent_memory_mb)
+                                          memory_mb=self.config.agent_memory_mb, cpus=self.agent_cpus)
             except asyncio.CancelledError:
                 self.episodes.discard(ep)
                 raise

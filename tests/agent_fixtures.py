@@ -50,3 +50,8 @@ def first_fails(task: dict[str, Any], base_url: str, api_key: str) -> float:
         client.chat.completions.create(model="policy", messages=task["messages"], max_tokens=4)
         return 0.25
     raise RuntimeError("the first sample of each task fails")
+
+
+def cpus(task: dict[str, Any], base_url: str, api_key: str) -> float:
+    """Fails, naming the CPUs its process may run on (``placement.agent_cpus``)."""
+    raise RuntimeError(f"cpus: {sorted(os.sched_getaffinity(0))}")

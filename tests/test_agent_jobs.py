@@ -6,6 +6,7 @@ the sample or the task, and failed samples are never written for training."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -22,13 +23,15 @@ from core.jobs import JobSpec, TaskSource
 from core.tasks import load_tasks
 from core.tasks.arith import CALCULATOR_SCHEMA
 from core.trajectory import ChatRenderer, masked_spans
+from tests.stack_helpers import affinities
 
 KEYS, wait_for = worker_tests.KEYS, worker_tests.wait_for
 engine_url, workers = worker_tests.engine_url, worker_tests.workers  # the worker tests' fixtures
 CALC_AGENT = "rollout_server.agents.calculator_agent:run"
+USABLE = sorted(os.sched_getaffinity(0))
 ALLOW = [CALC_AGENT, "tests.agent_fixtures:first_fails", "tests.agent_fixtures:crash",
          "tests.agent_fixtures:sleep", "tests.agent_fixtures:hog", "tests.agent_fixtures:environment",
-         "tests.agent_fixtures:warmed"]
+         "tests.agent_fixtures:warmed", "tests.agent_fixtures:cpus"]
 
 
 def submit_agent(server: EmbeddedRedis, job: str, agent: str, n: int = 1, offset: int = 0) -> list[str]:
@@ -89,13 +92,18 @@ def test_calculator_agent_job(redis_server: EmbeddedRedis, workers, tiny_model_d
 
 
 def test_agent_faults_fail_the_task(redis_server: EmbeddedRedis, workers) -> None:
+    """Also: the agents run on ``placement.agent_cpus``, not on the rollout server's CPUs."""
+    server_cpu, agent_cpu = USABLE[0], USABLE[-1]
     w = workers("srv-faults", f"rollout.agent_allowlist={json.dumps(ALLOW[2:])}", "rollout.agent_timeout_s=15",
-                "rollout.agent_memory_mb=300", "buffer.max_attempts=1")
-    for job in ("crash", "sleep", "hog", "environment", "warmed"):
+                "rollout.agent_memory_mb=300", "buffer.max_attempts=1", f"placement.rollout_cpus=[{server_cpu}]",
+                f"placement.agent_cpus=[{agent_cpu}]")
+    for job in ("crash", "sleep", "hog", "environment", "warmed", "cpus"):
         submit_agent(redis_server, job, f"tests.agent_fixtures:{job}")
     submit_agent(redis_server, "unlisted", CALC_AGENT)
-    wait_for(lambda: len(dead_letters(redis_server)) == 6, w)
+    wait_for(lambda: len(dead_letters(redis_server)) == 7, w)
     errors = dead_letters(redis_server)
+    assert f"cpus: [{agent_cpu}]" in errors["cpus"]
+    assert set(affinities(w.proc.pid).values()) == {str(server_cpu)}  # the worker and its fork server
     assert "the agent crashed" in errors["crash"]
     assert "visible: []" in errors["environment"]  # the worker got a checkpoint token; its agents do not
     assert "warmed: True" in errors["warmed"]  # forked from the fork server after its openai warm-up

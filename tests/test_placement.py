@@ -74,12 +74,14 @@ def test_a_cpu_out_of_reach_is_refused_naming_the_key() -> None:
     assert sorted(os.sched_getaffinity(0)) == USABLE
 
 
-def test_a_component_refuses_its_placement_at_start(tmp_path: Path) -> None:
-    """``python -m trainer`` with a CPU it cannot have exits 2 with the key on stderr, before anything runs."""
-    proc = subprocess.run([sys.executable, "-m", "trainer", "placement.trainer_cpus=[4096]", f"run.dir={tmp_path}"],
+@pytest.mark.parametrize(("component", "key"), [("trainer", "trainer_cpus"), ("rollout_server", "agent_cpus")])
+def test_a_component_refuses_its_placement_at_start(tmp_path: Path, component: str, key: str) -> None:
+    """``python -m trainer`` with a CPU it cannot have, or a rollout server with such a CPU for its agents, exits 2
+    with the key on stderr, before anything runs."""
+    proc = subprocess.run([sys.executable, "-m", component, f"placement.{key}=[4096]", f"run.dir={tmp_path}"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env={**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": "x" * 32})
-    assert proc.returncode == 2 and "placement.trainer_cpus: CPU 4096" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and f"placement.{key}: CPU 4096" in proc.stderr, proc.stderr
 
 
 # Imported by every Python process started with its folder first on PYTHONPATH: it writes the torch thread count the

@@ -14,6 +14,9 @@ model again) against sync as it is (a group's prompt once per micro-batch): sync
 the step's time shows in full; ``--compare admit`` runs async with ``engine.admit_wait_ms=0`` (each request
 prefilled at the engine's next step) against async as it is (one that arrives while others decode waits up to
 100 ms to be prefilled with later arrivals).
+``--compare agents`` runs async with an ``agent`` job (the calculator agent, written against the ``openai`` client,
+one process per sample) whose agents run on the rollout server's CPU (``placement.agent_cpus`` empty) against the
+same with the agents free to run on every CPU (``placement.agent_cpus`` all of them, as the demo sets).
 ``--compare unpinned`` runs async on the defaults, nothing pinned and torch's own thread count in the engine and
 the trainer (as many threads as cores each), with their idle OpenMP threads spinning a while before they sleep
 (libgomp's default, ``OMP_WAIT_POLICY`` empty) against sleeping at once (``PASSIVE``, what the launcher gives
@@ -75,6 +78,7 @@ from core.jobs import JobSpec, TaskSource
 from services.demo import policy
 from services.launcher import LocalStack, components, ensure_checkpoint_token
 
+AGENT = "rollout_server.agents.calculator_agent:run"  # the job's agent in the agents_* modes
 MODES = {
     "sync": ["rollout.mode=sync"],
     "async": ["rollout.mode=async"],
@@ -83,6 +87,8 @@ MODES = {
     "reprefill": ["rollout.mode=async", "checkpoint.prefill_ahead=false"],
     "sync_per_sample": ["rollout.mode=sync", "trainer.share_prefix=false"],
     "admit_at_once": ["rollout.mode=async", "engine.admit_wait_ms=0"],
+    "agents_on_rollout_cpu": ["rollout.mode=async", f"rollout.agent_allowlist={json.dumps([AGENT])}"],
+    "agents_on_any_cpu": ["rollout.mode=async", f"rollout.agent_allowlist={json.dumps([AGENT])}"],
     "unpinned_spin": ["rollout.mode=async"],
     "unpinned": ["rollout.mode=async"],
 }
@@ -91,7 +97,8 @@ MODES = {
 MODE_ENV = {"unpinned_spin": {"OMP_WAIT_POLICY": ""}}
 COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "overlap": ("colocated", "overlap"),
            "ahead": ("reprefill", "async"), "share": ("sync_per_sample", "sync"),
-           "admit": ("admit_at_once", "async"), "unpinned": ("unpinned_spin", "unpinned")}
+           "admit": ("admit_at_once", "async"), "unpinned": ("unpinned_spin", "unpinned"),
+           "agents": ("agents_on_rollout_cpu", "agents_on_any_cpu")}
 SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
 TOKENS = tuple(f"rollwave_engine_{kind}_tokens_total" for kind in ("prompt", "cached", "generated"))
 MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("weights", "kv_cache", "spare_weights"))
@@ -111,7 +118,8 @@ def placement(mode: str, pinned: bool) -> list[str]:
                 "trainer.threads=1"]
     if mode == "colocated":
         return [f"placement.rollout_cpus={cpus}", f"placement.trainer_cpus={cpus}"]
-    return [f"placement.rollout_cpus=[{cpus[0]}]", f"placement.trainer_cpus=[{cpus[-1]}]"]
+    agents = [f"placement.agent_cpus={cpus}"] if mode == "agents_on_any_cpu" else []
+    return [f"placement.rollout_cpus=[{cpus[0]}]", f"placement.trainer_cpus=[{cpus[-1]}]", *agents]
 
 
 def cpu_busy_s(cpus: list[int]) -> float:
@@ -157,7 +165,8 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
     config_path = run_dir / "config.yaml"
     config_path.write_text(dump_config(cfg))
     n_tasks = steps * cfg.buffer.groups_per_step * 3
-    spec = JobSpec(source=TaskSource(kind="arith", split="train", limit=n_tasks, seed=7))
+    spec = JobSpec(source=TaskSource(kind="arith", split="train", limit=n_tasks, seed=7),
+                   agent=AGENT if mode.startswith("agents") else None)
     tasks = spec.source.load()
     with EmbeddedRedis(run_dir / "redis", aof=False) as server, mock.patch.dict(os.environ, MODE_ENV.get(mode, {})):
         client = redis.Redis.from_url(server.url)
@@ -246,7 +255,8 @@ def main() -> None:
                    help="sync: sync against async; colocated: decoupled async against colocated; overlap: "
                    "colocated against its one-step overlap; ahead: async re-prefilling after each swap against "
                    "async with the KV computed ahead; share: sync training each sample's prompt against sync "
-                   "training a group's prompt once; admit: async admitting each request at once against async")
+                   "training a group's prompt once; admit: async admitting each request at once against async; "
+                   "agents: an agent job's agents on the rollout server's CPU against on every CPU")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
     first, second = COMPARE[args.compare]

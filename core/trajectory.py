@@ -10,12 +10,15 @@ turn's end token (Qwen: the ``\\n`` after ``<|im_end|>``) is appended too, with 
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 _DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
+RENDERS_KEPT = 1024  # the most recent renders a ChatRenderer keeps (each a few hundred token ids)
 
 
 @dataclass
@@ -33,11 +36,16 @@ class Turn:
 
 
 class ChatRenderer:
-    """Token ids from a tokenizer's chat template: the prompt, and tool turns as template deltas."""
+    """Token ids from a tokenizer's chat template: the prompt, and tool turns as template deltas.
+
+    Renders are kept (the last ``RENDERS_KEPT``, keyed by the messages' and tools' JSON, key order included):
+    the n samples of an agent group each open their episode with the same request, and a render (jinja, then
+    the tokenizer) costs milliseconds of the rollout server's event loop."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.eos_id: int = tokenizer.eos_token_id
+        self._rendered: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._dummy_ids = self._ids(_DUMMY, add_generation_prompt=False)
         ends = [i for i, t in enumerate(self._dummy_ids) if t == self.eos_id]
         if not ends:
@@ -47,13 +55,25 @@ class ChatRenderer:
     def _ids(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any = None
     ) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-        )
+        try:
+            key = json.dumps([messages, tools, add_generation_prompt])
+        except (TypeError, ValueError):  # not JSON data: rendered every time
+            key = None
+        ids = self._rendered.get(key) if key is not None else None
+        if ids is None:
+            ids = tuple(self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            ))
+            if key is not None:
+                self._rendered[key] = ids
+                while len(self._rendered) > RENDERS_KEPT:
+                    self._rendered.popitem(last=False)
+        else:
+            self._rendered.move_to_end(key)
         return list(ids)
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:

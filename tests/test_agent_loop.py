@@ -253,6 +253,28 @@ def test_multi_turn_loss_mask_decodes_to_the_policy_turns(tokenizer: Any) -> Non
     assert metrics.get_sample_value("rollwave_rollout_inflight_requests") == 0
 
 
+def test_renders_are_kept_by_their_messages_and_tools(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The samples of an agent group open their episodes with the same request: a render is kept, keyed by the
+    messages and tools as JSON (key order included, which a template may show), the last RENDERS_KEPT of them,
+    and what a caller does to the ids it got does not reach the kept ones."""
+    render = tokenizer.apply_chat_template
+    calls: list[int] = []
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda *a, **k: calls.append(1) or render(*a, **k))
+    renderer = ChatRenderer(tokenizer)
+    messages, tools = [{"role": "user", "content": "What is 6 times 7?"}], [CalculatorTool().schema]
+    first = renderer.prompt_ids(messages, tools)
+    assert first == list(render(messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False))
+    first.append(-1)
+    n = len(calls)
+    assert renderer.prompt_ids([dict(m) for m in messages], tools) == first[:-1] and len(calls) == n
+    assert renderer.prompt_ids(messages, None) != first[:-1] and len(calls) == n + 1  # no tools: another render
+    renderer.prompt_ids([{"content": "What is 6 times 7?", "role": "user"}], tools)
+    assert len(calls) == n + 2
+    monkeypatch.setattr("core.trajectory.RENDERS_KEPT", 2)
+    renderer.prompt_ids([{"role": "user", "content": "What is 1 plus 1?"}], tools)  # the first render leaves
+    assert renderer.prompt_ids(messages, tools) == first[:-1] and len(calls) == n + 4
+
+
 def test_real_engine_continues_a_multi_turn_context(engine_url: str, tokenizer: Any, model: Any) -> None:
     """Two scripted tool turns, then the real engine writes the rest on the context with tool tokens."""
 

@@ -482,7 +482,8 @@ def test_kl_coef_adds_its_share_of_the_kl_to_the_loss(ctx: DistContext, tiny_mod
                           tmp_path / f"{coef}-{estimator}")
         trainer.start(ctx=ctx)
         assert (trainer.train_step.ref_model is not None) == (coef > 0)
-        records[coef, estimator] = [trainer.train(synthetic_groups(seed, GROUPS)) for seed in range(2)]
+        steps = 1 if estimator == "k1" else 2  # k1's case is its first step
+        records[coef, estimator] = [trainer.train(synthetic_groups(seed, GROUPS)) for seed in range(steps)]
         trainer.close()
     (first, second), (first0, second0) = records[0.5, "low-var-kl"], records[0.0, "low-var-kl"]
     first_k1 = records[0.5, "k1"][0]

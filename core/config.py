@@ -507,8 +507,8 @@ class PlacementConfig(Section):
     )
     agent_cpus: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=list, description="CPU ids of the processes that run agent jobs' agents, each pinned as it "
-        "starts (empty: the rollout server's). An agent is CPU work beside the engine: on a CPU host, give it "
-        "cores the engine does not use"
+        "starts (empty: the rollout server's). An agent is CPU work beside the engine's: on a CPU host, let it "
+        "use cores beyond the engine's"
     )
 
 

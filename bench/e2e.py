@@ -107,7 +107,7 @@ MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("we
 def placement(mode: str, pinned: bool) -> list[str]:
     """The demo's placement: the rollout server and engine on the first usable CPU, the trainer on the last;
     colocated, each on all of them in its turn; overlapped, both on all of them at once, one thread each (two
-    each would thrash); the unpinned modes, nothing (the defaults)."""
+    each would thrash); the unpinned modes, nothing (the defaults); ``agents_on_any_cpu`` adds its agents on all."""
     if mode.startswith("unpinned"):
         return []
     cpus = sorted(os.sched_getaffinity(0))

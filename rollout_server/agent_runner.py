@@ -9,9 +9,9 @@ Each run is a fresh process forked from a multiprocessing fork server that has a
 ``openai`` and the allowed agents' modules and run the ``openai`` client once (``start_fork_server``), so a
 sample starts in milliseconds instead of paying a Python start, those imports (about 1 s of CPU here) and the
 client's first call (``agent_warmup``). The child leads its own session, pins itself to
-``placement.agent_cpus`` when set (off the engine's cores), sets its own address-space limit (``RLIMIT_AS``)
-before calling the agent, and sends its result back over a pipe; the parent kills the child's whole process
-group at the time limit. Anything the agent prints goes to the worker's stderr.
+``placement.agent_cpus`` when set, sets its own address-space limit (``RLIMIT_AS``) before calling the agent,
+and sends its result back over a pipe; the parent kills the child's whole process group at the time limit.
+Anything the agent prints goes to the worker's stderr.
 """
 
 from __future__ import annotations

@@ -3,13 +3,15 @@
 (a) Commit's pause (pause(retract) -> update_weights_from_disk from tmpfs -> continue, as the
     receiver reports it) against np.copyto of the same number of bytes, both into a warm,
     preallocated buffer and into fresh pages (np.empty each time, so page faults are included).
-(b) Stage throughput (pusher in this process -> gRPC -> receiver process writing the staged
+(b) Stage throughput (pusher in this process -> the receiver's stage port, the default
+    ``checkpoint.stage_transport: tcp``, the manifest and trailer over gRPC -> receiver process writing the staged
     safetensors on tmpfs, xxh3 digests on both sides; timed by the receiver, from the manifest to the
     trailer, since the pusher streams in the background) against raw loopback TCP moving the same bytes
     (sendall of 1 MiB slices -> recv_into a reused buffer in another process), in rounds of their own:
     full pushes one after another, as a run makes them (each stage overwrites the served version's
-    file; a push after an adapter's finds none and allocates fresh pages). For reference it
-    also times a bare gRPC stream of the same 1 MiB messages into a sink that only counts them.
+    file; a push after an adapter's finds none and allocates fresh pages). Beside them, in the same rounds, the
+    stage with ``stage_transport: grpc`` (the bytes in the Stage call, 1 MiB messages) and, for reference, a
+    bare gRPC stream of the same 1 MiB messages into a sink that only counts them.
 
 (c) The commit pause of a LoRA adapter push (``model.lora``: rank ``--lora-rank`` on the attention
     projections; only the adapter travels and the engine loads it by name) against the full push's pause,
@@ -274,7 +276,9 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
         warm, fresh = memcpy_seconds(src, warm=True), memcpy_seconds(src, warm=False)
 
         pusher = CheckpointPusher(CheckpointConfig(token=TOKEN, stage_dir=stage_dir), [address])
-        tcp, bare, stage, pause, load, lora_pause = [], [], [], [], [], []
+        tcp, bare, stage, stage_grpc, pause, load, lora_pause = [], [], [], [], [], [], []
+        in_call = CheckpointPusher(CheckpointConfig(token=TOKEN, stage_dir=stage_dir, stage_transport="grpc"),
+                                   [address])
         version = 0
 
         def push(target: torch.nn.Module, via: CheckpointPusher | None = None) -> Any:
@@ -292,10 +296,12 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
             return server
 
         push(model)  # the first stage of a run allocates its tmpfs pages; later ones reuse the served file's
-        for _ in range(pushes):
+        for round_ in range(pushes):
             tcp.append(raw_tcp_seconds(int(port), src))
             bare.append(raw_grpc_seconds(f"127.0.0.1:{counter_port}", src))
-            stage.append(push(model).stage_seconds)
+            for via in (None, in_call) if round_ % 2 == 0 else (in_call, None):
+                (stage if via is None else stage_grpc).append(push(model, via).stage_seconds)
+        in_call.close()
         for round_ in range(pushes):
             for target in (model, lora) if round_ % 2 == 0 else (lora, model):
                 server = push(target)
@@ -365,6 +371,8 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
     print(f"    pause / memcpy into fresh pages: {med(pause) / fresh:.2f}x (goal <= 3x against warm)")
     print(f"(b) stage {stage_gbs:.2f} GB/s (median of {pushes}: {', '.join(f'{s:.2f}s' for s in stage)}), "
           f"raw loopback TCP {tcp_gbs:.2f} GB/s ({', '.join(f'{s:.2f}s' for s in tcp)})")
+    print(f"    stage with the bytes in the gRPC call (stage_transport: grpc) {gb / med(stage_grpc):.2f} GB/s "
+          f"({', '.join(f'{s:.2f}s' for s in stage_grpc)})")
     print(f"    bare gRPC stream of 1 MiB messages (no digests, no file) {gb / med(bare):.2f} GB/s, "
           f"{tcp_gbs / (gb / med(bare)):.1f}x slower than raw TCP on its own")
     print(f"(c) LoRA rank {lora_rank} adapter ({lora_bytes / 2**20:.1f} MiB fp32): commit pause median "
@@ -379,6 +387,7 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
               + ", ".join(f"{p * 1e3:.0f}" for p in busy_pause[mode]) + " ms")
     print(f"    a decode step of those requests (their time between tokens) took {decode_step * 1e3:.1f} ms on "
           f"average in a 1 s window after each round, no push running; the stall counts one")
+    print(f"stage_grpc_vs_raw_tcp ratio {med(tcp) / med(stage_grpc):.3f}")
     print(f"stage_vs_raw_tcp ratio {stage_gbs / tcp_gbs:.3f} (goal >= 0.5)")
     print(f"pause_vs_memcpy ratio {med(pause) / warm:.3f}")
     print(f"lora_pause_vs_full_pause ratio {med(lora_pause) / med(pause):.3f}")

@@ -4,13 +4,15 @@ The pusher learns the servers' addresses from Redis, which it does not trust wit
 weights. Before either, it sends a fresh nonce (``Prove``); the server answers ``proof(token, nonce,
 server_id, address)``. Only a holder of the checkpoint token can compute it, and it binds the address the
 pusher dialled, so a fake server cannot relay the challenge to a real one at another address. An attacker
-on the path to a real server's own address is what TLS (``checkpoint.tls_*``) is for.
+on the path to a real server's own address is what TLS (``checkpoint.tls_*``) is for. The stage port, which
+carries a Stage's bytes outside gRPC, is TLS with the same files (``ssl_context``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ssl
 from typing import Any
 
 import grpc
@@ -64,3 +66,25 @@ def open_channel(address: str, credentials: grpc.ChannelCredentials | None, cfg:
     if cfg.tls_server_name is not None:
         options = [*options, ("grpc.ssl_target_name_override", cfg.tls_server_name)]
     return grpc.secure_channel(address, credentials, options=options)
+
+
+def ssl_context(cfg: CheckpointConfig, server_side: bool) -> ssl.SSLContext | None:
+    """The stage port's TLS, from the files the gRPC port uses, or None when ``checkpoint.tls_*`` are unset.
+
+    Each side presents its certificate and requires the peer's, signed by ``tls_ca``; the pusher checks the
+    receiver's for ``tls_server_name`` (or the host dialled, ``server_hostname``) as its gRPC channel does. The
+    receiver needs no name from the pusher's: a connection is admitted by its Stage's ticket, which only the
+    caller of that Stage (whose certificate the gRPC port checked) was given.
+    """
+    if cfg.tls_key is None or cfg.tls_cert is None or cfg.tls_ca is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    context.load_verify_locations(cafile=cfg.tls_ca)
+    context.verify_mode = ssl.CERT_REQUIRED
+    if server_side:
+        # No TLS 1.3 session tickets: the pusher only sends, and tickets left unread in its socket would turn its
+        # close into a reset that drops the payload's last bytes in flight.
+        context.num_tickets = 0
+    return context

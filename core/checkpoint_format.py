@@ -28,6 +28,8 @@ _FLOATING = ("float32", "bfloat16", "float16")
 SERVICE = pb.DESCRIPTOR.services_by_name["CheckpointEngine"].full_name
 REASON_KEY = "rollwave-reason"  # trailing metadata of a refused call: why, in one word (the metrics' reason label)
 MODEL_WEIGHTS = "model.safetensors"  # the one weights file of a staged full-model version
+TICKET_BYTES = 32  # a manifest's data_ticket: the pusher's random bytes that admit its stage port connection
+DATA_RECEIVED = b"\x06"  # the stage port's one reply: every byte of the payload arrived (the pusher waits for it)
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 

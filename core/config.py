@@ -207,6 +207,11 @@ class RolloutConfig(Section):
     )
     grpc_host: str = "127.0.0.1"
     grpc_port: int = Field(0, ge=0, le=65535, description="checkpoint receiver; 0 picks a free port (published)")
+    stage_port: int = Field(
+        0, ge=0, le=65535, description="checkpoint receiver, on grpc_host: takes a Stage's bytes over plain TCP (TLS "
+        "when the checkpoint plane is), each connection admitted by the one-time ticket its Stage call carried; "
+        "0 picks a free port (told to pushers in Status)"
+    )
     heartbeat_s: float = Field(2.0, gt=0)
     server_id: str | None = Field(
         None,
@@ -398,6 +403,11 @@ class CheckpointConfig(Section):
     token_file: Path | None = Field(None, description="file holding checkpoint.token")
     stage_dir: Path = Field(Path("/dev/shm/rollwave"), description="staging area (tmpfs)")
     chunk_bytes: int = Field(1 << 20, ge=4096, le=16 << 20)
+    stage_transport: Literal["tcp", "grpc"] = Field(
+        "tcp", description="pusher: how a Stage's bytes travel: tcp (the server's stage port: one kernel copy per "
+        "side, 1.5-2x a gRPC stream's throughput here; bench/checkpoint.py) or grpc (in the Stage stream itself, "
+        "chunk_bytes per message: one port per server, for networks that pass only gRPC)"
+    )
     connect_timeout_s: float = Field(10.0, gt=0, description="deadline for a server's gRPC connection to be ready")
     stage_timeout_s: float = Field(
         10.0, gt=0, description="fixed part of a Stage's deadline; the deadline adds bytes / min_throughput_mib_s"

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/checkpoint.proto\x12\x16rollwave.checkpoint.v1\"^\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04J\x04\x08\x06\x10\x07\"\x83\x01\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x33\n\x07tensors\x18\x02 \x03(\x0b\x32\".rollwave.checkpoint.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x61\x64\x61pter_config\x18\x05 \x01(\tJ\x04\x08\x04\x10\x05\"/\n\x07Trailer\x12\x0c\n\x04xxh3\x18\x03 \x03(\x06\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\tJ\x04\x08\x01\x10\x02\"\x9c\x01\n\x05\x43hunk\x12\x34\n\x08manifest\x18\x01 \x01(\x0b\x32 .rollwave.checkpoint.v1.ManifestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x32\n\x07trailer\x18\x04 \x01(\x0b\x32\x1f.rollwave.checkpoint.v1.TrailerH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x42\t\n\x07payload\"F\n\nStageReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\" \n\rCommitRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"e\n\x0b\x43ommitReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rpause_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\x12\x18\n\x10\x61\x64\x61pter_checksum\x18\x04 \x01(\t\"\x1f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x1d\n\nAbortReply\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\xa0\x01\n\x0bStatusReply\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\x16\n\x0estaged_version\x18\x02 \x01(\x03\x12\x12\n\nengine_url\x18\x03 \x01(\t\x12\x32\n\x06served\x18\x04 \x03(\x0b\x32\".rollwave.checkpoint.v1.TensorSpec\x12\x18\n\x10\x61\x64\x61pter_checksum\x18\x05 \x01(\t\"\x1d\n\x0cProveRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\".\n\nProveReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\r\n\x05proof\x18\x02 \x01(\x0c\x32\xb2\x03\n\x10\x43heckpointEngine\x12L\n\x05Stage\x12\x1d.rollwave.checkpoint.v1.Chunk\x1a\".rollwave.checkpoint.v1.StageReply(\x01\x12T\n\x06\x43ommit\x12%.rollwave.checkpoint.v1.CommitRequest\x1a#.rollwave.checkpoint.v1.CommitReply\x12Q\n\x05\x41\x62ort\x12$.rollwave.checkpoint.v1.AbortRequest\x1a\".rollwave.checkpoint.v1.AbortReply\x12T\n\x06Status\x12%.rollwave.checkpoint.v1.StatusRequest\x1a#.rollwave.checkpoint.v1.StatusReply\x12Q\n\x05Prove\x12$.rollwave.checkpoint.v1.ProveRequest\x1a\".rollwave.checkpoint.v1.ProveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/checkpoint.proto\x12\x16rollwave.checkpoint.v1\"^\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04J\x04\x08\x06\x10\x07\"\x98\x01\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x33\n\x07tensors\x18\x02 \x03(\x0b\x32\".rollwave.checkpoint.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x61\x64\x61pter_config\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x61ta_ticket\x18\x06 \x01(\x0cJ\x04\x08\x04\x10\x05\"/\n\x07Trailer\x12\x0c\n\x04xxh3\x18\x03 \x03(\x06\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\tJ\x04\x08\x01\x10\x02\"\x9c\x01\n\x05\x43hunk\x12\x34\n\x08manifest\x18\x01 \x01(\x0b\x32 .rollwave.checkpoint.v1.ManifestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x32\n\x07trailer\x18\x04 \x01(\x0b\x32\x1f.rollwave.checkpoint.v1.TrailerH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x42\t\n\x07payload\"F\n\nStageReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\" \n\rCommitRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"e\n\x0b\x43ommitReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rpause_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\x12\x18\n\x10\x61\x64\x61pter_checksum\x18\x04 \x01(\t\"\x1f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x1d\n\nAbortReply\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\xb4\x01\n\x0bStatusReply\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\x12\x16\n\x0estaged_version\x18\x02 \x01(\x03\x12\x12\n\nengine_url\x18\x03 \x01(\t\x12\x32\n\x06served\x18\x04 \x03(\x0b\x32\".rollwave.checkpoint.v1.TensorSpec\x12\x18\n\x10\x61\x64\x61pter_checksum\x18\x05 \x01(\t\x12\x12\n\nstage_port\x18\x06 \x01(\r\"\x1d\n\x0cProveRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\".\n\nProveReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\r\n\x05proof\x18\x02 \x01(\x0c\x32\xb2\x03\n\x10\x43heckpointEngine\x12L\n\x05Stage\x12\x1d.rollwave.checkpoint.v1.Chunk\x1a\".rollwave.checkpoint.v1.StageReply(\x01\x12T\n\x06\x43ommit\x12%.rollwave.checkpoint.v1.CommitRequest\x1a#.rollwave.checkpoint.v1.CommitReply\x12Q\n\x05\x41\x62ort\x12$.rollwave.checkpoint.v1.AbortRequest\x1a\".rollwave.checkpoint.v1.AbortReply\x12T\n\x06Status\x12%.rollwave.checkpoint.v1.StatusRequest\x1a#.rollwave.checkpoint.v1.StatusReply\x12Q\n\x05Prove\x12$.rollwave.checkpoint.v1.ProveRequest\x1a\".rollwave.checkpoint.v1.ProveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORSPEC']._serialized_start=50
   _globals['_TENSORSPEC']._serialized_end=144
   _globals['_MANIFEST']._serialized_start=147
-  _globals['_MANIFEST']._serialized_end=278
-  _globals['_TRAILER']._serialized_start=280
-  _globals['_TRAILER']._serialized_end=327
-  _globals['_CHUNK']._serialized_start=330
-  _globals['_CHUNK']._serialized_end=486
-  _globals['_STAGEREPLY']._serialized_start=488
-  _globals['_STAGEREPLY']._serialized_end=558
-  _globals['_COMMITREQUEST']._serialized_start=560
-  _globals['_COMMITREQUEST']._serialized_end=592
-  _globals['_COMMITREPLY']._serialized_start=594
-  _globals['_COMMITREPLY']._serialized_end=695
-  _globals['_ABORTREQUEST']._serialized_start=697
-  _globals['_ABORTREQUEST']._serialized_end=728
-  _globals['_ABORTREPLY']._serialized_start=730
-  _globals['_ABORTREPLY']._serialized_end=759
-  _globals['_STATUSREQUEST']._serialized_start=761
-  _globals['_STATUSREQUEST']._serialized_end=776
-  _globals['_STATUSREPLY']._serialized_start=779
-  _globals['_STATUSREPLY']._serialized_end=939
-  _globals['_PROVEREQUEST']._serialized_start=941
-  _globals['_PROVEREQUEST']._serialized_end=970
-  _globals['_PROVEREPLY']._serialized_start=972
-  _globals['_PROVEREPLY']._serialized_end=1018
-  _globals['_CHECKPOINTENGINE']._serialized_start=1021
-  _globals['_CHECKPOINTENGINE']._serialized_end=1455
+  _globals['_MANIFEST']._serialized_end=299
+  _globals['_TRAILER']._serialized_start=301
+  _globals['_TRAILER']._serialized_end=348
+  _globals['_CHUNK']._serialized_start=351
+  _globals['_CHUNK']._serialized_end=507
+  _globals['_STAGEREPLY']._serialized_start=509
+  _globals['_STAGEREPLY']._serialized_end=579
+  _globals['_COMMITREQUEST']._serialized_start=581
+  _globals['_COMMITREQUEST']._serialized_end=613
+  _globals['_COMMITREPLY']._serialized_start=615
+  _globals['_COMMITREPLY']._serialized_end=716
+  _globals['_ABORTREQUEST']._serialized_start=718
+  _globals['_ABORTREQUEST']._serialized_end=749
+  _globals['_ABORTREPLY']._serialized_start=751
+  _globals['_ABORTREPLY']._serialized_end=780
+  _globals['_STATUSREQUEST']._serialized_start=782
+  _globals['_STATUSREQUEST']._serialized_end=797
+  _globals['_STATUSREPLY']._serialized_start=800
+  _globals['_STATUSREPLY']._serialized_end=980
+  _globals['_PROVEREQUEST']._serialized_start=982
+  _globals['_PROVEREQUEST']._serialized_end=1011
+  _globals['_PROVEREPLY']._serialized_start=1013
+  _globals['_PROVEREPLY']._serialized_end=1059
+  _globals['_CHECKPOINTENGINE']._serialized_start=1062
+  _globals['_CHECKPOINTENGINE']._serialized_end=1496
 # @@protoc_insertion_point(module_scope)

@@ -21,16 +21,18 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "adapter_config")
+    __slots__ = ("version", "tensors", "total_bytes", "adapter_config", "data_ticket")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
     adapter_config: str
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., adapter_config: _Optional[str] = ...) -> None: ...
+    data_ticket: bytes
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., adapter_config: _Optional[str] = ..., data_ticket: _Optional[bytes] = ...) -> None: ...
 
 class Trailer(_message.Message):
     __slots__ = ("xxh3", "checksum")
@@ -97,18 +99,20 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("current_version", "staged_version", "engine_url", "served", "adapter_checksum")
+    __slots__ = ("current_version", "staged_version", "engine_url", "served", "adapter_checksum", "stage_port")
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
     SERVED_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    STAGE_PORT_FIELD_NUMBER: _ClassVar[int]
     current_version: int
     staged_version: int
     engine_url: str
     served: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     adapter_checksum: str
-    def __init__(self, current_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., engine_url: _Optional[str] = ..., served: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., adapter_checksum: _Optional[str] = ...) -> None: ...
+    stage_port: int
+    def __init__(self, current_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., engine_url: _Optional[str] = ..., served: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., adapter_checksum: _Optional[str] = ..., stage_port: _Optional[int] = ...) -> None: ...
 
 class ProveRequest(_message.Message):
     __slots__ = ("nonce",)

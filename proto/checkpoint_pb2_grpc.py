@@ -65,7 +65,8 @@ class CheckpointEngineServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Stage(self, request_iterator, context):
-        """First chunk carries the manifest, then ~1 MiB byte slices in offset order, then the trailer.
+        """First chunk carries the manifest, then ~1 MiB byte slices in offset order (or, with the manifest's
+        data_ticket, none: the bytes go over the stage port), then the trailer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

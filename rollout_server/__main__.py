@@ -133,6 +133,7 @@ async def serve(cfg: Config, tools: ToolRegistry) -> None:
                 CheckpointMetrics(metrics.registry), cfg.engine.request_timeout_s, engine_api_key=key,
                 adapter_name=cfg.model.lora.name if cfg.model.lora else LoraConfig().name,
                 on_adapter=partial(name_adapter, engines), on_commit=partial(setattr, worker.info, "version"),
+                stage_port=cfg.rollout.stage_port,
             )
             worker.info.grpc_address = await asyncio.to_thread(receiver.start)
             stack.callback(receiver.stop)

@@ -8,9 +8,11 @@ it by name (``/load_lora_adapter``, replacing the one served), reports the check
 (so the pusher verifies the delivery) and tells the rollout worker to name it on its requests.
 The manifest is checked against the served model before any byte is accepted, and a stage
 that fails (bad manifest, checksum, offsets, cut stream) is deleted: the server keeps its version.
-The server is ``grpc.aio`` on the rollout server's event loop, so Commit awaits the same async
-engine client the agent loop uses. Every call needs the checkpoint token except ``Prove``, which answers
-the pusher's challenge (``core.checkpoint_auth``) before the pusher sends the token.
+A Stage's bytes come over the server's stage port (``rollout_server.stage_port``) when its
+manifest carries a ticket, else in the stream itself. The server is ``grpc.aio`` on the rollout server's
+event loop, so Commit awaits the same async engine client the agent loop uses. Every call needs the
+checkpoint token except ``Prove``, which answers the pusher's challenge (``core.checkpoint_auth``) before
+the pusher sends the token.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from google.protobuf.message import DecodeError, Message
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from safetensors.torch import load_file
 
-from core.checkpoint_auth import NONCE_BYTES, proof, server_credentials
+from core.checkpoint_auth import NONCE_BYTES, proof, server_credentials, ssl_context
 from core.checkpoint_format import (
     GRPC_OPTIONS,
     MODEL_WEIGHTS,
@@ -51,6 +53,7 @@ from core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_checksum
 from core.net import bind_retrying, listen_socket
 from proto import checkpoint_pb2 as pb
 from rollout_server.engine_client import EngineClient, EngineError, EngineGroup
+from rollout_server.stage_port import IncomingData, StagePort
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,8 @@ class CheckpointMetrics:
         r = self.registry
         self.stage_seconds = Histogram("rollwave_rollout_stage_duration_seconds", "Stage stream duration",
                                        registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.stage_bytes = Counter("rollwave_rollout_stage_bytes", "bytes staged", registry=r)
+        self.stage_bytes = Counter("rollwave_rollout_stage_bytes", "bytes staged, by how they came (port: the "
+                                   "stage port; stream: in the Stage call)", ["transport"], registry=r)
         self.pause_seconds = Histogram("rollwave_rollout_pause_duration_seconds", "pause per Commit",
                                        registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
         self.paused_seconds = Counter("rollwave_rollout_paused_seconds", "time paused for weight loads",
@@ -88,7 +92,8 @@ class CheckpointMetrics:
                                        registry=r)
         self.refused = Counter("rollwave_rollout_checkpoint_refused", "checkpoint calls refused before they ran "
                                "(unauthenticated: no or a wrong token; certificate: the caller's certificate lacks "
-                               "checkpoint.tls_client_name; nonce: a malformed challenge)", ["reason"], registry=r)
+                               "checkpoint.tls_client_name; nonce: a malformed challenge; ticket: a stage port "
+                               "connection that named no Stage in progress)", ["reason"], registry=r)
 
 
 @dataclass
@@ -131,6 +136,7 @@ class CheckpointService:
         self.metrics = metrics
         self.server_id = server_id
         self.address = ""  # the gRPC address the server is reached at (bound into its proofs), set on start
+        self.stage_port: StagePort | None = None  # set on start
         self.max_version_jump = config.max_version_jump
         self._token = config.token.get_secret_value()
         self.served = served_tensor_specs(self.model_dir)
@@ -160,8 +166,10 @@ class CheckpointService:
         """Receives serialized chunks (see ``parse_chunk``) and stages the version they carry."""
         async with self._stage_lock:
             start = time.monotonic()
+            remaining = context.time_remaining()
+            deadline = start + (remaining if remaining is not None else self.config.stage_timeout_s)
             try:
-                version, received = await self._stage(request_iterator)
+                version, received, transport = await self._stage(request_iterator, deadline)
             except StageError as exc:
                 self.metrics.stage_failures.labels(exc.reason).inc()
                 log.warning("%s: stage refused (%s): %s", self.server_id, exc.reason, exc)
@@ -171,15 +179,30 @@ class CheckpointService:
                 raise
             seconds = time.monotonic() - start
             self.metrics.stage_seconds.observe(seconds)
-            self.metrics.stage_bytes.inc(received)
+            self.metrics.stage_bytes.labels(transport).inc(received)
             return pb.StageReply(version=version, bytes_received=received, seconds=seconds)
 
-    async def _stage(self, chunks: AsyncIterator[bytes]) -> tuple[int, int]:
+    async def _stage(self, chunks: AsyncIterator[bytes], deadline: float) -> tuple[int, int, str]:
+        """(version, bytes, how the bytes came) of the version the stream stages."""
         first = await anext(chunks, None)
         kind, _, payload = parse_chunk(first or b"")
         if kind != "manifest":
             raise StageError("manifest", "the first chunk of a Stage stream must carry the manifest")
         manifest = _parse(pb.Manifest, payload, "manifest")
+        incoming = None
+        if manifest.data_ticket:
+            if self.stage_port is None:
+                raise StageError("manifest", "the manifest has a data_ticket, and this server has no stage port")
+            incoming = self.stage_port.expect(manifest.data_ticket, deadline)  # a refusal below frees its connection
+        try:
+            version, received = await self._stage_manifest(manifest, chunks, incoming)
+            return version, received, "stream" if incoming is None else "port"
+        finally:
+            if incoming is not None:
+                self.stage_port.forget(manifest.data_ticket)  # type: ignore[union-attr]
+
+    async def _stage_manifest(self, manifest: pb.Manifest, chunks: AsyncIterator[bytes],
+                              incoming: IncomingData | None) -> tuple[int, int]:
         version = manifest.version
         self._check_newer(version)
         check_manifest(manifest, self.served)
@@ -195,7 +218,10 @@ class CheckpointService:
                 self._recycle_served_file(partial / MODEL_WEIGHTS)
             staged = StagedFile(partial / (ADAPTER_WEIGHTS if manifest.adapter_config else MODEL_WEIGHTS), manifest)
             try:
-                await self._receive(chunks, staged)
+                if incoming is None:
+                    await self._receive(chunks, staged)
+                else:
+                    await self._receive_over_port(chunks, staged, manifest.data_ticket, incoming)
             finally:
                 staged.close()
             self._publish_stage(version, partial, final)
@@ -221,6 +247,34 @@ class CheckpointService:
                 raise StageError("manifest", f"a {kind or 'empty'} chunk after the manifest")
         raise StageError("stream", f"stream ended after {staged.received} of {staged.total} bytes "
                                    "without a trailer")
+
+    async def _receive_over_port(self, chunks: AsyncIterator[bytes], staged: StagedFile, ticket: bytes,
+                                 incoming: IncomingData) -> None:
+        """The data comes on the stage port, the trailer in the stream; the connection's thread is done with
+        ``staged`` when this returns, whatever happened."""
+        assert self.stage_port is not None
+        self.stage_port.ready(incoming, staged)
+        done = asyncio.wrap_future(incoming.done)
+        try:
+            kind, _, payload = parse_chunk(await anext(chunks, None) or b"")
+            if kind != "trailer":
+                raise StageError("stream", f"a {kind or 'missing'} chunk where a Stage with a data_ticket has its "
+                                           "trailer (its data goes over the stage port)")
+            trailer = _parse(pb.Trailer, payload, "stream")
+            await asyncio.wait({done}, timeout=max(0.0, incoming.deadline - time.monotonic()))
+            if not done.done():
+                source = f"from {incoming.peer}" if incoming.peer else "(no connection presented its ticket)"
+                raise StageError("timeout", f"{staged.received} of {staged.total} bytes on the stage port {source} "
+                                            "by the Stage's deadline")
+            done.result()  # the connection's StageError, if it failed
+            staged.finish(trailer)
+            if await anext(chunks, None) is not None:
+                raise StageError("stream", "data after the trailer")
+        finally:
+            self.stage_port.forget(ticket)  # cuts a connection still receiving
+            await asyncio.wait({done}, timeout=30.0)  # its thread settles at once after the cut
+            if not done.done():
+                log.error("%s: the stage port's thread did not stop within 30 s of its Stage's end", self.server_id)
 
     def _copy_model_files(self, dest: Path) -> None:
         for src in self.model_dir.iterdir():
@@ -424,7 +478,8 @@ class CheckpointService:
         served = [pb.TensorSpec(name=name, dtype=dtype, shape=list(shape))
                   for name, (dtype, shape) in self.served.items()]
         return pb.StatusReply(current_version=self._state.current, staged_version=self._state.staged,
-                              engine_url=self.engine_url, served=served, adapter_checksum=self.adapter_checksum)
+                              engine_url=self.engine_url, served=served, adapter_checksum=self.adapter_checksum,
+                              stage_port=self.stage_port.port if self.stage_port is not None else 0)
 
     async def Prove(self, request: pb.ProveRequest, context: grpc.aio.ServicerContext) -> pb.ProveReply:
         """The answer to the pusher's challenge: only a holder of the token can compute it, for this address."""
@@ -510,10 +565,11 @@ class CheckpointReceiver:
                  server_name: str, host: str = "127.0.0.1", port: int = 0, version: int = 0,
                  metrics: CheckpointMetrics | None = None, adapter_name: str = "policy",
                  on_adapter: Callable[[str | None], None] | None = None,
-                 on_commit: Callable[[int], None] | None = None):
+                 on_commit: Callable[[int], None] | None = None, stage_port: int = 0):
         self.config = config
         self.host = host
         self.port = port
+        self.stage_port = stage_port  # the port a Stage's data comes on; 0: any free one (told in Status)
         self.metrics = metrics or CheckpointMetrics()
         stage_root = Path(config.stage_dir) / server_name
         shutil.rmtree(stage_root, ignore_errors=True)
@@ -533,7 +589,8 @@ class CheckpointReceiver:
 
     async def start(self) -> str:
         """Serve and return ``host:port`` (to publish): port 0 takes any free port, a busy fixed one is
-        retried for a bounded time (``bind_retrying``; the wait blocks this loop, which serves nothing yet)."""
+        retried for a bounded time (``bind_retrying``; the wait blocks this loop, which serves nothing yet).
+        The stage port listens on the same host."""
         # Without SO_REUSEPORT (on by default in gRPC) a second receiver on a busy port fails instead of sharing it.
         options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
         credentials = server_credentials(self.config)
@@ -544,6 +601,9 @@ class CheckpointReceiver:
         self.port = bind_retrying(partial(self._add_port, server, credentials), "checkpoint receiver", self.host,
                                   self.port)
         self.service.address = self.address
+        stage_port = StagePort(self.host, self.stage_port, ssl_context(self.config, server_side=True),
+                               self.config.connect_timeout_s, self.metrics.refused, self.service.server_id)
+        self.stage_port, self.service.stage_port = stage_port.port, stage_port
         await server.start()
         self._server = server
         return self.address
@@ -563,6 +623,9 @@ class CheckpointReceiver:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        if self.service.stage_port is not None:
+            await asyncio.to_thread(self.service.stage_port.close)
+            self.service.stage_port = None
         shutil.rmtree(self.service.stage_root, ignore_errors=True)
 
 
@@ -578,10 +641,10 @@ class ReceiverThread:
                  host: str, port: int, metrics: CheckpointMetrics, timeout_s: float = 600.0,
                  engine_api_key: str | None = None, adapter_name: str = "policy",
                  on_adapter: Callable[[str | None], None] | None = None,
-                 on_commit: Callable[[int], None] | None = None):
+                 on_commit: Callable[[int], None] | None = None, stage_port: int = 0):
         self._make = lambda engine: CheckpointReceiver(
             config, model_dir, engine, engine_urls[0], server_name, host=host, port=port, metrics=metrics,
-            adapter_name=adapter_name, on_adapter=on_adapter, on_commit=on_commit,
+            adapter_name=adapter_name, on_adapter=on_adapter, on_commit=on_commit, stage_port=stage_port,
         )
         self._urls = engine_urls
         self._timeout_s = timeout_s

@@ -23,6 +23,7 @@ from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from buffer_helpers import client
@@ -33,6 +34,8 @@ from buffer.registry import ServerRegistry
 from core.config import ConfigError, EngineConfig
 from core.net import free_port_outside_ephemeral
 from core.process import stop_process
+from proto import checkpoint_pb2 as pb
+from proto import checkpoint_pb2_grpc as pb_grpc
 from rollout_server.__main__ import engine_urls
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,20 +152,22 @@ def test_an_sglang_backend_without_urls_is_refused(tiny_model_dir: Path) -> None
 def test_rollout_server_binds_and_publishes_its_configured_addresses(
     tmp_path: Path, redis_server: EmbeddedRedis, tiny_model_dir: Path
 ) -> None:
-    """``python -m rollout_server`` serves its checkpoint receiver, metrics, episode endpoint and engine on the
-    configured host and ports, and publishes exactly those in the registry."""
-    grpc_port, metrics_port, openai_port, engine_port = free_ports(4)
+    """``python -m rollout_server`` serves its checkpoint receiver (its gRPC and stage ports), metrics, episode
+    endpoint and engine on the configured host and ports, and publishes exactly those in the registry (the stage
+    port in the receiver's Status)."""
+    grpc_port, stage_port, metrics_port, openai_port, engine_port = free_ports(5)
     log = tmp_path / "rollout.log"
     overrides = [
         f"run.name={RUN}", f"run.dir={tmp_path}", f"redis.url={redis_server.url}", f"model.path={tiny_model_dir}",
         f"checkpoint.stage_dir={tmp_path}/stage", "rollout.server_id=srv-bind", "rollout.heartbeat_s=0.2",
         "engine.threads=1", f"engine.host={HOST}", f"engine.port={engine_port}",
-        f"rollout.grpc_host={HOST}", f"rollout.grpc_port={grpc_port}",
+        f"rollout.grpc_host={HOST}", f"rollout.grpc_port={grpc_port}", f"rollout.stage_port={stage_port}",
         f"rollout.metrics_host={HOST}", f"rollout.metrics_port={metrics_port}",
         f"rollout.openai_host={HOST}", f"rollout.openai_port={openai_port}",
     ]
     registry = ServerRegistry(client(redis_server), KEYS)
-    env = {"ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
+    token = secrets.token_urlsafe(32)
+    env = {"ROLLWAVE_CHECKPOINT_TOKEN": token}
     with component("rollout_server", log, *overrides, env=env) as proc:
         [info] = wait_for("the server's registry record", registry.live_servers, proc, log)
         assert info.server_id == "srv-bind"
@@ -173,9 +178,13 @@ def test_rollout_server_binds_and_publishes_its_configured_addresses(
         assert "rollwave_rollout_" in httpx.get(f"http://{HOST}:{metrics_port}/metrics", timeout=10).text
         episode = httpx.get(f"http://{HOST}:{openai_port}/episodes/none/v1/models", timeout=10)
         assert episode.status_code == 404 and "episode 'none' does not exist" in episode.text  # the endpoint
-        with socket.create_connection((HOST, grpc_port), timeout=5):
+        with grpc.insecure_channel(info.grpc_address) as channel:
+            status = pb_grpc.CheckpointEngineStub(channel).Status(
+                pb.StatusRequest(), metadata=[("authorization", f"Bearer {token}")], timeout=10)
+        assert status.stage_port == stage_port
+        with socket.create_connection((HOST, stage_port), timeout=5):
             pass
-        for port in (grpc_port, metrics_port, openai_port, engine_port):
+        for port in (grpc_port, stage_port, metrics_port, openai_port, engine_port):
             assert on_loopback_only(port), port
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text(errors="replace")[-4000:]

@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -718,6 +719,94 @@ def test_stage_deadline_grows_with_bytes_over_min_throughput(fleet: Fleet, base_
     assert fleet.version() == version
 
 
+def received(fleet: Fleet, i: int, name: str, **labels: str) -> float:
+    """A sample of receiver ``i``'s metrics (0 before the first)."""
+    return fleet.receivers[i].metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def read_to_close(sock: socket.socket) -> None:
+    """Read until the server closes the connection: what it sends first (a TLS alert) is not weights."""
+    sock.settimeout(WAIT_S)
+    with contextlib.suppress(ConnectionResetError):
+        while sock.recv(4096):
+            pass
+
+
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_stage_transport_carries_the_bytes_on_the_port_or_in_the_call(
+    fleet: Fleet, base_model: PreTrainedModel, transport: str
+) -> None:
+    """``checkpoint.stage_transport``: tcp (the default) sends a push's bytes on each server's stage port, which
+    ``Status`` tells; grpc sends them in the Stage call itself. Either way every byte arrives and commits."""
+    version = fleet.version() + 1
+    nbytes = sum(m.nbytes for m in model_metas(base_model))
+    came = {"tcp": "port", "grpc": "stream"}[transport]
+    before = {(i, t): received(fleet, i, "rollwave_rollout_stage_bytes_total", transport=t)
+              for i in range(2) for t in ("port", "stream")}
+    assert [fleet.status(i).stage_port for i in range(2)] == [r.stage_port for r in fleet.receivers]
+    assert all(r.stage_port not in (0, r.port) for r in fleet.receivers)
+    pusher = fleet.pusher(stage_transport=transport)
+    pushed = pusher.push_model(base_model, version=version).wait(WAIT_S)
+    pusher.close()
+    assert pushed.ok, pushed.servers
+    assert fleet.version() == version
+    for (i, t), was in before.items():
+        got = received(fleet, i, "rollwave_rollout_stage_bytes_total", transport=t) - was
+        assert got == (nbytes if t == came else 0), (i, t, got)
+
+
+def test_stage_port_refuses_connections_without_a_stage_ticket(fleet: Fleet, base_model: PreTrainedModel) -> None:
+    """A stage port connection whose ticket no Stage holds, and one that sends no ticket, are closed after
+    ``connect_timeout_s`` with nothing written, logged and counted (reason ``ticket``); a push meanwhile is not
+    disturbed."""
+    port, stage_port = fleet.receivers[0].stage_port, fleet.receivers[0].service.stage_port
+    assert stage_port is not None
+    wait_for(lambda: not stage_port.connections, "connections of earlier pushes to be settled")
+    before = received(fleet, 0, "rollwave_rollout_checkpoint_refused_total", reason="ticket")
+    version = fleet.version() + 1
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as forged, \
+            socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as silent:
+        forged.sendall(secrets.token_bytes(32))
+        pusher = fleet.pusher()
+        assert pusher.push_model(base_model, version=version).wait(WAIT_S).ok
+        pusher.close()
+        for sock in (forged, silent):
+            read_to_close(sock)
+    assert received(fleet, 0, "rollwave_rollout_checkpoint_refused_total", reason="ticket") == before + 2
+    assert fleet.version() == version and not stage_port.connections
+
+
+def test_a_stalled_stage_port_transfer_ends_with_its_stage_and_frees_the_port(
+    fleet: Fleet, base_model: PreTrainedModel
+) -> None:
+    """A Stage whose data connection stops half way fails by the call's deadline: the server drops the partial
+    stage, keeps its version, closes the connection and its thread ends; the next push commits."""
+    version = fleet.version() + 1
+    snapshot = snapshot_of(base_model, version)
+    ticket = secrets.token_bytes(32)
+    receiver = fleet.receivers[0]
+    failures = received(fleet, 0, "rollwave_rollout_stage_failures_total", reason="timeout") + \
+        received(fleet, 0, "rollwave_rollout_stage_failures_total", reason="stream")
+    with socket.create_connection(("127.0.0.1", receiver.stage_port), timeout=WAIT_S) as data:
+        data.sendall(ticket + bytes(1000))
+        with grpc.insecure_channel(receiver.address, options=GRPC_OPTIONS) as channel:
+            stage = channel.stream_unary(f"/{SERVICE}/Stage", response_deserializer=pb.StageReply.FromString)
+            last = pb.Chunk(trailer=pb.Trailer()).SerializeToString()
+            with pytest.raises(grpc.RpcError) as err:
+                stage(iter([snapshot.manifest_chunk(None, ticket), last]), metadata=AUTH, timeout=2.0)
+        assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INVALID_ARGUMENT)
+        read_to_close(data)
+    wait_for(lambda: not receiver.service.stage_port.connections, "the stage port's connection thread to end")
+    wait_for(lambda: received(fleet, 0, "rollwave_rollout_stage_failures_total", reason="timeout")
+             + received(fleet, 0, "rollwave_rollout_stage_failures_total", reason="stream") == failures + 1,
+             "the failed stage to be counted")
+    assert not any(receiver.service.stage_root.glob("*.partial"))
+    assert fleet.status(0).current_version == version - 1 and fleet.status(0).staged_version != version
+    pusher = fleet.pusher()
+    assert pusher.push_model(base_model, version=version).wait(WAIT_S).ok
+    pusher.close()
+
+
 RECEIVER_SCRIPT = """
 import asyncio, sys
 from pathlib import Path
@@ -1031,7 +1120,8 @@ def test_checkpoint_plane_over_mutual_tls(tiny_model_dir: Path, base_model: PreT
     with another CA's certificate, one that does not trust the server's CA, and one presenting a certificate of
     the right CA with another name (the receiver's own: these allow any use) all fail to connect and leave the
     version as it was; the last is counted as refused for its certificate. The receiver also has
-    ``max_version_jump`` 5: a jump of 6 is refused, 5 is taken."""
+    ``max_version_jump`` 5: a jump of 6 is refused, 5 is taken. The stage port is TLS too: the push's bytes came
+    there, and a plaintext connection to it is refused."""
     pki, other = make_pki(tmp_path / "pki", "rollwave"), make_pki(tmp_path / "other", "other")
     stage_dir = Path("/dev/shm") / f"rollwave-tls-{tmp_path.name}"
     tls = Fleet(tiny_model_dir, stage_dir, tmp_path, size=1, tls_cert=pki.server_cert, tls_key=pki.server_key,
@@ -1051,6 +1141,11 @@ def test_checkpoint_plane_over_mutual_tls(tiny_model_dir: Path, base_model: PreT
 
         mine = {"tls_cert": pki.client_cert, "tls_key": pki.client_key, "tls_ca": pki.ca}
         assert push(1, **mine).ok and receiver.version == 1
+        assert received(tls, 0, "rollwave_rollout_stage_bytes_total", transport="port") > 0  # TLS on the port too
+        with socket.create_connection(("127.0.0.1", receiver.stage_port), timeout=WAIT_S) as plaintext:
+            plaintext.sendall(secrets.token_bytes(32))
+            read_to_close(plaintext)
+        assert received(tls, 0, "rollwave_rollout_checkpoint_refused_total", reason="ticket") == 1
         refused = [
             push(2, tls_cert=None, tls_key=None, tls_ca=None),  # plaintext
             push(2, tls_cert=other.client_cert, tls_key=other.client_key, tls_ca=pki.ca),  # a stranger's certificate

@@ -1,8 +1,10 @@
 """``checkpoint.retries``: a Stage broken by the network is tried again, as many more times as the key says.
 
 A real receiver (on a background event loop, as in a rollout server) in front of a real embedded engine; the
-pusher reaches it through a TCP proxy that cuts one connection in the middle of a Stage stream, as a network
-fault would. The retry reconnects and streams again; without a retry left the push fails at stage ``stage``.
+pusher reaches its gRPC port and its stage port through TCP proxies that cut one connection in the middle of a
+Stage's bytes, as a network fault would: the stage port's connection (``checkpoint.stage_transport: tcp``) or
+the Stage stream itself (``grpc``). The retry reconnects and sends again; without a retry left the push fails
+at stage ``stage``.
 """
 
 from __future__ import annotations
@@ -122,14 +124,20 @@ class ProxiedServer:
         self._run(self.receiver.start())
         self.proxy = CuttingProxy((self.receiver.host, self.receiver.port))
         self.receiver.service.address = self.proxy.address
+        self.stage_proxy = CuttingProxy((self.receiver.host, self.receiver.stage_port))
+        stage_port = self.receiver.service.stage_port
+        assert stage_port is not None
+        stage_port.port = int(self.stage_proxy.address.rsplit(":", 1)[1])  # what Status tells the pusher
 
     def _run(self, coro: object) -> object:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(WAIT_S)  # type: ignore[arg-type]
 
-    def push(self, model: PreTrainedModel, version: int, retries: int) -> PushResult:
-        """One push with ``checkpoint.retries=retries`` whose first Stage connection the proxy cuts."""
-        self.proxy.arm()
-        pusher = CheckpointPusher(self.config.model_copy(update={"retries": retries}), [self.proxy.address])
+    def push(self, model: PreTrainedModel, version: int, retries: int, transport: str) -> PushResult:
+        """One push with ``checkpoint.retries=retries`` whose first connection carrying the Stage's bytes (over
+        ``transport``) a proxy cuts."""
+        (self.stage_proxy if transport == "tcp" else self.proxy).arm()
+        update = {"retries": retries, "stage_transport": transport}
+        pusher = CheckpointPusher(self.config.model_copy(update=update), [self.proxy.address])
         try:
             pushed = pusher.push_model(model, version=version)
             assert pushed is not None
@@ -145,6 +153,7 @@ class ProxiedServer:
 
         try:
             self.proxy.close()
+            self.stage_proxy.close()
             self._run(stop())
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
@@ -162,15 +171,18 @@ def server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ProxiedServer]:
         proxied.close()
 
 
-def test_a_stage_cut_by_the_network_is_retried_only_with_retries_left(server: ProxiedServer,
-                                                                      tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_a_stage_cut_by_the_network_is_retried_only_with_retries_left(server: ProxiedServer, tiny_model_dir: Path,
+                                                                      transport: str) -> None:
     """retries=0: the cut Stage fails the push, tried once, and the server keeps its version. retries=1: the same
     cut costs one more Stage attempt on a new connection, and the version is committed."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    none = server.push(model, version=1, retries=0)
+    cutter = server.stage_proxy if transport == "tcp" else server.proxy
+    none = server.push(model, version=1, retries=0, transport=transport)
     assert (none.ok, none.stage, none.reason, none.stage_attempts, none.commit_attempts) == (
         False, "stage", "unavailable", 1, 0), none
-    assert server.proxy.cuts == 1 and server.receiver.version == 0
-    once = server.push(model, version=1, retries=1)
+    assert cutter.cuts == 1 and server.receiver.version == 0
+    once = server.push(model, version=1, retries=1, transport=transport)
     assert (once.ok, once.stage_attempts, once.commit_attempts) == (True, 2, 1), once
-    assert server.proxy.cuts == 2 and server.receiver.version == 1
+    assert cutter.cuts == 2 and server.receiver.version == 1
+    assert server.proxy.cuts + server.stage_proxy.cuts == 2  # the other transport's proxy cut nothing

@@ -285,10 +285,12 @@ def test_engines_listen_on_loopback_and_have_no_port_or_service(tmp_path: Path) 
         server = pod["rollout-server"]
         cfg = run_config(docs, tmp_path, server["command"] + server["args"])
         assert cfg.engine.host == "127.0.0.1" and all("127.0.0.1" in url for url in cfg.engine.urls)
+        ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+        assert (cfg.rollout.grpc_port, cfg.rollout.stage_port) == (ports["grpc"], ports["stage"]) == (50051, 50052)
         for container in pod.values():
-            assert {p["name"] for p in container.get("ports", [])} <= {"grpc", "metrics"}, container["name"]
+            assert {p["name"] for p in container.get("ports", [])} <= {"grpc", "stage", "metrics"}, container["name"]
         service = find(docs, "Service", "-rollout")
-        assert {p["name"] for p in service["spec"]["ports"]} == {"grpc", "metrics"}
+        assert {p["name"] for p in service["spec"]["ports"]} == {"grpc", "stage", "metrics"}
         if "sglang" in pod:
             assert "--host=127.0.0.1" in pod["sglang"]["args"] and not [a for a in pod["sglang"]["args"]
                                                                        if a.startswith("--host=0")]
@@ -317,12 +319,12 @@ def test_only_the_trainer_reaches_the_checkpoint_receivers() -> None:
     assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "rollout"
     assert policy["policyTypes"] == ["Ingress"]
     [grpc, metrics] = policy["ingress"]
-    assert grpc["ports"] == [{"port": "grpc"}]
+    assert grpc["ports"] == [{"port": "grpc"}, {"port": "stage"}]
     [peer] = grpc["from"]
     assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "trainer"
     assert metrics == {"ports": [{"port": "metrics"}], "from": [scraper]}
     rollout = containers(find(docs, "StatefulSet", "-rollout"))["rollout-server"]
-    assert {p["name"] for p in rollout["ports"]} == {"grpc", "metrics"}  # every port the pod has is covered
+    assert {p["name"] for p in rollout["ports"]} == {"grpc", "stage", "metrics"}  # every port the pod has is covered
     redis = find(docs, "NetworkPolicy", "-redis")["spec"]["ingress"][0]
     assert redis["from"][0]["podSelector"]["matchExpressions"][0]["values"] == ["api", "rollout", "trainer"]
     assert not [d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"]

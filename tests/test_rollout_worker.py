@@ -287,25 +287,25 @@ def test_failed_episodes_are_dead_letters_and_a_cancelled_job_is_not(redis_serve
 
 
 def test_bound_ports_are_published_and_busy_configured_ports_waited_for(redis_server: EmbeddedRedis, workers) -> None:
-    """Engine port 0: the registry holds the port it got. The gRPC and metrics ports are configured and busy:
-    the server waits for each (logging it), then serves on exactly that port."""
-    grpc_busy, metrics_busy = bound_socket(), bound_socket()
-    for sock in (grpc_busy, metrics_busy):
+    """Engine port 0: the registry holds the port it got. The gRPC, stage and metrics ports are configured and
+    busy: the server waits for each (logging it), then serves on exactly that port."""
+    grpc_busy, stage_busy, metrics_busy = bound_socket(), bound_socket(), bound_socket()
+    for sock in (grpc_busy, stage_busy, metrics_busy):
         sock.listen()
-    grpc_port, metrics_port = grpc_busy.getsockname()[1], metrics_busy.getsockname()[1]
+    grpc_port, stage_port, metrics_port = (s.getsockname()[1] for s in (grpc_busy, stage_busy, metrics_busy))
     registry = ServerRegistry(client(redis_server), KEYS)
     try:
-        w = workers("srv-p", f"rollout.grpc_port={grpc_port}", f"rollout.metrics_port={metrics_port}",
-                    own_engine=True)
-        for sock, port in ((grpc_busy, grpc_port), (metrics_busy, metrics_port)):
+        w = workers("srv-p", f"rollout.grpc_port={grpc_port}", f"rollout.stage_port={stage_port}",
+                    f"rollout.metrics_port={metrics_port}", own_engine=True)
+        for sock, port in ((grpc_busy, grpc_port), (stage_busy, stage_port), (metrics_busy, metrics_port)):
             wait_for(lambda p=port: f"port {p} on 127.0.0.1 is in use; retrying" in w.log(), w)
             time.sleep(0.5)
             assert w.proc.poll() is None and registry.live_servers() == []  # still waiting, not dead
             sock.close()
         wait_for(lambda: bool(registry.live_servers()), w)
     finally:
-        grpc_busy.close()
-        metrics_busy.close()
+        for sock in (grpc_busy, stage_busy, metrics_busy):
+            sock.close()
     [info] = registry.live_servers()
     assert info.grpc_address == f"127.0.0.1:{grpc_port}" and info.metrics_address == f"127.0.0.1:{metrics_port}"
     assert "rollwave_rollout_" in httpx.get(f"http://{info.metrics_address}/metrics").text

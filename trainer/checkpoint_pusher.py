@@ -5,6 +5,9 @@ all-gathers, and rank 0 copies the gathered tensors into a host snapshot (``trai
 one thread per server streams it (Stage), then commits it, each call with its own deadline: connect
 (``connect_timeout_s``), Stage (``stage_timeout_s`` + bytes / ``min_throughput_mib_s``) and Commit
 (``commit_timeout_s``). A frozen or slow server therefore costs the trainer nothing; it misses versions.
+With ``checkpoint.stage_transport: tcp`` (the default) a Stage's bytes go on the server's stage port
+(``rollout_server.stage_port``), admitted by a ticket the Stage call carries; its stream then carries only the
+manifest and the trailer.
 
 A version is published (``StalenessControl.set_version``: ``rw:<run>:version`` and the groups its weights were
 trained on, which admission reads) once ``quorum`` of the
@@ -31,13 +34,17 @@ committed is an error in the log, listing each server's reason.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
+import queue
 import secrets
+import socket
+import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -48,19 +55,20 @@ from prometheus_client import CollectorRegistry, Counter
 
 from buffer.registry import PushRecord, ServerRegistry
 from buffer.staleness import StalenessControl
-from core.checkpoint_auth import NONCE_BYTES, channel_credentials, open_channel, proof
-from core.checkpoint_format import GRPC_OPTIONS, REASON_KEY, SERVICE
+from core.checkpoint_auth import NONCE_BYTES, channel_credentials, open_channel, proof, ssl_context
+from core.checkpoint_format import DATA_RECEIVED, GRPC_OPTIONS, REASON_KEY, SERVICE, TICKET_BYTES
 from core.config import CheckpointConfig
 from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
 from trainer.lora import adapter_config_json, adapter_metas, is_lora, iter_adapter_params
 from trainer.parallel import iter_full_params
-from trainer.snapshot import BufferPool, Snapshot, TensorMeta, model_metas, take_snapshot
+from trainer.snapshot import BufferPool, Snapshot, TensorMeta, model_metas, take_snapshot, trailer_chunk
 
 log = logging.getLogger(__name__)
 _STAGE_METHOD = f"/{SERVICE}/Stage"
 WATCH_S = 1.0  # how often the watcher lists the live servers and re-offers the newest version
 BACKOFF_S = (1.0, 30.0)  # a server's back-off after a failed push: first, longest (doubling)
+REFUSAL_WAIT_S = 1.0  # after the stage port failed, how long to wait for the Stage call to say why
 # Failures that another try of the same version cannot fix: the server refused it, or it timed out
 # (a straggler waits for its back-off and then gets the newest version instead).
 _FINAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
@@ -265,7 +273,7 @@ class _Link:
             if result.serves != snapshot.version:  # equal: a commit that outlived its deadline landed
                 dtypes = {t.name: getattr(torch, t.dtype) for t in status.served}
                 self._pusher.served_dtypes = dtypes
-                self._stage_version(snapshot, dtypes, result)
+                self._stage_version(snapshot, dtypes, status.stage_port, result)
                 self._commit(snapshot, result)
             elif snapshot.adapter_checksum:
                 self._verify(snapshot, status.adapter_checksum)
@@ -307,21 +315,95 @@ class _Link:
             raise _Failed("prove", "unproven", "prove: the server could not prove it holds the checkpoint token; "
                                                "sent it no token and no weights")
 
-    def _stage_version(self, snapshot: Snapshot, dtypes: dict[str, torch.dtype], result: PushResult) -> None:
+    def _stage_version(self, snapshot: Snapshot, dtypes: dict[str, torch.dtype], stage_port: int,
+                       result: PushResult) -> None:
         cfg = self._config
         deadline = cfg.stage_timeout_s + snapshot.nbytes / (cfg.min_throughput_mib_s * 2**20)
+        over_port = cfg.stage_transport == "tcp" and stage_port != 0
         for attempt in range(cfg.retries + 1):
             result.stage_attempts += 1
             try:
-                reply = self._stage(snapshot.chunks(cfg.chunk_bytes, dtypes), metadata=self._pusher.metadata,
-                                    timeout=deadline)
+                if over_port:
+                    reply = self._stage_over_port(snapshot, dtypes, stage_port, deadline)
+                else:
+                    reply = self._stage(snapshot.chunks(cfg.chunk_bytes, dtypes), metadata=self._pusher.metadata,
+                                        timeout=deadline)
             except grpc.RpcError as exc:
-                if exc.code() in _FINAL or attempt == cfg.retries or self._newer_pending():
-                    raise _failure("stage", exc, deadline) from None
-                time.sleep(min(0.2 * 2**attempt, 5.0))
-                continue
-            result.bytes, result.stage_seconds = reply.bytes_received, reply.seconds
-            return
+                failed, final = _failure("stage", exc, deadline), exc.code() in _FINAL
+            except _Failed as exc:  # the stage port's: a connection refused or cut is tried again, as UNAVAILABLE
+                failed, final = exc, exc.reason != "unavailable"
+            else:
+                result.bytes, result.stage_seconds = reply.bytes_received, reply.seconds
+                return
+            if final or attempt == cfg.retries or self._newer_pending():
+                raise failed
+            time.sleep(min(0.2 * 2**attempt, 5.0))
+
+    def _stage_over_port(self, snapshot: Snapshot, dtypes: dict[str, torch.dtype], port: int,
+                         deadline_s: float) -> pb.StageReply:
+        """A Stage whose stream carries the manifest (with a fresh ticket) and the trailer, and whose bytes go
+        on the server's stage port, sent from the snapshot as they are. When the port fails, the call's error
+        when the server refused the Stage (it says why) or the deadline passed; else the port's own failure at
+        stage ``stage``: ``timeout``, ``tls`` (the handshake) or ``unavailable`` (refused or cut)."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        trailer: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+        def stream() -> Iterator[bytes]:
+            yield snapshot.manifest_chunk(dtypes, ticket)
+            last = trailer.get()
+            if last is not None:
+                yield last
+
+        call = self._stage.future(stream(), metadata=self._pusher.metadata, timeout=deadline_s)
+        host = self.target.address.rsplit(":", 1)[0].strip("[]")
+        ends, sent = time.monotonic() + deadline_s, [0]
+        try:
+            digests = self._send(snapshot, dtypes, host, port, ticket, ends, call, sent)
+        except OSError as exc:
+            # The stream is still open, so an error the call ends with now is the server's, not a reaction to ours.
+            refusal = None
+            with contextlib.suppress(grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                refusal = call.exception(timeout=REFUSAL_WAIT_S)
+            trailer.put(None)  # ends the stream (its thread waits on this queue)
+            call.cancel()
+            if isinstance(refusal, grpc.RpcError) and (refusal.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                                                       or REASON_KEY in dict(refusal.trailing_metadata() or ())):
+                raise refusal from None
+            where = f"stage: data to {host}:{port} after {sent[0]} of {snapshot.nbytes} bytes"
+            if isinstance(exc, TimeoutError):
+                raise _Failed("stage", "timeout", f"{where}: no progress by the Stage's {deadline_s:.3g} s "
+                                                  "deadline") from None
+            raise _Failed("stage", "tls" if isinstance(exc, ssl.SSLError) else "unavailable",
+                          f"{where}: {exc!r}") from None
+        except BaseException:
+            trailer.put(None)
+            call.cancel()
+            raise
+        trailer.put(trailer_chunk(digests))
+        return call.result()
+
+    def _send(self, snapshot: Snapshot, dtypes: dict[str, torch.dtype], host: str, port: int, ticket: bytes,
+              ends: float, call: grpc.Future, sent: list[int]) -> list[int]:
+        """The ticket, then the payload, then the server's word that every byte arrived; returns the tensors'
+        digests. ``sent[0]`` counts the bytes sent."""
+        cfg = self._config
+        timeout = max(min(cfg.connect_timeout_s, ends - time.monotonic()), 1e-3)
+        with socket.create_connection((host, port), timeout=timeout) as raw:
+            tls = self._pusher.ssl_context
+            sock = tls.wrap_socket(raw, server_hostname=cfg.tls_server_name or host) if tls is not None else raw
+            sock.sendall(ticket)
+            digests: list[int] = []
+            for _, pieces in snapshot.slices(cfg.chunk_bytes, dtypes, digests):
+                if call.done():  # refused, or past its deadline: the caller reports why
+                    raise ConnectionAbortedError("the Stage call ended")
+                for piece in pieces:
+                    sock.settimeout(max(ends - time.monotonic(), 1e-3))
+                    sock.sendall(piece)
+                    sent[0] += piece.nbytes
+            sock.settimeout(max(ends - time.monotonic(), 1e-3))
+            if sock.recv(1) != DATA_RECEIVED:  # a cut connection; or the receiver failed, and its call will say
+                raise ConnectionError("the connection closed before the server had every byte")
+            return digests
 
     def _commit(self, snapshot: Snapshot, result: PushResult) -> None:
         """Commit with retries (backing off); a failed load stays staged on the server, so a retry can work.
@@ -404,6 +486,7 @@ class CheckpointPusher:
         self.token = config.token.get_secret_value()
         self.metadata = [("authorization", f"Bearer {self.token}")]
         self.channel_credentials = channel_credentials(config)
+        self.ssl_context: ssl.SSLContext | None = ssl_context(config, server_side=False)  # the stage port's
         self.published = 0
         self.last_pushed = 0
         self.served_dtypes: dict[str, torch.dtype] | None = None  # by tensor name, from the servers' Status

@@ -166,16 +166,23 @@ class Snapshot:
             raw = raw.clone().view(meta.dtype).to(out.dtype).view(torch.uint8)
         return memoryview(raw.numpy())
 
-    def chunks(self, chunk_bytes: int, dtypes: Mapping[str, torch.dtype] | None = None) -> Iterator[bytes]:
-        """A whole Stage stream: the manifest (floating tensors in the dtype ``dtypes`` names), ``chunk_bytes``
-        slices of data, then the trailer with the xxh3 digest of each tensor as sent."""
+    def manifest_chunk(self, dtypes: Mapping[str, torch.dtype] | None = None, data_ticket: bytes = b"") -> bytes:
+        """The Stage stream's first message: the manifest, floating tensors in the dtype ``dtypes`` names; a
+        ``data_ticket`` says the bytes follow on the server's stage port."""
         out = cast_metas(self.metas, dtypes)
-        yield self.manifest if out == self.metas else pb.Chunk(
-            manifest=build_manifest(self.version, out, self.adapter_config)).SerializeToString()
-        digests: list[int] = []
+        if out == self.metas and not data_ticket:
+            return self.manifest
+        manifest = build_manifest(self.version, out, self.adapter_config)
+        manifest.data_ticket = data_ticket
+        return pb.Chunk(manifest=manifest).SerializeToString()
+
+    def slices(self, chunk_bytes: int, dtypes: Mapping[str, torch.dtype] | None,
+               digests: list[int]) -> Iterator[tuple[int, list[memoryview]]]:
+        """The payload as (offset, views) of ``chunk_bytes`` bytes each, in order, floating tensors cast to the
+        dtype ``dtypes`` names; each tensor's xxh3 digest is appended to ``digests`` once it has passed."""
         pieces: list[memoryview] = []
         filled = offset = source = 0
-        for meta, want in zip(self.metas, out, strict=True):
+        for meta, want in zip(self.metas, cast_metas(self.metas, dtypes), strict=True):
             view = self._tensor(meta, source, want)
             source += meta.nbytes
             digest, pos = xxhash.xxh3_64(), 0
@@ -186,13 +193,26 @@ class Snapshot:
                 filled += take
                 pos += take
                 if filled == chunk_bytes:
-                    yield encode_data_chunk(offset, pieces)
+                    yield offset, pieces
                     offset += filled
                     pieces, filled = [], 0
             digests.append(digest.intdigest())
         if pieces:
+            yield offset, pieces
+
+    def chunks(self, chunk_bytes: int, dtypes: Mapping[str, torch.dtype] | None = None) -> Iterator[bytes]:
+        """A whole Stage stream with the data in it: the manifest, ``chunk_bytes`` slices of data, then the
+        trailer with the xxh3 digest of each tensor as sent."""
+        yield self.manifest_chunk(dtypes)
+        digests: list[int] = []
+        for offset, pieces in self.slices(chunk_bytes, dtypes, digests):
             yield encode_data_chunk(offset, pieces)
-        yield pb.Chunk(trailer=pb.Trailer(xxh3=digests, checksum=trailer_checksum(digests))).SerializeToString()
+        yield trailer_chunk(digests)
+
+
+def trailer_chunk(digests: Sequence[int]) -> bytes:
+    """The Stage stream's last message: each tensor's xxh3 digest and their checksum."""
+    return pb.Chunk(trailer=pb.Trailer(xxh3=digests, checksum=trailer_checksum(digests))).SerializeToString()
 
 
 def take_snapshot(version: int, metas: Sequence[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],

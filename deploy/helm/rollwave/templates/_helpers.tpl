@@ -88,7 +88,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "model" (dict "path" .Values.model.path "init_if_missing" false)
   "redis" (dict "url" (include "rollwave.redisUrl" .) "username" .Values.redis.auth.username)
   "engine" (dict "backend" .Values.engine.backend "port" (int .Values.engine.port))
-  "rollout" (dict "grpc_port" (int .Values.rollout.grpcPort) "metrics_port" (int .Values.rollout.metricsPort) "metrics_host" "0.0.0.0")
+  "rollout" (dict "grpc_port" (int .Values.rollout.grpcPort) "stage_port" (int .Values.rollout.stagePort) "metrics_port" (int .Values.rollout.metricsPort) "metrics_host" "0.0.0.0")
   "trainer" (dict "metrics_port" (int .Values.trainer.metricsPort) "metrics_host" "0.0.0.0" "device" (ternary "cuda" "cpu" (gt (int .Values.trainer.gpusPerNode) 0)))
   "checkpoint" (dict "stage_dir" "/dev/shm/rollwave")
   "api" (dict "host" "0.0.0.0" "port" (int .Values.api.port) "data_root" "/data" "allowed_hosts" (include "rollwave.apiHosts" . | fromYamlArray))

@@ -13,7 +13,9 @@ again after it) against async as it is (their KV computed under the new weights 
 model again) against sync as it is (a group's prompt once per micro-batch): sync waits on every train step, so
 the step's time shows in full; ``--compare admit`` runs async with ``engine.admit_wait_ms=0`` (each request
 prefilled at the engine's next step) against async as it is (one that arrives while others decode waits up to
-100 ms to be prefilled with later arrivals).
+100 ms to be prefilled with later arrivals). ``--compare transport`` runs async with
+``checkpoint.stage_transport=grpc`` (each push's bytes in the Stage call) against async as it is (on the
+receiver's stage port).
 ``--compare agents`` runs async with an ``agent`` job (the calculator agent, written against the ``openai`` client,
 one process per sample) whose agents run on the rollout server's CPU (``placement.agent_cpus`` empty) against the
 same with the agents free to run on every CPU (``placement.agent_cpus`` all of them, as the demo sets).
@@ -87,6 +89,7 @@ MODES = {
     "reprefill": ["rollout.mode=async", "checkpoint.prefill_ahead=false"],
     "sync_per_sample": ["rollout.mode=sync", "trainer.share_prefix=false"],
     "admit_at_once": ["rollout.mode=async", "engine.admit_wait_ms=0"],
+    "stage_in_call": ["rollout.mode=async", "checkpoint.stage_transport=grpc"],
     "agents_on_rollout_cpu": ["rollout.mode=async", f"rollout.agent_allowlist={json.dumps([AGENT])}"],
     "agents_on_any_cpu": ["rollout.mode=async", f"rollout.agent_allowlist={json.dumps([AGENT])}"],
     "unpinned_spin": ["rollout.mode=async"],
@@ -98,7 +101,7 @@ MODE_ENV = {"unpinned_spin": {"OMP_WAIT_POLICY": ""}}
 COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "overlap": ("colocated", "overlap"),
            "ahead": ("reprefill", "async"), "share": ("sync_per_sample", "sync"),
            "admit": ("admit_at_once", "async"), "unpinned": ("unpinned_spin", "unpinned"),
-           "agents": ("agents_on_rollout_cpu", "agents_on_any_cpu")}
+           "agents": ("agents_on_rollout_cpu", "agents_on_any_cpu"), "transport": ("stage_in_call", "async")}
 SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
 TOKENS = tuple(f"rollwave_engine_{kind}_tokens_total" for kind in ("prompt", "cached", "generated"))
 MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("weights", "kv_cache", "spare_weights"))

@@ -189,17 +189,17 @@ class CheckpointService:
         if kind != "manifest":
             raise StageError("manifest", "the first chunk of a Stage stream must carry the manifest")
         manifest = _parse(pb.Manifest, payload, "manifest")
-        incoming = None
+        port, incoming = self.stage_port, None
         if manifest.data_ticket:
-            if self.stage_port is None:
+            if port is None:
                 raise StageError("manifest", "the manifest has a data_ticket, and this server has no stage port")
-            incoming = self.stage_port.expect(manifest.data_ticket, deadline)  # a refusal below frees its connection
+            incoming = port.expect(manifest.data_ticket, deadline)  # a refusal below frees its connection
         try:
             version, received = await self._stage_manifest(manifest, chunks, incoming)
             return version, received, "stream" if incoming is None else "port"
         finally:
-            if incoming is not None:
-                self.stage_port.forget(manifest.data_ticket)  # type: ignore[union-attr]
+            if port is not None and incoming is not None:
+                port.forget(manifest.data_ticket)
 
     async def _stage_manifest(self, manifest: pb.Manifest, chunks: AsyncIterator[bytes],
                               incoming: IncomingData | None) -> tuple[int, int]:

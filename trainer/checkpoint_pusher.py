@@ -388,9 +388,10 @@ class _Link:
         digests. ``sent[0]`` counts the bytes sent."""
         cfg = self._config
         timeout = max(min(cfg.connect_timeout_s, ends - time.monotonic()), 1e-3)
-        with socket.create_connection((host, port), timeout=timeout) as raw:
-            tls = self._pusher.ssl_context
-            sock = tls.wrap_socket(raw, server_hostname=cfg.tls_server_name or host) if tls is not None else raw
+        tls = self._pusher.ssl_context
+        with socket.create_connection((host, port), timeout=timeout) as raw, \
+                (tls.wrap_socket(raw, server_hostname=cfg.tls_server_name or host) if tls is not None
+                 else contextlib.nullcontext(raw)) as sock:
             sock.sendall(ticket)
             digests: list[int] = []
             for _, pieces in snapshot.slices(cfg.chunk_bytes, dtypes, digests):

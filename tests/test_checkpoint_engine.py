@@ -773,7 +773,8 @@ def test_stage_port_refuses_connections_without_a_stage_ticket(fleet: Fleet, bas
         for sock in (forged, silent):
             read_to_close(sock)
     assert received(fleet, 0, "rollwave_rollout_checkpoint_refused_total", reason="ticket") == before + 2
-    assert fleet.version() == version and not stage_port.connections
+    assert fleet.version() == version
+    wait_for(lambda: not stage_port.connections, "the refused connections' threads to end")
 
 
 def test_a_stalled_stage_port_transfer_ends_with_its_stage_and_frees_the_port(

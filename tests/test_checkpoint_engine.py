@@ -1146,7 +1146,8 @@ def test_checkpoint_plane_over_mutual_tls(tiny_model_dir: Path, base_model: PreT
         with socket.create_connection(("127.0.0.1", receiver.stage_port), timeout=WAIT_S) as plaintext:
             plaintext.sendall(secrets.token_bytes(32))
             read_to_close(plaintext)
-        assert received(tls, 0, "rollwave_rollout_checkpoint_refused_total", reason="ticket") == 1
+        wait_for(lambda: received(tls, 0, "rollwave_rollout_checkpoint_refused_total", reason="ticket") == 1,
+                 "the plaintext connection to be counted (the failed handshake closes it first)")
         refused = [
             push(2, tls_cert=None, tls_key=None, tls_ca=None),  # plaintext
             push(2, tls_cert=other.client_cert, tls_key=other.client_key, tls_ca=pki.ca),  # a stranger's certificate

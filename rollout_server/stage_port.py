@@ -99,7 +99,7 @@ class IncomingData:
 
 class StagePort:
     """The listening socket and the Stages that expect data; accepts in a thread, receives in one per
-    connection (the socket calls and the file writes release the GIL, as the gRPC server's poller does not)."""
+    connection (its socket reads and file writes release the GIL while the event loop serves the gRPC calls)."""
 
     def __init__(self, host: str, port: int, tls: ssl.SSLContext | None, ticket_timeout_s: float,
                  refused: Counter, server_id: str):

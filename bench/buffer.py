@@ -14,6 +14,12 @@ Each round also prints the CPU (user + system) each side spent per item: the pro
 own (``time.process_time`` around their loops), redis-benchmark's (its process) and Redis's (``INFO cpu`` around each
 side). Their quotient is the ratio the buffer would reach were both sides to keep the two cores busy: what
 the buffer's CPU allows, whatever its waits.
+
+The bare queue runs beside the buffer in each round (the two alternate which goes first), as a floor for any
+buffer built on redis-py and this schema: the same producers and consumer, the same groups encoded and decoded,
+the same bound, but none of the buffer's guarantees. A producer SETs each encoded group under its own key and
+RPUSHes the key to a list (one pipeline per batch, no script, no transaction); the consumer LPOPs a batch of keys,
+MGETs, decodes and DELs them. Nothing is deduplicated, counted per job or redelivered after a crash.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from buffer.keys import Keys  # noqa: E402
 from buffer.redis_server import EmbeddedRedis  # noqa: E402
 from buffer.replay import ReplayBuffer  # noqa: E402
-from buffer.schema import Sample, TrajectoryGroup, encode_group  # noqa: E402
+from buffer.schema import Sample, TrajectoryGroup, decode_group, encode_group  # noqa: E402
 from core.config import BufferConfig  # noqa: E402
 from core.process import tune_malloc  # noqa: E402
 
@@ -62,9 +68,9 @@ def redis_cpu_seconds(client: redis.Redis) -> float:
     return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
-def producer(url: str, job: str, start: int, count: int, tokens: int, batch: int, cfg: BufferConfig, go,
+def producer(url: str, job: str, start: int, count: int, tokens: int, batch: int, max_groups: int, go,
              out) -> None:
-    buf = ReplayBuffer(redis.Redis.from_url(url), KEYS, cfg, consumer="producer")
+    buf = ReplayBuffer(redis.Redis.from_url(url), KEYS, BufferConfig(max_groups=max_groups), consumer="producer")
     todo = [make_group(i, tokens, job) for i in range(start, start + count)]
     go.wait()
     cpu0 = time.process_time()
@@ -81,8 +87,9 @@ def producer(url: str, job: str, start: int, count: int, tokens: int, batch: int
     out.put(("producers", time.process_time() - cpu0))
 
 
-def trainer(url: str, total: int, batch: int, cfg: BufferConfig, go, out) -> None:
-    buf = ReplayBuffer(redis.Redis.from_url(url), KEYS, cfg)
+def trainer(url: str, job: str, total: int, batch: int, max_groups: int, go, out) -> None:
+    buf = ReplayBuffer(redis.Redis.from_url(url), KEYS, BufferConfig(max_groups=max_groups))
+    buf.ensure_group()
     go.wait()
     t0, cpu0 = time.perf_counter(), time.process_time()
     done = 0
@@ -96,24 +103,68 @@ def trainer(url: str, total: int, batch: int, cfg: BufferConfig, go, out) -> Non
     out.put(("elapsed", time.perf_counter() - t0))
 
 
-def run_buffer(url: str, job: str, total: int, tokens: int, producers: int, batch: int,
-               max_groups: int) -> tuple[float, dict[str, float]]:
-    """Seconds to move ``total`` groups of a fresh ``job`` from ``producers`` processes through one trainer, and
-    the CPU seconds each side spent (``producers`` together, ``trainer``, ``redis``)."""
-    cfg = BufferConfig(max_groups=max_groups)
-    ReplayBuffer(redis.Redis.from_url(url), KEYS, cfg).ensure_group()
+def bare_producer(url: str, job: str, start: int, count: int, tokens: int, batch: int, max_groups: int, go,
+                  out) -> None:
+    """The bare queue's producer: each group encoded and SET, its key RPUSHed to a list, pipelined, while the
+    list holds fewer than ``max_groups``: no dedup, no job counters, no script, no transaction."""
+    client = redis.Redis.from_url(url)
+    todo = [make_group(i, tokens, job) for i in range(start, start + count)]
+    go.wait()
+    cpu0 = time.process_time()
+    for b in range(0, count, batch):
+        while client.llen(job) + batch > max_groups:
+            time.sleep(0.001)
+        pipe = client.pipeline(transaction=False)
+        for group in todo[b:b + batch]:
+            pipe.set(f"{job}:{group.group_id}", encode_group(group))
+            pipe.rpush(job, f"{job}:{group.group_id}")
+        pipe.execute()
+    out.put(("producers", time.process_time() - cpu0))
+
+
+def bare_consumer(url: str, job: str, total: int, batch: int, max_groups: int, go, out) -> None:
+    """The bare queue's consumer: LPOP a batch of keys, MGET and decode their groups, DEL them."""
+    client = redis.Redis.from_url(url)
+    go.wait()
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    done, deadline = 0, time.monotonic() + 30.0
+    while done < total:
+        names = client.lpop(job, min(batch, total - done))
+        if not names:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"bare queue: no group for 30 s after {done} of {total}")
+            time.sleep(0.001)
+            continue
+        for payload in client.mget(names):
+            decode_group(payload)
+        client.delete(*names)
+        done, deadline = done + len(names), time.monotonic() + 30.0
+    out.put(("trainer", time.process_time() - cpu0))
+    out.put(("elapsed", time.perf_counter() - t0))
+
+
+SIDES = {"buffer": (producer, trainer), "bare": (bare_producer, bare_consumer)}
+
+
+def run_side(side: str, url: str, job: str, total: int, tokens: int, producers: int, batch: int,
+             max_groups: int) -> tuple[float, dict[str, float]]:
+    """Seconds to move ``total`` groups of a fresh ``job`` from ``producers`` processes through one consumer on
+    ``side`` (the buffer or the bare queue), and the CPU seconds each part spent (``producers`` together,
+    ``trainer``, ``redis``)."""
+    make_producer, make_consumer = SIDES[side]
     ctx = mp.get_context("fork")
-    go, out = ctx.Barrier(producers + 1), ctx.Queue()  # everyone starts once every producer built its groups
+    go, out = ctx.Barrier(producers + 2), ctx.Queue()  # everyone starts once every producer built its groups
     share = total // producers
-    procs = [ctx.Process(target=producer, args=(url, job, p * share, share, tokens, batch, cfg, go, out))
+    procs = [ctx.Process(target=make_producer, args=(url, job, p * share, share, tokens, batch, max_groups, go, out))
              for p in range(producers)]
-    procs.append(ctx.Process(target=trainer, args=(url, share * producers, batch, cfg, go, out)))
+    procs.append(ctx.Process(target=make_consumer, args=(url, job, share * producers, batch, max_groups, go, out)))
     with redis.Redis.from_url(url) as client:
-        redis0 = redis_cpu_seconds(client)
         for p in procs:
             p.start()
+        go.wait()
+        redis0 = redis_cpu_seconds(client)
         cpu = {"producers": 0.0}
-        for _ in range(producers + 2):  # each producer's CPU, the trainer's, then its elapsed time
+        for _ in range(producers + 2):  # each producer's CPU, the consumer's, then its elapsed time
             key, value = out.get(timeout=600)
             cpu[key] = cpu.get(key, 0.0) + value
         cpu["redis"] = redis_cpu_seconds(client) - redis0
@@ -161,38 +212,40 @@ def main() -> None:
     tokens = tokens_for_payload(PAYLOAD)
     size = len(encode_group(make_group(0, tokens)))
     total = args.groups // args.producers * args.producers
-    best = {"SET": 0.0, "GET": 0.0, "pair": 0.0, "buffer": 0.0}
-    cpu_bound = {"pair": 0.0, "buffer": 0.0}  # items per CPU second, the best round of each side
+    best = {"SET": 0.0, "GET": 0.0, "pair": 0.0, "buffer": 0.0, "bare": 0.0}
+    cpu_bound = {"pair": 0.0, "buffer": 0.0, "bare": 0.0}  # items per CPU second, the best round of each side
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis", aof=False,
                                                              binary=args.redis_server) as server:
         version = redis.Redis.from_url(server.url).info("server")["redis_version"]
         for i in range(args.rounds):
             rb, rb_cpu = run_redis_benchmark(server.port, args.groups)
             pair = 1.0 / (1.0 / rb["SET"] + 1.0 / rb["GET"])
-            elapsed, buffer_cpu = run_buffer(server.url, f"job{i}", total, tokens, args.producers, args.batch,
-                                             args.max_groups)
-            groups_s = total / elapsed
-            print(f"round {i}: redis SET {rb['SET']:.0f}/s GET {rb['GET']:.0f}/s SET+GET {pair:.0f} items/s; "
-                  f"buffer {groups_s:.0f} groups/s", flush=True)
-            print(f"  CPU per item: SET+GET {per_item_us(rb_cpu, args.groups)}; "
-                  f"buffer {per_item_us(buffer_cpu, total)}", flush=True)
-            best = {"SET": max(best["SET"], rb["SET"]), "GET": max(best["GET"], rb["GET"]),
-                    "pair": max(best["pair"], pair), "buffer": max(best["buffer"], groups_s)}
-            cpu_bound = {"pair": max(cpu_bound["pair"], args.groups / sum(rb_cpu.values())),
-                         "buffer": max(cpu_bound["buffer"], total / sum(buffer_cpu.values()))}
+            best.update(SET=max(best["SET"], rb["SET"]), GET=max(best["GET"], rb["GET"]), pair=max(best["pair"], pair))
+            cpu_bound["pair"] = max(cpu_bound["pair"], args.groups / sum(rb_cpu.values()))
+            line, cpu_line = f"SET+GET {pair:.0f} items/s", f"SET+GET {per_item_us(rb_cpu, args.groups)}"
+            for side in ("buffer", "bare") if i % 2 == 0 else ("bare", "buffer"):  # alternate the order
+                elapsed, cpu = run_side(side, server.url, f"job{i}{side}", total, tokens, args.producers, args.batch,
+                                        args.max_groups)
+                best[side] = max(best[side], total / elapsed)
+                cpu_bound[side] = max(cpu_bound[side], total / sum(cpu.values()))
+                line += f"; {side} {total / elapsed:.0f} groups/s"
+                cpu_line += f"; {side} {per_item_us(cpu, total)}"
+            print(f"round {i}: redis SET {rb['SET']:.0f}/s GET {rb['GET']:.0f}/s {line}", flush=True)
+            print(f"  CPU per item: {cpu_line}", flush=True)
     mib = PAYLOAD / 2**20
     print(f"group payload            {size} bytes; Redis {version}; client malloc tuning "
           f"{'off' if args.no_malloc_tuning else 'on'}; best of {args.rounds} rounds")
     print(f"redis-benchmark SET      {best['SET']:10.0f} ops/s    {best['SET'] * mib:8.0f} MiB/s")
     print(f"redis-benchmark GET      {best['GET']:10.0f} ops/s    {best['GET'] * mib:8.0f} MiB/s")
     print(f"redis SET+GET per item   {best['pair']:10.0f} items/s  {best['pair'] * mib:8.0f} MiB/s")
-    print(f"buffer put+take+ack      {best['buffer']:10.0f} groups/s {best['buffer'] * size / 2**20:8.0f} MiB/s "
-          f"({args.producers} producers, 1 trainer, batch {args.batch}, max_groups {args.max_groups})")
-    print(f"CPU bound: SET+GET {1e6 / cpu_bound['pair']:.0f} µs per item, buffer {1e6 / cpu_bound['buffer']:.0f} "
-          f"µs per group (the least of any round): the buffer's CPU allows ratio "
-          f"{cpu_bound['buffer'] / cpu_bound['pair']:.3f}")
+    shape = f"({args.producers} producers, 1 consumer, batch {args.batch}, max_groups {args.max_groups})"
+    for side, label in (("buffer", "buffer put+take+ack"), ("bare", "bare queue")):
+        print(f"{label:<24} {best[side]:10.0f} groups/s {best[side] * size / 2**20:8.0f} MiB/s {shape}")
+    print(f"CPU bound: SET+GET {1e6 / cpu_bound['pair']:.0f} µs per item, bare queue {1e6 / cpu_bound['bare']:.0f} "
+          f"and buffer {1e6 / cpu_bound['buffer']:.0f} µs per group (the least of any round): their CPU allows ratio "
+          f"{cpu_bound['bare'] / cpu_bound['pair']:.3f} and {cpu_bound['buffer'] / cpu_bound['pair']:.3f}")
+    print(f"bare_queue_vs_redis_benchmark ratio {best['bare'] / best['pair']:.3f}")
     print(f"buffer_vs_redis_benchmark ratio {best['buffer'] / best['pair']:.3f}")
-
 
 if __name__ == "__main__":
     main()

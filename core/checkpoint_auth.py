@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ssl
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -31,11 +32,17 @@ def proof(token: str, nonce: bytes, server_id: str, address: str) -> bytes:
     return hmac.new(token.encode(), message, hashlib.sha256).digest()
 
 
-def _tls_files(cfg: CheckpointConfig) -> tuple[bytes, bytes, bytes] | None:
-    """(key, certificate, CA) as PEM bytes, or None when TLS is off (the config sets all three or none)."""
+def _tls_paths(cfg: CheckpointConfig) -> tuple[Path, Path, Path] | None:
+    """(key, certificate, CA) files, or None when TLS is off (the config sets all three or none)."""
     if cfg.tls_key is None or cfg.tls_cert is None or cfg.tls_ca is None:
         return None
-    return cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes(), cfg.tls_ca.read_bytes()
+    return cfg.tls_key, cfg.tls_cert, cfg.tls_ca
+
+
+def _tls_files(cfg: CheckpointConfig) -> tuple[bytes, bytes, bytes] | None:
+    """(key, certificate, CA) as PEM bytes, or None when TLS is off."""
+    paths = _tls_paths(cfg)
+    return None if paths is None else (paths[0].read_bytes(), paths[1].read_bytes(), paths[2].read_bytes())
 
 
 def server_credentials(cfg: CheckpointConfig) -> grpc.ServerCredentials | None:
@@ -76,12 +83,14 @@ def ssl_context(cfg: CheckpointConfig, server_side: bool) -> ssl.SSLContext | No
     receiver needs no name from the pusher's: a connection is admitted by its Stage's ticket, which only the
     caller of that Stage (whose certificate the gRPC port checked) was given.
     """
-    if cfg.tls_key is None or cfg.tls_cert is None or cfg.tls_ca is None:
+    paths = _tls_paths(cfg)
+    if paths is None:
         return None
+    key, cert, ca = paths
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
-    context.load_verify_locations(cafile=cfg.tls_ca)
+    context.load_cert_chain(cert, key)
+    context.load_verify_locations(cafile=ca)
     context.verify_mode = ssl.CERT_REQUIRED
     if server_side:
         # No TLS 1.3 session tickets: the pusher only sends, and tickets left unread in its socket would turn its

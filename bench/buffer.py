@@ -161,7 +161,7 @@ def run_side(side: str, url: str, job: str, total: int, tokens: int, producers: 
     with redis.Redis.from_url(url) as client:
         for p in procs:
             p.start()
-        go.wait()
+        go.wait(timeout=600)  # a process that died before it: BrokenBarrierError, not a hang
         redis0 = redis_cpu_seconds(client)
         cpu = {"producers": 0.0}
         for _ in range(producers + 2):  # each producer's CPU, the consumer's, then its elapsed time

@@ -247,5 +247,6 @@ def main() -> None:
     print(f"bare_queue_vs_redis_benchmark ratio {best['bare'] / best['pair']:.3f}")
     print(f"buffer_vs_redis_benchmark ratio {best['buffer'] / best['pair']:.3f}")
 
+
 if __name__ == "__main__":
     main()

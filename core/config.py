@@ -99,7 +99,10 @@ class LoraConfig(Section):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         min_length=1, description="names (suffixes) of the Linear modules that get an adapter",
     )
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input in the training forward")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="dropout on the adapter's input in the training forward; above 0 the step "
+        "computes π_prox in a no-grad pass (the adapter without dropout, as served) even with ppo_minibatches=1"
+    )
     name: str = Field("policy", pattern=r"^[A-Za-z0-9_.-]+$",
                       description="the adapter's name on the engines (SGLang's lora_name; requests name it)")
 
@@ -273,12 +276,14 @@ class BufferConfig(Section):
     claim_idle_ms: int = Field(30_000, ge=100, description="pending entries idle this long are reclaimed")
     max_attempts: int = Field(3, ge=1, description="deliveries of a task before it is dead-lettered")
     filter_degenerate_groups: bool = Field(
-        False, description="DAPO dynamic sampling: the trainer drops groups whose rewards are all equal (no "
-        "group-relative signal) and keeps taking until a step holds groups_per_step informative ones"
+        False, description="DAPO dynamic sampling, for the group-relative estimators (trainer.advantage grpo, rloo, "
+        "reinforce_pp; refused with gae, whose critic baseline still trains such groups): the trainer drops groups "
+        "whose rewards are all equal (no group-relative signal) and keeps taking until a step holds "
+        "groups_per_step informative ones"
     )
     dedup_window: int = Field(
-        100_000, ge=1, description="consumed train group ids remembered (groups:state) to drop late duplicate "
-        "writes; older ones are forgotten, which bounds the hash"
+        100_000, ge=1, description="consumed train group ids and written eval group ids remembered (groups:state) "
+        "to drop late duplicate writes; older ones are forgotten, which bounds the hash"
     )
 
 
@@ -363,7 +368,8 @@ class TrainerConfig(Section):
     )
     ppo_minibatches: int = Field(
         1, ge=1, description="optimizer updates per step; 1: π_prox is the step's own forward, so u ≡ 1 and "
-        "clip_eps never acts; >1 recomputes π_prox and the later minibatches are clipped against it"
+        "clip_eps never acts (with model.lora.dropout > 0 a no-grad pass computes π_prox, and u is the dropout's "
+        "noise); >1 recomputes π_prox and the later minibatches are clipped against it"
     )
     take_timeout_s: float = Field(5.0, gt=0, description="how long one buffer read blocks waiting for data")
     stop_when_drained: bool = Field(
@@ -577,6 +583,16 @@ class Config(Section):
                 raise ValueError(f"trainer.dist_timeout_s ({self.trainer.dist_timeout_s:g}) must exceed "
                                  f"placement.colocated_timeout_s ({self.placement.colocated_timeout_s:g}): the other "
                                  "ranks wait at a barrier while rank 0 waits for the servers to release")
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_sampling(self) -> Config:
+        """Dynamic sampling drops the groups a group-relative baseline gives zero advantage; GAE's baseline is the
+        critic, so those groups still carry signal and dropping them would lose data silently."""
+        if self.buffer.filter_degenerate_groups and self.trainer.advantage == "gae":
+            raise ValueError("buffer.filter_degenerate_groups needs a group-relative trainer.advantage (grpo, rloo, "
+                             "reinforce_pp), not gae: with the critic as baseline a group whose rewards are all "
+                             "equal still has nonzero advantages, and dropping it would lose its data")
         return self
 
 

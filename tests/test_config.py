@@ -120,6 +120,17 @@ def test_sync_mode_is_async_with_zero_staleness() -> None:
     assert load_config(None, ["buffer.max_staleness=3"]).buffer.max_staleness == 3
 
 
+def test_dynamic_sampling_is_refused_with_gae() -> None:
+    """buffer.filter_degenerate_groups drops the groups whose rewards are all equal, which a group-relative baseline
+    gives no advantage; with trainer.advantage=gae the critic's baseline still does, so the pair is refused rather
+    than their data lost. Either key alone validates."""
+    with pytest.raises(ConfigError, match=r"buffer.filter_degenerate_groups needs a group-relative "
+                       r"trainer.advantage \(grpo, rloo, reinforce_pp\), not gae: .* nonzero advantages"):
+        load_config(None, ["buffer.filter_degenerate_groups=true", "trainer.advantage=gae"])
+    assert load_config(None, ["buffer.filter_degenerate_groups=true"]).buffer.filter_degenerate_groups
+    assert load_config(None, ["trainer.advantage=gae"]).trainer.advantage == "gae"
+
+
 SECRET = "s" * 31 + "#x y"  # 35 characters; YAML would cut it at " #"
 
 

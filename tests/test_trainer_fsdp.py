@@ -363,6 +363,36 @@ def test_a_non_finite_gradient_skips_the_update_and_says_whose(caplog: pytest.Lo
     assert model.weight.grad is None and "critic gradient norm is nan: update skipped" in caplog.text
 
 
+def test_a_non_finite_gradient_in_a_later_update_is_the_step_s_norm(
+    ctx: DistContext, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two updates, the second one's gradient NaN: the step reports NaN for the policy (grad_norm) and the critic
+    (critic_grad_norm), not the first update's finite norm, which Python's max returns (it skips a NaN that is
+    not first). A NaN behaviour logprob breaks the policy's loss of its row, a NaN reward the critic's returns;
+    each row is in the second group, so in the second minibatch."""
+    cfg = {**CFG, "kl_coef": 0.0, "ppo_minibatches": 2}
+    groups = synthetic_groups(0, 2)
+    sample = groups[1].samples[0]
+    sample.behaviour_logprobs[np.flatnonzero(sample.loss_mask)[0]] = np.nan
+    trainer = Trainer(TrainerConfig(**cfg), tiny_model_dir, tmp_path / "policy").start(ctx=ctx)
+    with caplog.at_level("WARNING"):
+        record = trainer.train(groups)
+    trainer.close()
+    assert record["policy_updates"] == 2 and record["skipped_updates"] == 1 and math.isnan(record["grad_norm"])
+    assert caplog.text.count("policy gradient norm is nan: update skipped") == 1
+
+    groups = synthetic_groups(0, 2)
+    groups[1].samples[0].reward = math.nan
+    critic_cfg = TrainerConfig(**cfg, advantage="gae", critic={"warmup_steps": 1})  # the critic alone trains
+    trainer = Trainer(critic_cfg, tiny_model_dir, tmp_path / "critic").start(ctx=ctx)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        record = trainer.train(groups)
+    trainer.close()
+    assert record["policy_updates"] == 0 and math.isnan(record["critic_grad_norm"])
+    assert caplog.text.count("critic gradient norm is nan: update skipped") == 1
+
+
 def test_lr_schedule_warmup_then_constant_or_cosine() -> None:
     const = TrainerConfig(warmup_steps=4, total_steps=12, lr_schedule="constant")
     assert [lr_factor(s, const) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]

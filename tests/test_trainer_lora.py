@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import peft
 import pytest
 import torch
@@ -101,6 +102,33 @@ def test_dropout_acts_in_the_training_forward_only(tiny_model_dir: Path) -> None
     with torch.enable_grad():
         first, second = model(input_ids=ids).logits, model(input_ids=ids).logits
     assert not torch.allclose(first, expected) and not torch.allclose(first, second)
+
+
+def test_dropout_leaves_the_proximal_policy_the_served_one_with_one_update(ctx: DistContext, tiny_model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """With adapter dropout and one update per step (``ppo_minibatches=1``) π_prox is still the adapter without
+    dropout, the function the engines serve: on-policy behaviour logprobs (a no-grad forward of the trainer's own
+    weights) give IS weights of exactly 1 and no logprob gap, while the training forward keeps its dropout (u =
+    π_θ/π_prox moves off 1, so the clip acts). The dropout forward's own logprobs as π_prox gave a gap of 0.16."""
+    cfg = TrainerConfig(**{**CFG, "loss": "ppo"})
+    trainer = Trainer(cfg, tiny_model_dir, tmp_path, lora=LORA.model_copy(update={"dropout": 0.5})).start(ctx=ctx)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if ".lora_B." in name:
+                param.to_local().copy_(torch.randn(param.to_local().shape, generator=gen) * 0.5)  # B = 0 adds nothing
+    groups = synthetic_groups(0, 3)
+    for s in (s for g in groups for s in g.samples):
+        ids = torch.as_tensor(s.token_ids, dtype=torch.long)[None]
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids).logits[0, :-1].float()
+        forced = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].numpy()
+        s.behaviour_logprobs = np.r_[0.0, np.where(s.loss_mask[1:] > 0, forced, 0.0)].astype(np.float32)
+    record = trainer.train(groups)
+    trainer.close()
+    assert record["logprob_gap"] < 1e-5
+    assert abs(record["is_ratio_mean"] - 1) < 1e-5 and abs(record["is_ratio_max"] - 1) < 1e-5
+    assert record["clip_fraction"] > 0.0
 
 
 def _lora_layers(model: torch.nn.Module) -> list[peft.tuners.lora.Linear]:

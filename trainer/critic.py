@@ -19,7 +19,7 @@ from transformers import AutoModelForTokenClassification
 from core.config import TrainerConfig
 from trainer import losses
 from trainer.batching import Batch, MicroBatch
-from trainer.optim import apply_gradients
+from trainer.optim import apply_gradients, step_grad_norm
 from trainer.parallel import DistContext, shard_model
 
 
@@ -120,5 +120,5 @@ class CriticStep:
             "explained_variance": explained_variance(old_values, returns, mask),
             "value_mean": float(old_values[mask].mean()) if mask.any() else 0.0,
             "return_mean": float(returns[mask].mean()) if mask.any() else 0.0,
-            "critic_grad_norm": max(n for n, _ in results),
+            "critic_grad_norm": step_grad_norm([n for n, _ in results]),
         }

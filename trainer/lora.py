@@ -2,7 +2,9 @@
 push or an export carries the adapter's tensors under peft's saved names (``core.lora``).
 
 Dropout (``model.lora.dropout``) acts in the training forward only: the proximal and reference passes run
-without gradients and see the adapter without dropout, the same function the engines serve.
+without gradients and see the adapter without dropout, the same function the engines serve. So with dropout
+the training forward cannot stand in for π_prox, and the step computes it in its no-grad pass even for a single
+update (``has_dropout``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ def _dropout_only_with_grad(module: nn.Module, _args: object) -> None:
 
 def is_lora(model: nn.Module) -> bool:
     return isinstance(model, peft.PeftModel)
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Whether the training forward drops adapter inputs (``model.lora.dropout > 0``): then it is not the
+    function the engines serve, which the no-grad forward is."""
+    return is_lora(model) and model.peft_config[ADAPTER].lora_dropout > 0
 
 
 def saved_name(param_name: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -56,3 +57,9 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm
         log.warning("%s gradient norm is %s: update skipped", what, norm)
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+def step_grad_norm(norms: Sequence[float]) -> float:
+    """The gradient norm of a step's updates: the largest, or the first that is not finite (an update skipped).
+    ``max`` alone skips a NaN that is not first (``max([0.5, nan]) == 0.5``) and would hide it."""
+    return next((n for n in norms if not math.isfinite(n)), max(norms))

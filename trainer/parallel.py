@@ -172,9 +172,10 @@ def load_model(path: Path | str, ctx: DistContext,
     """Load an HF causal LM in fp32 on every rank and shard it with FSDP2 (each layer, then the root).
 
     Dropout is switched off (``eval()``): the training forward must compute the same function as the
-    proximal-logprob forward. ``prepare`` changes the model before it is sharded (``trainer.lora`` adds the
-    adapter there). Each rank reads the full checkpoint once before sharding; fine up to a few billion
-    parameters per host.
+    proximal-logprob forward. LoRA's adapter dropout is the exception (``trainer.lora``): it acts in the training
+    forward, and the step then computes π_prox in a no-grad pass. ``prepare`` changes the model before it is
+    sharded (``trainer.lora`` adds the adapter there). Each rank reads the full checkpoint once before sharding;
+    fine up to a few billion parameters per host.
     """
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model path {path}: not a directory (an HF model directory is expected)")

@@ -9,7 +9,8 @@ Proximal logprobs (π_prox = the weights at the start of the step): with one opt
 (``ppo_minibatches=1``, the default) every micro-batch's forward runs with exactly those weights, so
 π_prox is that forward's own logprobs with the gradient stopped, bit for bit what a separate no-grad
 pass would give (tests/test_trainer_fsdp.py checks it); with several updates the step first recomputes
-them in a no-grad pass, since later minibatches see updated weights.
+them in a no-grad pass, since later minibatches see updated weights. So does a single update with LoRA
+dropout (``model.lora.dropout > 0``): the training forward drops adapter inputs, the served policy does not.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from trainer import losses
 from trainer.advantages import compute_advantages, gae, whiten
 from trainer.batching import Batch, Layout, MicroBatch, collate, plan_step
 from trainer.critic import CriticStep
-from trainer.optim import apply_gradients
+from trainer.lora import has_dropout
+from trainer.optim import apply_gradients, step_grad_norm
 from trainer.parallel import DistContext
 from trainer.shaping import shape_batch
 
@@ -115,6 +117,7 @@ class TrainStep:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.cfg, self.ctx = cfg, ctx
         self.temperature, self.ref_model, self.pad_id = temperature, ref_model, pad_id
+        self.recompute_prox = cfg.ppo_minibatches > 1 or has_dropout(model)  # else π_prox is the update's forward
         self.vocab_size: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
         self.loss_fn = losses.POLICY_LOSSES[cfg.loss]
         self.loss_kwargs: dict[str, Any] = {"clip_eps": cfg.clip_eps, "clip_eps_high": cfg.clip_eps_high}
@@ -146,7 +149,7 @@ class TrainStep:
         lr = self.scheduler.get_last_lr()[0]
         norms = [0.0]
         if train_policy:
-            prox = self.proximal_logprobs(batch, plans) if updates > 1 else None
+            prox = self.proximal_logprobs(batch, plans) if self.recompute_prox else None
             norms = [self._update(batch, adv, rows, plan, prox, acc) for rows, plan in zip(minibatches, plans,
                                                                                           strict=True)]
             self.scheduler.step()
@@ -154,7 +157,7 @@ class TrainStep:
             critic_out = self.critic.train(batch, old_values, returns, minibatches, plans)
         out = batch_stats(groups, batch, policy_version) | shaping | acc.reduce(updates) | critic_out
         elapsed = time.perf_counter() - start
-        out.update(lr=lr, grad_norm=max(norms), step_time_s=elapsed, tokens_per_s=out["tokens"] / elapsed)
+        out.update(lr=lr, grad_norm=step_grad_norm(norms), step_time_s=elapsed, tokens_per_s=out["tokens"] / elapsed)
         out["skipped_updates"] = sum(not math.isfinite(n) for n in norms)
         out["policy_updates"] = updates if train_policy else 0
         return out

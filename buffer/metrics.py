@@ -47,6 +47,11 @@ class BufferMetrics:
             "rollwave_buffer_duplicates_dropped_total", "groups skipped because already written or trained",
             registry=r,
         )
+        self.task_gone_dropped = Counter(
+            "rollwave_buffer_task_gone_dropped_total", "groups not written because their task was no longer pending "
+            "(the worker lost its lease, and another failed, dead-lettered, cancelled or handed back the task)",
+            registry=r,
+        )
 
     def observe(self, client: redis.Redis, keys: Keys) -> None:
         """Refresh the depth and pending gauges of the run's streams (one pipelined round trip)."""

@@ -39,50 +39,66 @@ from core.config import BufferConfig
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000  # below the client's socket timeout; take() loops until its own deadline
+WRITTEN, DUPLICATE, FULL, TASK_GONE = 1, 0, -1, -2  # what a put did (try_put, put_many)
 
-# KEYS: target stream (groups, or eval:<job>), group state, job hash, task stream, admitted ids, payload key
-# (none for an eval group, whose entry holds its results only: an ACL that confines the user to the run's keys
-# refuses a script naming any other, '' included).
-# ARGV: gid, job_id, backlog bound (0: none), task entry id ('' none), reward sum, sample count.
+# KEYS: target stream (groups, or eval:<job>), group state, job hash, task stream, admitted ids, consumed ids list,
+# payload key (none for an eval group, whose entry holds its results only: an ACL that confines the user to the
+# run's keys refuses a script naming any other, '' included).
+# ARGV: gid, job_id, backlog bound (0: none), task entry id ('' none), reward sum, sample count, dedup window.
 # Runs in the MULTI that SET the payload key: a written train group's entry names it (so does its groups:state
-# value, which a retried MULTI finds); otherwise it is deleted.
-# Returns 1 written, 0 duplicate (already written; its task is acked all the same), -1 full (nothing done).
+# value, which a retried MULTI finds); otherwise it is deleted. A group is written only while its task is pending
+# (for this worker or another): a worker that lost its lease must not write a group whose task another one failed,
+# dead-lettered or cancelled meanwhile, which has already been counted and given its admission slot back. An eval
+# group is finished once written, so its id enters the consumed ids (and the dedup window) at once.
+# Returns 1 written, 0 duplicate (already written; its task is acked all the same), -1 full, -2 task no longer
+# pending (nothing done for these three).
 _PUT = """
-local gid, bound, payload = ARGV[1], tonumber(ARGV[3]), KEYS[6] or ''
-if bound > 0 then
-  local pending = redis.call('XPENDING', KEYS[1], '""" + TRAINER_GROUP + """')[1]
-  if redis.call('XLEN', KEYS[1]) - pending >= bound and redis.call('HEXISTS', KEYS[2], gid) == 0 then
-    redis.call('DEL', payload)
-    return -1
+local gid, bound, task, payload = ARGV[1], tonumber(ARGV[3]), ARGV[4], KEYS[7] or ''
+local written = redis.call('HGET', KEYS[2], gid)
+if written then
+  if payload ~= '' and written ~= payload then redis.call('DEL', payload) end  -- not this very put, retried
+else
+  if bound > 0 then
+    local pending = redis.call('XPENDING', KEYS[1], '""" + TRAINER_GROUP + """')[1]
+    if redis.call('XLEN', KEYS[1]) - pending >= bound then
+      redis.call('DEL', payload)
+      return -1
+    end
   end
-end
-local fresh = redis.call('HSETNX', KEYS[2], gid, payload ~= '' and payload or 'w')
-if fresh == 1 then
+  if task ~= '' and not redis.call('XPENDING', KEYS[4], '""" + ROLLOUT_GROUP + """', task, task, 1)[1] then
+    if payload ~= '' then redis.call('DEL', payload) end
+    return -2
+  end
   if payload ~= '' then
+    redis.call('HSET', KEYS[2], gid, payload)
     redis.call('XADD', KEYS[1], '*', 'p', payload, 'gid', gid, 'job', ARGV[2])
   else
+    redis.call('HSET', KEYS[2], gid, 'w')
     redis.call('XADD', KEYS[1], '*', 'gid', gid, 'job', ARGV[2], 'reward_sum', ARGV[5], 'samples', ARGV[6])
+    redis.call('RPUSH', KEYS[6], gid)
+    for _ = 1, redis.call('LLEN', KEYS[6]) - tonumber(ARGV[7]) do
+      redis.call('HDEL', KEYS[2], redis.call('LPOP', KEYS[6]))
+    end
   end
   redis.call('HINCRBY', KEYS[3], 'completed', 1)
   redis.call('HINCRBYFLOAT', KEYS[3], 'reward_sum', ARGV[5])
   redis.call('HINCRBY', KEYS[3], 'samples', ARGV[6])
-elseif payload ~= '' and redis.call('HGET', KEYS[2], gid) ~= payload then  -- not this very put, retried
-  redis.call('DEL', payload)
 end
-if ARGV[4] ~= '' and redis.call('XACK', KEYS[4], '""" + ROLLOUT_GROUP + """', ARGV[4]) == 1 then
-  redis.call('XDEL', KEYS[4], ARGV[4])
+if task ~= '' and redis.call('XACK', KEYS[4], '""" + ROLLOUT_GROUP + """', task) == 1 then
+  redis.call('XDEL', KEYS[4], task)
   redis.call('HDEL', KEYS[5], gid)
 end
-return fresh
+return written and 0 or 1
 """
 
 # KEYS: groups stream, group state, admitted counter, consumed ids list, trained counter. ARGV: job key prefix,
 # dedup window, then (entry id, gid, outcome, job, payload key) quintuples; outcome is the job counter: trained
-# (also counted run-wide), stale_dropped, degenerate_dropped or cancelled (all but trained give their admission
-# slot back). The caller that read the entry passes its job and payload key ('' for a group stored inline), so
-# the script does not read the entry again; an empty job means the caller does not know the entry, and both are
-# looked up in it. Only entries still pending count, so acking twice changes nothing. The payload key goes with
-# the entry. Consumed ids beyond the window leave groups:state. Returns how many were acked.
+# (also counted run-wide), stale_dropped, degenerate_dropped, cancelled or malformed (all but trained give their
+# admission slot back). The caller that read the entry passes its job and payload key ('' for a group stored
+# inline), so the script does not read the entry again; an empty job means the caller does not know the entry, and
+# both are looked up in it. Only entries still pending count, so acking twice changes nothing. The payload key goes
+# with the entry. An empty gid (a malformed entry without one) marks nothing consumed. Consumed ids beyond the
+# window leave groups:state. Returns how many were acked.
 _ACK = """
 local acked = 0
 for i = 3, #ARGV, 5 do
@@ -99,8 +115,10 @@ for i = 3, #ARGV, 5 do
     end
     if payload ~= '' then redis.call('DEL', payload) end
     redis.call('XDEL', KEYS[1], id)
-    redis.call('HSET', KEYS[2], gid, 't')
-    redis.call('RPUSH', KEYS[4], gid)
+    if gid ~= '' then
+      redis.call('HSET', KEYS[2], gid, 't')
+      redis.call('RPUSH', KEYS[4], gid)
+    end
     if outcome == 'trained' then
       redis.call('INCR', KEYS[5])
     elseif tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then
@@ -161,7 +179,8 @@ class ReplayBuffer:
 
     def _queue_put(self, pipe: redis.client.Pipeline, group: TrajectoryGroup, task: TaskEntry | None) -> None:
         """Queue one put on a MULTI pipeline: a train group's payload SET under a fresh key, then the script that
-        writes the entry naming it, or deletes it (duplicate, full). An eval group's entry holds its results."""
+        writes the entry naming it, or deletes it (duplicate, full, task gone). An eval group's entry holds its
+        results."""
         train = group.kind == "train"
         if group.kind not in ("train", "eval"):
             raise ValueError(f"group {group.group_id}.kind: {group.kind!r} is not train or eval")
@@ -174,37 +193,46 @@ class ReplayBuffer:
             self.keys.job(group.job_id),
             task.stream if task else self.keys.tasks(group.kind),
             self.keys.admitted_ids,
+            self.keys.groups_consumed,
         ]
         if train:
             keys.append(self.keys.payload(group.group_id, secrets.token_hex(8)))
             pipe.set(keys[-1], encode_group(group))
         args = [
             group.group_id, group.job_id, self.config.max_groups if train else 0,
-            task.entry_id if task else "", repr(reward_sum), len(group.samples),
+            task.entry_id if task else "", repr(reward_sum), len(group.samples), self.config.dedup_window,
         ]
         self._put(keys, args, client=pipe)
 
     def try_put(self, group: TrajectoryGroup, task: TaskEntry | None = None) -> int:
-        """One attempt: 1 written, 0 duplicate (its task is acked all the same), -1 buffer full."""
+        """One attempt: ``WRITTEN``, ``DUPLICATE`` (its task is acked all the same), ``FULL`` or ``TASK_GONE``
+        (the task is no longer pending: this worker lost its lease and another one ended the task meanwhile, so
+        the group is not written; logged and counted)."""
         if task is not None and task.group_id != group.group_id:
             raise ValueError(f"group {group.group_id} does not belong to task {task.entry_id} ({task.group_id})")
         pipe = self.redis.pipeline(transaction=True)
         self._queue_put(pipe, group, task)
         result = int(pipe.execute()[-1])
-        if result == 0:
+        if result == DUPLICATE:
             self.metrics.duplicates_dropped.inc()
             log.info("group %s was written before: dropped this copy (its task acked)", group.group_id)
+        elif result == TASK_GONE:
+            self.metrics.task_gone_dropped.inc()
+            log.warning("group %s: its task %s is no longer pending (another worker failed, dead-lettered, "
+                        "cancelled or handed it back after this one lost its lease): dropped, not written",
+                        group.group_id, task.entry_id if task else "")
         return result
 
     def put(self, group: TrajectoryGroup, task: TaskEntry | None = None, timeout_s: float | None = None) -> bool:
         """Write a group (train: ``groups``; eval: ``eval:<job>``) and ack its task in the same atomic step.
 
-        Waits with backoff while the buffer is full; returns False if ``timeout_s`` passed first (nothing
-        written, task not acked); raises ``BufferClosed`` if the buffer is closed meanwhile."""
+        Waits with backoff while the buffer is full. Returns True when the group is in the buffer (written now
+        or before), False when it was not written: ``timeout_s`` passed first (its task not acked), or the task
+        was no longer pending (``TASK_GONE``). Raises ``BufferClosed`` if the buffer is closed meanwhile."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay = 0.005
         waited = False
-        while self.try_put(group, task) < 0:
+        while (result := self.try_put(group, task)) == FULL:
             if not waited:
                 self.metrics.backpressure_waits.inc()
                 waited = True
@@ -216,7 +244,7 @@ class ReplayBuffer:
                 delay = min(delay * 2, 0.5)
                 if self.room() > 0:
                     break
-        return True
+        return result != TASK_GONE
 
     def room(self) -> int:
         """How many train groups fit now (a cheap check before sending payloads; ``try_put`` is the atomic one)."""
@@ -228,7 +256,7 @@ class ReplayBuffer:
 
     def put_many(self, groups: Sequence[TrajectoryGroup]) -> list[int]:
         """Pipelined ``try_put`` of train groups without tasks (bulk loads, benchmarks), as many as there is
-        room for; -1 marks a group not written (buffer full)."""
+        room for; ``FULL`` marks a group not written."""
         if any(g.kind != "train" for g in groups):
             raise ValueError("put_many takes train groups only")
         room = self.room()
@@ -236,7 +264,7 @@ class ReplayBuffer:
         for group in groups[: max(room, 0)]:
             self._queue_put(pipe, group, None)
         results = [int(x) for x in pipe.execute()[1::2]] if room > 0 else []  # each put is a SET then the script
-        return results + [-1] * (len(groups) - len(results))
+        return results + [FULL] * (len(groups) - len(results))
 
     # trainer side
 
@@ -339,17 +367,17 @@ class ReplayBuffer:
         return [item for item in items if item[1].job_id not in cancelled]
 
     def _move_malformed(self, entry_id: str, fields: dict[bytes, bytes], payload: bytes | None, error: str) -> None:
-        """Move an entry that does not decode aside, with its fields and its payload (nothing accepted is lost)."""
+        """Move an entry that does not decode aside, with its fields and its payload (nothing accepted is lost), and
+        ack it as ``malformed`` in the same MULTI: its job counts it and its admission slot is given back, since
+        it will never train."""
         log.warning("%s: moved to %s: %s", self.keys.groups, self.keys.groups_malformed, error)
         raw = {b"f." + k: v for k, v in fields.items()}
         if payload is not None and b"p" in fields:
             raw[b"payload"] = payload
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.keys.groups_malformed, {"stream": self.keys.groups, "entry_id": entry_id, "error": error, **raw})
-        pipe.xack(self.keys.groups, TRAINER_GROUP, entry_id)
-        pipe.xdel(self.keys.groups, entry_id)
-        if b"p" in fields:
-            pipe.delete(fields[b"p"])
+        item = (entry_id, fields.get(b"gid", b""), "malformed", fields.get(b"job", b""), fields.get(b"p", b""))
+        self._ack(*self._ack_script_args([item]), client=pipe)
         pipe.execute()
         self.metrics.malformed.labels(stream="groups").inc()
 
@@ -377,15 +405,18 @@ class ReplayBuffer:
             items.append((entry_id, gid, outcomes.get(gid, "trained"), job, payload_key))
         return self._ack_outcomes(items)
 
-    def _ack_outcomes(self, items: Sequence[tuple[str, str, str, str, str]]) -> int:
-        """Ack (entry id, group id, job counter, job id, payload key) items in one Lua call (job '': the script
-        reads job and payload key from the entry); forget them as held."""
-        args: list[str | int] = [self.keys.job_prefix, self.config.dedup_window]
+    def _ack_script_args(self, items: Sequence[tuple[str | bytes, ...]]) -> tuple[list[str], list[str | bytes | int]]:
+        """KEYS and ARGV of the ack script for (entry id, group id, job counter, job id, payload key) items."""
+        args: list[str | bytes | int] = [self.keys.job_prefix, self.config.dedup_window]
         for item in items:
             args += item
         k = self.keys
-        keys = [k.groups, k.group_state, k.admitted, k.groups_consumed, k.trained]
-        acked = int(self._ack(keys, args))
+        return [k.groups, k.group_state, k.admitted, k.groups_consumed, k.trained], args
+
+    def _ack_outcomes(self, items: Sequence[tuple[str, str, str, str, str]]) -> int:
+        """Ack (entry id, group id, job counter, job id, payload key) items in one Lua call (job '': the script
+        reads job and payload key from the entry); forget them as held."""
+        acked = int(self._ack(*self._ack_script_args(items)))
         for entry_id, *_ in items:
             self._held.pop(entry_id, None)
         return acked

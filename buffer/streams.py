@@ -11,15 +11,16 @@ import time
 import redis
 
 # Reclaim pending entries, in one of two modes (claiming increments the delivery count):
-# - own: this consumer's entries after id ARGV[6] (left by a previous life of it), any idle time;
+# - own: this consumer's entries after id ARGV[6] idle >= ARGV[7] ms (left by a previous life of it: 0; or by
+#   this live one, which renews what it works on: min_idle_ms);
 # - idle: other consumers' entries idle >= ARGV[3] ms.
-# KEYS[1] stream; ARGV: group, consumer, min_idle_ms, count, mode, start.
+# KEYS[1] stream; ARGV: group, consumer, min_idle_ms, count, mode, start, own min idle ms.
 # Returns {{id, deliveries, fields}...}, n_deleted, last id scanned ('' if none).
 RECLAIM_LUA = """
 local group, me, count, own = ARGV[1], ARGV[2], tonumber(ARGV[4]), ARGV[5] == 'own'
 local pending
 if own then
-  pending = redis.call('XPENDING', KEYS[1], group, ARGV[6], '+', count, me)
+  pending = redis.call('XPENDING', KEYS[1], group, 'IDLE', tonumber(ARGV[7]), ARGV[6], '+', count, me)
 else
   pending = redis.call('XPENDING', KEYS[1], group, 'IDLE', tonumber(ARGV[3]), '-', '+', 4 * count + 16)
 end
@@ -65,9 +66,11 @@ class Reclaimer:
     """Claims pending entries of one stream for one consumer: first its own entries left by a previous life of
     the consumer (paged with a cursor), then entries that other consumers left idle too long.
 
-    The own scan runs once at start, and again every ``own_every_s`` if given: an entry whose ack Redis lost
-    (AOF ``everysec``, a restart) is pending for this live consumer, which no longer knows it, and nothing else
-    would ever hand it back. The caller skips the entries it still holds.
+    The own scan runs once at start, and again every ``own_every_s`` if given, then for entries idle at least
+    ``claim_idle_ms`` only: an entry whose ack Redis lost (AOF ``everysec``, a restart), or which the live
+    consumer dropped without an ack (a task left pending when Redis was out of reach), is pending for this
+    consumer, which no longer works on it, and nothing else would ever hand it back. The caller skips the
+    entries it still holds.
     """
 
     def __init__(
@@ -76,8 +79,10 @@ class Reclaimer:
     ) -> None:
         self.stream = stream
         self.args = [group, consumer, claim_idle_ms]
+        self.claim_idle_ms = claim_idle_ms
         self._script = client.register_script(RECLAIM_LUA)
         self._own_cursor: str | None = "-"
+        self._own_idle_ms = 0  # the start-up scan takes every own entry; a rescan only those left idle
         self._own_every_s = own_every_s
         self._next_own = 0.0
         self._scan_every_s = claim_idle_ms / 4000  # nothing becomes claimable faster than claim_idle_ms
@@ -91,14 +96,17 @@ class Reclaimer:
         if self._own_cursor is None and self._own_every_s is not None and now >= self._next_own:
             self._own_cursor = "-"
         if self._own_cursor is not None:
-            got, deleted, last = self._script([self.stream], [*self.args, count, "own", self._own_cursor])
+            got, deleted, last = self._script([self.stream], [*self.args, count, "own", self._own_cursor,
+                                                              self._own_idle_ms])
             out = self._parse(got)
             self._own_cursor = None if len(got) + deleted < count else "(" + last.decode()
-            if self._own_cursor is None and self._own_every_s is not None:
-                self._next_own = now + self._own_every_s
+            if self._own_cursor is None:
+                self._own_idle_ms = self.claim_idle_ms
+                if self._own_every_s is not None:
+                    self._next_own = now + self._own_every_s
         want = count - len(out)
         if want > 0 and now >= self._next_scan:
-            got, more, _ = self._script([self.stream], [*self.args, want, "idle", "-"])
+            got, more, _ = self._script([self.stream], [*self.args, want, "idle", "-", 0])
             out += self._parse(got)
             deleted += more
             if len(got) + more < want:  # nothing more is idle now: look again a bit later

@@ -192,12 +192,15 @@ class TaskQueue:
         return out
 
     def reclaim(self, consumer: str, count: int, kind: str) -> list[TaskEntry]:
-        """This consumer's own pending tasks (after a restart), then tasks idle past ``claim_idle_ms`` in other
-        consumers' pending lists. Entries deleted while pending are acked away and logged."""
+        """This consumer's own pending tasks (all after a restart; then, every ``claim_idle_ms``, those it left
+        idle that long: a task it dropped without an ack), then tasks idle past ``claim_idle_ms`` in other
+        consumers' pending lists. Entries deleted while pending are acked away and logged. A live consumer renews
+        the tasks it works on (``renew``), so they are not handed to it again."""
         stream = self.keys.tasks(kind)
         reclaimer = self._reclaimers.get((consumer, kind))
         if reclaimer is None:
-            reclaimer = Reclaimer(self.redis, stream, ROLLOUT_GROUP, consumer, self.config.claim_idle_ms)
+            reclaimer = Reclaimer(self.redis, stream, ROLLOUT_GROUP, consumer, self.config.claim_idle_ms,
+                                  own_every_s=self.config.claim_idle_ms / 1000)
             self._reclaimers[(consumer, kind)] = reclaimer
         claimed, deleted = reclaimer.claim(count)
         if deleted:

@@ -126,7 +126,10 @@ class RolloutWorker:
                 if not entries and self._inflight:  # a group that ends frees a slot: wait on that, not in a read
                     await asyncio.wait(list(self._inflight), timeout=wait_ms / 1000,
                                        return_when=asyncio.FIRST_COMPLETED)
+                working = {e.entry_id for e in self._inflight.values()}
                 for entry in entries:
+                    if entry.entry_id in working:  # its renewal came late and the own rescan took it: still ours
+                        continue
                     if entry.kind == "train":
                         self._unadmitted.add(entry.group_id)
                     task = asyncio.create_task(self._handle(entry), name=f"group {entry.group_id}")
@@ -220,13 +223,14 @@ class RolloutWorker:
             self._unadmitted.discard(entry.group_id)
 
     async def _put(self, group: Any, entry: TaskEntry) -> None:
-        """Write the group and ack its task, then log its samples for reading back through the API.
-        Rides out a Redis restart (the put is idempotent)."""
+        """Write the group and ack its task, then log its samples for reading back through the API (not those of
+        a group the buffer refused because another worker ended its task meanwhile). Rides out a Redis restart
+        (the put is idempotent)."""
         delay = 0.5
         while True:
             try:
-                await self._call(self.replay.put, group, entry)
-                await self._call(self._log_trajectories, group)
+                if await self._call(self.replay.put, group, entry):
+                    await self._call(self._log_trajectories, group)
                 return
             except redis.ConnectionError as exc:
                 if self._stopping.is_set():

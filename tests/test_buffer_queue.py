@@ -14,7 +14,7 @@ from buffer_helpers import client, make_group
 
 from buffer.keys import ROLLOUT_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
-from buffer.replay import ReplayBuffer
+from buffer.replay import TASK_GONE, ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
 from core.config import BufferConfig
@@ -105,6 +105,7 @@ def test_sigkilled_consumer_task_is_redelivered_and_written_once(redis_server: E
     while len(got) < 3 and time.monotonic() < deadline:
         for e in q.read("live", 3, block_ms=100):
             got[e.group_id] = e
+        assert q.renew("live", list(got.values())) == []  # as a rollout server keeps what it works on
     assert set(got) == set(gids)
     assert got[doomed].deliveries == 2 and got[gids[1]].deliveries == 1
     assert q.metrics.redeliveries.labels(stream="train")._value.get() == 1
@@ -249,3 +250,54 @@ def test_a_task_finished_elsewhere_takes_no_admission_slot(redis_server: Embedde
     assert st.admitted() == 1 and client(redis_server).hlen(KEYS.admitted_ids) == 0
     assert st.capacity() == 1  # the bound of 2 still has room for the next group
     assert written_gids(redis_server) == [gid] and client(redis_server).xlen(KEYS.tasks("train")) == 0
+
+
+@pytest.mark.parametrize("ending", ["fail", "dead_letter", "cancel", "hand_back"])
+def test_a_late_group_of_a_task_another_worker_ended_is_not_written(redis_server: EmbeddedRedis, ending: str) -> None:
+    """A worker frozen past its lease resumes after another worker ended its task (failed and requeued it,
+    dead-lettered it, cancelled it, handed it back): its group is not written, so the job counts the task once
+    and the admission slot the ending gave back stays given back."""
+    q = queue(redis_server, max_attempts=3 if ending != "dead_letter" else 2)
+    r = client(redis_server)
+    st = StalenessControl(r, KEYS, BufferConfig(max_staleness=0, groups_per_step=4))
+    replay = ReplayBuffer(r, KEYS, BufferConfig())
+    replay.ensure_group()
+    [gid] = q.submit("job", tasks(1), "train")
+    [frozen] = q.read("frozen", 1)
+    assert st.try_admit(gid)
+    time.sleep(0.4)
+    [live] = q.read("live", 1)  # reclaimed: the frozen worker's lease is lost
+    assert live.group_id == gid and live.deliveries == 2
+    {"fail": lambda: q.fail(live, "engine error"), "dead_letter": lambda: q.fail(live, "engine error"),
+     "cancel": lambda: q.cancel(live), "hand_back": lambda: q.hand_back(live)}[ending]()
+    before = (q.job("job"), st.admitted(), r.hlen(KEYS.admitted_ids))
+    assert replay.try_put(make_group("job", gid), frozen) == TASK_GONE
+    assert replay.put(make_group("job", gid), frozen) is False
+    assert (q.job("job"), st.admitted(), r.hlen(KEYS.admitted_ids)) == before  # nothing counted, no slot taken
+    assert r.xlen(KEYS.groups) == 0 and r.keys(KEYS.payload("*", "*")) == [] and not r.hexists(KEYS.group_state, gid)
+    assert replay.metrics.task_gone_dropped._value.get() == 2
+    again = q.read("live", 1)
+    if ending in ("fail", "hand_back"):  # requeued: rolled out again, written once
+        assert [e.group_id for e in again] == [gid]
+        finish(redis_server, again)
+        assert written_gids(redis_server) == [gid] and q.job("job")["completed"] == "1"
+    else:
+        job = q.job("job")
+        assert again == [] and job["cancelled" if ending == "cancel" else "dead_lettered"] == "1"
+        assert "completed" not in job and st.admitted() == 0
+
+
+def test_a_live_consumer_takes_back_a_task_it_left_pending_not_one_it_renews(redis_server: EmbeddedRedis) -> None:
+    """A task a live server dropped without an ack (Redis out of reach past its retries) comes back to that
+    server once idle ``claim_idle_ms``, so a server alone still finishes its job; a task it renews does not."""
+    q = queue(redis_server, claim_idle_ms=1000)
+    [left, busy] = q.submit("job", tasks(2), "train")
+    [e_left, e_busy] = q.read("alone", 2)
+    assert q.read("alone", 2) == []  # the start-up scan of its own entries is done; nothing is idle yet
+    for _ in range(3):
+        time.sleep(0.4)
+        assert q.renew("alone", [e_busy]) == []
+    [back] = q.read("alone", 2)
+    assert (back.group_id, back.deliveries) == (left, 2)
+    assert e_left.group_id == left and e_busy.group_id == busy
+    assert q.read("alone", 2) == []  # taken back once

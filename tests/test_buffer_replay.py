@@ -246,6 +246,33 @@ def test_malformed_group_entries_are_moved_aside(redis_server: EmbeddedRedis) ->
     assert buf.metrics.malformed.labels(stream="groups")._value.get() == 4
 
 
+def test_a_malformed_group_gives_its_admission_slot_back_and_counts_for_its_job(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """A group that will never train (its payload lost, or written by a producer of another schema) must not hold
+    its admission slot for good: with a budget of one group, admission would stay shut for the rest of the run."""
+    buf = buffer(redis_server)
+    r = client(redis_server)
+    st = StalenessControl(r, KEYS, BufferConfig())
+    st.set_budget(1)
+    assert st.try_admit("job:0:x") and not st.try_admit("job:1:x")
+    r.hdel(KEYS.admitted_ids, "job:0:x")  # its task was acked when the group was written
+    fill(buf, 1)
+    [payload_key] = r.keys(KEYS.payload("*", "*"))
+    r.set(payload_key, b"\xc1 not a group")
+    r.xadd(KEYS.groups, {"gid": "job:1:y", "job": "job"})  # an entry without its payload field
+    r.xadd(KEYS.groups, {"g": b"\xc1"})  # nor a gid: acked all the same, marks no id
+    assert buf.take(5, 0.2) == []
+    assert r.xlen(KEYS.groups_malformed) == 3 and r.xlen(KEYS.groups) == 0
+    assert r.xpending(KEYS.groups, TRAINER_GROUP)["pending"] == 0 and not r.exists(payload_key)
+    [(_, moved), *_] = r.xrange(KEYS.groups_malformed)
+    assert moved[b"payload"] == b"\xc1 not a group"  # kept aside with the entry
+    assert TaskQueue(r, KEYS, BufferConfig()).job("job")["malformed"] == "2"
+    assert st.admitted() == 0 and st.try_admit("job:2:x")  # the slots came back
+    assert r.hgetall(KEYS.group_state) == {b"job:0:x": b"t", b"job:1:y": b"t"}  # a late copy is a duplicate
+    assert buf.metrics.malformed.labels(stream="groups")._value.get() == 3
+
+
 @pytest.mark.parametrize("stored", ["payload-key", "inline"])
 def test_group_with_a_wrong_field_type_is_moved_aside_and_the_rest_of_the_read_delivered(
     stored: str, redis_server: EmbeddedRedis,
@@ -287,6 +314,22 @@ def test_eval_groups_go_to_their_job_stream_unbounded(redis_server: EmbeddedRedi
     assert buf.take(5, 0.1) == []
     with pytest.raises(ValueError, match="rewards .* are not all finite"):
         buf.try_put(make_group("job", "job:0:x", reward=float("nan")))
+
+
+def test_eval_group_ids_stay_in_the_dedup_window_only(redis_server: EmbeddedRedis) -> None:
+    """An eval group is finished once written: its id enters the bounded de-duplication record at once, so
+    periodic evals do not grow ``groups:state`` for the life of the run."""
+    buf = buffer(redis_server, dedup_window=2)
+    r = client(redis_server)
+    for i in range(5):
+        assert buf.try_put(make_group("ev", f"ev:{i}:x", kind="eval", n=1)) == 1
+    assert r.hgetall(KEYS.group_state) == {b"ev:3:x": b"w", b"ev:4:x": b"w"}
+    assert r.lrange(KEYS.groups_consumed, 0, -1) == [b"ev:3:x", b"ev:4:x"]
+    assert buf.try_put(make_group("ev", "ev:4:x", kind="eval", n=1)) == 0  # a late duplicate inside the window
+    fill(buf, 1)
+    train_until(buf, 1, [])
+    assert r.hgetall(KEYS.group_state) == {b"ev:4:x": b"w", b"job:0:x": b"t"}  # one window for both kinds
+    assert r.xlen(KEYS.eval("ev")) == 5
 
 
 def test_stale_groups_acked_release_admission(redis_server: EmbeddedRedis) -> None:

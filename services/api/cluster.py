@@ -14,7 +14,8 @@ from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
 
 _COUNTERS = (
-    "submitted", "completed", "dead_lettered", "trained", "stale_dropped", "degenerate_dropped", "cancelled", "samples"
+    "submitted", "completed", "dead_lettered", "trained", "stale_dropped", "degenerate_dropped", "cancelled",
+    "malformed", "samples",
 )
 _MAX_ID_PART = 2**64 - 1
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+import torch.multiprocessing as mp
 import yaml
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM
@@ -28,8 +29,9 @@ from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from core.config import BufferConfig, CheckpointConfig, TrainerConfig
+from core.net import free_port_outside_ephemeral
 from trainer.checkpoint_pusher import CheckpointPusher
-from trainer.parallel import DistContext, iter_full_params
+from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, iter_full_params
 from trainer.worker import Trainer
 
 GPS = 2  # groups per step
@@ -248,3 +250,73 @@ def test_each_push_carries_the_groups_its_weights_were_trained_on(
     assert run(3, False, filled) == (0, [(2, 0), (4, 0), (6, 4)])  # acks land at the read after a checkpoint
     restarted = ReplayBuffer(redis.Redis.from_url(redis_url), Keys("trained"), BufferConfig(), consumer="trainer")
     assert run(2, True, restarted) == (4, [(6, 4), (8, 4)])
+
+
+def test_groups_held_for_a_batch_are_judged_again_after_a_push(
+    ctx: DistContext, tiny_model_dir: Path, redis_url: str, tmp_path: Path
+) -> None:
+    """A group read while the batch fills was judged by the version of its read; a push that a quorum commits
+    meanwhile can age it past ``max_staleness``, and the step must not train it."""
+    buffer = ReplayBuffer(redis.Redis.from_url(redis_url), Keys("held"), BufferConfig(), consumer="trainer")
+    buffer.ensure_group()
+    pusher = CheckpointPusher(CheckpointConfig(token=secrets.token_urlsafe(32)), [])
+    cfg = TrainerConfig(**{**TRAINER, "take_timeout_s": 0.1})
+    trainer = Trainer(cfg, tiny_model_dir, tmp_path, BufferConfig(max_staleness=1, groups_per_step=GPS),
+                      pusher=pusher).start(ctx=ctx, source=buffer)
+    try:
+        buffer.put_many(synthetic_groups(0, 1, version=0, run="held"))
+        pusher.published = 1
+        assert trainer._read(buffer) is None  # held for the batch: one version old is within the bound
+        pusher.published = 2  # a push reached its quorum while the batch filled
+        buffer.put_many(synthetic_groups(1, 2, version=2, run="held"))
+        groups, _ = trainer.next_batch(buffer)
+    finally:
+        trainer.close()
+        pusher.close()
+    assert [g.group_id for g in groups] == ["s1-g0", "s1-g1"]
+    assert trainer.metrics.registry.get_sample_value("rollwave_buffer_stale_dropped_total") == 1
+    assert buffer.redis.hget(Keys("held").job("job"), "stale_dropped") == b"1"
+
+
+def test_starting_over_where_checkpoints_are_is_refused(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Pruning keeps the highest steps, whoever wrote them: a run started over in the directory of another would
+    lose its own first checkpoints at once, and a crash would resume the other run's weights."""
+    cfg = TrainerConfig(**{**TRAINER, "checkpoint_every": 1})
+    first = Trainer(cfg, tiny_model_dir, tmp_path).start(ctx=ctx)
+    first.train(synthetic_groups(0, GPS))
+    first.close()
+    again = Trainer(cfg, tiny_model_dir, tmp_path)
+    with pytest.raises(FileExistsError, match=r"checkpoints holds checkpoints \(latest step_00000001\) and resume is "
+                                              r"off: continue with --resume, or start in a new run directory"):
+        again.start(ctx=ctx)
+    assert again.start(resume=True, ctx=ctx).step == 1
+    again.close()
+
+
+def _drain_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Path, url: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two ranks on two cores
+    ctx = init_distributed("cpu", timeout_s=120)  # a rank left alone in a collective fails, never hangs
+    try:
+        source = ReplayBuffer(redis.Redis.from_url(url), Keys("drain"), BufferConfig()) if rank == 0 else None
+        cfg = TrainerConfig(**{**TRAINER, "total_steps": 10, "checkpoint_every": 10, "stop_when_drained": True,
+                               "take_timeout_s": 0.2})
+        trainer = Trainer(cfg, model_dir, run_dir, BUFFER).start(ctx=ctx, source=source)
+        trainer.run(source)
+        trainer.close()
+    finally:
+        close_distributed()
+    exit_rank()
+
+
+def test_two_ranks_checkpoint_and_ack_what_they_trained_when_the_data_runs_out(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path
+) -> None:
+    """The data runs out after 2 steps, between checkpoints: every rank writes the last checkpoint (a collective;
+    only rank 0 knows which groups it covers), and rank 0 acks them."""
+    buffer = _filled_buffer(redis_url, "drain", steps=2)
+    mp.spawn(_drain_ranks, args=(2, free_port_outside_ephemeral(), tiny_model_dir, tmp_path, redis_url), nprocs=2,
+             join=True)
+    assert (tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json").is_file()
+    assert buffer.redis.xlen(Keys("drain").groups) == 0
+    assert buffer.redis.hget(Keys("drain").job("job"), "trained") == b"4"

@@ -15,6 +15,7 @@ import logging
 import os
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -143,15 +144,13 @@ def main(argv: list[str] | None = None) -> int:
             if status is not None:
                 status.publish_metrics_address(f"{tc.metrics_host}:{server.server_port}")
         log.info("rank %d/%d training from step %d", ctx.rank, ctx.world_size, trainer.step)
-        while not trainer.done:
-            groups, waited = trainer.next_batch(source)
-            if not groups:
-                break
-            record = trainer.train(groups, waited)
-            if status is not None:
-                status.publish(record, trainer.version, pusher.last_pushed)
-                log.info("step %d: loss %.4f reward %.3f", record["step"], record["loss"], record["reward_mean"])
-        trainer.finish(source)
+
+        def published(record: dict[str, Any]) -> None:
+            assert status is not None
+            status.publish(record, trainer.version, pusher.last_pushed)
+            log.info("step %d: loss %.4f reward %.3f", record["step"], record["loss"], record["reward_mean"])
+
+        trainer.run(source, published if status is not None else None)
         if status is not None:
             status.versions(trainer.version, pusher.last_pushed)
     return 0

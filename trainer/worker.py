@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -117,6 +117,7 @@ class Trainer:
         self.buffer_metrics = BufferMetrics(self.metrics.registry)
         self.step = 0
         self.version = 0
+        self._saved_step = 0  # the step of the last checkpoint this trainer saved or resumed from (every rank)
         self._unacked: list[tuple[str, str]] = []  # (entry id, group id) trained since the last checkpoint
         self._covered: list[tuple[str, str]] = []  # in a checkpoint, not yet acked
         self._partial: list[tuple[str, TrajectoryGroup]] = []  # read, waiting for the rest of the batch
@@ -129,7 +130,15 @@ class Trainer:
               ) -> Trainer:
         """Join the process group, load and shard the model, and restore the latest checkpoint if asked. Rank 0's
         ``source`` acks the groups the checkpoint covers before the start push, which counts what its weights
-        were trained on (without it, covered groups that were acked before are counted again)."""
+        were trained on (without it, covered groups that were acked before are counted again).
+
+        Refuses to start over (``resume`` off) in a run directory that holds checkpoints: pruning keeps the highest
+        steps, whoever wrote them, so the new run's first checkpoints would go at once, and a crash would resume
+        the old run's weights with the new run's groups acked as trained."""
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", self.cfg.keep_checkpoints)
+        if not resume and (latest := self.checkpointer.latest()) is not None:
+            raise FileExistsError(f"{self.checkpointer.root} holds checkpoints (latest {latest.name}) and resume is "
+                                  "off: continue with --resume, or start in a new run directory")
         self.ctx = ctx or init_distributed(self.cfg.device, self.cfg.dist_timeout_s)
         shared = self.device_share is not None and not self.device_share.overlap
         self.offload = device_offload(self.cfg.offload, self.ctx.device, shared)
@@ -165,13 +174,10 @@ class Trainer:
             pad_id=pad_id,
             critic=self.critic,
         )
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", self.cfg.keep_checkpoints)
         if resume:
             self.restore()
             if source is not None and self.ctx.is_main:
                 self.ack_checkpointed(source)
-        elif self.checkpointer.latest() is not None:
-            log.warning("%s holds checkpoints but resume is off: starting over", self.checkpointer.root)
         if self.ctx.is_main:
             self._log = MetricsLog(self.run_dir / "metrics.jsonl").start()
             self.metrics.step.set(self.step)
@@ -201,6 +207,7 @@ class Trainer:
         with self.offload.region():  # the optimizer state it loads is allocated anew
             state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.critic)
         self.step, self.version = state["step"], state["policy_version"]
+        self._saved_step = self.step
         self._covered = [(e, g) for e, g in state["buffer"]["unacked"]]
         self._unacked = []
         log.info("resumed from %s at step %d, policy version %d", path, self.step, self.version)
@@ -244,7 +251,10 @@ class Trainer:
         items = source.take(want - len(self._partial), self.cfg.take_timeout_s)
         if self.pusher is not None:
             self.version = max(self.version, self.pusher.published)
-        fresh, stale = split_stale(items, self.version, self.buffer.max_staleness, self.buffer_metrics)
+        # the groups held for this batch were judged by the version of their read: a push since may have aged them
+        self._partial, stale = split_stale(self._partial, self.version, self.buffer.max_staleness, self.buffer_metrics)
+        fresh, stale_now = split_stale(items, self.version, self.buffer.max_staleness, self.buffer_metrics)
+        stale += stale_now
         if stale:
             ids = [g.group_id for _, g in stale]
             source.ack([e for e, _ in stale], ids, stale_group_ids=ids)
@@ -350,14 +360,28 @@ class Trainer:
         path = self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, state, self.critic)
         if offloaded:
             self._offload()
+        self._saved_step = self.step
         self._covered += self._unacked
         self._unacked = []
         return path
 
+    def run(self, source: GroupSource | None, after_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Train until ``total_steps`` or (``stop_when_drained``) the data runs out, calling ``after_step`` with each
+        step's record, then ``finish`` (every rank; rank 0 reads ``source``)."""
+        while not self.done:
+            groups, waited = self.next_batch(source)
+            if not groups:
+                break
+            record = self.train(groups, waited)
+            if after_step is not None:
+                after_step(record)
+        self.finish(source)
+
     def finish(self, source: GroupSource | None) -> None:
         """Checkpoint what was trained since the last checkpoint, then (rank 0) ack it all and let the last
-        pushes land (each within its deadlines)."""
-        if self._unacked:
+        pushes land (each within its deadlines). Every rank decides by the step, which they share (only rank 0
+        knows the groups), since the checkpoint is a collective."""
+        if self.step > self._saved_step:
             self.save_checkpoint()
         if source is not None:
             self.ack_checkpointed(source)

@@ -6,7 +6,8 @@ Each episode is a small state machine, like verl's ``AsyncRolloutRequest``::
 
 Token-in/token-out (see ``trajectory.py``): the engine's ``output_ids`` are appended as they are,
 with their behaviour logprobs and the policy version of each token. Every limit ends the episode
-with its own ``finish_reason``: ``stop`` (answered), ``length`` (a turn hit ``max_new_tokens``),
+with its own ``finish_reason``: ``stop`` (answered), ``length`` (a turn hit ``max_new_tokens`` before its
+end token; a turn whose end token is the last allowed one is answered, whatever the engine reports),
 ``max_total_tokens`` (the context budget), ``max_turns``, ``abort`` (the engine aborted the
 request), ``error`` (the engine failed, or a tool could not be set up) or ``reward_error`` (the
 reward function failed). The last three are failures (``Sample.failed``), counted in
@@ -224,9 +225,11 @@ class AgentLoop:
             ep.fail("abort", "the engine aborted the request", reason="abort")
             return [], []
         normal_text, calls, errors = parse_tool_calls(text, task.tools)
-        if reason == "length" or not closed or not (calls or errors):
+        if not closed or not (calls or errors):
             ep.messages.append({"role": "assistant", "content": text})
-            if reason == "length":
+            # a turn that emitted its end token is finished, though SGLang reports it as length when that
+            # token was the last allowed one (its length check comes before the stop check)
+            if not closed and reason == "length":
                 ep.finish("max_total_tokens" if max_new < cfg.max_new_tokens else "length")
             else:
                 ep.finish("stop")

@@ -8,7 +8,10 @@ every assistant turn appends the engine's ``output_ids`` with their behaviour lo
 messages already recorded must come back unchanged; only the new ones (tool results, user turns) are
 rendered, as a template delta after the recorded tokens. So the trainer sees exactly the tokens the
 engine saw. An agent that edited its history is still answered, but its episode is marked
-``history_mismatch``, counted, and never trained.
+``history_mismatch``, counted, and never trained. An engine abort is answered 503 ``engine_aborted`` and
+fails the episode (``abort``, never trained). A turn is cut off (``length``; ``max_total_tokens`` at the context
+budget) only when it lacks its end token, and an episode whose next request no longer fits the context (400
+``context_length_exceeded``) ends ``max_total_tokens``: both count as truncated.
 
 Sampling (temperature, top_p, top_k, the max_new_tokens cap) is the job's, whatever the request says,
 so behaviour logprobs match what the trainer assumes. ``tool_choice`` selects which calls are parsed
@@ -323,9 +326,10 @@ class EpisodeStore:
         self.metrics.episode_turns.observe(ep.num_turns)
         self.metrics.reward.observe(reward)
         return Sample(
-            sample_index=ep.sample_index, prompt_len=builder.prompt_len, **builder.arrays(), reward=reward,
-            reward_info=info, finish_reason=reason, num_turns=ep.num_turns, tool_calls=ep.tool_calls,
-            messages=ep.messages, queued=ep.queued, started=ep.started, finished=time.time(),
+            sample_index=ep.sample_index, prompt_len=builder.prompt_len, **builder.arrays(),
+            versions_approximate=builder.versions_approximate, reward=reward, reward_info=info, finish_reason=reason,
+            num_turns=ep.num_turns, tool_calls=ep.tool_calls, messages=ep.messages, queued=ep.queued,
+            started=ep.started, finished=time.time(),
         )
 
     # ---- HTTP ----------------------------------------------------------------------------------
@@ -438,7 +442,11 @@ class EpisodeStore:
         if same and new:
             ids = [] if ep.builder.token_ids[-1] == self.renderer.eos_id else [self.renderer.eos_id]
             ids += self.renderer.turn_end_suffix + self.renderer.tool_turn_ids([template_message(m) for m in new])
-            self._check_context(len(ep.builder) + len(ids), limit)
+            try:
+                self._check_context(len(ep.builder) + len(ids), limit)
+            except APIError:
+                ep.last_reason = "max_total_tokens"  # the context cut the episode off, as in the built-in loop
+                raise
             ep.builder.add_template(ids)
             ep.messages += [dict(m) for m in new]
             return
@@ -482,9 +490,15 @@ class EpisodeStore:
         reason = (reply.get("meta_info", {}).get("finish_reason") or {}).get("type", "stop")
         closed = bool(ids) and ids[-1] == self.renderer.eos_id
         text = self.renderer.decode(ids[:-1] if closed else ids)
+        if reason == "abort":  # no outcome: the sample fails (never trained), the agent gets the engine's error
+            ep.messages.append({"role": "assistant", "content": text})
+            self.fail(ep, "abort", "the engine aborted the request")
+            raise APIError(503, "the engine aborted the request", "engine_aborted", "server_error")
         normal_text, calls, _errors = parse_tool_calls(text, names) if closed else (text, [], [])
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        finish = "length" if reason == "length" else "stop"
+        # the end token decides: SGLang reports a turn whose end token is the last allowed one as length
+        truncated = reason == "length" and not closed
+        finish = "length" if truncated else "stop"
         if calls:
             message["content"] = normal_text or None
             message["tool_calls"] = [
@@ -494,8 +508,8 @@ class EpisodeStore:
             finish = "tool_calls"
         ep.messages.append(message)
         ep.final_text = text
-        ep.last_reason = "length" if finish == "length" else "stop"
-        if reason == "length" and len(ep.builder or []) >= ep.config.max_total_tokens:
+        ep.last_reason = "length" if truncated else "stop"
+        if truncated and len(ep.builder or []) >= ep.config.max_total_tokens:
             ep.last_reason = "max_total_tokens"
         return message, finish
 

@@ -306,7 +306,8 @@ class RolloutWorker:
                                    f"{samples[0].reward_info.get('error')}")
             samples = kept
         self.metrics.groups_completed.inc()
-        return TrajectoryGroup(run=self.run_name, job_id=entry.job_id, task_id=task.task_id, samples=samples)
+        return TrajectoryGroup(run=self.run_name, job_id=entry.job_id, task_id=task.task_id, samples=samples,
+                               temperature=loop.config.temperature)
 
     async def _heartbeat_loop(self) -> None:
         """Registry heartbeat, lease renewal of held tasks and buffer gauges, every ``lease_s``."""

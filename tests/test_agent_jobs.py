@@ -19,7 +19,7 @@ from buffer.registry import ServerRegistry
 from buffer.replay import ReplayBuffer
 from buffer.task_queue import TaskQueue
 from core.config import BufferConfig
-from core.jobs import JobSpec, TaskSource
+from core.jobs import JobSpec, SamplingSpec, TaskSource
 from core.tasks import load_tasks
 from core.tasks.arith import CALCULATOR_SCHEMA
 from core.trajectory import ChatRenderer, masked_spans
@@ -34,10 +34,12 @@ ALLOW = [CALC_AGENT, "tests.agent_fixtures:first_fails", "tests.agent_fixtures:c
          "tests.agent_fixtures:warmed", "tests.agent_fixtures:cpus"]
 
 
-def submit_agent(server: EmbeddedRedis, job: str, agent: str, n: int = 1, offset: int = 0) -> list[str]:
+def submit_agent(server: EmbeddedRedis, job: str, agent: str, n: int = 1, offset: int = 0,
+                 sampling: SamplingSpec | None = None) -> list[str]:
     q = TaskQueue(client(server), KEYS, BufferConfig())
     q.ensure_groups()
-    spec = JobSpec(source=TaskSource(kind="arith", limit=n, offset=offset), agent=agent)
+    spec = JobSpec(source=TaskSource(kind="arith", limit=n, offset=offset), agent=agent,
+                   sampling=sampling or SamplingSpec())
     tasks = [t.model_dump(mode="json") for t in spec.source.load()]
     return q.submit(job, tasks, "train", spec.model_dump_json())
 
@@ -75,13 +77,15 @@ def test_agent_job_trains_through_the_endpoint(redis_server: EmbeddedRedis, work
 
 def test_calculator_agent_job(redis_server: EmbeddedRedis, workers, tiny_model_dir: Path) -> None:
     """The example agent end to end: its prompt carries its calculator tool, the final answer is scored by
-    the job's reward function, both samples are written."""
+    the job's reward function, both samples are written, and the group records the job's temperature (the one
+    the endpoint sampled at, which the trainer scales the logits by), not the server's."""
     w = workers("srv-calc", f"rollout.agent_allowlist={json.dumps([CALC_AGENT])}", "rollout.max_new_tokens=16")
-    [gid] = submit_agent(redis_server, "calc", CALC_AGENT)
+    [gid] = submit_agent(redis_server, "calc", CALC_AGENT, sampling=SamplingSpec(temperature=0.7))
     r = client(redis_server)
     wait_for(lambda: r.xlen(KEYS.groups) == 1, w)
     [(_, group)] = ReplayBuffer(r, KEYS, BufferConfig()).take(1, 5)
     assert group.group_id == gid and len(group.samples) == 2
+    assert group.temperature == 0.7
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     task = load_tasks("arith", split="train", limit=1)[0]
     prompt = ChatRenderer(tokenizer).prompt_ids(task.messages, [CALCULATOR_SCHEMA])

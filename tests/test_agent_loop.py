@@ -65,15 +65,19 @@ class ScriptedEngine:
     """Test data in the engine's reply shape: scripted assistant turns, then (optionally) the real engine.
 
     A scripted turn is ``(text, finish)``; ``finish`` is ``"stop"`` (eos appended), ``"open"`` (stops
-    without eos) or ``"abort"``. Output longer than ``max_new_tokens`` is cut with finish ``length``.
-    Scripted tokens carry logprob -0.5 and versions "3" then "4" (a switch after two tokens). One
+    without eos) or ``"abort"``. Output that reaches ``max_new_tokens`` is cut there with finish ``length``,
+    even when its last token is eos: SGLang's ``Req.check_finished`` tests the length before the stop token.
+    Scripted tokens carry logprob -0.5 and versions "3" then "4" (a switch after two tokens), marked
+    approximate with ``approximate`` (as ``EngineClient`` marks an engine that gives no spans). One
     script serves one episode (``n=1``): turns are handed out in call order.
     """
 
-    def __init__(self, tokenizer: Any, script: list[tuple[str, str]], fallback: EngineClient | None = None):
+    def __init__(self, tokenizer: Any, script: list[tuple[str, str]], fallback: EngineClient | None = None,
+                 approximate: bool = False):
         self.tokenizer = tokenizer
         self.script = list(script)
         self.fallback = fallback
+        self.approximate = approximate
         self.calls: list[dict[str, Any]] = []
 
     async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid=None):
@@ -87,16 +91,18 @@ class ScriptedEngine:
         ids += [eos] if finish == "stop" else []
         limit = sampling_params["max_new_tokens"]
         reason: dict[str, Any] = {"type": "stop", "matched": ids[-1]}
-        if len(ids) > limit:
+        if len(ids) >= limit:
             ids, reason = ids[:limit], {"type": "length", "length": limit}
         elif finish == "abort":
             reason = {"type": "abort", "message": "Aborted"}
-        meta = {
+        meta: dict[str, Any] = {
             "finish_reason": reason,
             "output_token_logprobs": [[-0.5, t, None] for t in ids],
             "weight_version": "4",
             "weight_versions": [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": len(ids)}],
         }
+        if self.approximate:
+            meta["weight_versions_approximate"] = True
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
@@ -404,6 +410,24 @@ def test_each_limit_ends_the_episode_with_its_reason(
         assert s.reward == 0.0 and s.reward_info == {"error": "the engine aborted the request"}
     if reason == "max_turns":
         assert [m["role"] for m in s.messages[2:]] == ["assistant", "tool", "assistant", "tool"]
+
+
+def test_a_turn_whose_end_token_is_the_last_allowed_one_is_answered(tokenizer: Any) -> None:
+    """SGLang reports a turn whose end token is the last one allowed as ``length``: closed turns ending at
+    ``max_new_tokens`` (the tool call) and at the context budget (the answer) are answered, not truncated."""
+    call, answer = f"Let me compute.\n{CALC.format('6*7')}", "The answer is 42."
+    script = [(call, "stop"), (answer, "stop")]
+    task = _task(["calculator"])
+    probe = ScriptedEngine(tokenizer, script)
+    _group(_loop(probe, tokenizer), task)
+    context = len(probe.calls[1]["input_ids"])  # the prompt, the call and its tool turn
+    n_call, n_answer = (len(tokenizer.encode(t, add_special_tokens=False)) + 1 for t in (call, answer))
+    engine = ScriptedEngine(tokenizer, script)
+    (s,) = _group(_loop(engine, tokenizer, max_new_tokens=n_call, max_total_tokens=context + n_answer), task).samples
+    assert [c["sampling_params"]["max_new_tokens"] for c in engine.calls] == [n_call, n_answer]
+    assert (s.finish_reason, s.truncated, s.num_turns, s.reward) == ("stop", False, 2, 1.0)
+    assert [(t.name, t.ok) for t in s.tool_calls] == [("calculator", True)]
+    assert s.messages[-2] == {"role": "tool", "name": "calculator", "content": "42"}
 
 
 def test_episode_failures_do_not_stop_the_group(tokenizer: Any) -> None:

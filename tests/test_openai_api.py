@@ -231,6 +231,91 @@ def test_reward_function_scores_the_final_answer(tokenizer: Any) -> None:
     assert sample.finish_reason == "stop"
 
 
+def test_versions_approximate_reach_the_sample(tokenizer: Any) -> None:
+    """An engine that gives no per-token versions (``EngineClient`` marks its replies approximate) makes the
+    sample say so, and only then."""
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        await client.chat.completions.create(model="rollwave", messages=MESSAGES)
+
+    for approximate in (True, False):
+        sample, _ = _run(tokenizer, ScriptedEngine(tokenizer, [("The answer is 42.", "stop")], approximate=approximate),
+                         agent)
+        assert sample.versions_approximate == approximate
+
+
+def test_an_engine_abort_fails_the_episode(tokenizer: Any) -> None:
+    """An aborted reply is answered 503 (the openai client raises), the episode ends, and its sample fails:
+    never trained, not even with a reward the agent posted."""
+    engine = ScriptedEngine(tokenizer, [("partial", "abort")])
+    errors: list[Any] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model="rollwave", messages=MESSAGES)
+        errors.append(info.value)
+        with pytest.raises(openai.ConflictError):
+            await client.chat.completions.create(model="rollwave", messages=MESSAGES)
+        async with httpx.AsyncClient() as http:
+            posted = await http.post(f"{store.url}/episodes/{ep.episode_id}/reward", json={"reward": 1.0},
+                                     headers={"Authorization": f"Bearer {ep.key}"})
+            assert posted.status_code == 200
+
+    sample, store = _run(tokenizer, engine, agent)
+    assert (errors[0].status_code, errors[0].code, errors[0].type) == (503, "engine_aborted", "server_error")
+    assert (sample.finish_reason, sample.failed, sample.reward) == ("abort", True, 0.0)
+    assert sample.reward_info == {"error": "the engine aborted the request"}
+    assert sample.messages[-1] == {"role": "assistant", "content": "partial"} and len(engine.calls) == 1
+    assert store.metrics.total("rollwave_rollout_openai_requests_total", outcome="engine_aborted") == 1
+
+
+def test_a_turn_whose_end_token_is_the_last_allowed_one_is_answered(tokenizer: Any) -> None:
+    """SGLang reports a turn whose end token is the last one allowed as ``length``: such a turn is closed, so
+    its tool call is parsed and the final answer is a stop, the sample not truncated."""
+    call, answer = "Let me compute. " + CALC.format("6*7"), "The answer is 42."
+    n_call, n_answer = (len(tokenizer.encode(t, add_special_tokens=False)) + 1 for t in (call, answer))
+    engine = ScriptedEngine(tokenizer, [(call, "stop"), (answer, "stop")])
+    finishes: list[str] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        messages: list[Any] = list(MESSAGES)
+        first = await client.chat.completions.create(model="rollwave", messages=messages, tools=TOOLS,
+                                                     max_tokens=n_call)
+        message = first.choices[0].message
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "42"}]
+        second = await client.chat.completions.create(model="rollwave", messages=messages, tools=TOOLS,
+                                                      max_tokens=n_answer)
+        finishes.extend([first.choices[0].finish_reason, second.choices[0].finish_reason])
+
+    sample, _ = _run(tokenizer, engine, agent, max_new_tokens=64)
+    assert [c["sampling_params"]["max_new_tokens"] for c in engine.calls] == [n_call, n_answer]
+    assert finishes == ["tool_calls", "stop"]
+    assert (sample.finish_reason, sample.truncated, sample.reward) == ("stop", False, 1.0)
+
+
+def test_a_request_past_the_context_ends_the_episode_truncated(tokenizer: Any) -> None:
+    """The agent's next request does not fit ``max_total_tokens``: it is refused, and the episode, cut off by
+    the context, is a truncated sample (``max_total_tokens``), as in the built-in loop."""
+    n_call = len(tokenizer.encode(CALC.format("6*7"), add_special_tokens=False)) + 1
+    engine = ScriptedEngine(tokenizer, [(CALC.format("6*7"), "stop")])
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        first = await client.chat.completions.create(model="rollwave", messages=MESSAGES, tools=TOOLS)
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls"
+        messages = [*MESSAGES, message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "42"}]
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="rollwave", messages=messages, tools=TOOLS)
+        assert info.value.code == "context_length_exceeded"
+
+    prompt_len = len(ChatRenderer(tokenizer).prompt_ids(MESSAGES, TOOLS))
+    sample, _ = _run(tokenizer, engine, agent, max_new_tokens=64, max_total_tokens=prompt_len + n_call + 2)
+    assert len(sample.token_ids) == prompt_len + n_call and len(engine.calls) == 1
+    assert (sample.finish_reason, sample.truncated, sample.failed) == ("max_total_tokens", True, False)
+
+
 def test_openai_shaped_errors(tokenizer: Any) -> None:
     engine = ScriptedEngine(tokenizer, [])
     errors: dict[str, Any] = {}

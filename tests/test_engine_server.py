@@ -155,12 +155,20 @@ def test_sampling_seed_gives_the_same_output(engine: str) -> None:
 
 
 def test_stop_token_ids_end_the_request_and_are_kept_in_output_ids(engine: str, tokenizer) -> None:
+    """As SGLang's ``Req.check_finished``: the length is checked first, so a stop token that is the last one
+    allowed finishes as ``length``; ``ignore_eos`` ignores ``stop_token_ids`` too."""
     base = gen(engine, PROMPT, SEEDED)["output_ids"]
     k = next(i for i in range(3, len(base)) if base[i] not in base[:i])
-    out = gen(engine, PROMPT, SEEDED | {"stop_token_ids": [base[k]]})
+    stopping = SEEDED | {"ignore_eos": False, "stop_token_ids": [base[k]]}
+    out = gen(engine, PROMPT, stopping)
     assert out["output_ids"] == base[: k + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": base[k]}
     assert out["text"] == tokenizer.decode(base[:k], skip_special_tokens=True)
+    last = gen(engine, PROMPT, stopping | {"max_new_tokens": k + 1})
+    assert last["output_ids"] == base[: k + 1]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": k + 1}
+    ignored = gen(engine, PROMPT, SEEDED | {"stop_token_ids": [base[k]]})
+    assert ignored["output_ids"] == base and ignored["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_stop_strings_trim_the_text_unless_no_stop_trim(engine: str, tokenizer) -> None:
@@ -181,7 +189,8 @@ def test_eos_stops_unless_ignored(tiny_model_dir: Path, tokenizer) -> None:
     spec = GenerateSpec(tokenizer, len(tokenizer), 1024, frozenset({tokenizer.convert_tokens_to_ids("<|im_end|>")}))
     (req,), _ = build_requests({"input_ids": PROMPT, "sampling_params": {"stop_token_ids": [7]}}, spec)
     assert req.stop_ids == {7} | spec.eos_ids
-    (req,), _ = build_requests({"input_ids": PROMPT, "sampling_params": {"ignore_eos": True}}, spec)
+    (req,), _ = build_requests({"input_ids": PROMPT, "sampling_params": {"ignore_eos": True, "stop_token_ids": [7]}},
+                               spec)
     assert req.stop_ids == frozenset()
     with pytest.raises(ContractError, match="unknown field `seed`"):
         build_requests({"input_ids": PROMPT, "sampling_params": {"seed": 1}}, spec)

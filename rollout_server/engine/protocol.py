@@ -237,7 +237,7 @@ def _request(
             f"{params.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the "
             "input messages or the completion to fit within the limit."
         )
-    stop_ids = params.stop_token_ids if params.ignore_eos else params.stop_token_ids | spec.eos_ids
+    stop_ids = frozenset() if params.ignore_eos else params.stop_token_ids | spec.eos_ids  # SGLang ignores both
     gen_seed = None if params.sampling_seed is None else torch.Generator().manual_seed(params.sampling_seed)
     return Request(
         rid=rid,

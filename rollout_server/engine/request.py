@@ -64,12 +64,14 @@ class Request:
             self.spans[-1]["end"] = n
         else:
             self.spans.append({"version": version, "start": n - 1, "end": n})
-        if token in self.stop_ids:
+        # SGLang's order (Req.check_finished): the length first, so an end token that is the last one allowed
+        # finishes as length; then the stop tokens (none under ignore_eos), then the stop strings
+        if n >= self.params.max_new_tokens:
+            self.finish_reason = {"type": "length", "length": self.params.max_new_tokens}
+        elif token in self.stop_ids:
             self.finish_reason = {"type": "stop", "matched": token}
         elif self.params.stop and (matched := self._stop_string(tokenizer)) is not None:
             self.finish_reason = {"type": "stop", "matched": matched}
-        elif n >= self.params.max_new_tokens:
-            self.finish_reason = {"type": "length", "length": self.params.max_new_tokens}
         return self.finish_reason is not None
 
     def _stop_string(self, tokenizer: Any) -> str | None:

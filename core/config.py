@@ -68,7 +68,10 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    name: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="run id; Redis prefix rw:<name>:")
+    name: str = Field(
+        "demo", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$",  # not . or ..: it names runs/<name> and staging dirs
+        description="run id; Redis prefix rw:<name>:",
+    )
     dir: Path = Field(Path("runs"), description="parent of the run directory runs/<name>/")
     seed: int = 0
 
@@ -586,6 +589,17 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _context(self) -> Config:
+        """The embedded engine a rollout server starts refuses any request past ``engine.max_context``: an episode
+        allowed more would fail as an engine error (retried, then dead-lettered) instead of ending truncated."""
+        if self.engine.backend == "embedded" and not self.engine.urls \
+                and self.rollout.max_total_tokens > self.engine.max_context:
+            raise ValueError(f"rollout.max_total_tokens ({self.rollout.max_total_tokens}) exceeds engine.max_context "
+                             f"({self.engine.max_context}): the engine refuses requests past its context, so long "
+                             "episodes would fail instead of ending max_total_tokens")
+        return self
+
+    @model_validator(mode="after")
     def _dynamic_sampling(self) -> Config:
         """Dynamic sampling drops the groups a group-relative baseline gives zero advantage; GAE's baseline is the
         critic, so those groups still carry signal and dropping them would lose data silently."""
@@ -632,9 +646,12 @@ def _format_validation_error(exc: ValidationError, path: Path | None, overridden
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
-        quiet = err["type"] == "extra_forbidden" or key in SECRETS  # never echo a secret
+        # never echo a secret: nor a whole section or config (a check across keys), which holds the secrets too
+        quiet = err["type"] == "extra_forbidden" or key in SECRETS or isinstance(err.get("input"), dict)
         got = "" if quiet else f" (got {err.get('input')!r})"
-        from_override = any(f"{key}.".startswith(f"{o}.") for o in overridden)
+        # a check of a whole section (or config) may be about an overridden key in it: then no line of the file
+        from_override = any(f"{key}.".startswith(f"{o}.") or o.startswith(f"{key}.") or key == "<root>"
+                            for o in overridden)
         line = None if from_override else line_of(lines, err["loc"])
         out.append(f"{path}:{line}: {key}: {msg}{got}" if line is not None else f"{key}: {msg}{got}")
     source = f" from {path}" if path is not None else ""

@@ -25,7 +25,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_NUM = r"-?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
+_NUM = r"[-\u2212]?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"  # U+2212: the minus sign of typeset text
 _STRICT = re.compile(r"####\s*(" + _NUM + ")")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(" + _NUM + ")", re.IGNORECASE)
@@ -39,7 +39,7 @@ RewardFn = Callable[..., Awaitable[float | tuple[float, dict[str, Any]]]]
 
 def normalize_number(raw: str) -> Decimal | None:
     """``"$1,600."`` -> ``Decimal(1600)``; None when it is not a number."""
-    cleaned = re.sub(r"[\s$,]", "", raw).rstrip(".")
+    cleaned = re.sub(r"[\s$,]", "", raw).rstrip(".").replace("\u2212", "-")
     try:
         return Decimal(cleaned)
     except InvalidOperation:

@@ -299,3 +299,38 @@ def test_config_check_says_a_file_is_not_utf8_in_one_line_with_exit_2(
     path.write_bytes(LATIN1)
     assert main(["config", "check", "-c", str(path)]) == 2
     assert capsys.readouterr().err == f"error: {path}:2: not valid UTF-8 (byte 0xe9 at column 12)\n"
+
+
+def test_a_check_across_keys_echoes_no_secret_and_names_no_line_an_override_set(tmp_path: Path) -> None:
+    """A section's or the whole config's own check fails on its whole input, which holds the secrets taken from
+    the environment: the error names the keys and never echoes that input. When an override set a key of that
+    section, the error names no line of the file."""
+    env = {"ROLLWAVE_CHECKPOINT_TOKEN": SECRET, "ROLLWAVE_API_TOKEN": "a" * 40}
+    for overrides in (["checkpoint.quorum=0"], ["checkpoint.tls_cert=/x"],
+                      ["placement.mode=colocated", "model.lora={}"]):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, overrides, env=env)
+        assert SECRET not in str(err.value) and "a" * 40 not in str(err.value) and "(got" not in str(err.value)
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  name: x\ncheckpoint:\n  quorum: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["checkpoint.quorum=0"], env=env)
+    assert str(err.value).splitlines()[1].strip().startswith("checkpoint: quorum must be")
+
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_a_run_name_cannot_leave_its_directory(name: str) -> None:
+    """``run.name`` names runs/<name> and the run's staging directories, which the demo removes at its end."""
+    with pytest.raises(ConfigError, match=r"run\.name: String should match pattern"):
+        load_config(None, [f"run.name={name}"])
+    assert load_config(None, ["run.name=a.b"]).run.name == "a.b"
+
+
+def test_episodes_must_fit_the_embedded_engines_context() -> None:
+    """The embedded engine refuses a request past ``engine.max_context``: a longer episode budget would make long
+    episodes engine errors. Engines the rollout server does not start (``engine.urls``, SGLang) set their own."""
+    with pytest.raises(ConfigError, match=r"rollout\.max_total_tokens \(2048\) exceeds engine\.max_context \(1024\)"):
+        load_config(None, ["rollout.max_total_tokens=2048"])
+    assert load_config(None, ["rollout.max_total_tokens=2048", "engine.max_context=2048"]).engine.max_context == 2048
+    for other in ("engine.urls=[http://127.0.0.1:30000]", "engine.backend=sglang"):
+        assert load_config(None, ["rollout.max_total_tokens=2048", other]).rollout.max_total_tokens == 2048

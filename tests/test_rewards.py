@@ -61,6 +61,8 @@ def test_numbers_compare_as_values() -> None:
     assert gsm8k_reward("The answer is 18.", "18") == 1.0
     assert gsm8k_reward("The answer is 18.5", "18") == 0.0
     assert gsm8k_reward("The answer is 18", "18", mode="strict") == 0.0
+    assert gsm8k_reward("The answer is \u22125.", "-5") == 1.0  # U+2212, the typeset minus sign
+    assert gsm8k_reward("#### \u22125", "5") == 0.0
     with pytest.raises(ValueError, match="mode"):
         extract_answer("1", "loose")
     with pytest.raises(ValueError, match="not a number"):

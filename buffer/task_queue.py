@@ -69,6 +69,15 @@ if redis.call('HDEL', KEYS[4], ARGV[3]) == 1 then redis.call('DECR', KEYS[3]) en
 return 1
 """
 
+# Cancel a job that is running and not finished (``_job_state`` reads it ``done``), in one step: a job whose last
+# task finishes between a read and a write stays done.
+_CANCEL_JOB = """
+local h = redis.call('HMGET', KEYS[1], 'state', 'submitted', 'completed', 'dead_lettered')
+if h[1] == 'running' and (tonumber(h[3]) or 0) + (tonumber(h[4]) or 0) < (tonumber(h[2]) or 0) then
+  redis.call('HSET', KEYS[1], 'state', 'cancelled')
+end
+"""
+
 # Put a pending task back at the tail as a new entry carrying its attempt count. Admission is kept (a hand-back),
 # or released when KEYS[2] and KEYS[3] (admitted, admitted ids) are given (a failed attempt: its retry waits at
 # the tail behind the backlog, so its slot goes to the next task; with max_staleness 0 a kept slot would leave
@@ -110,6 +119,7 @@ class TaskQueue:
         self._submit = client.register_script(_SUBMIT)
         self._dead_letter = client.register_script(_DEAD_LETTER)
         self._cancel = client.register_script(_CANCEL)
+        self._cancel_job = client.register_script(_CANCEL_JOB)
         self._requeue = client.register_script(_REQUEUE)
         self._renew = client.register_script(RENEW_LUA)
         self._reclaimers: dict[tuple[str, str], Reclaimer] = {}
@@ -128,6 +138,10 @@ class TaskQueue:
     ) -> list[str]:
         """Enqueue tasks (dicts of the ``Task`` model) of a job; returns their group ids.
 
+        All or nothing: the chunks (a Lua call per ``SUBMIT_CHUNK`` tasks, so no one command carries a whole job)
+        go in one MULTI/EXEC, which Redis runs whole, with nothing else in between (about 10 ms per chunk), or
+        not at all. A write refused for memory fails every chunk at its first write (Redis decides that once, as
+        EXEC starts; a chunk refused as it is queued aborts the EXEC), so a failed submit writes nothing.
         ``spec`` (the job's rollout parameters as JSON) is stored on the first submit of the job.
         """
         stream = self.keys.tasks(kind)
@@ -139,20 +153,25 @@ class TaskQueue:
             if not isinstance(task_id, str) or not task_id:
                 raise ValueError(f"tasks[{i}].task_id: expected a non-empty string, got {task_id!r}")
             args += [task_id, json.dumps(task, separators=(",", ":"))]
-        gids: list[str] = []
         now = f"{time.time():.3f}"
-        for start in range(0, len(args), 2 * SUBMIT_CHUNK):
-            chunk = args[start : start + 2 * SUBMIT_CHUNK]
-            keys = [stream, self.keys.job(job_id), self.keys.jobs]
-            base = int(self._submit(keys, [job_id, kind, spec or "", now, *chunk]))
-            gids += [f"{job_id}:{base + i}:{chunk[2 * i]}" for i in range(len(chunk) // 2)]
-        return gids
+        keys = [stream, self.keys.job(job_id), self.keys.jobs]
+        chunks = [args[start : start + 2 * SUBMIT_CHUNK] for start in range(0, len(args), 2 * SUBMIT_CHUNK)]
+        pipe = self.redis.pipeline(transaction=True)
+        for chunk in chunks:
+            self._submit(keys, [job_id, kind, spec or "", now, *chunk], client=pipe)
+        bases = pipe.execute()
+        return [f"{job_id}:{int(base) + i}:{chunk[2 * i]}"
+                for base, chunk in zip(bases, chunks, strict=True) for i in range(len(chunk) // 2)]
 
     def job(self, job_id: str) -> dict[str, str]:
         """The job hash: ``spec`` (JSON), ``kind``, ``state`` and counters (``submitted``, ``completed``,
         ``dead_lettered``, ``cancelled``, ``trained``, ``stale_dropped``, ``samples``, ``reward_sum``), as strings. A
         running job whose every task has a written group or a dead letter reads as ``done``."""
         return _job_state(self.redis.hgetall(self.keys.job(job_id)))
+
+    def cancel_job(self, job_id: str) -> None:
+        """Mark a running job ``cancelled``; an unknown, done or cancelled one is left as it is."""
+        self._cancel_job([self.keys.job(job_id)])
 
     def jobs(self, job_ids: Sequence[str]) -> list[dict[str, str]]:
         """``job`` of each id, read in one round trip."""

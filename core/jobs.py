@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from core.config import RolloutConfig, check_sampling
 from core.rewards import REWARD_NAME
 from core.tasks import Task, load_tasks
+from core.tasks.base import check_split
 from core.tasks.check import check_inline
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
@@ -35,11 +36,17 @@ class TaskSource(Strict):
     path: str | None = Field(
         None, description="gsm8k/jsonl: a .jsonl file or a directory of {split}.jsonl; gsm8k defaults to data/gsm8k"
     )
-    split: str | None = Field(None, description="train or test")
+    split: str | None = Field(None, description="train or test; a plain name: a directory's {split}.jsonl")
     limit: int | None = Field(None, ge=1, le=100_000, description="how many tasks")
     offset: int = Field(0, ge=0, le=100_000, description="skip this many tasks first (arith generates them)")
     seed: int = 0
     tasks: list[Task] | None = Field(None, max_length=MAX_INLINE_TASKS, description="inline tasks (kind=inline)")
+
+    @field_validator("split")
+    @classmethod
+    def _plain_split(cls, split: str | None) -> str | None:
+        """Refused here, before any source runs, so the error names ``source.split`` (the sources refuse it too)."""
+        return check_split(split)
 
     @model_validator(mode="after")
     def _check(self) -> TaskSource:

@@ -35,6 +35,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 literal in brackets (RFC 3986): ``http://::1:8000`` names no port."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 class PortBusyError(OSError):
     """A configured port stayed in use for the whole retry window."""
 

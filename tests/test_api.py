@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,13 @@ import redis
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
-from core.config import ConfigError, load_config
+from buffer.replay import ReplayBuffer
+from buffer.task_queue import TaskQueue
+from core.config import BufferConfig, ConfigError, load_config
 from core.jobs import MAX_INLINE_TASKS
 from core.tasks.gsm8k import BUNDLED
 from services.api import create_app
+from tests.buffer_helpers import make_group
 from tests.http_harness import serve_app
 
 TOKEN = secrets.token_urlsafe(32)
@@ -329,3 +333,122 @@ def test_a_job_naming_a_tool_the_run_does_not_have_is_refused(api: httpx.Client,
     own.write_text("- name: shell\n  class: rollout_server.tools.calculator:CalculatorTool\n")
     with serve(redis_url, "api-own-tools", f"rollout.tools={own}") as custom:
         assert custom.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": [task]}}).status_code == 201
+
+
+def test_a_split_is_a_plain_name_never_a_path(api: httpx.Client, data_root: Path, tmp_path: Path) -> None:
+    """A split names ``{split}.jsonl`` in a source's directory: with ``../`` in it a job could read any file the API
+    can, through the bundled gsm8k copy (read for a job without a path) as through a directory of the data root."""
+    victim = tmp_path / "victim.jsonl"
+    victim.write_text(json.dumps({"question": "secret?", "answer": "#### 1"}) + "\n")
+    escape = os.path.relpath(victim.with_suffix(""), BUNDLED)
+    for source in ({"kind": "gsm8k", "split": escape, "limit": 1}, {"kind": "gsm8k", "path": "gsm8k", "split": ".."},
+                   {"kind": "jsonl", "path": "gsm8k", "split": "../../victim"}, {"kind": "arith", "split": "../test",
+                                                                                "limit": 1}):
+        reply = api.post("/v1/jobs", json={"kind": "eval", "source": source})
+        assert reply.status_code == 422, (source, reply.text)
+        detail = reply.json()["detail"][0]
+        assert detail["loc"] == ["body", "source", "split"] and "is not a plain name" in detail["msg"], detail
+    assert api.get("/v1/jobs").json()["jobs"] == []
+    assert "rollwave_api_jobs_rejected_total 4.0" in api.get("/metrics").text
+    reply = api.post("/v1/jobs", json={"kind": "eval", "source": {"kind": "gsm8k", "path": "gsm8k", "split": "test"}})
+    assert reply.status_code == 201 and reply.json()["progress"]["submitted"] == 1319, reply.text
+
+
+def test_a_job_redis_cannot_take_whole_leaves_nothing_behind(tmp_path: Path) -> None:
+    """Redis refusing a write partway through a job (here: out of memory after its first 1000-task chunk, as the
+    chunks were written one call at a time) must not leave a job running with part of its tasks: the client gets
+    a 503 naming Redis and no job, the run no trace of one, and the rejection is counted."""
+    tasks = [{"task_id": f"t{i}", "messages": [{"role": "user", "content": "x" * 2000}],
+              "reward": {"ground_truth": "1"}} for i in range(3000)]
+    with EmbeddedRedis(tmp_path / "redis", aof=False) as server, serve(server.url, "api-oom") as api:
+        r = redis.Redis.from_url(server.url)
+        before = _run_keys(server.url, "api-oom")
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + 4_000_000)  # room for one chunk, not three
+        try:
+            reply = api.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": tasks}})
+        finally:
+            r.config_set("maxmemory", 0)
+        assert reply.status_code == 503, reply.text
+        assert "Redis did not take the job's 3000 tasks (OutOfMemoryError" in reply.text
+        assert "written whole or not at all" in reply.text
+        assert api.get("/v1/jobs").json()["jobs"] == []
+        assert _run_keys(server.url, "api-oom") == before and r.xlen(Keys("api-oom").tasks("train")) == 0
+        assert "rollwave_api_jobs_rejected_total 1.0" in api.get("/metrics").text
+        reply = api.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": tasks}})  # with room again
+        assert reply.status_code == 201 and reply.json()["progress"]["submitted"] == 3000, reply.text
+        assert r.xlen(Keys("api-oom").tasks("train")) == 3000
+
+
+def test_jobs_name_only_agents_the_run_allows(api: httpx.Client, redis_url: str) -> None:
+    """Servers run only ``rollout.agent_allowlist`` entrypoints: a job naming another would be accepted and then
+    have every task dead-lettered, so the API refuses it as it does a reward the run does not allow."""
+    for agent in ("os:system", "tests.agent_fixtures:crash"):
+        reply = api.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 3}, "agent": agent})
+        assert reply.status_code == 422, reply.text
+        detail = reply.json()["detail"][0]
+        assert detail["loc"] == ["body", "agent"] and "rollout.agent_allowlist: none" in detail["msg"], detail
+    assert api.get("/v1/jobs").json()["jobs"] == []
+    assert "rollwave_api_jobs_rejected_total 2.0" in api.get("/metrics").text
+    allowed = "rollout_server.agents.calculator_agent:run"
+    with serve(redis_url, "api-agents", f"rollout.agent_allowlist=['{allowed}']") as custom:
+        assert custom.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 1}, "agent": allowed}).status_code \
+            == 201
+        reply = custom.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 1}, "agent": "os:system"})
+        assert reply.status_code == 422 and f"rollout.agent_allowlist: {allowed}" in reply.text, reply.text
+
+
+class FinishesBeforeWrite(redis.Redis):
+    """redis-py's client. Armed (``finish``, ``job_key``), it runs ``finish`` just before the first command it sends
+    that names the job's hash and is no plain read of it: the job's last task finishes between a read and a write."""
+
+    finish: Callable[[], object] | None = None
+    job_key = ""
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        if self.finish is not None and self.job_key in args and args[0] not in ("HGET", "HGETALL", "HMGET"):
+            finish, self.finish = self.finish, None
+            finish()
+        return super().execute_command(*args, **options)
+
+
+def test_cancel_leaves_a_job_done_meanwhile_done(redis_url: str) -> None:
+    """Cancel checks that a job is running and marks it cancelled in one step: a job whose last group is written
+    just before the mark (by a rollout server, here a real put) stays done, its result kept."""
+    client = FinishesBeforeWrite.from_url(redis_url)
+    keys = Keys("api-cancel-race")
+    with serve(redis_url, keys.run, client=client) as api:
+        job_id = api.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 1}}).json()["job_id"]
+        r = redis.Redis.from_url(redis_url)
+        [entry] = TaskQueue(r, keys, BufferConfig()).read("server-1", 1)
+        replay = ReplayBuffer(r, keys, BufferConfig())
+        replay.ensure_group()
+        client.job_key = keys.job(job_id)
+        client.finish = lambda: replay.put(make_group(job_id, entry.group_id, run=keys.run), task=entry)
+        job = api.post(f"/v1/jobs/{job_id}/cancel").json()
+        assert client.finish is None  # the group was written during the cancel
+        assert (job["state"], job["progress"]["completed"]) == ("done", 1), job
+        assert r.hget(keys.job(job_id), "state") == b"running"  # never marked cancelled
+        running = api.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 2}}).json()["job_id"]
+        assert api.post(f"/v1/jobs/{running}/cancel").json()["state"] == "cancelled"
+        assert api.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "done"
+        assert api.post("/v1/jobs/nosuchjob/cancel").status_code == 404
+        assert not r.exists(keys.job("nosuchjob"))
+
+
+def test_a_request_without_the_token_is_refused_before_its_body_is_read(redis_url: str) -> None:
+    """A stranger's body is never parsed: a malformed, invalid or oversized one gets 401 like any other request
+    without the token, and none counts as a rejected job or a validation failure."""
+    with serve(redis_url, "api-auth-first", "api.max_body_bytes=2048") as api:
+        url = f"{api.base_url}/v1/jobs"
+        json_body = {"Content-Type": "application/json"}
+        for body in (b"{oops", b'{"source": {"kind": "arith"}}', b'{"name": "' + b"x" * 4000 + b'"}'):
+            for headers in (json_body, {**json_body, "Authorization": "Bearer wrong"}):
+                reply = httpx.post(url, content=body, headers=headers)
+                assert reply.status_code == 401 and reply.headers["www-authenticate"] == "Bearer", reply.text
+        assert _refused(api, "auth") == 6
+        assert (_refused(api, "validation"), _refused(api, "body_size")) == (0, 0)
+        assert "rollwave_api_jobs_rejected_total 0.0" in api.get("/metrics").text
+        reply = api.post("/v1/jobs", content=b"{oops", headers=json_body)  # with the token: parsed, and refused
+        assert reply.status_code == 422 and _refused(api, "validation") == 1
+        assert "rollwave_api_jobs_rejected_total 1.0" in api.get("/metrics").text

@@ -211,18 +211,21 @@ def test_trainer_serves_metrics_on_its_configured_address(
         assert on_loopback_only(port)
 
 
-def test_api_binds_its_configured_host(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
-    """``python -m services.api`` binds api.host (loopback, so no token is needed) and publishes that URL."""
+@pytest.mark.parametrize(("host", "expected"), [(HOST, f"http://{HOST}"), ("::1", "http://[::1]")])
+def test_api_binds_its_configured_host(tmp_path: Path, redis_server: EmbeddedRedis, host: str, expected: str) -> None:
+    """``python -m services.api`` binds api.host (loopback, so no token is needed) and publishes that URL, an IPv6
+    address in brackets (``http://::1:8000`` names no port), so a client of the published URL reaches it."""
     [port] = free_ports(1)
     log = tmp_path / "api.log"
-    overrides = [f"run.name={RUN}", f"run.dir={tmp_path}", f"redis.url={redis_server.url}", f"api.host={HOST}",
+    overrides = [f"run.name={RUN}", f"run.dir={tmp_path}", f"redis.url={redis_server.url}", f"api.host={host}",
                  f"api.port={port}"]
     r = client(redis_server)
     with component("services.api", log, *overrides) as proc:
         url = wait_for("the API's published URL", lambda: r.hget(KEYS.api, "url"), proc, log, timeout_s=60)
-        assert url.decode() == f"http://{HOST}:{port}"
-        assert httpx.get(f"http://{HOST}:{port}/healthz", timeout=10).json() == {"status": "ok"}
-        assert httpx.get(f"http://{HOST}:{port}/readyz", timeout=10).json() == {"status": "ready"}
+        assert url.decode() == f"{expected}:{port}"
+        assert httpx.get(f"{url.decode()}/healthz", timeout=10).json() == {"status": "ok"}
+        assert httpx.get(f"{url.decode()}/readyz", timeout=10).json() == {"status": "ready"}
+        assert httpx.get(f"{url.decode()}/v1/jobs", timeout=10).json() == {"jobs": [], "next": None}
         assert on_loopback_only(port)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from collections import Counter
@@ -147,6 +148,26 @@ def test_gsm8k_strips_commas_and_reports_bad_rows(tmp_path: Path) -> None:
         load_tasks("gsm8k", path=str(tmp_path), split="valid")
     with pytest.raises(ValueError, match="needs a path"):
         load_tasks("jsonl")
+
+
+def test_a_split_is_a_plain_name_and_the_bundled_copy_stays_under_its_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A split becomes ``{split}.jsonl`` in a directory: a ``../`` in it, or a symlink in the bundled copy (read for
+    any job without a path, with no data root of the operator's), must not reach another file."""
+    victim = _write(tmp_path / "victim.jsonl", [{"question": "secret?", "answer": "#### 1"}])
+    escape = os.path.relpath(victim.with_suffix(""), BUNDLED)
+    for source, path in (("gsm8k", None), ("gsm8k", str(tmp_path)), ("jsonl", str(tmp_path))):
+        for split in (escape, "../victim", "..", ".", "a/b", "", "/etc/passwd"):
+            with pytest.raises(ValueError, match="is not a plain name"):
+                load_tasks(source, path=path, split=split)
+    assert len(load_tasks("gsm8k", path=str(tmp_path), split="victim")) == 1  # a plain name is read as before
+    bundled = tmp_path / "bundled"
+    bundled.mkdir()
+    (bundled / "test.jsonl").symlink_to(victim)
+    monkeypatch.setattr("core.tasks.gsm8k.BUNDLED", bundled)
+    with pytest.raises(ValueError, match="lies outside"):
+        load_tasks("gsm8k", split="test")
 
 
 def test_jsonl_reads_verl_rows(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ the prompt (OpenAI chat messages), the tools offered, per-tool kwargs (verl styl
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,6 +20,9 @@ from core.text_files import utf8_lines
 SYSTEM_PROMPT = "Use the calculator for arithmetic. End with: The answer is N."
 
 T = TypeVar("T")
+
+# A split names the file ``{split}.jsonl`` in a source's directory: no separator, and not ``.`` or ``..``.
+_SPLIT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", re.ASCII)
 
 
 class Task(BaseModel):
@@ -44,12 +48,23 @@ def gold_tools_kwargs(ground_truth: str) -> dict[str, dict[str, Any]]:
     return {"check_answer": {"create_kwargs": {"ground_truth": ground_truth}}}
 
 
+def check_split(split: str | None) -> str | None:
+    """``split`` unchanged if it is a plain name: it becomes part of a path, so ``../x`` would read another file."""
+    if split is not None and not _SPLIT.fullmatch(split):
+        raise ValueError(
+            f"split {split!r} is not a plain name (letters, digits, '_', '-' and '.', not first; no path)"
+        )
+    return split
+
+
 def split_file(source: str, path: str | None, split: str | None, root: Path | None = None) -> Path:
-    """``path`` itself if it is a file, else ``path/{split}.jsonl`` (split defaults to ``train``).
+    """``path`` itself if it is a file, else ``path/{split}.jsonl`` (split defaults to ``train``, and must be a
+    plain name: ``check_split``).
 
     With ``root`` (the API's ``api.data_root``) a relative ``path`` is read under ``root``, and the file,
     symlinks resolved, must lie under it: a job cannot make the API read any other file on its host.
     """
+    check_split(split)
     if path is None:
         raise ValueError(
             f"task source {source!r} needs a path: a .jsonl file or a directory of {{split}}.jsonl"
@@ -58,7 +73,7 @@ def split_file(source: str, path: str | None, split: str | None, root: Path | No
     if p.is_dir():
         p = p / f"{split or 'train'}.jsonl"
     if root is not None and not p.resolve().is_relative_to(Path(root).resolve()):
-        raise ValueError(f"task source {source!r}: {path!r} lies outside the data root {root}")
+        raise ValueError(f"task source {source!r}: {str(p)!r} lies outside the data root {root}")
     if not p.is_file():
         raise FileNotFoundError(f"task source {source!r}: no such file: {p}")
     return p

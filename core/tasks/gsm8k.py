@@ -28,9 +28,10 @@ def load(
 ) -> list[Task]:
     """Every row is validated (a bad row anywhere fails loudly), then ``offset``/``limit`` pick the window.
 
-    ``path`` None reads the bundled ``data/gsm8k/{split}.jsonl`` (the project's own data: no root applies).
+    ``path`` None reads the bundled ``data/gsm8k/{split}.jsonl``, which must lie under ``BUNDLED`` as a ``path``
+    must under ``root``: the API reads it for any job.
     """
-    file = split_file("gsm8k", path, split, root) if path else split_file("gsm8k", str(BUNDLED), split)
+    file = split_file("gsm8k", path, split, root) if path else split_file("gsm8k", str(BUNDLED), split, BUNDLED)
     name = split or file.stem
     tasks = []
     for line, row in read_jsonl(file):

@@ -9,7 +9,7 @@ import sys
 import uvicorn
 
 from core.config import load_config_or_exit
-from core.net import listen_socket
+from core.net import http_url, listen_socket
 from core.process import die_with_parent, prepare_component
 from services.api.app import check_api_config, create_app
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config_or_exit(args.config, args.overrides, check=check_api_config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = listen_socket(cfg.api.host, cfg.api.port, "api")
-    url = f"http://{cfg.api.host}:{sock.getsockname()[1]}"
+    url = http_url(cfg.api.host, sock.getsockname()[1])
     logging.getLogger("services.api").info("serving on %s", url)
     uvicorn.Server(uvicorn.Config(create_app(cfg, url=url), log_level="warning")).run(sockets=[sock])
     return 0

@@ -1,10 +1,11 @@
 """``create_app(config)``: the FastAPI app under ``/v1`` with its lifespan (Redis, the metrics sampler).
 
-Bounded and guarded: ``/v1`` needs ``api.token`` (a bind off loopback refuses to start without one);
-requests must name an allowed Host (``api.allowed_hosts``, against DNS rebinding; the unauthenticated
-ops probes are exempt, kubelet and Prometheus reach them by pod IP); bodies over ``api.max_body_bytes``
-get 413; jobs read files only under ``api.data_root``, hold at most ``api.max_job_tasks`` tasks and
-name reward functions the run allows. Each refusal is logged and counted.
+Bounded and guarded: ``/v1`` needs ``api.token`` (a bind off loopback refuses to start without one),
+checked before any body is read; requests must name an allowed Host (``api.allowed_hosts``, against DNS
+rebinding; the unauthenticated ops probes are exempt, kubelet and Prometheus reach them by pod IP); bodies
+over ``api.max_body_bytes`` get 413; jobs read files only under ``api.data_root``, hold at most
+``api.max_job_tasks`` tasks and name reward functions and agents the run allows. Each refusal is logged and
+counted.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from pydantic import SecretStr
 from starlette.datastructures import Headers
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -83,19 +85,6 @@ def _state(request: Request) -> ApiState:
     return request.app.state.api
 
 
-def _auth(request: Request) -> None:
-    api: ApiState = request.app.state.api
-    token = api.cfg.api.token
-    if token is None:  # only ever on a loopback bind (check_api_config)
-        return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not given or not secrets.compare_digest(
-        given.encode(), token.get_secret_value().encode()
-    ):
-        _refused(api.refused)("auth", request.scope)
-        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-
-
 def _refused(counter: Counter) -> Refuse:
     def refuse(reason: str, scope: Scope, detail: str = "") -> None:
         client = scope.get("client") or ("?", 0)
@@ -128,6 +117,28 @@ class HostGuard:
         await TrustedHostMiddleware(inner, allowed_hosts=self.allowed_hosts)(scope, receive, send)
         if not passed:
             self.refuse("host", scope)
+
+
+class TokenGuard:
+    """401 for a ``/v1`` request without the bearer token, before anything reads its body: a stranger's malformed
+    or oversized body is refused as unauthenticated, never parsed, and never counts as a rejected job."""
+
+    def __init__(self, app: ASGIApp, token: SecretStr | None, refuse: Refuse) -> None:
+        self.app = app
+        self.token = None if token is None else token.get_secret_value().encode()  # None: loopback only
+        self.refuse = refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.token is None or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        scheme, _, given = Headers(scope=scope).get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and given and secrets.compare_digest(given.encode(), self.token):
+            await self.app(scope, receive, send)
+            return
+        self.refuse("auth", scope)
+        reply = JSONResponse({"detail": "missing or wrong bearer token"}, 401, {"WWW-Authenticate": "Bearer"})
+        await reply(scope, receive, send)
 
 
 class BodyLimit:
@@ -231,8 +242,6 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
             request.app.state.api.jobs_rejected.inc()
         return await request_validation_exception_handler(request, exc)
 
-    v1 = [Depends(_auth)]
-
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -254,12 +263,15 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         log.warning("job rejected: %s: %s", field, msg)
         return HTTPException(422, [{"loc": ["body", field], "msg": msg, "type": "value_error"}])
 
-    @app.post("/v1/jobs", status_code=201, dependencies=v1, tags=["jobs"])
+    @app.post("/v1/jobs", status_code=201, tags=["jobs"])
     def create_job(spec: JobSpec, api: State) -> dict[str, Any]:
         allowed = {*BUILTIN_REWARDS, *cfg.rollout.reward_allowlist}
         if spec.reward is not None and spec.reward not in allowed:
             names = ", ".join(sorted(allowed))
             raise reject(api, "reward", f"reward {spec.reward!r} is not one this run allows: {names}")
+        if spec.agent is not None and spec.agent not in cfg.rollout.agent_allowlist:
+            names = ", ".join(cfg.rollout.agent_allowlist) or "none"
+            raise reject(api, "agent", f"agent {spec.agent!r} is not in this run's rollout.agent_allowlist: {names}")
         try:
             tasks = spec.load_tasks(cfg.api.data_root, cfg.rollout.reward)
         except (ValueError, OSError) as exc:
@@ -275,11 +287,19 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
             cap = cfg.api.max_job_tasks
             raise reject(api, "source", f"{len(tasks)} tasks; a job may hold at most api.max_job_tasks={cap}")
         job_id = secrets.token_hex(6)
-        api.queue.submit(job_id, [t.model_dump() for t in tasks], spec.kind, spec.model_dump_json())
+        try:  # all or nothing (TaskQueue.submit): a failed submit leaves no job behind
+            api.queue.submit(job_id, [t.model_dump() for t in tasks], spec.kind, spec.model_dump_json())
+        except redis.RedisError as exc:
+            api.jobs_rejected.inc()
+            log.warning("job %s rejected: Redis did not take its %d tasks: %s", job_id, len(tasks), exc)
+            why = str(exc).rpartition("of pipeline caused error: ")[2]  # not the command redis-py quotes
+            raise HTTPException(503, f"Redis did not take the job's {len(tasks)} tasks ({type(exc).__name__}: "
+                                     f"{why}); a job is written whole or not at all: GET /v1/jobs/{job_id} says "
+                                     "which (404: nothing was submitted)") from None
         api.jobs_submitted.labels(kind=spec.kind).inc()
         return api.cluster.job(job_id)
 
-    @app.get("/v1/jobs", dependencies=v1, tags=["jobs"])
+    @app.get("/v1/jobs", tags=["jobs"])
     def list_jobs(
         api: State,
         cursor: Annotated[
@@ -290,15 +310,15 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         """Newest first, a page at a time: ``{"jobs": [...], "next": cursor or null}``."""
         return api.cluster.jobs(cursor, limit)
 
-    @app.get("/v1/jobs/{job_id}", dependencies=v1, tags=["jobs"])
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"])
     def get_job(job_id: str, api: State) -> dict[str, Any]:
         return api.cluster.job(job_id)
 
-    @app.post("/v1/jobs/{job_id}/cancel", dependencies=v1, tags=["jobs"])
+    @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"])
     def cancel_job(job_id: str, api: State) -> dict[str, Any]:
         return api.cluster.cancel(job_id)
 
-    @app.get("/v1/jobs/{job_id}/trajectories", dependencies=v1, tags=["jobs"])
+    @app.get("/v1/jobs/{job_id}/trajectories", tags=["jobs"])
     def trajectories(
         job_id: str,
         api: State,
@@ -309,11 +329,11 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     ) -> dict[str, Any]:
         return api.cluster.trajectories(job_id, cursor, limit)
 
-    @app.get("/v1/status", dependencies=v1, tags=["cluster"])
+    @app.get("/v1/status", tags=["cluster"])
     def status(api: State) -> dict[str, Any]:
         return api.cluster.status()
 
-    @app.get("/v1/metrics/summary", dependencies=v1, tags=["cluster"])
+    @app.get("/v1/metrics/summary", tags=["cluster"])
     def metrics_summary(api: State) -> dict[str, Any]:
         return api.sampler.summary()
 
@@ -323,5 +343,6 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
 
     app.mount("/static", StaticFiles(directory=STATIC, check_dir=False), name="static")
     app.add_middleware(BodyLimit, max_bytes=cfg.api.max_body_bytes, refuse=refuse)
+    app.add_middleware(TokenGuard, token=cfg.api.token, refuse=refuse)
     app.add_middleware(HostGuard, allowed_hosts=cfg.api.allowed_hosts, refuse=refuse)
     return app

@@ -81,12 +81,10 @@ class ClusterView:
         return {"jobs": jobs, "next": page[-1] if start + limit < len(order) else None}
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        """Mark a running job cancelled; servers acknowledge its remaining tasks without rolling them out."""
-        job = self.job(job_id)
-        if job["state"] == "running":
-            self.redis.hset(self.keys.job(job_id), "state", "cancelled")
-            job["state"] = "cancelled"
-        return job
+        """Mark a running job cancelled (checked and set in one step: a job done meanwhile stays done); servers
+        acknowledge its remaining tasks without rolling them out."""
+        self.queue.cancel_job(job_id)
+        return self.job(job_id)
 
     def trajectories(self, job_id: str, cursor: str, limit: int) -> dict[str, Any]:
         self.job(job_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from core.rewards import RewardComputer
 from core.tasks import SOURCES, Task, load_tasks
 from core.tasks.arith import TEMPLATES, demonstration, evaluate
 from core.tasks.gsm8k import BUNDLED
@@ -191,7 +193,7 @@ def test_jsonl_reads_verl_rows(tmp_path: Path) -> None:
     path = _write(tmp_path / "mix.jsonl", [verl, alias, bare])
     first, second, third = load_tasks("jsonl", path=str(path))
     assert first.task_id == "jsonl-mix-17" and first.tools == ["calculator", "check_answer"]
-    assert first.reward == {"kind": "gsm8k", "style": "rule", "ground_truth": "4"}
+    assert first.reward == {"style": "rule", "ground_truth": "4"}  # no kind: the job's reward function scores it
     assert first.meta["data_source"] == "openai/gsm8k" and first.meta["line"] == 1
     assert (
         second.task_id == "mine" and second.messages == alias["messages"] and second.tools == ["calculator"]
@@ -285,7 +287,7 @@ def test_jsonl_reward_specs_are_checked_with_the_reward_functions_rules(
 ) -> None:
     path = _write(tmp_path / "gt.jsonl", [_ROW | {"id": "a"}, _ROW | {"reward_model": reward_model}])
     with pytest.raises(ValueError, match=re.escape(f"{path}:2: {message}")):
-        load_tasks("jsonl", path=str(path))
+        load_tasks("jsonl", path=str(path), reward="gsm8k")  # the run's default: a row without a kind is its
 
 
 def test_jsonl_reward_kinds_are_checked_against_the_jobs_reward(tmp_path: Path) -> None:
@@ -307,6 +309,20 @@ def test_jsonl_reward_kinds_are_checked_against_the_jobs_reward(tmp_path: Path) 
     bad = _write(tmp_path / "bad.jsonl", [_ROW | {"reward_model": {"ground_truth": "x", "kind": "gsm8k"}}])
     with pytest.raises(ValueError, match=re.escape(f"{bad}:1: field 'reward_model.ground_truth' is 'x'")):
         load_tasks("jsonl", path=str(bad), reward="judge")
+
+
+def test_a_jsonl_row_without_a_kind_is_scored_by_the_jobs_reward_function(tmp_path: Path) -> None:
+    """verl's rows name no reward kind: the job's reward function scores them (its ``reward``, else the run's
+    ``rollout.reward``), and the row is checked against that function's rules, not gsm8k's."""
+    path = _write(tmp_path / "verl.jsonl", [_ROW | {"reward_model": {"ground_truth": "1"}}])
+    [task] = load_tasks("jsonl", path=str(path), reward="tool")
+    assert "kind" not in task.reward
+    score = RewardComputer("tool").score(task, [], "The answer is 1.", tool_rewards=[0.0])
+    assert asyncio.run(score)[0] == 0.0  # the tool reward's, where gsm8k would give the right answer 1.0
+    code = _write(tmp_path / "code.jsonl", [_ROW | {"reward_model": {"ground_truth": "def f(): return 1"}}])
+    assert len(load_tasks("jsonl", path=str(code), reward="tool")) == 1
+    with pytest.raises(ValueError, match="the gsm8k reward needs a finite number"):
+        load_tasks("jsonl", path=str(code), reward="gsm8k")
 
 
 def test_an_empty_file_or_an_offset_past_its_end_names_the_file(tmp_path: Path) -> None:

@@ -3,10 +3,11 @@
 ``{"prompt": [messages], "tools_kwargs": {...}, "reward_model": {"ground_truth": ..., "style": "rule"},
 "data_source": ..., "extra_info": {...}}``. ``messages`` is accepted for ``prompt``; ``tools_kwargs`` may also
 sit in ``extra_info`` (where verl puts it); ``tools`` (names) defaults to the keys of ``tools_kwargs``;
-``reward_model`` may name a ``kind`` (default ``gsm8k``), and is checked against the reward function that
-will score the row (a gsm8k ``ground_truth`` must be a number...: ``core.tasks.check``). The task id is ``id``,
-else ``jsonl-{file}-{extra_info.index}``, else ``jsonl-{file}-{line}``. An empty file, or an ``offset`` past its
-last row, is an error naming the file.
+``reward_model`` may name a ``kind`` (a built-in reward, or the job's function); without one the job's reward
+function scores the row (its ``reward``, else the run's ``rollout.reward``, gsm8k by default), as verl's rows
+carry none. It is checked against the function that will score the row (a gsm8k ``ground_truth`` must be a
+number...: ``core.tasks.check``). The task id is ``id``, else ``jsonl-{file}-{extra_info.index}``, else
+``jsonl-{file}-{line}``. An empty file, or an ``offset`` past its last row, is an error naming the file.
 """
 
 from __future__ import annotations
@@ -56,12 +57,8 @@ def _task(row: dict[str, Any], file: Path, line: int, where: str, reward: str | 
     reward_model = field(row, "reward_model", dict, where)
     if "ground_truth" not in reward_model:
         raise ValueError(f"{where}: missing field 'reward_model.ground_truth'")
-    kind = reward_model.get("kind", "gsm8k")
-    if not isinstance(kind, str):
-        raise ValueError(f"{where}: field 'reward_model.kind' must be str, got {type(kind).__name__}")
-    spec = {**reward_model, "kind": kind}
     check_task(
-        messages=messages, tools=tools, tools_kwargs=tools_kwargs, reward_spec=spec, where=where,
+        messages=messages, tools=tools, tools_kwargs=tools_kwargs, reward_spec=reward_model, where=where,
         labels={"messages": key, "tools": "tools", "tools_kwargs": kwargs_label, "reward": "reward_model"},
         reward=reward,
     )
@@ -79,7 +76,7 @@ def _task(row: dict[str, Any], file: Path, line: int, where: str, reward: str | 
         messages=messages,
         tools=tools,
         tools_kwargs=tools_kwargs,
-        reward=spec,
+        reward=reward_model,
         meta={
             "source": "jsonl",
             "file": str(file),

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import yaml
 from pydantic import (
@@ -123,7 +123,9 @@ class ModelConfig(Section):
 def check_redis_url(url: str) -> str:
     """A Redis URL with no password in it: a URL lands on command lines, in logs and in dumped configs, which
     ``redis.password`` never does."""
-    if urlsplit(url).password is not None:
+    parts = urlsplit(url)
+    # redis-py also takes ?password= (over the user info), so a query can carry one too
+    if parts.password is not None or "password" in parse_qs(parts.query):
         raise ValueError("carries a password: give it in redis.password (env ROLLWAVE_REDIS_PASSWORD, or "
                          "redis.password_file) and leave it out of the URL")
     return url
@@ -647,7 +649,8 @@ def _format_validation_error(exc: ValidationError, path: Path | None, overridden
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         # never echo a secret: nor a whole section or config (a check across keys), which holds the secrets too
-        quiet = err["type"] == "extra_forbidden" or key in SECRETS or isinstance(err.get("input"), dict)
+        quiet = err["type"] == "extra_forbidden" or key in SECRETS or key == "redis.url" \
+            or isinstance(err.get("input"), dict)  # a URL refused for its password is not printed either
         got = "" if quiet else f" (got {err.get('input')!r})"
         # a check of a whole section (or config) may be about an overridden key in it: then no line of the file
         from_override = any(f"{key}.".startswith(f"{o}.") or o.startswith(f"{key}.") or key == "<root>"

@@ -7,7 +7,10 @@ SERVER_NAME``); Helm makes its own with sprig. In DIR, each readable by its owne
   ``checkpoint.tls_server_name``), for serving only;
 - ``trainer.crt``/``.key``: the trainers' (DNS name ``rollwave-trainer``, which the receivers check:
   ``checkpoint.tls_client_name``), for dialling only, so a receiver's key cannot push weights to another receiver.
-A DIR that has ``ca.crt`` is kept as it is (it is written last).
+A DIR that has ``ca.crt`` is kept as it is (it is written last). ``--hand-out ROLE=TARGET`` copies ``ca.crt``
+and that role's certificate and key into TARGET, a directory only that role's processes see (compose: a volume
+each), so no rollout server holds the trainers' key, which the receivers' check of the client name alone cannot
+tell from a trainer's.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from core.config import TRAINER_CERT_NAME
 
 RECEIVER_NAME = "rollwave-checkpoint-receiver"  # what compose, Helm and `rollwave up` give SERVER_NAME
+ROLES = ("receiver", "trainer")
 VALID_DAYS = 3650
 
 
@@ -101,10 +105,33 @@ def ensure_checkpoint_pki(directory: Path, server_name: str) -> tuple[Checkpoint
     return pki, True
 
 
+def hand_out(pki: CheckpointPki, role: str, target: Path) -> CheckpointPki:
+    """Copy ``ca.crt`` and ``role``'s certificate and key into ``target`` (owner-only, as made); returns it as a PKI
+    whose other role's files are absent."""
+    out = CheckpointPki(target)
+    target.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for src, dst in ((pki.cert(role), out.cert(role)), (pki.key(role), out.key(role)), (pki.ca, out.ca)):
+        _write(dst, src.read_bytes())  # ca.crt last, as when made
+    for other in ROLES:
+        if other != role:  # a target once shared by both roles keeps none of the other's files
+            for stale in (out.cert(other), out.key(other)):
+                stale.unlink(missing_ok=True)
+    return out
+
+
+def _hand_out_arg(value: str) -> tuple[str, Path]:
+    role, sep, target = value.partition("=")
+    if not sep or role not in ROLES or not target:
+        raise argparse.ArgumentTypeError(f"{value!r}: want ROLE=DIR with ROLE one of {', '.join(ROLES)}")
+    return role, Path(target)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path)
     parser.add_argument("server_name", help="the DNS name in the receivers' certificate (checkpoint.tls_server_name)")
+    parser.add_argument("--hand-out", type=_hand_out_arg, action="append", default=[], metavar="ROLE=DIR",
+                        help="also copy ca.crt and ROLE's (receiver, trainer) certificate and key into DIR")
     args = parser.parse_args(argv)
     pki, made = ensure_checkpoint_pki(args.dir, args.server_name)
     if made:
@@ -112,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{pki.dir}")
     else:
         print(f"checkpoint-tls: {pki.ca} exists; keeping the certificates there")
+    for role, target in args.hand_out:
+        hand_out(pki, role, target)
+        print(f"checkpoint-tls: the {role}'s certificate and key, with ca.crt, in {target}")
 
 
 if __name__ == "__main__":

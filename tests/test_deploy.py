@@ -249,26 +249,39 @@ def _run_config(cmd: list[str]) -> Config:
 
 def test_compose_checkpoint_plane_is_mutual_tls_with_the_certificates_it_makes(tmp_path: Path) -> None:
     """The checkpoint-tls job's command, run as compose runs it, makes a CA (its key not kept), the receiver's
-    and the trainer's certificates, readable by their owner only, and keeps them when run again. Every rollout
-    server and trainer mounts them read-only and waits for the job; with the files where the containers see
-    them, a receiver configured as the rollout servers are and a pusher configured as the trainers are complete
-    a mutual TLS handshake at an IP address, which fails if the pusher checks that address instead of
+    and the trainer's certificates, readable by their owner only, and keeps them when run again; it hands each
+    role its own certificate, key and ca.crt in a volume of its own. Every rollout server mounts the receivers'
+    volume and every trainer the trainers', read-only, and waits for the job, so no rollout server holds the
+    trainers' key (which names the client the receivers let in). With the files where the containers see them,
+    a receiver configured as the rollout servers are and a pusher configured as the trainers are complete a
+    mutual TLS handshake at an IP address, which fails if the pusher checks that address instead of
     checkpoint.tls_server_name, or presents the receiver's certificate."""
     job = SERVICES["checkpoint-tls"]
     assert job["command"][:4] == ["python", "-m", "core.checkpoint_pki", "/tls"]
-    assert job["volumes"] == ["checkpoint-tls:/tls"]
+    mounts = dict(v.split(":") for v in job["volumes"])
+    assert mounts == {"checkpoint-tls": "/tls", "checkpoint-tls-trainer": "/tls-trainer",
+                      "checkpoint-tls-receiver": "/tls-receiver"}
     assert not set(job["environment"]) & set(SECRETS.values())
-    command = [sys.executable, *job["command"][1:3], str(tmp_path), *job["command"][4:]]
+    local_dir = {volume: tmp_path / volume for volume in mounts}
+    in_job = {path: str(local_dir[volume]) for volume, path in mounts.items()}
+    here = [re.sub(r"^(\w+=)?(/tls[\w-]*)$", lambda m: (m[1] or "") + in_job[m[2]], a) for a in job["command"][3:]]
+    command = [sys.executable, *job["command"][1:3], *here]
     subprocess.run(command, check=True, capture_output=True, timeout=60, cwd=REPO)
-    files = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
-    assert files == dict.fromkeys(["ca.crt", "receiver.crt", "receiver.key", "trainer.crt", "trainer.key"], 0o600)
-    ca = (tmp_path / "ca.crt").read_bytes()
-    again = subprocess.run([*command[:-1], "other-name"], check=True, capture_output=True, text=True, timeout=60,
-                           cwd=REPO)
-    assert "keeping" in again.stdout and (tmp_path / "ca.crt").read_bytes() == ca
 
-    def local(cfg: Config) -> Config:  # the paths under /tls, as this test wrote them
-        moved = {k: tmp_path / Path(getattr(cfg.checkpoint, k)).relative_to("/tls")
+    def files(volume: str) -> dict[str, int]:
+        return {p.name: p.stat().st_mode & 0o777 for p in local_dir[volume].iterdir()}
+
+    assert files("checkpoint-tls") == dict.fromkeys(
+        ["ca.crt", "receiver.crt", "receiver.key", "trainer.crt", "trainer.key"], 0o600)
+    assert files("checkpoint-tls-trainer") == dict.fromkeys(["ca.crt", "trainer.crt", "trainer.key"], 0o600)
+    assert files("checkpoint-tls-receiver") == dict.fromkeys(["ca.crt", "receiver.crt", "receiver.key"], 0o600)
+    ca = (local_dir["checkpoint-tls"] / "ca.crt").read_bytes()
+    again = subprocess.run([*command[:4], "other-name", *command[5:]], check=True, capture_output=True, text=True,
+                           timeout=60, cwd=REPO)
+    assert "keeping" in again.stdout and (local_dir["checkpoint-tls-receiver"] / "ca.crt").read_bytes() == ca
+
+    def local(cfg: Config, volume: str) -> Config:  # the paths under /tls, where this test has that volume
+        moved = {k: local_dir[volume] / Path(getattr(cfg.checkpoint, k)).relative_to("/tls")
                  for k in ("tls_cert", "tls_key", "tls_ca")}
         return cfg.checkpoint.model_copy(update=moved)
 
@@ -278,14 +291,16 @@ def test_compose_checkpoint_plane_is_mutual_tls_with_the_certificates_it_makes(t
         if module == "services.api":
             continue
         svc = SERVICES[name]
-        assert "checkpoint-tls:/tls:ro" in svc["volumes"], name
+        volume = "checkpoint-tls-receiver" if module == "rollout_server" else "checkpoint-tls-trainer"
+        assert [v for v in svc["volumes"] if "/tls" in v] == [f"{volume}:/tls:ro"], name
         assert svc["depends_on"]["checkpoint-tls"] == {"condition": "service_completed_successfully"}, name
         cfg = _run_config(cmd)
         assert cfg.checkpoint.tls_server_name == "rollwave-checkpoint-receiver", name
-        (receivers if module == "rollout_server" else pushers).append(local(cfg))
+        (receivers if module == "rollout_server" else pushers).append(local(cfg, volume))
     assert len(receivers) == 3 and len(pushers) == 2
     assert {r.tls_cert.name for r in receivers} == {"receiver.crt"}
     assert {p.tls_cert.name for p in pushers} == {"trainer.crt"}
+    assert all(r.tls_cert.is_file() and r.tls_key.is_file() for r in [*receivers, *pushers])
     assert handshakes(receivers[0], pushers[0])
     assert not handshakes(receivers[0], pushers[0].model_copy(update={"tls_server_name": None}))
     as_receiver = {"tls_cert": receivers[0].tls_cert, "tls_key": receivers[0].tls_key}

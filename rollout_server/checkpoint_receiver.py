@@ -56,6 +56,7 @@ from rollout_server.engine_client import EngineClient, EngineError, EngineGroup
 from rollout_server.stage_port import IncomingData, StagePort
 
 log = logging.getLogger(__name__)
+RESUME_BACKOFF_S = (0.1, 5.0)  # between tries of a failed continue_generation: first, longest (doubling)
 
 
 class WeightEngine(Protocol):
@@ -90,6 +91,9 @@ class CheckpointMetrics:
                                       ["reason"], registry=r)
         self.commit_failures = Counter("rollwave_rollout_commit_failures", "failed commits", ["reason"],
                                        registry=r)
+        self.resume_failures = Counter("rollwave_rollout_resume_failures", "failed continue_generation calls after "
+                                       "a pause, each tried again until the engines continue (resume_timeout: no "
+                                       "answer within checkpoint.pause_timeout_s)", ["reason"], registry=r)
         self.refused = Counter("rollwave_rollout_checkpoint_refused", "checkpoint calls refused before they ran "
                                "(unauthenticated: no or a wrong token; certificate: the caller's certificate lacks "
                                "checkpoint.tls_client_name; nonce: a malformed challenge; ticket: a stage port "
@@ -144,11 +148,16 @@ class CheckpointService:
         self._stage_lock = asyncio.Lock()
         self._commit_lock = asyncio.Lock()
         self._late: set[asyncio.Task[None]] = set()  # continues owed to pauses that answered late
+        self._closing = asyncio.Event()  # set by close(): a continue still failing is tried no more
         metrics.version.set(version)
 
     @property
     def current_version(self) -> int:
         return self._state.current
+
+    def close(self) -> None:
+        """The receiver stops: a continue that keeps failing is given up after its try in flight."""
+        self._closing.set()
 
     def handlers(self) -> grpc.GenericRpcHandler:
         """The service's method handlers; Stage takes raw bytes so ``parse_chunk`` can avoid copies."""
@@ -317,7 +326,9 @@ class CheckpointService:
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitReply:
         """The swap runs shielded from the call: a pusher that gives up (its deadline passed) never leaves
-        the engine paused or the state half-changed; the swap finishes and the version serves."""
+        the engine paused or the state half-changed; the swap finishes and the version serves. The reply comes
+        once the engines generate again: a continue that fails is tried until it works (see ``_resume``), so a
+        pusher whose deadline passes first sees a timeout, and its next offer finds the version served."""
         commit = asyncio.ensure_future(self._commit(request.version))
         commit.add_done_callback(lambda task: task.cancelled() or task.exception())
         try:
@@ -368,17 +379,22 @@ class CheckpointService:
         inside the load, and a failed prepare leaves the load to report.
 
         The pause is timed from the moment the engine confirms it (generation has stopped; the engine
-        finishes the decode step in progress first) to the moment continue returns. Pause and continue each
-        have ``pause_timeout_s``: the version is refused, naming the stage; a pause that answers later is
-        followed by its continue before any other swap, so the engine is never left paused."""
+        finishes the decode step in progress first) to the moment continue returns. The pause has
+        ``pause_timeout_s``: the version is refused, naming the stage. A pause that fails is followed by a
+        continue at once, and one that answers late (or fails late) by its continue before any other swap: of
+        several engines some may have paused, so none is left paused (a continue of an engine that is not paused
+        does nothing, on the embedded engine and on SGLang)."""
+        adapter = (path / ADAPTER_CONFIG).is_file()
         limit = self.config.pause_timeout_s
-        if self.config.prepare_weights and not (path / ADAPTER_CONFIG).is_file():
+        if self.config.prepare_weights and not adapter:
             await self._prepare(path)
         pause = asyncio.ensure_future(self.engine.pause(self.config.swap_pause))
         try:
             await asyncio.wait_for(asyncio.shield(pause), limit)
         except EngineError as exc:
-            return _Swap(error=f"pause failed, still serving the old weights: {exc}", reason="pause")
+            swap = _Swap(error=f"pause failed, still serving the old weights: {exc}", reason="pause")
+            await self._resume(swap)
+            return swap
         except TimeoutError:
             late = asyncio.create_task(self._continue_late(pause))
             self._late.add(late)
@@ -388,7 +404,7 @@ class CheckpointService:
         swap = _Swap()
         start = load_start = time.monotonic()
         try:
-            if (path / ADAPTER_CONFIG).is_file():
+            if adapter:
                 swap.adapter_checksum = await self._load_adapter(path, version)
             else:
                 await self.engine.update_weights_from_disk(str(path), weight_version=str(version),
@@ -396,7 +412,10 @@ class CheckpointService:
                 await self._drop_adapter()
             swap.loaded = True
         except EngineError as exc:
-            swap.error, swap.reason = f"load failed, continuing on the old weights: {exc}", "load"
+            now = "continuing on the old weights"
+            if adapter and not self.adapter_checksum:
+                now = "the engine now serves the base weights without the adapter until the next push"
+            swap.error, swap.reason = f"load failed, {now}: {exc}", "load"
         swap.load_s = time.monotonic() - load_start
         await self._resume(swap)
         swap.pause_s = time.monotonic() - start
@@ -423,8 +442,9 @@ class CheckpointService:
         except EngineError:
             if not self.adapter_checksum:
                 raise
-            # SGLang refuses a name it has loaded (the embedded engine replaces it): unload it, then load.
-            await self.engine.unload_lora_adapter(self.adapter_name)
+            # SGLang refuses a name it has loaded (the embedded engine replaces it): drop it, then load. Until that
+            # load works the engines serve no adapter, and the worker names none (a request naming it would fail).
+            await self._drop_adapter()
             replies = await self.engine.load_lora_adapter(self.adapter_name, str(path))
         await self.engine.update_weight_version(str(version))
         reported = {(r.get("checksums") or {}).get(self.adapter_name)
@@ -444,26 +464,45 @@ class CheckpointService:
             await self.engine.unload_lora_adapter(self.adapter_name)
 
     async def _continue_late(self, pause: asyncio.Future[Any]) -> None:
-        """After a pause that missed its deadline: once it lands, continue the engine (holding the commit lock,
-        so no other swap runs in between)."""
+        """After a pause that missed its deadline: once it lands, or fails (of several engines some may have
+        paused), continue the engines, holding the commit lock so no other swap runs in between."""
         async with self._commit_lock:
             try:
                 await pause
-            except EngineError:
-                return
+            except EngineError as exc:
+                log.warning("%s: engine %s: the late pause failed (%s); continuing the engines all the same",
+                            self.server_id, self.engine_url, exc)
             swap = _Swap()
             await self._resume(swap)
             if swap.error:
-                log.error("engine %s: after a late pause, %s", self.engine_url, swap.error)
+                log.error("%s: engine %s: after a late pause, %s", self.server_id, self.engine_url, swap.error)
 
     async def _resume(self, swap: _Swap) -> None:
-        limit = self.config.pause_timeout_s
-        try:
-            await asyncio.wait_for(self.engine.resume(self.config.empty_cache_on_resume), limit)
-        except (EngineError, TimeoutError) as exc:
-            why = f"no answer from the engine within {limit:g} s" if isinstance(exc, TimeoutError) else str(exc)
-            swap.error = f"{swap.error}; continue_generation failed: {why}".lstrip("; ")
-            swap.reason = "resume_timeout" if isinstance(exc, TimeoutError) else "resume"
+        """continue_generation, tried until it works (backing off, each failure logged and counted): an engine left
+        paused generates nothing until the next version's commit, and with one server that never comes. The
+        caller holds the commit lock, so no other swap runs meanwhile; only ``close()`` ends the tries, and then
+        ``swap`` records the failure."""
+        limit, delay = self.config.pause_timeout_s, RESUME_BACKOFF_S[0]
+        while True:
+            try:
+                await asyncio.wait_for(self.engine.resume(self.config.empty_cache_on_resume), limit)
+                return
+            except (EngineError, TimeoutError) as exc:
+                timed_out = isinstance(exc, TimeoutError)
+                why = f"no answer from the engine within {limit:g} s" if timed_out else str(exc)
+                reason = "resume_timeout" if timed_out else "resume"
+            self.metrics.resume_failures.labels(reason).inc()
+            if self._closing.is_set():
+                swap.error = f"{swap.error}; continue_generation failed: {why} (the receiver is stopping)".lstrip("; ")
+                swap.reason = reason
+                log.error("%s: engine %s: continue_generation failed (%s); the receiver is stopping, the engine may "
+                          "stay paused", self.server_id, self.engine_url, why)
+                return
+            log.error("%s: engine %s: continue_generation failed (%s); the engine stays paused, trying again in "
+                      "%g s", self.server_id, self.engine_url, why, delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), delay)
+            delay = min(2 * delay, RESUME_BACKOFF_S[1])
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
         state = self._state
@@ -620,6 +659,7 @@ class CheckpointReceiver:
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop serving and delete this server's staging area (the served model dir is never touched)."""
+        self.service.close()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

@@ -22,12 +22,14 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import aiohttp
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # A kept-alive connection the server closed just as the request went out (its keep-alive ended while this
 # process was too busy to send) fails before any answer. Every call here may be sent twice (a reload of the same
@@ -357,35 +359,45 @@ class EngineGroup:
             raise ValueError("EngineGroup needs at least one engine")
         self.engines = engines
 
+    async def _each(self, call: Callable[[EngineClient], Awaitable[T]]) -> list[T]:
+        """``call`` on every engine at once, returning or raising only once each has answered: a caller that
+        acts on a failure (a continue after a failed pause) must not race a call still in flight on another.
+        The failure raised is the first engine's (in ``engine.urls`` order), named by its URL."""
+        results = await asyncio.gather(*(call(e) for e in self.engines), return_exceptions=True)
+        for engine, result in zip(self.engines, results, strict=True):
+            if isinstance(result, EngineError) and len(self.engines) > 1:
+                raise EngineError(result.status, f"engine {engine.base_url}: {result.message}",
+                                  result.path) from result
+            if isinstance(result, BaseException):
+                raise result
+        return cast("list[T]", results)
+
     async def pause(self, mode: str = "retract") -> None:
-        await asyncio.gather(*(e.pause(mode) for e in self.engines))
+        await self._each(lambda e: e.pause(mode))
 
     async def resume(self, torch_empty_cache: bool = False) -> None:
-        await asyncio.gather(*(e.resume(torch_empty_cache) for e in self.engines))
+        await self._each(lambda e: e.resume(torch_empty_cache))
 
     async def release_memory(self, tags: list[str] | None = None) -> None:
-        await asyncio.gather(*(e.release_memory(tags) for e in self.engines))
+        await self._each(lambda e: e.release_memory(tags))
 
     async def resume_memory(self, tags: list[str] | None = None) -> None:
-        await asyncio.gather(*(e.resume_memory(tags) for e in self.engines))
+        await self._each(lambda e: e.resume_memory(tags))
 
     async def prepare_weights_from_disk(self, model_path: str, prefill_running: bool = False) -> bool:
         """True when every engine prepared ``model_path``."""
-        return all(await asyncio.gather(*(e.prepare_weights_from_disk(model_path, prefill_running)
-                                          for e in self.engines)))
+        return all(await self._each(lambda e: e.prepare_weights_from_disk(model_path, prefill_running)))
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
     ) -> list[dict[str, Any]]:
-        return list(await asyncio.gather(
-            *(e.update_weights_from_disk(model_path, weight_version, flush_cache) for e in self.engines)
-        ))
+        return await self._each(lambda e: e.update_weights_from_disk(model_path, weight_version, flush_cache))
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(e.load_lora_adapter(lora_name, lora_path) for e in self.engines)))
+        return await self._each(lambda e: e.load_lora_adapter(lora_name, lora_path))
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
-        await asyncio.gather(*(e.unload_lora_adapter(lora_name) for e in self.engines))
+        await self._each(lambda e: e.unload_lora_adapter(lora_name))
 
     async def update_weight_version(self, version: str) -> None:
-        await asyncio.gather(*(e.update_weight_version(version) for e in self.engines))
+        await self._each(lambda e: e.update_weight_version(version))

@@ -8,7 +8,7 @@ import re
 import secrets
 import socket
 import struct
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -104,14 +104,16 @@ async def _running(url: str) -> bool:
         return "rollwave_engine_running_requests 1.0" in (await http.get(url + "/metrics")).text
 
 
-def sglang_056_stub(with_version: bool = True, gate: asyncio.Event | None = None
-                    ) -> tuple[FastAPI, list[str], list[dict]]:
+def sglang_056_stub(with_version: bool = True, gate: asyncio.Event | None = None,
+                    fault: Callable[[str], Awaitable[bool]] | None = None) -> tuple[FastAPI, list[str], list[dict]]:
     """SGLang 0.5.6's shapes: ``/get_weight_version``, replies without ``weight_versions`` and with
     ``total_retractions`` (the version reported is the one at the end of the request), pause, continue and
     ``update_weights_from_disk``, ``update_weights_from_tensor`` without a session; no ``/model_info``.
-    ``/generate`` waits for ``gate`` when one is given. Returns the app, the paths seen (and each pause's
-    mode and each disk load's ``flush_cache``) and the bodies of ``/continue_generation``."""
+    ``/generate`` waits for ``gate`` when one is given; a call whose path ``fault`` (awaited first) says true
+    answers 500 instead. ``app.state.paused``: paused and not continued since. Returns the app, the paths seen
+    (and each pause's mode and each disk load's ``flush_cache``) and the bodies of ``/continue_generation``."""
     app = FastAPI()
+    app.state.paused = False
     seen: list[str] = []
     continued: list[dict] = []
     state = {"version": "stub-v1"}
@@ -119,6 +121,9 @@ def sglang_056_stub(with_version: bool = True, gate: asyncio.Event | None = None
     @app.middleware("http")
     async def record(request: Request, call_next):  # type: ignore[no-untyped-def]
         seen.append(request.url.path)
+        if fault is not None and await fault(request.url.path):
+            return JSONResponse({"error": {"message": f"{request.url.path} failed (the test's fault)"}},
+                                status_code=500)
         return await call_next(request)
 
     if with_version:
@@ -170,11 +175,13 @@ def sglang_056_stub(with_version: bool = True, gate: asyncio.Event | None = None
     @app.post("/pause_generation")
     async def pause_generation(body: dict) -> dict:
         seen.append(f"pause {body['mode']}")
+        app.state.paused = True
         return {}
 
     @app.post("/continue_generation")
     async def continue_generation(body: dict) -> dict:
         continued.append(body)
+        app.state.paused = False  # continuing an engine that is not paused does nothing, as on SGLang
         return {}
 
     return app, seen, continued

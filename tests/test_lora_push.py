@@ -6,6 +6,7 @@ unload it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import threading
 from collections.abc import Iterator
@@ -163,11 +164,13 @@ def test_full_weights_after_an_adapter_unload_it(fleet: Fleet, tiny_model_dir: P
 
 class SGLangLike:
     """SGLang's LoRA behaviour at its HTTP boundary, for the one path the embedded engine never takes: loading a
-    name that is loaded is refused, and the replies carry no checksum (the receiver checks the staged file)."""
+    name that is loaded is refused, and the replies carry no checksum (the receiver checks the staged file).
+    ``failing_loads``: how many of the next loads of a name not loaded fail (as out of memory)."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.loaded: set[str] = set()
+        self.failing_loads = 0
 
     async def pause(self, mode: str = "retract") -> None:
         self.calls.append("pause")
@@ -182,6 +185,9 @@ class SGLangLike:
         self.calls.append(f"load {lora_name}")
         if lora_name in self.loaded:
             raise EngineError(400, f"LoRA adapter {lora_name} is already loaded", "/load_lora_adapter")
+        if self.failing_loads:
+            self.failing_loads -= 1
+            raise EngineError(500, "CUDA out of memory", "/load_lora_adapter")
         self.loaded.add(lora_name)
         return {"success": True, "error_message": "", "loaded_adapters": {lora_name: lora_path}}
 
@@ -191,25 +197,56 @@ class SGLangLike:
         return {"success": True, "error_message": "", "loaded_adapters": {}}
 
 
-def test_an_engine_that_refuses_a_loaded_name_gets_unload_then_load(tiny_model_dir: Path, tmp_path: Path) -> None:
-    engine = SGLangLike()
-    config = CheckpointConfig(token=TOKEN, stage_dir=tmp_path / "stage", connect_timeout_s=5.0)
+@contextlib.contextmanager
+def sglang_receiver(engine: SGLangLike, model_dir: Path, stage_dir: Path,
+                    named: list[str | None]) -> Iterator[tuple[str, CheckpointPusher]]:
+    """A receiver of adapter ``pol`` on ``engine`` (its loop in a thread; ``named`` gets its ``on_adapter`` calls),
+    and a pusher to it that tries each Commit once."""
+    config = CheckpointConfig(token=TOKEN, stage_dir=stage_dir, connect_timeout_s=5.0, retries=0)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    receiver = CheckpointReceiver(config, tiny_model_dir, engine, "http://sglang", "server0", adapter_name="pol")
+    receiver = CheckpointReceiver(config, model_dir, engine, "http://sglang", "server0", adapter_name="pol",
+                                  on_adapter=named.append)
     address = asyncio.run_coroutine_threadsafe(receiver.start(), loop).result(WAIT_S)
     pusher = CheckpointPusher(config, [address])
     try:
-        for version, seed in ((1, 8), (2, 9)):
-            model = lora_model(tiny_model_dir, seed)
-            assert pusher.push_model(model, version).wait(WAIT_S).ok  # verified against the staged file
-            assert status_of(address).adapter_checksum == checksum_of(model)
+        yield address, pusher
     finally:
         pusher.close()
         asyncio.run_coroutine_threadsafe(receiver.stop(), loop).result(WAIT_S)
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+
+def test_an_engine_that_refuses_a_loaded_name_gets_unload_then_load(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = SGLangLike()
+    with sglang_receiver(engine, tiny_model_dir, tmp_path / "stage", []) as (address, pusher):
+        for version, seed in ((1, 8), (2, 9)):
+            model = lora_model(tiny_model_dir, seed)
+            assert pusher.push_model(model, version).wait(WAIT_S).ok  # verified against the staged file
+            assert status_of(address).adapter_checksum == checksum_of(model)
     assert engine.calls == ["pause", "load pol", "version 1", "continue",
                             "pause", "load pol", "unload pol", "load pol", "version 2", "continue"]
+
+
+def test_a_failed_load_after_the_unload_says_no_adapter_serves(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The load after the unload fails: the engine serves no adapter, so the worker stops naming it, Status
+    reports no checksum and the Commit's error says the base weights serve until the next push, which loads."""
+    engine, named = SGLangLike(), []
+    with sglang_receiver(engine, tiny_model_dir, tmp_path / "stage", named) as (address, pusher):
+        assert pusher.push_model(lora_model(tiny_model_dir, 8), 1).wait(WAIT_S).ok
+        engine.failing_loads = 1
+        [failed] = pusher.push_model(lora_model(tiny_model_dir, 9), 2).wait(WAIT_S).servers
+        assert (failed.stage, failed.reason) == ("commit", "load"), failed
+        assert "the engine now serves the base weights without the adapter until the next push" in failed.error
+        assert "CUDA out of memory" in failed.error
+        assert engine.loaded == set() and named == ["pol", None]
+        status = status_of(address)
+        assert (status.current_version, status.adapter_checksum) == (1, "")
+        model = lora_model(tiny_model_dir, 10)
+        assert pusher.push_model(model, 3).wait(WAIT_S).ok
+        assert status_of(address).adapter_checksum == checksum_of(model) and named == ["pol", None, "pol"]
+    assert engine.calls[4:] == ["pause", "load pol", "unload pol", "load pol", "continue",
+                                "pause", "load pol", "version 3", "continue"]

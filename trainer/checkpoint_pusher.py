@@ -16,7 +16,10 @@ changes (a frozen server that leaves it no longer holds the newest version back)
 versions gets only the newest on its next push, never the ones between: a server's thread keeps one pending
 snapshot, and a newer one replaces it. The watcher re-offers the newest version to every live server that
 does not serve it yet (a restarted server, or a straggler after its back-off), so a server that comes back
-catches up without waiting for the next training step.
+catches up without waiting for the next training step. A server's heartbeat lags a commit, so what a server
+committed counts as served until it heartbeats it, but only while the server runs the same incarnation (its
+registration's ``started``): one that restarted under the same id and address, back on its base weights within
+the registry's TTL, is caught up again.
 
 Before its token or any weights, the pusher asks each server to prove it holds the checkpoint token
 (``Prove``, see ``core.checkpoint_auth``): a server registered in Redis that cannot gets nothing, and the
@@ -82,12 +85,14 @@ _REASONS = {grpc.StatusCode.DEADLINE_EXCEEDED: "timeout", grpc.StatusCode.UNAVAI
 @dataclass(frozen=True)
 class Target:
     """A rollout server to push to, and the version it reports serving (registry heartbeat). A server
-    listed by address alone (``named`` False) proves the token under whatever id it gives."""
+    listed by address alone (``named`` False) proves the token under whatever id it gives. ``started`` tells
+    its incarnation (the registry's time of its registration): a restart changes it."""
 
     server_id: str
     address: str
     version: int = 0
     named: bool = True
+    started: float = 0.0
 
 
 @dataclass
@@ -189,6 +194,7 @@ class _Link:
     def __init__(self, target: Target, pusher: CheckpointPusher):
         self.target = target
         self.committed = 0
+        self.committed_to = target.started  # the incarnation that committed ``committed``
         self.retry_at = 0.0
         self._backoff = BACKOFF_S[0]
         self._pusher = pusher
@@ -232,6 +238,11 @@ class _Link:
     def join(self) -> None:
         self._thread.join()
 
+    def serves(self, target: Target) -> int:
+        """The version ``target`` serves at least: what it heartbeats, or what it committed through this link if it
+        has not heartbeated that yet; a server that restarted since serves only what it says."""
+        return max(target.version, self.committed if self.committed_to == target.started else 0)
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -240,19 +251,23 @@ class _Link:
                 if self._closed:
                     return
                 snapshot, self._pending, self._busy = self._pending, None, True
+            started = self.target.started
             try:
                 result = self._push(snapshot)
             finally:
                 snapshot.release()
-            self._settle(result)
+            self._settle(result, started)
             self._pusher._finish(result)
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
 
-    def _settle(self, result: PushResult) -> None:
+    def _settle(self, result: PushResult, started: float) -> None:
+        """``started``: the incarnation the push went to, as known when it began (a restart the registry had not
+        shown yet is credited to the old one, so the watcher offers the version once more: Status says it serves)."""
         if result.ok:
-            self.committed, self._backoff, self.retry_at = result.version, BACKOFF_S[0], 0.0
+            self.committed, self.committed_to = result.version, started
+            self._backoff, self.retry_at = BACKOFF_S[0], 0.0
         else:
             self.retry_at = time.monotonic() + self._backoff
             self._backoff = min(2 * self._backoff, BACKOFF_S[1])
@@ -455,8 +470,8 @@ def groups_trained(staleness: StalenessControl | None, unacked: int) -> int:
 
 def registered_servers(registry: ServerRegistry) -> Callable[[], list[Target]]:
     """The registry's live rollout servers with a gRPC address, read again at every push."""
-    return lambda: [Target(s.server_id, s.grpc_address, s.version) for s in registry.live_servers()
-                    if s.grpc_address]
+    return lambda: [Target(s.server_id, s.grpc_address, s.version, started=s.started)
+                    for s in registry.live_servers() if s.grpc_address]
 
 
 def quorum_of(setting: int | str, live: int) -> int:
@@ -618,12 +633,12 @@ class CheckpointPusher:
                 self._publish(max(ready, key=lambda r: r.version))
 
     def _catch_up(self, targets: list[Target]) -> None:
-        """Offer the newest version to live servers that lack it and are not backing off; drop the links of
-        servers that left."""
+        """Offer the newest version to live servers that lack it (``_Link.serves``) and are not backing off; drop
+        the links of servers that left."""
         newest, now = self._newest, time.monotonic()
         for target in targets:
             link = self._link(target)
-            if newest is None or max(target.version, link.committed) >= newest.version:
+            if newest is None or link.serves(target) >= newest.version:
                 continue
             if link.idle and now >= link.retry_at:
                 link.offer(newest)

@@ -1,0 +1,199 @@
+"""The checkpoint receiver's swap when its engines fail, and the pusher's catch-up of a restarted server.
+
+Engines are stubs of SGLang's HTTP shapes (``test_engine_client.sglang_056_stub``) that fail the calls a test
+picks; the receiver (with a real ``EngineGroup`` of ``EngineClient``s), the pusher and the registry are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from pydantic import SecretStr
+from test_engine_client import serve, sglang_056_stub
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from buffer.keys import Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.registry import ServerInfo, ServerRegistry
+from core.config import CheckpointConfig
+from rollout_server.checkpoint_receiver import CheckpointReceiver
+from rollout_server.engine_client import EngineClient, EngineGroup
+from trainer.checkpoint_pusher import CheckpointPusher, PushResult, PushRound, registered_servers
+
+WAIT_S = 60.0
+
+
+def config(tmp_path: Path, **overrides: object) -> CheckpointConfig:
+    return CheckpointConfig(token=SecretStr(secrets.token_urlsafe(32)), stage_dir=tmp_path / "stage",
+                            connect_timeout_s=5.0, **overrides)  # type: ignore[arg-type]
+
+
+def model_of(model_dir: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+async def push(pusher: CheckpointPusher, model: PreTrainedModel, version: int) -> PushRound:
+    return await asyncio.to_thread(lambda: pusher.push_model(model, version=version).wait(WAIT_S))
+
+
+async def eventually(predicate: Callable[[], bool], what: str) -> None:
+    """Poll until ``predicate()``; fail naming ``what`` if it never holds (a hang guard, not a timing check)."""
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def sample(receiver: CheckpointReceiver, name: str, reason: str) -> float:
+    return receiver.metrics.registry.get_sample_value(name, {"reason": reason}) or 0.0
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["at-once", "after-the-deadline"])
+def test_a_failed_pause_leaves_no_engine_of_the_group_paused(tiny_model_dir: Path, tmp_path: Path,
+                                                             late: bool) -> None:
+    """Of a server's two engines, b refuses the pause (at once, or after the receiver's pause deadline) while a
+    pauses: the Commit fails naming the stage (and b, when it answered in time), and both are continued before
+    any other swap, so every pause of a is followed by its continue; once b pauses again the next version loads
+    on both and neither stays paused. (The pusher's watcher offers the failed version again meanwhile.)"""
+    cfg = config(tmp_path, retries=0, pause_timeout_s=0.5)
+    refusing = True
+
+    async def refuse_pause(path: str) -> bool:
+        if path != "/pause_generation" or not refusing:
+            return False
+        if late:
+            await asyncio.sleep(1.5)
+        return True
+
+    async def run() -> None:
+        nonlocal refusing
+        app_a, seen_a, _ = sglang_056_stub()
+        app_b, seen_b, _ = sglang_056_stub(fault=refuse_pause)
+        async with serve(app_a) as url_a, serve(app_b) as url_b, EngineClient(url_a, backoff_s=0.05) as a, \
+                EngineClient(url_b, backoff_s=0.05) as b:
+            receiver = CheckpointReceiver(cfg, tiny_model_dir, EngineGroup([a, b]), url_a, "pair")
+            pusher = CheckpointPusher(cfg, [await receiver.start()])
+            try:
+                [failed] = (await push(pusher, model_of(tiny_model_dir), 1)).servers
+                assert (failed.stage, failed.reason) == ("commit", "pause_timeout" if late else "pause"), failed
+                await eventually(lambda: "/continue_generation" in seen_b, "the engines to be continued")
+                assert late or url_b in failed.error, failed.error  # the group names the engine that refused
+                refusing = False
+                assert (await push(pusher, model_of(tiny_model_dir), 2)).ok
+            finally:
+                await asyncio.to_thread(pusher.close)
+                await receiver.stop()
+            swaps = [path for path in seen_a if path in ("/pause_generation", "/continue_generation")]
+            assert swaps == ["/pause_generation", "/continue_generation"] * (len(swaps) // 2), swaps
+            assert receiver.version == 2 and not app_a.state.paused and not app_b.state.paused
+
+    asyncio.run(run())
+
+
+def test_a_failed_continue_is_tried_until_the_engine_continues(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The engine refuses continue_generation twice after a load: the receiver tries again (each failure
+    counted) and answers the Commit once the engine generates, so the one Commit succeeds and nothing is left
+    paused (a retried Commit used to find the version served and count it delivered, the engine paused)."""
+    cfg = config(tmp_path)
+    refusals = 2
+
+    async def refuse_continue(path: str) -> bool:
+        nonlocal refusals
+        if path != "/continue_generation" or not refusals:
+            return False
+        refusals -= 1
+        return True
+
+    async def run() -> None:
+        app, seen, _ = sglang_056_stub(fault=refuse_continue)
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+            receiver = CheckpointReceiver(cfg, tiny_model_dir, engine, url, "stub")
+            pusher = CheckpointPusher(cfg, [await receiver.start()])
+            try:
+                pushed = await push(pusher, model_of(tiny_model_dir), 1)
+            finally:
+                await asyncio.to_thread(pusher.close)
+                await receiver.stop()
+            assert not app.state.paused and seen.count("/continue_generation") == 3
+            [result] = pushed.servers
+            assert pushed.ok and result.commit_attempts == 1, result
+            assert sample(receiver, "rollwave_rollout_resume_failures_total", "resume") == 2
+            assert receiver.version == 1
+
+    asyncio.run(run())
+
+
+def test_a_continue_that_keeps_failing_holds_the_commit_until_the_receiver_stops(tiny_model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """An engine that never continues: the Commit does not answer (the pusher's deadline passes, reason
+    timeout) and the version is not recorded while the receiver keeps trying; its stop ends the tries, and the
+    Commit then fails as a failed continue."""
+    cfg = config(tmp_path, commit_timeout_s=2.0)
+
+    async def refuse_continue(path: str) -> bool:
+        return path == "/continue_generation"
+
+    async def run() -> None:
+        app, _, _ = sglang_056_stub(fault=refuse_continue)
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+            receiver = CheckpointReceiver(cfg, tiny_model_dir, engine, url, "stub")
+            pusher = CheckpointPusher(cfg, [await receiver.start()])
+            try:
+                [result] = (await push(pusher, model_of(tiny_model_dir), 1)).servers
+                assert (result.stage, result.reason) == ("commit", "timeout"), result
+                assert receiver.version == 0 and app.state.paused
+                assert sample(receiver, "rollwave_rollout_resume_failures_total", "resume") >= 2
+            finally:
+                await asyncio.to_thread(pusher.close)
+                await receiver.stop()
+            await eventually(lambda: sample(receiver, "rollwave_rollout_commit_failures_total", "resume") == 1,
+                             "the Commit to give up once the receiver stopped")
+
+    asyncio.run(run())
+
+
+def test_a_server_restarted_under_its_id_and_address_is_caught_up(tiny_model_dir: Path, tmp_path: Path,
+                                                                  redis_server: EmbeddedRedis) -> None:
+    """A registered server commits version 1; while its heartbeat still says 0 the watcher offers nothing more.
+    It then restarts on its base weights, under the same id and address, within the registry's TTL: the
+    watcher sees a new registration and offers version 1 again, which the new receiver commits."""
+    cfg = config(tmp_path)
+    client = redis.Redis.from_url(redis_server.url)
+    registry = ServerRegistry(client, Keys("restart"), ttl_s=WAIT_S)
+
+    def results(pusher: CheckpointPusher) -> list[PushResult]:
+        return [r for r in pusher.take_results() if not r.skipped]
+
+    async def run() -> None:
+        app, _, _ = sglang_056_stub()
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+            receiver = CheckpointReceiver(cfg, tiny_model_dir, engine, url, "rollout-0")
+            address = await receiver.start()
+            registry.register(ServerInfo("rollout-0", url, grpc_address=address, version=0))
+            pusher = CheckpointPusher(cfg, registered_servers(registry))
+            try:
+                assert (await push(pusher, model_of(tiny_model_dir), 1)).ok
+                assert [r.version for r in results(pusher)] == [1]
+                await asyncio.sleep(3.0)  # three watcher rounds with the heartbeat lagging the commit
+                assert results(pusher) == []
+                await receiver.stop()
+                receiver = CheckpointReceiver(cfg, tiny_model_dir, engine, url, "rollout-0",
+                                              port=int(address.rsplit(":", 1)[1]))
+                assert await receiver.start() == address
+                registry.register(ServerInfo("rollout-0", url, grpc_address=address, version=0))
+                await eventually(lambda: receiver.version == 1, "the restarted server to be caught up")
+            finally:
+                await asyncio.to_thread(pusher.close)
+                await receiver.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        client.close()

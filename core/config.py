@@ -766,6 +766,7 @@ def load_config(
 
 
 CONFIG_ERROR_EXIT = 2  # a component's exit status for a config it cannot start with: restarting cannot help
+CONFIG_ACCEPTED_FD_ENV = "ROLLWAVE_CONFIG_ACCEPTED_FD"  # a pipe to a launcher that waits for the config check
 
 
 def refuse_secret_overrides(overrides: list[str]) -> None:
@@ -785,16 +786,27 @@ def load_config_or_exit(
 ) -> Config:
     """``load_config`` for a command line: a bad config is one line on stderr naming the key, and exit 2; a secret
     among the overrides too. ``check`` adds what the starting component needs (``require_secret``); its
-    ConfigError exits the same way."""
+    ConfigError exits the same way. A config that passes is reported to the launcher waiting for it."""
     try:
         refuse_secret_overrides(overrides or [])
         cfg = load_config(path, overrides)
         if check is not None:
             check(cfg)
-        return cfg
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(CONFIG_ERROR_EXIT) from None
+    _tell_launcher_config_accepted()
+    return cfg
+
+
+def _tell_launcher_config_accepted() -> None:
+    """Write to the pipe the launcher handed this component (``CONFIG_ACCEPTED_FD_ENV``; the Ray launcher's actors
+    do), so that ``rollwave up`` waits for each component's config check and names one that refused its config,
+    rather than report a run up that never will be. The pipe is closed here: no child of this process holds it."""
+    fd = os.environ.pop(CONFIG_ACCEPTED_FD_ENV, None)
+    if fd is not None:
+        os.write(int(fd), b"1")
+        os.close(int(fd))
 
 
 def dump_config(cfg: Config) -> str:

@@ -117,8 +117,20 @@ def stop_process(proc: subprocess.Popen, timeout_s: float, *, name: str = "", gr
     return proc.wait()
 
 
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal what is left of a process group, if anything: a component's leader exits, its children (a rollout
+    server's engine) need not have."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def die_with_parent() -> None:
     """SIGTERM this process when the launcher that started it dies (``PARENT_PID_ENV`` names that launcher).
+
+    The kernel sends it when the *thread* that started this process ends (``PR_SET_PDEATHSIG``), so a launcher
+    starts its children from a thread that lives as long as they should run (``EngineProcess.launch``).
 
     A component calls this first thing, rather than the launcher in a ``preexec_fn``: a ``preexec_fn`` makes
     ``subprocess`` fork instead of vfork, and in a launcher that has used gRPC the fork handlers restart

@@ -78,9 +78,9 @@ async def engine_urls(cfg: EngineConfig, model: Path, stack: AsyncExitStack) -> 
         return cfg.urls, key
     if cfg.backend != "embedded":
         raise ConfigError(f"engine.urls: engine.backend={cfg.backend} needs the URLs of running servers")
-    engine = EngineProcess.from_config(model, cfg, key or secrets.token_urlsafe(32))
-    await asyncio.to_thread(engine.start, cfg.ready_timeout_s)
+    engine = EngineProcess.from_config(model, cfg, key or secrets.token_urlsafe(32)).launch()  # on the loop's thread
     stack.callback(engine.close)
+    await asyncio.to_thread(engine.wait_ready, cfg.ready_timeout_s)
     return [engine.url], engine.api_key
 
 

@@ -34,7 +34,7 @@ from buffer.keys import Keys
 from core.config import CONFIG_ERROR_EXIT, SECRETS, Config, secret_env
 from core.net import free_port_outside_ephemeral
 from core.placement import idle_threads_env
-from core.process import PARENT_PID_ENV, stop_process
+from core.process import PARENT_PID_ENV, kill_group, stop_process
 
 log = logging.getLogger(__name__)
 SECRET_VARS = frozenset(SECRETS.values())
@@ -109,7 +109,8 @@ def published_api_url(client: redis.Redis, keys: Keys, timeout_s: float = 120.0)
     return url.decode()
 
 
-def spawn(spec: ComponentSpec, log_dir: Path, base_env: Mapping[str, str]) -> subprocess.Popen:
+def spawn(spec: ComponentSpec, log_dir: Path, base_env: Mapping[str, str],
+          pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     """Start one component in its own process group, logging to ``log_dir/<name>.log``; it dies with this
     process (``core.process.die_with_parent``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -118,7 +119,14 @@ def spawn(spec: ComponentSpec, log_dir: Path, base_env: Mapping[str, str]) -> su
         return subprocess.Popen(
             spec.argv, env={**inherited, **spec.env, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())},
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            pass_fds=pass_fds,
         )
+
+
+def refusal(name: str, rc: int, log_dir: Path) -> str:
+    """How a launcher names a component that exited on a config error (``CONFIG_ERROR_EXIT``), which it leaves
+    stopped: restarted, it would only refuse again."""
+    return f"{name} refused its config (exit {rc}; the reason is the last line of {log_dir / f'{name}.log'})"
 
 
 class LocalStack:
@@ -159,11 +167,11 @@ class LocalStack:
                     if rc == 0 or not spec.restart or name in self.refused:
                         continue
                     if rc == CONFIG_ERROR_EXIT:
-                        log.error("%s refused its config (exit %d; the reason is the last line of %s); "
-                                  "not restarting it", name, rc, self.log_dir / f"{name}.log")
+                        log.error("%s; not restarting it", refusal(name, rc, self.log_dir))
                         self.refused.add(name)
                         continue
                     log.warning("%s exited with %s; restarting", name, rc)
+                    kill_group(proc.pid)  # what it left (a rollout server's engine) would run beside the new one
                     self.restarts[name] += 1
                     self.procs[name] = self._spawn(spec)
 

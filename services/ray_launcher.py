@@ -4,7 +4,9 @@ Each component runs in a detached ``ComponentActor`` that owns its process (in a
 its own); when the process dies the actor kills what it left behind (a rollout server's engine) and
 exits, and Ray restarts it (``max_restarts=-1``), which starts the process again: a rollout server
 rejoins the registry and is re-synced by the trainer's next push, a trainer rank resumes from its
-last checkpoint. Actors are placed in one placement group.
+last checkpoint. A component that refused its config (``CONFIG_ERROR_EXIT``) is not restarted, and ``up``
+waits for every component's config check and fails naming one that refused. Actors are placed in one
+placement group.
 
 Without ``RAY_ADDRESS`` a local Ray head is started as ``ray start --head --block`` in a session of
 its own, with its own short temp dir, every address on 127.0.0.1 and as many logical CPUs as the
@@ -23,6 +25,7 @@ import json
 import logging
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -40,47 +43,69 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis, client_for, configured_url
 from core.checkpoint_pki import RECEIVER_NAME, ensure_checkpoint_pki
-from core.config import Config, dump_config, load_config
+from core.config import CONFIG_ACCEPTED_FD_ENV, CONFIG_ERROR_EXIT, Config, dump_config, load_config
 from core.net import free_port_outside_ephemeral
-from core.process import stop_process
+from core.process import kill_group, stop_process
 from core.tiny_model import ensure_model
 from services.api.app import check_api_config
 from services.cli import CliError
-from services.launcher import ComponentSpec, components, ensure_checkpoint_token, published_api_url, spawn
+from services.launcher import (
+    ComponentSpec,
+    components,
+    ensure_checkpoint_token,
+    published_api_url,
+    refusal,
+    spawn,
+)
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 FORWARDED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_HOME", "HF_HUB_OFFLINE")
+REDIS_ACTOR = "redis"
+START_TIMEOUT_S = 120.0  # how long an actor waits for its component's config check
 
 
-def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
+class ComponentProcess:
+    """Owns one component process (as ``ComponentActor``): when the process fails the actor's worker exits, and
+    Ray restarts the actor and with it the process; one that refused its config (``CONFIG_ERROR_EXIT``) is left
+    stopped, as ``LocalStack`` leaves it: it would only refuse again, for ever.
 
-
-@ray.remote(max_restarts=-1, max_task_retries=-1)
-class ComponentActor:
-    """Owns one component process; exits (and so is restarted by Ray) when the process fails.
-
+    The constructor returns once the component got past its config check (every component's
+    ``load_config_or_exit`` writes to a pipe it is given) or exited, so that ``up`` can name one that refused.
     Ray caps a worker's threads (``OMP_NUM_THREADS=1``); the component gets the driver's setting instead
     (``spec.env``), since it is a process with its own thread settings, not a Ray task.
     """
 
-    def __init__(self, spec: ComponentSpec, log_dir: str) -> None:
+    def __init__(self, spec: ComponentSpec, log_dir: str, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.spec = spec
+        self.log_dir = Path(log_dir)
         self._stopping = False
+        self._settled = threading.Event()
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        self.proc = spawn(spec, Path(log_dir), env)
-        threading.Thread(target=self._watch, daemon=True).start()
+        accepted, writer = os.pipe()
+        with open(accepted, "rb", buffering=0) as pipe:
+            try:
+                self.proc = spawn(spec, self.log_dir, {**env, CONFIG_ACCEPTED_FD_ENV: str(writer)}, (writer,))
+            finally:
+                os.close(writer)  # the component holds the only writer: the pipe ends when it does
+            threading.Thread(target=self._watch, daemon=True).start()
+            if select.select([pipe], [], [], start_timeout_s)[0] and not pipe.read(1):
+                self._settled.wait(start_timeout_s)  # it exited first: the watcher says what that means
 
     def _watch(self) -> None:
         rc = self.proc.wait()
-        _kill_group(self.proc.pid)
-        if rc != 0 and not self._stopping:
+        kill_group(self.proc.pid)
+        if rc == CONFIG_ERROR_EXIT and not self._stopping:
+            print(f"{refusal(self.spec.name, rc, self.log_dir)}; Ray does not restart it", file=sys.stderr,
+                  flush=True)
+        elif rc != 0 and not self._stopping:
             print(f"{self.spec.name} exited with {rc}; exiting so that Ray restarts it", file=sys.stderr, flush=True)
-            os._exit(1)
+            self._restart()
+        self._settled.set()
+
+    def _restart(self) -> None:
+        """Exit this actor's worker: Ray restarts the actor (``max_restarts=-1``), which starts the process again."""
+        os._exit(1)
 
     def pid(self) -> int:
         return self.proc.pid
@@ -92,6 +117,9 @@ class ComponentActor:
         """SIGTERM (components shut down gracefully), then SIGKILL to whatever is left of its group."""
         self._stopping = True
         return stop_process(self.proc, timeout_s, name=self.spec.name, group=True)
+
+
+ComponentActor = ray.remote(max_restarts=-1, max_task_retries=-1)(ComponentProcess)
 
 
 @ray.remote(max_restarts=-1)
@@ -166,11 +194,11 @@ def start_head(num_cpus: int, log_path: Path, timeout_s: float = 120.0) -> dict[
 def stop_head(head: dict[str, Any], timeout_s: float = 60.0) -> None:
     """SIGTERM to ``ray start --block`` (it drains and stops its processes), then SIGKILL its group."""
     pid = head["head_pid"]
-    _kill_group(pid, signal.SIGTERM)
+    kill_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and _alive(pid):
         time.sleep(0.2)
-    _kill_group(pid)
+    kill_group(pid)
     shutil.rmtree(head["temp_dir"], ignore_errors=True)
 
 
@@ -243,11 +271,11 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
     _connect(state)
     redis_url = configured_url(cfg.redis)
     if not redis_url:
-        actor = RedisActor.options(name="redis", lifetime="detached").remote(
+        actor = RedisActor.options(name=REDIS_ACTOR, lifetime="detached").remote(
             str(cfg.redis.data_dir or run_dir / "redis"), cfg.redis.port, cfg.redis.aof,
             cfg.redis.password.get_secret_value() if cfg.redis.password is not None else None,
         )
-        state["actors"].append("redis")
+        state["actors"].append(REDIS_ACTOR)
         try:
             redis_url = ray.get(actor.url.remote(), timeout=120)
         except ray.exceptions.GetTimeoutError:
@@ -274,6 +302,14 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
     return redis_url
 
 
+def _refused(names: list[str]) -> list[str]:
+    """The components that refused their config as they started: each actor's constructor returns once its
+    component got past its config check or exited (within ``START_TIMEOUT_S``, after its worker started)."""
+    calls = {name: ray.get_actor(name).returncode.remote() for name in names}
+    done, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=START_TIMEOUT_S + 60)
+    return [name for name, call in calls.items() if call in done and ray.get(call) == CONFIG_ERROR_EXIT]
+
+
 def up(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -294,7 +330,13 @@ def up(args: argparse.Namespace) -> int:
         _stop_all(state)
         raise
     _state_path(cfg).write_text(json.dumps(state))
+    refused = _refused([name for name in state["actors"] if name != REDIS_ACTOR])
     ray.shutdown()
+    if refused:  # exit 2 as for the CLI's other config errors: fix the input
+        names = "; ".join(refusal(name, CONFIG_ERROR_EXIT, run_dir / "logs") for name in refused)
+        print(f"error: {names}; not restarted, the rest is up: fix the config, stop the run with "
+              f"`rollwave down -c {args.config}`, then `rollwave up` again", file=sys.stderr)
+        return 2
     try:
         with client_for(redis_url, cfg.redis) as client:
             api = published_api_url(client, Keys(cfg.run.name))

@@ -1,5 +1,5 @@
 """``rollwave up`` -> jobs and a push over mutual TLS -> a killed rollout server comes back -> ``rollwave down``,
-on a real local Ray.
+on a real local Ray; then ``up`` of a run whose rollout server refuses its config, and ``down``.
 
 Run by ``tests/test_ray_launcher.py`` inside a network namespace that has only loopback, as
 ``python tests/ray_stack_script.py CONFIG``. It always runs ``rollwave down``, then prints one JSON
@@ -28,6 +28,7 @@ from services.launcher import SECRET_VARS
 ROOT = Path(__file__).resolve().parents[1]
 
 TCP_LISTEN = "0A"
+REFUSED_WATCH_S = 15.0  # longer than a restarted rollout server takes to refuse its config again
 
 
 def rollwave(*args: str, timeout_s: float = 240.0) -> dict[str, Any]:
@@ -195,6 +196,25 @@ def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
                          "started": [first["started"], again["started"]]}
 
 
+def refused_run(config: str) -> dict[str, Any]:
+    """``up`` of a run whose rollout server refuses its config (an agent module it does not have): ``up`` fails
+    naming it, Ray does not restart it (its log has one refusal), and ``down`` stops the rest."""
+    overrides = ["run.name=raytest-refused", "rollout.agent_allowlist=[missing_mod:run]"]
+    cfg = load_config(config, overrides)
+    report: dict[str, Any] = {"up": rollwave("up", "-c", config, *overrides)}
+    head: dict[str, Any] = {}
+    try:
+        if (cfg.run.path / "ray.json").exists():
+            head = json.loads((cfg.run.path / "ray.json").read_text())
+        time.sleep(REFUSED_WATCH_S)  # Ray would have started it again by now, and it would have refused again
+        log = (cfg.run.path / "logs" / "rollout-0.log").read_text(errors="replace")
+        report["refusals_logged"] = log.count("error: rollout.agent_allowlist")
+    finally:
+        report["down"] = rollwave("down", "-c", config, *overrides)
+        report["left_after_down"] = alive_in({head["head_pid"]} if head else set(), head.get("temp_dir") or "")
+    return report
+
+
 def main() -> int:
     cfg = load_config(sys.argv[1])
     config = str(Path(sys.argv[1]).absolute())
@@ -217,6 +237,10 @@ def main() -> int:
         result["left_after_down"] = alive_in(pgids, head.get("temp_dir") or "")
         result["listening_after_down"] = listening()
         result["state_file_left"] = (cfg.run.path / "ray.json").exists()
+    try:
+        result["refused"] = refused_run(config)
+    except Exception:
+        result["error"] = result.get("error", "") + traceback.format_exc()[-3000:]
     print(json.dumps(result))
     return 0
 

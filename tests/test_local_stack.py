@@ -1,5 +1,6 @@
-"""LocalStack's supervision: a crashed component is restarted; one that refused its config (exit 2) is not;
-spawning is safe beside gRPC; a component dies with its launcher."""
+"""LocalStack's supervision: a crashed component is restarted, once what it left is killed; one that refused its
+config (exit 2) is not; spawning is safe beside gRPC; a component, and the engine a rollout server starts, dies
+with its launcher."""
 
 from __future__ import annotations
 
@@ -34,6 +35,55 @@ def test_a_crash_restarts_but_a_config_refusal_does_not(tmp_path: Path) -> None:
     assert (tmp_path / "logs" / "refuses.log").read_text().count("error: x.y is bad") == 1
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# A component that starts a child in its own process group (as a rollout server starts its engine), records the
+# child's pid, and the first time SIGKILLs itself (as the OOM killer would), leaving the child behind.
+CRASHES_WITH_A_CHILD = """
+import os, signal, subprocess, sys, time
+from pathlib import Path
+pids = Path(sys.argv[1])
+first = not pids.exists()
+child = subprocess.Popen(["sleep", "120"])
+with pids.open("a") as f:
+    f.write(f"{child.pid}\\n")
+if first:
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)
+"""
+
+
+def test_a_restart_first_kills_what_the_dead_component_left(tmp_path: Path) -> None:
+    """A SIGKILLed rollout server leaves its engine: the restart kills it, rather than start a second beside it
+    that outlives the run."""
+    pids = tmp_path / "children"
+    spec = ComponentSpec("rollout-0", [sys.executable, "-c", CRASHES_WITH_A_CHILD, str(pids)])
+    children: list[int] = []
+    try:
+        with LocalStack([spec], tmp_path / "logs", poll_s=0.05) as stack:
+            deadline = time.monotonic() + 60
+            while len(children := [int(p) for p in (pids.read_text() if pids.exists() else "").split()]) < 2:
+                assert time.monotonic() < deadline, (stack.restarts, children)
+                time.sleep(0.05)
+            first, second = children
+            assert stack.restarts["rollout-0"] == 1
+            deadline = time.monotonic() + 10
+            while _alive(first):
+                assert time.monotonic() < deadline, f"the first generation's child {first} outlived it"
+                time.sleep(0.05)
+            assert _alive(second)  # the live generation's child is left alone
+        assert not _alive(second)  # close() stops the live generation's group
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_spawning_beside_grpc_never_kills_the_child_before_exec(tmp_path: Path) -> None:
     """A launcher that has used gRPC (the test process, the demo) spawns hundreds of children: none aborts.
 
@@ -52,13 +102,6 @@ def test_spawning_beside_grpc_never_kills_the_child_before_exec(tmp_path: Path) 
         channel.close()
         server.stop(None)
     assert codes == [0] * len(codes), sorted(set(codes))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_component_dies_with_its_launcher(tmp_path: Path) -> None:
@@ -84,6 +127,33 @@ def test_a_component_dies_with_its_launcher(tmp_path: Path) -> None:
         deadline = time.monotonic() + 30
         while _alive(pid):
             assert time.monotonic() < deadline, f"child {pid} outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        stop_process(proc, 10)
+        if pid and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_engine_dies_with_the_rollout_server_that_started_it(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A rollout server killed outright (SIGKILL, OOM) takes its engine with it, wherever it runs (Ray, compose,
+    by hand), not only under a launcher that kills its process group. It launches the engine on its main thread
+    and waits for it on a worker thread, which ends without taking the engine along."""
+    server = ("import sys, threading, time; from rollout_server.engine.process import EngineProcess; "
+              "engine = EngineProcess(sys.argv[1], threads=1, log_path=sys.argv[2]).launch(); "
+              "waiter = threading.Thread(target=engine.wait_ready, args=(120,)); waiter.start(); waiter.join(); "
+              "print(engine.pid, flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", server, str(tiny_model_dir), str(tmp_path / "engine.log")],
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    pid = 0
+    try:
+        pid = int(proc.stdout.readline())
+        time.sleep(0.5)
+        assert _alive(pid), "the engine stopped when the thread that waited for it ended"
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"engine {pid} outlived the rollout server that started it"
             time.sleep(0.05)
     finally:
         stop_process(proc, 10)

@@ -3,9 +3,10 @@
 ``tests/ray_stack_script.py`` runs in the namespace (``unshare -n``, then ``lo`` up): it brings the
 stack up with one rollout server and one trainer rank, runs an eval and a train job through the API,
 checks that the trainer's push went over the mutual TLS that ``up`` set up (a plaintext channel is
-refused), SIGKILLs the rollout server's process and waits for Ray to restart it, then runs ``rollwave down``.
-The test checks what the script reports: jobs done, a trainer step, the server back under a new
-process, every socket on loopback, and nothing left running or listening after ``down``.
+refused), SIGKILLs the rollout server's process and waits for Ray to restart it, then runs ``rollwave down``;
+then it brings up a run whose rollout server refuses its config. The test checks what the script reports: jobs
+done, a trainer step, the server back under a new process, every socket on loopback, nothing left running or
+listening after ``down``, and the refusal named by ``up`` and not restarted.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -66,7 +69,8 @@ def test_up_jobs_restart_down_in_a_loopback_namespace(tmp_path: Path, tiny_model
         proc = subprocess.run(["unshare", "-n", "bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
                               timeout=400)
     finally:
-        _kill_leftovers(tmp_path / "runs" / "raytest")
+        for run in ("raytest", "raytest-refused"):
+            _kill_leftovers(tmp_path / "runs" / run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     report = json.dumps(result, indent=1)[-8000:]
@@ -92,6 +96,12 @@ def test_up_jobs_restart_down_in_a_loopback_namespace(tmp_path: Path, tiny_model
     assert result["down"]["rc"] == 0, report
     assert result["left_after_down"] == [] and result["listening_after_down"] == [], report
     assert not result["state_file_left"], report
+    # a rollout server that refuses its config: `up` names it and fails, Ray leaves it stopped, `down` stops the rest
+    refused = result["refused"]
+    assert refused["up"]["rc"] == 2, report
+    assert "rollout-0 refused its config (exit 2; the reason is the last line of " in refused["up"]["out"], report
+    assert refused["refusals_logged"] == 1, report
+    assert refused["down"]["rc"] == 0 and refused["left_after_down"] == [], report
 
 
 def test_up_makes_the_run_a_checkpoint_pki_unless_tls_is_configured(tmp_path: Path) -> None:
@@ -115,3 +125,55 @@ def test_up_makes_the_run_a_checkpoint_pki_unless_tls_is_configured(tmp_path: Pa
     assert _checkpoint_tls(again, tmp_path) == overrides and again.checkpoint.tls_ca.read_bytes() == ca
     assert _checkpoint_tls(cfg, tmp_path / "other") == () and cfg.checkpoint == receiver
     assert not (tmp_path / "other").exists()
+
+
+def without_ray(spec: Any, log_dir: Path, start_timeout_s: float = 60.0) -> Any:
+    """``ComponentProcess``, the class of the Ray actor, run here without Ray: it records the restart it asks Ray
+    for (exiting its worker) instead of exiting the test's process."""
+    from services.ray_launcher import ComponentProcess
+
+    class Recording(ComponentProcess):
+        restarted = False
+
+        def _restart(self) -> None:
+            self.restarted = True
+
+    return Recording(spec, str(log_dir), start_timeout_s)
+
+
+def test_an_actor_leaves_a_config_refusal_stopped_and_restarts_a_crash(tmp_path: Path) -> None:
+    """Ray restarts an actor whose worker exits: the actor exits on a crash, not on a config refusal (exit 2),
+    which would only come again, for ever. Its constructor returns once the component exited."""
+    from core.config import CONFIG_ERROR_EXIT
+    from services.launcher import ComponentSpec
+
+    refuses = without_ray(ComponentSpec("refuses", [sys.executable, "-c", "import sys; print('error: x.y is bad'); "
+                                                f"sys.exit({CONFIG_ERROR_EXIT})"]), tmp_path)
+    assert refuses.returncode() == CONFIG_ERROR_EXIT and not refuses.restarted
+    assert (tmp_path / "refuses.log").read_text().strip() == "error: x.y is bad"
+    crashes = without_ray(ComponentSpec("crashes", [sys.executable, "-c", "import sys; sys.exit(1)"]), tmp_path)
+    assert crashes.returncode() == 1 and crashes.restarted
+
+
+def test_an_actor_starts_once_its_component_accepted_its_config(tmp_path: Path) -> None:
+    """``load_config_or_exit`` tells the actor, which returns from its constructor while the component runs (so
+    ``up`` waits no longer than every component's config check); the component's children do not inherit the pipe."""
+    from services.launcher import ComponentSpec
+
+    accepts = ("import os, time; from core.config import CONFIG_ACCEPTED_FD_ENV, load_config_or_exit; "
+               "fd = int(os.environ[CONFIG_ACCEPTED_FD_ENV]); load_config_or_exit(None); "
+               "print('after', CONFIG_ACCEPTED_FD_ENV in os.environ, os.path.exists(f'/proc/self/fd/{fd}'), "
+               "flush=True); time.sleep(120)")
+    spec = ComponentSpec("accepts", [sys.executable, "-c", accepts], {"PYTHONPATH": str(ROOT)})
+    started = time.monotonic()
+    component = without_ray(spec, tmp_path, start_timeout_s=60)
+    try:
+        assert time.monotonic() - started < 30 and component.returncode() is None
+        deadline = time.monotonic() + 30
+        while "after" not in (log := (tmp_path / "accepts.log").read_text()):
+            assert time.monotonic() < deadline, log
+            time.sleep(0.05)
+        assert log.split() == ["after", "False", "False"], log  # neither the variable nor the pipe is left
+    finally:
+        component.stop(10)
+    assert not component.restarted

@@ -18,7 +18,7 @@ import uvicorn
 
 from core.config import CONFIG_ERROR_EXIT, MIN_SECRET_CHARS
 from core.net import is_loopback, listen_socket
-from core.process import prepare_component
+from core.process import die_with_parent, prepare_component
 from rollout_server.engine import ENGINE_KEY_ENV
 from rollout_server.engine.protocol import GenerateSpec
 from rollout_server.engine.scheduler import Scheduler
@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     prepare_component()
+    die_with_parent()
     args = parse_args(argv)
     api_key = os.environ.get(ENGINE_KEY_ENV) or None
     if api_key is not None and len(api_key) < MIN_SECRET_CHARS:

@@ -18,7 +18,7 @@ import httpx
 
 from core.config import EngineConfig
 from core.net import listen_socket
-from core.process import stop_process
+from core.process import PARENT_PID_ENV, stop_process
 from rollout_server.engine import ENGINE_KEY_ENV
 
 log = logging.getLogger(__name__)
@@ -96,20 +96,34 @@ class EngineProcess:
         return self._proc.pid
 
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
-        """Bind (port 0: any free port; a busy fixed one is retried), start the child, wait up to ``timeout_s``
-        for /health (``engine.ready_timeout_s``), logging every 30 s that it still waits."""
+        """``launch``, then ``wait_ready``."""
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> EngineProcess:
+        """Bind (port 0: any free port; a busy fixed one is retried) and start the child, which dies with this
+        process (``die_with_parent``), so it is never left behind beside the engine of a restarted server. The
+        kernel takes the calling thread's end for this process's: call it on one that lives as long as the engine
+        (the main thread, not an ``asyncio.to_thread`` worker)."""
         sock = listen_socket(self.host, self.port, "engine")
         self.port = sock.getsockname()[1]
         self.url = f"http://{self.host}:{self.port}"
         self._log = open(self._log_path, "ab") if self._log_path else None  # noqa: SIM115
         out = self._log  # None: the engine writes where this process does, so why it died is in this one's log
         env = {k: v for k, v in os.environ.items() if k != ENGINE_KEY_ENV}
+        env[PARENT_PID_ENV] = str(os.getpid())
         if self.api_key is not None:
             env[ENGINE_KEY_ENV] = self.api_key
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         with sock:  # the child holds its own copy; ours is closed once it runs
             self._proc = subprocess.Popen([*self._cmd, "--fd", str(sock.fileno())], stdout=out,
                                           stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),), env=env)
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> EngineProcess:
+        """Wait up to ``timeout_s`` for the launched engine's /health (``engine.ready_timeout_s``), logging every
+        30 s that it still waits; stop it if it does not answer in time."""
+        if self._proc is None:
+            raise RuntimeError(f"engine at {self.url} was not launched")
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         started = time.monotonic()
         next_log = started + PROGRESS_EVERY_S
         while (now := time.monotonic()) < started + timeout_s:

@@ -270,4 +270,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as python -m, this file is __main__, and its CliError not the class the handlers import and raise
+    # (services.cli.CliError), so each would end as exit 1: run the imported module's main instead.
+    from services.cli import main as installed_main
+
+    sys.exit(installed_main())

@@ -10,6 +10,7 @@ import secrets
 import shlex
 import socket
 import subprocess
+import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,8 @@ import pytest
 from services.cli import build_parser, main
 
 ROLLWAVE = Path(sysconfig.get_path("scripts")) / "rollwave"
-DEMO = Path(__file__).resolve().parents[1] / "configs/demo.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs/demo.yaml"
 TOKEN = secrets.token_urlsafe(32)
 
 
@@ -251,3 +253,13 @@ def test_submit_flags_lay_their_keys_over_the_job_file(tmp_path: Path) -> None:
         "sampling": {"top_p": 0.9, "temperature": 0.7}, "n_samples": 2, "tools": ["calculator", "python"],
     }
     assert job_from_args(build_parser().parse_args(["submit", "--max-turns", "3"])) == {"source": {}, "max_turns": 3}
+
+
+def test_python_m_services_cli_keeps_each_errors_exit_code(tmp_path: Path) -> None:
+    """Run as ``python -m services.cli`` (as the Ray test and Ray jobs do), the CLI is ``__main__``: an error a
+    handler raises must still end with its own exit code and line, not exit 1 naming ``CliError``."""
+    (tmp_path / "job-source.yaml").write_text("source: arith\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAVE_")}
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "submit", "-f", str(tmp_path / "job-source.yaml"),
+                           "--limit", "3"], cwd=ROOT, env=clean, capture_output=True, text=True, timeout=120)
+    assert_one_error_line(proc, 2, f"{tmp_path}/job-source.yaml:1: source must be a mapping, got 'arith'")

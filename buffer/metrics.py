@@ -7,6 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 
+TASK_STREAMS = {"train": "tasks", "eval": "tasks_eval"}  # a task kind's ``stream`` label, as its depth's
+
 
 class BufferMetrics:
     """Counters shared by the task queue, the replay buffer and staleness control of one process."""
@@ -56,8 +58,7 @@ class BufferMetrics:
     def observe(self, client: redis.Redis, keys: Keys) -> None:
         """Refresh the depth and pending gauges of the run's streams (one pipelined round trip)."""
         streams = {
-            "tasks": (keys.tasks("train"), ROLLOUT_GROUP),
-            "tasks_eval": (keys.tasks("eval"), ROLLOUT_GROUP),
+            **{label: (keys.tasks(kind), ROLLOUT_GROUP) for kind, label in TASK_STREAMS.items()},
             "groups": (keys.groups, TRAINER_GROUP),
             "tasks_dead": (keys.tasks_dead, None),
         }

@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, Keys
-from buffer.metrics import BufferMetrics
+from buffer.metrics import TASK_STREAMS, BufferMetrics
 from buffer.streams import RENEW_LUA, Reclaimer
 from core.config import BufferConfig
 
@@ -225,7 +225,7 @@ class TaskQueue:
         if deleted:
             log.warning("%s: %d pending task(s) had been deleted from the stream; acked them away", stream, deleted)
         if claimed:
-            self.metrics.redeliveries.labels(stream=kind).inc(len(claimed))
+            self.metrics.redeliveries.labels(stream=TASK_STREAMS[kind]).inc(len(claimed))
         out = [self._parse(stream, entry_id, fields, delivered=n) for entry_id, n, fields in claimed]
         return [e for e in out if e is not None]
 

@@ -108,7 +108,7 @@ def test_sigkilled_consumer_task_is_redelivered_and_written_once(redis_server: E
         assert q.renew("live", list(got.values())) == []  # as a rollout server keeps what it works on
     assert set(got) == set(gids)
     assert got[doomed].deliveries == 2 and got[gids[1]].deliveries == 1
-    assert q.metrics.redeliveries.labels(stream="train")._value.get() == 1
+    assert q.metrics.redeliveries.labels(stream="tasks")._value.get() == 1  # the label of the stream's depth
     finish(redis_server, got.values())
     finish(redis_server, [got[doomed]])  # a second attempt to write it changes nothing
     assert sorted(written_gids(redis_server)) == sorted(gids)

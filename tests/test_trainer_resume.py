@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 import torch
@@ -30,6 +31,7 @@ from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from core.config import BufferConfig, CheckpointConfig, TrainerConfig
 from core.net import free_port_outside_ephemeral
+from core.process import stop_process
 from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, iter_full_params
 from trainer.worker import Trainer
@@ -320,3 +322,35 @@ def test_two_ranks_checkpoint_and_ack_what_they_trained_when_the_data_runs_out(
     assert (tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json").is_file()
     assert buffer.redis.xlen(Keys("drain").groups) == 0
     assert buffer.redis.hget(Keys("drain").job("job"), "trained") == b"4"
+
+
+def test_the_trainer_serves_what_its_buffer_reads_count(tiny_model_dir: Path, redis_url: str, tmp_path: Path) -> None:
+    """``python -m trainer`` serves the buffer counters of its own reads with its metrics (a group entry without a
+    payload, moved aside as malformed, here): its ReplayBuffer counts into the registry it serves."""
+    buffer = _filled_buffer(redis_url, "served", steps=1)
+    buffer.redis.xadd(Keys("served").groups, {"gid": "bad", "job": "job"})
+    port = free_port_outside_ephemeral()
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"name": "served", "dir": str(tmp_path)},
+        "model": {"path": str(tiny_model_dir), "init_if_missing": False},
+        "redis": {"url": redis_url},
+        "buffer": {"max_staleness": ETA, "groups_per_step": GPS},
+        "trainer": {**TRAINER, "total_steps": 2, "take_timeout_s": 0.5, "metrics_port": port},  # waits in step 2
+    }))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
+    env.pop("REDIS_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "-c", str(config)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline, text = time.monotonic() + 240, ""
+        while 'rollwave_buffer_malformed_total{stream="groups"} 1.0' not in text:
+            assert proc.poll() is None and time.monotonic() < deadline, f"trainer exited {proc.poll()}: {text}"
+            time.sleep(0.5)
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            except httpx.HTTPError:
+                text = ""
+        assert "rollwave_trainer_step 1.0" in text
+    finally:
+        stop_process(proc, 30, name="trainer")

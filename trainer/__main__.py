@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from buffer.colocation import DeviceTurns
 from buffer.keys import Keys
+from buffer.metrics import BufferMetrics
 from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
 from buffer.replay import ReplayBuffer
@@ -55,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _connect(
-    cfg: Config, ctx: DistContext, stack: contextlib.ExitStack, metrics: CollectorRegistry
+    cfg: Config, ctx: DistContext, stack: contextlib.ExitStack, metrics: CollectorRegistry,
+    buffer_metrics: BufferMetrics,
 ) -> tuple[GroupSource | None, CheckpointPusher | LocalPusher, RedisStatus | None, StalenessControl | None]:
     """Rank 0: the replay buffer, a pusher to the live servers (recording each push in the registry; colocated:
     a local pusher that also hands the device over), the status sink for the API and the run's staleness control
@@ -73,7 +75,7 @@ def _connect(
     if server is not None:
         stack.callback(server.stop)
     keys = Keys(cfg.run.name)
-    buffer = ReplayBuffer(client, keys, cfg.buffer, consumer="trainer")
+    buffer = ReplayBuffer(client, keys, cfg.buffer, consumer="trainer", metrics=buffer_metrics)  # served
     buffer.ensure_group()
     stack.callback(buffer.close)
     staleness = StalenessControl(client, keys, cfg.buffer)
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         stack.callback(close_distributed)
         metrics = CollectorRegistry()
-        source, pusher, status, staleness = _connect(cfg, ctx, stack, metrics)
+        buffer_metrics = BufferMetrics(metrics)  # the reads' counters (redeliveries, malformed...) and the trainer's
+        source, pusher, status, staleness = _connect(cfg, ctx, stack, metrics, buffer_metrics)
         trainer = Trainer(
             cfg.trainer,
             cfg.model.path,
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             temperature=cfg.rollout.temperature,
             pusher=pusher,
             registry=metrics,
+            buffer_metrics=buffer_metrics,
             lora=cfg.model.lora,
             device_share=pusher if isinstance(pusher, LocalPusher) else None,
         ).start(resume=args.resume, ctx=ctx, source=source)

@@ -102,6 +102,7 @@ class Trainer:
         temperature: float = 1.0,
         pusher: Pusher | None = None,
         registry: CollectorRegistry | None = None,
+        buffer_metrics: BufferMetrics | None = None,
         lora: LoraConfig | None = None,
         device_share: DeviceShare | None = None,
     ) -> None:
@@ -114,7 +115,8 @@ class Trainer:
         self.temperature = temperature
         self.pusher = pusher
         self.metrics = TrainerMetrics(registry)
-        self.buffer_metrics = BufferMetrics(self.metrics.registry)
+        # the source's own (ReplayBuffer(metrics=...)), so what its reads count is served with the trainer's metrics
+        self.buffer_metrics = buffer_metrics or BufferMetrics(self.metrics.registry)
         self.step = 0
         self.version = 0
         self._saved_step = 0  # the step of the last checkpoint this trainer saved or resumed from (every rank)

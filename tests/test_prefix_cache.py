@@ -199,11 +199,16 @@ def test_multi_turn_conversations_reuse_their_earlier_turns(scheduler: Scheduler
     if scheduler.prefix_cache.max_tokens == 0:
         assert cached == [0] * 12 and len(scheduler.prefix_cache) == 0
         assert scheduler.metrics.cached_tokens._value.get() == 0
+        assert scheduler.metrics.shared_tokens._value.get() == prompt_tokens // 2  # the second of each pair
         return
     # turn 2 extends turn 1 by its 10 outputs and the tool answer: all but the last output and the answer
     # (4 tokens) come from the cache, and turn 3 likewise
     assert cached == [len(r.input_ids) - 4 for reqs in rounds[1:] for r in reqs]
-    assert scheduler.metrics.cached_tokens._value.get() == sum(cached) // 2  # a group's pair is prefilled once
+    # a group's pair is prefilled once; each copy counts as if prefilled alone (the cache's part as cached, the
+    # second copy's rest as shared), so the panels' shares of the prompt tokens add up
+    assert scheduler.metrics.cached_tokens._value.get() == sum(cached)
+    copies = [r for reqs in rounds for r in reqs[1::2]]
+    assert scheduler.metrics.shared_tokens._value.get() == sum(len(r.input_ids) - r.cached_tokens for r in copies)
     assert rounds[1][0].reply(scheduler.tokenizer)["meta_info"]["cached_tokens"] == cached[0]
     assert len(scheduler.prefix_cache) == 3  # each conversation's last turn (a pair's once); what they extended left
     assert scheduler.flush_cache() and len(scheduler.prefix_cache) == 0

@@ -24,7 +24,8 @@ class EngineMetrics:
         )
         self.shared_tokens = Counter(
             "rollwave_engine_shared_tokens",
-            "Prompt tokens not computed again because requests prefilled together shared them (computed once)",
+            "Tokens not computed again because sequences prefilled together shared them (computed once): copies of a "
+            "prompt, prefixes that prompts share, and running requests' shared prefixes computed ahead of a swap",
             registry=r,
         )
         self.requests = Counter(

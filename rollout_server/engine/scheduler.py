@@ -431,9 +431,15 @@ class Scheduler:
             hit = hits[row]
             r.kv_epoch, r.cached_tokens = self._kv_epoch, reused[row]
             r.extends = hit.entry if hit is not None and hit.extends else None
+        # every copy counts as if prefilled alone (prompt = cached + shared + computed): a copy of a sequence
+        # earlier in the chunk (a group's first turn) takes what the cache holds of it, the rest it shares
+        cached = [0 if h is None else min(n, h.tokens, len(r.tokens) - 1)
+                  for n, h, r in zip(reused, hits, distinct, strict=True)]
+        first = {row: i for i, row in reversed(list(enumerate(index)))}
         self.metrics.prompt_tokens.inc(sum(len(r.tokens) for r in chunk))
-        self.metrics.cached_tokens.inc(sum(min(n, h.tokens, len(r.tokens) - 1) for n, h, r in
-                                           zip(reused, hits, distinct, strict=True) if h is not None))
+        self.metrics.cached_tokens.inc(sum(cached[row] for row in index))
+        self.metrics.shared_tokens.inc(sum(len(r.tokens) - cached[row] for i, (r, row) in
+                                           enumerate(zip(chunk, index, strict=True)) if first[row] != i))
         tokens, logprobs = self._make_sampler(chunk).sample(logits)
         if self._batch is None:
             self._batch, self._pending, self._running = batch, tokens, list(chunk)

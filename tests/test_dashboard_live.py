@@ -34,11 +34,11 @@ from tests.http_harness import serve_app
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = secrets.token_urlsafe(32)
-DATA = ROOT.parent / "shared/data"
+DATA = ROOT / "data"
 SERVER_ID = "dash-0"
 EVAL_TASKS = 3
 # Series the cluster above feeds without a trainer; the trainer's (reward, staleness, idle) stay empty.
-FED_SERIES = {"policy_version", "buffer_depth_groups", "generated_tokens_per_s", "pause_ms", "tool_errors"}
+FED_SERIES = {"policy_version", "buffer_depth_groups", "generated_tokens_per_s", "pause_ms", "tool_errors_per_s"}
 
 
 @dataclass

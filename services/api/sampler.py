@@ -22,8 +22,10 @@ SERIES = (
     "pause_ms",
     "trainer_idle_fraction",
     "staleness_mean",
-    "tool_errors",
+    "tool_errors_per_s",
 )
+# counters summed over the live servers, charted as rates: a total would drop whenever a server leaves
+RATES = {"generated_tokens": "generated_tokens_per_s", "tool_errors": "tool_errors_per_s"}
 
 
 class MetricsSampler:
@@ -33,15 +35,13 @@ class MetricsSampler:
         self.cluster = cluster
         self.interval_s = interval_s
         self.points: deque[tuple[float, dict[str, float | None]]] = deque(maxlen=keep)
-        self._last_tokens: tuple[float, float] | None = None
+        self._last: dict[str, tuple[float, float]] = {}  # counter -> (time, value) of the last sample
 
     def record(self, t: float, raw: dict[str, float | None]) -> None:
-        tokens = raw.pop("generated_tokens") or 0.0
-        rate = None
-        if self._last_tokens is not None and t > self._last_tokens[0]:
-            rate = max(0.0, tokens - self._last_tokens[1]) / (t - self._last_tokens[0])
-        self._last_tokens = (t, tokens)
-        raw["generated_tokens_per_s"] = rate
+        for counter, series in RATES.items():
+            value, last = raw.pop(counter) or 0.0, self._last.get(counter)
+            raw[series] = None if last is None or t <= last[0] else max(0.0, value - last[1]) / (t - last[0])
+            self._last[counter] = (t, value)
         self.points.append((t, raw))
 
     async def run(self) -> None:

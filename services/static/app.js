@@ -18,6 +18,7 @@
     trainer_idle_fraction: (v) => `${(v * 100).toFixed(1)}%`,
     pause_ms: (v) => `${v.toFixed(1)} ms`,
     generated_tokens_per_s: (v) => `${formatNumber(v)}/s`,
+    tool_errors_per_s: (v) => `${v.toFixed(2)}/s`,
   };
 
   // A link may carry the token as #token=...; it is stored and removed from the address bar.

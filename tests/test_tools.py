@@ -3,14 +3,21 @@
 The sandbox tests are escape attempts run in the real bubblewrap sandbox, each of which must be contained:
 reading /etc/passwd, the model dir or a host file, writing outside the working directory, reaching a real
 Redis on 127.0.0.1, a fork bomb, a 4 GB allocation, an endless loop, 100 MB of output, reading the
-environment and /proc of its parent, killing its parent, and a session-leading child started through
-``_posixsubprocess.fork_exec`` that should outlive the timeout.
+environment and /proc of its parent, killing its parent, a session-leading child started through
+``_posixsubprocess.fork_exec`` that should outlive the timeout, ptracing the sandbox's pid 1 to run past the limits
+and the kill, filling /dev/shm, and a nested user namespace. Where the tool's path as root and as another user
+differ, both run (``_py_as``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import platform
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -205,7 +212,7 @@ def test_the_sandbox_is_a_separate_user_in_its_own_namespaces() -> None:
     ids, root, pids, interfaces = out.text.splitlines()
     assert ids == "65534 65534 [] sandbox /sandbox"
     assert not {"etc", "home", "var", "run", "srv", "opt", "mnt"} & set(eval(root))
-    assert eval(pids) == ["1", "2"]  # bwrap's init and the snippet: nothing of the host
+    assert eval(pids) == ["1", "2"]  # the bootstrap (the sandbox's init) and the snippet: nothing of the host
     assert eval(interfaces) == ["lo:"]  # down, and nothing else
 
 
@@ -272,7 +279,7 @@ def test_the_environment_and_the_parent_stay_hidden(monkeypatch: pytest.MonkeyPa
     out = _py(code, max_output_bytes=1 << 20)
     assert out.ok and secret not in out.text, out.text
     assert f"{os.getpid()} environ FileNotFoundError" in out.text  # the host's processes are not there
-    assert "1 environ PermissionError" in out.text  # bwrap's own init belongs to another user
+    assert "1 environ PermissionError" in out.text  # the sandbox's init is not dumpable
 
 
 def test_killing_its_parent_or_anything_else_fails() -> None:
@@ -303,7 +310,7 @@ def test_a_fork_bomb_is_contained() -> None:
     out = _py(code, timeout_s=3, max_processes=8, memory_mb=memory_mb)
     assert time.monotonic() - started < 10
     assert not out.ok and out.error == "timed out after 3s and was killed" and "fork refused" in out.text
-    assert _running(f" {memory_mb << 20} ") == []
+    assert _running(f"\0{memory_mb << 20}\0") == []
 
 
 def test_a_session_leader_started_through_fork_exec_dies_with_the_sandbox() -> None:
@@ -346,6 +353,169 @@ def test_100_mb_of_output_is_cut_and_the_sandbox_stopped() -> None:
     assert time.monotonic() - started < 10
     assert not out.ok and out.error == "printed more than 100 bytes and was killed"
     assert out.text == "x" * 100 + f"\n[output truncated at 100 bytes]\nError: {out.error}"
+
+
+_AS_USER = """
+import asyncio, dataclasses, json, sys
+from rollout_server.tools.python_tool import PythonTool
+tool = PythonTool(**json.loads(sys.argv[1]))
+print(json.dumps(dataclasses.asdict(asyncio.run(tool.execute("i", {"code": sys.argv[2]})))))
+"""
+
+
+def _py_as(who: str, code: str, **kwargs: Any) -> ToolResult:
+    """``code`` run by a tool whose process is root (this one, if it is) or a user: there a user namespace maps
+    this process's uid to 1000, so the tool takes the path of a rollout server that is not root."""
+    if who == "root":
+        if os.geteuid() != 0:
+            pytest.skip("the tool's root path needs the tests to run as root")
+        return _py(code, **kwargs)
+    done = subprocess.run(["unshare", "--user", "--map-user=1000", "--map-group=1000", "--", sys.executable, "-c",
+                           _AS_USER, json.dumps(kwargs), code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return ToolResult(**json.loads(done.stdout))
+
+
+def _kill(marker: str) -> None:
+    """SIGKILL what a failed containment left running (host processes whose command line holds ``marker``)."""
+    for pid in _running(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_no_process_in_the_sandbox_is_unlimited_or_attachable(who: str) -> None:
+    """bwrap's own pid 1 ran as the sandbox uid with no rlimit: a snippet could PTRACE_ATTACH it and run code
+    in it past every limit. Every process the snippet sees must be limited, and none attachable."""
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "for pid in sorted(int(p) for p in os.listdir('/proc') if p.isdigit()):\n"
+        "    limits = [line[26:].split()[0] for line in open(f'/proc/{pid}/limits')\n"
+        "              if line.startswith(('Max processes', 'Max address space', 'Max cpu time'))]\n"
+        "    if pid == os.getpid():\n"
+        "        attach = 'self'\n"
+        "    elif libc.ptrace(16, pid, None, None) == 0:  # PTRACE_ATTACH\n"
+        "        attach = 'attached'\n"
+        "    else:\n"
+        "        attach = os.strerror(ctypes.get_errno())\n"
+        "    print(pid, attach, *limits, sep='|')\n"
+    )
+    out = _py_as(who, code)
+    assert out.ok, out.text
+    lines = [line.split("|") for line in out.text.splitlines()]
+    assert [line[:2] for line in lines] == [["1", "Operation not permitted"], ["2", "self"]], out.text
+    assert all(len(line) == 5 and "unlimited" not in line for line in lines), out.text
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the injection below sets x86-64 registers")
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_a_snippet_leaves_no_process_running_even_through_ptrace(who: str) -> None:
+    """The reviewer's escape: attach to every other process of the sandbox and make it call
+    prctl(PR_SET_PDEATHSIG, 0), so that killing bwrap no longer kills the sandbox; then start a child and
+    outlive the timeout. The call must come back with every process of the sandbox gone."""
+    marker = f"rollwave-ptrace-{os.getpid()}-{time.monotonic_ns()}"
+    memory_mb = 400 + os.getpid() % 97  # the sandbox's command lines carry this number: find leftovers by it
+    code = (
+        "import ctypes, os, subprocess, sys, time\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.ptrace.restype = ctypes.c_long\n"
+        "libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]\n"
+        "def disarm(pid):  # run prctl(PR_SET_PDEATHSIG, 0) in pid, stopped in a system call by the attach\n"
+        "    if libc.ptrace(16, pid, None, None) != 0:\n"
+        "        return 'attach ' + os.strerror(ctypes.get_errno())\n"
+        "    os.waitpid(pid, 0)\n"
+        "    regs, saved = (ctypes.c_ulonglong * 27)(), (ctypes.c_ulonglong * 27)()\n"
+        "    libc.ptrace(12, pid, None, saved)  # PTRACE_GETREGS\n"
+        "    ctypes.memmove(regs, saved, ctypes.sizeof(regs))\n"
+        "    regs[10], regs[14], regs[13], regs[15] = 157, 1, 0, 2 ** 64 - 1  # rax=prctl, rdi, rsi, orig_rax\n"
+        "    regs[16] = saved[16] - 2  # rip back on its syscall instruction\n"
+        "    libc.ptrace(13, pid, None, regs)  # PTRACE_SETREGS\n"
+        "    libc.ptrace(9, pid, None, None)  # PTRACE_SINGLESTEP\n"
+        "    os.waitpid(pid, 0)\n"
+        "    libc.ptrace(12, pid, None, regs)\n"
+        "    libc.ptrace(13, pid, None, saved)\n"
+        "    libc.ptrace(17, pid, None, None)  # PTRACE_DETACH\n"
+        "    return f'prctl returned {ctypes.c_longlong(regs[10]).value}'\n"
+        "for pid in sorted(int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()):\n"
+        "    print(pid, disarm(pid), flush=True)\n"
+        "libc.prctl(1, 0, 0, 0, 0)\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)  # {marker}'],\n"
+        "                 start_new_session=True)\n"
+        "print('started', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    try:
+        out = _py_as(who, code, timeout_s=3, memory_mb=memory_mb)
+        assert out.error == "timed out after 3s and was killed" and "started" in out.text, out.text
+        assert "prctl returned" not in out.text, out.text
+        assert _running(marker) == [] and _running(f"\0{memory_mb << 20}\0") == []
+    finally:
+        _kill(marker)
+        _kill(f"\0{memory_mb << 20}\0")
+
+
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_dev_is_read_only_and_dev_shm_is_capped(who: str) -> None:
+    """Not root, bwrap's /dev was a tmpfs of the sandbox uid with no size: 3000 MiB went into /dev/shm."""
+    code = (
+        "try:\n"
+        "    open('/dev/planted', 'w')\n"
+        "except OSError as exc:\n"
+        "    print('dev:', exc.strerror)\n"
+        "written = 0\n"
+        "try:\n"
+        "    for i in range(64):\n"
+        "        with open(f'/dev/shm/{i}', 'wb') as f:\n"
+        "            f.write(b'x' * (1 << 20))\n"
+        "        written += 1\n"
+        "except OSError as exc:\n"
+        "    print('shm:', exc.strerror)\n"
+        "print('written:', written)\n"
+    )
+    out = _py_as(who, code, max_file_mb=4)
+    assert out.ok and "dev: Read-only file system" in out.text, out.text
+    assert "shm: No space left on device" in out.text, out.text
+    assert int(out.text.split("written:")[1]) <= 4, out.text
+
+
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_no_nested_user_namespace(who: str) -> None:
+    """As root, a snippet made a user namespace, mounted a tmpfs of no size in it and filled it."""
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "for flags in (0x10000000, 0x10000000 | 0x20000):  # CLONE_NEWUSER, and with CLONE_NEWNS\n"
+        "    print(libc.unshare(flags), os.strerror(ctypes.get_errno()) if ctypes.get_errno() else '')\n"
+        "print(os.getuid(), open('/proc/self/uid_map').read().split())\n"
+    )
+    out = _py_as(who, code)
+    assert out.ok, out.text
+    *calls, ids = out.text.splitlines()
+    assert calls == ["-1 No space left on device"] * 2, out.text
+    if who == "root":  # the sandbox uid is itself on the host, not root
+        assert ids == "65534 ['0', '0', '1', '65534', '65534', '1']", out.text
+
+
+def test_concurrent_snippets_each_have_their_own_process_limit() -> None:
+    """As root, concurrent snippets shared their uid's RLIMIT_NPROC (one's processes kept another from forking);
+    each sandbox's user namespace now counts its own."""
+    code = (
+        "import os, time\n"
+        "for _ in range(3):\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(3)\n"
+        "        os._exit(0)\n"
+        "time.sleep(3)\n"
+        "print('forked')\n"
+    )
+
+    async def scenario() -> list[ToolResult]:
+        tool = PythonTool(max_processes=5, timeout_s=30)  # pid 1 counts where it runs as the sandbox uid
+        return await asyncio.gather(*(tool.execute("i", {"code": code}) for _ in range(3)))
+
+    assert [out.text for out in run(scenario())] == ["forked\n"] * 3
 
 
 def test_without_a_sandbox_the_tool_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

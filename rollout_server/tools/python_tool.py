@@ -6,15 +6,19 @@ The boundary is the kernel's, set up by bubblewrap (``bwrap``, Debian package ``
   network at all, not even loopback; the snippet sees only its own processes (a fresh ``/proc``).
 - **Files**: a new root holding, read-only, only the interpreter (``sys.base_prefix``, ``sys.prefix``) and
   the shared libraries (``/usr/lib``, ``/usr/lib64``, ``/lib``, ``/lib64``); no ``/etc``, home, model or run
-  directory. The working directory (``/sandbox``) and ``/tmp`` are private tmpfs of ``max_file_mb`` each,
-  gone when the snippet ends; ``/dev`` is minimal.
-- **User**: a separate uid (``sandbox_uid``, 65534). Run as root, bwrap leaves the user namespace alone and
-  the snippet switches to that uid before anything else (root is exempt from ``RLIMIT_NPROC``, so it must
-  not stay root); run as any other user, a new user namespace maps it to that uid, and no further user
-  namespaces can be made inside. The environment is empty but for PATH, HOME, LANG and thread counts.
-- **Processes**: ``--die-with-parent`` and ``--new-session``; rlimits NPROC, AS (memory), CPU, FSIZE,
-  NOFILE and CORE are set before the snippet runs and cannot be raised by it. A wall-clock timeout or
-  output beyond ``max_output_bytes`` kills the sandbox (its pid namespace, so every process in it).
+  directory. The working directory (``/sandbox``), ``/tmp`` and ``/dev/shm`` are private tmpfs of
+  ``max_file_mb`` each, gone when the snippet ends; the rest of ``/dev`` is minimal and read-only.
+- **User**: a separate uid (``sandbox_uid``, 65534) in a user namespace in which no further user namespace
+  can be made. Run as any other user, bwrap makes it (``--disable-userns``) and maps the uid to that user.
+  Run as root, ``_USER_NAMESPACE`` makes it before bwrap, mapping root and the uid each to itself (bwrap's own
+  would map the uid to root); bwrap runs in it as its root and the snippet switches to the uid before anything
+  else. The environment is empty but for PATH, HOME, LANG and thread counts.
+- **Processes**: the bootstrap is the sandbox's pid 1 (``--as-pid-1``: no init of bwrap's, which no rlimit
+  would cover) and sets rlimits NPROC, AS (memory), CPU, FSIZE, NOFILE and CORE, which no process of the
+  sandbox can raise, before it forks the snippet; it is not dumpable, so the snippet cannot ptrace it even as
+  the same uid. When the snippet ends, pid 1 ends and the kernel kills whatever is left in the pid namespace;
+  a wall-clock timeout or output beyond ``max_output_bytes`` kills bwrap, and pid 1 with it (its
+  ``--die-with-parent`` signal, which the snippet cannot clear), so every process of the sandbox.
 
 The snippet arrives on stdin, never in a file or argv. When the sandbox cannot be set up (no bwrap, no
 namespaces allowed here), every call is refused with an error saying why (``ToolResult.refused``, counted
@@ -42,21 +46,32 @@ LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64")
 PROBE_TIMEOUT_S = 30.0
 KILL_WAIT_S = 10.0
 
-# Runs in the sandbox before the snippet: drop root, set the limits, then run what stdin holds.
+# Runs in the sandbox as its pid 1 (the docstring's Processes): limits and not dumpable before the snippet can run,
+# it forks the snippet and reaps until the snippet ends, then ends with its status (128 + a signal that killed it,
+# as bwrap reports one).
 _BOOTSTRAP = r"""
-import os, resource, sys, traceback
+import ctypes, os, resource, sys, traceback
 _uid, _mem, _cpu, _fsize, _nproc, _nofile, _memory_exit = (int(a) for a in sys.argv[1:8])
-if os.getuid() == 0:
-    os.setgroups([])
-    os.setgid(_uid)
-    os.setuid(_uid)
-for _limit, _value in ((resource.RLIMIT_AS, _mem), (resource.RLIMIT_FSIZE, _fsize), (resource.RLIMIT_NPROC, _nproc),
+for _limit, _value in ((resource.RLIMIT_AS, _mem), (resource.RLIMIT_FSIZE, _fsize), (resource.RLIMIT_NPROC, _nproc + 1),
                        (resource.RLIMIT_NOFILE, _nofile), (resource.RLIMIT_CORE, 0)):
-    resource.setrlimit(_limit, (_value, _value))
+    resource.setrlimit(_limit, (_value, _value))  # NPROC + 1: room for pid 1's fork, where it counts
 resource.setrlimit(resource.RLIMIT_CPU, (_cpu, _cpu + 1))
 _source = sys.stdin.read()
 sys.stdin.close()
 del _limit, _value
+if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
+    sys.exit(f"prctl(PR_SET_DUMPABLE): {os.strerror(ctypes.get_errno())}")
+_snippet = os.fork()
+while _snippet:  # pid 1
+    _pid, _status = os.wait()
+    if _pid == _snippet:
+        _code = os.waitstatus_to_exitcode(_status)
+        os._exit(_code if _code >= 0 else 128 - _code)
+if os.getuid() == 0:
+    os.setgroups([])
+    os.setgid(_uid)
+    os.setuid(_uid)
+resource.setrlimit(resource.RLIMIT_NPROC, (_nproc, _nproc))
 try:
     exec(compile(_source, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 except MemoryError:
@@ -68,6 +83,31 @@ except SystemExit:
 except BaseException as _exc:
     traceback.print_exception(type(_exc), _exc, _exc.__traceback__.tb_next)
     sys.exit(1)
+"""
+
+# Run as root, this execs bwrap in a user namespace it makes (the docstring's User): bwrap's --disable-userns needs
+# --unshare-user, which as root maps the sandbox uid to root. user.max_user_namespaces 0 there forbids any further
+# one; only CAP_SYS_RESOURCE in it could raise that, and bwrap drops it.
+_USER_NAMESPACE = r"""
+import ctypes, os, sys
+_uid, _parent = sys.argv[1], os.getpid()
+_read, _write = os.pipe()
+if os.fork() == 0:  # a process outside the new namespace, with CAP_SETUID there, writes its maps
+    os.close(_write)
+    if os.read(_read, 1):
+        for _name in ("uid_map", "gid_map"):
+            with open(f"/proc/{_parent}/{_name}", "w") as _file:
+                _file.write(f"0 0 1\n{_uid} {_uid} 1\n")
+    os._exit(0)
+os.close(_read)
+if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:  # CLONE_NEWUSER
+    sys.exit(f"unshare(CLONE_NEWUSER): {os.strerror(ctypes.get_errno())}")
+os.write(_write, b"1")
+if os.wait()[1] != 0:
+    sys.exit("could not map the sandbox's user namespace")
+with open("/proc/sys/user/max_user_namespaces", "w") as _file:
+    _file.write("0")
+os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
@@ -124,15 +164,17 @@ class PythonTool(Tool):
             log.warning("%s: refusing every call: %s", self.name, self.unavailable)
 
     def command(self) -> list[str]:
-        """The bwrap command line that runs the bootstrap (the snippet comes on its stdin)."""
+        """The command line (bwrap; as root, through _USER_NAMESPACE) that runs the bootstrap; the snippet is stdin."""
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             raise FileNotFoundError("bwrap not found: install the Debian package bubblewrap")
         argv = [
-            bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--die-with-parent", "--new-session", "--hostname", "sandbox",
+            bwrap, "--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox",
         ]  # fmt: skip
-        if os.geteuid() == 0:  # no user namespace: the bootstrap drops to sandbox_uid (needs these two only)
+        user_namespace: list[str] = []
+        if os.geteuid() == 0:  # bwrap runs as root in _USER_NAMESPACE's namespace; the snippet drops to sandbox_uid
+            user_namespace = [sys.executable, "-I", "-B", "-c", _USER_NAMESPACE, str(self.sandbox_uid)]
             argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         else:
             argv += ["--unshare-user", "--disable-userns", "--uid", str(self.sandbox_uid), "--gid",
@@ -142,8 +184,9 @@ class PythonTool(Tool):
                            ("OMP_NUM_THREADS", "1"), ("OPENBLAS_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1")):
             argv += ["--setenv", key, value]
         argv += ["--proc", "/proc", "--dev", "/dev"]
-        for path, mode in (("/tmp", "1777"), (WORKDIR, "0777")):
+        for path, mode in (("/tmp", "1777"), ("/dev/shm", "1777"), (WORKDIR, "0777")):
             argv += ["--size", str(self.max_file_bytes), "--perms", mode, "--tmpfs", path]
+        argv += ["--remount-ro", "/dev"]  # not recursive: /dev/shm stays writable
         binds = _read_only_binds()
         for directory in sorted({str(p) for b in binds for p in PurePosixPath(b).parents if str(p) != "/"}):
             argv += ["--perms", "0755", "--dir", directory]  # traversable by the sandbox uid
@@ -154,8 +197,8 @@ class PythonTool(Tool):
                 argv += ["--symlink", os.readlink(link), link]
         limits = (self.sandbox_uid, self.memory_bytes, self.cpu_s, self.max_file_bytes, self.max_processes,
                   self.max_open_files, MEMORY_ERROR_EXIT)
-        return [*argv, "--remount-ro", "/", "--chdir", WORKDIR, "--", sys.executable, "-I", "-B", "-c", _BOOTSTRAP,
-                *map(str, limits)]
+        return [*user_namespace, *argv, "--remount-ro", "/", "--chdir", WORKDIR, "--", sys.executable, "-I", "-B",
+                "-c", _BOOTSTRAP, *map(str, limits)]
 
     def _probe(self) -> str | None:
         """Why the sandbox cannot run here (None when a trivial snippet runs in it as the sandbox uid)."""

@@ -41,7 +41,9 @@ class RolloutMetrics:
         )
         self.failed = Counter(
             _P + "failed",
-            "Episodes that failed (engine, abort, tool, reward); their group is rolled out again, never trained",
+            "Episodes that failed, never trained: the agent loop's (engine, abort, tool, reward), whose group is "
+            "rolled out again, and the episode endpoint's (its finish reason: agent_error, agent_timeout, "
+            "history_mismatch, error, abort)",
             ["reason"],
             registry=r,
         )

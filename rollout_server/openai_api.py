@@ -324,7 +324,10 @@ class EpisodeStore:
                     reward, info = await ep.reward_fn.score(ep.task, ep.messages, ep.final_text, [])
         self.metrics.finish_reasons.labels(reason=reason).inc()
         self.metrics.episode_turns.observe(ep.num_turns)
-        self.metrics.reward.observe(reward)
+        if ep.failure is not None:  # as the built-in loop: a failed episode has no reward to observe
+            self.metrics.failed.labels(reason=reason).inc()
+        else:
+            self.metrics.reward.observe(reward)
         return Sample(
             sample_index=ep.sample_index, prompt_len=builder.prompt_len, **builder.arrays(),
             versions_approximate=builder.versions_approximate, reward=reward, reward_info=info, finish_reason=reason,

@@ -267,6 +267,8 @@ def test_an_engine_abort_fails_the_episode(tokenizer: Any) -> None:
     assert sample.reward_info == {"error": "the engine aborted the request"}
     assert sample.messages[-1] == {"role": "assistant", "content": "partial"} and len(engine.calls) == 1
     assert store.metrics.total("rollwave_rollout_openai_requests_total", outcome="engine_aborted") == 1
+    assert store.metrics.total("rollwave_rollout_failed_total", reason="abort") == 1  # counted, as the loop's
+    assert store.metrics.total("rollwave_rollout_reward_count") == 0  # and no reward observed for it
 
 
 def test_a_turn_whose_end_token_is_the_last_allowed_one_is_answered(tokenizer: Any) -> None:

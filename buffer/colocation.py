@@ -1,12 +1,17 @@
 """Turn-taking on a shared device (``placement.mode=colocated``): the trainer and the rollout servers' engines
 hold the device in turns, and Redis says whose turn it is.
 
-The trainer takes a turn when it has a full batch: ``take(step)``; every live server then pauses its engines,
-has them release their memory (weights and KV) and reports it with ``released(server_id, step)``; the trainer
-trains once every live server has (``wait_released``). It gives the device back with ``give(step, version,
-path)``: the weights to serve next, written to ``path`` (a local push: no gRPC). Each server resumes its engines,
-loads them and generates the next batch. A server that starts during the trainer's turn releases too; one that
-dies leaves the live set, so the trainer does not wait for it.
+The trainer takes a turn when it has a full batch: ``take(epoch, step)``; every live server then pauses its
+engines, has them release their memory (weights and KV) and reports it with ``released(server_id, turn)``; the
+trainer trains once every live server has (``wait_released``). It gives the device back with ``give(epoch, step,
+version, path)``: the weights to serve next, written to ``path`` (a local push: no gRPC). Each server resumes its
+engines, loads them, generates the next batch and withdraws its report (``resumed``). A server that starts
+during the trainer's turn releases too; one that dies leaves the live set, so the trainer does not wait for it.
+
+Each trainer start takes a new ``epoch`` (``new_epoch``) and every turn carries it: a trainer that resumes from an
+older checkpoint and takes a step again takes a new turn, which the servers release for and it waits for, never
+a report left from before its restart. What the engines hold released is recorded by their URLs
+(``engines_released``), so a server restarted while they are released resumes them instead of loading into them.
 """
 
 from __future__ import annotations
@@ -25,12 +30,19 @@ POLL_S = 0.02
 
 @dataclass(frozen=True)
 class Turn:
-    """Whose turn it is: ``trainer`` (for training ``step``) or ``rollout`` (serve ``version`` from ``path``)."""
+    """Whose turn it is: ``trainer`` (for training ``step``) or ``rollout`` (serve ``version`` from ``path``), in
+    trainer start ``epoch``."""
 
     holder: str
     step: int
     version: int = 0
     path: str = ""
+    epoch: int = 0
+
+    @property
+    def key(self) -> str:
+        """What a release for this turn is reported under."""
+        return f"{self.epoch}:{self.step}"
 
 
 class DeviceTurns:
@@ -44,29 +56,52 @@ class DeviceTurns:
         raw = self.redis.get(self.keys.device_turn)
         return None if raw is None else Turn(**json.loads(raw))
 
-    def take(self, step: int) -> None:
+    def new_epoch(self) -> int:
+        """A trainer start's epoch, above every earlier start's."""
+        return int(self.redis.incr(self.keys.device_epoch))
+
+    def take(self, epoch: int, step: int) -> Turn:
         """The trainer asks for the device to train ``step``."""
-        self.redis.set(self.keys.device_turn, json.dumps(asdict(Turn("trainer", step))))
+        turn = Turn("trainer", step, epoch=epoch)
+        self.redis.set(self.keys.device_turn, json.dumps(asdict(turn)))
+        return turn
 
-    def give(self, step: int, version: int, path: str) -> None:
+    def give(self, epoch: int, step: int, version: int, path: str) -> None:
         """The trainer is done with ``step``: the servers serve ``version`` from ``path`` next."""
-        self.redis.set(self.keys.device_turn, json.dumps(asdict(Turn("rollout", step, version, path))))
+        self.redis.set(self.keys.device_turn, json.dumps(asdict(Turn("rollout", step, version, path, epoch))))
 
-    def released(self, server_id: str, step: int) -> None:
-        """A server's engines released their memory for the trainer's ``step``."""
-        self.redis.hset(self.keys.device_released, server_id, step)
+    def released(self, server_id: str, turn: Turn) -> None:
+        """A server's engines released their memory for the trainer's ``turn``."""
+        self.redis.hset(self.keys.device_released, server_id, turn.key)
 
-    def wait_released(self, step: int, servers: ServerRegistry, timeout_s: float) -> list[str]:
-        """Wait until every live server released for ``step``; returns their ids. TimeoutError names the
+    def resumed(self, server_id: str) -> None:
+        """A server's engines hold their memory again: its report no longer stands."""
+        self.redis.hdel(self.keys.device_released, server_id)
+
+    def wait_released(self, turn: Turn, servers: ServerRegistry, timeout_s: float) -> list[str]:
+        """Wait until every live server released for ``turn``; returns their ids. TimeoutError names the
         servers that did not, and the stage."""
         deadline = time.monotonic() + timeout_s
         while True:
             live = [s.server_id for s in servers.live_servers()]
-            done = {sid.decode() for sid, s in self.redis.hgetall(self.keys.device_released).items() if int(s) == step}
+            done = {sid.decode() for sid, key in self.redis.hgetall(self.keys.device_released).items()
+                    if key.decode() == turn.key}
             waiting = [sid for sid in live if sid not in done]
             if not waiting:
                 return live
             if time.monotonic() > deadline:
-                raise TimeoutError(f"colocated step {step}: rollout server(s) {', '.join(waiting)} did not release "
-                                   f"their engines' memory within {timeout_s:.0f} s (stage release)")
+                raise TimeoutError(f"colocated step {turn.step}: rollout server(s) {', '.join(waiting)} did not "
+                                   f"release their engines' memory within {timeout_s:.0f} s (stage release)")
             time.sleep(POLL_S)
+
+    def engines_released(self, urls: list[str]) -> list[str]:
+        """The memory tags the engines at ``urls`` hold released, as the server that drove them last recorded."""
+        raw = self.redis.hget(self.keys.device_engines, " ".join(urls))
+        return [] if raw is None else json.loads(raw)
+
+    def record_engines(self, urls: list[str], tags: list[str]) -> None:
+        """The engines at ``urls`` hold ``tags`` released (none: they hold all their memory)."""
+        if tags:
+            self.redis.hset(self.keys.device_engines, " ".join(urls), json.dumps(tags))
+        else:
+            self.redis.hdel(self.keys.device_engines, " ".join(urls))

@@ -130,8 +130,21 @@ class Keys:
 
     @property
     def device_released(self) -> str:
-        """Colocated placement: hash server_id -> the trainer step for which its engines released their memory."""
+        """Colocated placement: hash server_id -> the trainer turn (``epoch:step``) for which its engines released
+        their memory and have not resumed since."""
         return self.prefix + "device:released"
+
+    @property
+    def device_epoch(self) -> str:
+        """Colocated placement: counter, one per trainer start; a turn carries its start's, so a step retaken after a
+        restart is a new turn."""
+        return self.prefix + "device:epoch"
+
+    @property
+    def device_engines(self) -> str:
+        """Colocated placement: hash a server's engine URLs (space-separated) -> JSON list of the memory tags they hold
+        released, so a restarted server knows (SGLang cannot tell, and dies resuming what it holds)."""
+        return self.prefix + "device:engines"
 
     @property
     def trainer(self) -> str:

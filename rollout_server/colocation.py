@@ -6,6 +6,10 @@ ones the trainer wrote (a local push: a directory on this host, no gRPC), resume
 server then serves that version, so staleness admission opens the next batch. The engines never continue
 while released (the embedded engine refuses to), so nothing is generated during training. With the one-step
 overlap the trainer never takes the device: the engines keep generating and only pause around each load.
+
+What the engines hold released is recorded in Redis before each release or resume is asked for (a call the
+server dies in still completes on the engine): a restarted server starts from that record, because SGLang cannot
+be asked and dies resuming memory it holds or releasing it twice, and a load into released memory is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 REST = ["kv_cache", "cuda_graph"]
+TAGS = ["weights", *REST]
 
 
 class EngineTurns:
@@ -50,47 +55,62 @@ class EngineTurns:
         self.metrics = metrics
         self.warn_after_s = warn_after_s
         self.swap_pause = swap_pause  # around a load while the engines hold their memory (checkpoint.kv_on_swap)
-        self.released_for: int | None = None  # the trainer step the engines are released for
+        self.urls = [e.base_url for e in engines.engines]
+        self.released: list[str] = []  # the memory tags the engines hold released
+        self.handled: Turn | None = None  # the trainer's last turn they were released for
 
     async def run(self) -> None:
-        handled: int | None = None
+        self.released = await self._call(self.turns.engines_released, self.urls)
+        if not self.released:  # a server that died between a pause and the release or load left them paused
+            await self.engines.resume()
         since = time.monotonic()
         while True:
             turn = await self._call(self.turns.turn)
-            if turn is not None and turn.holder == "trainer" and handled != turn.step:
-                await self.release(turn.step)
-                handled, since = turn.step, time.monotonic()
+            if turn is not None and turn.holder == "trainer" and turn != self.handled:
+                await self.release(turn)
+                since = time.monotonic()
             elif turn is not None and turn.holder == "rollout" and (
-                self.released_for is not None or turn.version > self._served()
+                self.released or turn.version > self._served()
             ):
                 await self.take_back(turn)
-            elif self.released_for is not None and time.monotonic() - since > self.warn_after_s:
-                log.warning("engines released for %.0f s: the trainer has not given the device back after step %d",
-                            time.monotonic() - since, self.released_for)
+            elif self.released and time.monotonic() - since > self.warn_after_s:
+                log.warning("engines released for %.0f s: the trainer has not given the device back (its turn %s)",
+                            time.monotonic() - since, self.handled.key if self.handled else "unknown")
                 since = time.monotonic()
             await asyncio.sleep(POLL_S)
 
-    async def release(self, step: int) -> None:
-        await self.engines.pause("retract")
-        await self.engines.release_memory()
-        self.released_for = step
-        await self._call(self.turns.released, self.server_id, step)
+    async def release(self, turn: Turn) -> None:
+        """Pause and release what the engines still hold (all of it, unless a restart found some released)."""
+        if not self.released:
+            await self.engines.pause("retract")
+        missing = [t for t in TAGS if t not in self.released]
+        if missing:
+            await self._record(TAGS)
+            await self.engines.release_memory(missing)
+        self.handled = turn
+        await self._call(self.turns.released, self.server_id, turn)
         self.metrics.device_handovers.labels(event="release").inc()
-        log.info("engines released for trainer step %d", step)
+        log.info("engines released for trainer step %d (epoch %d)", turn.step, turn.epoch)
 
     async def take_back(self, turn: Turn) -> None:
         """Resume and load ``turn``'s weights (SGLang's order: weights, load, the rest), then continue; a server
         not released (the overlap; or it missed the turn, or just started) only pauses around the load."""
-        released = self.released_for is not None
-        if released:
-            await self.engines.resume_memory(["weights"])
-        else:
+        if not self.released:
             await self.engines.pause(self.swap_pause)
+        elif "weights" in self.released:
+            await self._record([t for t in self.released if t != "weights"])
+            await self.engines.resume_memory(["weights"])
         await self.engines.update_weights_from_disk(turn.path, str(turn.version))
-        if released:
-            await self.engines.resume_memory(REST)
+        if rest := self.released:
+            await self._record([])
+            await self.engines.resume_memory(rest)
         await self.engines.resume()
-        self.released_for = None
+        await self._call(self.turns.resumed, self.server_id)
         self._serve(turn.version)
         self.metrics.device_handovers.labels(event="resume").inc()
         log.info("engines resumed serving version %d from %s", turn.version, turn.path)
+
+    async def _record(self, tags: list[str]) -> None:
+        """The engines hold ``tags`` released once the call that follows is made (recorded first: see above)."""
+        await self._call(self.turns.record_engines, self.urls, tags)
+        self.released = tags

@@ -2,12 +2,16 @@
 trainer's ``LocalPusher``. The test plays the trainer's loop (take the device, write new weights, give it back)
 while requests keep arriving at the engine, and checks the order of the engine calls, that nothing is generated
 while the engine is released, that the weights served are the ones written, and the memory held while training;
-with the one-step overlap, that the engine keeps its memory and generates while the trainer trains.
+with the one-step overlap, that the engine keeps its memory and generates while the trainer trains. Restarts:
+a trainer that takes a step again waits for a new release and numbers its weights above what was published, and
+a restarted server recovers engines left released or paused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -18,12 +22,14 @@ import redis
 import torch
 import torch.multiprocessing as mp
 from engine_helpers import metric, teacher_forced
+from prometheus_client import CollectorRegistry
 from safetensors.torch import load_file
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM
 
-from buffer.colocation import DeviceTurns
+from buffer.colocation import DeviceTurns, Turn
 from buffer.keys import Keys
+from buffer.metrics import BufferMetrics
 from buffer.registry import ServerInfo, ServerRegistry
 from buffer.staleness import StalenessControl
 from core.config import BufferConfig, TrainerConfig, load_config
@@ -33,6 +39,7 @@ from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient, EngineGroup
 from rollout_server.metrics import RolloutMetrics
 from services import demo
+from trainer.__main__ import _connect
 from trainer.colocation import LocalPusher, held_bytes
 from trainer.parallel import close_distributed, exit_rank, init_distributed, iter_full_params
 from trainer.worker import Trainer
@@ -150,9 +157,10 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
 
         seen = asyncio.run(run())
         per_step = (["pause in_place", "load {v}", "continue"] if overlap else
-                    ["pause retract", "release None", "resume ['weights']", "load {v}",
-                     "resume ['kv_cache', 'cuda_graph']", "continue"])
-        assert engine.calls == [c.format(v=v) for v in range(1, STEPS + 1) for c in per_step]
+                    ["pause retract", "release ['weights', 'kv_cache', 'cuda_graph']", "resume ['weights']",
+                     "load {v}", "resume ['kv_cache', 'cuda_graph']", "continue"])
+        start = ["continue"]  # nothing recorded released: continue what a server that died paused may have left
+        assert engine.calls == start + [c.format(v=v) for v in range(1, STEPS + 1) for c in per_step]
         if overlap:
             assert all(n > 0 for n in seen["during"]), f"tokens generated while training: {seen['during']}"
         else:
@@ -187,15 +195,204 @@ def test_a_server_that_does_not_release_fails_the_step_by_name(redis_server, tin
     registry.register(ServerInfo("srv-a", engine_url="http://127.0.0.1:1"))
     registry.register(ServerInfo("srv-frozen", engine_url="http://127.0.0.1:2"))
     turns = DeviceTurns(client, keys)
-    turns.released("srv-a", 3)
-    turns.released("srv-frozen", 2)  # released for an earlier step only
+    before = LocalPusher(tmp_path, tiny_model_dir, turns, registry, timeout_s=0.5)  # a start that died
     pusher = LocalPusher(tmp_path, tiny_model_dir, turns, registry, timeout_s=0.5)
+    turns.released("srv-a", Turn("trainer", 3, epoch=pusher.epoch))
+    turns.released("srv-frozen", Turn("trainer", 3, epoch=before.epoch))  # step 3 of the start before
     with pytest.raises(TimeoutError, match=r"step 3: rollout server\(s\) srv-frozen did not release .*stage release"):
+        pusher.take_device(3)
+    turns.released("srv-frozen", Turn("trainer", 2, epoch=pusher.epoch))  # an earlier step only
+    with pytest.raises(TimeoutError, match="srv-frozen did not release"):
         pusher.take_device(3)
     registry.deregister("srv-frozen")  # a dead server leaves the live set and is not waited for
     assert pusher.take_device(3) < 0.5
     with pytest.raises(RuntimeError, match="push_model first"):
         pusher.give_device(3)
+
+
+class StallingEngine(RecordingEngine):
+    """Never returns from a load once the engine has done it: a server can be killed there."""
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       flush_cache: bool = True) -> dict:
+        reply = await super().update_weights_from_disk(model_path, weight_version, flush_cache)
+        await asyncio.Event().wait()
+        return reply
+
+
+def follow(turns: DeviceTurns, engine: EngineClient, server_id: str, served: dict[str, int],
+           swap_pause: str = "retract") -> EngineTurns:
+    return EngineTurns(turns, EngineGroup([engine]), server_id, lambda: served["version"],
+                       lambda v: served.__setitem__("version", v), asyncio.to_thread, RolloutMetrics(),
+                       warn_after_s=60, swap_pause=swap_pause)
+
+
+async def stop(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_trainer_that_restarts_in_a_step_waits_for_the_engines_to_release_it_again(
+    redis_server, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The trainer dies holding step 2 (the engines released for it) and resumes from the step-1 checkpoint: its
+    start gives the device back and the server resumes. When it takes step 2 again, the server releases again
+    and the trainer waits for that, not for the report from before its restart."""
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys("colo")
+    turns = DeviceTurns(client, keys)
+    registry = ServerRegistry(client, keys, ttl_s=60)
+    staleness = StalenessControl(client, keys, BufferConfig())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+    with EngineProcess(tiny_model_dir, weight_version="0", threads=1) as proc:
+        registry.register(ServerInfo("srv-a", engine_url=proc.url))
+        engine = RecordingEngine(proc.url)
+        served = {"version": 0}
+
+        async def run() -> tuple[int, list[str]]:
+            server = asyncio.create_task(follow(turns, engine, "srv-a", served).run())
+            try:
+                dead = LocalPusher(tmp_path / "push", tiny_model_dir, turns, registry, staleness, timeout_s=60)
+                dead.push_model(model)
+                dead.give_device(0)
+                await asyncio.to_thread(dead.take_device, 1)
+                dead.push_model(model, unacked=1)
+                dead.give_device(1)
+                await until(lambda: served["version"] == 1, "version 1")
+                await asyncio.to_thread(dead.take_device, 2)  # and dies
+                resumed = LocalPusher(tmp_path / "push", tiny_model_dir, turns, registry, staleness, timeout_s=60)
+                resumed.published = staleness.version()  # as the trainer's _connect
+                resumed.push_model(model, unacked=1)  # its start, from the step-1 checkpoint
+                resumed.give_device(1)
+                assert resumed.written is not None
+                version = resumed.written[0]
+                await until(lambda: served["version"] == version, f"the resumed trainer's version {version}")
+                before = len(engine.calls)
+                await asyncio.to_thread(resumed.take_device, 2)
+                return engine_bytes(proc.url), engine.calls[before:]
+            finally:
+                await stop(server)
+                await engine.aclose()
+
+        held, calls = asyncio.run(run())
+    assert calls == ["pause retract", "release ['weights', 'kv_cache', 'cuda_graph']"]
+    assert held == 0  # the engine released before the trainer went on
+
+
+def test_a_resumed_trainer_hands_over_its_weights_above_the_published_version(
+    redis_server, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A trainer that published version 2 dies and resumes from an older checkpoint: the weights it resumes from
+    go out as version 3 (engines serving 2 load them; groups of 2 are one version old to them), and version 2's
+    directory stays as it was written."""
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys("colo")
+    turns = DeviceTurns(client, keys)
+    registry = ServerRegistry(client, keys, ttl_s=60)  # no server: the device is taken at once
+    staleness = StalenessControl(client, keys, BufferConfig())
+    root = tmp_path / "push"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    dead = LocalPusher(root, tiny_model_dir, turns, registry, staleness)
+    dead.push_model(model)
+    dead.give_device(0)
+    for step in (1, 2):
+        dead.take_device(step)
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)  # a training step
+        dead.push_model(model, unacked=step)
+        dead.give_device(step)
+    v2 = load_file(root / "v2" / "model.safetensors")
+    assert (turns.turn().version, staleness.version()) == (2, 2)
+
+    checkpoint = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)  # older weights
+    resumed = LocalPusher(root, tiny_model_dir, turns, registry, staleness)
+    resumed.published = staleness.version()
+    resumed.push_model(checkpoint, unacked=1)
+    resumed.give_device(1)
+    turn = turns.turn()
+    assert turn is not None and (turn.version, turn.path) == (3, str(root / "v3")) and staleness.version() == 3
+    kept = load_file(root / "v2" / "model.safetensors")
+    assert all(torch.equal(kept[name], t) for name, t in v2.items())
+
+
+@pytest.mark.parametrize("died", ["in_training", "after_release", "after_load", "overlap_after_load"])
+def test_a_restarted_server_recovers_engines_left_released_or_paused(
+    redis_server, tiny_model_dir: Path, tmp_path: Path, died: str
+) -> None:
+    """A rollout server with external engines (``engine.urls``) is killed and started again (a new server id):
+    while the trainer trains, with the engines released (it reports them released without releasing again:
+    SGLang dies pausing memory twice); after that, the trainer having given the device back while it was down;
+    after the load, with the rest of the memory still released (the version already the one to serve); with the
+    overlap, after the load, the engines paused. Each time the engines end up serving the version given."""
+    client = redis.Redis.from_url(redis_server.url)
+    keys = Keys("colo")
+    turns = DeviceTurns(client, keys)
+    registry = ServerRegistry(client, keys, ttl_s=60)
+    staleness = StalenessControl(client, keys, BufferConfig())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    overlap = died.startswith("overlap")
+    pusher = LocalPusher(tmp_path / "push", tiny_model_dir, turns, registry, staleness, timeout_s=60, overlap=overlap)
+    swap_pause = "in_place" if overlap else "retract"
+
+    with EngineProcess(tiny_model_dir, weight_version="0", threads=1) as proc:
+        registry.register(ServerInfo("srv-a", engine_url=proc.url))
+        first, second = StallingEngine(proc.url), RecordingEngine(proc.url)
+
+        async def run() -> list[str]:
+            killed = asyncio.create_task(follow(turns, first, "srv-a", {"version": 0}, swap_pause).run())
+            pusher.push_model(model)
+            pusher.give_device(0)
+            await asyncio.to_thread(pusher.take_device, 1)
+            pusher.push_model(model, unacked=1)
+            if died.endswith("after_load"):
+                pusher.give_device(1)
+                await until(lambda: "load 1" in first.calls, "the load")
+            await stop(killed)
+            registry.deregister("srv-a")
+            if died == "after_release":
+                pusher.give_device(1)
+            registry.register(ServerInfo("srv-b", engine_url=proc.url))
+            served = {"version": int(await second.weight_version() or 0)}  # as the rollout worker starts
+            restarted = asyncio.create_task(follow(turns, second, "srv-b", served, swap_pause).run())
+            try:
+                if died == "in_training":
+                    await asyncio.to_thread(turns.wait_released, Turn("trainer", 1, epoch=pusher.epoch), registry, 20)
+                    assert second.calls == []
+                    pusher.give_device(1)
+                await until(lambda: "continue" in second.calls, "the engines to continue", timeout_s=20)
+                async with httpx.AsyncClient(base_url=proc.url, timeout=60) as http:
+                    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+                    reply = (await http.post("/generate", json=body)).json()
+                assert [s["version"] for s in reply["meta_info"]["weight_versions"]] == ["1"]
+                return second.calls
+            finally:
+                await stop(restarted)
+                await first.aclose()
+                await second.aclose()
+
+        calls = asyncio.run(run())
+    rest = "resume ['kv_cache', 'cuda_graph']"
+    assert calls == {"in_training": ["resume ['weights']", "load 1", rest, "continue"],
+                     "after_release": ["resume ['weights']", "load 1", rest, "continue"],
+                     "after_load": ["load 1", rest, "continue"],
+                     "overlap_after_load": ["continue"]}[died]
+    assert turns.engines_released([proc.url]) == [] and not client.hexists(keys.device_released, "srv-b")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_rank_of_an_overlapped_trainer_keeps_its_memory(redis_server, ctx, tiny_model_dir: Path,
+                                                               tmp_path: Path, rank: int) -> None:
+    """With ``placement.colocated_staleness=1`` the engines keep the device, so no rank offloads: each rank's
+    device share says overlap, as rank 0's does (the other ranks' used to offload every step)."""
+    cfg = load_config(None, ["placement.mode=colocated", "placement.colocated_staleness=1",
+                             f"redis.url={redis_server.url}", f"run.dir={tmp_path}", f"model.path={tiny_model_dir}",
+                             f"checkpoint.stage_dir={tmp_path}/stage"], env={})
+    metrics = CollectorRegistry()
+    with contextlib.ExitStack() as stack:
+        _, pusher, _, _ = _connect(cfg, dataclasses.replace(ctx, rank=rank, world_size=2), stack, metrics,
+                                   BufferMetrics(metrics))
+    assert isinstance(pusher, LocalPusher) and pusher.overlap
 
 
 def test_colocated_config_is_synchronous_or_one_step_behind_and_refuses_lora() -> None:

@@ -66,7 +66,8 @@ def _connect(
     local_root = cfg.checkpoint.stage_dir / cfg.run.name / "local_push"
     if not ctx.is_main:
         if colocated:
-            return None, LocalPusher(local_root, cfg.model.path), None, None
+            overlap = cfg.placement.colocated_staleness == 1  # as rank 0's: every rank offloads or none does
+            return None, LocalPusher(local_root, cfg.model.path, overlap=overlap), None, None
         pusher = CheckpointPusher(cfg.checkpoint, [])
         stack.callback(pusher.close)
         return None, pusher, None, None

@@ -5,6 +5,9 @@ safetensors directory on this host (a local push: no gRPC, no snapshot streaming
 device changes hands: rank 0 takes it (every live server's engines release their memory first) and gives it
 back with the newest weights written, which the servers load before they generate again. The version is
 published when it is handed over, so admission opens the next batch only for the weights that will serve it.
+Each start takes a new turn epoch, so a step it takes again after a restart is released for anew, and numbers
+its first write above every published version (a fresh run's is version 0, which the servers already serve), so
+the servers load what a resumed trainer hands over and versions never go back in age.
 With the one-step overlap (``placement.colocated_staleness=1``) the trainer does not take the device: the
 engines keep generating on the previous weights while it trains, and load each new version when it is given.
 """
@@ -54,6 +57,7 @@ class LocalPusher:
         self._staleness = staleness
         self.timeout_s = timeout_s
         self.overlap = overlap
+        self.epoch = turns.new_epoch() if turns is not None else 0  # this trainer start's
         self.published = 0
         self.last_pushed = 0
         self.written: tuple[int, int] | None = None  # version (in root/v<version>), groups trained on
@@ -61,9 +65,9 @@ class LocalPusher:
     # ---- Pusher -------------------------------------------------------------------------------
 
     def push_model(self, model: nn.Module, unacked: int = 0) -> PushRound | None:
-        """Write the full weights (every rank gathers; rank 0 writes). The first write keeps the published
-        version (the weights the run resumes from), each later one is the next version. ``unacked``: groups
-        trained into the model that the buffer has not counted yet."""
+        """Write the full weights (every rank gathers; rank 0 writes) as the next version: above every version
+        published, or a fresh run's first write as version 0. ``unacked``: groups trained into the model that the
+        buffer has not counted yet."""
         params = iter_full_params(model)
         if dist.is_initialized() and dist.get_rank() != 0:
             for _ in params:
@@ -71,7 +75,8 @@ class LocalPusher:
             return None
         start = time.perf_counter()
         trained = groups_trained(self._staleness, unacked)
-        version = self.published if self.written is None else max(self.last_pushed, self.published) + 1
+        fresh = self.written is None and self.published == 0 and trained == 0
+        version = 0 if fresh else max(self.last_pushed, self.published) + 1
         out = self.root / f"v{version}"
         partial = self.root / f".v{version}.partial"
         shutil.rmtree(partial, ignore_errors=True)
@@ -102,8 +107,8 @@ class LocalPusher:
         start = time.perf_counter()
         if self.turns is not None and not self.overlap:
             assert self.servers is not None
-            self.turns.take(step)
-            self.turns.wait_released(step, self.servers, self.timeout_s)
+            turn = self.turns.take(self.epoch, step)
+            self.turns.wait_released(turn, self.servers, self.timeout_s)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return time.perf_counter() - start
@@ -115,7 +120,7 @@ class LocalPusher:
         if self.written is None:
             raise RuntimeError("give_device before any weights were written: push_model first")
         version, trained = self.written
-        self.turns.give(step, version, str(self.root / f"v{version}"))
+        self.turns.give(self.epoch, step, version, str(self.root / f"v{version}"))
         self.published = max(self.published, version)
         if self._staleness is not None:
             self._staleness.set_version(version, trained)

@@ -190,8 +190,8 @@ class Trainer:
                 dist.broadcast_object_list(published, src=0)
             self.pusher.published = published[0]
             # A fresh run's servers already serve the weights it starts from, as version 0: pushing them again
-            # would be a whole push for nothing. A colocated run writes them all the same: its local push keeps
-            # the version, and the device is handed over with it. Any other start pushes what it resumed from,
+            # would be a whole push for nothing. A colocated run writes them all the same (its local push numbers
+            # them 0 then), and the device is handed over with them. Any other start pushes what it resumed from,
             # trained on the groups its checkpoint covers (acked above), so admission opens nothing for it.
             if self.step > 0 or self.pusher.published > 0 or self.device_share is not None:
                 self.pusher.push_model(self.model, unacked=len(self._covered))

@@ -122,16 +122,21 @@ def test_a_component_dies_with_its_launcher(tmp_path: Path) -> None:
             assert time.monotonic() < deadline and proc.poll() is None, "the child never armed its death signal"
             time.sleep(0.05)
         assert log.read_text().split() == ["armed", "False"]  # its own children do not inherit the launcher's pid
-        proc.kill()
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while _alive(pid):
-            assert time.monotonic() < deadline, f"child {pid} outlived its launcher"
-            time.sleep(0.05)
+        _kill_and_outlive_not(proc, pid, "its launcher")
     finally:
         stop_process(proc, 10)
         if pid and _alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def _kill_and_outlive_not(parent: subprocess.Popen, pid: int, what: str) -> None:
+    """SIGKILL ``parent``: its child ``pid`` must be gone within 30 s."""
+    parent.kill()
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"{pid} outlived {what}"
+        time.sleep(0.05)
 
 
 def test_the_engine_dies_with_the_rollout_server_that_started_it(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -149,12 +154,7 @@ def test_the_engine_dies_with_the_rollout_server_that_started_it(tmp_path: Path,
         pid = int(proc.stdout.readline())
         time.sleep(0.5)
         assert _alive(pid), "the engine stopped when the thread that waited for it ended"
-        proc.kill()
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while _alive(pid):
-            assert time.monotonic() < deadline, f"engine {pid} outlived the rollout server that started it"
-            time.sleep(0.05)
+        _kill_and_outlive_not(proc, pid, "the rollout server that started it")
     finally:
         stop_process(proc, 10)
         if pid and _alive(pid):

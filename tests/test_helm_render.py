@@ -245,8 +245,16 @@ def test_service_monitors_use_the_prometheus_job_names() -> None:
     for monitor in monitors:
         assert monitor["metadata"]["labels"]["release"] == "kps"
         [endpoint] = monitor["spec"]["endpoints"]
-        [relabel] = endpoint["relabelings"]
+        *keep, relabel = endpoint["relabelings"]
         names.add(relabel["replacement"])
+        if relabel["replacement"] == "rollwave-trainer":  # only rank 0 serves metrics: the pool's other pods are no
+            [rule] = keep                                   # targets, rather than down ones
+            assert rule["action"] == "keep" and rule["sourceLabels"] == ["__meta_kubernetes_pod_name"]
+            assert re.fullmatch(rule["regex"], "rw-rollwave-trainer-0")
+            assert not re.fullmatch(rule["regex"], "rw-rollwave-trainer-1")
+            assert not re.fullmatch(rule["regex"], "rw-rollwave-trainer-10")
+        else:
+            assert keep == []
         selector = monitor["spec"]["selector"]["matchLabels"]
         [service] = [d for d in docs if d["kind"] == "Service" and selector.items() <= d["metadata"]["labels"].items()]
         assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}

@@ -58,6 +58,14 @@ time.sleep(120)
 """
 
 
+def _gone(pid: int, what: str, timeout_s: float = 10.0) -> None:
+    """Wait for ``pid`` to end (or be a zombie): a process signalled a moment ago may still be running."""
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"{what}: {pid}"
+        time.sleep(0.05)
+
+
 def test_a_restart_first_kills_what_the_dead_component_left(tmp_path: Path) -> None:
     """A SIGKILLed rollout server leaves its engine: the restart kills it, rather than start a second beside it
     that outlives the run."""
@@ -72,12 +80,9 @@ def test_a_restart_first_kills_what_the_dead_component_left(tmp_path: Path) -> N
                 time.sleep(0.05)
             first, second = children
             assert stack.restarts["rollout-0"] == 1
-            deadline = time.monotonic() + 10
-            while _alive(first):
-                assert time.monotonic() < deadline, f"the first generation's child {first} outlived it"
-                time.sleep(0.05)
+            _gone(first, "the first generation's child outlived it")
             assert _alive(second)  # the live generation's child is left alone
-        assert not _alive(second)  # close() stops the live generation's group
+        _gone(second, "close() left the live generation's child")  # a signalled process takes a moment to die
     finally:
         for pid in children:
             if _alive(pid):
@@ -133,10 +138,7 @@ def _kill_and_outlive_not(parent: subprocess.Popen, pid: int, what: str) -> None
     """SIGKILL ``parent``: its child ``pid`` must be gone within 30 s."""
     parent.kill()
     parent.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while _alive(pid):
-        assert time.monotonic() < deadline, f"{pid} outlived {what}"
-        time.sleep(0.05)
+    _gone(pid, f"outlived {what}", timeout_s=30)
 
 
 def test_the_engine_dies_with_the_rollout_server_that_started_it(tmp_path: Path, tiny_model_dir: Path) -> None:

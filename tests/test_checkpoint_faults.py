@@ -7,9 +7,10 @@ picks; the receiver (with a real ``EngineGroup`` of ``EngineClient``s), the push
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,19 @@ async def eventually(predicate: Callable[[], bool], what: str) -> None:
         await asyncio.sleep(0.02)
 
 
+@contextlib.asynccontextmanager
+async def receiver_and_pusher(cfg: CheckpointConfig, model_dir: Path, engine: EngineClient | EngineGroup,
+                              url: str) -> AsyncIterator[tuple[CheckpointReceiver, CheckpointPusher]]:
+    """A receiver swapping ``engine`` and a pusher to it, both stopped on the way out."""
+    receiver = CheckpointReceiver(cfg, model_dir, engine, url, "stub")
+    pusher = CheckpointPusher(cfg, [await receiver.start()])
+    try:
+        yield receiver, pusher
+    finally:
+        await asyncio.to_thread(pusher.close)
+        await receiver.stop()
+
+
 def sample(receiver: CheckpointReceiver, name: str, reason: str) -> float:
     return receiver.metrics.registry.get_sample_value(name, {"reason": reason}) or 0.0
 
@@ -78,18 +92,13 @@ def test_a_failed_pause_leaves_no_engine_of_the_group_paused(tiny_model_dir: Pat
         app_b, seen_b, _ = sglang_056_stub(fault=refuse_pause)
         async with serve(app_a) as url_a, serve(app_b) as url_b, EngineClient(url_a, backoff_s=0.05) as a, \
                 EngineClient(url_b, backoff_s=0.05) as b:
-            receiver = CheckpointReceiver(cfg, tiny_model_dir, EngineGroup([a, b]), url_a, "pair")
-            pusher = CheckpointPusher(cfg, [await receiver.start()])
-            try:
+            async with receiver_and_pusher(cfg, tiny_model_dir, EngineGroup([a, b]), url_a) as (receiver, pusher):
                 [failed] = (await push(pusher, model_of(tiny_model_dir), 1)).servers
                 assert (failed.stage, failed.reason) == ("commit", "pause_timeout" if late else "pause"), failed
                 await eventually(lambda: "/continue_generation" in seen_b, "the engines to be continued")
                 assert late or url_b in failed.error, failed.error  # the group names the engine that refused
                 refusing = False
                 assert (await push(pusher, model_of(tiny_model_dir), 2)).ok
-            finally:
-                await asyncio.to_thread(pusher.close)
-                await receiver.stop()
             swaps = [path for path in seen_a if path in ("/pause_generation", "/continue_generation")]
             assert swaps == ["/pause_generation", "/continue_generation"] * (len(swaps) // 2), swaps
             assert receiver.version == 2 and not app_a.state.paused and not app_b.state.paused
@@ -114,13 +123,8 @@ def test_a_failed_continue_is_tried_until_the_engine_continues(tiny_model_dir: P
     async def run() -> None:
         app, seen, _ = sglang_056_stub(fault=refuse_continue)
         async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
-            receiver = CheckpointReceiver(cfg, tiny_model_dir, engine, url, "stub")
-            pusher = CheckpointPusher(cfg, [await receiver.start()])
-            try:
+            async with receiver_and_pusher(cfg, tiny_model_dir, engine, url) as (receiver, pusher):
                 pushed = await push(pusher, model_of(tiny_model_dir), 1)
-            finally:
-                await asyncio.to_thread(pusher.close)
-                await receiver.stop()
             assert not app.state.paused and seen.count("/continue_generation") == 3
             [result] = pushed.servers
             assert pushed.ok and result.commit_attempts == 1, result
@@ -143,16 +147,11 @@ def test_a_continue_that_keeps_failing_holds_the_commit_until_the_receiver_stops
     async def run() -> None:
         app, _, _ = sglang_056_stub(fault=refuse_continue)
         async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
-            receiver = CheckpointReceiver(cfg, tiny_model_dir, engine, url, "stub")
-            pusher = CheckpointPusher(cfg, [await receiver.start()])
-            try:
+            async with receiver_and_pusher(cfg, tiny_model_dir, engine, url) as (receiver, pusher):
                 [result] = (await push(pusher, model_of(tiny_model_dir), 1)).servers
                 assert (result.stage, result.reason) == ("commit", "timeout"), result
                 assert receiver.version == 0 and app.state.paused
                 assert sample(receiver, "rollwave_rollout_resume_failures_total", "resume") >= 2
-            finally:
-                await asyncio.to_thread(pusher.close)
-                await receiver.stop()
             await eventually(lambda: sample(receiver, "rollwave_rollout_commit_failures_total", "resume") == 1,
                              "the Commit to give up once the receiver stopped")
 

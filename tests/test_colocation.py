@@ -79,6 +79,16 @@ class RecordingEngine(EngineClient):
         await super().resume(torch_empty_cache)
 
 
+KEYS = Keys("colo")
+
+
+def run_parts(url: str, max_staleness: int = 0) -> tuple[redis.Redis, DeviceTurns, ServerRegistry, StalenessControl]:
+    """The run's parts in Redis a colocated test drives: its client, whose turn it is, the live servers, admission."""
+    client = redis.Redis.from_url(url)
+    return (client, DeviceTurns(client, KEYS), ServerRegistry(client, KEYS, ttl_s=60),
+            StalenessControl(client, KEYS, BufferConfig(max_staleness=max_staleness)))
+
+
 def engine_bytes(url: str) -> int:
     return int(sum(metric(url, name) for name in MEMORY))
 
@@ -97,11 +107,7 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
     """Staleness 0: the engine releases its memory for each step and generates nothing meanwhile. The overlap
     (``placement.colocated_staleness=1``, with ``kv_on_swap: keep``): it keeps its memory and generates while the
     trainer trains, and only pauses (in place) around each load."""
-    client = redis.Redis.from_url(redis_server.url)
-    keys = Keys("colo")
-    turns = DeviceTurns(client, keys)
-    registry = ServerRegistry(client, keys, ttl_s=60)
-    staleness = StalenessControl(client, keys, BufferConfig(max_staleness=int(overlap)))
+    client, turns, registry, staleness = run_parts(redis_server.url, max_staleness=int(overlap))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pusher = LocalPusher(tmp_path / "push", tiny_model_dir, turns, registry, staleness, timeout_s=60, overlap=overlap)
@@ -166,7 +172,7 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
         else:
             assert seen["during"] == [0] * STEPS, f"generated while released: {seen['during']}"
         assert any(v[-1] == str(STEPS) for v in seen["versions"])
-        assert staleness.version() == STEPS and int(client.get(keys.version_trained)) == STEPS
+        assert staleness.version() == STEPS and int(client.get(KEYS.version_trained)) == STEPS
 
         out = httpx.post(proc.url + "/generate", timeout=60, json={
             "input_ids": PROMPT, "return_logprob": True, "sampling_params": {"max_new_tokens": 8, "temperature": 0}
@@ -189,12 +195,9 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
 
 def test_a_server_that_does_not_release_fails_the_step_by_name(redis_server, tiny_model_dir: Path,
                                                                tmp_path: Path) -> None:
-    client = redis.Redis.from_url(redis_server.url)
-    keys = Keys("colo")
-    registry = ServerRegistry(client, keys, ttl_s=60)
+    _client, turns, registry, _staleness = run_parts(redis_server.url)
     registry.register(ServerInfo("srv-a", engine_url="http://127.0.0.1:1"))
     registry.register(ServerInfo("srv-frozen", engine_url="http://127.0.0.1:2"))
-    turns = DeviceTurns(client, keys)
     before = LocalPusher(tmp_path, tiny_model_dir, turns, registry, timeout_s=0.5)  # a start that died
     pusher = LocalPusher(tmp_path, tiny_model_dir, turns, registry, timeout_s=0.5)
     turns.released("srv-a", Turn("trainer", 3, epoch=pusher.epoch))
@@ -238,11 +241,7 @@ def test_a_trainer_that_restarts_in_a_step_waits_for_the_engines_to_release_it_a
     """The trainer dies holding step 2 (the engines released for it) and resumes from the step-1 checkpoint: its
     start gives the device back and the server resumes. When it takes step 2 again, the server releases again
     and the trainer waits for that, not for the report from before its restart."""
-    client = redis.Redis.from_url(redis_server.url)
-    keys = Keys("colo")
-    turns = DeviceTurns(client, keys)
-    registry = ServerRegistry(client, keys, ttl_s=60)
-    staleness = StalenessControl(client, keys, BufferConfig())
+    client, turns, registry, staleness = run_parts(redis_server.url)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
 
     with EngineProcess(tiny_model_dir, weight_version="0", threads=1) as proc:
@@ -286,11 +285,7 @@ def test_a_resumed_trainer_hands_over_its_weights_above_the_published_version(
     """A trainer that published version 2 dies and resumes from an older checkpoint: the weights it resumes from
     go out as version 3 (engines serving 2 load them; groups of 2 are one version old to them), and version 2's
     directory stays as it was written."""
-    client = redis.Redis.from_url(redis_server.url)
-    keys = Keys("colo")
-    turns = DeviceTurns(client, keys)
-    registry = ServerRegistry(client, keys, ttl_s=60)  # no server: the device is taken at once
-    staleness = StalenessControl(client, keys, BufferConfig())
+    client, turns, registry, staleness = run_parts(redis_server.url)  # no server: the device is taken at once
     root = tmp_path / "push"
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     dead = LocalPusher(root, tiny_model_dir, turns, registry, staleness)
@@ -325,11 +320,7 @@ def test_a_restarted_server_recovers_engines_left_released_or_paused(
     SGLang dies pausing memory twice); after that, the trainer having given the device back while it was down;
     after the load, with the rest of the memory still released (the version already the one to serve); with the
     overlap, after the load, the engines paused. Each time the engines end up serving the version given."""
-    client = redis.Redis.from_url(redis_server.url)
-    keys = Keys("colo")
-    turns = DeviceTurns(client, keys)
-    registry = ServerRegistry(client, keys, ttl_s=60)
-    staleness = StalenessControl(client, keys, BufferConfig())
+    client, turns, registry, staleness = run_parts(redis_server.url)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     overlap = died.startswith("overlap")
     pusher = LocalPusher(tmp_path / "push", tiny_model_dir, turns, registry, staleness, timeout_s=60, overlap=overlap)
@@ -377,7 +368,7 @@ def test_a_restarted_server_recovers_engines_left_released_or_paused(
                      "after_release": ["resume ['weights']", "load 1", rest, "continue"],
                      "after_load": ["load 1", rest, "continue"],
                      "overlap_after_load": ["continue"]}[died]
-    assert turns.engines_released([proc.url]) == [] and not client.hexists(keys.device_released, "srv-b")
+    assert turns.engines_released([proc.url]) == [] and not client.hexists(KEYS.device_released, "srv-b")
 
 
 @pytest.mark.parametrize("rank", [0, 1])

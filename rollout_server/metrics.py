@@ -109,12 +109,12 @@ class RolloutMetrics:
     def stats(self) -> dict[str, float]:
         """The counters the API's dashboard charts, published with every heartbeat."""
         self._count_busy()
-        pauses = self.total(_P + "pause_duration_seconds_count")
         return {
             "generated_tokens": self.total(_P + "generated_tokens_total"),
             "groups_completed": self.total(_P + "groups_completed_total"),
             "tool_errors": self.total(_P + "tool_calls_total") - self.total(_P + "tool_calls_total", outcome="ok"),
             "busy_s": self.total(_P + "busy_seconds_total"),
             "paused_s": self.total(_P + "paused_seconds_total"),
-            "pause_ms_mean": 1000 * self.total(_P + "pause_duration_seconds_sum") / pauses if pauses else 0.0,
+            "pauses": self.total(_P + "pause_duration_seconds_count"),
+            "pause_s": self.total(_P + "pause_duration_seconds_sum"),
         }

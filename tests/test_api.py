@@ -17,12 +17,17 @@ import redis
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
+from buffer.registry import ServerInfo, ServerRegistry
 from buffer.replay import ReplayBuffer
 from buffer.task_queue import TaskQueue
 from core.config import BufferConfig, ConfigError, load_config
 from core.jobs import MAX_INLINE_TASKS
 from core.tasks.gsm8k import BUNDLED
+from rollout_server.checkpoint_receiver import CheckpointMetrics
+from rollout_server.metrics import RolloutMetrics
 from services.api import create_app
+from services.api.cluster import ClusterView
+from services.api.sampler import MetricsSampler
 from tests.buffer_helpers import make_group
 from tests.http_harness import serve_app
 
@@ -452,3 +457,35 @@ def test_a_request_without_the_token_is_refused_before_its_body_is_read(redis_ur
         reply = api.post("/v1/jobs", content=b"{oops", headers=json_body)  # with the token: parsed, and refused
         assert reply.status_code == 422 and _refused(api, "validation") == 1
         assert "rollwave_api_jobs_rejected_total 1.0" in api.get("/metrics").text
+
+
+def _server_metrics() -> tuple[RolloutMetrics, CheckpointMetrics]:
+    """A rollout server's metrics as ``rollout_server.__main__`` makes them: one registry for both."""
+    metrics = RolloutMetrics()
+    return metrics, CheckpointMetrics(metrics.registry)
+
+
+def test_dashboard_pause_is_the_latest_updates_not_a_lifetime_mean(redis_url: str) -> None:
+    """Each point is the mean pause of the commits since the last sample (each server differenced on its own, a
+    restarted one from zero), held while no commit comes; the first sample only sets the baseline."""
+    client, keys = redis.Redis.from_url(redis_url), Keys("pauses")
+    registry = ServerRegistry(client, keys)
+    sampler = MetricsSampler(ClusterView(client, keys, registry, TaskQueue(client, keys, BufferConfig())))
+    servers = {name: _server_metrics() for name in ("a", "b")}
+    started = {"a": 1.0, "b": 1.0}
+
+    def sample(t: float, **pauses_ms: list[float]) -> float | None:
+        for name, ms in pauses_ms.items():
+            for value in ms:
+                servers[name][1].pause_seconds.observe(value / 1000)
+        for name, (metrics, _) in servers.items():  # each server's heartbeat carries its stats
+            registry.heartbeat(ServerInfo(name, "http://127.0.0.1:1", started=started[name], stats=metrics.stats()))
+        sampler.record(t, sampler.cluster.sample())
+        return sampler.points[-1][1]["pause_ms"]
+
+    assert sample(0.0, a=[400.0] * 10) is None  # ten pauses before the API looked: a baseline, not charted
+    assert sample(1.0, a=[10.0, 30.0]) == pytest.approx(20.0)
+    assert sample(2.0) == pytest.approx(20.0)  # no commit since: the last updates' mean is held
+    assert sample(3.0, b=[50.0]) == pytest.approx(50.0)
+    servers["b"], started["b"] = _server_metrics(), 2.0  # b restarted: its counters begin again
+    assert sample(4.0, a=[10.0], b=[2.0]) == pytest.approx(6.0)

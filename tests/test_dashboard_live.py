@@ -23,21 +23,24 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from transformers import AutoModelForCausalLM
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import PushRecord, ServerRegistry
-from core.config import load_config
+from core.config import CheckpointConfig, load_config
 from services.api import create_app
 from tests.chromium_harness import dump_dom, elements
 from tests.http_harness import serve_app
+from trainer.checkpoint_pusher import CheckpointPusher
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = secrets.token_urlsafe(32)
+CHECKPOINT_TOKEN = secrets.token_urlsafe(32)
 DATA = ROOT / "data"
 SERVER_ID = "dash-0"
 EVAL_TASKS = 3
-# Series the cluster above feeds without a trainer; the trainer's (reward, staleness, idle) stay empty.
+# Series the cluster above feeds (the pause: by one push); the trainer's (reward, staleness, idle) stay empty.
 FED_SERIES = {"policy_version", "buffer_depth_groups", "generated_tokens_per_s", "pause_ms", "tool_errors_per_s"}
 
 
@@ -86,19 +89,21 @@ def live(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
         ]
         api_cfg = load_config(None, [*overrides, f"api.token={TOKEN}", f"api.data_root={DATA}"])
         log = tmp / "rollout.log"
-        env = {**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
+        env = {**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": CHECKPOINT_TOKEN}
         with serve_app(create_app(api_cfg)) as url, open(log, "wb") as out:
             server = subprocess.Popen([sys.executable, "-m", "rollout_server", *overrides], cwd=ROOT, stdout=out,
                                       stderr=subprocess.STDOUT, start_new_session=True, env=env)
             try:
                 with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as api:
-                    yield _run_jobs(url, api, server, log, redis_server.url)
+                    yield _run_jobs(url, api, server, log, redis_server.url, tiny_model_dir, tmp / "push")
             finally:
                 _stop(server)
 
 
-def _run_jobs(url: str, api: httpx.Client, server: subprocess.Popen, log: Path, redis_url: str) -> Live:
-    """An eval job run to the end and a small train job whose groups wait in the buffer (no trainer)."""
+def _run_jobs(url: str, api: httpx.Client, server: subprocess.Popen, log: Path, redis_url: str, model_dir: Path,
+              stage_dir: Path) -> Live:
+    """An eval job run to the end, a small train job whose groups wait in the buffer (no trainer) and one
+    weight push (the trainer's pusher) so the pause is charted."""
 
     def alive() -> bool:
         return any(s["server_id"] == SERVER_ID and s["alive"] for s in api.get("/v1/status").json()["servers"])
@@ -112,6 +117,12 @@ def _run_jobs(url: str, api: httpx.Client, server: subprocess.Popen, log: Path, 
     wait_for("eval job done", lambda: api.get(f"/v1/jobs/{eval_id}").json()["state"] == "done", 120, server, log)
     wait_for("train groups written", lambda: api.get(f"/v1/jobs/{train_id}").json()["progress"]["completed"] == 2,
              120, server, log)
+    [info] = ServerRegistry(redis.Redis.from_url(redis_url), Keys("dash")).live_servers()
+    pusher = CheckpointPusher(CheckpointConfig(token=CHECKPOINT_TOKEN, stage_dir=stage_dir), [info.grpc_address])
+    try:
+        assert pusher.push_model(AutoModelForCausalLM.from_pretrained(model_dir), version=1).wait(60).ok
+    finally:
+        pusher.close()
     series = lambda: api.get("/v1/metrics/summary").json()["series"]  # noqa: E731
     wait_for("every fed series sampled", lambda: all(any(v is not None for v in series()[n]) for n in FED_SERIES),
              30, server, log)

@@ -141,11 +141,14 @@ class ClusterView:
             "buffer": self.buffer(),
         }
 
-    def sample(self) -> dict[str, float | None]:
-        """One point of the dashboard's time series (raw counters; the sampler turns them into rates)."""
+    def sample(self) -> dict[str, Any]:
+        """One point of the dashboard's time series: raw counters, and the pause count and seconds of each
+        live server, keyed by its id and start (``pauses``); the sampler turns them into rates and the mean
+        pause of the latest updates."""
         last = self.redis.xrevrange(self.keys.steps, "+", "-", count=1)
         step = json.loads(last[0][1][b"metrics"]) if last else {}
-        stats = [info.stats for info in self.servers.live_servers()]
+        servers = self.servers.live_servers()
+        stats = [info.stats for info in servers]
         return {
             "policy_version": float(self.redis.get(self.keys.version) or 0),
             "buffer_depth_groups": float(self.redis.xlen(self.keys.groups)),
@@ -154,5 +157,6 @@ class ClusterView:
             "staleness_mean": step.get("staleness_mean"),
             "generated_tokens": float(sum(s.get("generated_tokens", 0) for s in stats)),
             "tool_errors": float(sum(s.get("tool_errors", 0) for s in stats)),
-            "pause_ms": max((s.get("pause_ms_mean", 0.0) for s in stats), default=None),
+            "pauses": {(info.server_id, info.started): (info.stats.get("pauses", 0.0),
+                                                        info.stats.get("pause_s", 0.0)) for info in servers},
         }

@@ -36,13 +36,33 @@ class MetricsSampler:
         self.interval_s = interval_s
         self.points: deque[tuple[float, dict[str, float | None]]] = deque(maxlen=keep)
         self._last: dict[str, tuple[float, float]] = {}  # counter -> (time, value) of the last sample
+        self._pauses: dict[tuple[str, float], tuple[float, float]] = {}  # (server, start) -> (pauses, seconds)
+        self._pause_ms: float | None = None
+        self._sampled = False
 
-    def record(self, t: float, raw: dict[str, float | None]) -> None:
+    def record(self, t: float, raw: dict[str, Any]) -> None:
         for counter, series in RATES.items():
             value, last = raw.pop(counter) or 0.0, self._last.get(counter)
             raw[series] = None if last is None or t <= last[0] else max(0.0, value - last[1]) / (t - last[0])
             self._last[counter] = (t, value)
+        raw["pause_ms"] = self._latest_pause_ms(raw.pop("pauses"))
         self.points.append((t, raw))
+
+    def _latest_pause_ms(self, pauses: dict[tuple[str, float], tuple[float, float]]) -> float | None:
+        """The mean pause of the updates since the last sample, or the last such mean while none came. Each
+        server's counters are differenced against its own last seen (from zero once it restarted, a new start;
+        the first sample only sets the baseline), so the chart shows what updates cost now, not a lifetime
+        mean that stops moving as a run grows."""
+        count = seconds = 0.0
+        for server, (n, s) in pauses.items():
+            n0, s0 = self._pauses.get(server, (0.0, 0.0)) if self._sampled else (n, s)
+            count, seconds = count + n - n0, seconds + s - s0
+        live = {server_id for server_id, _ in pauses}  # a server out of sight keeps its baseline until it returns
+        self._pauses = {k: v for k, v in self._pauses.items() if k[0] not in live} | pauses
+        self._sampled = True
+        if count > 0:
+            self._pause_ms = 1000 * seconds / count
+        return self._pause_ms
 
     async def run(self) -> None:
         while True:

@@ -152,16 +152,9 @@ class Scheduler:
         self._inbox.put(lambda: self._enqueue(reqs))
 
     def call(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` on the scheduler thread between two steps."""
+        """Run ``fn`` on the scheduler thread between two steps (not at all if its caller gave up first)."""
         fut: Future = Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(fn())
-            except Exception as exc:  # handed to the caller through the future
-                fut.set_exception(exc)
-
-        self._inbox.put(run)
+        self._inbox.put(lambda: _settle(fut, fn))
         return fut
 
     def call_when_idle(self, fn: Callable[[], Any]) -> Future:
@@ -379,7 +372,10 @@ class Scheduler:
 
     def _enqueue(self, reqs: list[Request]) -> None:
         for r in reqs:
-            if r.params.max_new_tokens == 0:  # nothing to sample (this engine computes no input logprobs)
+            if not r.future.set_running_or_notify_cancel():  # its handler was cancelled: nobody waits for it
+                with self._rid_lock:
+                    self._rids.discard(r.rid)
+            elif r.params.max_new_tokens == 0:  # nothing to sample (this engine computes no input logprobs)
                 self._finish(r, {"type": "length", "length": 0})
             elif r.lora is not None and r.lora not in self.adapters.loaded:  # unloaded since the route checked
                 self._finish(r, {"type": "abort", "message": f"LoRA adapter {r.lora!r} is not loaded"})
@@ -391,10 +387,7 @@ class Scheduler:
             return
         while self._barriers:
             fn, fut = self._barriers.popleft()
-            try:
-                fut.set_result(fn())
-            except Exception as exc:  # handed to the caller through the future
-                fut.set_exception(exc)
+            _settle(fut, fn)
         self._waiting.extend(self._gated)
         self._gated.clear()
 
@@ -502,6 +495,8 @@ class Scheduler:
 
     def _start_ahead(self, prepared: PreparedWeights | None, fut: Future) -> None:
         self._end_ahead()  # a newer prepare replaces the one in progress
+        if not fut.set_running_or_notify_cancel():  # its caller gave up
+            return
         requests = _by_tokens(r for r in self._running if r.lora is None)
         if prepared is None or not self.prefix_cache.max_tokens or not requests:
             fut.set_result(0)
@@ -631,8 +626,23 @@ class Scheduler:
         self.abort(None)
         self._end_ahead()
         for fn, fut in self._barriers:
-            fut.set_exception(RuntimeError(f"engine closed before {fn!r} ran"))
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError(f"engine closed before {fn!r} ran"))
         self._barriers.clear()
+
+
+def _settle(fut: Future, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` for ``fut``'s waiter and hand it the result or the error, unless the waiter cancelled ``fut``
+    first (its HTTP handler was cancelled): then ``fn`` does not run, and the scheduler thread never sets a
+    cancelled future (``InvalidStateError`` would end the thread)."""
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn()
+    except Exception as exc:  # handed to the caller through the future
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
 
 
 def _by_tokens(requests: Iterable[Request]) -> deque[Request]:

@@ -411,7 +411,9 @@ class CheckpointService:
                                                            flush_cache=self.config.kv_on_swap == "recompute")
                 await self._drop_adapter()
             swap.loaded = True
-        except EngineError as exc:
+        except Exception as exc:  # whatever failed, the engines continue: none is left paused
+            if not isinstance(exc, EngineError):
+                log.exception("%s: loading version %d from %s failed", self.server_id, version, path)
             now = "continuing on the old weights"
             if adapter and not self.adapter_checksum:
                 now = "the engine now serves the base weights without the adapter until the next push"

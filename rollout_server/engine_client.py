@@ -331,7 +331,12 @@ def _message(resp: Reply) -> str:
 
 def _checked(resp: Reply, path: str) -> dict[str, Any]:
     """A ``{success, message}`` (or the LoRA routes' ``{success, error_message}``) reply, raised when not a success."""
-    body = resp.json()
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):  # a proxy's page, say: the call's effect is unknown, so it failed
+        raise EngineError(resp.status, f"reply is not a JSON object: {resp.text[:200]!r}", path)
     if not body.get("success", False):
         raise EngineError(resp.status, str(body.get("message") or body.get("error_message")), path)
     return body

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from fastapi import Request
+from fastapi.responses import PlainTextResponse
 from pydantic import SecretStr
 from test_engine_client import serve, sglang_056_stub
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -154,6 +156,34 @@ def test_a_continue_that_keeps_failing_holds_the_commit_until_the_receiver_stops
                 assert sample(receiver, "rollwave_rollout_resume_failures_total", "resume") >= 2
             await eventually(lambda: sample(receiver, "rollwave_rollout_commit_failures_total", "resume") == 1,
                              "the Commit to give up once the receiver stopped")
+
+    asyncio.run(run())
+
+
+def test_a_load_answered_with_a_page_not_json_fails_the_commit_and_the_engine_continues(tiny_model_dir: Path,
+                                                                                       tmp_path: Path) -> None:
+    """An engine behind a proxy answers the load 200 with a page, not SGLang's JSON: the Commit fails at the
+    load, naming the reply, and the engine is continued (a reply that was not JSON escaped the swap and left
+    the engine paused, the failure neither logged by the receiver nor counted)."""
+    cfg = config(tmp_path, retries=0)
+
+    async def run() -> None:
+        app, seen, _ = sglang_056_stub()
+
+        @app.middleware("http")
+        async def proxy_page(request: Request, call_next):  # type: ignore[no-untyped-def]
+            if request.url.path == "/update_weights_from_disk":
+                return PlainTextResponse("<html>OK</html>")
+            return await call_next(request)
+
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+            async with receiver_and_pusher(cfg, tiny_model_dir, engine, url) as (receiver, pusher):
+                [failed] = (await push(pusher, model_of(tiny_model_dir), 1)).servers
+                assert (failed.stage, failed.reason) == ("commit", "load"), failed
+                assert "not a JSON object" in failed.error and "<html>OK</html>" in failed.error, failed.error
+                assert seen[-1] == "/continue_generation" and not app.state.paused
+                assert receiver.version == 0
+                assert sample(receiver, "rollwave_rollout_commit_failures_total", "load") == 1
 
     asyncio.run(run())
 

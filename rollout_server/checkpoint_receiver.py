@@ -178,13 +178,22 @@ class CheckpointService:
             remaining = context.time_remaining()
             deadline = start + (remaining if remaining is not None else self.config.stage_timeout_s)
             try:
-                version, received, transport = await self._stage(request_iterator, deadline)
+                # a caller that set no deadline holds the stage lock only this long (gRPC ends one that did)
+                own = asyncio.timeout_at(deadline) if remaining is None else contextlib.nullcontext()
+                try:
+                    async with own:
+                        version, received, transport = await self._stage(request_iterator, deadline)
+                except TimeoutError:
+                    raise StageError("timeout", f"Stage from {context.peer()} not done within {deadline - start:g} s",
+                                     grpc.StatusCode.DEADLINE_EXCEEDED) from None
             except StageError as exc:
                 self.metrics.stage_failures.labels(exc.reason).inc()
                 log.warning("%s: stage refused (%s): %s", self.server_id, exc.reason, exc)
                 await context.abort(exc.code, str(exc), trailing_metadata=((REASON_KEY, exc.reason),))
             except asyncio.CancelledError:
                 self.metrics.stage_failures.labels("stream").inc()
+                log.warning("%s: Stage from %s cancelled (its deadline passed or its caller went away)",
+                            self.server_id, context.peer())
                 raise
             seconds = time.monotonic() - start
             self.metrics.stage_seconds.observe(seconds)
@@ -330,12 +339,19 @@ class CheckpointService:
         once the engines generate again: a continue that fails is tried until it works (see ``_resume``), so a
         pusher whose deadline passes first sees a timeout, and its next offer finds the version served."""
         commit = asyncio.ensure_future(self._commit(request.version))
-        commit.add_done_callback(lambda task: task.cancelled() or task.exception())
+        commit.add_done_callback(partial(self._log_commit, request.version))
         try:
             return await asyncio.shield(commit)
         except StageError as exc:
-            log.warning("%s: commit of version %d failed (%s): %s", self.server_id, request.version, exc.reason, exc)
             await context.abort(exc.code, str(exc), trailing_metadata=((REASON_KEY, exc.reason),))
+
+    def _log_commit(self, version: int, commit: asyncio.Task[pb.CommitReply]) -> None:
+        """Log a failed commit once it ends, also when the call that asked for it was gone by then."""
+        exc = None if commit.cancelled() else commit.exception()
+        if isinstance(exc, StageError):
+            log.warning("%s: commit of version %d failed (%s): %s", self.server_id, version, exc.reason, exc)
+        elif exc is not None:
+            log.error("%s: commit of version %d failed", self.server_id, version, exc_info=exc)
 
     async def _commit(self, version: int) -> pb.CommitReply:
         async with self._commit_lock:
@@ -688,6 +704,7 @@ class ReceiverThread:
             config, model_dir, engine, engine_urls[0], server_name, host=host, port=port, metrics=metrics,
             adapter_name=adapter_name, on_adapter=on_adapter, on_commit=on_commit, stage_port=stage_port,
         )
+        self._name = server_name
         self._urls = engine_urls
         self._timeout_s = timeout_s
         self._engine_api_key = engine_api_key
@@ -699,7 +716,11 @@ class ReceiverThread:
 
     def start(self, timeout_s: float = 60.0) -> str:
         self._thread.start()
-        return self._ready.result(timeout_s)
+        try:
+            return self._ready.result(timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"checkpoint receiver of {self._name}: not serving within {timeout_s:g} s (binding "
+                               "its gRPC and stage ports)") from None
 
     async def _main(self) -> None:
         engines = [EngineClient(url, timeout_s=self._timeout_s, api_key=self._engine_api_key) for url in self._urls]

@@ -9,23 +9,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 import torch
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
 from pydantic import SecretStr
+from test_checkpoint_engine import snapshot_of
 from test_engine_client import serve, sglang_056_stub
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerInfo, ServerRegistry
+from core.checkpoint_format import GRPC_OPTIONS, SERVICE
 from core.config import CheckpointConfig
+from proto import checkpoint_pb2 as pb
 from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine_client import EngineClient, EngineGroup
 from trainer.checkpoint_pusher import CheckpointPusher, PushResult, PushRound, registered_servers
@@ -184,6 +189,43 @@ def test_a_load_answered_with_a_page_not_json_fails_the_commit_and_the_engine_co
                 assert seen[-1] == "/continue_generation" and not app.state.paused
                 assert receiver.version == 0
                 assert sample(receiver, "rollwave_rollout_commit_failures_total", "load") == 1
+
+    asyncio.run(run())
+
+
+def test_a_stage_without_a_deadline_that_stalls_ends_by_stage_timeout_and_frees_the_stage(tiny_model_dir: Path,
+                                                                                          tmp_path: Path) -> None:
+    """A caller that sets no deadline sends the manifest and then nothing: the receiver ends the Stage by its own
+    ``stage_timeout_s``, naming the caller (it used to wait forever, holding the stage lock, so every later
+    push waited behind it), counts it, and the next push stages and commits."""
+    cfg = config(tmp_path, stage_timeout_s=1.0)
+    model = model_of(tiny_model_dir)
+    stalled = threading.Event()
+
+    def stall() -> Iterator[bytes]:
+        yield snapshot_of(model, 1).manifest_chunk()
+        stalled.wait(WAIT_S)  # the stream stays open, sending nothing
+
+    def stage_without_deadline(address: str) -> grpc.RpcError:
+        with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+            stage = channel.stream_unary(f"/{SERVICE}/Stage", response_deserializer=pb.StageReply.FromString)
+            with pytest.raises(grpc.RpcError) as err:
+                stage(stall(), metadata=[("authorization", f"Bearer {cfg.token.get_secret_value()}")])
+            return err.value
+
+    async def run() -> None:
+        app, _, _ = sglang_056_stub()
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+            async with receiver_and_pusher(cfg, tiny_model_dir, engine, url) as (receiver, pusher):
+                call = asyncio.to_thread(stage_without_deadline, receiver.address)
+                try:
+                    err = await asyncio.wait_for(call, WAIT_S)
+                finally:
+                    stalled.set()
+                assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+                assert "not done within 1 s" in err.details() and "127.0.0.1" in err.details(), err.details()
+                assert sample(receiver, "rollwave_rollout_stage_failures_total", "timeout") == 1
+                assert (await push(pusher, model, 1)).ok and receiver.version == 1
 
     asyncio.run(run())
 

@@ -121,6 +121,49 @@ def test_connect_uses_url_env_or_starts_embedded(tmp_path: Path, monkeypatch: py
         redis.Redis.from_url(server.url, retry=None, socket_connect_timeout=1).ping()
 
 
+def _ephemeral_port() -> int:
+    """A free port from a bind to 0: in the kernel's ephemeral range (32768+), where ``redis.port=0``'s own pick
+    (20000-32000) never lands, so a server found on it was put there by the key."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(("key", "value", "changed"), [
+    ("unix_socket", "true", True),
+    ("port", None, True),  # None: a free port picked at run time
+    ("appendfsync", "always", "always"),
+    ("aof", "false", "no"),
+])
+def test_embedded_server_keys_take_effect_through_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str, value: str | None, changed: object
+) -> None:
+    """Each embedded-server key, set as a user sets it, changes the server ``connect`` starts, and only its own
+    setting: the others stay at their defaults (TCP on a port of its own choosing, AOF on, fsync every second)."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    port, sock = _ephemeral_port(), tmp_path / "redis" / "redis.sock"
+    cfg = load_config(None, [f"redis.{key}={port if value is None else value}"], env={}).redis
+    r, server = connect(cfg, tmp_path)
+    assert server is not None
+    try:
+        assert r.ping()  # the client connect hands back reaches the server, however it listens
+        via = r.connection_pool.connection_kwargs
+        config = {name: r.config_get(name)[name] for name in ("port", "bind", "unixsocket", "appendfsync",
+                                                             "appendonly")}
+        observed = {
+            "unix_socket": via.get("path") == str(sock) and config["unixsocket"] == str(sock) and config["port"] == "0",
+            "port": via.get("port") == port and config["port"] == str(port),
+            "appendfsync": config["appendfsync"],
+            "aof": config["appendonly"],
+        }
+        assert observed == {"unix_socket": False, "port": False, "appendfsync": "everysec", "aof": "yes", key: changed}
+        if key != "unix_socket":
+            assert config["bind"] == "127.0.0.1"
+    finally:
+        r.close()
+        server.stop()
+
+
 def test_a_password_never_rides_in_a_redis_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A URL is passed on command lines, printed and dumped with the config; redis.password is none of these."""
     monkeypatch.delenv("REDIS_URL", raising=False)

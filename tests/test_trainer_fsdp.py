@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,14 +14,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+from buffer.keys import Keys
+from buffer.replay import ReplayBuffer
 from buffer.schema import Sample, TrajectoryGroup
-from core.config import LoraConfig, TrainerConfig
+from core.config import BufferConfig, LoraConfig, TrainerConfig, load_config
 from core.net import free_port_outside_ephemeral
 from trainer import losses
 from trainer.batching import collate, fed_tokens, lay_out, layout, plan_ranks
@@ -203,25 +209,64 @@ def test_logprobs_skip_the_prompt_columns_no_row_trains_on(ctx: DistContext, tin
     trainer.close()
 
 
+def _score_at(model_dir: Path, groups: list[TrajectoryGroup], temperatures: list[float]) -> None:
+    """Set each sample's behaviour logprobs to the tiny model's own at its group's temperature (``temperatures``,
+    one per group), as an engine sampling at that temperature would record them."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for group, temperature in zip(groups, temperatures, strict=True):
+        for s in group.samples:
+            ids = torch.as_tensor(s.token_ids, dtype=torch.long)[None]
+            with torch.no_grad():
+                logits = model(ids).logits[0, :-1].float() / temperature
+            forced = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].numpy()
+            s.behaviour_logprobs = np.r_[0.0, np.where(s.loss_mask[1:] > 0, forced, 0.0)].astype(np.float32)
+
+
 def test_each_group_is_scored_at_its_own_sampling_temperature(
     ctx: DistContext, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Behaviour logprobs drawn at 0.5 and 2.0 in one batch: π_prox matches them only if each group's logits
     are divided by its own temperature (the trainer's default, 1.0, stands in for groups without one)."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     groups = synthetic_groups(5, 3)
     for group, temperature in zip(groups, (0.5, 2.0, None), strict=True):
         group.temperature = temperature
-        for s in group.samples:
-            ids = torch.as_tensor(s.token_ids, dtype=torch.long)[None]
-            with torch.no_grad():
-                logits = model(ids).logits[0, :-1].float() / (temperature or 1.0)
-            forced = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].numpy()
-            s.behaviour_logprobs = np.where(s.loss_mask[1:] > 0, forced, 0.0)
-            s.behaviour_logprobs = np.r_[0.0, s.behaviour_logprobs].astype(np.float32)
+    _score_at(tiny_model_dir, groups, [0.5, 2.0, 1.0])
     trainer = Trainer(TrainerConfig(**{**CFG, "kl_coef": 0.0}), tiny_model_dir, tmp_path).start(ctx=ctx)
     record = trainer.train(groups)
     trainer.close()
+    assert record["logprob_gap"] < 1e-5 and abs(record["is_ratio_mean"] - 1) < 1e-5
+
+
+def test_rollout_temperature_scores_the_groups_that_do_not_record_theirs(tiny_model_dir: Path, redis_server,
+                                                                        tmp_path: Path) -> None:
+    """rollout.temperature reaches ``python -m trainer``'s step: groups without a recorded temperature (schema 1),
+    sampled at 0.7, are scored at the configured 0.7, so π_prox matches their behaviour logprobs. Were the key
+    ignored, the step would score them at 1.0, a logprob gap of the size checked first."""
+    groups = synthetic_groups(5, 2, run="temp")
+    for group in groups:
+        assert group.temperature is None
+        for s, reward in zip(group.samples, (1.0, 0.0, 0.0, 1.0), strict=True):
+            s.reward = reward  # not degenerate: the trainer keeps both groups
+    _score_at(tiny_model_dir, groups, [0.7, 0.7])
+    at_one = copy.deepcopy(groups)
+    _score_at(tiny_model_dir, at_one, [1.0, 1.0])
+    gaps = [np.abs(a.behaviour_logprobs - b.behaviour_logprobs)[a.loss_mask > 0]
+            for g, h in zip(groups, at_one, strict=True) for a, b in zip(g.samples, h.samples, strict=True)]
+    assert np.concatenate(gaps).mean() > 0.05  # what a trainer scoring at 1.0 would record as logprob_gap
+    buffer = ReplayBuffer(redis.Redis.from_url(redis_server.url), Keys("temp"), BufferConfig(), consumer="trainer")
+    buffer.ensure_group()
+    assert buffer.put_many(groups) == [1, 1]
+    overrides = ["run.name=temp", f"run.dir={tmp_path}", f"model.path={tiny_model_dir}", "model.init_if_missing=false",
+                 f"redis.url={redis_server.url}", "buffer.groups_per_step=2", "trainer.total_steps=1",
+                 "trainer.checkpoint_every=1", "trainer.device=cpu", "trainer.micro_batch_tokens=96",
+                 "rollout.temperature=0.7"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAVE_") and k != "REDIS_URL"}
+    env.update(OMP_NUM_THREADS="1", ROLLWAVE_CHECKPOINT_TOKEN=secrets.token_urlsafe(32))
+    proc = subprocess.run([sys.executable, "-m", "trainer", *overrides], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [record] = [json.loads(line) for line in (tmp_path / "temp" / "metrics.jsonl").read_text().splitlines()]
+    assert record["samples"] == 8
     assert record["logprob_gap"] < 1e-5 and abs(record["is_ratio_mean"] - 1) < 1e-5
 
 
@@ -460,6 +505,55 @@ def test_clip_eps_sets_how_many_tokens_the_later_minibatches_clip(ctx: DistConte
         trainer.close()
     assert records[1e-3]["clip_fraction"] > records[0.2]["clip_fraction"] + 0.05  # of all tokens
     assert records[1e-3]["pg_loss"] != records[0.2]["pg_loss"]
+
+
+def test_clip_eps_high_sets_the_upper_clip_apart_from_the_lower(ctx: DistContext, tiny_model_dir: Path,
+                                                                tmp_path: Path) -> None:
+    """trainer.clip_eps_high (DAPO's clip-higher) replaces ε above 1 only. Over 2 minibatches at a high lr the
+    first update is the same in every run (u = 1: nothing clips), so the second sees the same ratios u against the
+    same π_prox in every run, and only the clip differs: a token clips where A > 0 and u > 1 + ε_high, or A < 0
+    and u < 1 - ε. With ε = 1e-3 both ways, the tokens clipped are exactly those of the lower clip alone (upper at
+    1e3) and of the upper clip alone (ε = 1e3, ε_high = 1e-3), each side some. Ignored, the upper clip would be ε:
+    the lower-alone run would clip as both, and the upper-alone run, with no clip at 1 ± 1e3, nothing."""
+    cfg = {**CFG, "kl_coef": 0.0, "loss": "ppo", "lr": 0.05, "grad_clip": 100.0, "ppo_minibatches": 2}
+    runs = {"both": (1e-3, None), "lower": (1e-3, 1e3), "upper": (1e3, 1e-3)}
+    records = {}
+    for name, (eps, high) in runs.items():
+        trainer = Trainer(TrainerConfig(**cfg, clip_eps=eps, clip_eps_high=high), tiny_model_dir,
+                          tmp_path / name).start(ctx=ctx)
+        records[name] = trainer.train(synthetic_groups(0, 4))
+        trainer.close()
+    clipped = {name: r["clip_fraction"] * r["loss_tokens"] for name, r in records.items()}  # tokens of the step
+    assert clipped["lower"] >= 5 and clipped["upper"] >= 5
+    assert clipped["both"] == pytest.approx(clipped["lower"] + clipped["upper"], abs=1e-4)
+    assert records["lower"]["pg_loss"] != pytest.approx(records["both"]["pg_loss"], rel=1e-3)
+
+
+def test_std_norm_off_keeps_the_group_advantages_unscaled(ctx: DistContext, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """trainer.std_norm=false (Dr. GRPO) only centres each group's rewards; true also divides by the group's
+    unbiased std. Every group with signal here has std 0.5 (one reward of four differs: [1,0,0,0], [0,1,1,1]; the
+    third group is all 1, advantage 0 either way), so on the same first step the policy loss and its gradient
+    with std_norm are those without, times 1/(0.5 + 1e-6), exactly (the loss is linear in the advantages).
+    Ignored, the two steps would be equal."""
+    rewards = ((1.0, 0.0, 0.0, 0.0), (0.0, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 1.0))
+    records = {}
+    for norm in ("true", "false"):
+        overrides = [f"trainer.{k}={v}" for k, v in {**CFG, "kl_coef": 0.0, "entropy_coef": 0.0}.items()]
+        cfg = load_config(overrides=[*overrides, f"trainer.std_norm={norm}"]).trainer
+        assert cfg.std_norm == (norm == "true")
+        groups = synthetic_groups(0, GROUPS)
+        for group, values in zip(groups, rewards, strict=True):
+            for s, reward in zip(group.samples, values, strict=True):
+                s.reward = reward
+        trainer = Trainer(cfg, tiny_model_dir, tmp_path / norm).start(ctx=ctx)
+        records[norm] = trainer.train(groups)
+        trainer.close()
+    normed, plain = records["true"], records["false"]
+    assert abs(plain["pg_loss"]) > 1e-4 and plain["loss"] == plain["pg_loss"]
+    scale = 1 / (0.5 + 1e-6)
+    assert normed["pg_loss"] == pytest.approx(scale * plain["pg_loss"], rel=1e-5)
+    assert normed["grad_norm"] == pytest.approx(scale * plain["grad_norm"], rel=1e-5)
 
 
 def _grad_norm_at_step(optimizer: torch.optim.Optimizer, seen: list[float]) -> None:

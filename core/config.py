@@ -34,7 +34,7 @@ from pydantic import (
 )
 
 from core.rewards import BUILTIN as BUILTIN_REWARDS
-from core.rewards import IMPORT_PATH, REWARD_NAME
+from core.rewards import IMPORT_PATH, REWARD_NAME, REWARD_TIMEOUT_S
 from core.text_files import TextFileError, line_of, load_yaml, read_text, yaml_key_lines
 
 MIN_SECRET_CHARS = 32
@@ -212,6 +212,14 @@ class RolloutConfig(Section):
     reward_allowlist: dict[str, str] = Field(
         default_factory=dict,
         description="custom reward functions the operator allows, name -> module:function; jobs pick them by name",
+    )
+    reward_timeout_s: float = Field(
+        REWARD_TIMEOUT_S, gt=0, description="how long one reward function may take; past it, it is cancelled and "
+        "the episode fails (reward_error, naming the reward and the task), so its group is rolled out again"
+    )
+    tool_timeout_s: float = Field(
+        60.0, gt=0, description="how long a tool's create, call or release may take before it is cancelled: a "
+        "call's error is the model's tool answer (counted as outcome timeout), a create's fails the episode"
     )
     grpc_host: str = "127.0.0.1"
     grpc_port: int = Field(0, ge=0, le=65535, description="checkpoint receiver; 0 picks a free port (published)")

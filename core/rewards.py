@@ -7,7 +7,10 @@ compared exactly as decimals after dropping ``$``, thousands commas and a traili
 
 A reward function that raises or returns garbage never stops the server, and never yields a made-up
 reward: ``score`` raises ``RewardError`` saying why, and the agent loop marks the episode failed
-(``finish_reason`` ``reward_error``), so its group is rolled out again instead of trained on reward 0.
+(``finish_reason`` ``reward_error``), so its group is rolled out again instead of trained on reward 0. One that
+hangs (a judge over HTTP that never answers) is cancelled after ``rollout.reward_timeout_s`` the same way: the
+rollout worker renews the lease of a group in flight, so a hang would hold its slot for good. ``within`` bounds
+the operator's tools in the agent loop too.
 
 Custom functions are imported only from the operator's ``rollout.reward_allowlist`` (name -> module:function);
 jobs and tasks name a function, they never give an import path.
@@ -15,13 +18,14 @@ jobs and tasks name a function, they never give an import path.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,8 @@ REWARD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
 
 RewardFn = Callable[..., Awaitable[float | tuple[float, dict[str, Any]]]]
+REWARD_TIMEOUT_S = 60.0  # rollout.reward_timeout_s's default
+T = TypeVar("T")
 
 
 def normalize_number(raw: str) -> Decimal | None:
@@ -149,6 +155,24 @@ def load_reward_fn(name: str, allowlist: Mapping[str, str] | None = None) -> Rew
     return fn
 
 
+class Overdue(TimeoutError):
+    """Operator code (a reward function, a tool) gave no answer within its limit and was cancelled."""
+
+
+async def within(limit_s: float, awaitable: Awaitable[T]) -> T:
+    """``await awaitable``, cancelled after ``limit_s`` with ``Overdue``: operator code that hangs must fail, not
+    hold its group in flight forever. A TimeoutError of the code's own (its HTTP client's) passes through as it is,
+    so the error never claims a limit that was not reached."""
+    deadline = asyncio.timeout(limit_s)
+    try:
+        async with deadline:
+            return await awaitable
+    except TimeoutError:
+        if deadline.expired():
+            raise Overdue(f"no answer within {limit_s:g}s") from None
+        raise
+
+
 class RewardError(RuntimeError):
     """The reward function raised, or returned something that is not a reward: the episode has none."""
 
@@ -158,9 +182,12 @@ class RewardComputer:
     may pick another *built-in* (custom functions come only from the operator's allowlist, never from tasks).
     """
 
-    def __init__(self, spec: str = "gsm8k", allowlist: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, spec: str = "gsm8k", allowlist: Mapping[str, str] | None = None, timeout_s: float = REWARD_TIMEOUT_S
+    ) -> None:
         self.default = load_reward_fn(spec, allowlist)
         self.spec = spec
+        self.timeout_s = timeout_s
 
     def _pick(self, task: Any) -> RewardFn:
         kind = task.reward.get("kind")
@@ -174,14 +201,19 @@ class RewardComputer:
     async def score(
         self, task: Any, messages: list[dict[str, Any]], final_text: str, tool_rewards: list[float]
     ) -> tuple[float, dict[str, Any]]:
-        """``(reward, reward_info)``; a failing function raises ``RewardError`` with the reason (and logs it)."""
+        """``(reward, reward_info)``; a function that fails, or gives no answer within ``timeout_s``, raises
+        ``RewardError`` with the reason (and logs it)."""
         try:
-            out = await self._pick(task)(task, messages, final_text, tool_rewards)
+            out = await within(self.timeout_s, self._pick(task)(task, messages, final_text, tool_rewards))
             reward, info = out if isinstance(out, tuple) else (out, {})
             if isinstance(reward, bool) or not isinstance(reward, int | float) or not isinstance(info, dict):
                 raise TypeError(f"reward function returned {out!r}; want a float or (float, dict)")
             return float(reward), dict(info)
         except Exception as exc:  # user code: the episode fails with the reason, the server goes on
             task_id = getattr(task, "task_id", "?")
-            log.warning("reward for task %s failed: %s: %s", task_id, type(exc).__name__, exc)
-            raise RewardError(f"{type(exc).__name__}: {exc}") from exc
+            reason = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, Overdue):
+                name = task.reward.get("kind") or self.spec
+                reason = f"reward {name!r} for task {task_id}: {exc} (rollout.reward_timeout_s)"
+            log.warning("reward for task %s failed: %s", task_id, reason)
+            raise RewardError(reason) from exc

@@ -12,7 +12,9 @@ end token; a turn whose end token is the last allowed one is answered, whatever 
 request), ``error`` (the engine failed, or a tool could not be set up) or ``reward_error`` (the
 reward function failed). The last three are failures (``Sample.failed``), counted in
 ``rollwave_rollout_failed_total{reason}``: such an episode has no outcome, so the worker rolls its
-group out again rather than let it be trained as reward 0.
+group out again rather than let it be trained as reward 0. Tools and rewards are the operator's code, each await
+bounded (``rollout.tool_timeout_s``, ``rollout.reward_timeout_s``): a tool call past it is answered to the model as
+an error (outcome ``timeout``), a tool create or a reward past it fails the episode.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 from buffer.schema import Sample, ToolCallRecord, TrajectoryGroup
 from core.config import RolloutConfig
-from core.rewards import RewardComputer, RewardError
+from core.rewards import Overdue, RewardComputer, RewardError, within
 from core.trajectory import ChatRenderer, TrajectoryBuilder, Turn
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
@@ -127,7 +129,9 @@ class AgentLoop:
         self.tools = tools
         self.config = config
         self.metrics = metrics if metrics is not None else RolloutMetrics()
-        self.reward = reward if reward is not None else RewardComputer(config.reward, config.reward_allowlist)
+        self.reward = reward if reward is not None else RewardComputer(
+            config.reward, config.reward_allowlist, config.reward_timeout_s
+        )
 
     async def run_group(
         self, task: Any, *, run: str, job_id: str, n: int | None = None, queued: float | None = None
@@ -174,7 +178,7 @@ class AgentLoop:
             instance_id = f"{task.task_id}/{ep.sample_index}/{uuid.uuid4().hex[:8]}"
             kwargs = task.tools_kwargs.get(name, {}).get("create_kwargs", {})
             try:
-                await self.tools.get(name).create(instance_id, **kwargs)
+                await within(self.config.tool_timeout_s, self.tools.get(name).create(instance_id, **kwargs))
             except Exception as exc:  # user tool code: the episode fails with the reason, the group goes on
                 ep.fail("tool", f"tool {name}: create failed: {type(exc).__name__}: {exc}")
                 return
@@ -183,7 +187,7 @@ class AgentLoop:
     async def _release_tools(self, ep: Episode) -> None:
         for name, instance_id in ep.instance_ids.items():
             try:
-                await self.tools.get(name).release(instance_id)
+                await within(self.config.tool_timeout_s, self.tools.get(name).release(instance_id))
             except Exception as exc:  # user tool code: the finished sample is kept, the leak is logged
                 log.warning("tool %s: release of %s failed: %s: %s", name, instance_id, type(exc).__name__, exc)
 
@@ -241,7 +245,7 @@ class AgentLoop:
 
     async def _call_tools(self, task: Any, ep: Episode, calls: list[ToolCall], errors: list[ToolCallError]) -> None:
         """Run the turn's calls concurrently, answer each (errors too) in order, then continue or stop."""
-        done = await asyncio.gather(*(self._run_call(ep, c) for c in calls))
+        done = await asyncio.gather(*(self._run_call(task, ep, c) for c in calls))
         answers = [(c.index, c.name, result.text, record) for c, (result, record) in zip(calls, done, strict=True)]
         for err in errors:
             name = err.name or "invalid"
@@ -262,22 +266,28 @@ class AgentLoop:
         ep.builder.add_template(ids)
         ep.state = State.GENERATING
 
-    async def _run_call(self, ep: Episode, call: ToolCall) -> tuple[ToolResult, ToolCallRecord]:
+    async def _run_call(self, task: Any, ep: Episode, call: ToolCall) -> tuple[ToolResult, ToolCallRecord]:
         tool = self.tools.get(call.name)
         start = time.perf_counter()
         problem = tool.check_arguments(call.arguments)
+        outcome = None  # the result's, unless the call timed out
         if problem is not None:
             result = ToolResult.failure(problem)
         else:
             try:
-                result = await tool.execute(ep.instance_ids[call.name], call.arguments)
+                execute = tool.execute(ep.instance_ids[call.name], call.arguments)
+                result = await within(self.config.tool_timeout_s, execute)
+            except Overdue as exc:  # cancelled: the model is told, the call is counted as a timeout
+                log.warning("tool %s, task %s sample %d: %s (rollout.tool_timeout_s)", call.name, task.task_id,
+                            ep.sample_index, exc)
+                result, outcome = ToolResult.failure(f"{call.name} timed out: {exc}"), "timeout"
             except Exception as exc:  # user tool code: the model is told, the call is counted as an error
                 log.warning("tool %s raised: %s: %s", call.name, type(exc).__name__, exc)
                 result = ToolResult.failure(f"{call.name} failed: {type(exc).__name__}: {exc}")
         latency = time.perf_counter() - start
         if result.reward is not None:
             ep.tool_rewards.append(float(result.reward))
-        outcome = "ok" if result.ok else "refused" if result.refused else "error"
+        outcome = outcome or ("ok" if result.ok else "refused" if result.refused else "error")
         self.metrics.tool_calls.labels(tool=call.name, outcome=outcome).inc()
         self.metrics.tool_latency.labels(tool=call.name).observe(latency)
         return result, ToolCallRecord(name=call.name, ok=result.ok, error=result.error, latency_s=latency)

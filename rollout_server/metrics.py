@@ -28,7 +28,7 @@ class RolloutMetrics:
         self.inflight_requests = Gauge(_P + "inflight_requests", "Episodes in progress", registry=r)
         self.tool_calls = Counter(
             _P + "tool_calls",
-            "Tool calls by tool and outcome (ok, error, refused, parse_error)",
+            "Tool calls by tool and outcome (ok, error, refused, timeout, parse_error)",
             ["tool", "outcome"],
             registry=r,
         )

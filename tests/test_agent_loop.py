@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -378,6 +380,86 @@ def test_tool_errors_are_answered_counted_and_the_episode_goes_on(tokenizer: Any
     assert s.failed and "no ground_truth" in s.reward_info["error"]
     assert value("rollwave_rollout_failed_total", {"reason": "reward"}) == 1
     assert value("rollwave_rollout_reward_count") == 0  # a failure is not a reward of 0
+
+
+class HangingTool(Tool):
+    """A tool whose backend never answers at ``stage`` (create, execute or release)."""
+
+    default_name = "hang"
+    default_schema = {"type": "function", "function": {"name": "hang", "parameters": {"type": "object"}}}
+
+    def __init__(self, stage: str) -> None:
+        super().__init__()
+        self.stage = stage
+
+    async def _at(self, stage: str) -> None:
+        if stage == self.stage:
+            await asyncio.Event().wait()
+
+    async def create(self, instance_id: str, **create_kwargs: Any) -> None:
+        await self._at("create")
+        await super().create(instance_id, **create_kwargs)
+
+    async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
+        await self._at("execute")
+        return ToolResult("done")
+
+    async def release(self, instance_id: str) -> None:
+        await self._at("release")
+        await super().release(instance_id)
+
+
+HANG = '<tool_call>\n{"name": "hang", "arguments": {}}\n</tool_call>'
+
+
+def test_a_hanging_tool_call_is_answered_as_a_timeout_and_the_episode_goes_on(
+    tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    script = [(HANG, "stop"), ("The answer is 42.", "stop")]
+    loop = _loop(ScriptedEngine(tokenizer, script), tokenizer, tools=[HangingTool("execute")], tool_timeout_s=0.2)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="rollout_server.agent_loop"):
+        (s,) = _group(loop, _task(["hang"], ground_truth=None)).samples
+    assert time.monotonic() - start < 3
+    assert (s.finish_reason, s.num_turns, s.reward) == ("stop", 2, 1.0)
+    error = "hang timed out: no answer within 0.2s"
+    assert s.messages[-2] == {"role": "tool", "name": "hang", "content": f"Error: {error}"}
+    assert [(t.name, t.ok, t.error) for t in s.tool_calls] == [("hang", False, error)]
+    value = loop.metrics.registry.get_sample_value
+    assert value("rollwave_rollout_tool_calls_total", {"tool": "hang", "outcome": "timeout"}) == 1
+    assert value("rollwave_rollout_tool_calls_total", {"tool": "hang", "outcome": "error"}) is None
+    assert "tool hang, task t-1 sample 0: no answer within 0.2s (rollout.tool_timeout_s)" in caplog.text
+
+
+def test_a_hanging_tool_create_fails_the_episode_and_a_hanging_release_is_logged(
+    tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    start = time.monotonic()
+    loop = _loop(ScriptedEngine(tokenizer, []), tokenizer, tools=[HangingTool("create")], tool_timeout_s=0.2)
+    (s,) = _group(loop, _task(["hang"], ground_truth=None)).samples
+    assert (s.finish_reason, s.failed, s.num_turns) == ("error", True, 0)
+    assert s.reward_info == {"error": "tool hang: create failed: Overdue: no answer within 0.2s"}
+    assert loop.metrics.registry.get_sample_value("rollwave_rollout_failed_total", {"reason": "tool"}) == 1
+
+    script = [("The answer is 42.", "stop")]
+    loop = _loop(ScriptedEngine(tokenizer, script), tokenizer, tools=[HangingTool("release")], tool_timeout_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="rollout_server.agent_loop"):
+        (s,) = _group(loop, _task(["hang"], ground_truth=None)).samples
+    assert (s.finish_reason, s.failed, s.reward) == ("stop", False, 1.0)  # the finished sample is kept
+    assert "tool hang: release of t-1/0/" in caplog.text
+    assert "failed: Overdue: no answer within 0.2s" in caplog.text
+    assert time.monotonic() - start < 3
+
+
+def test_a_hanging_reward_fails_the_episode_within_the_limit(tokenizer: Any) -> None:
+    loop = _loop(ScriptedEngine(tokenizer, [("The answer is 42.", "stop")]), tokenizer, reward="hang",
+                 reward_allowlist={"hang": "tests.test_rewards:hanging_reward"}, reward_timeout_s=0.2)
+    start = time.monotonic()
+    (s,) = _group(loop, _task([], kind="hang")).samples
+    assert time.monotonic() - start < 3
+    assert (s.finish_reason, s.failed, s.reward) == ("reward_error", True, 0.0)
+    assert s.reward_info == {"error": "reward 'hang' for task t-1: no answer within 0.2s (rollout.reward_timeout_s)"}
+    assert loop.metrics.registry.get_sample_value("rollwave_rollout_failed_total", {"reason": "reward"}) == 1
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from core.config import RolloutConfig
-from core.rewards import RewardComputer
+from core.rewards import RewardComputer, RewardError
 from core.tasks import Task
 from core.trajectory import ChatRenderer, masked_spans
 from rollout_server.engine.process import EngineProcess
@@ -64,13 +65,15 @@ def _config(**overrides: Any) -> RolloutConfig:
 
 
 def _run(tokenizer: Any, engine: Any, agent: Callable[[openai.AsyncOpenAI, AgentEpisode, EpisodeStore], Awaitable[Any]],
-         model_name: str = "rollwave", **cfg: Any) -> tuple[Any, EpisodeStore]:
-    """Open one episode, serve it, run ``agent`` with an openai client on its base URL, close it."""
+         model_name: str = "rollwave", reward: RewardComputer | None = None, task: Task = TASK,
+         **cfg: Any) -> tuple[Any, EpisodeStore]:
+    """Open one episode of ``task``, serve it, run ``agent`` with an openai client on its base URL, close it (scored
+    by ``reward``, default gsm8k)."""
     store = EpisodeStore(tokenizer, model_name, RolloutMetrics())
 
     async def main() -> Any:
         async with store.serving("127.0.0.1", 0):
-            ep = store.open(TASK, 0, _config(**cfg), engine, RewardComputer("gsm8k"))
+            ep = store.open(task, 0, _config(**cfg), engine, reward or RewardComputer("gsm8k"))
             client = openai.AsyncOpenAI(base_url=store.base_url(ep), api_key=ep.key, max_retries=0, timeout=60)
             try:
                 await agent(client, ep, store)
@@ -229,6 +232,21 @@ def test_reward_function_scores_the_final_answer(tokenizer: Any) -> None:
     sample, _ = _run(tokenizer, engine, agent)
     assert sample.reward == 1.0 and sample.reward_info["extracted"] == "42"
     assert sample.finish_reason == "stop"
+
+
+def test_a_hanging_reward_function_fails_the_episode_within_the_limit(tokenizer: Any) -> None:
+    """A judge that never answers: closing the episode fails (its group with it) at the limit, naming the reward."""
+    engine = ScriptedEngine(tokenizer, [("The answer is 42.", "stop")])
+    reward = RewardComputer("hang", {"hang": "tests.test_rewards:hanging_reward"}, timeout_s=0.2)
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        await client.chat.completions.create(model="rollwave", messages=MESSAGES)
+
+    start = time.monotonic()
+    with pytest.raises(RewardError) as failure:
+        _run(tokenizer, engine, agent, reward=reward, task=Task(task_id="t-1", messages=MESSAGES, reward={}))
+    assert time.monotonic() - start < 3
+    assert str(failure.value) == "reward 'hang' for task t-1: no answer within 0.2s (rollout.reward_timeout_s)"
 
 
 def test_versions_approximate_reach_the_sample(tokenizer: Any) -> None:

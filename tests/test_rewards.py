@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from typing import Any
 
 import pytest
@@ -93,14 +94,27 @@ def sync_reward(task: Task, messages: list[dict], final_text: str, tool_rewards:
     return 1.0
 
 
+async def hanging_reward(task: Task, messages: list[dict], final_text: str, tool_rewards: list[float]) -> float:
+    """A judge that never answers."""
+    await asyncio.Event().wait()
+    return 1.0
+
+
+async def judge_timeout_reward(task: Task, messages: list[dict], final_text: str, tool_rewards: list[float]):
+    """A judge whose own HTTP client gives up at once."""
+    raise TimeoutError("judge.example: read timed out")
+
+
 ALLOWLIST = {name: f"{__name__}:{name}" for name in ("good_reward", "float_reward", "broken_reward",
-                                                      "garbage_reward", "sync_reward")}
+                                                      "garbage_reward", "sync_reward", "hanging_reward",
+                                                      "judge_timeout_reward")}
 
 
-def _score(spec: str, task: Task, text: str = "", tool_rewards: list[float] | None = None):
+def _score(spec: str, task: Task, text: str = "", tool_rewards: list[float] | None = None, **limits: float):
     """(the score, None), or (None, the RewardError's message) when the function failed."""
+    computer = RewardComputer(spec, allowlist=ALLOWLIST, **limits)
     try:
-        return asyncio.run(RewardComputer(spec, allowlist=ALLOWLIST).score(task, [], text, tool_rewards or [])), None
+        return asyncio.run(computer.score(task, [], text, tool_rewards or [])), None
     except RewardError as exc:
         return None, str(exc)
 
@@ -132,6 +146,20 @@ def test_failing_rewards_raise_a_reward_error_never_a_made_up_zero() -> None:
     assert "want a float" in _score("garbage_reward", _task())[1]
     assert "no ground_truth" in _score("gsm8k", _task(kind="gsm8k"))[1]
     assert "not a built-in" in _score("gsm8k", _task(kind="os:system"))[1]
+
+
+def test_a_hanging_reward_fails_naming_the_reward_task_and_limit() -> None:
+    """A judge that never answers is cancelled at the limit: the episode fails rather than holding its group's
+    lease forever. A timeout of the judge's own is its error, not a claim that the limit was reached."""
+    start = time.monotonic()
+    assert _score("hanging_reward", _task(), timeout_s=0.2) == (
+        None, "reward 'hanging_reward' for task t1: no answer within 0.2s (rollout.reward_timeout_s)"
+    )
+    assert 0.2 <= time.monotonic() - start < 2
+    assert _score("judge_timeout_reward", _task(), timeout_s=30) == (
+        None, "TimeoutError: judge.example: read timed out"
+    )
+    assert _score("good_reward", _task(), "ab", timeout_s=0.2)[0] == (0.5, {"len": 2})
 
 
 def test_bad_reward_specs_are_rejected_up_front() -> None:

@@ -144,8 +144,9 @@ def test_a_failed_continue_is_tried_until_the_engine_continues(tiny_model_dir: P
 def test_a_continue_that_keeps_failing_holds_the_commit_until_the_receiver_stops(tiny_model_dir: Path,
                                                                                   tmp_path: Path) -> None:
     """An engine that never continues: the Commit does not answer (the pusher's deadline passes, reason
-    timeout) and the version is not recorded while the receiver keeps trying; its stop ends the tries, and the
-    Commit then fails as a failed continue."""
+    timeout) and the version is not recorded while the receiver keeps trying; a flush of the next push names the
+    server it could not finish; the receiver's stop ends the tries, and the Commit then fails as a failed
+    continue."""
     cfg = config(tmp_path, commit_timeout_s=2.0)
 
     async def refuse_continue(path: str) -> bool:
@@ -159,6 +160,8 @@ def test_a_continue_that_keeps_failing_holds_the_commit_until_the_receiver_stops
                 assert (result.stage, result.reason) == ("commit", "timeout"), result
                 assert receiver.version == 0 and app.state.paused
                 assert sample(receiver, "rollwave_rollout_resume_failures_total", "resume") >= 2
+                pusher.push_model(model_of(tiny_model_dir), version=2)  # in flight: its Commit cannot answer
+                assert await asyncio.to_thread(pusher.flush, 1.0) == [f"{receiver.address} ({receiver.address})"]
             await eventually(lambda: sample(receiver, "rollwave_rollout_commit_failures_total", "resume") == 1,
                              "the Commit to give up once the receiver stopped")
 

@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 _STAGE_METHOD = f"/{SERVICE}/Stage"
 WATCH_S = 1.0  # how often the watcher lists the live servers and re-offers the newest version
 BACKOFF_S = (1.0, 30.0)  # a server's back-off after a failed push: first, longest (doubling)
+RETRY_PAUSE_S = (0.2, 5.0)  # the pause before a Stage's or a Commit's next try: first, longest (doubling)
 REFUSAL_WAIT_S = 1.0  # after the stage port failed, how long to wait for the Stage call to say why
 # Failures that another try of the same version cannot fix: the server refused it, or it timed out
 # (a straggler waits for its back-off and then gets the newest version instead).
@@ -352,7 +353,7 @@ class _Link:
                 return
             if final or attempt == cfg.retries or self._newer_pending():
                 raise failed
-            time.sleep(min(0.2 * 2**attempt, 5.0))
+            time.sleep(min(RETRY_PAUSE_S[0] * 2**attempt, RETRY_PAUSE_S[1]))
 
     def _stage_over_port(self, snapshot: Snapshot, dtypes: dict[str, torch.dtype], port: int,
                          deadline_s: float) -> pb.StageReply:
@@ -427,7 +428,7 @@ class _Link:
         cfg, version = self._config, snapshot.version
         for attempt in range(cfg.retries + 1):
             if attempt:
-                time.sleep(min(0.2 * 2**attempt, 5.0))
+                time.sleep(min(RETRY_PAUSE_S[0] * 2**attempt, RETRY_PAUSE_S[1]))
             result.commit_attempts += 1
             try:
                 reply = self._stub.Commit(pb.CommitRequest(version=version), metadata=self._pusher.metadata,
@@ -572,19 +573,21 @@ class CheckpointPusher:
             self._finished.clear()
         return done
 
-    def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until no push is pending or in flight (default: one push's deadlines); False on timeout."""
+    def flush(self, timeout_s: float | None = None) -> list[str]:
+        """Wait until no push is pending or in flight (default: one push's deadlines, each of its tries and the
+        pauses between them); the servers still being pushed to then, each as ``server_id (address)``."""
         if timeout_s is None:
             cfg = self.config
             nbytes = self._newest.nbytes if self._newest is not None else 0
-            timeout_s = (cfg.connect_timeout_s + cfg.stage_timeout_s + nbytes / (cfg.min_throughput_mib_s * 2**20)
-                         + cfg.commit_timeout_s)
+            stage = cfg.stage_timeout_s + nbytes / (cfg.min_throughput_mib_s * 2**20)
+            tries = cfg.retries + 1
+            timeout_s = cfg.connect_timeout_s + tries * (stage + cfg.commit_timeout_s + 2 * RETRY_PAUSE_S[1])
         deadline = time.monotonic() + timeout_s
-        while not all(link.idle for link in list(self._links.values())):
+        while busy := [link.target for link in list(self._links.values()) if not link.idle]:
             if time.monotonic() > deadline:
-                return False
+                return [f"{t.server_id} ({t.address})" for t in busy]
             time.sleep(0.05)
-        return True
+        return []
 
     def close(self) -> None:
         self._stop.set()

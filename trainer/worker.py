@@ -388,7 +388,9 @@ class Trainer:
         if source is not None:
             self.ack_checkpointed(source)
         if self.pusher is not None and self.ctx.is_main:
-            self.pusher.flush()
+            if unfinished := self.pusher.flush():
+                log.warning("the last push to %s did not end within its deadlines and is cut short; those servers "
+                            "keep the version they serve until a trainer pushes again", ", ".join(unfinished))
             self.version = max(self.version, self.pusher.published)
 
     def ack_checkpointed(self, source: GroupSource) -> None:

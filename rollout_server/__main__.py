@@ -90,8 +90,12 @@ def engine_metrics(http: httpx.Client, url: str) -> Callable[[], tuple[str, byte
     from the engine's core."""
 
     def fetch() -> tuple[str, bytes]:
-        reply = http.get(url.rstrip("/") + "/metrics")
-        reply.raise_for_status()
+        target = url.rstrip("/") + "/metrics"
+        try:
+            reply = http.get(target)
+            reply.raise_for_status()
+        except httpx.HTTPError as exc:  # a timeout's own text is only "timed out": name the engine
+            raise RuntimeError(f"engine metrics from {target}: {type(exc).__name__}: {exc}") from exc
         return reply.headers.get("content-type", "text/plain"), reply.content
 
     return fetch
@@ -110,10 +114,11 @@ async def serve(cfg: Config, tools: ToolRegistry) -> None:
             stack.push_async_callback(engine.aclose)
             try:
                 await engine.wait_ready(cfg.engine.ready_timeout_s)
-                parse_version(await engine.weight_version())
             except EngineError as exc:
                 raise ConfigError(f"engine.ready_timeout_s: {exc}") from None
-            except ValueError as exc:
+            try:
+                parse_version(await engine.weight_version())
+            except (EngineError, ValueError) as exc:
                 raise ConfigError(f"engine.urls: {engine.base_url}: {exc}") from None
         from transformers import AutoTokenizer
 

@@ -89,8 +89,12 @@ class ComponentProcess:
             finally:
                 os.close(writer)  # the component holds the only writer: the pipe ends when it does
             threading.Thread(target=self._watch, daemon=True).start()
-            if select.select([pipe], [], [], start_timeout_s)[0] and not pipe.read(1):
+            self.confirmed = bool(select.select([pipe], [], [], start_timeout_s)[0])  # accepted, or exited
+            if self.confirmed and not pipe.read(1):
                 self._settled.wait(start_timeout_s)  # it exited first: the watcher says what that means
+        if not self.confirmed:
+            print(f"{spec.name}: no word from its config check within {start_timeout_s:g} s (see "
+                  f"{self.log_dir / f'{spec.name}.log'}); left running", file=sys.stderr, flush=True)
 
     def _watch(self) -> None:
         rc = self.proc.wait()
@@ -112,6 +116,10 @@ class ComponentProcess:
 
     def returncode(self) -> int | None:
         return self.proc.poll()
+
+    def config_checked(self) -> bool:
+        """Whether the component got past its config check (or exited) before the constructor returned."""
+        return self.confirmed
 
     def stop(self, timeout_s: float = 45.0) -> int:
         """SIGTERM (components shut down gracefully), then SIGKILL to whatever is left of its group."""
@@ -302,12 +310,18 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
     return redis_url
 
 
-def _refused(names: list[str]) -> list[str]:
-    """The components that refused their config as they started: each actor's constructor returns once its
-    component got past its config check or exited (within ``START_TIMEOUT_S``, after its worker started)."""
-    calls = {name: ray.get_actor(name).returncode.remote() for name in names}
-    done, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=START_TIMEOUT_S + 60)
-    return [name for name, call in calls.items() if call in done and ray.get(call) == CONFIG_ERROR_EXIT]
+def _config_checks(names: list[str]) -> tuple[list[str], list[str]]:
+    """(the components that refused their config as they started, those not heard from): each actor's
+    constructor returns once its component got past its config check or exited, or after ``START_TIMEOUT_S``
+    without a word (an actor Ray has not started by a minute after that is not heard from either)."""
+    calls = {name: (ray.get_actor(name).returncode.remote(), ray.get_actor(name).config_checked.remote())
+             for name in names}
+    done, _ = ray.wait([c for pair in calls.values() for c in pair], num_returns=2 * len(calls),
+                       timeout=START_TIMEOUT_S + 60)
+    answered = {name: ray.get(list(pair)) for name, pair in calls.items() if all(c in done for c in pair)}
+    refused = [name for name, (rc, _) in answered.items() if rc == CONFIG_ERROR_EXIT]
+    silent = [name for name in names if name not in answered or not answered[name][1]]
+    return refused, silent
 
 
 def up(args: argparse.Namespace) -> int:
@@ -330,13 +344,18 @@ def up(args: argparse.Namespace) -> int:
         _stop_all(state)
         raise
     _state_path(cfg).write_text(json.dumps(state))
-    refused = _refused([name for name in state["actors"] if name != REDIS_ACTOR])
+    refused, silent = _config_checks([name for name in state["actors"] if name != REDIS_ACTOR])
     ray.shutdown()
     if refused:  # exit 2 as for the CLI's other config errors: fix the input
         names = "; ".join(refusal(name, CONFIG_ERROR_EXIT, run_dir / "logs") for name in refused)
         print(f"error: {names}; not restarted, the rest is up: fix the config, stop the run with "
               f"`rollwave down -c {args.config}`, then `rollwave up` again", file=sys.stderr)
         return 2
+    if silent:
+        print(f"error: {', '.join(silent)}: no word from the config check within {START_TIMEOUT_S:g} s of the "
+              f"start (see {run_dir / 'logs'}); the rest is up: `rollwave down -c {args.config}` stops it",
+              file=sys.stderr)
+        return 1
     try:
         with client_for(redis_url, cfg.redis) as client:
             api = published_api_url(client, Keys(cfg.run.name))

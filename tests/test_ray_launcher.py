@@ -174,6 +174,23 @@ def test_an_actor_starts_once_its_component_accepted_its_config(tmp_path: Path) 
             assert time.monotonic() < deadline, log
             time.sleep(0.05)
         assert log.split() == ["after", "False", "False"], log  # neither the variable nor the pipe is left
+        assert component.config_checked()
     finally:
         component.stop(10)
     assert not component.restarted
+
+
+def test_an_actor_whose_component_says_nothing_returns_by_its_timeout_saying_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A component that neither passes its config check nor exits: the constructor returns after its timeout,
+    naming the component and its log, and reports it unchecked, so ``up`` does not count it as started."""
+    from services.launcher import ComponentSpec
+
+    component = without_ray(ComponentSpec("mute", [sys.executable, "-c", "import time; time.sleep(120)"]), tmp_path,
+                            start_timeout_s=1)
+    try:
+        assert component.returncode() is None and not component.config_checked()
+    finally:
+        component.stop(10)
+    assert f"mute: no word from its config check within 1 s (see {tmp_path / 'mute.log'})" in capsys.readouterr().err

@@ -73,6 +73,16 @@ def _weight_version(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def failed_request(exc: BaseException) -> str:
+    """The call an httpx error came from (``GET http://host/v1/status``), or "a request" when it carries none: a
+    timeout's own text is only "timed out"."""
+    try:
+        request = exc.request  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):  # not an httpx error, or one raised outside a request
+        return "a request"
+    return f"{request.method} {request.url}"
+
+
 def _explain(exc: BaseException, args: argparse.Namespace) -> tuple[str, int]:
     """What went wrong and what to do (one line), and the exit code, for an exception a handler raised."""
     import httpx
@@ -86,7 +96,8 @@ def _explain(exc: BaseException, args: argparse.Namespace) -> tuple[str, int]:
         return f"cannot reach the API at {api}: {exc} (is it running? start it with rollwave up, " \
                "or set --api / ROLLWAVE_API)", 1
     if isinstance(exc, httpx.TimeoutException) and api is not None:
-        return f"the API at {api} did not answer in time ({type(exc).__name__}); is it stuck? see runs/<run>/logs", 1
+        return f"the API at {api} did not answer {failed_request(exc)} in time ({type(exc).__name__}); is it " \
+               "stuck? see runs/<run>/logs", 1
     if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL) and api is not None:
         return f"--api {api}: {exc} (e.g. --api {DEFAULT_API})", 2
     if isinstance(exc, OSError) and exc.filename is not None:

@@ -27,6 +27,7 @@ from core.config import Config, dump_config, load_config
 from core.process import refuse_inspection
 from core.tasks import load_tasks
 from core.tiny_model import build_tiny_model
+from services.cli import failed_request
 from services.client_cmd import wait_for_job
 from services.launcher import LocalStack, components, ensure_checkpoint_token, published_api_url
 from services.report import histogram_totals, learning_curve, summarize
@@ -197,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the stack and Redis
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, [f"run.name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides])
-    summary = run(cfg, args.sft_steps, args.eval_tasks, args.timeout_min * 60, args.warm_start, args.agent)
+    try:
+        summary = run(cfg, args.sft_steps, args.eval_tasks, args.timeout_min * 60, args.warm_start, args.agent)
+    except httpx.HTTPError as exc:  # the stack is down by now; say which call failed (logs under runs/<run>/logs)
+        logs = cfg.run.path / "logs"
+        raise SystemExit(f"demo: {failed_request(exc)}: {type(exc).__name__}: {exc} (see {logs})") from exc
     print("\n".join(f"{k:>28}: {v}" for k, v in summary.items()))
     return 0
 

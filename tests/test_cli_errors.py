@@ -134,6 +134,19 @@ def test_an_unreachable_api_says_how_to_start_or_find_it(argv: list[str], dead_a
     assert "rollwave up" in line and "--api / ROLLWAVE_API" in line
 
 
+def test_an_api_that_does_not_answer_in_time_is_named_with_the_call(dead_api: str) -> None:
+    """A timeout's own text is only "timed out": the line names the API and the call that got no answer."""
+    import argparse
+
+    import httpx
+
+    from services.cli import _explain
+
+    timeout = httpx.ReadTimeout("timed out", request=httpx.Request("GET", f"{dead_api}/v1/jobs"))
+    line, code = _explain(timeout, argparse.Namespace(api=dead_api))
+    assert code == 1 and line.startswith(f"the API at {dead_api} did not answer GET {dead_api}/v1/jobs in time"), line
+
+
 def test_rollwave_api_env_names_the_url_it_tried(dead_api: str, tmp_path: Path) -> None:
     assert_one_error_line(rollwave("jobs", cwd=tmp_path, env={"ROLLWAVE_API": dead_api}), 1, dead_api)
 

@@ -78,6 +78,13 @@ class RolloutMetrics:
         self.samples_excluded = Counter(
             _P + "samples_excluded", "Agent samples left out of a train group, by reason", ["reason"], registry=r
         )
+        self.tasks_handed_back = Counter(
+            _P + "tasks_handed_back",
+            "Tasks handed back to the queue unacked, any group they made dropped (stopped_awaiting_admission, "
+            "failed_while_stopping, buffer_closed, cancelled)",
+            ["reason"],
+            registry=r,
+        )
 
     def total(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples matching ``labels`` (for the registry heartbeat's dashboard stats)."""

@@ -157,7 +157,7 @@ class RolloutWorker:
     async def _start(self) -> None:
         await self._call(self.tasks.ensure_groups)
         await self._call(self.replay.ensure_group)
-        self.info.version = await self._engine_version()
+        self.info.version = await self._engine_version("start")
         if self.config.agent_allowlist:
             await start_fork_server(self.config.agent_allowlist)
         await self._call(self.servers.register, self.info)
@@ -183,8 +183,9 @@ class RolloutWorker:
                 admitted = await self._call(self.staleness.admit, entry.group_id, self._stopping, None,
                                             lambda: self.info.version)
                 self._unadmitted.discard(entry.group_id)
-                if not admitted:
-                    await self._call(self.tasks.hand_back, entry)
+                if not admitted:  # admit gives up only when the server stops
+                    await self._hand_back(entry, "stopped_awaiting_admission", "the server stopped while it waited "
+                                          "for staleness admission")
                     return
             with self.metrics.generating():
                 if spec is not None and spec.agent is not None:
@@ -194,7 +195,9 @@ class RolloutWorker:
             group.kind = entry.kind
             failed = [s for s in group.samples if s.failed]
             if failed and self._stopping.is_set() and any(s.finish_reason in ("error", "abort") for s in failed):
-                await self._call(self.tasks.hand_back, entry)  # the engine went away under a shutdown
+                await self._hand_back(entry, "failed_while_stopping", f"{len(failed)} of {len(group.samples)} "
+                                      "episodes failed while the server was stopping (the engine went away under a "
+                                      f"shutdown); first: {failed[0].reward_info.get('error')}")
                 return
             if failed:  # no outcome for some samples: never trained as reward 0; rolled out again, or dead-lettered
                 first = failed[0].reward_info["error"]
@@ -208,10 +211,10 @@ class RolloutWorker:
         except PermissionError as exc:  # nor will an agent this server does not allow
             log.warning("group %s refused: %s", entry.group_id, exc)
             await self._call(self.tasks.dead_letter, entry, str(exc))
-        except BufferClosed:
-            await self._call(self.tasks.hand_back, entry)
+        except BufferClosed as exc:
+            await self._hand_back(entry, "buffer_closed", str(exc))
         except asyncio.CancelledError:
-            await self._call(self.tasks.hand_back, entry)
+            await self._hand_back(entry, "cancelled", "cancelled before it finished (shutdown_grace_s ran out)")
             raise
         except redis.ConnectionError as exc:
             log.warning("group %s: Redis unreachable (%s); the task stays pending and will be reclaimed",
@@ -221,6 +224,13 @@ class RolloutWorker:
             await self._call(self.tasks.fail, entry, f"{type(exc).__name__}: {exc}")
         finally:
             self._unadmitted.discard(entry.group_id)
+
+    async def _hand_back(self, entry: TaskEntry, reason: str, why: str) -> None:
+        """Requeue a task unacked, dropping any group it made; logged and counted by ``reason``, so work given
+        back (and rolled out again by some server) is seen, not silently lost time."""
+        log.warning("group %s: %s; its task is handed back", entry.group_id, why)
+        self.metrics.tasks_handed_back.labels(reason=reason).inc()
+        await self._call(self.tasks.hand_back, entry)
 
     async def _put(self, group: Any, entry: TaskEntry) -> None:
         """Write the group and ack its task, then log its samples for reading back through the API (not those of
@@ -310,11 +320,20 @@ class RolloutWorker:
                                temperature=loop.config.temperature)
 
     async def _heartbeat_loop(self) -> None:
-        """Registry heartbeat, lease renewal of held tasks and buffer gauges, every ``lease_s``."""
+        """Registry heartbeat, lease renewal of held tasks and buffer gauges, every ``lease_s``.
+
+        The registry entry lives three heartbeats and a lease ``claim_idle_ms`` (at least three ``lease_s``), while
+        an engine call may take ``engine.request_timeout_s`` (minutes): a beat that waited that long on an engine
+        which stopped answering let both lapse, and other servers took over tasks still being worked on. So the
+        version read gets half a period (the last version known is kept past it), and a beat's own time is taken
+        off the wait for the next."""
+        clock = asyncio.get_running_loop().time
+        beat_at = clock()
         while True:
-            await asyncio.sleep(self.lease_s)
+            await asyncio.sleep(max(0.0, beat_at + self.lease_s - clock()))
+            beat_at = clock()
             try:
-                self.info.version = await self._engine_version()
+                self.info.version = await self._engine_version("heartbeat", timeout_s=self.lease_s / 2)
                 self.info.stats = self.metrics.stats()
                 await self._call(self.servers.heartbeat, self.info)
                 lost = await self._call(self.tasks.renew, self.consumer, list(self._inflight.values()))
@@ -325,15 +344,20 @@ class RolloutWorker:
             except redis.RedisError as exc:
                 log.warning("heartbeat: %s: %s", type(exc).__name__, exc)
 
-    async def _engine_version(self) -> int:
-        """The version the first engine serves; the last one known when it cannot be read, or is not an
-        integer (logged: tokens of such a version are refused by the agent loop anyway)."""
+    async def _engine_version(self, stage: str, timeout_s: float | None = None) -> int:
+        """The version the first engine serves; the last one known when it cannot be read within ``timeout_s``
+        (None: the engine client's own timeout), or is not an integer (logged, naming ``stage``: tokens of such a
+        version are refused by the agent loop anyway)."""
+        url = self.engines[0].base_url
         try:
-            return parse_version(await self.engines[0].weight_version())
+            return parse_version(await asyncio.wait_for(self.engines[0].weight_version(), timeout_s))
+        except TimeoutError:
+            log.warning("%s: the engine %s did not report its weight version within %.3g s; keeping version %d",
+                        stage, url, timeout_s, self.info.version)
         except EngineError as exc:
-            log.warning("cannot read the weight version of %s: %s", self.engines[0].base_url, exc)
+            log.warning("%s: cannot read the weight version of %s: %s", stage, url, exc)
         except ValueError as exc:
-            log.error("engine %s: %s", self.engines[0].base_url, exc)
+            log.error("%s: engine %s: %s", stage, url, exc)
         return self.info.version
 
     async def _drain(self) -> None:

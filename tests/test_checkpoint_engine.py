@@ -38,10 +38,11 @@ from buffer.registry import ServerInfo, ServerRegistry
 from buffer.staleness import StalenessControl
 from core.checkpoint_auth import NONCE_BYTES, proof
 from core.checkpoint_format import GRPC_OPTIONS, SERVICE, StageError, check_manifest
-from core.config import BufferConfig, CheckpointConfig
+from core.config import TRAINER_CERT_NAME, BufferConfig, CheckpointConfig
 from core.net import free_port_outside_ephemeral
 from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
+from rollout_server import checkpoint_receiver
 from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient
@@ -755,6 +756,51 @@ def test_stage_transport_carries_the_bytes_on_the_port_or_in_the_call(
         assert got == (nbytes if t == came else 0), (i, t, got)
 
 
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_chunk_bytes_is_the_size_of_the_pieces_a_stage_is_sent_in(
+    fleet: Fleet, base_model: PreTrainedModel, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``checkpoint.chunk_bytes``: a push's bytes leave the pusher in slices of that many bytes (the last holds the
+    rest), sent each on the stage port (tcp) or as one Stage message (grpc: the receiver gets one data message per
+    slice, of that size). 64 KiB and the default 1 MiB give different numbers of pieces, ceil(bytes / chunk_bytes)."""
+    sent: list[list[int]] = []  # the pusher: each Stage's slices' sizes, in order
+    got: list[int] = []  # the receivers: the sizes of the Stage data messages they parsed
+    slices, parse = Snapshot.slices, checkpoint_receiver.parse_chunk
+
+    def spy_slices(self: Snapshot, *args: Any) -> Iterator[tuple[int, list[memoryview]]]:
+        sizes: list[int] = []
+        sent.append(sizes)
+        for offset, pieces in slices(self, *args):
+            assert offset == sum(sizes)
+            sizes.append(sum(p.nbytes for p in pieces))
+            yield offset, pieces
+
+    def spy_parse(message: bytes) -> tuple[str, int, memoryview]:
+        kind, offset, payload = parse(message)
+        if kind == "data":
+            got.append(len(payload))
+        return kind, offset, payload
+
+    monkeypatch.setattr(Snapshot, "slices", spy_slices)
+    monkeypatch.setattr(checkpoint_receiver, "parse_chunk", spy_parse)
+    counts = {}
+    for chunk_bytes in (64 << 10, CheckpointConfig().chunk_bytes):
+        sent.clear()
+        got.clear()
+        version = fleet.version() + 1
+        pusher = fleet.pusher(stage_transport=transport, chunk_bytes=chunk_bytes)
+        pushed = pusher.push_model(base_model, version=version).wait(WAIT_S)
+        pusher.close()
+        assert pushed.ok, pushed.servers
+        [nbytes] = {s.bytes for s in pushed.servers}
+        n = -(-nbytes // chunk_bytes)
+        expected = [chunk_bytes] * (n - 1) + [nbytes - (n - 1) * chunk_bytes]
+        assert sent == [expected] * 2  # one Stage per server
+        assert sorted(got) == (sorted(expected * 2) if transport == "grpc" else [])
+        counts[chunk_bytes] = n
+    assert counts[64 << 10] > counts[1 << 20] > 1, counts
+
+
 def test_stage_port_refuses_connections_without_a_stage_ticket(fleet: Fleet, base_model: PreTrainedModel) -> None:
     """A stage port connection whose ticket no Stage holds, and one that sends no ticket, are closed after
     ``connect_timeout_s`` with nothing written, logged and counted (reason ``ticket``); a push meanwhile is not
@@ -1199,5 +1245,62 @@ def test_tls_server_name_is_checked_instead_of_the_dialled_host(
         assert receiver.version == 0
         assert push(1, "rollwave-receiver").ok and receiver.version == 1
     finally:
+        fleet.close()
+        shutil.rmtree(stage_dir, ignore_errors=True)
+
+
+def test_tls_client_name_null_accepts_any_certificate_of_the_ca(
+    tiny_model_dir: Path, base_model: PreTrainedModel, tmp_path: Path
+) -> None:
+    """``checkpoint.tls_client_name: null``: a pusher whose certificate the CA signed for another name (the
+    receivers' own, naming ``rollwave-server``) pushes and commits; a receiver beside it with the default name check
+    refuses that same certificate (counted as refused for it) and keeps its version. The CA is still checked: a
+    certificate another CA signed is refused under null too."""
+    pki, other = make_pki(tmp_path / "pki", "rollwave"), make_pki(tmp_path / "other", "other")
+    stage_dir = Path("/dev/shm") / f"rollwave-tls-any-{tmp_path.name}"
+    tls = {"tls_cert": pki.server_cert, "tls_key": pki.server_key, "tls_ca": pki.ca}
+    fleet = Fleet(tiny_model_dir, stage_dir, tmp_path, size=1, tls_client_name=None, **tls)
+    named_config = CheckpointConfig(token=TOKEN, stage_dir=stage_dir, connect_timeout_s=5.0, retries=0, **tls)
+    assert named_config.tls_client_name == TRAINER_CERT_NAME  # the default
+    named: list[CheckpointReceiver] = []
+    try:
+        fleet.start()
+        [anyone] = fleet.receivers
+
+        async def start_named() -> None:
+            named.append(CheckpointReceiver(named_config, tiny_model_dir, fleet.clients[0], fleet.engines[0].url,
+                                            "named"))
+            await named[0].start()
+
+        fleet.run(start_named())
+
+        def push(receiver: CheckpointReceiver, version: int, **client: Any) -> PushRound:
+            config = named_config.model_copy(update={"tls_cert": pki.server_cert, "tls_key": pki.server_key, **client})
+            pusher = CheckpointPusher(config, [receiver.address])
+            pushed = pusher.push_model(base_model, version=version)
+            assert pushed is not None
+            pushed.wait(WAIT_S)
+            pusher.close()
+            return pushed
+
+        def refused(receiver: CheckpointReceiver) -> float:
+            return receiver.metrics.registry.get_sample_value("rollwave_rollout_checkpoint_refused_total",
+                                                              {"reason": "certificate"}) or 0.0
+
+        [result] = push(named[0], 1).servers
+        assert not result.ok and result.stage == "connect", result
+        assert "refused by checkpoint.tls_client_name: its certificate names 127.0.0.1, rollwave-server, " \
+               f"not {TRAINER_CERT_NAME}" in result.error
+        assert refused(named[0]) >= 1 and named[0].version == 0
+
+        assert push(anyone, 1).ok and anyone.version == 1
+        assert refused(anyone) == 0
+        [stranger] = push(anyone, 2, tls_cert=other.client_cert, tls_key=other.client_key,
+                          connect_timeout_s=1.0).servers
+        assert not stranger.ok and stranger.stage == "connect", stranger
+        assert anyone.version == 1
+    finally:
+        if named:
+            fleet.run(named[0].stop())
         fleet.close()
         shutil.rmtree(stage_dir, ignore_errors=True)

@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from buffer_helpers import client
 from engine_helpers import teacher_forced
 from test_checkpoint_engine import (
     PROMPTS,
@@ -29,15 +35,23 @@ from test_checkpoint_engine import (
 )
 from transformers import AutoModelForCausalLM
 
-from core.config import CheckpointConfig, LoraConfig
+from buffer.keys import Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.registry import ServerRegistry
+from buffer.replay import ReplayBuffer
+from buffer.task_queue import TaskQueue
+from core.config import BufferConfig, CheckpointConfig, LoraConfig
 from core.lora import ADAPTER_WEIGHTS, adapter_checksum
+from core.tasks import load_tasks
 from rollout_server.checkpoint_receiver import CheckpointReceiver
+from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineError
 from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.lora import adapter_config_json, adapter_metas, add_adapter, iter_adapter_params
 from trainer.parallel import iter_full_params
 from trainer.snapshot import BufferPool, model_metas, take_snapshot
 
+ROOT = Path(__file__).resolve().parents[1]
 LORA = LoraConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"])
 NAME = "policy"  # the receiver's adapter name (model.lora.name's default)
 
@@ -250,3 +264,81 @@ def test_a_failed_load_after_the_unload_says_no_adapter_serves(tiny_model_dir: P
         assert status_of(address).adapter_checksum == checksum_of(model) and named == ["pol", None, "pol"]
     assert engine.calls[4:] == ["pause", "load pol", "unload pol", "load pol", "continue",
                                 "pause", "load pol", "version 3", "continue"]
+
+
+def test_a_rollout_server_loads_and_names_the_adapter_model_lora_name(
+    tiny_model_dir: Path, tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """``model.lora.name`` on a real ``python -m rollout_server``: a pushed adapter is loaded into the engine under
+    that name (not the default ``policy``), and the server's own generate requests name it: the group it rolls out
+    after the push carries the adapter's logprobs (the trainer's forward with the adapter, not the base model's)
+    for tokens of the pushed version."""
+    name, keys, r = "rl-adapter", Keys("t"), client(redis_server)
+    engine = EngineProcess(tiny_model_dir, log_path=tmp_path / "engine.log").launch()  # starts with the server's
+    log_path = tmp_path / "rollout.log"
+    argv = [
+        sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp_path}", f"redis.url={redis_server.url}",
+        f"engine.urls={json.dumps([engine.url])}", f"model.path={tiny_model_dir}", "model.init_if_missing=false",
+        f"model.lora.name={name}", "rollout.server_id=srv-lora", "rollout.n_samples=2", "rollout.max_turns=1",
+        "rollout.max_new_tokens=8", "rollout.heartbeat_s=0.2", "buffer.max_attempts=1",
+        f"checkpoint.stage_dir={tmp_path / 'stage'}",
+    ]
+
+    def wait(what: str, cond: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not cond():
+            log = log_path.read_text(errors="replace")
+            assert proc is not None and proc.poll() is None, f"the rollout server exited:\n{log}"
+            assert time.monotonic() < deadline, f"gave up waiting for {what}:\n{log}"
+            time.sleep(0.1)
+
+    proc, pusher = None, None
+    try:
+        with open(log_path, "wb") as out:
+            env = {**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": TOKEN}
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        engine.wait_ready()
+        registry = ServerRegistry(r, keys)
+        wait("the server to register", lambda: bool(registry.live_servers()))
+        [info] = registry.live_servers()
+        model = lora_model(tiny_model_dir, seed=11)
+        pusher = CheckpointPusher(CheckpointConfig(token=TOKEN, stage_dir=tmp_path / "push"), [info.grpc_address])
+        assert pusher.push_model(model, 1).wait(WAIT_S).ok
+
+        # The engine serves the adapter under model.lora.name, and under no other name.
+        assert outputs(generate(engine.url, name)) == greedy_reference(model)
+        refused = generate(engine.url, NAME)
+        assert refused.status_code == 400 and NAME in refused.text
+
+        # The server's requests name it: its group after the push has the adapter's logprobs.
+        queue = TaskQueue(r, keys, BufferConfig())
+        queue.ensure_groups()
+        [task] = load_tasks("arith", split="train", limit=1)
+        queue.submit("job", [task.model_dump(mode="json")], "train")
+        wait("the group or a dead letter", lambda: r.xlen(keys.groups) + r.xlen(keys.tasks_dead) > 0)
+        dead = [f.get(b"error", b"").decode() for _, f in r.xrange(keys.tasks_dead)]
+        assert dead == [], dead  # e.g. the engine refused the name the requests gave
+        [(_, group)] = ReplayBuffer(r, keys, BufferConfig()).take(1, WAIT_S)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        for sample in group.samples:
+            generated = sample.loss_mask.nonzero()[0]
+            assert len(generated) and (sample.token_versions[generated] == 1).all()
+            end = int(generated[-1]) + 1
+            prompt, output = sample.token_ids[:sample.prompt_len].tolist(), sample.token_ids[sample.prompt_len:end]
+            engine_lp = torch.tensor(sample.behaviour_logprobs[generated])
+            at = torch.tensor(generated - sample.prompt_len)
+            adapter_lp = teacher_forced(model, prompt, output.tolist(), group.temperature)[at]
+            base_lp = teacher_forced(base, prompt, output.tolist(), group.temperature)[at]
+            torch.testing.assert_close(engine_lp, adapter_lp, rtol=0, atol=1e-3)
+            assert (engine_lp - base_lp).abs().max() > 0.05  # the base model would have given other logprobs
+    finally:
+        if pusher is not None:
+            pusher.close()
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        engine.close()

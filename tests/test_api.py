@@ -340,6 +340,38 @@ def test_a_job_naming_a_tool_the_run_does_not_have_is_refused(api: httpx.Client,
         assert custom.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": [task]}}).status_code == 201
 
 
+def test_a_task_that_cannot_start_a_tool_it_gets_is_refused(api: httpx.Client, data_root: Path) -> None:
+    """A job's ``tools`` replace each task's, not its ``tools_kwargs``: a task that gives a tool it gets no create
+    kwargs the tool requires (check_answer: ground_truth) would fail every episode at create and be dead-lettered."""
+    task = {"task_id": "a", "messages": [{"role": "user", "content": "q"}], "reward": {"ground_truth": "1"}}
+    gold = task | {"task_id": "b", "tools_kwargs": {"check_answer": {"create_kwargs": {"ground_truth": "1"}}}}
+    reply = api.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": [gold, task]}, "tools": ["check_answer"]})
+    assert reply.status_code == 422 and reply.json()["detail"][0]["loc"] == ["body", "tools"], reply.text
+    assert ("source.tasks[1]: tool check_answer needs create_kwargs ground_truth "
+            "(tools_kwargs.check_answer.create_kwargs)") in reply.text, reply.text
+    own = task | {"tools": ["calculator", "check_answer"], "tools_kwargs": {"check_answer": {"create_kwargs": {}}}}
+    _rejected(api, {"source": {"kind": "inline", "tasks": [own]}},
+              "source.tasks[0]: tool check_answer needs create_kwargs ground_truth")
+    row = {"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"},
+           "tools_kwargs": {"check_answer": {"create_kwargs": {"answer": "1"}}}}
+    (data_root / "no_gold.jsonl").write_text(json.dumps(row) + "\n")
+    _rejected(api, {"source": {"kind": "jsonl", "path": "no_gold.jsonl"}},
+              f"{data_root / 'no_gold.jsonl'}:1: tool check_answer needs create_kwargs ground_truth")
+    bad = task | {"tools": ["calculator"], "tools_kwargs": {"calculator": {"create_kwargs": [1]}}}
+    _rejected(api, {"source": {"kind": "inline", "tasks": [bad]}},
+              "source.tasks[0]: field 'tools_kwargs.calculator.create_kwargs' must be dict, got list")
+    assert "rollwave_api_jobs_rejected_total 4.0" in api.get("/metrics").text
+    for body in ({"source": {"kind": "inline", "tasks": [gold]}, "tools": ["check_answer"]},
+                 {"source": {"kind": "inline", "tasks": [gold | {"tools": ["check_answer"]}]}},
+                 {"source": {"kind": "inline", "tasks": [task]}, "tools": ["calculator"]},
+                 {"source": {"kind": "arith", "limit": 2}, "tools": ["calculator", "check_answer"]},
+                 {"kind": "eval", "source": {"kind": "gsm8k", "path": "gsm8k", "split": "test", "limit": 2},
+                  "tools": ["check_answer"]}):
+        reply = api.post("/v1/jobs", json=body)
+        assert reply.status_code == 201, (body, reply.text)
+    assert len(api.get("/v1/jobs").json()["jobs"]) == 5
+
+
 def test_a_split_is_a_plain_name_never_a_path(api: httpx.Client, data_root: Path, tmp_path: Path) -> None:
     """A split names ``{split}.jsonl`` in a source's directory: with ``../`` in it a job could read any file the API
     can, through the bundled gsm8k copy (read for a job without a path) as through a directory of the data root."""

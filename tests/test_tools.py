@@ -31,6 +31,7 @@ from rollout_server.tools import Tool, ToolConfigError, ToolRegistry, ToolResult
 from rollout_server.tools.calculator import CalculatorError, CalculatorTool, evaluate, format_number
 from rollout_server.tools.check_answer import CheckAnswerTool
 from rollout_server.tools.python_tool import PythonTool
+from rollout_server.tools.registry import tool_requirements
 
 
 def run(coro: Any) -> Any:
@@ -142,6 +143,38 @@ def test_registry_builtin_and_yaml(tmp_path: Path) -> None:
     assert run(reg.get("shout").execute("i", {"text": "hi"})) == ToolResult(">> hi", reward=0.5)
     with pytest.raises(KeyError, match="unknown tool 'nope'"):
         reg.get("nope")
+
+
+class GoldEchoTool(EchoTool):
+    """A custom tool that cannot start an episode without a gold answer."""
+
+    create_requires = ("gold",)
+
+
+class StrRequiresTool(EchoTool):
+    create_requires = ("gold")  # noqa: UP034 (the mistake under test: a str, not a tuple)
+
+
+def test_declared_create_requirements_are_what_create_refuses_without(tmp_path: Path) -> None:
+    """What the API reads (``tool_requirements``, no tool built) and what ``create`` refuses without are one list:
+    a job the API accepts starts its tools, and one whose tasks lack a required key is refused at submit."""
+    requires = tool_requirements(None)
+    assert requires == {"calculator": (), "python": (), "check_answer": ("ground_truth",)}
+    for name, tool in ToolRegistry.from_file(None).tools.items():
+        run(tool.create("full", **dict.fromkeys(requires[name], "1")))
+        for key in requires[name]:
+            with pytest.raises(ValueError, match=f"{name}: create_kwargs need {key} "):
+                run(tool.create("short", **{k: "1" for k in requires[name] if k != key}))
+    cfg = tmp_path / "tools.yaml"
+    cfg.write_text(f"- name: calculator\n- name: judge\n  class: {__name__}:GoldEchoTool\n")
+    assert tool_requirements(cfg) == {"calculator": (), "judge": ("gold",)}
+    with pytest.raises(ValueError, match="judge: create_kwargs need gold"):
+        run(ToolRegistry.from_file(cfg).get("judge").create("i", answer="1"))
+    cfg.write_text(f"- name: calculator\n- name: judge\n  class: {__name__}:StrRequiresTool\n")
+    for read in (tool_requirements, ToolRegistry.from_file):
+        with pytest.raises(ToolConfigError, match=r"tools\.yaml:2: tools\[1\] \(judge\): .*create_requires must be "
+                                                  "a tuple of str, got 'gold'"):
+            read(cfg)
 
 
 @pytest.mark.parametrize(

@@ -34,11 +34,14 @@ class Tool(abc.ABC):
 
     ``schema`` is the OpenAI function schema ``{"type": "function", "function": {name, description,
     parameters}}`` rendered into the prompt; a tool config may replace it. ``kwargs`` of the config
-    reach ``__init__``; per-episode data (e.g. a ground truth) reaches ``create``.
+    reach ``__init__``; per-episode data (e.g. a ground truth) reaches ``create``, which refuses an
+    episode without the keys of ``create_requires``: the API reads them (without building the tool) to
+    refuse a job whose tasks do not give them, rather than have every episode fail at create.
     """
 
     default_name: ClassVar[str] = ""
     default_schema: ClassVar[dict[str, Any]] = {}
+    create_requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, name: str | None = None, schema: dict[str, Any] | None = None) -> None:
         self.name = name or self.default_name
@@ -50,7 +53,10 @@ class Tool(abc.ABC):
         self._instances: dict[str, dict[str, Any]] = {}
 
     async def create(self, instance_id: str, **create_kwargs: Any) -> None:
-        """Start an episode's instance; ``create_kwargs`` come from the task's ``tools_kwargs``."""
+        """Start an episode's instance; ``create_kwargs`` come from the task's ``tools_kwargs`` and must hold the
+        keys of ``create_requires`` (ValueError naming those missing)."""
+        if missing := [key for key in self.create_requires if key not in create_kwargs]:
+            raise ValueError(f"{self.name}: create_kwargs need {', '.join(missing)} (task tools_kwargs)")
         self._instances[instance_id] = dict(create_kwargs)
 
     @abc.abstractmethod

@@ -21,11 +21,11 @@ class CheckAnswerTool(Tool):
         {"answer": {"type": "string", "description": "the final answer, a number, e.g. 42"}},
         ["answer"],
     )
+    create_requires = ("ground_truth",)
 
     async def create(self, instance_id: str, **create_kwargs: Any) -> None:
-        if "ground_truth" not in create_kwargs:
-            raise ValueError(f"{self.name}: create_kwargs need a ground_truth (task tools_kwargs)")
-        await super().create(instance_id, ground_truth=str(create_kwargs["ground_truth"]))
+        await super().create(instance_id, **create_kwargs)  # refuses one without a ground_truth
+        self._instances[instance_id] = {"ground_truth": str(create_kwargs["ground_truth"])}
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
         state = self._instances.get(instance_id)

@@ -13,8 +13,9 @@ A custom tool is any ``Tool`` subclass named by import path. Errors name the fil
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -27,6 +28,7 @@ BUILTIN_TOOLS: dict[str, str] = {
     "check_answer": "rollout_server.tools.check_answer:CheckAnswerTool",
 }
 _ENTRY_KEYS = {"name", "class", "schema", "kwargs"}
+T = TypeVar("T")
 
 
 class ToolConfigError(ValueError):
@@ -80,7 +82,7 @@ class ToolRegistry:
 
     @classmethod
     def builtin(cls) -> ToolRegistry:
-        return cls([import_class(path)() for path in BUILTIN_TOOLS.values()])
+        return cls([_build({"name": name}, "built-in tools") for name in BUILTIN_TOOLS])
 
     @classmethod
     def from_file(cls, path: str | Path | None) -> ToolRegistry:
@@ -88,13 +90,7 @@ class ToolRegistry:
         if path is None:
             return cls.builtin()
         path = Path(path)
-        entries, under = _entries(path)
-        tools = []
-        for i, entry in enumerate(entries):
-            try:
-                tools.append(_build(entry, f"tools[{i}]"))
-            except ToolConfigError as exc:  # the file's lines are looked up only for an error
-                raise ToolConfigError(f"{path}:{line_of(yaml_key_lines(path), (*under, i))}: {exc}") from None
+        tools = _each_entry(path, _build)
         try:
             return cls(tools)
         except ToolConfigError as exc:
@@ -110,12 +106,27 @@ class ToolRegistry:
         return [self.get(n).schema for n in names]
 
 
-def tool_names(path: str | Path | None) -> list[str]:
-    """The names of the tools a YAML config (None: the built-in tools) configures, without building any: what a
-    job may ask for, checked where the tools themselves do not run (the API)."""
+def tool_requirements(path: str | Path | None) -> dict[str, tuple[str, ...]]:
+    """The tools a YAML config (None: the built-in tools) configures, by name, each with the create kwargs it requires
+    (``Tool.create_requires``): the classes are imported as the registry does, but no tool is built, so the API can
+    check what a job asks of the tools where they do not run. ToolConfigError as ``ToolRegistry.from_file``."""
     if path is None:
-        return list(BUILTIN_TOOLS)
-    return [e["name"] for e in _entries(Path(path))[0] if isinstance(e, dict) and isinstance(e.get("name"), str)]
+        resolved = [_resolve({"name": name}, "built-in tools") for name in BUILTIN_TOOLS]
+    else:
+        resolved = _each_entry(Path(path), _resolve)
+    return {name: tool_cls.create_requires for name, _, tool_cls in resolved}
+
+
+def _each_entry(path: Path, make: Callable[[Any, str], T]) -> list[T]:
+    """``make(entry, "tools[i]")`` for each entry of the file; a ToolConfigError is prefixed by the file and line."""
+    entries, under = _entries(path)
+    made = []
+    for i, entry in enumerate(entries):
+        try:
+            made.append(make(entry, f"tools[{i}]"))
+        except ToolConfigError as exc:  # the file's lines are looked up only for an error
+            raise ToolConfigError(f"{path}:{line_of(yaml_key_lines(path), (*under, i))}: {exc}") from None
+    return made
 
 
 def _entries(path: Path) -> tuple[list[Any], tuple[str, ...]]:
@@ -132,7 +143,8 @@ def _entries(path: Path) -> tuple[list[Any], tuple[str, ...]]:
     return entries, ("tools",) if isinstance(data, dict) else ()
 
 
-def _build(entry: Any, where: str) -> Tool:
+def _resolve(entry: Any, where: str) -> tuple[str, str, type[Tool]]:
+    """The entry's name, class path and ``Tool`` class, imported but not built."""
     if not isinstance(entry, dict):
         raise ToolConfigError(f"{where}: expected a mapping, got {type(entry).__name__}")
     unknown = sorted(set(entry) - _ENTRY_KEYS)
@@ -154,6 +166,15 @@ def _build(entry: Any, where: str) -> Tool:
         raise ToolConfigError(f"{where}: cannot import class {class_path!r}: {exc}") from None
     if not (isinstance(tool_cls, type) and issubclass(tool_cls, Tool)):
         raise ToolConfigError(f"{where}: {class_path} is not a subclass of rollout_server.tools.base.Tool")
+    requires = tool_cls.create_requires
+    if not (isinstance(requires, tuple) and all(isinstance(key, str) for key in requires)):  # ("x") is a str
+        raise ToolConfigError(f"{where}: {class_path}.create_requires must be a tuple of str, got {requires!r}")
+    return name, class_path, tool_cls
+
+
+def _build(entry: Any, where: str) -> Tool:
+    name, class_path, tool_cls = _resolve(entry, where)
+    where = f"{where} ({name})"
     schema = entry.get("schema")
     if schema is not None:
         try:

@@ -4,8 +4,8 @@ Bounded and guarded: ``/v1`` needs ``api.token`` (a bind off loopback refuses to
 checked before any body is read; requests must name an allowed Host (``api.allowed_hosts``, against DNS
 rebinding; the unauthenticated ops probes are exempt, kubelet and Prometheus reach them by pod IP); bodies
 over ``api.max_body_bytes`` get 413; jobs read files only under ``api.data_root``, hold at most
-``api.max_job_tasks`` tasks and name reward functions and agents the run allows. Each refusal is logged and
-counted.
+``api.max_job_tasks`` tasks, name reward functions, agents and tools the run allows, and give each tool a task
+gets the create kwargs it requires. Each refusal is logged and counted.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from core.config import Config, ConfigError, require_secret
 from core.jobs import JobSpec
 from core.net import is_loopback
 from core.rewards import BUILTIN as BUILTIN_REWARDS
-from rollout_server.tools.registry import ToolConfigError, tool_names
+from core.tasks import Task
+from rollout_server.tools.registry import ToolConfigError, tool_requirements
 from services.api.cluster import ClusterView, InvalidCursor, NotFound
 from services.api.sampler import MetricsSampler
 
@@ -61,6 +62,28 @@ def check_api_config(cfg: Config) -> None:
             f"api.token is not set and api.host={cfg.api.host} is not loopback: anyone who reaches it could submit "
             "jobs; set ROLLWAVE_API_TOKEN or api.token_file, or bind 127.0.0.1"
         )
+
+
+def _unmet_create_kwargs(spec: JobSpec, tasks: list[Task], requires: dict[str, tuple[str, ...]]) -> str | None:
+    """Why a task cannot start a tool it will get, or None: its every episode would fail at the tool's create and
+    the task be dead-lettered. A job's ``tools`` replace each task's own, never its ``tools_kwargs``; ``requires``
+    maps each tool to its ``create_requires``."""
+    replaced = "; the job's tools replace the task's tools, not its tools_kwargs" if spec.tools is not None else ""
+    for i, task in enumerate(tasks):
+        if spec.source.kind == "inline":
+            at = f"source.tasks[{i}]"
+        elif "file" in task.meta and "line" in task.meta:  # a row of a file, named as its load errors name it
+            at = f"{task.meta['file']}:{task.meta['line']}"
+        else:
+            at = f"task {task.task_id!r}"
+        for name in spec.tools if spec.tools is not None else task.tools:
+            label = f"tools_kwargs.{name}.create_kwargs"
+            given = task.tools_kwargs.get(name, {}).get("create_kwargs", {})
+            if not isinstance(given, dict):
+                return f"{at}: field '{label}' must be dict, got {type(given).__name__}"
+            if missing := [key for key in requires.get(name, ()) if key not in given]:
+                return f"{at}: tool {name} needs create_kwargs {', '.join(missing)} ({label}){replaced}"
+    return None
 
 
 class ApiState:
@@ -187,10 +210,10 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     the launcher that started it finds it.
     """
     check_api_config(cfg)
-    try:  # the tools a job may name; the rollout servers build them, this only reads their names
-        tools: list[str] | None = tool_names(cfg.rollout.tools)
+    try:  # the tools a job may name and the create kwargs each needs; only the rollout servers build them
+        tools: dict[str, tuple[str, ...]] | None = tool_requirements(cfg.rollout.tools)
     except ToolConfigError as exc:
-        log.warning("cannot read rollout.tools here (%s): jobs' tool names are checked by the rollout servers", exc)
+        log.warning("cannot read rollout.tools here (%s): jobs' tools are checked by the rollout servers", exc)
         tools = None
     registry = CollectorRegistry()
     refused = Counter(
@@ -283,6 +306,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
             field = "tools" if spec.tools is not None else "source"
             raise reject(api, field, f"unknown tool(s) {', '.join(unknown)}; this run's tools (rollout.tools): "
                                      f"{', '.join(tools) or 'none'}")
+        if tools is not None and (unmet := _unmet_create_kwargs(spec, tasks, tools)):
+            raise reject(api, "tools" if spec.tools is not None else "source", unmet)
         if len(tasks) > cfg.api.max_job_tasks:
             cap = cfg.api.max_job_tasks
             raise reject(api, "source", f"{len(tasks)} tasks; a job may hold at most api.max_job_tasks={cap}")

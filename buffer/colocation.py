@@ -91,7 +91,7 @@ class DeviceTurns:
                 return live
             if time.monotonic() > deadline:
                 raise TimeoutError(f"colocated step {turn.step}: rollout server(s) {', '.join(waiting)} did not "
-                                   f"release their engines' memory within {timeout_s:.0f} s (stage release)")
+                                   f"release their engines' memory within {timeout_s:g} s (stage release)")
             time.sleep(POLL_S)
 
     def engines_released(self, urls: list[str]) -> list[str]:

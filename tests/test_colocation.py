@@ -12,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
+import re
 import time
+from concurrent import futures
 from pathlib import Path
 
 import httpx
@@ -32,8 +35,9 @@ from buffer.keys import Keys
 from buffer.metrics import BufferMetrics
 from buffer.registry import ServerInfo, ServerRegistry
 from buffer.staleness import StalenessControl
-from core.config import BufferConfig, TrainerConfig, load_config
+from core.config import BufferConfig, Config, TrainerConfig, load_config
 from core.net import free_port_outside_ephemeral
+from rollout_server.__main__ import load_tools, serve
 from rollout_server.colocation import EngineTurns
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient, EngineGroup
@@ -395,6 +399,89 @@ def test_colocated_config_is_synchronous_or_one_step_behind_and_refuses_lora() -
         load_config(None, ["placement.mode=colocated", "placement.colocated_staleness=2"])
     with pytest.raises(Exception, match="model.lora is not supported"):
         load_config(None, ["placement.mode=colocated", "model.lora.rank=4"])
+
+
+GUARD_S = 60.0  # far under the 600 s default: a wait this long means placement.colocated_timeout_s was not applied
+
+
+def colocated_config(redis_url: str, tmp_path: Path, model_dir: Path, *overrides: str) -> Config:
+    """A colocated run's config as a user sets it (``load_config`` with dotted overrides), on this test's Redis."""
+    return load_config(None, ["placement.mode=colocated", f"run.name={KEYS.run}", f"redis.url={redis_url}",
+                              f"run.dir={tmp_path}", f"model.path={model_dir}",
+                              f"checkpoint.stage_dir={tmp_path}/stage", *overrides], env={})
+
+
+def test_the_trainer_waits_placement_colocated_timeout_s_for_the_servers_to_release(
+    redis_server, ctx, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``placement.colocated_timeout_s=0.5`` through the trainer's ``_connect``: a live server that never releases
+    the device fails the step after that long, not the 600 s default, with an error naming the server (not the
+    one that released), the step, the stage and the limit."""
+    cfg = colocated_config(redis_server.url, tmp_path, tiny_model_dir, "placement.colocated_timeout_s=0.5")
+    client, turns, _registry, _staleness = run_parts(redis_server.url)
+    registry = ServerRegistry(client, KEYS, ttl_s=10 * GUARD_S)  # live past the guard without a heartbeat
+    registry.register(ServerInfo("srv-a", engine_url="http://127.0.0.1:1"))
+    registry.register(ServerInfo("srv-frozen", engine_url="http://127.0.0.1:2"))
+    metrics = CollectorRegistry()
+    with contextlib.ExitStack() as stack, futures.ThreadPoolExecutor(1) as pool:
+        _, pusher, _, _ = _connect(cfg, ctx, stack, metrics, BufferMetrics(metrics))
+        assert isinstance(pusher, LocalPusher)
+        turns.released("srv-a", Turn("trainer", 1, epoch=pusher.epoch))
+        start = time.monotonic()
+        step = pool.submit(pusher.take_device, 1)
+        try:
+            futures.wait([step], timeout=GUARD_S)
+            waited = time.monotonic() - start
+            assert step.done(), f"take_device still waiting after {GUARD_S:.0f} s: placement.colocated_timeout_s unused"
+        finally:
+            registry.deregister("srv-frozen")  # ends a wait the guard cut short: the pool's thread returns
+    error = step.exception()
+    assert isinstance(error, TimeoutError), error
+    assert str(error) == ("colocated step 1: rollout server(s) srv-frozen did not release their engines' memory "
+                          "within 0.5 s (stage release)")
+    assert 0.5 <= waited < GUARD_S
+
+
+def test_a_released_server_warns_after_placement_colocated_timeout_s(
+    redis_server, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``placement.colocated_timeout_s=0.5`` through the rollout server's ``serve`` (as ``python -m rollout_server``
+    runs it, with the embedded engine it starts): its engines released for a trainer turn that is not given back
+    within the limit, it logs a warning naming the turn, instead of after the 600 s default. No metric counts it
+    (``RolloutMetrics`` has none: the log line is the only trace)."""
+    cfg = colocated_config(redis_server.url, tmp_path, tiny_model_dir, "placement.colocated_timeout_s=0.5",
+                           "rollout.server_id=srv-a", "rollout.metrics_port=null", "engine.threads=1")
+    client, turns, registry, _staleness = run_parts(redis_server.url)
+    caplog.set_level(logging.WARNING, logger="rollout_server.colocation")
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == "rollout_server.colocation" and r.levelno == logging.WARNING]
+
+    async def run() -> tuple[Turn, list[str]]:
+        server = asyncio.create_task(serve(cfg, load_tools(cfg.rollout)))
+
+        def serving(check) -> bool:
+            if server.done():  # serve failed (or returned): its error, not a wait to the guard
+                server.result()
+                raise AssertionError("serve returned")
+            return bool(check())
+
+        try:
+            await until(lambda: serving(lambda: [s.server_id for s in registry.live_servers()] == ["srv-a"]),
+                        "the server to register")
+            turn = turns.take(turns.new_epoch(), 1)
+            await until(lambda: serving(lambda: client.hget(KEYS.device_released, "srv-a") == turn.key.encode()),
+                        "the server to release the device")
+            await until(lambda: serving(warnings), "the released server's warning", timeout_s=GUARD_S)
+            return turn, warnings()
+        finally:
+            await stop(server)
+
+    turn, warned = asyncio.run(run())
+    assert re.fullmatch(rf"engines released for \d+ s: the trainer has not given the device back \(its turn "
+                        rf"{turn.key}\)", warned[0]), warned
+    assert registry.live_servers() == []  # serve stopped: deregistered
 
 
 def _ranks(rank: int, world: int, port: int, model_dir: Path, root: Path) -> None:

@@ -95,8 +95,9 @@ class LocalPusher:
     def take_results(self) -> list[PushResult]:
         return []
 
-    def flush(self, timeout_s: float | None = None) -> bool:
-        return True
+    def flush(self, timeout_s: float | None = None) -> list[str]:
+        """No push is ever in flight (each is written before ``push_model`` returns): no server is left unfinished."""
+        return []
 
     # ---- DeviceShare --------------------------------------------------------------------------
 

@@ -72,6 +72,27 @@ def listening_addresses(port: int) -> set[str]:
     return {address for address, p in listening_sockets(tables) if p == port}
 
 
+def listening_ports_of(pid: int) -> set[int]:
+    """The ports of the sockets process ``pid`` itself holds listening (its own file descriptors matched by inode
+    against /proc/net/tcp{,6}; a child's, such as an embedded engine's, are not its)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target.removeprefix("socket:[").removesuffix("]"))
+    ports = set()
+    for name in ("tcp", "tcp6"):
+        path = Path("/proc/net", name)
+        for line in (path.read_text().splitlines()[1:] if path.exists() else []):
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, and this process's
+                ports.add(int(fields[1].split(":")[1], 16))
+    return ports
+
+
 def loopback(address: str) -> bool:
     """127.0.0.0/8 or ::1, also as an IPv4-mapped IPv6 address."""
     a = ipaddress.ip_address(address)
@@ -149,12 +170,14 @@ def test_an_sglang_backend_without_urls_is_refused(tiny_model_dir: Path) -> None
         asyncio.run(run())
 
 
+@pytest.mark.parametrize("serve_metrics", [True, False], ids=["metrics", "metrics_port_null"])
 def test_rollout_server_binds_and_publishes_its_configured_addresses(
-    tmp_path: Path, redis_server: EmbeddedRedis, tiny_model_dir: Path
+    tmp_path: Path, redis_server: EmbeddedRedis, tiny_model_dir: Path, serve_metrics: bool
 ) -> None:
     """``python -m rollout_server`` serves its checkpoint receiver (its gRPC and stage ports), metrics, episode
     endpoint and engine on the configured host and ports, and publishes exactly those in the registry (the stage
-    port in the receiver's Status)."""
+    port in the receiver's Status). With ``rollout.metrics_port=null`` it serves no metrics (it listens on the
+    other ports alone, where the default, 0, would add one of its choosing) and publishes no metrics address."""
     grpc_port, stage_port, metrics_port, openai_port, engine_port = free_ports(5)
     log = tmp_path / "rollout.log"
     overrides = [
@@ -162,7 +185,7 @@ def test_rollout_server_binds_and_publishes_its_configured_addresses(
         f"checkpoint.stage_dir={tmp_path}/stage", "rollout.server_id=srv-bind", "rollout.heartbeat_s=0.2",
         "engine.threads=1", f"engine.host={HOST}", f"engine.port={engine_port}",
         f"rollout.grpc_host={HOST}", f"rollout.grpc_port={grpc_port}", f"rollout.stage_port={stage_port}",
-        f"rollout.metrics_host={HOST}", f"rollout.metrics_port={metrics_port}",
+        f"rollout.metrics_host={HOST}", f"rollout.metrics_port={metrics_port if serve_metrics else 'null'}",
         f"rollout.openai_host={HOST}", f"rollout.openai_port={openai_port}",
     ]
     registry = ServerRegistry(client(redis_server), KEYS)
@@ -172,10 +195,18 @@ def test_rollout_server_binds_and_publishes_its_configured_addresses(
         [info] = wait_for("the server's registry record", registry.live_servers, proc, log)
         assert info.server_id == "srv-bind"
         assert info.grpc_address == f"{HOST}:{grpc_port}"
-        assert info.metrics_address == f"{HOST}:{metrics_port}"
         assert info.openai_url == f"http://{HOST}:{openai_port}"
         assert info.engine_url == f"http://{HOST}:{engine_port}"
-        assert "rollwave_rollout_" in httpx.get(f"http://{HOST}:{metrics_port}/metrics", timeout=10).text
+        # registered only once every server is up: the engine is its child, the others its own sockets
+        served = {grpc_port, stage_port, openai_port}
+        if serve_metrics:
+            assert info.metrics_address == f"{HOST}:{metrics_port}"
+            assert "rollwave_rollout_" in httpx.get(f"http://{HOST}:{metrics_port}/metrics", timeout=10).text
+            assert listening_ports_of(proc.pid) == served | {metrics_port}
+        else:
+            assert info.metrics_address == ""
+            assert listening_ports_of(proc.pid) == served
+            assert not listening_addresses(metrics_port)
         episode = httpx.get(f"http://{HOST}:{openai_port}/episodes/none/v1/models", timeout=10)
         assert episode.status_code == 404 and "episode 'none' does not exist" in episode.text  # the endpoint
         with grpc.insecure_channel(info.grpc_address) as channel:
@@ -184,31 +215,45 @@ def test_rollout_server_binds_and_publishes_its_configured_addresses(
         assert status.stage_port == stage_port
         with socket.create_connection((HOST, stage_port), timeout=5):
             pass
-        for port in (grpc_port, stage_port, metrics_port, openai_port, engine_port):
+        for port in (*served, *([metrics_port] if serve_metrics else []), engine_port):
             assert on_loopback_only(port), port
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text(errors="replace")[-4000:]
 
 
+@pytest.mark.parametrize("serve_metrics", [True, False], ids=["metrics", "metrics_port_null"])
 def test_trainer_serves_metrics_on_its_configured_address(
-    tmp_path: Path, redis_server: EmbeddedRedis, tiny_model_dir: Path
+    tmp_path: Path, redis_server: EmbeddedRedis, tiny_model_dir: Path, serve_metrics: bool
 ) -> None:
     """``python -m trainer`` (rank 0) serves Prometheus on trainer.metrics_host:trainer.metrics_port and publishes
-    that address for the API."""
+    that address for the API. With ``trainer.metrics_port=null`` it listens on nothing (the default, 0, would serve
+    on a port of its choosing) and publishes no metrics address."""
     [port] = free_ports(1)
     log = tmp_path / "trainer.log"
     overrides = [
         f"run.name={RUN}", f"run.dir={tmp_path}", f"redis.url={redis_server.url}", f"model.path={tiny_model_dir}",
         f"checkpoint.stage_dir={tmp_path}/stage", "trainer.device=cpu", "trainer.threads=1",
-        "trainer.take_timeout_s=1", f"trainer.metrics_host={HOST}", f"trainer.metrics_port={port}",
+        "trainer.take_timeout_s=1", f"trainer.metrics_host={HOST}",
+        f"trainer.metrics_port={port if serve_metrics else 'null'}",
     ]
     r = client(redis_server)
     env = {"ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
     with component("trainer", log, *overrides, env=env) as proc:
-        address = wait_for("the trainer's metrics address", lambda: r.hget(KEYS.trainer, "metrics_address"), proc, log)
-        assert address.decode() == f"{HOST}:{port}"
-        assert "rollwave_trainer_" in httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text
-        assert on_loopback_only(port)
+        if serve_metrics:
+            address = wait_for("the trainer's metrics address", lambda: r.hget(KEYS.trainer, "metrics_address"),
+                               proc, log)
+            assert address.decode() == f"{HOST}:{port}"
+            assert "rollwave_trainer_" in httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text
+            assert on_loopback_only(port)
+        else:  # logged once the metrics server would have been started and its address published
+            wait_for("the trainer's start", lambda: "training from step" in log.read_text(errors="replace"), proc,
+                     log)
+            assert not r.hexists(KEYS.trainer, "metrics_address")
+            assert not listening_addresses(port)
+        # besides the metrics server, only the (lone) gloo group listens, for peers that never come
+        ports = listening_ports_of(proc.pid)
+        assert len(ports - {port}) == 1 and (port in ports) == serve_metrics, ports
+        assert all(on_loopback_only(p) for p in ports), ports
 
 
 @pytest.mark.parametrize(("host", "expected"), [(HOST, f"http://{HOST}"), ("::1", "http://[::1]")])
@@ -258,24 +303,28 @@ close_distributed()
 """
 
 
-def test_a_pool_on_loopback_keeps_its_collectives_on_loopback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("world", [2, 1], ids=["pool", "lone_rank"])
+def test_a_pool_on_loopback_keeps_its_collectives_on_loopback(tmp_path: Path, world: int) -> None:
     """Gloo binds its sockets to the address the hostname resolves to: on a host whose name resolves to its
     network address (as in most containers), a pool rendezvousing on 127.0.0.1 would take collective traffic,
     which sets weights, from the network. In a network namespace with such an address and such a hosts file,
-    two ranks at MASTER_ADDR=127.0.0.1 listen on loopback only."""
+    two ranks at MASTER_ADDR=127.0.0.1 listen on loopback only; so does a lone rank (``python -m trainer``
+    without torchrun: no rendezvous, yet its gloo group listens)."""
     hosts = tmp_path / "hosts"
     env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
-    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", OMP_NUM_THREADS="1")
+    env.update(WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", OMP_NUM_THREADS="1")
     rank = f"{sys.executable} -c '{POOL_RANK}'"
+    ranks = f"RANK=1 {rank} & RANK=0 {rank}; wait" if world == 2 else f"RANK=0 {rank}"
     script = (
         "set -e; ip link set lo up; ip link add v0 type veth peer name v1; ip addr add 10.77.0.1/24 dev v0; "
         f"ip link set v0 up; printf '10.77.0.1 %s\\n' \"$(hostname)\" > {hosts}; mount --bind {hosts} /etc/hosts; "
-        f"getent hosts \"$(hostname)\" >&2; RANK=1 {rank} & RANK=0 {rank}; wait"
+        f"getent hosts \"$(hostname)\" >&2; {ranks}"
     )
     proc = subprocess.run(["unshare", "-n", "-m", "bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.startswith("10.77.0.1 "), proc.stderr[-3000:]  # the hostname resolves off loopback
     sockets = listening_sockets(json.loads(proc.stdout.strip().splitlines()[-1]))
-    assert len(sockets) >= 3, sockets  # the store, and a socket per pair of ranks in each rank
+    # a pool: the store, and a socket per pair of ranks in each rank; a lone rank: its gloo group's listener
+    assert len(sockets) >= (3 if world == 2 else 1), sockets
     assert [s for s in sockets if not loopback(s[0])] == [], sockets

@@ -53,12 +53,12 @@ def engine_url(tiny_model_dir: Path) -> Iterator[str]:
 class Worker:
     """One ``python -m rollout_server`` process with its log."""
 
-    def __init__(self, tmp: Path, server: EmbeddedRedis, engine: str | None, model: Path, name: str, *extra: str):
+    def __init__(self, tmp: Path, server: EmbeddedRedis, engines: list[str], model: Path, name: str, *extra: str):
         self.name = name
         self.log_path = tmp / f"{name}.log"
         argv = [
             sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp}", f"redis.url={server.url}",
-            f"engine.urls={json.dumps([engine] if engine else [])}", f"model.path={model}",
+            f"engine.urls={json.dumps(engines)}", f"model.path={model}",
             "model.init_if_missing=false",
             "rollout.n_samples=2", "rollout.max_new_tokens=8", "rollout.max_turns=2", "rollout.heartbeat_s=0.2",
             f"rollout.server_id={name}", "buffer.claim_idle_ms=1000", *extra,
@@ -80,9 +80,10 @@ class Worker:
 def workers(tmp_path: Path, redis_server: EmbeddedRedis, engine_url: str, tiny_model_dir: Path):
     started: list[Worker] = []
 
-    def start(name: str, *extra: str, own_engine: bool = False) -> Worker:
-        engine = None if own_engine else engine_url
-        started.append(Worker(tmp_path, redis_server, engine, tiny_model_dir, name, *extra))
+    def start(name: str, *extra: str, own_engine: bool = False, engines: list[str] | None = None) -> Worker:
+        """A server on the module's engine, its own (``own_engine``: engine.urls=[]) or ``engines``."""
+        urls = [] if own_engine else engines or [engine_url]
+        started.append(Worker(tmp_path, redis_server, urls, tiny_model_dir, name, *extra))
         return started[-1]
 
     yield start
@@ -255,6 +256,88 @@ def test_a_dead_servers_admitted_tasks_are_taken_over(redis_server: EmbeddedRedi
     wait_for(lambda: r.xlen(KEYS.groups) == 2, w)
     assert sorted(f[b"gid"].decode() for _, f in r.xrange(KEYS.groups)) == sorted(gids)
     assert staleness.admitted() == 2 and r.xlen(KEYS.tasks("train")) == 0
+
+
+def engine_metric(url: str, name: str) -> float:
+    """The sum of a metric's samples (every label set) on an embedded engine's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + " ", name + "{")))
+
+
+def test_a_sigkilled_server_is_live_for_three_heartbeat_s_only(redis_server: EmbeddedRedis, workers) -> None:
+    """rollout.heartbeat_s=0.3: the registry holds a server live for three heartbeats (0.9 s) past its last beat,
+    so a SIGKILLed one, which never deregisters, is out of ``live_servers()`` within 3 s (the default, 2 s, keeps
+    it for 6 s past a beat, and beats come every 0.33 s here: ``buffer.claim_idle_ms=1000``)."""
+    r = client(redis_server)
+    registry = ServerRegistry(r, KEYS)
+    w = workers("srv-hb", "rollout.heartbeat_s=0.3")
+    wait_for(lambda: [s.server_id for s in registry.live_servers()] == ["srv-hb"], w)
+    ttls = []
+    for _ in range(10):  # each beat sets it anew: under load a late beat may let it lapse a moment (then -2)
+        ttls.append(r.pttl(KEYS.server_alive("srv-hb")))
+        time.sleep(0.1)
+    assert any(t > 0 for t in ttls) and max(ttls) <= 900, ttls
+    w.proc.send_signal(signal.SIGKILL)
+    w.proc.wait()
+    wait_for(lambda: registry.live_servers() == [], timeout_s=3.0)
+    assert [(info.server_id, live) for info, live in registry.all_servers()] == [("srv-hb", False)]  # not deregistered
+
+
+def test_a_group_still_generating_when_shutdown_grace_s_runs_out_is_handed_back(
+    redis_server: EmbeddedRedis, workers, engine_url: str
+) -> None:
+    """rollout.shutdown_grace_s=1: the engine is paused, so the group in flight cannot finish; on SIGTERM the server
+    waits 1 s for it, then hands its task back (logged with the reason) and exits well within 15 s (the default,
+    30 s, would still be waiting)."""
+    r = client(redis_server)
+    [gid] = submit(redis_server, "job", 1)
+    assert httpx.post(engine_url + "/pause_generation", json={"mode": "in_place"}, timeout=30).status_code == 200
+    try:
+        w = workers("srv-g", "rollout.shutdown_grace_s=1")
+        wait_for(lambda: pending(redis_server, "srv-g") == 1, w)
+        wait_for(lambda: engine_metric(engine_url, "rollwave_engine_waiting_requests") >= 1, w)  # generating
+        signalled = time.monotonic()
+        w.proc.send_signal(signal.SIGTERM)
+        try:
+            code = w.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("still draining 15 s after SIGTERM:\n" + w.log()) from None
+        took = time.monotonic() - signalled
+    finally:
+        assert httpx.post(engine_url + "/continue_generation", json={}, timeout=30).status_code == 200
+        deadline = time.monotonic() + 60  # the requests it left queued run now: none is left for the next test
+        while engine_metric(engine_url, "rollwave_engine_waiting_requests") + \
+                engine_metric(engine_url, "rollwave_engine_running_requests") and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert code == 0 and took >= 1.0, (took, w.log())
+    assert (f"group {gid}: cancelled before it finished (shutdown_grace_s ran out); its task is handed back"
+            in w.log()), w.log()
+    assert r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 0
+    [(_, back)] = r.xrange(KEYS.tasks("train"))  # handed back unacked, the attempt not counted
+    assert back[b"gid"].decode() == gid and back[b"attempts"] == b"0"
+    assert r.xlen(KEYS.groups) == 0 and r.xlen(KEYS.tasks_dead) == 0
+
+
+def test_groups_go_round_robin_over_every_engine_url(
+    redis_server: EmbeddedRedis, workers, engine_url: str, tiny_model_dir: Path
+) -> None:
+    """engine.urls with two engines: a server's groups are spread over both, two of four groups each (every group
+    makes at least n_samples=2 requests); a server that used the first URL alone (or its own engine) would leave
+    the second idle."""
+    r = client(redis_server)
+    with EngineProcess(tiny_model_dir, threads=1) as second:
+        urls = [engine_url, second.url]
+        before = [engine_metric(url, "rollwave_engine_requests_total") for url in urls]
+        submit(redis_server, "job", 4)
+        w = workers("srv-rr", engines=urls)
+        wait_for(lambda: r.xlen(KEYS.groups) == 4, w)
+        after = [engine_metric(url, "rollwave_engine_requests_total") for url in urls]
+        w.proc.send_signal(signal.SIGTERM)
+        assert w.proc.wait(60) == 0, w.log()
+    served = [a - b for a, b in zip(after, before, strict=True)]
+    assert all(n >= 2 * 2 for n in served), served
+    assert f"with {len(urls)} engine(s)" in w.log()
 
 
 def test_failed_episodes_are_dead_letters_and_a_cancelled_job_is_not(redis_server: EmbeddedRedis, workers) -> None:

@@ -100,8 +100,9 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistCon
     """Join (or create) the process group from torchrun's environment.
 
     A pool of one (no RANK/WORLD_SIZE, or WORLD_SIZE=1) needs no rendezvous: its store is in-process,
-    so ``python -m trainer`` runs without torchrun and binds no port. An existing group (tests with
-    ``mp.spawn``) is reused.
+    so ``python -m trainer`` runs without torchrun. Its gloo group still listens for peers (none come), on
+    loopback: on the address the hostname resolves to it would listen on the network. An existing group (tests
+    with ``mp.spawn``) is reused.
     """
     dev = resolve_device(device)
     if not dist.is_initialized():
@@ -112,6 +113,8 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistCon
                 raise ValueError(f"WORLD_SIZE is set but {', '.join(missing)} is not")
             _join_env_group(backend, timeout_s)
         else:
+            for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                os.environ.setdefault(variable, "lo")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -148,6 +148,18 @@ def status_of(address: str, token: str = TOKEN) -> pb.StatusReply:
             pb.StatusRequest(), metadata=[("authorization", f"Bearer {token}")], timeout=WAIT_S)
 
 
+def push_once(config: CheckpointConfig, addresses: list[str], model: PreTrainedModel, version: int) -> PushRound:
+    """One push of ``model`` as ``version`` by a pusher of its own, waited for; the pusher is closed."""
+    pusher = CheckpointPusher(config, addresses)
+    try:
+        pushed = pusher.push_model(model, version=version)
+        assert pushed is not None
+        pushed.wait(WAIT_S)
+        return pushed
+    finally:
+        pusher.close()
+
+
 def snapshot_of(model: torch.nn.Module, version: int) -> Snapshot:
     return take_snapshot(version, model_metas(model), iter_full_params(model), BufferPool())  # type: ignore[arg-type]
 
@@ -501,11 +513,8 @@ def test_wrong_or_missing_token_is_unauthenticated(
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert refused() == before + 2
     assert caplog.text.count("refused: missing or wrong checkpoint token") == 2
-    pusher = fleet.pusher(token=SecretStr("wrong"))
-    pushed = pusher.push_model(base_model, version=fleet.version() + 1)
-    assert pushed is not None
-    pushed.wait(WAIT_S)
-    pusher.close()
+    pushed = push_once(fleet.config.model_copy(update={"token": SecretStr("wrong")}), fleet.addresses, base_model,
+                       fleet.version() + 1)
     # the servers' proofs do not check under the pusher's token, so it never sends that token
     assert all((s.stage, s.reason) == ("prove", "unproven") for s in pushed.servers)
 
@@ -1179,12 +1188,7 @@ def test_checkpoint_plane_over_mutual_tls(tiny_model_dir: Path, base_model: PreT
         assert receiver.version == 0
 
         def push(version: int, **client: Any) -> PushRound:
-            pusher = CheckpointPusher(tls.config.model_copy(update=client), [address])
-            pushed = pusher.push_model(base_model, version=version)
-            assert pushed is not None
-            pushed.wait(WAIT_S)
-            pusher.close()
-            return pushed
+            return push_once(tls.config.model_copy(update=client), [address], base_model, version)
 
         mine = {"tls_cert": pki.client_cert, "tls_key": pki.client_key, "tls_ca": pki.ca}
         assert push(1, **mine).ok and receiver.version == 1
@@ -1232,12 +1236,8 @@ def test_tls_server_name_is_checked_instead_of_the_dialled_host(
         client = {"tls_cert": pki.client_cert, "tls_key": pki.client_key, "tls_ca": pki.ca}
 
         def push(version: int, name: str | None) -> PushRound:
-            pusher = CheckpointPusher(fleet.config.model_copy(update={**client, "tls_server_name": name}), [address])
-            pushed = pusher.push_model(base_model, version=version)
-            assert pushed is not None
-            pushed.wait(WAIT_S)
-            pusher.close()
-            return pushed
+            config = fleet.config.model_copy(update={**client, "tls_server_name": name})
+            return push_once(config, [address], base_model, version)
 
         for name in (None, "other-name"):
             [result] = push(1, name).servers
@@ -1276,12 +1276,7 @@ def test_tls_client_name_null_accepts_any_certificate_of_the_ca(
 
         def push(receiver: CheckpointReceiver, version: int, **client: Any) -> PushRound:
             config = named_config.model_copy(update={"tls_cert": pki.server_cert, "tls_key": pki.server_key, **client})
-            pusher = CheckpointPusher(config, [receiver.address])
-            pushed = pusher.push_model(base_model, version=version)
-            assert pushed is not None
-            pushed.wait(WAIT_S)
-            pusher.close()
-            return pushed
+            return push_once(config, [receiver.address], base_model, version)
 
         def refused(receiver: CheckpointReceiver) -> float:
             return receiver.metrics.registry.get_sample_value("rollwave_rollout_checkpoint_refused_total",

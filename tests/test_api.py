@@ -433,6 +433,10 @@ def test_jobs_name_only_agents_the_run_allows(api: httpx.Client, redis_url: str)
             == 201
         reply = custom.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 1}, "agent": "os:system"})
         assert reply.status_code == 422 and f"rollout.agent_allowlist: {allowed}" in reply.text, reply.text
+        task = {"task_id": "a", "messages": [{"role": "user", "content": "q"}], "reward": {"ground_truth": "1"},
+                "tools": ["check_answer"]}  # no create kwargs: an agent calls its tools itself, none is created
+        reply = custom.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": [task]}, "agent": allowed})
+        assert reply.status_code == 201, reply.text
 
 
 class FinishesBeforeWrite(redis.Redis):

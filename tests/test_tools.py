@@ -171,10 +171,22 @@ def test_declared_create_requirements_are_what_create_refuses_without(tmp_path: 
     with pytest.raises(ValueError, match="judge: create_kwargs need gold"):
         run(ToolRegistry.from_file(cfg).get("judge").create("i", answer="1"))
     cfg.write_text(f"- name: calculator\n- name: judge\n  class: {__name__}:StrRequiresTool\n")
-    for read in (tool_requirements, ToolRegistry.from_file):
-        with pytest.raises(ToolConfigError, match=r"tools\.yaml:2: tools\[1\] \(judge\): .*create_requires must be "
-                                                  "a tuple of str, got 'gold'"):
-            read(cfg)
+    with pytest.raises(ToolConfigError, match=r"tools\.yaml:2: tools\[1\] \(judge\): .*create_requires must be "
+                                              "a tuple of str, got 'gold'"):
+        ToolRegistry.from_file(cfg)
+    assert tool_requirements(cfg) == {"calculator": (), "judge": None}  # the servers refuse it; the API knows its name
+
+
+def test_a_tool_the_api_host_cannot_import_keeps_its_name_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The API reads the tools where they do not run: a module that fails to import there (any error: a GPU or a
+    variable it needs is missing) leaves the tool's name known and what it requires unknown, with a warning."""
+    (tmp_path / "needs_gpu_tool.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = tmp_path / "tools.yaml"
+    cfg.write_text("- name: calculator\n- name: judge\n  class: needs_gpu_tool:Judge\n")
+    assert tool_requirements(cfg) == {"calculator": (), "judge": None}
+    assert "tools[1] (judge): cannot import it here (no GPU here)" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ A custom tool is any ``Tool`` subclass named by import path. Errors name the fil
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -21,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.text_files import TextFileError, line_of, load_yaml, yaml_key_lines
 from rollout_server.tools.base import Tool
+
+log = logging.getLogger(__name__)
 
 BUILTIN_TOOLS: dict[str, str] = {
     "calculator": "rollout_server.tools.calculator:CalculatorTool",
@@ -106,15 +109,24 @@ class ToolRegistry:
         return [self.get(n).schema for n in names]
 
 
-def tool_requirements(path: str | Path | None) -> dict[str, tuple[str, ...]]:
+def tool_requirements(path: str | Path | None) -> dict[str, tuple[str, ...] | None]:
     """The tools a YAML config (None: the built-in tools) configures, by name, each with the create kwargs it requires
     (``Tool.create_requires``): the classes are imported as the registry does, but no tool is built, so the API can
-    check what a job asks of the tools where they do not run. ToolConfigError as ``ToolRegistry.from_file``."""
+    check what a job asks of the tools where they do not run. A class that cannot be imported here (the API's host
+    may lack a tool's dependencies) maps to None: its name is still known. ToolConfigError for a file that is not
+    a tool config (as ``ToolRegistry.from_file``)."""
+
+    def requirements(entry: Any, where: str) -> tuple[str, tuple[str, ...] | None]:
+        name, class_path, where = _locate(entry, where)
+        try:
+            return name, _import_tool(class_path, where).create_requires
+        except Exception as exc:  # the operator's module, importing anything: the rollout servers will say
+            log.warning("%s: cannot import it here (%s); jobs are checked for its name only", where, exc)
+            return name, None
+
     if path is None:
-        resolved = [_resolve({"name": name}, "built-in tools") for name in BUILTIN_TOOLS]
-    else:
-        resolved = _each_entry(Path(path), _resolve)
-    return {name: tool_cls.create_requires for name, _, tool_cls in resolved}
+        return dict(requirements({"name": name}, "built-in tools") for name in BUILTIN_TOOLS)
+    return dict(_each_entry(Path(path), requirements))
 
 
 def _each_entry(path: Path, make: Callable[[Any, str], T]) -> list[T]:
@@ -145,6 +157,12 @@ def _entries(path: Path) -> tuple[list[Any], tuple[str, ...]]:
 
 def _resolve(entry: Any, where: str) -> tuple[str, str, type[Tool]]:
     """The entry's name, class path and ``Tool`` class, imported but not built."""
+    name, class_path, where = _locate(entry, where)
+    return name, class_path, _import_tool(class_path, where)
+
+
+def _locate(entry: Any, where: str) -> tuple[str, str, str]:
+    """The entry's name and class path, checked, and ``where`` with the name."""
     if not isinstance(entry, dict):
         raise ToolConfigError(f"{where}: expected a mapping, got {type(entry).__name__}")
     unknown = sorted(set(entry) - _ENTRY_KEYS)
@@ -160,6 +178,10 @@ def _resolve(entry: Any, where: str) -> tuple[str, str, type[Tool]]:
         raise ToolConfigError(
             f"{where}: 'class' (an import path) is required for a tool that is not built in"
         )
+    return name, class_path, where
+
+
+def _import_tool(class_path: str, where: str) -> type[Tool]:
     try:
         tool_cls = import_class(class_path)
     except (ImportError, AttributeError) as exc:
@@ -169,7 +191,7 @@ def _resolve(entry: Any, where: str) -> tuple[str, str, type[Tool]]:
     requires = tool_cls.create_requires
     if not (isinstance(requires, tuple) and all(isinstance(key, str) for key in requires)):  # ("x") is a str
         raise ToolConfigError(f"{where}: {class_path}.create_requires must be a tuple of str, got {requires!r}")
-    return name, class_path, tool_cls
+    return tool_cls
 
 
 def _build(entry: Any, where: str) -> Tool:

@@ -64,10 +64,10 @@ def check_api_config(cfg: Config) -> None:
         )
 
 
-def _unmet_create_kwargs(spec: JobSpec, tasks: list[Task], requires: dict[str, tuple[str, ...]]) -> str | None:
+def _unmet_create_kwargs(spec: JobSpec, tasks: list[Task], requires: dict[str, tuple[str, ...] | None]) -> str | None:
     """Why a task cannot start a tool it will get, or None: its every episode would fail at the tool's create and
     the task be dead-lettered. A job's ``tools`` replace each task's own, never its ``tools_kwargs``; ``requires``
-    maps each tool to its ``create_requires``."""
+    maps each tool to its ``create_requires`` (None: not known here)."""
     replaced = "; the job's tools replace the task's tools, not its tools_kwargs" if spec.tools is not None else ""
     for i, task in enumerate(tasks):
         if spec.source.kind == "inline":
@@ -81,7 +81,7 @@ def _unmet_create_kwargs(spec: JobSpec, tasks: list[Task], requires: dict[str, t
             given = task.tools_kwargs.get(name, {}).get("create_kwargs", {})
             if not isinstance(given, dict):
                 return f"{at}: field '{label}' must be dict, got {type(given).__name__}"
-            if missing := [key for key in requires.get(name, ()) if key not in given]:
+            if missing := [key for key in requires.get(name) or () if key not in given]:
                 return f"{at}: tool {name} needs create_kwargs {', '.join(missing)} ({label}){replaced}"
     return None
 
@@ -211,7 +211,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     """
     check_api_config(cfg)
     try:  # the tools a job may name and the create kwargs each needs; only the rollout servers build them
-        tools: dict[str, tuple[str, ...]] | None = tool_requirements(cfg.rollout.tools)
+        tools: dict[str, tuple[str, ...] | None] | None = tool_requirements(cfg.rollout.tools)
     except ToolConfigError as exc:
         log.warning("cannot read rollout.tools here (%s): jobs' tools are checked by the rollout servers", exc)
         tools = None
@@ -306,7 +306,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
             field = "tools" if spec.tools is not None else "source"
             raise reject(api, field, f"unknown tool(s) {', '.join(unknown)}; this run's tools (rollout.tools): "
                                      f"{', '.join(tools) or 'none'}")
-        if tools is not None and (unmet := _unmet_create_kwargs(spec, tasks, tools)):
+        # an agent job's agent calls its tools itself: the registry's tools are never created for it
+        if tools is not None and spec.agent is None and (unmet := _unmet_create_kwargs(spec, tasks, tools)):
             raise reject(api, "tools" if spec.tools is not None else "source", unmet)
         if len(tasks) > cfg.api.max_job_tasks:
             cap = cfg.api.max_job_tasks

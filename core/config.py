@@ -813,8 +813,12 @@ def _tell_launcher_config_accepted() -> None:
     rather than report a run up that never will be. The pipe is closed here: no child of this process holds it."""
     fd = os.environ.pop(CONFIG_ACCEPTED_FD_ENV, None)
     if fd is not None:
-        os.write(int(fd), b"1")
-        os.close(int(fd))
+        try:
+            os.write(int(fd), b"1")
+        except BrokenPipeError:  # the launcher stopped waiting (its timeout, said there): the component goes on
+            pass
+        finally:
+            os.close(int(fd))
 
 
 def dump_config(cfg: Config) -> str:

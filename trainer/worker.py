@@ -389,8 +389,9 @@ class Trainer:
             self.ack_checkpointed(source)
         if self.pusher is not None and self.ctx.is_main:
             if unfinished := self.pusher.flush():
-                log.warning("the last push to %s did not end within its deadlines and is cut short; those servers "
-                            "keep the version they serve until a trainer pushes again", ", ".join(unfinished))
+                log.warning("the last push to %s did not end within its deadlines and is cut short; a commit in "
+                            "flight may still land on those servers, else they serve the version they had until a "
+                            "trainer pushes again", ", ".join(unfinished))
             self.version = max(self.version, self.pusher.published)
 
     def ack_checkpointed(self, source: GroupSource) -> None:

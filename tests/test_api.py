@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -503,12 +504,12 @@ def _server_metrics() -> tuple[RolloutMetrics, CheckpointMetrics]:
 
 def test_dashboard_pause_is_the_latest_updates_not_a_lifetime_mean(redis_url: str) -> None:
     """Each point is the mean pause of the commits since the last sample (each server differenced on its own, a
-    restarted one from zero), held while no commit comes; the first sample only sets the baseline."""
+    restarted one from zero), held while no commit comes; a server up before the API is first seen as a baseline."""
     client, keys = redis.Redis.from_url(redis_url), Keys("pauses")
     registry = ServerRegistry(client, keys)
     sampler = MetricsSampler(ClusterView(client, keys, registry, TaskQueue(client, keys, BufferConfig())))
     servers = {name: _server_metrics() for name in ("a", "b")}
-    started = {"a": 1.0, "b": 1.0}
+    started = {"a": time.time() - 60, "b": time.time() - 60}  # both up before the API
 
     def sample(t: float, **pauses_ms: list[float]) -> float | None:
         for name, ms in pauses_ms.items():
@@ -523,5 +524,5 @@ def test_dashboard_pause_is_the_latest_updates_not_a_lifetime_mean(redis_url: st
     assert sample(1.0, a=[10.0, 30.0]) == pytest.approx(20.0)
     assert sample(2.0) == pytest.approx(20.0)  # no commit since: the last updates' mean is held
     assert sample(3.0, b=[50.0]) == pytest.approx(50.0)
-    servers["b"], started["b"] = _server_metrics(), 2.0  # b restarted: its counters begin again
+    servers["b"], started["b"] = _server_metrics(), time.time() + 1  # b restarted: its counters begin again
     assert sample(4.0, a=[10.0], b=[2.0]) == pytest.approx(6.0)

@@ -38,7 +38,7 @@ class MetricsSampler:
         self._last: dict[str, tuple[float, float]] = {}  # counter -> (time, value) of the last sample
         self._pauses: dict[tuple[str, float], tuple[float, float]] = {}  # (server, start) -> (pauses, seconds)
         self._pause_ms: float | None = None
-        self._sampled = False
+        self._since = time.time()
 
     def record(self, t: float, raw: dict[str, Any]) -> None:
         for counter, series in RATES.items():
@@ -50,16 +50,16 @@ class MetricsSampler:
 
     def _latest_pause_ms(self, pauses: dict[tuple[str, float], tuple[float, float]]) -> float | None:
         """The mean pause of the updates since the last sample, or the last such mean while none came. Each
-        server's counters are differenced against its own last seen (from zero once it restarted, a new start;
-        the first sample only sets the baseline), so the chart shows what updates cost now, not a lifetime
-        mean that stops moving as a run grows."""
+        server's counters are differenced against its own last seen; one seen for the first time counts from zero
+        if it started after this sampler (a new server, or one restarted: a new start), else its first sight is
+        the baseline. So the chart shows what updates cost now, not a lifetime mean that stops moving as a run
+        grows, nor a lifetime of pauses in one point."""
         count = seconds = 0.0
-        for server, (n, s) in pauses.items():
-            n0, s0 = self._pauses.get(server, (0.0, 0.0)) if self._sampled else (n, s)
+        for (server, started), (n, s) in pauses.items():
+            n0, s0 = self._pauses.get((server, started), (0.0, 0.0) if started >= self._since else (n, s))
             count, seconds = count + n - n0, seconds + s - s0
         live = {server_id for server_id, _ in pauses}  # a server out of sight keeps its baseline until it returns
         self._pauses = {k: v for k, v in self._pauses.items() if k[0] not in live} | pauses
-        self._sampled = True
         if count > 0:
             self._pause_ms = 1000 * seconds / count
         return self._pause_ms

@@ -178,13 +178,15 @@ class CheckpointService:
             remaining = context.time_remaining()
             deadline = start + (remaining if remaining is not None else self.config.stage_timeout_s)
             try:
-                # a caller that set no deadline holds the stage lock only this long (gRPC ends one that did)
-                own = asyncio.timeout_at(deadline) if remaining is None else contextlib.nullcontext()
+                # a caller that set no deadline holds the stage lock only as long as a pusher's would (gRPC ends
+                # the call of one that did)
+                own = asyncio.timeout_at(deadline) if remaining is None else None
                 try:
-                    async with own:
-                        version, received, transport = await self._stage(request_iterator, deadline)
+                    async with own or contextlib.nullcontext():
+                        version, received, transport = await self._stage(request_iterator, deadline, own)
                 except TimeoutError:
-                    raise StageError("timeout", f"Stage from {context.peer()} not done within {deadline - start:g} s",
+                    limit = (own.when() if own is not None else deadline) - start
+                    raise StageError("timeout", f"Stage from {context.peer()} not done within {limit:.3g} s",
                                      grpc.StatusCode.DEADLINE_EXCEEDED) from None
             except StageError as exc:
                 self.metrics.stage_failures.labels(exc.reason).inc()
@@ -200,13 +202,19 @@ class CheckpointService:
             self.metrics.stage_bytes.labels(transport).inc(received)
             return pb.StageReply(version=version, bytes_received=received, seconds=seconds)
 
-    async def _stage(self, chunks: AsyncIterator[bytes], deadline: float) -> tuple[int, int, str]:
-        """(version, bytes, how the bytes came) of the version the stream stages."""
+    async def _stage(self, chunks: AsyncIterator[bytes], deadline: float,
+                     own: asyncio.Timeout | None) -> tuple[int, int, str]:
+        """(version, bytes, how the bytes came) of the version the stream stages. ``own``: the receiver's deadline
+        for a caller that set none; once the manifest tells the size, it grows by the bytes over
+        ``checkpoint.min_throughput_mib_s``, as a pusher's deadline does."""
         first = await anext(chunks, None)
         kind, _, payload = parse_chunk(first or b"")
         if kind != "manifest":
             raise StageError("manifest", "the first chunk of a Stage stream must carry the manifest")
         manifest = _parse(pb.Manifest, payload, "manifest")
+        if own is not None:  # total_bytes is checked against the tensors before any byte is taken
+            deadline += manifest.total_bytes / (self.config.min_throughput_mib_s * 2**20)
+            own.reschedule(deadline)
         port, incoming = self.stage_port, None
         if manifest.data_ticket:
             if port is None:

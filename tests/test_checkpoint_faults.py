@@ -199,14 +199,17 @@ def test_a_load_answered_with_a_page_not_json_fails_the_commit_and_the_engine_co
 def test_a_stage_without_a_deadline_that_stalls_ends_by_stage_timeout_and_frees_the_stage(tiny_model_dir: Path,
                                                                                           tmp_path: Path) -> None:
     """A caller that sets no deadline sends the manifest and then nothing: the receiver ends the Stage by its own
-    ``stage_timeout_s``, naming the caller (it used to wait forever, holding the stage lock, so every later
-    push waited behind it), counts it, and the next push stages and commits."""
-    cfg = config(tmp_path, stage_timeout_s=1.0)
+    deadline (``stage_timeout_s`` and the bytes over ``min_throughput_mib_s``), naming the caller (it used to wait
+    forever, holding the stage lock, so every later push waited behind it), counts it, and the next push stages
+    and commits."""
+    cfg = config(tmp_path, stage_timeout_s=1.0, min_throughput_mib_s=2.0)
     model = model_of(tiny_model_dir)
+    snapshot = snapshot_of(model, 1)
+    limit = 1.0 + snapshot.nbytes / (2.0 * 2**20)  # as a pusher's deadline: it grows with the bytes
     stalled = threading.Event()
 
     def stall() -> Iterator[bytes]:
-        yield snapshot_of(model, 1).manifest_chunk()
+        yield snapshot.manifest_chunk()
         stalled.wait(WAIT_S)  # the stream stays open, sending nothing
 
     def stage_without_deadline(address: str) -> grpc.RpcError:
@@ -226,7 +229,8 @@ def test_a_stage_without_a_deadline_that_stalls_ends_by_stage_timeout_and_frees_
                 finally:
                     stalled.set()
                 assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
-                assert "not done within 1 s" in err.details() and "127.0.0.1" in err.details(), err.details()
+                assert f"not done within {limit:.3g} s" in err.details() and "127.0.0.1" in err.details(), \
+                    err.details()
                 assert sample(receiver, "rollwave_rollout_stage_failures_total", "timeout") == 1
                 assert (await push(pusher, model, 1)).ok and receiver.version == 1
 

@@ -8,9 +8,8 @@ compared exactly as decimals after dropping ``$``, thousands commas and a traili
 A reward function that raises or returns garbage never stops the server, and never yields a made-up
 reward: ``score`` raises ``RewardError`` saying why, and the agent loop marks the episode failed
 (``finish_reason`` ``reward_error``), so its group is rolled out again instead of trained on reward 0. One that
-hangs (a judge over HTTP that never answers) is cancelled after ``rollout.reward_timeout_s`` the same way: the
-rollout worker renews the lease of a group in flight, so a hang would hold its slot for good. ``within`` bounds
-the operator's tools in the agent loop too.
+hangs (a judge over HTTP that never answers) is cancelled after ``rollout.reward_timeout_s`` the same way
+(``core.deadline``).
 
 Custom functions are imported only from the operator's ``rollout.reward_allowlist`` (name -> module:function);
 jobs and tasks name a function, they never give an import path.
@@ -18,14 +17,15 @@ jobs and tasks name a function, they never give an import path.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from decimal import Decimal, InvalidOperation
-from typing import Any, TypeVar
+from typing import Any
+
+from core.deadline import Overdue, within
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
 
 RewardFn = Callable[..., Awaitable[float | tuple[float, dict[str, Any]]]]
 REWARD_TIMEOUT_S = 60.0  # rollout.reward_timeout_s's default
-T = TypeVar("T")
 
 
 def normalize_number(raw: str) -> Decimal | None:
@@ -153,24 +152,6 @@ def load_reward_fn(name: str, allowlist: Mapping[str, str] | None = None) -> Rew
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"reward {name!r} ({path}): must be an async function")
     return fn
-
-
-class Overdue(TimeoutError):
-    """Operator code (a reward function, a tool) gave no answer within its limit and was cancelled."""
-
-
-async def within(limit_s: float, awaitable: Awaitable[T]) -> T:
-    """``await awaitable``, cancelled after ``limit_s`` with ``Overdue``: operator code that hangs must fail, not
-    hold its group in flight forever. A TimeoutError of the code's own (its HTTP client's) passes through as it is,
-    so the error never claims a limit that was not reached."""
-    deadline = asyncio.timeout(limit_s)
-    try:
-        async with deadline:
-            return await awaitable
-    except TimeoutError:
-        if deadline.expired():
-            raise Overdue(f"no answer within {limit_s:g}s") from None
-        raise
 
 
 class RewardError(RuntimeError):

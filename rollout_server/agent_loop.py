@@ -29,7 +29,8 @@ from typing import Any
 
 from buffer.schema import Sample, ToolCallRecord, TrajectoryGroup
 from core.config import RolloutConfig
-from core.rewards import Overdue, RewardComputer, RewardError, within
+from core.deadline import Overdue, within
+from core.rewards import RewardComputer, RewardError
 from core.trajectory import ChatRenderer, TrajectoryBuilder, Turn
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics

@@ -69,6 +69,13 @@ def _rendezvous_store(host: str, port: int, rank: int, world: int, timeout: time
                          master_listen_fd=listener.detach())
 
 
+def _collectives_on_loopback() -> None:
+    """gloo and NCCL listen on the address the hostname resolves to, the network's in most containers, unless
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise: default them to ``lo``."""
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(variable, "lo")
+
+
 def _join_env_group(backend: str, timeout_s: float) -> None:
     """Rendezvous at MASTER_ADDR:MASTER_PORT; a loopback address keeps the whole pool's sockets on loopback
     (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise). A rank missing after ``timeout_s`` is an
@@ -77,9 +84,8 @@ def _join_env_group(backend: str, timeout_s: float) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     where = f"trainer rendezvous at {host}:{port} (rank {rank} of {world})"
     timeout = timedelta(seconds=timeout_s)
-    if is_loopback(host):  # gloo and NCCL would bind the address the hostname resolves to
-        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            os.environ.setdefault(variable, "lo")
+    if is_loopback(host):
+        _collectives_on_loopback()
     try:
         store = _rendezvous_store(host, port, rank, world, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
@@ -113,8 +119,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistCon
                 raise ValueError(f"WORLD_SIZE is set but {', '.join(missing)} is not")
             _join_env_group(backend, timeout_s)
         else:
-            for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-                os.environ.setdefault(variable, "lo")
+            _collectives_on_loopback()
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -155,12 +155,6 @@ def _entries(path: Path) -> tuple[list[Any], tuple[str, ...]]:
     return entries, ("tools",) if isinstance(data, dict) else ()
 
 
-def _resolve(entry: Any, where: str) -> tuple[str, str, type[Tool]]:
-    """The entry's name, class path and ``Tool`` class, imported but not built."""
-    name, class_path, where = _locate(entry, where)
-    return name, class_path, _import_tool(class_path, where)
-
-
 def _locate(entry: Any, where: str) -> tuple[str, str, str]:
     """The entry's name and class path, checked, and ``where`` with the name."""
     if not isinstance(entry, dict):
@@ -195,8 +189,8 @@ def _import_tool(class_path: str, where: str) -> type[Tool]:
 
 
 def _build(entry: Any, where: str) -> Tool:
-    name, class_path, tool_cls = _resolve(entry, where)
-    where = f"{where} ({name})"
+    name, class_path, where = _locate(entry, where)
+    tool_cls = _import_tool(class_path, where)
     schema = entry.get("schema")
     if schema is not None:
         try:

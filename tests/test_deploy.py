@@ -222,6 +222,18 @@ def test_compose_hands_each_container_only_its_own_secret_from_the_environment()
         assert cfg.redis.username == "rollwave" and require_secret(cfg, "redis.password") == "r" * 40, name
 
 
+def test_compose_gives_no_secret_to_containers_that_log_in_nowhere() -> None:
+    """Only Redis (which writes its ACL from the password) and the rollwave components (above) get a secret:
+    the model-init and checkpoint-tls jobs, SGLang, Prometheus and Grafana get none."""
+    components = set(_rollwave_commands())
+    for name, svc in SERVICES.items():
+        secrets = set(svc.get("environment") or {}) & set(SECRETS.values())
+        if name == "redis":
+            assert secrets == {"ROLLWAVE_REDIS_PASSWORD"}
+        elif name not in components:
+            assert not secrets, f"{name} gets {sorted(secrets)}"
+
+
 def test_compose_keeps_engines_on_loopback() -> None:
     for name, svc in SERVICES.items():
         cmd = [_interpolate(str(a)) for a in svc.get("command") or []]

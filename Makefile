@@ -5,6 +5,9 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PIP     := $(BIN)/pip -q --disable-pip-version-check
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+# Where pip finds torch (empty: pip's own index). Set it where that index offers only the CUDA build, e.g.
+# make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
 
 # Debian/Ubuntu packages as command:package; a package is installed only when its command is missing.
 VENV_PACKAGES   = $(shell $(PY) -c 'import ensurepip' 2>/dev/null || echo ensurepip:python3-venv)
@@ -45,7 +48,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(call system_packages,$(VENV_PACKAGES))
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
-	$(PIP) install -c constraints.txt torch==2.13.0
+	$(PIP) install -c constraints.txt $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch==2.13.0
 	$(PIP) install -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 

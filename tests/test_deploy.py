@@ -357,6 +357,17 @@ def test_images_hold_every_package_run_unprivileged_and_can_sandbox(name: str) -
     assert "0.0.0.0" not in cmd and "30000" not in next(ln for ln in lines if ln.startswith("EXPOSE "))
 
 
+@pytest.mark.parametrize("index", [None, "https://download.pytorch.org/whl/cpu"])
+def test_make_install_takes_torch_from_torch_index_url(index: str | None) -> None:
+    """``make install`` pins torch; ``TORCH_INDEX_URL`` (for an index whose torch is the CUDA build) is where
+    pip gets it, and only it: the project's other packages keep pip's index."""
+    args = ["make", "-n", "-B", "install"] + ([f"TORCH_INDEX_URL={index}"] if index else [])
+    lines = subprocess.run(args, cwd=REPO, check=True, capture_output=True, text=True).stdout.splitlines()
+    [torch] = [ln for ln in lines if "pip" in ln and "torch==" in ln]
+    assert ("--index-url" in torch) == bool(index) and (index or "") in torch
+    assert not [ln for ln in lines if "--index-url" in ln and ln != torch]
+
+
 def test_cpu_image_pins_the_cpu_torch_build() -> None:
     lines, _ = _dockerfile("Dockerfile")
     assert lines[:2] == ["ARG BASE_IMAGE=python:3.11-slim", "FROM ${BASE_IMAGE}"]

@@ -6,7 +6,7 @@ exits, and Ray restarts it (``max_restarts=-1``), which starts the process again
 rejoins the registry and is re-synced by the trainer's next push, a trainer rank resumes from its
 last checkpoint. A component that refused its config (``CONFIG_ERROR_EXIT``) is not restarted, and ``up``
 waits for every component's config check and fails naming one that refused. Actors are placed in one
-placement group.
+placement group on the node ``up`` runs on: the parts talk over loopback (several nodes: Helm).
 
 Without ``RAY_ADDRESS`` a local Ray head is started as ``ray start --head --block`` in a session of
 its own, with its own short temp dir, every address on 127.0.0.1 and as many logical CPUs as the
@@ -14,8 +14,7 @@ stack asks for; ``down`` stops it by its process id (never ``ray stop``, which w
 Ray on the machine). ``<run dir>/ray.json`` records what ``up`` started, for ``down``.
 
 The checkpoint plane is mutual TLS unless ``checkpoint.tls_*`` are set: ``up`` makes a private CA and the
-receivers' and trainers' certificates once for the run, in ``<run dir>/checkpoint-tls``, which every node
-reads as it reads the run directory.
+receivers' and trainers' certificates once for the run, in ``<run dir>/checkpoint-tls``.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.keys import Keys
@@ -269,7 +268,8 @@ def _checkpoint_tls(cfg: Config, run_dir: Path) -> tuple[str, ...]:
 
 def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_dir: Path,
             trainer_overrides: tuple[str, ...]) -> str:
-    """Redis (unless external), then the components in one placement group; returns the Redis URL."""
+    """The placement group, the embedded Redis in it (unless external), then the components; returns the Redis
+    URL."""
     specs = components(cfg, run_dir / "config.yaml", None,  # Redis comes through REDIS_URL, set below
                        rollout_servers=args.rollout_servers, trainer_ranks=args.trainer_ranks,
                        trainer_args=("--resume", *trainer_overrides))
@@ -278,8 +278,12 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
         state.update(start_head(max(wanted, os.cpu_count() or 1), run_dir / "logs" / "ray-head.log"))
     _connect(state)
     redis_url = configured_url(cfg.redis)
+    pg = _place(specs, state, with_redis=not redis_url)
     if not redis_url:
-        actor = RedisActor.options(name=REDIS_ACTOR, lifetime="detached").remote(
+        actor = RedisActor.options(
+            name=REDIS_ACTOR, lifetime="detached", num_cpus=1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=len(specs)),
+        ).remote(
             str(cfg.redis.data_dir or run_dir / "redis"), cfg.redis.port, cfg.redis.aof,
             cfg.redis.password.get_secret_value() if cfg.redis.password is not None else None,
         )
@@ -294,13 +298,6 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
     forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     for spec in specs:
         spec.env = {**forwarded, **spec.env, "REDIS_URL": redis_url}
-    bundles = [{"CPU": s.num_cpus, **({"GPU": s.num_gpus} if s.num_gpus else {})} for s in specs]
-    pg = placement_group(bundles, strategy="PACK", name=state["namespace"], lifetime="detached")
-    state["placement_group"] = state["namespace"]
-    try:
-        ray.get(pg.ready(), timeout=120)
-    except ray.exceptions.GetTimeoutError:
-        raise RuntimeError(f"the cluster cannot place the stack's bundles {bundles} (see `ray status`)") from None
     for i, spec in enumerate(specs):
         ComponentActor.options(
             name=spec.name, lifetime="detached", num_cpus=0, num_gpus=spec.num_gpus,
@@ -308,6 +305,26 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
         ).remote(spec, str(run_dir / "logs"))
         state["actors"].append(spec.name)
     return redis_url
+
+
+def _place(specs: list[ComponentSpec], state: dict[str, Any], with_redis: bool) -> PlacementGroup:
+    """One placement group for the stack (and the embedded Redis, last), all of it on the node ``up`` runs on:
+    the parts reach each other on loopback (Redis, the trainer ranks' rendezvous, the receivers, the API), so a
+    part on another node could reach none of them."""
+    node_id = ray.get_runtime_context().get_node_id()
+    [address] = [n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id]
+    here = {f"node:{address}": 0.001}
+    bundles = [{"CPU": s.num_cpus, **({"GPU": s.num_gpus} if s.num_gpus else {}), **here} for s in specs]
+    if with_redis:
+        bundles.append({"CPU": 1, **here})
+    pg = placement_group(bundles, strategy="STRICT_PACK", name=state["namespace"], lifetime="detached")
+    state["placement_group"] = state["namespace"]
+    try:
+        ray.get(pg.ready(), timeout=120)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"this node ({address}) cannot hold the stack's bundles {bundles}: `rollwave up` places "
+                           "every part on the node it runs on (see `ray status`)") from None
+    return pg
 
 
 def _config_checks(names: list[str]) -> tuple[list[str], list[str]]:
@@ -325,6 +342,10 @@ def _config_checks(names: list[str]) -> tuple[list[str], list[str]]:
 
 
 def up(args: argparse.Namespace) -> int:
+    if os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
+        raise CliError(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}: `rollwave up` places the stack on the node it "
+                       "runs on, which Ray Client (ray://) is not; run it on a node of the cluster, with "
+                       "RAY_ADDRESS=auto or the head's host:port")
     cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     _absolute_paths(cfg)

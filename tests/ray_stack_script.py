@@ -178,6 +178,11 @@ def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
     ray.init(address=state["address"], namespace=state["namespace"], _node_ip_address="127.0.0.1",
              log_to_driver=False)
     try:
+        table = ray.util.placement_group_table(ray.util.get_placement_group(state["placement_group"]))
+        result["placement"] = {"strategy": table["strategy"],
+                               "nodes": sorted(set(table["bundles_to_node_id"].values())),
+                               "driver_node": ray.get_runtime_context().get_node_id(),
+                               "bundles": list(table["bundles"].values())}
         actor = ray.get_actor("rollout-0")
         old_pid = ray.get(actor.pid.remote(), timeout=30)
         os.kill(old_pid, signal.SIGKILL)

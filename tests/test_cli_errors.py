@@ -115,6 +115,15 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, tmp_path
     assert_one_error_line(proc, 2, needle.format(**fill))
 
 
+def test_up_through_ray_client_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """``rollwave up`` places the stack on the node it runs on, which a Ray Client (``ray://``) driver is not."""
+    proc = rollwave("up", "-c", str(DEMO), f"run.dir={tmp_path / 'runs'}", cwd=tmp_path,
+                    env={"RAY_ADDRESS": "ray://head:10001"})
+    assert_one_error_line(proc, 2, "RAY_ADDRESS=ray://head:10001: `rollwave up` places the stack on the node it runs "
+                          "on, which Ray Client (ray://) is not")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_an_environment_without_sglang_is_named_with_the_fix(tmp_path: Path) -> None:
     assert importlib.util.find_spec("sglang") is None, "this test needs the CPU environment, which has no sglang"
     argv = ["engine", "sglang", "--model", "m", "--port", "30000"]

@@ -79,6 +79,11 @@ def test_up_jobs_restart_down_in_a_loopback_namespace(tmp_path: Path, tiny_model
     assert result["submitted"] == [201, 201], report
     assert result["eval"]["accuracy"] is not None and result["eval"]["progress"]["completed"] == 4, report
     assert int(result["trainer"]["step"]) >= 1, report
+    # one placement group, pinned to the node `up` ran on: the trainer, the rollout server, the API, then Redis
+    placement = result["placement"]
+    assert placement["strategy"] == "STRICT_PACK" and placement["nodes"] == [placement["driver_node"]], report
+    assert [b["CPU"] for b in placement["bundles"]] == [1.0, 1.0, 0.5, 1.0], report
+    assert all(b["node:127.0.0.1"] == 0.001 for b in placement["bundles"]), report
     # no checkpoint.tls_* in the config: up made the run's PKI, and the version was pushed over it
     keys = dict.fromkeys(["ca.crt", "receiver.crt", "receiver.key", "trainer.crt", "trainer.key"], "0o600")
     assert result["checkpoint_plane"] == {"published": True, "plaintext_accepted": False, "files": keys}, report

@@ -14,7 +14,9 @@ budget) only when it lacks its end token, and an episode whose next request no l
 ``context_length_exceeded``) ends ``max_total_tokens``: both count as truncated.
 
 Sampling (temperature, top_p, top_k, the max_new_tokens cap) is the job's, whatever the request says,
-so behaviour logprobs match what the trainer assumes. ``tool_choice`` selects which calls are parsed
+so behaviour logprobs match what the trainer assumes. ``stop`` sequences end the turn (the tokens through the
+match are recorded; the content ends before it, as OpenAI's). ``logprobs=true`` returns the recorded behaviour
+logprobs (``top_logprobs`` is refused: the engines give none). ``tool_choice`` selects which calls are parsed
 (``none``: none; a named function: only it); generation is not constrained, so ``required`` cannot force
 a call. Streaming sends the finished turn as
 OpenAI-shaped chunks (the engine client has no token stream).
@@ -123,7 +125,7 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -167,6 +169,13 @@ def _param(loc: tuple[int | str, ...]) -> str:
     return out
 
 
+MAX_STOP = 32  # SGLang's limit (OpenAI documents 4; vLLM has none): more would fail the episode at the engine
+_EXPECTED = {
+    "tool_choice": 'expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+    "stop": "expected a string, a list of strings or null",
+}
+
+
 class ChatRequest(BaseModel):
     """The fields we act on; other OpenAI fields are accepted and ignored (see the module docstring)."""
 
@@ -180,6 +189,27 @@ class ChatRequest(BaseModel):
     n: int = Field(1, ge=1, le=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("tool_choice", "stop", mode="wrap")
+    @classmethod
+    def _one_error(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+        """One message naming the field, not one per member of its union (whose tags would land in ``param``)."""
+        try:
+            out = handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid", _EXPECTED[info.field_name]) from None
+        if info.field_name == "stop" and isinstance(out, list) and len(out) > MAX_STOP:
+            raise PydanticCustomError("invalid", "at most {limit} stop sequences, got {n}",
+                                      {"limit": MAX_STOP, "n": len(out)})
+        return out
+
+    def stop_sequences(self) -> list[str]:
+        """``stop`` as the engine takes it: a list of non-empty strings."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [s for s in stops if s]
 
 
 class RewardRequest(BaseModel):
@@ -239,7 +269,8 @@ def canonical(message: dict[str, Any]) -> dict[str, Any]:
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
     """A client message as the chat template takes it (text content, parsed call arguments)."""
-    out: dict[str, Any] = {"role": message.get("role"), "content": _text(message.get("content"))}
+    role = "system" if message.get("role") == "developer" else message.get("role")  # chat templates know system
+    out: dict[str, Any] = {"role": role, "content": _text(message.get("content"))}
     if message.get("tool_calls"):
         out["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
                                                                "arguments": _arguments(c["function"]["arguments"])}}
@@ -350,12 +381,19 @@ class EpisodeStore:
         @app.exception_handler(RequestValidationError)
         async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
             first = exc.errors()[0] if exc.errors() else {}
+            if first.get("type") == "json_invalid":  # its loc is a character position, not a field
+                error = (first.get("ctx") or {}).get("error", first.get("msg", ""))
+                return await _api_error(_request, APIError(400, f"the body is not valid JSON: {error}",
+                                                           "invalid_request"))
             loc = first.get("loc", ())[1:]  # after "body"
-            code = {"tools": "invalid_tools", "messages": "invalid_messages"}.get(loc[0] if loc else "",
-                                                                                 "invalid_request")
+            if not loc:
+                return await _api_error(_request, APIError(
+                    400, f"the body must be a JSON object with model and messages: {first.get('msg', 'invalid')}",
+                    "invalid_request"))
+            code = {"tools": "invalid_tools", "messages": "invalid_messages"}.get(loc[0], "invalid_request")
             where = _param(loc)
             return await _api_error(_request, APIError(400, f"{where}: {first.get('msg', 'invalid')}", code,
-                                                       param=where or None))
+                                                       param=where))
 
         @app.post("/episodes/{episode_id}/v1/chat/completions")
         async def _chat(episode_id: str, body: ChatRequest, authorization: str | None = Header(None)) -> Any:
@@ -397,6 +435,9 @@ class EpisodeStore:
         if req.model != self.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist (this server serves "
                                 f"{self.model_name!r})", "model_not_found", param="model")
+        if req.top_logprobs:
+            raise APIError(400, "top_logprobs is not supported: the engines return the sampled token's logprob only "
+                                "(use logprobs=true)", "unsupported_parameter", param="top_logprobs")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         names = self._tool_names(req, tools)
         async with ep.lock:
@@ -405,17 +446,28 @@ class EpisodeStore:
             self._extend(ep, [m.model_dump(exclude_unset=True) for m in req.messages], tools)
             reply, max_new = await self._generate(ep, req)
             message, finish = self._record(ep, reply, names, max_new)
+            logprobs = self._logprobs(ep, reply["output_ids"]) if req.logprobs else None
         self.metrics.openai_requests.labels(outcome="ok").inc()
         completion_id = "chatcmpl-" + uuid.uuid4().hex
         assert ep.builder is not None
         usage = {"prompt_tokens": len(ep.builder) - len(reply["output_ids"]),
                  "completion_tokens": len(reply["output_ids"]), "total_tokens": len(ep.builder)}
         if req.stream:
-            return StreamingResponse(self._chunks(completion_id, message, finish, usage, req),
+            return StreamingResponse(self._chunks(completion_id, message, finish, usage, req, logprobs),
                                      media_type="text/event-stream")
         return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "usage": usage,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}]}
+
+    def _logprobs(self, ep: AgentEpisode, ids: list[int]) -> dict[str, Any]:
+        """OpenAI's ``logprobs``: the recorded behaviour logprob of each generated token, the closing end token
+        excepted (it is not in the content); no top logprobs (refused), no bytes (a byte-level token may be part
+        of a character)."""
+        assert ep.builder is not None
+        recorded = ep.builder.logprobs[len(ep.builder) - len(ids):]
+        n = len(ids) - 1 if ids and ids[-1] == self.renderer.eos_id else len(ids)
+        return {"content": [{"token": self.renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                            for t, lp in zip(ids[:n], recorded[:n], strict=True)]}
 
     def _tool_names(self, req: ChatRequest, tools: list[dict[str, Any]] | None) -> set[str]:
         """The tool names whose calls are parsed: none for ``tool_choice="none"``, one for a named choice."""
@@ -473,7 +525,10 @@ class EpisodeStore:
         assert ep.builder is not None
         asked = req.max_completion_tokens or req.max_tokens or cfg.max_new_tokens
         max_new = min(asked, cfg.max_new_tokens, cfg.max_total_tokens - len(ep.builder))
-        params = {"max_new_tokens": max_new, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+        params: dict[str, Any] = {"max_new_tokens": max_new, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                                  "top_k": cfg.top_k}
+        if req.stop_sequences():  # ends the turn early; the distribution of the tokens it keeps is the job's
+            params["stop"] = req.stop_sequences()
         try:
             reply = await ep.engine.generate(ep.builder.token_ids, params, return_logprob=True,
                                              rid=f"{ep.episode_id}-{ep.num_turns}")
@@ -490,17 +545,20 @@ class EpisodeStore:
                 max_new: int) -> tuple[dict[str, Any], str]:
         """The assistant message (OpenAI shape) and finish reason of a reply; recorded on the episode."""
         ids = reply["output_ids"]
-        reason = (reply.get("meta_info", {}).get("finish_reason") or {}).get("type", "stop")
+        finish_reason = reply.get("meta_info", {}).get("finish_reason") or {}
+        reason, matched = finish_reason.get("type", "stop"), finish_reason.get("matched")
         closed = bool(ids) and ids[-1] == self.renderer.eos_id
         text = self.renderer.decode(ids[:-1] if closed else ids)
+        if reason == "stop" and isinstance(matched, str) and matched in text:  # OpenAI's content ends before it
+            text = text[: text.index(matched)]
         if reason == "abort":  # no outcome: the sample fails (never trained), the agent gets the engine's error
             ep.messages.append({"role": "assistant", "content": text})
             self.fail(ep, "abort", "the engine aborted the request")
             raise APIError(503, "the engine aborted the request", "engine_aborted", "server_error")
-        normal_text, calls, _errors = parse_tool_calls(text, names) if closed else (text, [], [])
-        message: dict[str, Any] = {"role": "assistant", "content": text}
         # the end token decides: SGLang reports a turn whose end token is the last allowed one as length
         truncated = reason == "length" and not closed
+        normal_text, calls, _errors = (text, [], []) if truncated else parse_tool_calls(text, names)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = "length" if truncated else "stop"
         if calls:
             message["content"] = normal_text or None
@@ -517,20 +575,21 @@ class EpisodeStore:
         return message, finish
 
     async def _chunks(self, completion_id: str, message: dict[str, Any], finish: str, usage: dict[str, int],
-                      req: ChatRequest) -> AsyncIterator[str]:
+                      req: ChatRequest, logprobs: dict[str, Any] | None = None) -> AsyncIterator[str]:
+        """The finished turn as chunks; ``logprobs`` ride on the content chunk, or on the last one without it."""
         base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
 
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None, lp: dict[str, Any] | None = None) -> str:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": lp}
             return "data: " + json.dumps({**base, "choices": [choice]}) + "\n\n"
 
         yield chunk({"role": "assistant", "content": ""})
         if message.get("content"):
-            yield chunk({"content": message["content"]})
+            yield chunk({"content": message["content"]}, lp=logprobs)
         for i, call in enumerate(message.get("tool_calls") or []):
             yield chunk({"tool_calls": [{"index": i, **call}]})
-        yield chunk({}, finish)
+        yield chunk({}, finish, None if message.get("content") else logprobs)
         if (getattr(req, "stream_options", None) or {}).get("include_usage"):
             yield "data: " + json.dumps({**base, "choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"

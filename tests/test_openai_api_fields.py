@@ -1,0 +1,175 @@
+"""The episode endpoint's OpenAI compatibility, driven by the real ``openai`` client: ``stop``,
+``logprobs``, and the shape of refusals of bodies that are not a chat request at all."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from rollout_server.engine.process import EngineProcess
+from rollout_server.openai_api import AgentEpisode, EpisodeStore
+from tests.test_agent_loop import CALC, ScriptedEngine
+from tests.test_openai_api import MESSAGES, TOOLS, RecordingEngine, _run
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir: Path) -> Iterator[str]:
+    with EngineProcess(tiny_model_dir, max_batch_size=8, max_context=1024, threads=1) as engine:
+        yield engine.url
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _generated(sample: Any) -> list[int]:
+    return [t for t, m in zip(sample.token_ids.tolist(), sample.loss_mask.tolist(), strict=True) if m]
+
+
+def test_stop_sequences_end_the_turn_and_are_trimmed(tokenizer: Any, engine_url: str) -> None:
+    """``stop`` (a list, or a string) reaches the engine: the turn ends at the first match with finish_reason
+    ``stop``, the content stops before it (as OpenAI's does), the recorded tokens are exactly those the engine
+    generated, and the agent's next turn (its history re-sent with the trimmed content) continues the episode."""
+    stops = ["a", "e", "i", "o"]
+    seen: list[Any] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        first = await client.chat.completions.create(model="rollwave", messages=MESSAGES, stop=stops)
+        messages = [*MESSAGES, first.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "user", "content": "go on"}]
+        second = await client.chat.completions.create(model="rollwave", messages=messages, stop="e")
+        seen[:] = [first.choices[0], second.choices[0]]
+
+    for _ in range(10):  # at temperature 1 the tiny model may end its turn before any of them comes
+        real = RecordingEngine(engine_url)
+        sample, store = _run(tokenizer, real, agent, max_new_tokens=64)
+        matched = real.replies[0]["meta_info"]["finish_reason"].get("matched")
+        if isinstance(matched, str):
+            break
+    assert matched in stops, real.replies[0]["meta_info"]["finish_reason"]
+    text = tokenizer.decode(real.replies[0]["output_ids"], skip_special_tokens=False)
+    assert (seen[0].finish_reason, seen[0].message.content) == ("stop", text[: text.find(matched)])
+    assert "e" not in (seen[1].message.content or "")
+    assert _generated(sample) == [t for r in real.replies for t in r["output_ids"]]
+    assert sample.num_turns == 2 and sample.finish_reason != "history_mismatch"
+    assert store.metrics.total("rollwave_rollout_history_mismatches_total") == 0
+
+
+def test_a_stop_sequence_after_a_tool_call_still_yields_the_call(tokenizer: Any) -> None:
+    """A turn ended by a stop sequence is finished, not cut off: its tool call is parsed."""
+    engine = ScriptedEngine(tokenizer, [("Let me compute. " + CALC.format("6*7") + "\nObservation", "open")])
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        reply = await client.chat.completions.create(model="rollwave", messages=MESSAGES, tools=TOOLS,
+                                                     stop="Observation")
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.tool_calls[0].function.name == "calculator"
+
+    # the scripted engine does not match stop strings: it answers as the engine would for this stop
+    original = engine.generate
+
+    async def generate(input_ids: list[int], sampling_params: dict, *args: Any, **kwargs: Any) -> Any:
+        assert sampling_params["stop"] == ["Observation"]
+        reply = await original(input_ids, sampling_params, *args, **kwargs)
+        reply["meta_info"]["finish_reason"] = {"type": "stop", "matched": "Observation"}
+        return reply
+
+    engine.generate = generate  # type: ignore[method-assign]
+    sample, _ = _run(tokenizer, engine, agent, max_new_tokens=64)
+    assert [t.name for t in sample.tool_calls] == ["calculator"]
+
+
+def test_logprobs_are_the_behaviour_logprobs(tokenizer: Any, engine_url: str) -> None:
+    """``logprobs=True`` answers ``choices[0].logprobs.content``: one entry per generated token (its end token
+    excepted), each the engine's behaviour logprob, streamed or not; ``top_logprobs`` above 0, which the engines
+    are not asked for, is refused (400 naming it) and records nothing."""
+    real = RecordingEngine(engine_url)
+    got: list[list[Any]] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="rollwave", messages=MESSAGES, logprobs=True, top_logprobs=2)
+        assert info.value.body["param"] == "top_logprobs" and "top_logprobs" in info.value.body["message"]
+        assert ep.builder is None and real.replies == []
+        first = await client.chat.completions.create(model="rollwave", messages=MESSAGES, logprobs=True)
+        assert first.choices[0].logprobs is not None
+        got.append(first.choices[0].logprobs.content)
+        messages = [*MESSAGES, first.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "user", "content": "go on"}]
+        stream = await client.chat.completions.create(model="rollwave", messages=messages, logprobs=True,
+                                                      stream=True)
+        entries: list[Any] = []
+        parts: list[str] = []
+        async for chunk in stream:
+            for choice in chunk.choices:
+                entries += (choice.logprobs.content or []) if choice.logprobs else []
+                parts.append(choice.delta.content or "")
+        got.append(entries)
+        plain = await client.chat.completions.create(model="rollwave", messages=[
+            *messages, {"role": "assistant", "content": "".join(parts)}, {"role": "user", "content": "more"}])
+        assert plain.choices[0].logprobs is None
+
+    _run(tokenizer, real, agent, max_new_tokens=16)
+    eos = tokenizer.eos_token_id
+    for entries, reply in zip(got, real.replies, strict=False):
+        lps = [e for e in reply["meta_info"]["output_token_logprobs"] if e[1] != eos]
+        assert [e.logprob for e in entries] == pytest.approx([e[0] for e in lps])
+        assert [e.token for e in entries] == [tokenizer.decode([e[1]]) for e in lps]
+        assert all(e.top_logprobs == [] for e in entries)
+
+
+def test_a_body_that_is_not_a_chat_request_is_refused_plainly(tokenizer: Any) -> None:
+    """Invalid JSON and a body that is not an object are 400s whose message says so and whose ``param`` is
+    null; an invalid ``tool_choice`` names ``tool_choice``, not pydantic's union branch."""
+    engine = ScriptedEngine(tokenizer, [])
+    answers: list[tuple[int, dict[str, Any]]] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        url = store.base_url(ep) + "/chat/completions"
+        headers = {"Authorization": f"Bearer {ep.key}", "Content-Type": "application/json"}
+        async with httpx.AsyncClient() as http:
+            for body in ('{"model": "rollwave", "messages": [', '[]'):
+                resp = await http.post(url, content=body, headers=headers)
+                answers.append((resp.status_code, resp.json()["error"]))
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="rollwave", messages=MESSAGES, tools=TOOLS,
+                                                 tool_choice="sometimes")  # type: ignore[arg-type]
+        answers.append((info.value.status_code, info.value.body))
+
+    _run(tokenizer, engine, agent)
+    (s1, invalid), (s2, not_object), (s3, choice) = answers
+    assert (s1, s2, s3) == (400, 400, 400)
+    assert invalid["param"] is None and invalid["message"].startswith("the body is not valid JSON"), invalid
+    assert not_object["param"] is None and not_object["message"].startswith("the body must be a JSON object")
+    assert choice["param"] == "tool_choice" and choice["message"].startswith("tool_choice: "), choice
+    assert engine.calls == []
+
+
+def test_a_developer_message_is_rendered_as_a_system_message(tokenizer: Any, engine_url: str) -> None:
+    """``developer`` (the openai client's newer name for ``system``) is accepted, and the prompt it makes is the
+    one a system message makes: chat templates know only ``system``."""
+    prompts: list[list[int]] = []
+
+    class Prompts(RecordingEngine):
+        async def generate(self, input_ids: list[int], *args: Any, **kwargs: Any) -> Any:
+            prompts.append(list(input_ids))
+            return await super().generate(input_ids, *args, **kwargs)
+
+    for role in ("system", "developer"):
+        messages = [{"role": role, "content": MESSAGES[0]["content"]}, MESSAGES[1]]
+
+        async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore,
+                        messages: list[dict[str, str]] = messages) -> None:
+            await client.chat.completions.create(model="rollwave", messages=messages)
+
+        _run(tokenizer, Prompts(engine_url), agent, max_new_tokens=4)
+    assert len(prompts) == 2 and prompts[0] == prompts[1]
+    assert MESSAGES[0]["content"] in tokenizer.decode(prompts[1])

@@ -77,6 +77,25 @@ async def model_info(engine: EngineDep) -> dict[str, Any]:
     }
 
 
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(engine: EngineDep) -> dict[str, Any]:
+    """SGLang's server arguments under its own key names, for the ones this engine has (a client reads the
+    context length and batch size here); ``internal_states`` has one entry, the one rank."""
+    return {
+        "model_path": engine.model_path,
+        "tokenizer_path": engine.model_path,
+        "served_model_name": engine.served_model_name,
+        "weight_version": engine.version,
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "context_length": engine.max_context,
+        "max_running_requests": engine.max_batch_size,
+        "max_prefill_tokens": engine.prefill_tokens,
+        "skip_tokenizer_init": False,
+        "internal_states": [{"paused": engine.paused is not None}],
+    }
+
+
 @router.get("/metrics")
 async def metrics(engine: EngineDep) -> Response:
     return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)

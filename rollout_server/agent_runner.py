@@ -22,6 +22,7 @@ import inspect
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import reprlib
 import resource
 import signal
 import sys
@@ -83,12 +84,12 @@ async def run_agent(entrypoint: str, task: Any, base_url: str, api_key: str, *, 
         receive.close()
     if "error" in result:
         return AgentOutcome(failure="agent_error", error=f"agent {entrypoint} failed: {result['error']}")
+    if "invalid" in result:
+        return AgentOutcome(failure="agent_error",
+                            error=f"agent {entrypoint} returned {result['invalid']}; want a float or None")
     if proc.exitcode != 0 or "reward" not in result:
         return AgentOutcome(failure="agent_error", error=f"agent {entrypoint} exited {proc.exitcode} with no result")
     reward = result["reward"]
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
-        return AgentOutcome(failure="agent_error",
-                            error=f"agent {entrypoint} returned {reward!r}; want a float or None")
     return AgentOutcome(reward=None if reward is None else float(reward))
 
 
@@ -125,7 +126,12 @@ def _child(payload: dict[str, Any], result: Connection) -> None:
         reward = fn(payload["task"], payload["base_url"], payload["api_key"])
         if inspect.isawaitable(reward):
             reward = asyncio.run(reward)
-        result.send({"reward": reward})
+        # checked here, so only a number or a short repr crosses the pipe: the parent reads it only once this
+        # process has exited, so a result larger than the pipe's buffer would block it until the time limit
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+            result.send({"invalid": reprlib.repr(reward)})
+        else:
+            result.send({"reward": reward})
     except BaseException as exc:  # noqa: BLE001 - whatever the agent raised is the sample's failure
         result.send({"error": "".join(traceback.format_exception(exc))[-ERROR_TAIL:]})
         raise SystemExit(1) from None

@@ -61,9 +61,17 @@ def aggregate(values: Tensor, loss_mask: Tensor, mode: LossAgg, denominator: flo
     return numerator / max(float(denominator), 1.0)
 
 
+# A log ratio is clamped to ±this before exp: e^60 ≈ 1e26 lies far past any cap or window, yet ratio·A·cap stays
+# finite in fp32 (exp overflows at 88.7), where an inf would meet a zero (a dropped token, a zero advantage) as NaN.
+MAX_LOG_RATIO = 60.0
+
+
 def _masked_exp(diff: Tensor, mask: Tensor) -> Tensor:
-    """exp(diff) on masked tokens, exactly 1 elsewhere (padding never produces inf or NaN)."""
-    return torch.exp(torch.where(mask, diff, torch.zeros((), dtype=diff.dtype, device=diff.device)))
+    """exp(diff) on masked tokens, exactly 1 elsewhere, diff clamped to ±``MAX_LOG_RATIO``: neither padding nor a
+    wild behaviour logprob (e.g. -inf from an engine) produces inf or NaN; a clamped token's ratio carries no
+    gradient, and the cap or window drops it as it would any large weight."""
+    kept = torch.where(mask, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
+    return torch.exp(kept.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
 def _clipped_surrogate(

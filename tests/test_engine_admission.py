@@ -15,8 +15,9 @@ import torch
 from engine_helpers import greedy_request
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.config import load_config
+from core.config import EngineConfig, load_config
 from rollout_server.__main__ import engine_urls
+from rollout_server.engine.__main__ import parse_args
 from rollout_server.engine.request import Request
 from rollout_server.engine.scheduler import Scheduler
 from rollout_server.engine_client import EngineClient
@@ -108,3 +109,14 @@ def test_the_config_key_reaches_the_embedded_engine(tiny_model_dir: Path) -> Non
             await asyncio.gather(long, return_exceptions=True)
 
     asyncio.run(run())
+
+
+def test_the_engine_run_alone_admits_as_a_rollout_server_starts_it() -> None:
+    """``python -m rollout_server.engine`` (README, "Running the parts alone") takes ``engine.*``'s defaults:
+    the admission wait, batch, context, prefix cache, threads, dtype and bind address of an engine a rollout
+    server starts."""
+    args = parse_args(["--model", "m"])
+    cfg = EngineConfig()
+    assert args.admit_wait_ms == cfg.admit_wait_ms > 0
+    assert (args.max_batch_size, args.max_context, args.prefix_cache_tokens, args.threads, args.dtype, args.host) == (
+        cfg.max_batch_size, cfg.max_context, cfg.prefix_cache_tokens, cfg.threads, cfg.dtype, cfg.host)

@@ -16,7 +16,7 @@ import sys
 import torch
 import uvicorn
 
-from core.config import CONFIG_ERROR_EXIT, MIN_SECRET_CHARS
+from core.config import CONFIG_ERROR_EXIT, MIN_SECRET_CHARS, EngineConfig
 from core.net import is_loopback, listen_socket
 from core.process import die_with_parent, prepare_component
 from rollout_server.engine import ENGINE_KEY_ENV
@@ -28,22 +28,23 @@ from rollout_server.engine.weights import load_model
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rollout_server.engine", description=__doc__)
+    cfg = EngineConfig()  # run alone, the engine serves as a rollout server would start it
     p.add_argument("--model", required=True, help="HF model directory (safetensors + tokenizer)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default=cfg.host)
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (logged); a busy one is retried")
     p.add_argument("--fd", type=int, help="an inherited listening socket to serve on (then --host/--port are unused)")
     p.add_argument("--weight-version", default="default",
                    help="version reported until the first update (SGLang's default; rollwave starts it with 0)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default=cfg.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the served weights (auto: the checkpoint's)")
-    p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
-    p.add_argument("--max-context", type=int, default=1024, help="prompt + new tokens per request")
+    p.add_argument("--max-batch-size", type=int, default=cfg.max_batch_size, help="requests decoded together")
+    p.add_argument("--max-context", type=int, default=cfg.max_context, help="prompt + new tokens per request")
     p.add_argument("--prefill-tokens", type=int, default=8192, help="padded tokens per prefill forward")
-    p.add_argument("--prefix-cache-tokens", type=int, default=16384,
+    p.add_argument("--prefix-cache-tokens", type=int, default=cfg.prefix_cache_tokens,
                    help="tokens of finished requests' KV kept for requests that extend them (0: off)")
-    p.add_argument("--admit-wait-ms", type=float, default=0.0,
+    p.add_argument("--admit-wait-ms", type=float, default=cfg.admit_wait_ms,
                    help="while requests decode, how long a new one may wait to be prefilled with later ones")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=cfg.threads, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of draws for requests without sampling_seed")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)

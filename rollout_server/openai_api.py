@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import uvicorn
-from fastapi import FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import (
@@ -395,28 +395,43 @@ class EpisodeStore:
             return await _api_error(_request, APIError(400, f"{where}: {first.get('msg', 'invalid')}", code,
                                                        param=where))
 
-        @app.post("/episodes/{episode_id}/v1/chat/completions")
-        async def _chat(episode_id: str, body: ChatRequest, authorization: str | None = Header(None)) -> Any:
-            return await self.chat(self._episode(episode_id, authorization), body)
+        # Dependencies, so the episode and its key are checked before the body is validated: a caller without
+        # the key learns nothing of what a valid body looks like.
+        def in_path(episode_id: str, authorization: str | None = Header(None)) -> AgentEpisode:
+            return self._episode(episode_id, authorization)
 
-        @app.post("/v1/chat/completions")
-        async def _chat_header(body: ChatRequest, authorization: str | None = Header(None),
-                               x_episode_id: str | None = Header(None)) -> Any:
+        def in_header(authorization: str | None = Header(None),
+                      x_episode_id: str | None = Header(None)) -> AgentEpisode:
             if not x_episode_id:
                 raise APIError(404, "no episode: use the base URL /episodes/<id>/v1 or the X-Episode-Id header",
                                "episode_not_found")
-            return await self.chat(self._episode(x_episode_id, authorization), body)
+            return self._episode(x_episode_id, authorization)
+
+        # as defaults: under postponed annotations FastAPI cannot resolve a local Annotated alias
+        episode, episode_in_header = Depends(in_path), Depends(in_header)
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollwave"}
+
+        @app.post("/episodes/{episode_id}/v1/chat/completions")
+        async def _chat(body: ChatRequest, ep: AgentEpisode = episode) -> Any:
+            return await self.chat(ep, body)
+
+        @app.post("/v1/chat/completions")
+        async def _chat_header(body: ChatRequest, ep: AgentEpisode = episode_in_header) -> Any:
+            return await self.chat(ep, body)
 
         @app.get("/episodes/{episode_id}/v1/models")
-        async def _models(episode_id: str, authorization: str | None = Header(None)) -> dict[str, Any]:
-            self._episode(episode_id, authorization)
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                                "owned_by": "rollwave"}]}
+        async def _models(ep: AgentEpisode = episode) -> dict[str, Any]:
+            return {"object": "list", "data": [model]}
+
+        @app.get("/episodes/{episode_id}/v1/models/{name:path}")
+        async def _model(name: str, ep: AgentEpisode = episode) -> dict[str, Any]:
+            if name != self.model_name:
+                raise APIError(404, f"the model {name!r} does not exist (this server serves {self.model_name!r})",
+                               "model_not_found", param="model")
+            return model
 
         @app.post("/episodes/{episode_id}/reward")
-        async def _reward(episode_id: str, body: RewardRequest,
-                          authorization: str | None = Header(None)) -> dict[str, Any]:
-            ep = self._episode(episode_id, authorization)
+        async def _reward(body: RewardRequest, ep: AgentEpisode = episode) -> dict[str, Any]:
             ep.reward = (body.reward, dict(body.info))
             return {"ok": True}
 

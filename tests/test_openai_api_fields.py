@@ -173,3 +173,26 @@ def test_a_developer_message_is_rendered_as_a_system_message(tokenizer: Any, eng
         _run(tokenizer, Prompts(engine_url), agent, max_new_tokens=4)
     assert len(prompts) == 2 and prompts[0] == prompts[1]
     assert MESSAGES[0]["content"] in tokenizer.decode(prompts[1])
+
+
+def test_the_key_is_checked_before_the_body_and_the_model_can_be_retrieved(tokenizer: Any) -> None:
+    """A caller without the episode's key gets 401 (an unknown episode 404) whatever its body, never a 400 that
+    describes a valid one; ``client.models.retrieve`` answers the served model and a 404 for any other."""
+    engine = ScriptedEngine(tokenizer, [])
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        base = store.base_url(ep)
+        async with httpx.AsyncClient(timeout=30) as http:
+            for url, key, status in ((base, "wrong", 401), (base.replace(ep.episode_id, "nope"), ep.key, 404),
+                                     (base, ep.key, 400)):
+                reply = await http.post(f"{url}/chat/completions", json={"messages": 3},
+                                        headers={"Authorization": f"Bearer {key}"})
+                assert reply.status_code == status, (url, key, reply.text)
+            reply = await http.post(f"{store.url}/v1/chat/completions", json={"messages": 3},
+                                    headers={"Authorization": "Bearer wrong", "X-Episode-Id": ep.episode_id})
+            assert reply.status_code == 401, reply.text
+        assert (await client.models.retrieve("rollwave")).id == "rollwave"
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("gpt-4o")
+
+    _run(tokenizer, engine, agent)

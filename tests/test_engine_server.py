@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 from engine_helpers import metric, post, teacher_forced, until
+from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.config import EngineConfig
@@ -194,6 +195,17 @@ def test_eos_stops_unless_ignored(tiny_model_dir: Path, tokenizer) -> None:
     assert req.stop_ids == frozenset()
     with pytest.raises(ContractError, match="unknown field `seed`"):
         build_requests({"input_ids": PROMPT, "sampling_params": {"seed": 1}}, spec)
+
+
+def test_a_text_prompt_gets_the_tokenizers_special_tokens_as_sglang_gives_them(tiny_model_dir: Path) -> None:
+    """SGLang encodes ``text`` with the tokenizer's defaults, so a tokenizer that adds a BOS (Llama's) adds it."""
+    bos_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    bos = bos_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    bos_tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    spec = GenerateSpec(bos_tokenizer, len(bos_tokenizer), 1024, frozenset())
+    (req,), _ = build_requests({"text": "What is 6 times 7?"}, spec)
+    assert req.input_ids == bos_tokenizer.encode("What is 6 times 7?") and req.input_ids[0] == bos
 
 
 @pytest.mark.parametrize(

@@ -165,7 +165,7 @@ def _prompts(gen: GenerateBody, spec: GenerateSpec) -> tuple[list[list[int]], bo
     elif gen.text is not None:
         batch = isinstance(gen.text, list)
         texts = gen.text if batch else [gen.text]
-        prompts = [spec.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        prompts = [spec.tokenizer.encode(t) for t in texts]  # the tokenizer's special tokens, as SGLang encodes text
     else:
         raise ValueError("Either text or input_ids should be provided.")
     if not prompts:

@@ -3,8 +3,8 @@
 Semantics follow SGLang's sampling parameters and sampler:
 temperature below 1e-6 is greedy (then temperature counts as 1); the returned logprob is
 ``log_softmax(logits / temperature)`` of the chosen token, taken before top-k/top-p/min-p truncation.
-Sampling draws one uniform number per row and inverts the CDF of the truncated distribution, so a
-request with ``sampling_seed`` owns a ``torch.Generator`` and its draws do not depend on its batch.
+Sampling draws one uniform number per row and inverts the CDF of the truncated distribution (in token-id
+order), so a request with ``sampling_seed`` owns a ``torch.Generator`` and its draws do not depend on its batch.
 """
 
 from __future__ import annotations
@@ -78,16 +78,20 @@ class BatchSampler:
         u = 1.0 - torch.rand(self._size, generator=self._shared)
         for i, gen in self._seeded:
             u[i] = 1.0 - torch.rand(1, generator=gen)
-        if not self._truncate:
-            cdf = probs.cumsum(dim=-1)
-            return _search(cdf, u).clamp_(max=probs.shape[-1] - 1)
+        if self._truncate:
+            probs = probs.masked_fill(self._dropped(probs), 0.0)
+        # the CDF runs in token-id order, never in sorted order: two tokens of (nearly) equal probability that float
+        # noise of another batch shape ranks the other way round would swap places in a sorted CDF, and a seeded
+        # request would then sample the other one
+        return _search(probs.cumsum(dim=-1), u).clamp_(max=probs.shape[-1] - 1)
+
+    def _dropped(self, probs: torch.Tensor) -> torch.Tensor:
+        """Where top-k, top-p and min-p (SGLang's order and rules, over the sorted probabilities) drop a token."""
         sorted_p, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(probs.shape[-1])[None, :]
         cum = sorted_p.cumsum(dim=-1)
         drop = (rank >= self._top_k) | ((cum - sorted_p) > self._top_p) | (sorted_p < self._min_p * sorted_p[:, :1])
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        pick = _search(sorted_p.cumsum(dim=-1), u).clamp_(max=probs.shape[-1] - 1)
-        return order.gather(1, pick[:, None]).squeeze(1)
+        return torch.empty_like(drop).scatter_(1, order, drop)
 
 
 def _search(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -245,7 +245,7 @@ def _request(
         params=params,
         return_logprob=logprob,
         stop_ids=stop_ids,
-        stop_window=max((len(s) for s in params.stop), default=0) + 1,
+        stop_window=max((len(s.encode()) for s in params.stop), default=0) + 1,
         return_text_in_logprobs=gen.return_text_in_logprobs,
         return_prompt_token_ids=gen.return_prompt_token_ids,
         generator=gen_seed,

@@ -33,7 +33,9 @@ class Request:
     params: SamplingParams
     return_logprob: bool
     stop_ids: frozenset[int]
-    stop_window: int  # tokens to decode when looking for stop strings
+    # tokens to decode when looking for stop strings: their longest in UTF-8 bytes, plus one (every token adds a
+    # byte or more, and a character outside ASCII may take one token per byte)
+    stop_window: int
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
     generator: torch.Generator | None = None

@@ -5,8 +5,8 @@ tries ``#### N``, ``\\boxed{N}``, "the answer is N", then the last number in the
 compared exactly as decimals after dropping ``$``, thousands commas and a trailing period, so
 ``1,600`` matches ``1600`` and ``18.0`` matches ``18``.
 
-A reward function that raises or returns garbage never stops the server, and never yields a made-up
-reward: ``score`` raises ``RewardError`` saying why, and the agent loop marks the episode failed
+A reward function that raises or returns garbage (NaN and infinity included) never stops the server, and never
+yields a made-up reward: ``score`` raises ``RewardError`` saying why, and the agent loop marks the episode failed
 (``finish_reason`` ``reward_error``), so its group is rolled out again instead of trained on reward 0. One that
 hangs (a judge over HTTP that never answers) is cancelled after ``rollout.reward_timeout_s`` the same way
 (``core.deadline``).
@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import math
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from decimal import Decimal, InvalidOperation
@@ -189,6 +190,8 @@ class RewardComputer:
             reward, info = out if isinstance(out, tuple) else (out, {})
             if isinstance(reward, bool) or not isinstance(reward, int | float) or not isinstance(info, dict):
                 raise TypeError(f"reward function returned {out!r}; want a float or (float, dict)")
+            if not math.isfinite(reward):  # NaN or inf would poison the group's advantages
+                raise ValueError(f"reward function returned {reward!r}, which is not finite")
             return float(reward), dict(info)
         except Exception as exc:  # user code: the episode fails with the reason, the server goes on
             task_id = getattr(task, "task_id", "?")

@@ -75,9 +75,13 @@ def check_task(
     label = labels["tools"]
     if (got := _type(tools, list)) is not None:
         raise _at(where, f"field {label!r} must be list, got {got}")
+    first: dict[str, int] = {}
     for i, name in enumerate(tools):
         if (got := _type(name, str)) is not None:
             raise _at(where, f"field '{label}[{i}]' must be str, got {got}")
+        if name in first:  # an episode makes one instance per name: a second would never be released
+            raise _at(where, f"field '{label}[{i}]': tool {name!r} is named twice (first at {label}[{first[name]}])")
+        first[name] = i
 
     label = labels["tools_kwargs"]
     if (got := _type(tools_kwargs, dict)) is not None:
@@ -85,6 +89,8 @@ def check_task(
     for name, value in tools_kwargs.items():
         if (got := _type(value, dict)) is not None:
             raise _at(where, f"field '{label}.{name}' must be dict, got {got}")
+        if "create_kwargs" in value and (got := _type(value["create_kwargs"], dict)) is not None:
+            raise _at(where, f"field '{label}.{name}.create_kwargs' must be dict, got {got}")  # the create's **kwargs
 
     check_reward(reward_spec, where=where, label=labels["reward"], reward=reward, agent=agent)
 

@@ -76,7 +76,8 @@ def parse_tool_calls(
             errors.append(ToolCallError(index, f"invalid JSON in tool call: {exc}", raw=raw))
             index += 1
             continue
-        for act in payload if isinstance(payload, list) else [payload]:
+        acts = payload if isinstance(payload, list) else [payload]
+        for act in acts or [None]:  # an empty list is no call either: the model is told, as for any other block
             if not isinstance(act, dict) or not isinstance(act.get("name"), str):
                 message = 'tool call must be an object with a string "name"'
                 errors.append(ToolCallError(index, message, raw=raw))

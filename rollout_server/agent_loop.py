@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -86,6 +87,21 @@ def turn_from_reply(reply: dict[str, Any]) -> Turn:
     return Turn(ids, [float(e[0]) for e in entries], versions, bool(meta.get("weight_versions_approximate")))
 
 
+def checked_result(result: Any) -> ToolResult:
+    """``result`` if it is a ``ToolResult`` with text and no reward or a finite one, else TypeError saying what it is:
+    a tool's return value is operator code as much as its exceptions, and one it cannot use must not fail the group
+    (nor a NaN reward poison it)."""
+    if not isinstance(result, ToolResult):
+        raise TypeError(f"it returned a {type(result).__name__}, not a ToolResult")
+    if not isinstance(result.text, str):
+        raise TypeError(f"its text is a {type(result.text).__name__}, not a str")
+    reward = result.reward
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)
+                               or not math.isfinite(reward)):
+        raise TypeError(f"its reward is {reward!r}, not a finite number")
+    return result
+
+
 @dataclass
 class Episode:
     """One sample's state while it runs (verl's ``AsyncRolloutRequest``)."""
@@ -145,7 +161,14 @@ class AgentLoop:
         prompt_ids = self.renderer.prompt_ids(task.messages, schemas)
         queued = time.time() if queued is None else queued
         n = self.config.n_samples if n is None else n
-        samples = await asyncio.gather(*(self.run_episode(task, i, prompt_ids, queued) for i in range(n)))
+        episodes = [asyncio.ensure_future(self.run_episode(task, i, prompt_ids, queued)) for i in range(n)]
+        try:
+            samples = await asyncio.gather(*episodes)
+        except BaseException:  # the group has failed: its other episodes stop (releasing their tools) before it says so
+            for episode in episodes:
+                episode.cancel()
+            await asyncio.gather(*episodes, return_exceptions=True)
+            raise
         self.metrics.groups_completed.inc()
         return TrajectoryGroup(
             run=run, job_id=job_id, task_id=task.task_id, samples=list(samples), temperature=self.config.temperature
@@ -178,12 +201,12 @@ class AgentLoop:
         for name in task.tools:
             instance_id = f"{task.task_id}/{ep.sample_index}/{uuid.uuid4().hex[:8]}"
             kwargs = task.tools_kwargs.get(name, {}).get("create_kwargs", {})
+            ep.instance_ids[name] = instance_id  # released even if create fails: it may have taken something first
             try:
                 await within(self.config.tool_timeout_s, self.tools.get(name).create(instance_id, **kwargs))
             except Exception as exc:  # user tool code: the episode fails with the reason, the group goes on
                 ep.fail("tool", f"tool {name}: create failed: {type(exc).__name__}: {exc}")
                 return
-            ep.instance_ids[name] = instance_id
 
     async def _release_tools(self, ep: Episode) -> None:
         for name, instance_id in ep.instance_ids.items():
@@ -270,21 +293,21 @@ class AgentLoop:
     async def _run_call(self, task: Any, ep: Episode, call: ToolCall) -> tuple[ToolResult, ToolCallRecord]:
         tool = self.tools.get(call.name)
         start = time.perf_counter()
-        problem = tool.check_arguments(call.arguments)
         outcome = None  # the result's, unless the call timed out
-        if problem is not None:
-            result = ToolResult.failure(problem)
-        else:
-            try:
+        try:
+            problem = tool.check_arguments(call.arguments)
+            if problem is not None:
+                result = ToolResult.failure(problem)
+            else:
                 execute = tool.execute(ep.instance_ids[call.name], call.arguments)
-                result = await within(self.config.tool_timeout_s, execute)
-            except Overdue as exc:  # cancelled: the model is told, the call is counted as a timeout
-                log.warning("tool %s, task %s sample %d: %s (rollout.tool_timeout_s)", call.name, task.task_id,
-                            ep.sample_index, exc)
-                result, outcome = ToolResult.failure(f"{call.name} timed out: {exc}"), "timeout"
-            except Exception as exc:  # user tool code: the model is told, the call is counted as an error
-                log.warning("tool %s raised: %s: %s", call.name, type(exc).__name__, exc)
-                result = ToolResult.failure(f"{call.name} failed: {type(exc).__name__}: {exc}")
+                result = checked_result(await within(self.config.tool_timeout_s, execute))
+        except Overdue as exc:  # cancelled: the model is told, the call is counted as a timeout
+            log.warning("tool %s, task %s sample %d: %s (rollout.tool_timeout_s)", call.name, task.task_id,
+                        ep.sample_index, exc)
+            result, outcome = ToolResult.failure(f"{call.name} timed out: {exc}"), "timeout"
+        except Exception as exc:  # user tool code: the model is told, the call is counted as an error
+            log.warning("tool %s raised: %s: %s", call.name, type(exc).__name__, exc)
+            result = ToolResult.failure(f"{call.name} failed: {type(exc).__name__}: {exc}")
         latency = time.perf_counter() - start
         if result.reward is not None:
             ep.tool_rewards.append(float(result.reward))

@@ -64,6 +64,8 @@ class Tool(abc.ABC):
         """Run one call of the episode ``instance_id``; failures come back as ``ToolResult(ok=False)``."""
 
     async def release(self, instance_id: str) -> None:
+        """End an episode's instance. Called once for every ``create`` that was started, also one that raised or was
+        cancelled at ``rollout.tool_timeout_s`` (it may have taken something first), so an unknown id is no error."""
         self._instances.pop(instance_id, None)
 
     def check_arguments(self, arguments: dict[str, Any]) -> str | None:

@@ -273,7 +273,9 @@ class AgentLoop:
         answers = [(c.index, c.name, result.text, record) for c, (result, record) in zip(calls, done, strict=True)]
         for err in errors:
             name = err.name or "invalid"
-            self.metrics.tool_calls.labels(tool=name, outcome="parse_error").inc()
+            # a name the model made up is no label: each would be a new series, without bound
+            label = name if name == "invalid" or name in self.tools.tools else "unknown"
+            self.metrics.tool_calls.labels(tool=label, outcome="parse_error").inc()
             record = ToolCallRecord(name=name, ok=False, error=err.message)
             answers.append((err.index, name, f"Error: {err.message}", record))
         answers.sort(key=lambda a: a[0])

@@ -372,7 +372,8 @@ def test_tool_errors_are_answered_counted_and_the_episode_goes_on(tokenizer: Any
     )
     value = loop.metrics.registry.get_sample_value
     assert value("rollwave_rollout_tool_calls_total", {"tool": "invalid", "outcome": "parse_error"}) == 1
-    assert value("rollwave_rollout_tool_calls_total", {"tool": "web", "outcome": "parse_error"}) == 1
+    assert value("rollwave_rollout_tool_calls_total", {"tool": "unknown", "outcome": "parse_error"}) == 1
+    assert value("rollwave_rollout_tool_calls_total", {"tool": "web", "outcome": "parse_error"}) is None  # no label
     assert value("rollwave_rollout_tool_calls_total", {"tool": "calculator", "outcome": "error"}) == 2
     assert value("rollwave_rollout_tool_calls_total", {"tool": "calculator", "outcome": "ok"}) == 1
     assert value("rollwave_rollout_tool_latency_seconds_count", {"tool": "flaky"}) == 1

@@ -271,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from core.config import refuse_secret_overrides  # (imported here: --help stays quick)
+
+        refuse_secret_overrides(getattr(args, "overrides", None) or [])  # before any command reads its config
         return args.func(args)
     except (Exception, KeyboardInterrupt) as exc:  # every failure ends as one line; --debug adds the traceback
         message, code = _explain(exc, args)

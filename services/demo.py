@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis, client_for
-from core.config import Config, dump_config, load_config
+from core.config import Config, dump_config, load_config_or_exit
 from core.process import refuse_inspection
 from core.tasks import load_tasks
 from core.tiny_model import build_tiny_model
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     refuse_inspection()  # it holds every secret of the run, the ones it makes included
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the stack and Redis
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_config(args.config, [f"run.name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides])
+    cfg = load_config_or_exit(args.config, [f"run.name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides])
     try:
         summary = run(cfg, args.sft_steps, args.eval_tasks, args.timeout_min * 60, args.warm_start, args.agent)
     except httpx.HTTPError as exc:  # the stack is down by now; say which call failed (logs under runs/<run>/logs)

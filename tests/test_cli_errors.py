@@ -70,6 +70,10 @@ BAD_INPUT = [  # (argv, what the error line must name); {tmp} is the test's dire
     (["up", "-c", "{tmp}/missing.yaml"], "config file {tmp}/missing.yaml does not exist"),
     (["up", "-c", "{demo}", "--rollout-servers", "two"], "argument --rollout-servers: invalid int value"),
     (["down", "-c", "{demo}", "redis.port=70000"], "redis.port: Input should be less than or equal to 65535"),
+    # a secret on the command line is refused by every command that takes overrides, before it reads its config
+    (["up", "-c", "{demo}", "api.token=" + "t" * 40], "api.token: never on the command line"),
+    (["down", "-c", "{demo}", "redis.password=" + "p" * 40], "redis.password: never on the command line"),
+    (["rollout", "--task", "arith", "engine.api_key=" + "k" * 40], "engine.api_key: never on the command line"),
     (["submit", "-f", "{tmp}/missing.yaml"], "job file {tmp}/missing.yaml does not exist"),
     (["submit", "-f", "{tmp}/bad.yaml"], "{tmp}/bad.yaml:2: not valid YAML"),
     (["submit", "-f", "{tmp}"], "{tmp}: Is a directory"),
@@ -115,12 +119,21 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, tmp_path
     assert_one_error_line(proc, 2, needle.format(**fill))
 
 
+def test_the_demo_refuses_a_secret_on_its_command_line_and_a_bad_key_in_one_line(tmp_path: Path) -> None:
+    for override, needle in (("checkpoint.token=" + "c" * 40, "checkpoint.token: never on the command line"),
+                             ("nope.key=1", "nope: unknown key")):
+        proc = subprocess.run([sys.executable, "-m", "services.demo", f"run.dir={tmp_path}", override], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and needle in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_up_through_ray_client_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    """``rollwave up`` places the stack on the node it runs on, which a Ray Client (``ray://``) driver is not."""
+    """``rollwave up`` runs the embedded Redis on the node it runs on, which a Ray Client (``ray://``) driver is not."""
     proc = rollwave("up", "-c", str(DEMO), f"run.dir={tmp_path / 'runs'}", cwd=tmp_path,
                     env={"RAY_ADDRESS": "ray://head:10001"})
-    assert_one_error_line(proc, 2, "RAY_ADDRESS=ray://head:10001: `rollwave up` places the stack on the node it runs "
-                          "on, which Ray Client (ray://) is not")
+    assert_one_error_line(proc, 2, "RAY_ADDRESS=ray://head:10001: `rollwave up` runs the embedded Redis on the node "
+                          "it runs on and talks to it, and a Ray Client (ray://) driver is no node")
     assert not (tmp_path / "runs").exists()
 
 

@@ -16,6 +16,7 @@ every component the Redis password.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -47,7 +48,6 @@ def ensure_checkpoint_token(cfg: Config) -> None:
         log.info("checkpoint.token is not set: made one for this run (its components get it in their environment)")
 
 
-
 @dataclass
 class ComponentSpec:
     """One process of the stack: its command line, environment and the resources it asks for."""
@@ -58,6 +58,9 @@ class ComponentSpec:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     restart: bool = True
+    # overrides given where it runs on Ray, ``{address}`` being its node's address: peers on other nodes reach it
+    node_overrides: tuple[str, ...] = ()
+    one_node: bool = False  # placed on one node with the others so marked (the trainer ranks' rendezvous)
 
 
 def components(
@@ -85,14 +88,16 @@ def components(
         env = {**checkpoint_env, **pool, "RANK": str(rank), "LOCAL_RANK": str(rank),
                **idle_threads_env(cfg.placement.trainer_cpus)}
         argv = [py, "-m", "trainer", "-c", str(config_path), *trainer_args, *common]
-        specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu))
+        specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu, one_node=True))
     for i in range(rollout_servers):
         argv = [py, "-m", "rollout_server", "-c", str(config_path), *common, f"rollout.server_id=rollout-{i}"]
         env = {**checkpoint_env, **secret_env(cfg, "engine.api_key"), **idle_threads_env(cfg.placement.rollout_cpus)}
-        specs.append(ComponentSpec(f"rollout-{i}", argv, env))
+        specs.append(ComponentSpec(f"rollout-{i}", argv, env, node_overrides=("rollout.grpc_host={address}",)))
     if api:
         argv = [py, "-m", "services.api", "-c", str(config_path), *common]
-        specs.append(ComponentSpec("api", argv, {**redis_env, **secret_env(cfg, "api.token")}, num_cpus=0.5))
+        hosts = json.dumps([*cfg.api.allowed_hosts, "{address}"])  # requests name the node's address too
+        specs.append(ComponentSpec("api", argv, {**redis_env, **secret_env(cfg, "api.token")}, num_cpus=0.5,
+                                   node_overrides=("api.host={address}", f"api.allowed_hosts={hosts}")))
     return specs
 
 

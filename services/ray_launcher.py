@@ -5,8 +5,10 @@ its own); when the process dies the actor kills what it left behind (a rollout s
 exits, and Ray restarts it (``max_restarts=-1``), which starts the process again: a rollout server
 rejoins the registry and is re-synced by the trainer's next push, a trainer rank resumes from its
 last checkpoint. A component that refused its config (``CONFIG_ERROR_EXIT``) is not restarted, and ``up``
-waits for every component's config check and fails naming one that refused. Actors are placed in one
-placement group on the node ``up`` runs on: the parts talk over loopback (several nodes: Helm).
+waits for every component's config check and fails naming one that refused. The trainer ranks share a node
+(their rendezvous is on loopback); the rest is packed over the cluster's nodes, and the embedded Redis runs on
+the node ``up`` runs on. A rollout server's receiver and the API listen on their node's address (loopback on a
+local head), which on a cluster needs the API's token, and the embedded Redis gets a password made for the run.
 
 Without ``RAY_ADDRESS`` a local Ray head is started as ``ray start --head --block`` in a session of
 its own, with its own short temp dir, every address on 127.0.0.1 and as many logical CPUs as the
@@ -20,10 +22,12 @@ receivers' and trainers' certificates once for the run, in ``<run dir>/checkpoin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -37,13 +41,13 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis, client_for, configured_url
 from core.checkpoint_pki import RECEIVER_NAME, ensure_checkpoint_pki
 from core.config import CONFIG_ACCEPTED_FD_ENV, CONFIG_ERROR_EXIT, Config, dump_config, load_config
-from core.net import free_port_outside_ephemeral
+from core.net import free_port_outside_ephemeral, is_loopback
 from core.process import kill_group, stop_process
 from core.tiny_model import ensure_model
 from services.api.app import check_api_config
@@ -76,6 +80,10 @@ class ComponentProcess:
     """
 
     def __init__(self, spec: ComponentSpec, log_dir: str, start_timeout_s: float = START_TIMEOUT_S) -> None:
+        if spec.node_overrides:  # it listens where peers on other nodes reach it
+            address = ray.util.get_node_ip_address()
+            spec = dataclasses.replace(spec, argv=[*spec.argv, *(o.replace("{address}", address)
+                                                                 for o in spec.node_overrides)])
         self.spec = spec
         self.log_dir = Path(log_dir)
         self._stopping = False
@@ -131,7 +139,8 @@ ComponentActor = ray.remote(max_restarts=-1, max_task_retries=-1)(ComponentProce
 
 @ray.remote(max_restarts=-1)
 class RedisActor:
-    """The embedded Redis in an actor: AOF on, in the run directory, so a restart loses nothing.
+    """The embedded Redis in an actor: AOF on, in the run directory, so a restart loses nothing. It listens on
+    its node's address (loopback on a local head), which ``up`` gives a password on a cluster.
 
     Port 0 takes a free port; the components are given the URL, so a restarted actor comes back on the
     port it had (recorded in the data directory), waiting for it if it is busy (``EmbeddedRedis``).
@@ -141,7 +150,10 @@ class RedisActor:
         record = Path(data_dir) / "port"
         if ray.get_runtime_context().was_current_actor_reconstructed:
             port = int(record.read_text())
-        self.server = EmbeddedRedis(Path(data_dir), aof=aof, port=port, host=HOST, password=password).start()
+        host = ray.util.get_node_ip_address()
+        if password is None and not is_loopback(host):
+            raise RuntimeError(f"the embedded Redis would listen on {host} without a password")
+        self.server = EmbeddedRedis(Path(data_dir), aof=aof, port=port, host=host, password=password).start()
         record.write_text(str(self.server.port))
 
     def url(self) -> str:
@@ -227,7 +239,7 @@ def _connect(state: dict[str, Any]) -> None:
 def _stop_all(state: dict[str, Any]) -> None:
     """Stop what ``state`` records, in reverse order of starting; a part already gone is skipped."""
     head_gone = bool(state.get("head_pid")) and not _alive(state["head_pid"])  # its actors went with it
-    if (state.get("actors") or state.get("placement_group")) and not head_gone:
+    if (state.get("actors") or state.get("placement_groups")) and not head_gone:
         if not ray.is_initialized():
             _connect(state)
         for name in reversed(state.get("actors", [])):
@@ -240,11 +252,11 @@ def _stop_all(state: dict[str, Any]) -> None:
             except (ray.exceptions.RayError, TimeoutError) as exc:
                 log.warning("%s did not stop cleanly: %s", name, exc)
             ray.kill(actor, no_restart=True)
-        if state.get("placement_group"):
+        for name in state.get("placement_groups", []):
             try:
-                remove_placement_group(ray.util.get_placement_group(state["placement_group"]))
+                remove_placement_group(ray.util.get_placement_group(name))
             except ValueError:
-                log.warning("placement group %s was already gone", state["placement_group"])
+                log.warning("placement group %s was already gone", name)
     if ray.is_initialized():
         ray.shutdown()
     if state.get("head_pid"):
@@ -268,21 +280,25 @@ def _checkpoint_tls(cfg: Config, run_dir: Path) -> tuple[str, ...]:
 
 def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_dir: Path,
             trainer_overrides: tuple[str, ...]) -> str:
-    """The placement group, the embedded Redis in it (unless external), then the components; returns the Redis
-    URL."""
-    specs = components(cfg, run_dir / "config.yaml", None,  # Redis comes through REDIS_URL, set below
-                       rollout_servers=args.rollout_servers, trainer_ranks=args.trainer_ranks,
-                       trainer_args=("--resume", *trainer_overrides))
+    """The embedded Redis (unless external) on this node, then the components in their placement groups; returns
+    the Redis URL."""
+    def stack() -> list[ComponentSpec]:
+        return components(cfg, run_dir / "config.yaml", None,  # Redis comes through REDIS_URL, set below
+                          rollout_servers=args.rollout_servers, trainer_ranks=args.trainer_ranks,
+                          trainer_args=("--resume", *trainer_overrides))
+
     if not os.environ.get("RAY_ADDRESS"):
-        wanted = math.ceil(sum(s.num_cpus for s in specs)) + 1  # + the Redis actor
+        wanted = math.ceil(sum(s.num_cpus for s in stack())) + 1  # + the Redis actor
         state.update(start_head(max(wanted, os.cpu_count() or 1), run_dir / "logs" / "ray-head.log"))
     _connect(state)
+    if not is_loopback(ray.util.get_node_ip_address()):
+        _secure_for_cluster(cfg)
+    specs = stack()
     redis_url = configured_url(cfg.redis)
-    pg = _place(specs, state, with_redis=not redis_url)
     if not redis_url:
         actor = RedisActor.options(
             name=REDIS_ACTOR, lifetime="detached", num_cpus=1,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=len(specs)),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(
             str(cfg.redis.data_dir or run_dir / "redis"), cfg.redis.port, cfg.redis.aof,
             cfg.redis.password.get_secret_value() if cfg.redis.password is not None else None,
@@ -298,33 +314,47 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
     forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     for spec in specs:
         spec.env = {**forwarded, **spec.env, "REDIS_URL": redis_url}
-    for i, spec in enumerate(specs):
+    for spec, (pg, index) in zip(specs, _place(specs, state), strict=True):
         ComponentActor.options(
             name=spec.name, lifetime="detached", num_cpus=0, num_gpus=spec.num_gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         ).remote(spec, str(run_dir / "logs"))
         state["actors"].append(spec.name)
     return redis_url
 
 
-def _place(specs: list[ComponentSpec], state: dict[str, Any], with_redis: bool) -> PlacementGroup:
-    """One placement group for the stack (and the embedded Redis, last), all of it on the node ``up`` runs on:
-    the parts reach each other on loopback (Redis, the trainer ranks' rendezvous, the receivers, the API), so a
-    part on another node could reach none of them."""
-    node_id = ray.get_runtime_context().get_node_id()
-    [address] = [n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id]
-    here = {f"node:{address}": 0.001}
-    bundles = [{"CPU": s.num_cpus, **({"GPU": s.num_gpus} if s.num_gpus else {}), **here} for s in specs]
-    if with_redis:
-        bundles.append({"CPU": 1, **here})
-    pg = placement_group(bundles, strategy="STRICT_PACK", name=state["namespace"], lifetime="detached")
-    state["placement_group"] = state["namespace"]
-    try:
-        ray.get(pg.ready(), timeout=120)
-    except ray.exceptions.GetTimeoutError:
-        raise RuntimeError(f"this node ({address}) cannot hold the stack's bundles {bundles}: `rollwave up` places "
-                           "every part on the node it runs on (see `ray status`)") from None
-    return pg
+def _secure_for_cluster(cfg: Config) -> None:
+    """On a cluster the parts listen on their nodes' addresses: the embedded Redis gets a password made for the run
+    (the components get it in their environment) unless one is set, and the API must have its token."""
+    if cfg.api.token is None:
+        raise CliError("api.token is not set: on a Ray cluster the API listens on its node's address, where anyone "
+                       "who reaches it could submit jobs; set ROLLWAVE_API_TOKEN or api.token_file")
+    if cfg.redis.password is None and not configured_url(cfg.redis):
+        cfg.redis.password = secrets.token_urlsafe(32)
+        log.info("redis.password is not set: made one for this run (its components get it in their environment)")
+
+
+def _place(specs: list[ComponentSpec], state: dict[str, Any]) -> list[tuple[PlacementGroup, int]]:
+    """Each component's placement group and bundle: those marked ``one_node`` (the trainer ranks, whose
+    rendezvous is on loopback) in a STRICT_PACK group, the rest in a PACK group, over as many nodes as they need."""
+    where: dict[int, tuple[PlacementGroup, int]] = {}
+    for together, strategy in ((True, "STRICT_PACK"), (False, "PACK")):
+        members = [i for i, s in enumerate(specs) if s.one_node == together]
+        if not members:
+            continue
+        bundles = [{"CPU": specs[i].num_cpus, **({"GPU": specs[i].num_gpus} if specs[i].num_gpus else {})}
+                   for i in members]
+        name = f"{state['namespace']}-{'one-node' if together else 'packed'}"
+        pg = placement_group(bundles, strategy=strategy, name=name, lifetime="detached")
+        state["placement_groups"].append(name)
+        try:
+            ray.get(pg.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            names = ", ".join(specs[i].name for i in members)
+            raise RuntimeError(f"the cluster cannot place {names} ({strategy}, bundles {bundles}; see `ray status`)"
+                               ) from None
+        where.update((i, (pg, index)) for index, i in enumerate(members))
+    return [where[i] for i in range(len(specs))]
 
 
 def _config_checks(names: list[str]) -> tuple[list[str], list[str]]:
@@ -343,9 +373,9 @@ def _config_checks(names: list[str]) -> tuple[list[str], list[str]]:
 
 def up(args: argparse.Namespace) -> int:
     if os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
-        raise CliError(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}: `rollwave up` places the stack on the node it "
-                       "runs on, which Ray Client (ray://) is not; run it on a node of the cluster, with "
-                       "RAY_ADDRESS=auto or the head's host:port")
+        raise CliError(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}: `rollwave up` runs the embedded Redis on the node "
+                       "it runs on and talks to it, and a Ray Client (ray://) driver is no node; run it on a node "
+                       "of the cluster, with RAY_ADDRESS=auto or the head's host:port")
     cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     _absolute_paths(cfg)
@@ -358,7 +388,7 @@ def up(args: argparse.Namespace) -> int:
     trainer_overrides = _checkpoint_tls(cfg, run_dir)
     ensure_model(cfg.model)  # once here, not raced by every component
     (run_dir / "config.yaml").write_text(dump_config(cfg))  # secrets masked; components get theirs as env
-    state: dict[str, Any] = {"namespace": f"rollwave-{cfg.run.name}", "actors": []}
+    state: dict[str, Any] = {"namespace": f"rollwave-{cfg.run.name}", "actors": [], "placement_groups": []}
     try:
         redis_url = _launch(cfg, args, state, run_dir, trainer_overrides)
     except BaseException:

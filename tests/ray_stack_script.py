@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,15 +150,15 @@ def _checkpoint_plane(cfg: Config, api: httpx.Client, server: dict[str, Any]) ->
     return {"published": status["version"] >= 1, "plaintext_accepted": plaintext, "files": files}
 
 
-def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
-    """Jobs through the API, a trainer step, then SIGKILL the rollout server and watch it come back."""
-    import ray
+def rollout_server(api: httpx.Client) -> dict[str, Any] | None:
+    servers = [s for s in api.get("/v1/status").json()["servers"] if s["server_id"] == "rollout-0"]
+    return servers[0] if servers and servers[0]["alive"] else None
 
-    def server() -> dict[str, Any] | None:
-        servers = [s for s in api.get("/v1/status").json()["servers"] if s["server_id"] == "rollout-0"]
-        return servers[0] if servers and servers[0]["alive"] else None
 
-    first = wait_for("rollout-0 registered", server, 120)
+def jobs_and_a_step(api: httpx.Client, result: dict[str, Any]) -> dict[str, Any]:
+    """An eval and a train job through the API, done and trained on (a trainer step); returns the rollout server as
+    it first registered."""
+    first = wait_for("rollout-0 registered", lambda: rollout_server(api), 120)
     eval_job = api.post("/v1/jobs", json={"kind": "eval", "source": {"kind": "arith", "split": "test", "limit": 4}})
     train_job = api.post("/v1/jobs", json={"kind": "train", "source": {"kind": "arith", "limit": 16}})
     result["submitted"] = [eval_job.status_code, train_job.status_code]
@@ -171,6 +172,27 @@ def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
     result["trainer"] = wait_for(
         "trainer step 1", lambda: (t := api.get("/v1/status").json()["trainer"]) and int(t["step"]) >= 1 and t, 120
     )
+    return first
+
+
+def placement(state: dict[str, Any]) -> dict[str, Any]:
+    """Each placement group's strategy, bundles and nodes, and the node of this driver (connected to the run)."""
+    import ray
+
+    groups = {}
+    for name in state["placement_groups"]:
+        table = ray.util.placement_group_table(ray.util.get_placement_group(name))
+        groups[name.removeprefix(state["namespace"] + "-")] = {
+            "strategy": table["strategy"], "bundles": list(table["bundles"].values()),
+            "nodes": sorted(set(table["bundles_to_node_id"].values()))}
+    return {"groups": groups, "driver_node": ray.get_runtime_context().get_node_id()}
+
+
+def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
+    """Jobs through the API, a trainer step, then SIGKILL the rollout server and watch it come back."""
+    import ray
+
+    first = jobs_and_a_step(api, result)
     result["checkpoint_plane"] = _checkpoint_plane(cfg, api, first)
     result["listening_up"] = listening()
 
@@ -178,11 +200,7 @@ def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
     ray.init(address=state["address"], namespace=state["namespace"], _node_ip_address="127.0.0.1",
              log_to_driver=False)
     try:
-        table = ray.util.placement_group_table(ray.util.get_placement_group(state["placement_group"]))
-        result["placement"] = {"strategy": table["strategy"],
-                               "nodes": sorted(set(table["bundles_to_node_id"].values())),
-                               "driver_node": ray.get_runtime_context().get_node_id(),
-                               "bundles": list(table["bundles"].values())}
+        result["placement"] = placement(state)
         actor = ray.get_actor("rollout-0")
         old_pid = ray.get(actor.pid.remote(), timeout=30)
         os.kill(old_pid, signal.SIGKILL)
@@ -196,9 +214,44 @@ def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
     finally:
         ray.shutdown()
     again = wait_for("rollout-0 registered again",
-                     lambda: (s := server()) and s["started"] > first["started"] and s, 120)
+                     lambda: (s := rollout_server(api)) and s["started"] > first["started"] and s, 120)
     result["restart"] = {"old_pid": old_pid, "new_pid": new_pid, "old_left": alive_in({old_pid}, ""),
                          "started": [first["started"], again["started"]]}
+
+
+def two_nodes(config: str) -> dict[str, Any]:
+    """``up`` on a cluster of two nodes (``RAY_ADDRESS``), jobs, a step and a push across them, ``down``."""
+    import ray
+
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    try:
+        wait_for("both Ray nodes alive", lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, 120)
+    finally:
+        ray.shutdown()
+    cfg = load_config(config)
+    result: dict[str, Any] = {"up": rollwave("up", "-c", config, "--rollout-servers", "1", "--trainer-ranks", "1")}
+    try:
+        if result["up"]["rc"] == 0:
+            api_url, redis_url = (re.search(rf"{what} (\S+?)[;,]", result["up"]["out"])[1] for what in ("API", "redis"))
+            headers = {"Authorization": f"Bearer {cfg.api.token.get_secret_value()}"}
+            with httpx.Client(base_url=api_url, headers=headers, timeout=30) as api:
+                jobs_and_a_step(api, result)
+                published = wait_for("a version published and pushed to rollout-0",
+                                     lambda: (s := rollout_server(api)) and s["version"] >= 1 and s, 120)
+            result["addresses"] = {"api": api_url, "redis": redis_url, "receiver": published["grpc_address"]}
+            state = json.loads((cfg.run.path / "ray.json").read_text())
+            ray.init(address=os.environ["RAY_ADDRESS"], namespace=state["namespace"], log_to_driver=False)
+            try:
+                result["placement"] = placement(state)
+            finally:
+                ray.shutdown()
+    except Exception:  # reported in the JSON with the component logs; the test fails on it
+        result["error"] = traceback.format_exc()[-3000:]
+        logs = cfg.run.path / "logs"
+        result["logs"] = {p.name: p.read_text(errors="replace")[-2500:] for p in sorted(logs.glob("*.log"))}
+    finally:
+        result["down"] = rollwave("down", "-c", config)
+    return result
 
 
 def refused_run(config: str) -> dict[str, Any]:
@@ -221,6 +274,9 @@ def refused_run(config: str) -> dict[str, Any]:
 
 
 def main() -> int:
+    if sys.argv[1] == "--two-nodes":
+        print(json.dumps(two_nodes(str(Path(sys.argv[2]).absolute()))))
+        return 0
     cfg = load_config(sys.argv[1])
     config = str(Path(sys.argv[1]).absolute())
     result: dict[str, Any] = {"up": rollwave("up", "-c", config, "--rollout-servers", "1", "--trainer-ranks", "1")}

@@ -11,15 +11,20 @@ listening after ``down``, and the refusal named by ``up`` and not restarted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -79,11 +84,11 @@ def test_up_jobs_restart_down_in_a_loopback_namespace(tmp_path: Path, tiny_model
     assert result["submitted"] == [201, 201], report
     assert result["eval"]["accuracy"] is not None and result["eval"]["progress"]["completed"] == 4, report
     assert int(result["trainer"]["step"]) >= 1, report
-    # one placement group, pinned to the node `up` ran on: the trainer, the rollout server, the API, then Redis
-    placement = result["placement"]
-    assert placement["strategy"] == "STRICT_PACK" and placement["nodes"] == [placement["driver_node"]], report
-    assert [b["CPU"] for b in placement["bundles"]] == [1.0, 1.0, 0.5, 1.0], report
-    assert all(b["node:127.0.0.1"] == 0.001 for b in placement["bundles"]), report
+    # the trainer rank in a group of its own on one node, the rollout server and the API packed; one node here
+    groups = result["placement"]["groups"]
+    assert {k: (g["strategy"], [b["CPU"] for b in g["bundles"]]) for k, g in groups.items()} == {
+        "one-node": ("STRICT_PACK", [1.0]), "packed": ("PACK", [1.0, 0.5])}, report
+    assert {n for g in groups.values() for n in g["nodes"]} == {result["placement"]["driver_node"]}, report
     # no checkpoint.tls_* in the config: up made the run's PKI, and the version was pushed over it
     keys = dict.fromkeys(["ca.crt", "receiver.crt", "receiver.key", "trainer.crt", "trainer.key"], "0o600")
     assert result["checkpoint_plane"] == {"published": True, "plaintext_accepted": False, "files": keys}, report
@@ -209,3 +214,82 @@ def test_an_actor_whose_component_says_nothing_returns_by_its_timeout_saying_so(
     finally:
         component.stop(10)
     assert f"late: no word from its config check within 1 s (see {tmp_path / 'late.log'})" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def two_node_cluster(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """Two Ray nodes, each in a network namespace of its own (10.77.0.1, the head, and 10.77.0.2, two CPUs each)
+    joined by a veth pair, with no other network; yields the head's namespace and address. Everything started
+    here is stopped, and the namespaces deleted, on the way out."""
+    suffix = str(os.getpid())
+    names = [f"rwa{suffix}", f"rwb{suffix}"]  # namespace and veth end of each node
+    ips = ["10.77.0.1", "10.77.0.2"]
+    temp_dir = tempfile.mkdtemp(prefix="rwray-")  # short: Ray's socket paths must stay under 108 bytes
+    nodes: list[subprocess.Popen] = []
+    try:
+        subprocess.run(["ip", "link", "add", names[0], "type", "veth", "peer", "name", names[1]], check=True)
+        for name, ip in zip(names, ips, strict=True):
+            subprocess.run(["ip", "netns", "add", name], check=True)
+            subprocess.run(["ip", "link", "set", name, "netns", name], check=True)
+            for cmd in (["addr", "add", f"{ip}/24", "dev", name], ["link", "set", name, "up"],
+                        ["link", "set", "lo", "up"]):
+                subprocess.run(["ip", "-n", name, *cmd], check=True)
+        ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--num-cpus=2", "--disable-usage-stats"]
+        roles = [["--head", "--port=6380", "--include-dashboard=false", f"--temp-dir={temp_dir}"],
+                 [f"--address={ips[0]}:6380"]]
+        for name, ip, role in zip(names, ips, roles, strict=True):
+            log = tmp_path / f"ray-{ip}.log"
+            with open(log, "wb") as out:
+                nodes.append(subprocess.Popen(["ip", "netns", "exec", name, *ray, *role, f"--node-ip-address={ip}"],
+                                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            deadline = time.monotonic() + 120
+            while "Ray runtime started" not in log.read_text(errors="replace"):
+                assert nodes[-1].poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+                time.sleep(0.5)
+        yield names[0], f"{ips[0]}:6380"
+    finally:
+        for node in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGTERM)
+        for node in nodes:
+            try:
+                node.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait(30)
+        for name in names:
+            left = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in left:  # a Ray process that outlived its node's `ray start`
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_up_spreads_the_stack_over_two_nodes(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """On a cluster of two nodes that reach each other only by their addresses, the stack does not fit one node
+    (Redis 1 CPU on the driver's, the trainer 1, the rollout server 1, the API 0.5; two CPUs a node), so it spans
+    both: the receiver and the API listen on their node's address, the embedded Redis on the head's with a
+    password made for the run, and jobs, a trainer step and a push go across."""
+    config = _config(tmp_path, tiny_model_dir)
+    with two_node_cluster(tmp_path) as (namespace, address):
+        script = [sys.executable, str(ROOT / "tests/ray_stack_script.py"), "--two-nodes", str(config)]
+        proc = subprocess.run(["ip", "netns", "exec", namespace, *script], cwd=ROOT,
+                              env={**os.environ, "RAY_ADDRESS": address}, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = json.dumps(result, indent=1)[-8000:]
+    assert result["up"]["rc"] == 0 and "error" not in result, report
+    assert result["submitted"] == [201, 201] and result["eval"]["progress"]["completed"] == 4, report
+    assert int(result["trainer"]["step"]) >= 1, report
+    addresses = result["addresses"]
+    assert addresses["redis"].startswith("redis://10.77.0.1:"), report
+    assert urlsplit(addresses["api"]).hostname in ("10.77.0.1", "10.77.0.2"), report
+    assert addresses["receiver"].rpartition(":")[0] in ("10.77.0.1", "10.77.0.2"), report
+    groups = result["placement"]["groups"]
+    assert groups["one-node"]["strategy"] == "STRICT_PACK" and groups["packed"]["strategy"] == "PACK", report
+    nodes = {result["placement"]["driver_node"], *groups["one-node"]["nodes"], *groups["packed"]["nodes"]}
+    assert len(nodes) == 2, report
+    assert result["down"]["rc"] == 0, report

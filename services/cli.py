@@ -15,7 +15,8 @@ import importlib
 import os
 import sys
 import traceback
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 DEFAULT_API = "http://127.0.0.1:8000"
 DESCRIPTION = """\
@@ -54,14 +55,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
-def _handler(path: str):
-    """``module:function`` resolved only when the subcommand runs."""
+def _handler(path: str, env: Callable[[], dict[str, str]] = dict):
+    """``module:function`` resolved only when the subcommand runs, with ``env()`` set before the import."""
 
     def run(args: argparse.Namespace) -> int:
+        os.environ.update(env())
         module, _, func = path.partition(":")
         return getattr(importlib.import_module(module), func)(args) or 0
 
     return run
+
+
+def _local_ray_auth() -> dict[str, str]:
+    """The head `up` starts without RAY_ADDRESS requires a token; Ray reads the mode when it is imported, so it is
+    set before (the token's file, made with the head, is named when connecting)."""
+    return {} if os.environ.get("RAY_ADDRESS") else {"RAY_AUTH_MODE": "token"}
 
 
 def _weight_version(text: str) -> int:
@@ -115,6 +123,17 @@ def _one_line(message: str) -> str:
     for line in filter(None, (part.strip() for part in message.splitlines())):
         out += line if not out else (" " if out.endswith(":") else "; ") + line
     return out
+
+
+def _above_zero(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type: ``convert``'s value, refused unless it is above 0 (named by argparse, exit 2)."""
+    def parse(text: str) -> Any:
+        value = convert(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+
+    return parse
 
 
 def _config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -205,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path", help="task file or directory (gsm8k, jsonl)")
     p.add_argument("--split", default="test")
     p.add_argument("--index", type=int, default=0, help="which task of the source")
-    p.add_argument("--n", type=int, default=4, help="samples in the group")
+    p.add_argument("--n", type=_above_zero(int), default=4, help="samples in the group")
     p.add_argument("--model", help="HF model directory (default: the config's model.path)")
     p.add_argument("--engine-url", help="use a running engine instead of starting the embedded one")
     _config_args(p)
@@ -217,18 +236,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-ranks", type=int, default=1, metavar="W")
     p.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops everything")
     _config_args(p, required=True)
-    p.set_defaults(func=_handler("services.ray_launcher:up"))
+    p.set_defaults(func=_handler("services.ray_launcher:up", _local_ray_auth))
 
     p = _command(sub, "down", "stop everything `rollwave up` started for a run", "rollwave down -c configs/demo.yaml")
     _config_args(p, required=True)
-    p.set_defaults(func=_handler("services.ray_launcher:down"))
+    p.set_defaults(func=_handler("services.ray_launcher:down", _local_ray_auth))
 
     p = _command(sub, "submit", "give the service a training or evaluation job (from flags or a YAML file)",
-                 "rollwave submit --kind eval --source arith --limit 100 --wait")
+                 "rollwave submit --kind eval --source arith --split test --limit 100 --wait")
     p.add_argument("-f", "--file", help="job YAML (the body of POST /v1/jobs)")
     p.add_argument("--kind", choices=["train", "eval"])
     p.add_argument("--source", choices=["arith", "gsm8k", "jsonl"])
-    p.add_argument("--path")
+    p.add_argument("--path", help="task file or directory, relative to the API's api.data_root (gsm8k, jsonl)")
     p.add_argument("--split")
     p.add_argument("--limit", type=int)
     p.add_argument("--seed", type=int)
@@ -238,15 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tools", type=lambda names: names.split(","), help="comma-separated tool names")
     p.add_argument("--reward", help="a built-in (gsm8k, tool, tool_last) or a rollout.reward_allowlist name")
     p.add_argument("--wait", action="store_true", help="show progress until the job is done")
-    p.add_argument("--timeout", type=float, metavar="S", help="with --wait: fail (exit 1) if the job is not done "
-                   "after S seconds (default: wait as long as it runs)")
+    p.add_argument("--timeout", type=_above_zero(float), metavar="S", help="with --wait: fail (exit 1) if the job "
+                   "is not done after S seconds (default: wait as long as it runs)")
     _api_args(p)
     p.set_defaults(func=_handler("services.client_cmd:submit"))
 
     p = _command(sub, "status", "show the service: rollout servers, policy versions, trainer step, buffer depths",
                  "rollwave status --watch")
     p.add_argument("--watch", action="store_true", help="refresh as a live table")
-    p.add_argument("--interval", type=float, default=2.0)
+    p.add_argument("--interval", type=_above_zero(float), default=2.0,
+                   help="with --watch: seconds between refreshes")
     _api_args(p)
     p.set_defaults(func=_handler("services.client_cmd:status"))
 

@@ -114,6 +114,8 @@ def _job_file_lines(args: argparse.Namespace) -> Callable[[list[Any]], str]:
 
 
 def submit(args: argparse.Namespace) -> int:
+    if args.timeout is not None and not args.wait:
+        raise CliError("--timeout is how long --wait waits: give --wait too")
     with _client(args) as client:
         job = _json(client.post("/v1/jobs", json=job_from_args(args)), _job_file_lines(args))
         print(f"job {job['job_id']} ({job['kind']}): {job['progress']['submitted']} tasks")

@@ -29,6 +29,7 @@ import math
 import os
 import secrets
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -88,7 +89,8 @@ class ComponentProcess:
         self.log_dir = Path(log_dir)
         self._stopping = False
         self._settled = threading.Event()
-        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        env = {k: v for k, v in os.environ.items()  # a component talks to no Ray: it gets no Ray token
+               if k != "OMP_NUM_THREADS" and not k.startswith("RAY_AUTH_")}
         accepted, writer = os.pipe()
         with open(accepted, "rb", buffering=0) as pipe:
             try:
@@ -187,8 +189,13 @@ def _absolute_paths(cfg: Config) -> None:
 
 
 def start_head(num_cpus: int, log_path: Path, timeout_s: float = 120.0) -> dict[str, Any]:
-    """``ray start --head --block`` on 127.0.0.1 in its own session; returns its address, pid and temp dir."""
+    """``ray start --head --block`` on 127.0.0.1 in its own session, with Ray's token authentication and a token
+    made for it (Ray binds some of its ports on every interface: without the token they refuse); returns its
+    address, pid, temp dir and token file."""
     temp_dir = tempfile.mkdtemp(prefix="rwray-")  # short: Ray's socket paths must stay under 108 bytes
+    token = Path(temp_dir) / "auth_token"  # the directory is the user's only (mkdtemp), the file too
+    token.touch(mode=0o600)
+    token.write_text(secrets.token_hex(32))
     port, client_port = free_port_outside_ephemeral(HOST), free_port_outside_ephemeral(HOST)
     while client_port == port:
         client_port = free_port_outside_ephemeral(HOST)
@@ -198,8 +205,9 @@ def start_head(num_cpus: int, log_path: Path, timeout_s: float = 120.0) -> dict[
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **ray_auth_env(str(token))},
                                 start_new_session=True)
-    head = {"address": f"{HOST}:{port}", "head_pid": proc.pid, "temp_dir": temp_dir}
+    head = {"address": f"{HOST}:{port}", "head_pid": proc.pid, "temp_dir": temp_dir, "auth_token": str(token)}
     deadline = time.monotonic() + timeout_s
     while "Ray runtime started" not in log_path.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -230,7 +238,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def ray_auth_env(token_path: str) -> dict[str, str]:
+    """The environment that makes a Ray process require (a head) or present (a driver) the token in the file; a
+    driver's Ray reads the mode when it is imported (``services.cli`` sets it before), the file when it connects."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
+
+
 def _connect(state: dict[str, Any]) -> None:
+    if state.get("auth_token"):  # the head `up` started; a cluster's own settings are the environment's
+        os.environ.update(ray_auth_env(state["auth_token"]))
     address = state.get("address") or os.environ.get("RAY_ADDRESS")
     extra = {"_node_ip_address": HOST} if state.get("head_pid") else {}
     ray.init(address=address, namespace=state["namespace"], log_to_driver=False, **extra)
@@ -382,7 +398,7 @@ def up(args: argparse.Namespace) -> int:
     run_dir = cfg.run.path
     run_dir.mkdir(parents=True, exist_ok=True)
     if _state_path(cfg).exists():
-        raise CliError(f"{_state_path(cfg)} exists: the run is up; stop it with `rollwave down -c {args.config}` first")
+        raise CliError(f"{_state_path(cfg)} exists: the run is up; stop it with `{_down_command(args)}` first")
     check_api_config(cfg)
     ensure_checkpoint_token(cfg)
     trainer_overrides = _checkpoint_tls(cfg, run_dir)
@@ -400,11 +416,11 @@ def up(args: argparse.Namespace) -> int:
     if refused:  # exit 2 as for the CLI's other config errors: fix the input
         names = "; ".join(refusal(name, CONFIG_ERROR_EXIT, run_dir / "logs") for name in refused)
         print(f"error: {names}; not restarted, the rest is up: fix the config, stop the run with "
-              f"`rollwave down -c {args.config}`, then `rollwave up` again", file=sys.stderr)
+              f"`{_down_command(args)}`, then `rollwave up` again", file=sys.stderr)
         return 2
     if silent:
         print(f"error: {', '.join(silent)}: no word from the config check within {START_TIMEOUT_S:g} s of the "
-              f"start (see {run_dir / 'logs'}); the rest is up: `rollwave down -c {args.config}` stops it",
+              f"start (see {run_dir / 'logs'}); the rest is up: `{_down_command(args)}` stops it",
               file=sys.stderr)
         return 1
     try:
@@ -423,6 +439,11 @@ def up(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return down(args)
     return 0
+
+
+def _down_command(args: argparse.Namespace) -> str:
+    """The ``rollwave down`` of this run: its overrides too (``run.name`` may be one of them)."""
+    return shlex.join(["rollwave", "down", "-c", str(args.config), *args.overrides])
 
 
 def down(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -188,6 +189,18 @@ def placement(state: dict[str, Any]) -> dict[str, Any]:
     return {"groups": groups, "driver_node": ray.get_runtime_context().get_node_id()}
 
 
+def _connect_without_token(address: str) -> str:
+    """What a driver without the head's token gets from ``ray.init`` (no token file in its home either)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+    code = (f"import ray\ntry:\n    ray.init(address={address!r}, log_to_driver=False)\n    print('connected')\n"
+            "except Exception as exc:\n    print('refused', type(exc).__name__)")
+    with tempfile.TemporaryDirectory() as home:
+        proc = subprocess.run([sys.executable, "-c", code], env={**env, "HOME": home}, capture_output=True,
+                              text=True, timeout=180)
+    return (proc.stdout.strip().splitlines() or ["no answer"])[-1] + (
+        " (InvalidAuthToken)" if "InvalidAuthToken" in proc.stderr else "")
+
+
 def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
     """Jobs through the API, a trainer step, then SIGKILL the rollout server and watch it come back."""
     import ray
@@ -197,6 +210,8 @@ def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
     result["listening_up"] = listening()
 
     state = json.loads((cfg.run.path / "ray.json").read_text())
+    result["ray_without_token"] = _connect_without_token(state["address"])
+    os.environ["RAY_AUTH_TOKEN_PATH"] = state["auth_token"]  # the mode was set before ray was imported (main)
     ray.init(address=state["address"], namespace=state["namespace"], _node_ip_address="127.0.0.1",
              log_to_driver=False)
     try:
@@ -277,6 +292,7 @@ def main() -> int:
     if sys.argv[1] == "--two-nodes":
         print(json.dumps(two_nodes(str(Path(sys.argv[2]).absolute()))))
         return 0
+    os.environ["RAY_AUTH_MODE"] = "token"  # the head `up` starts requires its token; Ray reads this on import
     cfg = load_config(sys.argv[1])
     config = str(Path(sys.argv[1]).absolute())
     result: dict[str, Any] = {"up": rollwave("up", "-c", config, "--rollout-servers", "1", "--trainer-ranks", "1")}

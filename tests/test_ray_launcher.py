@@ -95,6 +95,8 @@ def test_up_jobs_restart_down_in_a_loopback_namespace(tmp_path: Path, tiny_model
     # secrets: each component gets only its own, in its environment; none is on a command line or in config.yaml
     assert result["secrets"] == {"trainer_env": ["ROLLWAVE_CHECKPOINT_TOKEN"], "api_env": ["ROLLWAVE_API_TOKEN"],
                                  "api_has_its_token": True, "in_argv": [], "in_config_yaml": []}, report
+    # the local head requires the token made for it: a driver without it is refused
+    assert result["ray_without_token"] == "refused ConnectionError (InvalidAuthToken)", report
     restart = result["restart"]
     assert restart["new_pid"] != restart["old_pid"] and restart["started"][1] > restart["started"][0], report
     assert restart["old_left"] == [], report
@@ -110,6 +112,7 @@ def test_up_jobs_restart_down_in_a_loopback_namespace(tmp_path: Path, tiny_model
     refused = result["refused"]
     assert refused["up"]["rc"] == 2, report
     assert "rollout-0 refused its config (exit 2; the reason is the last line of " in refused["up"]["out"], report
+    assert "`rollwave down -c " in refused["up"]["out"] and " run.name=raytest-refused " in refused["up"]["out"], report
     assert refused["refusals_logged"] == 1, report
     assert refused["down"]["rc"] == 0 and refused["left_after_down"] == [], report
 

@@ -2,8 +2,11 @@
 
 A checkpoint is a directory ``<run>/checkpoints/step_<n>``: the sharded model and optimizer state as
 written by DCP (every rank writes its shards; the directory must be on storage all ranks share), plus
-``trainer_state.json`` (step, policy version, LR scheduler, the caller's buffer position), written last
-by rank 0. It is staged under a hidden name and renamed into place, so a listed checkpoint is complete.
+``trainer_state.json`` (step, policy version, LR scheduler, the caller's buffer position and settings), written
+last by rank 0, and each rank's RNG state (``rng_rank<r>.pt``: LoRA dropout draws from it). It is staged under a
+hidden name, flushed to disk and renamed into place, so a listed checkpoint is complete, after a power loss too.
+A resume refuses a checkpoint whose recorded settings (``settings``: dotted key -> value) differ from the run's,
+or whose model tensors do not fit the run's model, with an error naming the key or the tensor.
 With a critic (``trainer.advantage=gae``) its model and optimizer are in the same DCP checkpoint (``critic``,
 ``critic_optim``) and its HF config in ``critic_config/``, so the export can rebuild it.
 """
@@ -11,7 +14,10 @@ With a critic (``trainer.advantage=gae``) its model and optimizer are in the sam
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -36,6 +43,8 @@ from transformers import (
 from core.config import LoraConfig
 from trainer.lora import add_adapter
 
+log = logging.getLogger(__name__)
+
 STATE_FILE = "trainer_state.json"
 CRITIC_CONFIG = "critic_config"
 _PREFIX = "step_"
@@ -49,6 +58,78 @@ def _is_main() -> bool:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _rng_file(path: Path, rank: int) -> Path:
+    return path / f"rng_rank{rank}.pt"
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a directory's entries) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_rng(path: Path) -> None:
+    """This rank's torch RNG (CPU, and the current CUDA device's once CUDA is in use), flushed to disk."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    out = _rng_file(path, _rank())
+    torch.save(state, out)
+    _fsync(out)
+
+
+def _load_rng(path: Path) -> None:
+    """Continue this rank's RNG where the checkpoint left it; a pool of another size (or an older checkpoint)
+    has no state for some ranks, which then go on with their own."""
+    file = _rng_file(path, _rank())
+    if not file.is_file():
+        log.warning("%s: no RNG state for rank %d; it continues with its own", path, _rank())
+        return
+    state = torch.load(file, weights_only=True)
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _check_settings(path: Path, saved: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
+    """Refuse a resume under settings other than those the checkpoint was written with, naming the key (within a
+    section such as ``model.lora``, the field)."""
+    for key, value in settings.items():
+        if key not in saved or saved[key] == value:
+            continue
+        old = saved[key]
+        if isinstance(old, dict) and isinstance(value, dict):
+            key, old, value = next((f"{key}.{k}", old.get(k), value.get(k)) for k in sorted(old.keys() | value.keys())
+                                   if old.get(k) != value.get(k))
+        raise ValueError(f"{path}: written with {key}={json.dumps(old)}, this run has {key}={json.dumps(value)}: "
+                         "resume with the checkpoint's settings, or start in a new run directory")
+
+
+def _check_model(path: Path, model: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose model tensors are not the run's model's (another model, or LoRA settings a
+    checkpoint without them was written under), naming the first tensor, before DCP fails on it deep inside."""
+    saved = {key.removeprefix("model."): meta for key, meta in
+             dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    for name in sorted(saved.keys() | model.keys()):
+        if name not in model:
+            problem = f"it has {name}, this run's model does not"
+        elif name not in saved:
+            problem = f"it lacks {name}, which this run's model has"
+        elif tuple(saved[name].size) != tuple(model[name].shape):
+            problem = f"its {name} has shape {list(saved[name].size)}, this run's {list(model[name].shape)}"
+        else:
+            continue
+        raise ValueError(f"{path}: written for another model (model.path): {problem}")
 
 
 def _shards(model: nn.Module, optimizer: torch.optim.Optimizer, critic: Critic | None) -> dict[str, Any]:
@@ -88,24 +169,34 @@ class Checkpointer:
         state: dict[str, Any],
         critic: Critic | None = None,
     ) -> Path:
-        """Write checkpoint ``step`` (``state`` must be JSON-serialisable) and prune beyond ``keep``."""
+        """Write checkpoint ``step`` (``state`` must be JSON-serialisable) and prune beyond ``keep``. What a crash
+        left under a hidden name (a checkpoint half written, or half pruned) goes first: nothing else removes it."""
         final = self.root / f"{_PREFIX}{step:08d}"
         staging = self.root / f".{final.name}.partial"
         if _is_main():
-            shutil.rmtree(staging, ignore_errors=True)
+            for left in self.root.glob(f".{_PREFIX}*"):
+                shutil.rmtree(left)
             staging.mkdir(parents=True)
         _barrier()
-        dcp.save(_shards(model, optimizer, critic), checkpoint_id=str(staging))
+        dcp.save(_shards(model, optimizer, critic), checkpoint_id=str(staging))  # DCP flushes its files
+        _save_rng(staging)
         _barrier()
         if _is_main():
             if critic is not None:
                 critic[0].config.save_pretrained(staging / CRITIC_CONFIG)
+                for file in (staging / CRITIC_CONFIG).iterdir():
+                    _fsync(file)
+                _fsync(staging / CRITIC_CONFIG)
             record = {"step": step, "scheduler": scheduler.state_dict(), **state}
             (staging / STATE_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+            _fsync(staging / STATE_FILE)
+            _fsync(staging)
             shutil.rmtree(final, ignore_errors=True)
             staging.rename(final)
+            _fsync(self.root)
             for old in self.list()[: -self.keep]:
-                shutil.rmtree(old)
+                doomed = old.rename(self.root / f".{old.name}.pruned")  # never listed half deleted
+                shutil.rmtree(doomed)
         _barrier()
         return final
 
@@ -116,8 +207,10 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         critic: Critic | None = None,
+        settings: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Restore model, optimizer, scheduler and critic in place; return the saved trainer state."""
+        """Restore model, optimizer, scheduler, critic and this rank's RNG in place; return the saved trainer state.
+        ``settings`` (what ``save`` recorded as ``state["settings"]``) must match what the checkpoint recorded."""
         path = Path(path)
         state_file = path / STATE_FILE
         if not state_file.is_file():
@@ -125,7 +218,9 @@ class Checkpointer:
         if critic is not None and not (path / CRITIC_CONFIG).is_dir():
             raise ValueError(f"{path}: has no critic to resume trainer.advantage=gae from (written without one)")
         record = json.loads(state_file.read_text())
+        _check_settings(path, record.get("settings", {}), settings or {})
         shards = _shards(model, optimizer, critic)
+        _check_model(path, shards["model"])
         dcp.load(shards, checkpoint_id=str(path))
         set_model_state_dict(model, shards["model"])
         set_optimizer_state_dict(model, optimizer, shards["optim"])
@@ -133,6 +228,7 @@ class Checkpointer:
             set_model_state_dict(critic[0], shards["critic"])
             set_optimizer_state_dict(*critic, shards["critic_optim"])
         scheduler.load_state_dict(record.pop("scheduler"))
+        _load_rng(path)
         return record
 
 

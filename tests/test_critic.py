@@ -10,7 +10,7 @@ import torch
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForTokenClassification
 
-from core.config import TrainerConfig
+from core.config import TrainerConfig, dump_config, load_config
 from core.tiny_model import build_tiny_model
 from trainer.advantages import gae, whiten
 from trainer.batching import collate
@@ -18,7 +18,7 @@ from trainer.checkpoint import export_hf
 from trainer.critic import explained_variance
 from trainer.losses import value_loss
 from trainer.parallel import DistContext, iter_full_params
-from trainer.worker import Trainer
+from trainer.worker import Trainer, critic_unused
 
 # Hand-built multi-turn rows, aligned like loss_mask: prompt (0), assistant turn (1), tool output (0),
 # assistant turn (1), padding (0). Row 3 generated nothing (e.g. every token masked by over-long).
@@ -104,6 +104,15 @@ def test_value_loss_clips_around_the_old_values() -> None:
     assert plain.item() == pytest.approx(0.5 * (0.25 + 0.81) / 2) and metrics["value_clip_fraction"].item() == 0
     plain.backward()
     torch.testing.assert_close(values.grad, torch.tensor([[-0.5 / 2, 0.9 / 2, 0.0]]))
+
+
+def test_a_critic_set_for_an_estimator_without_one_is_told_not_a_dumped_default(tmp_path: Path) -> None:
+    """A launcher's config dump names every default, critic's included: that is no critic setting."""
+    dumped = tmp_path / "config.yaml"
+    dumped.write_text(dump_config(load_config(None, [])))
+    assert not critic_unused(load_config(dumped, []).trainer)
+    assert critic_unused(load_config(dumped, ["trainer.critic.lr=3e-5"]).trainer)
+    assert not critic_unused(load_config(dumped, ["trainer.critic.lr=3e-5", "trainer.advantage=gae"]).trainer)
 
 
 def test_explained_variance() -> None:

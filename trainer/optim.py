@@ -39,6 +39,21 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainerConfig) -> Lam
     return LambdaLR(optimizer, factor)
 
 
+def apply_settings(optimizer: torch.optim.Optimizer, lr: float, cfg: TrainerConfig,
+                   scheduler: LambdaLR | None = None) -> None:
+    """After a resume: the run's config sets the learning rate, betas and weight decay, the checkpoint only the
+    state (step counts, moments, the schedule's position). A scheduler's base rate is ``lr`` and the current rate is
+    its schedule's (``cfg``'s, e.g. a raised ``total_steps``) at the restored position, as ``LambdaLR`` computes it;
+    without a scheduler the rate is ``lr`` (constant)."""
+    for group in optimizer.param_groups:
+        group.update(betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, lr=lr)
+    if scheduler is not None:
+        now = [lr * lr_factor(scheduler.last_epoch, cfg) for _ in optimizer.param_groups]
+        scheduler.load_state_dict({**scheduler.state_dict(), "base_lrs": [lr] * len(now), "_last_lr": now})
+        for group, rate in zip(optimizer.param_groups, now, strict=True):
+            group.update(initial_lr=lr, lr=rate)
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Clip the global gradient norm (over all shards) and return it before clipping."""
     norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)

@@ -39,7 +39,7 @@ from trainer.critic import build_critic_optimizer, load_critic
 from trainer.lora import add_adapter
 from trainer.metrics import MetricsLog, TrainerMetrics
 from trainer.offload import device_offload
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.optim import apply_settings, build_optimizer, build_scheduler
 from trainer.parallel import DistContext, init_distributed, load_model
 from trainer.shaping import is_degenerate
 from trainer.step import TrainStep
@@ -87,6 +87,12 @@ class DeviceShare(Protocol):
     def take_device(self, step: int) -> float: ...
 
     def give_device(self, step: int) -> None: ...
+
+
+def critic_unused(cfg: TrainerConfig) -> bool:
+    """Whether ``trainer.critic`` says something (differs from its defaults: a launcher's config dump names every
+    default) that the advantage estimator ignores (only ``gae`` has a critic)."""
+    return cfg.advantage != "gae" and cfg.critic != type(cfg.critic)()
 
 
 class Trainer:
@@ -162,7 +168,7 @@ class Trainer:
         for optimizer in self._optimizers:
             self.offload.attach(optimizer)
         self._offloaded = False
-        if self.cfg.advantage != "gae" and self.cfg.critic.model_fields_set:
+        if critic_unused(self.cfg):
             log.warning("trainer.critic is set but trainer.advantage is %s: no critic is used", self.cfg.advantage)
         pad_id = getattr(self.model.config, "pad_token_id", None) or 0
         self.train_step = TrainStep(
@@ -207,13 +213,24 @@ class Trainer:
             log.warning("resume: no checkpoint in %s; starting from %s", self.checkpointer.root, self.model_path)
             return False
         with self.offload.region():  # the optimizer state it loads is allocated anew
-            state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.critic)
+            state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.critic,
+                                           self._settings())
+        apply_settings(self.optimizer, self.cfg.lr, self.cfg, self.scheduler)
+        if self.critic is not None:
+            apply_settings(self.critic[1], self.cfg.critic.lr, self.cfg)
         self.step, self.version = state["step"], state["policy_version"]
         self._saved_step = self.step
         self._covered = [(e, g) for e, g in state["buffer"]["unacked"]]
         self._unacked = []
         log.info("resumed from %s at step %d, policy version %d", path, self.step, self.version)
         return True
+
+    def _settings(self) -> dict[str, Any]:
+        """The settings a checkpoint's tensors were trained under, which a resume must keep: the adapter's shape
+        and scale (a change of ``model.lora.dropout`` or ``name`` changes neither)."""
+        lora = None if self.lora is None else {"rank": self.lora.rank, "alpha": self.lora.alpha,
+                                               "target_modules": sorted(self.lora.target_modules)}
+        return {"model.lora": lora}
 
     def close(self) -> None:
         if self._log is not None:
@@ -356,7 +373,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Checkpoint every rank's state; the entries trained so far become ready to ack."""
-        state = {"policy_version": self.version, "buffer": {"unacked": self._unacked}}
+        state = {"policy_version": self.version, "buffer": {"unacked": self._unacked}, "settings": self._settings()}
         offloaded = self._offloaded
         self._onload()  # after the last step (finish): memory_saver's paused memory cannot be read
         path = self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, state, self.critic)

@@ -119,6 +119,22 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, tmp_path
     assert_one_error_line(proc, 2, needle.format(**fill))
 
 
+def test_a_trainer_over_another_runs_checkpoints_exits_2_in_one_line(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Starting over where checkpoints are is refused (see test_trainer_resume) as a config is: one line, exit 2,
+    which a launcher does not restart (it would only be refused again)."""
+    (tmp_path / "runs" / "r" / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "checkpoints" / "step_00000003" / "trainer_state.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWAVE_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", f"run.dir={tmp_path / 'runs'}", "run.name=r", f"model.path={tiny_model_dir}",
+         "trainer.metrics_port=null"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**env, "ROLLWAVE_CHECKPOINT_TOKEN": "c" * 40})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-3000:]
+    assert "checkpoints holds checkpoints (latest step_00000003) and resume is off" in errors[0]
+
+
 def test_the_demo_refuses_a_secret_on_its_command_line_and_a_bad_key_in_one_line(tmp_path: Path) -> None:
     for override, needle in (("checkpoint.token=" + "c" * 40, "checkpoint.token: never on the command line"),
                              ("nope.key=1", "nope: unknown key")):

@@ -32,6 +32,7 @@ from buffer.staleness import StalenessControl
 from core.config import BufferConfig, CheckpointConfig, TrainerConfig
 from core.net import free_port_outside_ephemeral
 from core.process import stop_process
+from trainer.checkpoint import CheckpointMismatch
 from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, iter_full_params
 from trainer.worker import Trainer
@@ -288,8 +289,8 @@ def test_starting_over_where_checkpoints_are_is_refused(ctx: DistContext, tiny_m
     first.train(synthetic_groups(0, GPS))
     first.close()
     again = Trainer(cfg, tiny_model_dir, tmp_path)
-    with pytest.raises(FileExistsError, match=r"checkpoints holds checkpoints \(latest step_00000001\) and resume is "
-                                              r"off: continue with --resume, or start in a new run directory"):
+    with pytest.raises(CheckpointMismatch, match=r"checkpoints holds checkpoints \(latest step_00000001\) and resume "
+                                                 r"is off: continue with --resume, or start in a new run directory"):
         again.start(ctx=ctx)
     assert again.start(resume=True, ctx=ctx).step == 1
     again.close()

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import logging
 import os
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,12 @@ from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
-from core.config import Config, load_config_or_exit, require_secret
+from core.config import CONFIG_ERROR_EXIT, Config, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
 from core.placement import pin
 from core.process import die_with_parent, prepare_component
 from core.tiny_model import ensure_model
-from trainer.checkpoint import Checkpointer, export_hf
+from trainer.checkpoint import Checkpointer, CheckpointMismatch, export_hf
 from trainer.checkpoint_pusher import CheckpointPusher, registered_servers
 from trainer.colocation import LocalPusher
 from trainer.metrics import RedisStatus
@@ -126,18 +127,22 @@ def main(argv: list[str] | None = None) -> int:
         metrics = CollectorRegistry()
         buffer_metrics = BufferMetrics(metrics)  # the reads' counters (redeliveries, malformed...) and the trainer's
         source, pusher, status, staleness = _connect(cfg, ctx, stack, metrics, buffer_metrics)
-        trainer = Trainer(
-            cfg.trainer,
-            cfg.model.path,
-            cfg.run.path,
-            cfg.buffer,
-            temperature=cfg.rollout.temperature,
-            pusher=pusher,
-            registry=metrics,
-            buffer_metrics=buffer_metrics,
-            lora=cfg.model.lora,
-            device_share=pusher if isinstance(pusher, LocalPusher) else None,
-        ).start(resume=args.resume, ctx=ctx, source=source)
+        try:
+            trainer = Trainer(
+                cfg.trainer,
+                cfg.model.path,
+                cfg.run.path,
+                cfg.buffer,
+                temperature=cfg.rollout.temperature,
+                pusher=pusher,
+                registry=metrics,
+                buffer_metrics=buffer_metrics,
+                lora=cfg.model.lora,
+                device_share=pusher if isinstance(pusher, LocalPusher) else None,
+            ).start(resume=args.resume, ctx=ctx, source=source)
+        except CheckpointMismatch as exc:  # the run directory's checkpoints: starting again cannot help
+            print(f"error: {exc}", file=sys.stderr)
+            return CONFIG_ERROR_EXIT
         stack.callback(trainer.close)
         tc = cfg.trainer
         if staleness is not None:  # after start, which acks what a resumed checkpoint covers: nothing counted twice

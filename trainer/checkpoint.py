@@ -55,6 +55,11 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+class CheckpointMismatch(ValueError):
+    """The run directory's checkpoints are not ones this run can start from (or over): starting again cannot
+    help, so a component exits as for a config it refuses."""
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -110,8 +115,9 @@ def _check_settings(path: Path, saved: Mapping[str, Any], settings: Mapping[str,
         if isinstance(old, dict) and isinstance(value, dict):
             key, old, value = next((f"{key}.{k}", old.get(k), value.get(k)) for k in sorted(old.keys() | value.keys())
                                    if old.get(k) != value.get(k))
-        raise ValueError(f"{path}: written with {key}={json.dumps(old)}, this run has {key}={json.dumps(value)}: "
-                         "resume with the checkpoint's settings, or start in a new run directory")
+        raise CheckpointMismatch(f"{path}: written with {key}={json.dumps(old)}, this run has "
+                                 f"{key}={json.dumps(value)}: resume with the checkpoint's settings, or start in a "
+                                 "new run directory")
 
 
 def _check_model(path: Path, model: Mapping[str, Any]) -> None:
@@ -129,7 +135,7 @@ def _check_model(path: Path, model: Mapping[str, Any]) -> None:
             problem = f"its {name} has shape {list(saved[name].size)}, this run's {list(model[name].shape)}"
         else:
             continue
-        raise ValueError(f"{path}: written for another model (model.path): {problem}")
+        raise CheckpointMismatch(f"{path}: written for another model (model.path): {problem}")
 
 
 def _shards(model: nn.Module, optimizer: torch.optim.Optimizer, critic: Critic | None) -> dict[str, Any]:
@@ -216,7 +222,8 @@ class Checkpointer:
         if not state_file.is_file():
             raise FileNotFoundError(f"{path}: not a complete checkpoint ({STATE_FILE} missing)")
         if critic is not None and not (path / CRITIC_CONFIG).is_dir():
-            raise ValueError(f"{path}: has no critic to resume trainer.advantage=gae from (written without one)")
+            raise CheckpointMismatch(f"{path}: has no critic to resume trainer.advantage=gae from (written without "
+                                     "one)")
         record = json.loads(state_file.read_text())
         _check_settings(path, record.get("settings", {}), settings or {})
         shards = _shards(model, optimizer, critic)

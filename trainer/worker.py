@@ -32,7 +32,7 @@ from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
 from buffer.staleness import split_stale
 from core.config import BufferConfig, LoraConfig, TrainerConfig
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, CheckpointMismatch
 from trainer.checkpoint_pusher import PushResult, PushRound
 from trainer.colocation import held_bytes
 from trainer.critic import build_critic_optimizer, load_critic
@@ -145,7 +145,7 @@ class Trainer:
         the old run's weights with the new run's groups acked as trained."""
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", self.cfg.keep_checkpoints)
         if not resume and (latest := self.checkpointer.latest()) is not None:
-            raise FileExistsError(f"{self.checkpointer.root} holds checkpoints (latest {latest.name}) and resume is "
+            raise CheckpointMismatch(f"{self.checkpointer.root} holds checkpoints (latest {latest.name}) and resume is "
                                   "off: continue with --resume, or start in a new run directory")
         self.ctx = ctx or init_distributed(self.cfg.device, self.cfg.dist_timeout_s)
         shared = self.device_share is not None and not self.device_share.overlap

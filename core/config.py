@@ -664,6 +664,8 @@ def _format_validation_error(exc: ValidationError, path: Path | None, overridden
         from_override = any(f"{key}.".startswith(f"{o}.") or o.startswith(f"{key}.") or key == "<root>"
                             for o in overridden)
         line = None if from_override else line_of(lines, err["loc"])
+        if key in SECRETS and tuple(key.split(".")) not in lines:  # from its _file or its variable, not this file
+            line, msg = None, f"{msg} (given in {key}_file or {SECRETS[key]})"
         out.append(f"{path}:{line}: {key}: {msg}{got}" if line is not None else f"{key}: {msg}{got}")
     source = f" from {path}" if path is not None else ""
     return f"invalid config{source}:\n  " + "\n  ".join(out)

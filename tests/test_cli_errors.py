@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import secrets
 import shlex
 import socket
@@ -117,6 +118,12 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, tmp_path
     fill = {"tmp": str(tmp_path), "demo": str(DEMO)}
     proc = rollwave(*(a.format(**fill) for a in argv), cwd=tmp_path)
     assert_one_error_line(proc, 2, needle.format(**fill))
+
+
+def test_a_bad_secret_from_the_environment_is_not_blamed_on_a_line_of_the_file(tmp_path: Path) -> None:
+    proc = rollwave("config", "check", "-c", str(DEMO), cwd=tmp_path, env={"ROLLWAVE_API_TOKEN": "short"})
+    line = assert_one_error_line(proc, 2, "api.token: must be at least 32 characters")
+    assert "(given in api.token_file or ROLLWAVE_API_TOKEN)" in line and not re.search(r"demo\.yaml:\d", line)
 
 
 def test_a_trainer_over_another_runs_checkpoints_exits_2_in_one_line(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -11,9 +11,10 @@ the node ``up`` runs on. A rollout server's receiver and the API listen on their
 local head), which on a cluster needs the API's token, and the embedded Redis gets a password made for the run.
 
 Without ``RAY_ADDRESS`` a local Ray head is started as ``ray start --head --block`` in a session of
-its own, with its own short temp dir, every address on 127.0.0.1 and as many logical CPUs as the
-stack asks for; ``down`` stops it by its process id (never ``ray stop``, which would end every
-Ray on the machine). ``<run dir>/ray.json`` records what ``up`` started, for ``down``.
+its own, with its own short temp dir, advertising 127.0.0.1, requiring a token made for it (Ray's token
+authentication) and with as many logical CPUs as the stack asks for; ``down`` stops it by its process id
+(never ``ray stop``, which would end every Ray on the machine). ``<run dir>/ray.json`` records what ``up``
+started, for ``down``.
 
 The checkpoint plane is mutual TLS unless ``checkpoint.tls_*`` are set: ``up`` makes a private CA and the
 receivers' and trainers' certificates once for the run, in ``<run dir>/checkpoint-tls``.

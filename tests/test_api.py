@@ -360,7 +360,7 @@ def test_a_task_that_cannot_start_a_tool_it_gets_is_refused(api: httpx.Client, d
               f"{data_root / 'no_gold.jsonl'}:1: tool check_answer needs create_kwargs ground_truth")
     bad = task | {"tools": ["calculator"], "tools_kwargs": {"calculator": {"create_kwargs": [1]}}}
     _rejected(api, {"source": {"kind": "inline", "tasks": [bad]}},
-              "source.tasks[0]: field 'tools_kwargs.calculator.create_kwargs' must be dict, got list")
+              "field 'source.tasks[0].tools_kwargs.calculator.create_kwargs' must be dict, got list")
     assert "rollwave_api_jobs_rejected_total 4.0" in api.get("/metrics").text
     for body in ({"source": {"kind": "inline", "tasks": [gold]}, "tools": ["check_answer"]},
                  {"source": {"kind": "inline", "tasks": [gold | {"tools": ["check_answer"]}]}},

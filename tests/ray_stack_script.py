@@ -234,6 +234,13 @@ def exercise(cfg: Config, api: httpx.Client, result: dict[str, Any]) -> None:
                          "started": [first["started"], again["started"]]}
 
 
+def failed(cfg: Config, result: dict[str, Any]) -> None:
+    """The exception being handled and the tail of each component's log, into ``result``."""
+    result["error"] = traceback.format_exc()[-3000:]
+    logs = cfg.run.path / "logs"
+    result["logs"] = {p.name: p.read_text(errors="replace")[-2500:] for p in sorted(logs.glob("*.log"))}
+
+
 def two_nodes(config: str) -> dict[str, Any]:
     """``up`` on a cluster of two nodes (``RAY_ADDRESS``), jobs, a step and a push across them, ``down``."""
     import ray
@@ -261,9 +268,7 @@ def two_nodes(config: str) -> dict[str, Any]:
             finally:
                 ray.shutdown()
     except Exception:  # reported in the JSON with the component logs; the test fails on it
-        result["error"] = traceback.format_exc()[-3000:]
-        logs = cfg.run.path / "logs"
-        result["logs"] = {p.name: p.read_text(errors="replace")[-2500:] for p in sorted(logs.glob("*.log"))}
+        failed(cfg, result)
     finally:
         result["down"] = rollwave("down", "-c", config)
     return result
@@ -304,9 +309,7 @@ def main() -> int:
             with httpx.Client(base_url=f"http://{cfg.api.host}:{cfg.api.port}", headers=headers, timeout=30) as api:
                 exercise(cfg, api, result)
     except Exception:  # reported in the JSON with the component logs; the test fails on it
-        result["error"] = traceback.format_exc()[-3000:]
-        logs = cfg.run.path / "logs"
-        result["logs"] = {p.name: p.read_text(errors="replace")[-2500:] for p in sorted(logs.glob("*.log"))}
+        failed(cfg, result)
     finally:
         result["down"] = rollwave("down", "-c", config)
         head = result.get("head") or {}

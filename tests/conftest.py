@@ -54,3 +54,13 @@ def ctx() -> Iterator:
     yield context
     close_distributed()
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir: Path) -> Iterator[str]:
+    """The embedded engine with the tiny model, 8 requests at a time on one thread, for one module's tests (a module
+    that wants another shape defines its own)."""
+    from rollout_server.engine.process import EngineProcess  # not at the top: torch loads after the settings above
+
+    with EngineProcess(tiny_model_dir, max_batch_size=8, max_context=1024, threads=1) as engine:
+        yield engine.url

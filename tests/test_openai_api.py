@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ from core.config import RolloutConfig
 from core.rewards import RewardComputer, RewardError
 from core.tasks import Task
 from core.trajectory import ChatRenderer, masked_spans
-from rollout_server.engine.process import EngineProcess
 from rollout_server.engine_client import EngineClient
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.openai_api import AgentEpisode, EpisodeStore
@@ -47,12 +46,6 @@ class RecordingEngine(EngineClient):
         reply = await super().generate(*args, **kwargs)
         self.replies.append(reply)
         return reply
-
-
-@pytest.fixture(scope="module")
-def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    with EngineProcess(tiny_model_dir, max_batch_size=8, max_context=1024, threads=1) as engine:
-        yield engine.url
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +11,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from rollout_server.engine.process import EngineProcess
 from rollout_server.openai_api import AgentEpisode, EpisodeStore
 from tests.test_agent_loop import CALC, ScriptedEngine
 from tests.test_openai_api import MESSAGES, TOOLS, RecordingEngine, _run
-
-
-@pytest.fixture(scope="module")
-def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    with EngineProcess(tiny_model_dir, max_batch_size=8, max_context=1024, threads=1) as engine:
-        yield engine.url
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,14 @@ import random
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.tasks import load_tasks
 from core.tasks.arith import CALCULATOR_SCHEMA, demonstration
 from core.trajectory import ChatRenderer, masked_spans
-from trainer.sft import _batch, demonstration_ids, sft_loss, warm_start
+from trainer.sft import _batch, _save, demonstration_ids, sft_loss, warm_start
 
 
 def test_demonstration_layout_matches_the_template(tiny_model_dir: Path) -> None:
@@ -68,3 +69,22 @@ def test_warm_start_saves_the_model_at_each_wall_time(tiny_model_dir: Path, tmp_
     assert 0 < steps(out / "at-1") < steps(out)
     assert steps(out / "at-0") == steps(out)
     assert (out / "at-1" / "config.json").exists()
+
+
+def test_a_save_that_fails_leaves_the_model_before_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A crash or Ctrl-C while SFT saves must not leave a half-written model where ``--warm-start`` takes it:
+    the directory keeps the last complete save, and nothing half written stays beside it."""
+    out = warm_start(tiny_model_dir, tmp_path / "sft", load_tasks("arith", split="train", limit=8), steps=1,
+                     batch_size=4)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+
+    class DiskFull:
+        def save_pretrained(self, path: Path) -> None:
+            (Path(path) / "tokenizer.json").write_text("{")
+            raise OSError("No space left on device")
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with pytest.raises(OSError, match="No space left"):
+        _save(model, DiskFull(), out, steps=2, seconds=1.0)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sft"]

@@ -8,6 +8,8 @@ between them (loss 0). So SFT teaches exactly the sequences RL later samples.
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -119,8 +121,22 @@ def warm_start(
 
 
 def _save(model: torch.nn.Module, tokenizer: Any, out_dir: Path, steps: int, seconds: float, info: str = "") -> None:
-    """The model in HF format, with ``sft.txt`` saying how far SFT had got."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    (out_dir / "sft.txt").write_text(f"steps={steps}{info} seconds={seconds:.1f}\n")
+    """The model in HF format, with ``sft.txt`` saying how far SFT had got.
+
+    Written to a temporary sibling and renamed into place, so ``out_dir`` never holds a half-written model that
+    ``--warm-start`` would take (a crash or Ctrl-C during the save). The directories an earlier save left in it
+    (the ``at-<i>`` saves) move into the new one."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "sft.txt").write_text(f"steps={steps}{info} seconds={seconds:.1f}\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; a model directory is shared read-only
+        if out_dir.exists():
+            for kept in [d for d in out_dir.iterdir() if d.is_dir()]:
+                kept.rename(tmp / kept.name)
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

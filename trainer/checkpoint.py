@@ -5,6 +5,9 @@ written by DCP (every rank writes its shards; the directory must be on storage a
 ``trainer_state.json`` (step, policy version, LR scheduler, the caller's buffer position and settings), written
 last by rank 0, and each rank's RNG state (``rng_rank<r>.pt``: LoRA dropout draws from it). It is staged under a
 hidden name, flushed to disk and renamed into place, so a listed checkpoint is complete, after a power loss too.
+A pool of another size resumes it: DCP reshards the tensors, and the RNG states, which cannot map one to one, are
+taken by the ranks that wrote them; a further rank seeds its RNG from the step and its rank (``rank_seed``) and
+those of ranks now gone are not used, which rank 0 logs once.
 A resume refuses a checkpoint whose recorded settings (``settings``: dotted key -> value) differ from the run's,
 or whose model tensors do not fit the run's model, with an error naming the key or the tensor.
 With a critic (``trainer.advantage=gae``) its model and optimizer are in the same DCP checkpoint (``critic``,
@@ -21,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -69,7 +73,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _rng_file(path: Path, rank: int) -> Path:
+def _rng_file(path: Path, rank: int | str) -> Path:
     return path / f"rng_rank{rank}.pt"
 
 
@@ -92,12 +96,27 @@ def _save_rng(path: Path) -> None:
     _fsync(out)
 
 
-def _load_rng(path: Path) -> None:
-    """Continue this rank's RNG where the checkpoint left it; a pool of another size (or an older checkpoint)
-    has no state for some ranks, which then go on with their own."""
+def rank_seed(step: int, rank: int) -> int:
+    """The RNG seed of a rank that a checkpoint of ``step`` has no RNG state for: the same on every resume of it,
+    and a stream of its own per rank (numpy's ``SeedSequence`` spawns independent ones)."""
+    return int(np.random.SeedSequence(step, spawn_key=(rank,)).generate_state(1, np.uint64)[0])
+
+
+def _load_rng(path: Path, step: int) -> None:
+    """Continue this rank's RNG where the checkpoint left it. A pool of another size than the one that wrote it
+    cannot map the states one to one: a rank it has none for starts from ``rank_seed`` (never the process's own, which
+    ``trainer.lora`` seeds alike on every rank), and rank 0 says once what changed."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    written = len(list(path.glob(_rng_file(path, "*").name)))
+    if written != world and _is_main():
+        if written > world:
+            what = f"the RNG state of rank(s) {', '.join(map(str, range(world, written)))} is not used"
+        else:
+            what = f"rank(s) {', '.join(map(str, range(written, world)))} start their RNG from rank_seed(step, rank)"
+        log.warning("%s: written by %d rank(s), resumed by %d: %s", path, written, world, what)
     file = _rng_file(path, _rank())
     if not file.is_file():
-        log.warning("%s: no RNG state for rank %d; it continues with its own", path, _rank())
+        torch.manual_seed(rank_seed(step, _rank()))
         return
     state = torch.load(file, weights_only=True)
     torch.set_rng_state(state["cpu"])
@@ -235,7 +254,7 @@ class Checkpointer:
             set_model_state_dict(critic[0], shards["critic"])
             set_optimizer_state_dict(*critic, shards["critic_optim"])
         scheduler.load_state_dict(record.pop("scheduler"))
-        _load_rng(path)
+        _load_rng(path, record["step"])
         return record
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 ROLLOUT_GROUP = "rollout"
 TRAINER_GROUP = "trainer"
 TASK_KINDS = ("train", "eval")
+# the ``trainer`` hash's fields that say where and why the trainer stopped (the trainer writes them, the API reads)
+TRAINER_FINISHED_FIELDS = ("finished_step", "finished_reason", "finished_at")
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,8 @@ class Keys:
 
     @property
     def trainer(self) -> str:
-        """Hash: the trainer's step, version, heartbeat and metrics address (written by rank 0)."""
+        """Hash: the trainer's step, version, heartbeat and metrics address (written by rank 0); once it stopped,
+        where and why (``TRAINER_FINISHED_FIELDS``)."""
         return self.prefix + "trainer"
 
     @property

@@ -128,7 +128,8 @@ def submit(args: argparse.Namespace) -> int:
 def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = None,
                  poll_s: float = 1.0) -> dict[str, Any]:
     """Poll until the job is done or cancelled, with a progress bar of finished tasks; ``TimeoutError`` once
-    ``timeout_s`` passed (None: as long as the job runs)."""
+    ``timeout_s`` passed (None: as long as the job runs); a ``CliError`` (exit 1) saying why as soon as the job
+    is ``stalled`` (the trainer finished with groups of this train job left: waiting longer cannot help)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     job = _get(client, f"/v1/jobs/{job_id}")
     with tqdm(total=job["progress"]["submitted"], desc=f"job {job_id}", unit="task") as bar:
@@ -139,6 +140,8 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = No
             bar.refresh()
             if job["state"] in ("done", "cancelled"):
                 return job
+            if job["state"] == "stalled":
+                raise CliError(f"job {job_id} at {client.base_url} is stalled: {job['reason']}", 1)
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"job {job_id} at {client.base_url}: still {job['state']} after {timeout_s:g} s, "
                                    f"{bar.n} of {p['submitted']} tasks finished (is a rollout server up? see "
@@ -186,8 +189,10 @@ def _last_push(push: dict[str, Any] | None) -> str:
 def _status_table(status: dict[str, Any]) -> str:
     lines = [f"run {status['run']}   policy version {status['version']} (published)"]
     trainer = status["trainer"] or {}
+    finished = f"  finished at step {trainer['finished_step']} ({trainer['finished_reason']})" \
+        if "finished_step" in trainer else ""
     lines.append(f"trainer: step {trainer.get('step', '-')}  version {trainer.get('version', '-')}  "
-                 f"pushed {trainer.get('pushed_version', '-')}")
+                 f"pushed {trainer.get('pushed_version', '-')}{finished}")
     lines.append(f"{'SERVER':14} {'ALIVE':6} {'VERSION':>8} {'BEAT AGE':>9}  {'LAST PUSH':28} ENGINE")
     for s in status["servers"]:
         age = f"{s['heartbeat_age_s']:.1f}s"

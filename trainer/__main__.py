@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics = CollectorRegistry()
         buffer_metrics = BufferMetrics(metrics)  # the reads' counters (redeliveries, malformed...) and the trainer's
         source, pusher, status, staleness = _connect(cfg, ctx, stack, metrics, buffer_metrics)
+        if status is not None:  # as early as it can: the API refuses train jobs while the last trainer's end stands
+            status.started()
         try:
             trainer = Trainer(
                 cfg.trainer,
@@ -160,9 +162,12 @@ def main(argv: list[str] | None = None) -> int:
             status.publish(record, trainer.version, pusher.last_pushed)
             log.info("step %d: loss %.4f reward %.3f", record["step"], record["loss"], record["reward_mean"])
 
-        trainer.run(source, published if status is not None else None)
+        reason = trainer.run(source, published if status is not None else None)
+        if staleness is not None:  # admission closes with the trainer (stop_when_drained stops short of the budget)
+            staleness.set_budget(staleness.trained())
         if status is not None:
-            status.versions(trainer.version, pusher.last_pushed)
+            status.finished(trainer.step, reason, trainer.version, pusher.last_pushed)
+            log.info("finished at step %d (%s)", trainer.step, reason)
     return 0
 
 

@@ -15,7 +15,7 @@ from typing import IO, Any
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from buffer.keys import Keys
+from buffer.keys import TRAINER_FINISHED_FIELDS, Keys
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 _GAUGES = {
@@ -127,7 +127,8 @@ class MetricsLog:
 
 class RedisStatus:
     """Publishes each step to Redis for the API: the ``trainer`` hash (step, version, reward, heartbeat)
-    and one ``steps`` stream entry (the record as JSON under ``metrics``, capped at ``max_steps``)."""
+    and one ``steps`` stream entry (the record as JSON under ``metrics``, capped at ``max_steps``); and the
+    trainer's end (``TRAINER_FINISHED_FIELDS``), so the API can say which train jobs will not be trained."""
 
     def __init__(self, client: redis.Redis, keys: Keys, max_steps: int = 10_000) -> None:
         self.redis = client
@@ -154,7 +155,16 @@ class RedisStatus:
         pipe.xadd(self.keys.steps, {"metrics": json.dumps(record)}, maxlen=self.max_steps, approximate=True)
         pipe.execute()
 
-    def versions(self, version: int, pushed: int) -> None:
-        """The versions alone (after the last pushes landed, when no step follows)."""
-        self.redis.hset(self.keys.trainer, mapping={"version": version, "pushed_version": pushed,
-                                                    "heartbeat": time.time()})
+    def started(self) -> None:
+        """A trainer starts: the end an earlier one recorded no longer holds (it trains the run's jobs again)."""
+        self.redis.hdel(self.keys.trainer, *TRAINER_FINISHED_FIELDS)
+
+    def finished(self, step: int, reason: str, version: int, pushed: int) -> None:
+        """The trainer stopped at ``step`` because of ``reason`` (the config key: ``trainer.total_steps`` or
+        ``trainer.stop_when_drained``), with its versions once the last pushes landed: nothing more is trained
+        until a trainer starts again, and a wait on a train job with groups left ends on it."""
+        now = time.time()
+        self.redis.hset(self.keys.trainer, mapping={
+            "version": version, "pushed_version": pushed, "heartbeat": now,
+            "finished_step": step, "finished_reason": reason, "finished_at": now,
+        })

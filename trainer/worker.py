@@ -384,9 +384,10 @@ class Trainer:
         self._unacked = []
         return path
 
-    def run(self, source: GroupSource | None, after_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def run(self, source: GroupSource | None, after_step: Callable[[dict[str, Any]], None] | None = None) -> str:
         """Train until ``total_steps`` or (``stop_when_drained``) the data runs out, calling ``after_step`` with each
-        step's record, then ``finish`` (every rank; rank 0 reads ``source``)."""
+        step's record, then ``finish`` (every rank; rank 0 reads ``source``). Returns why it stopped, as the config
+        key that stopped it (``trainer.total_steps`` or ``trainer.stop_when_drained``), for the run's status."""
         while not self.done:
             groups, waited = self.next_batch(source)
             if not groups:
@@ -395,6 +396,7 @@ class Trainer:
             if after_step is not None:
                 after_step(record)
         self.finish(source)
+        return "trainer.total_steps" if self.step >= self.cfg.total_steps else "trainer.stop_when_drained"
 
     def finish(self, source: GroupSource | None) -> None:
         """Checkpoint what was trained since the last checkpoint, then (rank 0) ack it all and let the last

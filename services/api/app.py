@@ -5,7 +5,8 @@ checked before any body is read; requests must name an allowed Host (``api.allow
 rebinding; the unauthenticated ops probes are exempt, kubelet and Prometheus reach them by pod IP); bodies
 over ``api.max_body_bytes`` get 413; jobs read files only under ``api.data_root``, hold at most
 ``api.max_job_tasks`` tasks, name reward functions, agents and tools the run allows, and give each tool a task
-gets the create kwargs it requires. Each refusal is logged and counted.
+gets the create kwargs it requires; a train job submitted once the run's trainer finished gets 409 (nothing would
+train it). Each refusal is logged and counted.
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     registry = CollectorRegistry()
     refused = Counter(
         "rollwave_api_requests_refused_total",
-        "Requests refused (auth, host, body_size, validation, cursor, not_found)", ["reason"],
+        "Requests refused (auth, host, body_size, validation, cursor, not_found, trainer_finished)", ["reason"],
         registry=registry,
     )
     refuse = _refused(refused)
@@ -287,7 +288,13 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         return HTTPException(422, [{"loc": ["body", field], "msg": msg, "type": "value_error"}])
 
     @app.post("/v1/jobs", status_code=201, tags=["jobs"])
-    def create_job(spec: JobSpec, api: State) -> dict[str, Any]:
+    def create_job(spec: JobSpec, api: State, request: Request) -> dict[str, Any]:
+        if spec.kind == "train" and (end := api.cluster.trainer_end()) is not None:
+            msg = (f"{end}: a train job submitted now would never be trained; start the trainer again "
+                   f"(python -m trainer --resume, trainer.total_steps above {end.step}), then submit")
+            api.jobs_rejected.inc()
+            refuse("trainer_finished", request.scope, msg)
+            raise HTTPException(409, msg)
         allowed = {*BUILTIN_REWARDS, *cfg.rollout.reward_allowlist}
         if spec.reward is not None and spec.reward not in allowed:
             names = ", ".join(sorted(allowed))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
 
-from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
+from buffer.keys import ROLLOUT_GROUP, TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
 
@@ -17,6 +17,8 @@ _COUNTERS = (
     "submitted", "completed", "dead_lettered", "trained", "stale_dropped", "degenerate_dropped", "cancelled",
     "malformed", "samples",
 )
+# where each of a train job's tasks ends up, but trained: ``submitted`` less their sum is what is still to train
+_UNTRAINED_ENDS = ("trained", "stale_dropped", "degenerate_dropped", "dead_lettered", "cancelled", "malformed")
 _MAX_ID_PART = 2**64 - 1
 
 
@@ -29,16 +31,35 @@ class InvalidCursor(ValueError):
     in 64 bits), a jobs cursor that is no job of the run."""
 
 
-def _job_view(job_id: str, h: dict[str, str]) -> dict[str, Any]:
-    """What the API says about a job, from its hash."""
+@dataclass(frozen=True)
+class TrainerEnd:
+    """Where and why the run's trainer stopped (``RedisStatus.finished`` wrote it)."""
+
+    step: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"the trainer finished at step {self.step} ({self.reason})"
+
+
+def _job_view(job_id: str, h: dict[str, str], end: TrainerEnd | None) -> dict[str, Any]:
+    """What the API says about a job, from its hash and the trainer's ``end`` (None while it trains): a train job
+    with groups left to train once the trainer finished reads ``stalled``, its ``reason`` saying why."""
     progress = {name: int(float(h.get(name, 0))) for name in _COUNTERS}
     samples = progress["samples"]
     reward_mean = float(h.get("reward_sum", 0.0)) / samples if samples else None
     kind, state = h.get("kind", "train"), h.get("state", "running")
+    untrained = progress["submitted"] - sum(progress[name] for name in _UNTRAINED_ENDS)
+    reason = None
+    if kind == "train" and state != "cancelled" and end is not None and untrained > 0:
+        state = "stalled"
+        reason = (f"{end}; {untrained} of this job's {progress['submitted']} groups will not be trained (start "
+                  f"the trainer again to train them: python -m trainer --resume, trainer.total_steps above {end.step})")
     return {
         "job_id": job_id,
         "kind": kind,
         "state": state,
+        "reason": reason,
         "created": float(h.get("created", 0.0)),
         "spec": json.loads(h["spec"]) if "spec" in h else None,
         "progress": progress,
@@ -60,15 +81,25 @@ class ClusterView:
         self.servers = registry
         self.queue = queue
 
+    def trainer_end(self, fields: list[bytes | None] | None = None) -> TrainerEnd | None:
+        """The run's trainer's end, once it stopped; None while it trains (or before one started). ``fields``:
+        ``TRAINER_FINISHED_FIELDS`` of the trainer hash, already read."""
+        step, reason, _at = fields or self.redis.hmget(self.keys.trainer, *TRAINER_FINISHED_FIELDS)
+        return None if step is None or reason is None else TrainerEnd(int(step), reason.decode())
+
     def job(self, job_id: str) -> dict[str, Any]:
         h = self.queue.job(job_id)  # its state reads ``done`` once every task is written or dead-lettered
         if not h:
             raise NotFound(f"job {job_id!r} not found")
-        return _job_view(job_id, h)
+        return _job_view(job_id, h, self.trainer_end())
 
     def jobs(self, cursor: str = "", limit: int = 50) -> dict[str, Any]:
         """A page of jobs, newest first, after the job ``cursor`` names; two round trips whatever the page size."""
-        ids = sorted(self.redis.hgetall(self.keys.jobs).items(), key=lambda kv: (-float(kv[1]), kv[0]))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.jobs)
+        pipe.hmget(self.keys.trainer, *TRAINER_FINISHED_FIELDS)
+        index, end_fields = pipe.execute()
+        ids = sorted(index.items(), key=lambda kv: (-float(kv[1]), kv[0]))
         order = [job_id.decode() for job_id, _created in ids]
         start = 0
         if cursor:
@@ -77,7 +108,8 @@ class ClusterView:
             except ValueError:
                 raise InvalidCursor(f"cursor {cursor!r} is no job of this run") from None
         page = order[start : start + limit]
-        jobs = [_job_view(job_id, h) for job_id, h in zip(page, self.queue.jobs(page), strict=True) if h]
+        end = self.trainer_end(end_fields)
+        jobs = [_job_view(job_id, h, end) for job_id, h in zip(page, self.queue.jobs(page), strict=True) if h]
         return {"jobs": jobs, "next": page[-1] if start + limit < len(order) else None}
 
     def cancel(self, job_id: str) -> dict[str, Any]:

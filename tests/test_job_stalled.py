@@ -1,0 +1,218 @@
+"""A train job the trainer will no longer train says so: the trainer records its end in Redis, the API reads such
+a job ``stalled`` with the reason, refuses new train jobs (409) until a trainer starts again, and ``rollwave
+submit --wait`` ends at once with exit 1 instead of waiting for its timeout. Real API, real Redis, the real
+trainer and the installed CLI."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import yaml
+from trainer_helpers import synthetic_groups
+
+from buffer.keys import Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.replay import ReplayBuffer
+from buffer.staleness import StalenessControl
+from buffer.task_queue import TaskQueue
+from core.config import BufferConfig, TrainerConfig, load_config
+from core.jobs import TaskSource
+from core.process import stop_process
+from services.api import create_app
+from tests.buffer_helpers import make_group
+from tests.http_harness import serve_app
+from trainer.metrics import RedisStatus
+from trainer.parallel import DistContext
+from trainer.worker import Trainer
+
+ROLLWAVE = Path(sysconfig.get_path("scripts")) / "rollwave"
+TOKEN = secrets.token_urlsafe(32)
+GPS = 2
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
+        yield server.url
+
+
+@pytest.fixture
+def run(redis_url: str, request: pytest.FixtureRequest) -> Iterator[tuple[httpx.Client, redis.Redis, Keys]]:
+    """The API of a run of its own (named after the test), an authorized client, a Redis client and the keys."""
+    name = request.node.name.replace("_", "-")[:60]
+    cfg = load_config(None, [f"run.name={name}", f"redis.url={redis_url}", f"api.token={TOKEN}"], env={})
+    client = redis.Redis.from_url(redis_url)
+    with serve_app(create_app(cfg)) as url:
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as api:
+            yield api, client, Keys(name)
+    client.close()
+
+
+def _submit(api: httpx.Client, kind: str, limit: int) -> str:
+    reply = api.post("/v1/jobs", json={"kind": kind, "source": {"kind": "arith", "split": "train", "limit": limit}})
+    assert reply.status_code == 201, reply.text
+    return reply.json()["job_id"]
+
+
+def _train_one(client: redis.Redis, keys: Keys) -> None:
+    """One train task rolled out (its group written with its task acked) and trained (acked by the trainer)."""
+    queue, cfg = TaskQueue(client, keys, BufferConfig()), BufferConfig()
+    reader = ReplayBuffer(client, keys, cfg, consumer="trainer")
+    reader.ensure_group()
+    [entry] = queue.read("rollout-0", 1, kinds=("train",))
+    writer = ReplayBuffer(client, keys, cfg, consumer="rollout-0")
+    assert writer.put(make_group(entry.job_id, entry.group_id, run=keys.run), task=entry, timeout_s=10)
+    [(entry_id, group)] = reader.take(1, 5.0)
+    assert reader.ack([entry_id], [group.group_id]) == 1
+
+
+def test_a_train_job_with_groups_left_when_the_trainer_finished_reads_stalled(run) -> None:
+    api, client, keys = run
+    trained = _submit(api, "train", 1)
+    _train_one(client, keys)
+    left = _submit(api, "train", 3)
+    evaluated = _submit(api, "eval", 2)
+    cancelled = _submit(api, "train", 2)
+    assert api.post(f"/v1/jobs/{cancelled}/cancel").json()["state"] == "cancelled"
+    job = api.get(f"/v1/jobs/{left}").json()
+    assert (job["state"], job["reason"]) == ("running", None)
+
+    status = RedisStatus(client, keys)
+    status.finished(4, "trainer.total_steps", 2, 2)
+    job = api.get(f"/v1/jobs/{left}").json()
+    assert job["state"] == "stalled"
+    assert job["reason"].startswith("the trainer finished at step 4 (trainer.total_steps); 3 of this job's 3 groups "
+                                    "will not be trained (start the trainer again to train them: python -m trainer "
+                                    "--resume, trainer.total_steps above 4)"), job["reason"]
+    states = {j["job_id"]: j["state"] for j in api.get("/v1/jobs").json()["jobs"]}
+    assert states == {trained: "done", left: "stalled", evaluated: "running", cancelled: "cancelled"}
+    table = subprocess.run([str(ROLLWAVE), "jobs", "--api", str(api.base_url)], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "ROLLWAVE_API_TOKEN": TOKEN})
+    assert re.search(rf"^{left} +train +stalled +0/3 ", table.stdout, re.M), table.stdout + table.stderr
+    shown = subprocess.run([str(ROLLWAVE), "status", "--api", str(api.base_url)], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "ROLLWAVE_API_TOKEN": TOKEN})
+    assert "finished at step 4 (trainer.total_steps)" in shown.stdout, shown.stdout + shown.stderr
+
+    status.started()  # a trainer starts again: it trains the job's groups
+    job = api.get(f"/v1/jobs/{left}").json()
+    assert (job["state"], job["reason"]) == ("running", None)
+
+
+def test_a_train_job_submitted_after_the_trainer_finished_is_refused(run) -> None:
+    api, client, keys = run
+    RedisStatus(client, keys).finished(3, "trainer.stop_when_drained", 1, 1)
+    reply = api.post("/v1/jobs", json={"kind": "train", "source": {"kind": "arith", "limit": 2}})
+    assert reply.status_code == 409, reply.text
+    assert reply.json()["detail"] == (
+        "the trainer finished at step 3 (trainer.stop_when_drained): a train job submitted now would never be "
+        "trained; start the trainer again (python -m trainer --resume, trainer.total_steps above 3), then submit")
+    assert client.hlen(keys.jobs) == 0  # nothing written
+    metrics = api.get("/metrics").text
+    assert "rollwave_api_jobs_rejected_total 1.0" in metrics
+    assert 'rollwave_api_requests_refused_total{reason="trainer_finished"} 1.0' in metrics
+    _submit(api, "eval", 1)  # an eval job needs no trainer
+    RedisStatus(client, keys).started()
+    _submit(api, "train", 1)
+
+
+def test_submit_wait_ends_at_once_with_exit_1_when_the_trainer_finishes(run) -> None:
+    """``--timeout 300``, yet the wait ends within seconds of the trainer's end, naming the job and why."""
+    api, client, keys = run
+    proc = subprocess.Popen(
+        [str(ROLLWAVE), "submit", "--source", "arith", "--limit", "2", "--wait", "--timeout", "300",
+         "--api", str(api.base_url)],
+        env={**os.environ, "ROLLWAVE_API_TOKEN": TOKEN}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not client.hlen(keys.jobs):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        RedisStatus(client, keys).finished(5, "trainer.total_steps", 0, 0)
+        finished = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        waited = time.monotonic() - finished
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    [job_id] = [j.decode() for j in client.hkeys(keys.jobs)]
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (
+        f"error: job {job_id} at {api.base_url} is stalled: the trainer finished at step 5 (trainer.total_steps); 2 of "
+        "this job's 2 groups will not be trained (start the trainer again to train them: python -m trainer --resume, "
+        "trainer.total_steps above 5)"), err
+    assert waited < 15, waited  # the poll (1 s) and the CLI's exit, far from the 300 s timeout
+
+
+def test_the_trainer_records_where_and_why_it_stopped(tiny_model_dir: Path, redis_url: str, tmp_path: Path) -> None:
+    """``python -m trainer`` with ``trainer.stop_when_drained`` clears an earlier trainer's end as it starts, trains
+    one step, waits while a train task is queued, and once that is gone stops at step 1 of 5 and says so; admission
+    closes at what it trained."""
+    client, keys = redis.Redis.from_url(redis_url), Keys("drained-end")
+    buffer = ReplayBuffer(client, keys, BufferConfig(), consumer="trainer")
+    buffer.ensure_group()
+    assert buffer.put_many(synthetic_groups(0, GPS, run=keys.run)) == [1] * GPS
+    queue = TaskQueue(client, keys, BufferConfig())
+    queue.ensure_groups()
+    queue.submit("later", [TaskSource(kind="arith", limit=1).load()[0].model_dump()])  # the data has not run out
+    RedisStatus(client, keys).finished(9, "trainer.total_steps", 0, 0)  # an earlier trainer's end
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"name": keys.run, "dir": str(tmp_path)},
+        "model": {"path": str(tiny_model_dir), "init_if_missing": False},
+        "redis": {"url": redis_url},
+        "buffer": {"groups_per_step": GPS},
+        "trainer": {"total_steps": 5, "stop_when_drained": True, "micro_batch_tokens": 128, "take_timeout_s": 0.5,
+                    "device": "cpu"},
+    }))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
+    env.pop("REDIS_URL", None)
+    log = tmp_path / "trainer.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", "-c", str(config)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while client.hget(keys.trainer, "step") != b"1":
+            assert proc.poll() is None, f"trainer exited {proc.returncode}: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no step 1 in 240 s: {log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        assert client.hget(keys.trainer, "finished_step") is None  # cleared at its start
+        [entry] = queue.read("rollout-0", 1, kinds=("train",))
+        assert queue.dead_letter(entry, "the test takes it away: no train task is left")
+        proc.wait(120)
+    finally:
+        stop_process(proc, 30, name="trainer")
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    status = {k.decode(): v.decode() for k, v in client.hgetall(keys.trainer).items()}
+    assert (status["step"], status["finished_step"], status["finished_reason"]) == (
+        "1", "1", "trainer.stop_when_drained")
+    assert status["finished_at"] == status["heartbeat"]
+    staleness = StalenessControl(client, keys, BufferConfig(groups_per_step=GPS))
+    assert staleness.budget() == staleness.trained() == GPS  # not 5 steps' worth: nothing more is generated
+
+
+def test_a_trainer_that_reaches_total_steps_says_so(ctx: DistContext, tiny_model_dir: Path, redis_url: str,
+                                                   tmp_path: Path) -> None:
+    buffer = ReplayBuffer(redis.Redis.from_url(redis_url), Keys("steps-end"), BufferConfig(), consumer="trainer")
+    buffer.ensure_group()
+    buffer.put_many(synthetic_groups(0, 2 * GPS, run="steps-end"))
+    cfg = TrainerConfig(total_steps=1, micro_batch_tokens=128, take_timeout_s=0.5, device="cpu")
+    trainer = Trainer(cfg, tiny_model_dir, tmp_path, BufferConfig(groups_per_step=GPS)).start(ctx=ctx)
+    try:
+        assert trainer.run(buffer) == "trainer.total_steps"
+    finally:
+        trainer.close()
+    assert trainer.step == 1

@@ -10,12 +10,18 @@ straggler), apart from the record the server itself rewrites at every heartbeat.
 from __future__ import annotations
 
 import json
+import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import TypeVar
 
 import redis
 
 from buffer.keys import Keys
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -85,7 +91,9 @@ class ServerRegistry:
 
     def pushes(self) -> dict[str, PushRecord]:
         """The last push to each server, by server id."""
-        return {k.decode(): PushRecord(**json.loads(v)) for k, v in self.redis.hgetall(self.keys.pushes).items()}
+        records = {k.decode(): _decode(PushRecord, self.keys.pushes, k.decode(), v)
+                   for k, v in self.redis.hgetall(self.keys.pushes).items()}
+        return {k: r for k, r in records.items() if r is not None}
 
     def all_servers(self) -> list[tuple[ServerInfo, bool]]:
         """Every registered server with whether it is live, sorted by id."""
@@ -94,10 +102,22 @@ class ServerRegistry:
         if not ids:
             return []
         alive = self.redis.mget([self.keys.server_alive(i) for i in ids])
-        return [
-            (ServerInfo(**json.loads(records[i.encode()])), flag is not None)
-            for i, flag in zip(ids, alive, strict=True)
-        ]
+        infos = [(_decode(ServerInfo, self.keys.servers, i, records[i.encode()]), flag is not None)
+                 for i, flag in zip(ids, alive, strict=True)]
+        return [(info, live) for info, live in infos if info is not None]
 
     def live_servers(self) -> list[ServerInfo]:
         return [info for info, live in self.all_servers() if live]
+
+
+def _decode(cls: type[R], key: str, name: str, raw: bytes) -> R | None:
+    """The record in field ``name`` of hash ``key``, without the fields this version does not know (a newer
+    component wrote them); None, logged with the key and field, for one that still does not parse, so a bad
+    record hides only itself, not every server from the pusher and the API."""
+    try:
+        data = json.loads(raw)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+    except (ValueError, TypeError, AttributeError) as exc:
+        log.warning("%s[%s]: record skipped, it does not parse: %s: %s", key, name, type(exc).__name__, exc)
+        return None

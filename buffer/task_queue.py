@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,42 +31,58 @@ log = logging.getLogger(__name__)
 
 SUBMIT_CHUNK = 1000
 
+# ARGV: job, kind, spec, now, submit id, chunk index, (task id, task)... Returns the job seq of the submit's first
+# task. Each chunk marks the job's ``submit`` field ``<submit id>:<chunk>:<first seq>``: a MULTI that runs again (the
+# client retrying after a lost reply) finds its own chunks marked and adds nothing.
 _SUBMIT = """
-local n = (#ARGV - 4) / 2
+local n, chunk = (#ARGV - 6) / 2, tonumber(ARGV[6])
+local mark = redis.call('HGET', KEYS[2], 'submit')
+local id, done, first
+if mark then id, done, first = string.match(mark, '^(.*):(%d+):(%d+)$') end
+if id == ARGV[5] and tonumber(done) >= chunk then return tonumber(first) end
 local kind = redis.call('HGET', KEYS[2], 'kind')
 if kind and kind ~= ARGV[2] then
   return redis.error_reply('job ' .. ARGV[1] .. ' is a ' .. kind .. ' job, cannot add ' .. ARGV[2] .. ' tasks')
 end
 local base = redis.call('HINCRBY', KEYS[2], 'submitted', n) - n
+if chunk == 0 then first = base end
+redis.call('HSET', KEYS[2], 'submit', ARGV[5] .. ':' .. chunk .. ':' .. first)
 redis.call('HSETNX', KEYS[2], 'kind', ARGV[2])
 redis.call('HSETNX', KEYS[2], 'created', ARGV[4])
 if ARGV[3] ~= '' then redis.call('HSETNX', KEYS[2], 'spec', ARGV[3]) end
 if redis.call('HGET', KEYS[2], 'state') ~= 'cancelled' then redis.call('HSET', KEYS[2], 'state', 'running') end
 redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[4])
 for i = 0, n - 1 do
-  local gid = ARGV[1] .. ':' .. (base + i) .. ':' .. ARGV[5 + 2 * i]
-  redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task', ARGV[6 + 2 * i])
+  local gid = ARGV[1] .. ':' .. (base + i) .. ':' .. ARGV[7 + 2 * i]
+  redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task', ARGV[8 + 2 * i])
 end
-return base
+return first
 """
 
-# Dead-letter one delivery, only if it is still pending (else another consumer already finished it).
-_DEAD_LETTER = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[4], 'kind', ARGV[5], 'gid', ARGV[3], 'task', ARGV[6],
-  'deliveries', ARGV[7], 'error', ARGV[8], 'entry_id', ARGV[2])
+# Ack one delivery, only if it is still pending for the consumer that ends it (ARGV: group, entry id, consumer).
+# XACK alone acks whoever holds the entry: a worker that lost its lease (frozen past it) would end the task that
+# another worker took over and is rolling out, whose group would then be dropped (its task gone).
+_ACK_OWN = """
+local held = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)[1]
+if not held or held[2] ~= ARGV[3] then return 0 end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+"""
+
+# Dead-letter one delivery (ARGV: ..., gid, job, kind, task, deliveries, error).
+_DEAD_LETTER = _ACK_OWN + """
+redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[5], 'kind', ARGV[6], 'gid', ARGV[4], 'task', ARGV[7],
+  'deliveries', ARGV[8], 'error', ARGV[9], 'entry_id', ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1)
-if redis.call('HDEL', KEYS[5], ARGV[3]) == 1 then redis.call('DECR', KEYS[4]) end
+if redis.call('HDEL', KEYS[5], ARGV[4]) == 1 then redis.call('DECR', KEYS[4]) end
 return 1
 """
 
-# Ack one delivery of a cancelled job's task, only if still pending: counted ``cancelled``, admission released.
-_CANCEL = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+# Ack one delivery of a cancelled job's task (ARGV: ..., gid): counted ``cancelled``, admission released.
+_CANCEL = _ACK_OWN + """
 redis.call('XDEL', KEYS[1], ARGV[2])
 redis.call('HINCRBY', KEYS[2], 'cancelled', 1)
-if redis.call('HDEL', KEYS[4], ARGV[3]) == 1 then redis.call('DECR', KEYS[3]) end
+if redis.call('HDEL', KEYS[4], ARGV[4]) == 1 then redis.call('DECR', KEYS[3]) end
 return 1
 """
 
@@ -78,16 +95,15 @@ if h[1] == 'running' and (tonumber(h[3]) or 0) + (tonumber(h[4]) or 0) < (tonumb
 end
 """
 
-# Put a pending task back at the tail as a new entry carrying its attempt count. Admission is kept (a hand-back),
-# or released when KEYS[2] and KEYS[3] (admitted, admitted ids) are given (a failed attempt: its retry waits at
-# the tail behind the backlog, so its slot goes to the next task; with max_staleness 0 a kept slot would leave
-# no room for any task, the retry included, and the run would stall).
-_REQUEUE = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[4], 'kind', ARGV[5], 'gid', ARGV[3], 'task', ARGV[6],
-  'attempts', ARGV[7], 'error', ARGV[8])
+# Put a pending task back at the tail as a new entry carrying its attempt count (ARGV: ..., gid, job, kind, task,
+# attempts, error). Admission is kept (a hand-back), or released when KEYS[2] and KEYS[3] (admitted, admitted ids)
+# are given (a failed attempt: its retry waits at the tail behind the backlog, so its slot goes to the next task;
+# with max_staleness 0 a kept slot would leave no room for any task, the retry included, and the run would stall).
+_REQUEUE = _ACK_OWN + """
+redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[5], 'kind', ARGV[6], 'gid', ARGV[4], 'task', ARGV[7],
+  'attempts', ARGV[8], 'error', ARGV[9])
 redis.call('XDEL', KEYS[1], ARGV[2])
-if #KEYS == 3 and redis.call('HDEL', KEYS[3], ARGV[3]) == 1 then redis.call('DECR', KEYS[2]) end
+if #KEYS == 3 and redis.call('HDEL', KEYS[3], ARGV[4]) == 1 then redis.call('DECR', KEYS[2]) end
 return 1
 """
 
@@ -103,6 +119,7 @@ class TaskEntry:
     group_id: str
     task: dict[str, Any]
     deliveries: int
+    consumer: str  # the one it was delivered to: only it may end the task (fail, dead-letter, cancel, hand back)
     last_error: str = ""
 
 
@@ -142,7 +159,9 @@ class TaskQueue:
         go in one MULTI/EXEC, which Redis runs whole, with nothing else in between (about 10 ms per chunk), or
         not at all. A write refused for memory fails every chunk at its first write (Redis decides that once, as
         EXEC starts; a chunk refused as it is queued aborts the EXEC), so a failed submit writes nothing.
-        ``spec`` (the job's rollout parameters as JSON) is stored on the first submit of the job.
+        ``spec`` (the job's rollout parameters as JSON) is stored on the first submit of the job. The client
+        retries a MULTI whose reply was lost (Redis restarting, a connection reset), and Redis may have run it:
+        the submit's id in the job hash makes that rerun add nothing (the last submit of a job is remembered).
         """
         stream = self.keys.tasks(kind)
         if not job_id or ":" in job_id:
@@ -153,15 +172,16 @@ class TaskQueue:
             if not isinstance(task_id, str) or not task_id:
                 raise ValueError(f"tasks[{i}].task_id: expected a non-empty string, got {task_id!r}")
             args += [task_id, json.dumps(task, separators=(",", ":"))]
-        now = f"{time.time():.3f}"
+        if not args:
+            return []
+        now, submit_id = f"{time.time():.3f}", secrets.token_hex(8)
         keys = [stream, self.keys.job(job_id), self.keys.jobs]
-        chunks = [args[start : start + 2 * SUBMIT_CHUNK] for start in range(0, len(args), 2 * SUBMIT_CHUNK)]
         pipe = self.redis.pipeline(transaction=True)
-        for chunk in chunks:
-            self._submit(keys, [job_id, kind, spec or "", now, *chunk], client=pipe)
-        bases = pipe.execute()
-        return [f"{job_id}:{int(base) + i}:{chunk[2 * i]}"
-                for base, chunk in zip(bases, chunks, strict=True) for i in range(len(chunk) // 2)]
+        for i, start in enumerate(range(0, len(args), 2 * SUBMIT_CHUNK)):
+            chunk = args[start : start + 2 * SUBMIT_CHUNK]
+            self._submit(keys, [job_id, kind, spec or "", now, submit_id, i, *chunk], client=pipe)
+        first = int(pipe.execute()[0])
+        return [f"{job_id}:{first + i}:{task_id}" for i, task_id in enumerate(args[::2])]
 
     def job(self, job_id: str) -> dict[str, str]:
         """The job hash: ``spec`` (JSON), ``kind``, ``state`` and counters (``submitted``, ``completed``,
@@ -205,7 +225,7 @@ class TaskQueue:
         out = []
         for stream, entries in reply or []:
             for entry_id, fields in entries:
-                entry = self._parse(stream.decode(), entry_id.decode(), fields, delivered=1)
+                entry = self._parse(stream.decode(), entry_id.decode(), fields, consumer, delivered=1)
                 if entry is not None:
                     out.append(entry)
         return out
@@ -226,10 +246,12 @@ class TaskQueue:
             log.warning("%s: %d pending task(s) had been deleted from the stream; acked them away", stream, deleted)
         if claimed:
             self.metrics.redeliveries.labels(stream=TASK_STREAMS[kind]).inc(len(claimed))
-        out = [self._parse(stream, entry_id, fields, delivered=n) for entry_id, n, fields in claimed]
+        out = [self._parse(stream, entry_id, fields, consumer, delivered=n) for entry_id, n, fields in claimed]
         return [e for e in out if e is not None]
 
-    def _parse(self, stream: str, entry_id: str, fields: dict[bytes, bytes], delivered: int) -> TaskEntry | None:
+    def _parse(
+        self, stream: str, entry_id: str, fields: dict[bytes, bytes], consumer: str, delivered: int
+    ) -> TaskEntry | None:
         """A ``TaskEntry``, or None after moving a malformed entry aside or dead-lettering an exhausted one."""
         try:
             text = {k.decode(): v.decode() for k, v in fields.items()}
@@ -243,7 +265,8 @@ class TaskQueue:
                 raise ValueError(f"task: expected a JSON object, got {type(task).__name__}")
             entry = TaskEntry(
                 stream, entry_id, text["job_id"], text["kind"], text["gid"], task,
-                deliveries=int(text.get("attempts", "0")) + delivered, last_error=text.get("error", ""),
+                deliveries=int(text.get("attempts", "0")) + delivered, consumer=consumer,
+                last_error=text.get("error", ""),
             )
         except (UnicodeDecodeError, ValueError) as exc:
             self.move_malformed(stream, entry_id, fields, f"task entry {entry_id}: {exc}")
@@ -266,14 +289,16 @@ class TaskQueue:
         self.metrics.malformed.labels(stream="tasks").inc()
 
     def _entry_args(self, entry: TaskEntry) -> list[Any]:
-        return [ROLLOUT_GROUP, entry.entry_id, entry.group_id, entry.job_id, entry.kind,
+        return [ROLLOUT_GROUP, entry.entry_id, entry.consumer, entry.group_id, entry.job_id, entry.kind,
                 json.dumps(entry.task, separators=(",", ":"))]
 
     def dead_letter(self, entry: TaskEntry, error: str) -> bool:
-        """Move a task to the dead-letter stream and release its admission; False if it was no longer pending."""
+        """Move a task to the dead-letter stream and release its admission; False if it was no longer pending for
+        its consumer."""
         keys = [entry.stream, self.keys.tasks_dead, self.keys.job(entry.job_id), self.keys.admitted,
                 self.keys.admitted_ids]
-        moved = bool(self._dead_letter(keys, [*self._entry_args(entry), entry.deliveries, error]))
+        moved = self._pending(entry, "dead-lettered",
+                              self._dead_letter(keys, [*self._entry_args(entry), entry.deliveries, error]))
         if moved:
             self.metrics.dead_letters.inc()
             log.warning("task %s (job %s) dead-lettered: %s", entry.group_id, entry.job_id, error)
@@ -281,9 +306,9 @@ class TaskQueue:
 
     def cancel(self, entry: TaskEntry) -> bool:
         """Ack a task of a cancelled job without rolling it out: the job counts it ``cancelled`` (not a dead
-        letter: dead letters are failures). False if it was no longer pending."""
+        letter: dead letters are failures). False if it was no longer pending for its consumer."""
         keys = [entry.stream, self.keys.job(entry.job_id), self.keys.admitted, self.keys.admitted_ids]
-        done = bool(self._cancel(keys, [ROLLOUT_GROUP, entry.entry_id, entry.group_id]))
+        done = self._pending(entry, "cancelled", self._cancel(keys, self._entry_args(entry)))
         if done:
             self.metrics.cancelled.labels(stream="tasks").inc()
             log.info("task %s of cancelled job %s acked away unrolled", entry.group_id, entry.job_id)
@@ -296,13 +321,25 @@ class TaskQueue:
         Returns True if the task was dead-lettered."""
         if entry.deliveries >= self.config.max_attempts:
             return self.dead_letter(entry, error)
-        self._requeue([entry.stream, self.keys.admitted, self.keys.admitted_ids],
-                      [*self._entry_args(entry), entry.deliveries, error])
+        self._pending(entry, "requeued", self._requeue([entry.stream, self.keys.admitted, self.keys.admitted_ids],
+                                                       [*self._entry_args(entry), entry.deliveries, error]))
         return False
 
-    def hand_back(self, entry: TaskEntry) -> None:
-        """Give a task back unprocessed (shutdown, or read one too many): requeued, this delivery not counted."""
-        self._requeue([entry.stream], [*self._entry_args(entry), entry.deliveries - 1, entry.last_error])
+    def hand_back(self, entry: TaskEntry) -> bool:
+        """Give a task back unprocessed (shutdown, or read one too many): requeued, this delivery not counted.
+        False if it was no longer pending for its consumer."""
+        return self._pending(entry, "handed back", self._requeue(
+            [entry.stream], [*self._entry_args(entry), entry.deliveries - 1, entry.last_error]))
+
+    @staticmethod
+    def _pending(entry: TaskEntry, action: str, done: int) -> bool:
+        """Whether a script found the task still pending for its consumer (``done``); if not, log that nothing was
+        done: the consumer lost its lease and another one took the task over, or ended it."""
+        if not done:
+            log.warning("task %s (job %s) not %s: entry %s of %s is no longer pending for %s (another consumer took "
+                        "it over, or ended it)", entry.group_id, entry.job_id, action, entry.entry_id, entry.stream,
+                        entry.consumer)
+        return bool(done)
 
     def renew(self, consumer: str, entries: Sequence[TaskEntry]) -> list[TaskEntry]:
         """Reset the idle time of tasks this consumer still holds, so live work is not reclaimed.

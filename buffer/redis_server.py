@@ -5,15 +5,23 @@ It listens on 127.0.0.1 (or a unix socket) with its own data directory; with AOF
 writes survive a crash of the server (``appendfsync always``) or of the machine within a second
 (``everysec``). ``connect`` uses ``REDIS_URL`` or ``redis.url`` instead when one is set, logging in as
 ``redis.username`` with ``redis.password`` when they are set (the embedded server then requires the password).
+
+The server runs in its own session, so a Ctrl-C at the terminal (SIGINT to the whole foreground process group)
+reaches only its owner, which stops it last, after its own shutdown. Its data directory is locked for the owner's
+life (and the server's: it inherits the lock), so a second owner of the same files is refused.
 """
 
 from __future__ import annotations
 
+import copy
 import errno
+import fcntl
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +41,10 @@ UNIX_PATH_MAX = 107
 
 class RedisStartError(RuntimeError):
     """redis-server did not come up; the message carries the tail of its log."""
+
+
+class DataDirInUse(RedisStartError):
+    """Another owner holds the embedded Redis's data directory; the message names it and that owner's pid."""
 
 
 def find_redis_server() -> Path:
@@ -81,6 +93,7 @@ class EmbeddedRedis:
         self.bind_timeout_s = bind_timeout_s
         self.password = password
         self.proc: subprocess.Popen | None = None
+        self._lock_fd: int | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -89,6 +102,10 @@ class EmbeddedRedis:
     @property
     def log_path(self) -> Path:
         return self.data_dir / "redis.log"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.data_dir / "redis.lock"
 
     @property
     def url(self) -> str:
@@ -131,6 +148,58 @@ class EmbeddedRedis:
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"redis-server already running (pid {self.proc.pid})")
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        try:
+            return self._start_locked()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _lock(self) -> None:
+        """Take the data directory (``flock`` on ``redis.lock``, kept while this object owns it), or raise
+        DataDirInUse naming the owner that holds it. The lock file records the owner's and the server's pids."""
+        if self._lock_fd is not None:
+            return
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DataDirInUse(
+                f"{self.data_dir}: the data directory of another embedded Redis ({self._holder()}); a second "
+                "redis-server on its files would corrupt them. Parts that share a run share one Redis: start one "
+                "and give every part its REDIS_URL (or redis.url)") from None
+        self._lock_fd = fd
+        self._record()
+
+    def _record(self) -> None:
+        assert self._lock_fd is not None
+        record = {"owner_pid": os.getpid(), "redis_server_pid": self.proc.pid if self.proc else None}
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, json.dumps(record).encode(), 0)
+
+    def _holder(self) -> str:
+        """Who holds the lock, as its file records it."""
+        try:
+            record = json.loads(self.lock_path.read_text())
+            owner, server = int(record["owner_pid"]), record.get("redis_server_pid")
+        except (OSError, ValueError, KeyError, TypeError):
+            return "its owner left no pid"
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            if server is not None:
+                return f"owner pid {owner} has exited; its redis-server pid {server} still runs on it: stop that one"
+        except PermissionError:  # another user's: alive
+            pass
+        return f"owner pid {owner}" + (f", redis-server pid {server}" if server else "")
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _start_locked(self) -> EmbeddedRedis:
         if self.unix_socket:
             if len(str(self.socket_path)) > UNIX_PATH_MAX:
                 raise RedisStartError(f"unix socket path {self.socket_path} is longer than {UNIX_PATH_MAX} bytes")
@@ -152,10 +221,12 @@ class EmbeddedRedis:
     def _launch(self) -> EmbeddedRedis:
         """One redis-server process; OSError(EADDRINUSE) when its port was busy, else RedisStartError."""
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        self.proc = subprocess.Popen(
+        assert self._lock_fd is not None
+        self.proc = subprocess.Popen(  # its own session: a terminal's SIGINT is for the owner, which stops it last
             self._argv(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            env={**MALLOC_ENV, **os.environ},
-        )
+            env={**MALLOC_ENV, **os.environ}, start_new_session=True, pass_fds=(self._lock_fd,),
+        )  # the lock goes with it: a server that outlives a killed owner still holds the directory
+        self._record()
         assert self.proc.stdin is not None
         with self.proc.stdin as stdin:
             if self.password is not None:
@@ -164,7 +235,7 @@ class EmbeddedRedis:
         if self._wait_ready():
             return self
         stderr = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-        self.stop()
+        self._end()
         this_run = b""
         if self.log_path.exists():
             with self.log_path.open("rb") as f:
@@ -193,10 +264,15 @@ class EmbeddedRedis:
             client.close()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM: Redis flushes the AOF and exits; escalate to SIGKILL only if it hangs."""
+        """SIGTERM: Redis flushes the AOF and exits; escalate to SIGKILL only if it hangs. The data directory
+        is then free for another owner."""
+        self._end(timeout_s)
+        self._unlock()
+
+    def _end(self, timeout_s: float = 30.0) -> None:
         if self.proc is None:
             return
-        stop_process(self.proc, timeout_s, name="redis-server")
+        stop_process(self.proc, timeout_s, name="redis-server", group=True)  # with an AOF rewrite it forked
         if self.proc.stderr:
             self.proc.stderr.close()
         self.proc = None
@@ -241,7 +317,11 @@ def connect(cfg: RedisConfig, run_dir: Path) -> tuple[redis.Redis, EmbeddedRedis
             unix_socket=cfg.unix_socket,
             port=cfg.port,
             password=cfg.password.get_secret_value() if cfg.password is not None else None,
-        ).start()
+        )
+        try:
+            server.start()
+        except DataDirInUse as exc:
+            raise ConfigError(f"{'redis.data_dir' if cfg.data_dir else 'run.dir'}: {exc}") from None
         url = server.url
     return client_for(url, cfg), server
 
@@ -259,25 +339,45 @@ def credentials(cfg: RedisConfig) -> dict[str, str]:
 class OutageRetry(Retry):
     """redis-py's retry with backoff, bounded by time instead of a count: a failing call is retried until
     ``outage_s`` has passed since its first try (redis-py nests the connect's retries inside the command's, so a
-    count multiplies), then fails with an error naming ``peer``."""
+    count multiplies), then fails with an error naming ``peer``. Once ``end()`` is called (its owner is shutting
+    down) nothing is retried: a Redis that is gone then must not hold a shutdown for the outage budget."""
 
     def __init__(self, peer: str, outage_s: float) -> None:
         super().__init__(ExponentialBackoff(cap=2.0, base=0.05), retries=-1)
         self.peer = peer
         self.outage_s = outage_s
+        self.ended = threading.Event()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OutageRetry:
+        """redis-py copies the retry into the client and each connection: the copies share ``ended``."""
+        memo[id(self.ended)] = self.ended
+        clone = copy.copy(self)
+        clone.__dict__ = copy.deepcopy(self.__dict__, memo)
+        return clone
+
+    def end(self) -> None:
+        self.ended.set()
 
     def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         deadline = time.monotonic() + self.outage_s
 
         def give_up_after_deadline(error: Exception, *count: int) -> None:
             fail(error, *count)
-            if time.monotonic() < deadline:
+            if time.monotonic() < deadline and not self.ended.is_set():
                 return
             if str(error).startswith(f"Redis at {self.peer}: "):  # a nested retry (the connect's) gave up
                 raise error
-            raise type(error)(f"Redis at {self.peer}: {error} (retried for {self.outage_s:g} s)") from error
+            why = "not retried: shutting down" if self.ended.is_set() else f"retried for {self.outage_s:g} s"
+            raise type(error)(f"Redis at {self.peer}: {error} ({why})") from error
 
         return super().call_with_retry(do, give_up_after_deadline, *args, **kwargs)
+
+
+def end_outage_retries(client: redis.Redis) -> None:
+    """From now on ``client`` (one of ``client_for``) retries nothing: its owner is shutting down."""
+    retry = client.get_retry()
+    if isinstance(retry, OutageRetry):
+        retry.end()
 
 
 def client_for(url: str, cfg: RedisConfig, outage_s: float = 60.0) -> redis.Redis:

@@ -1,0 +1,163 @@
+"""The embedded Redis and its owner. The standalone ``python -m rollout_server`` stops in seconds on a Ctrl-C, which
+the terminal sends to its whole process group: its embedded redis-server, in a session of its own, outlives the
+signal and is stopped last, after the server deregistered. A Redis that is really gone during the shutdown is said
+in one line, not waited for (the 60 s outage budget a running server rides out). A data directory has one owner:
+a second is refused by name, also while the redis-server of a killed owner still runs on it."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from buffer_helpers import client
+
+from buffer.keys import Keys
+from buffer.redis_server import DataDirInUse, EmbeddedRedis
+from buffer.registry import ServerRegistry
+
+ROOT = Path(__file__).resolve().parents[1]
+STOP_BOUND_S = 20.0  # the old shutdown waited out the outage budget twice: about 120 s
+OWNER = """
+import sys
+import redis
+from buffer.redis_server import EmbeddedRedis
+server = EmbeddedRedis(sys.argv[1]).start()
+redis.Redis.from_url(server.url).set("k", "v")
+print(server.proc.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+class Server:
+    """``python -m rollout_server`` with its own engine, alone in a new process group (as a terminal starts it)."""
+
+    def __init__(self, tmp: Path, model: Path, *extra: str) -> None:
+        self.log_path = tmp / "rollout.log"
+        argv = [sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp}", f"model.path={model}",
+                "model.init_if_missing=false", f"checkpoint.stage_dir={tmp / 'stage'}", "rollout.server_id=srv",
+                *extra]
+        env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+        env["ROLLWAVE_CHECKPOINT_TOKEN"] = secrets.token_urlsafe(32)
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         process_group=0)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_serving(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "rollout worker srv serving" not in self.log():
+            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}:\n{self.log()}"
+            assert time.monotonic() < deadline, f"not serving within {timeout_s:.0f} s:\n{self.log()}"
+            time.sleep(0.1)
+
+    def ctrl_c(self) -> None:
+        """SIGINT to the group, as a terminal's Ctrl-C; fails unless the server exits within the bound."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(STOP_BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not exit within {STOP_BOUND_S:.0f} s of a Ctrl-C:\n{self.log()}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def server(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Callable[..., Server]]:
+    started: list[Server] = []
+
+    def start(*extra: str) -> Server:
+        started.append(Server(tmp_path, tiny_model_dir, *extra))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.close()
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_ctrl_c_stops_a_server_and_its_embedded_redis_in_seconds(server, tmp_path: Path) -> None:
+    s = server()
+    s.wait_serving()
+    [redis_pid] = [p.pid for p in psutil.Process(s.proc.pid).children() if p.name() == "redis-server"]
+    s.ctrl_c()
+    assert s.proc.returncode == 0, s.log()
+    assert "ConnectionError" not in s.log() and "Redis at" not in s.log(), s.log()  # Redis was there to the end
+    assert gone(redis_pid), f"redis-server {redis_pid} outlived its owner"
+    with EmbeddedRedis(tmp_path / "t" / "redis") as again:  # the directory is free, the AOF holds the shutdown
+        assert ServerRegistry(client(again), Keys("t")).all_servers() == []
+
+
+def test_a_redis_gone_during_the_shutdown_is_said_once_and_not_waited_for(
+    server, redis_server: EmbeddedRedis
+) -> None:
+    s = server(f"redis.url={redis_server.url}")
+    s.wait_serving()
+    redis_server.kill()
+    time.sleep(1.0)  # the server rides out the outage meanwhile (its reads and heartbeat retry)
+    assert s.proc.poll() is None, s.log()
+    s.ctrl_c()
+    assert s.proc.returncode == 0, s.log()
+    said = [line for line in s.log().splitlines() if "Redis at" in line]
+    assert len(said) == 1 and "stopping without Redis" in said[0] and "not retried: shutting down" in said[0], s.log()
+
+
+def test_a_second_owner_of_a_data_dir_is_refused_while_the_first_or_its_server_lives(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The owner is a process with an embedded Redis in ``<run dir>/t/redis``; a rollout server on that run
+    directory is refused (config error, exit 2) naming the directory, the owner and REDIS_URL. Once the owner is
+    SIGKILLed its redis-server still runs on the files, and is named; once that is gone too, the directory (and its
+    data) is free."""
+    data_dir = (tmp_path / "t" / "redis").absolute()
+    redis_pid = None
+    with subprocess.Popen([sys.executable, "-c", OWNER, str(data_dir)], cwd=ROOT, stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as owner:
+        try:
+            assert owner.stdout is not None
+            redis_pid = int(owner.stdout.readline())
+            env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+            second = subprocess.run(
+                [sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp_path}",
+                 f"model.path={tiny_model_dir}", "model.init_if_missing=false", "engine.urls=[]"],
+                cwd=ROOT, env={**env, "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}, capture_output=True,
+                text=True, timeout=60,
+            )
+            assert second.returncode == 2, second.stderr
+            assert (f"error: run.dir: {data_dir}: the data directory of another embedded Redis (owner pid {owner.pid}, "
+                    f"redis-server pid {redis_pid})") in second.stderr, second.stderr
+            assert "give every part its REDIS_URL" in second.stderr
+            owner.kill()
+            owner.wait()
+            with pytest.raises(DataDirInUse, match=f"owner pid {owner.pid} has exited; its redis-server pid "
+                                                   f"{redis_pid} still runs on it"):
+                EmbeddedRedis(data_dir).start()
+            os.kill(redis_pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while not gone(redis_pid):
+                assert time.monotonic() < deadline, f"redis-server {redis_pid} did not stop on SIGTERM"
+                time.sleep(0.05)
+            with EmbeddedRedis(data_dir) as taken_over:
+                assert client(taken_over).get("k") == b"v"
+        finally:
+            owner.kill()
+            if redis_pid is not None and not gone(redis_pid):
+                os.kill(redis_pid, signal.SIGKILL)

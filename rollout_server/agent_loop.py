@@ -15,6 +15,10 @@ reward function failed). The last three are failures (``Sample.failed``), counte
 group out again rather than let it be trained as reward 0. Tools and rewards are the operator's code, each await
 bounded (``rollout.tool_timeout_s``, ``rollout.reward_timeout_s``): a tool call past it is answered to the model as
 an error (outcome ``timeout``), a tool create or a reward past it fails the episode.
+
+A task whose prompt alone leaves no room within ``max_total_tokens`` to generate a single token runs no episode:
+``run_group`` raises ``PromptTooLong``, and the worker dead-letters the task at once (it would fail the same way on
+every attempt; ending its samples ``max_total_tokens`` with reward 0 would train on bad input).
 """
 
 from __future__ import annotations
@@ -51,6 +55,16 @@ class State(enum.Enum):
 
 class EngineReplyError(ValueError):
     """A /generate reply that breaks the engine contract (lengths or ids that do not match)."""
+
+
+class PromptTooLong(ValueError):
+    """A task's prompt leaves no room to generate within ``rollout.max_total_tokens``: bad input, not bad luck, so
+    the task is dead-lettered rather than rolled out again or trained as reward 0."""
+
+    @classmethod
+    def of(cls, task_id: str, prompt_tokens: int, limit: int) -> PromptTooLong:
+        return cls(f"task {task_id}: its prompt is {prompt_tokens} tokens, which leaves no room to generate a token "
+                   f"within rollout.max_total_tokens ({limit})")
 
 
 def parse_version(version: Any) -> int:
@@ -153,12 +167,15 @@ class AgentLoop:
     async def run_group(
         self, task: Any, *, run: str, job_id: str, n: int | None = None, queued: float | None = None
     ) -> TrajectoryGroup:
-        """The ``n`` samples of ``task`` (default ``config.n_samples``), run concurrently, as one group."""
+        """The ``n`` samples of ``task`` (default ``config.n_samples``), run concurrently, as one group; raises
+        ``PromptTooLong`` before any runs when the prompt leaves no room to generate."""
         try:
             schemas = self.tools.schemas(task.tools)
         except KeyError as exc:  # a task/config mismatch: fail the group loudly
             raise ValueError(f"task {task.task_id}: {exc.args[0]}") from None
         prompt_ids = self.renderer.prompt_ids(task.messages, schemas)
+        if len(prompt_ids) >= self.config.max_total_tokens:
+            raise PromptTooLong.of(task.task_id, len(prompt_ids), self.config.max_total_tokens)
         queued = time.time() if queued is None else queued
         n = self.config.n_samples if n is None else n
         episodes = [asyncio.ensure_future(self.run_episode(task, i, prompt_ids, queued)) for i in range(n)]
@@ -225,13 +242,10 @@ class AgentLoop:
         }
 
     async def _generate(self, task: Any, ep: Episode) -> tuple[list[ToolCall], list[ToolCallError]]:
-        """One assistant turn; sets the next state. Returns the parsed calls when tools are next."""
+        """One assistant turn; sets the next state. Returns the parsed calls when tools are next. The context has
+        room for at least one token: ``run_group`` checked the prompt, ``_call_tools`` each tool turn."""
         cfg = self.config
-        budget = cfg.max_total_tokens - len(ep.builder)
-        if budget <= 0:
-            ep.finish("max_total_tokens")
-            return [], []
-        max_new = min(cfg.max_new_tokens, budget)
+        max_new = min(cfg.max_new_tokens, cfg.max_total_tokens - len(ep.builder))
         rid = f"{task.task_id}-{ep.sample_index}-{ep.num_turns}-{uuid.uuid4().hex[:8]}"
         try:
             reply = await self.engine.generate(

@@ -44,7 +44,7 @@ class RolloutMetrics:
             _P + "failed",
             "Episodes that failed, never trained: the agent loop's (engine, abort, tool, reward), whose group is "
             "rolled out again, and the episode endpoint's (its finish reason: agent_error, agent_timeout, "
-            "history_mismatch, error, abort)",
+            "history_mismatch, error, abort, prompt_too_long)",
             ["reason"],
             registry=r,
         )
@@ -83,6 +83,14 @@ class RolloutMetrics:
             _P + "tasks_handed_back",
             "Tasks handed back to the queue unacked, any group they made dropped (stopped_awaiting_admission, "
             "failed_while_stopping, buffer_closed, cancelled)",
+            ["reason"],
+            registry=r,
+        )
+        self.tasks_dead_lettered = Counter(
+            _P + "tasks_dead_lettered",
+            "Tasks this server dead-lettered at once, as every attempt would fail the same way: invalid_task (the "
+            "task or its job spec), agent_not_allowed (not in rollout.agent_allowlist), prompt_too_long (the prompt "
+            "leaves no room to generate within rollout.max_total_tokens)",
             ["reason"],
             registry=r,
         )

@@ -11,7 +11,9 @@ engine saw. An agent that edited its history is still answered, but its episode 
 ``history_mismatch``, counted, and never trained. An engine abort is answered 503 ``engine_aborted`` and
 fails the episode (``abort``, never trained). A turn is cut off (``length``; ``max_total_tokens`` at the context
 budget) only when it lacks its end token, and an episode whose next request no longer fits the context (400
-``context_length_exceeded``) ends ``max_total_tokens``: both count as truncated.
+``context_length_exceeded``) ends ``max_total_tokens``: both count as truncated. A first request that does not fit
+gets the same 400 but ends the episode ``prompt_too_long``: the worker dead-letters the task, as the built-in loop
+does with a prompt that leaves no room to generate.
 
 Sampling (temperature, top_p, top_k, the max_new_tokens cap) is the job's, whatever the request says,
 so behaviour logprobs match what the trainer assumes. ``stop`` sequences end the turn (the tokens through the
@@ -54,7 +56,7 @@ from buffer.schema import Sample, ToolCallRecord
 from core.config import RolloutConfig
 from core.rewards import RewardComputer
 from core.trajectory import ChatRenderer, TrajectoryBuilder
-from rollout_server.agent_loop import EngineReplyError, turn_from_reply
+from rollout_server.agent_loop import EngineReplyError, PromptTooLong, turn_from_reply
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.tool_parser import parse_tool_calls
@@ -503,7 +505,11 @@ class EpisodeStore:
         limit = ep.config.max_total_tokens
         if ep.builder is None:
             ids = self.renderer.prompt_ids([template_message(m) for m in messages], tools)
-            self._check_context(len(ids), limit)
+            try:
+                self._check_context(len(ids), limit)
+            except APIError:  # the prompt leaves no room: the task fails, as in the built-in loop (never retried)
+                self.fail(ep, "prompt_too_long", str(PromptTooLong.of(ep.task.task_id, len(ids), limit)))
+                raise
             ep.builder, ep.messages, ep.tools = TrajectoryBuilder(ids), [dict(m) for m in messages], tools
             return
         n = len(ep.messages)

@@ -7,7 +7,9 @@ registry and renews the leases of the tasks it holds, so only a dead worker's ta
 
 On ``stop()`` (SIGTERM) it reads no more, lets in-flight groups finish for ``shutdown_grace_s``, then
 hands the rest back to the queue unacked; nothing it held is lost. The checkpoint receiver runs beside
-it (``rollout_server.__main__``) and outlives it, so a weight swap never interrupts the drain.
+it (``rollout_server.__main__``) and outlives it, so a weight swap never interrupts the drain. A Redis outage is
+no longer ridden out once it stops: a Redis that is gone then is said in one line, and the worker exits without
+it (its tasks stay pending, for other servers to reclaim once Redis is back).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pydantic import ValidationError
 
 from buffer.keys import Keys
 from buffer.metrics import BufferMetrics
+from buffer.redis_server import end_outage_retries
 from buffer.registry import ServerInfo, ServerRegistry
 from buffer.replay import BufferClosed, ReplayBuffer
 from buffer.schema import TrajectoryGroup
@@ -36,7 +39,7 @@ from buffer.task_queue import TaskEntry, TaskQueue
 from core.config import BufferConfig, RolloutConfig
 from core.jobs import JobSpec, rollout_settings
 from core.tasks import Task
-from rollout_server.agent_loop import AgentLoop, parse_version
+from rollout_server.agent_loop import AgentLoop, PromptTooLong, parse_version
 from rollout_server.agent_runner import run_agent, start_fork_server
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
@@ -49,6 +52,7 @@ T = TypeVar("T")
 READ_BLOCK_MS = 500
 ADMISSION_POLL_MS = 50  # how long a read waits while only admission keeps train slots empty (room opens at a push)
 MAX_CACHED_LOOPS = 64
+REDIS_GONE = (redis.ConnectionError, redis.TimeoutError)  # what a stopping worker does not wait out
 TRAJECTORY_LOG_LEN = 20_000  # per job, for inspection through the API
 
 
@@ -105,40 +109,50 @@ class RolloutWorker:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def stop(self) -> None:
-        """Ask the worker to shut down gracefully (safe from a signal handler)."""
+        """Ask the worker to shut down gracefully (safe from a signal handler); Redis calls fail at once from now
+        on rather than wait out an outage."""
         self._stopping.set()
+        end_outage_retries(self.redis)
 
     async def run(self) -> None:
         """Read tasks while slots are free and run each group as its own asyncio task, until ``stop()``."""
         await self._start()
         beat = asyncio.create_task(self._heartbeat_loop())
         try:
-            while not self._stopping.is_set():
-                wanted, shut_slots = await self._free_slots()
-                wait_ms = ADMISSION_POLL_MS if shut_slots else READ_BLOCK_MS
-                entries: list[TaskEntry] = []
-                if shut_slots:  # a dead server's admitted tasks may hold the whole window: taking them over opens it
-                    entries += await self._call(self.tasks.reclaim, self.consumer, shut_slots, "train")
-                idle = not self._inflight  # eval slots are free then, so something is wanted
-                for i, (kind, count) in enumerate(wanted):
-                    block = wait_ms if idle and i == len(wanted) - 1 and not entries else 0
-                    entries += await self._call(self.tasks.read, self.consumer, count, block, (kind,))
-                if not entries and self._inflight:  # a group that ends frees a slot: wait on that, not in a read
-                    await asyncio.wait(list(self._inflight), timeout=wait_ms / 1000,
-                                       return_when=asyncio.FIRST_COMPLETED)
-                working = {e.entry_id for e in self._inflight.values()}
-                for entry in entries:
-                    if entry.entry_id in working:  # its renewal came late and the own rescan took it: still ours
-                        continue
-                    if entry.kind == "train":
-                        self._unadmitted.add(entry.group_id)
-                    task = asyncio.create_task(self._handle(entry), name=f"group {entry.group_id}")
-                    self._inflight[task] = entry
-                    task.add_done_callback(self._inflight.pop)
+            try:
+                await self._serve()
+            except REDIS_GONE:
+                if not self._stopping.is_set():
+                    raise  # Redis gone under a shutdown: said once, in _close
             await self._drain()
         finally:
             beat.cancel()
             await self._close()
+
+    async def _serve(self) -> None:
+        """The loop of ``run``: take tasks into free slots until ``stop()``."""
+        while not self._stopping.is_set():
+            wanted, shut_slots = await self._free_slots()
+            wait_ms = ADMISSION_POLL_MS if shut_slots else READ_BLOCK_MS
+            entries: list[TaskEntry] = []
+            if shut_slots:  # a dead server's admitted tasks may hold the whole window: taking them over opens it
+                entries += await self._call(self.tasks.reclaim, self.consumer, shut_slots, "train")
+            idle = not self._inflight  # eval slots are free then, so something is wanted
+            for i, (kind, count) in enumerate(wanted):
+                block = wait_ms if idle and i == len(wanted) - 1 and not entries else 0
+                entries += await self._call(self.tasks.read, self.consumer, count, block, (kind,))
+            if not entries and self._inflight:  # a group that ends frees a slot: wait on that, not in a read
+                await asyncio.wait(list(self._inflight), timeout=wait_ms / 1000,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            working = {e.entry_id for e in self._inflight.values()}
+            for entry in entries:
+                if entry.entry_id in working:  # its renewal came late and the own rescan took it: still ours
+                    continue
+                if entry.kind == "train":
+                    self._unadmitted.add(entry.group_id)
+                task = asyncio.create_task(self._handle(entry), name=f"group {entry.group_id}")
+                self._inflight[task] = entry
+                task.add_done_callback(self._inflight.pop)
 
     async def _free_slots(self) -> tuple[list[tuple[str, int]], int]:
         """(kind, how many to read), eval first, train no more than staleness admission has room for; and how
@@ -207,10 +221,11 @@ class RolloutWorker:
                 return
             await self._put(group, entry)
         except ValidationError as exc:  # a bad task or job spec will not get better: no retries
-            await self._call(self.tasks.dead_letter, entry, f"invalid task or job spec: {exc}")
+            await self._dead_letter(entry, "invalid_task", f"invalid task or job spec: {exc}")
         except PermissionError as exc:  # nor will an agent this server does not allow
-            log.warning("group %s refused: %s", entry.group_id, exc)
-            await self._call(self.tasks.dead_letter, entry, str(exc))
+            await self._dead_letter(entry, "agent_not_allowed", str(exc))
+        except PromptTooLong as exc:  # nor a prompt that does not fit the context
+            await self._dead_letter(entry, "prompt_too_long", str(exc))
         except BufferClosed as exc:
             await self._hand_back(entry, "buffer_closed", str(exc))
         except asyncio.CancelledError:
@@ -225,12 +240,19 @@ class RolloutWorker:
         finally:
             self._unadmitted.discard(entry.group_id)
 
+    async def _dead_letter(self, entry: TaskEntry, reason: str, error: str) -> None:
+        """Dead-letter a task that every attempt would fail the same way, without retries; counted by ``reason``
+        (the queue logs it with ``error``). Not counted when another worker ended the task meanwhile."""
+        if await self._call(self.tasks.dead_letter, entry, error):
+            self.metrics.tasks_dead_lettered.labels(reason=reason).inc()
+
     async def _hand_back(self, entry: TaskEntry, reason: str, why: str) -> None:
         """Requeue a task unacked, dropping any group it made; logged and counted by ``reason``, so work given
-        back (and rolled out again by some server) is seen, not silently lost time."""
-        log.warning("group %s: %s; its task is handed back", entry.group_id, why)
-        self.metrics.tasks_handed_back.labels(reason=reason).inc()
-        await self._call(self.tasks.hand_back, entry)
+        back (and rolled out again by some server) is seen, not silently lost time. Not counted when the task was no
+        longer this worker's (it lost its lease; the queue logs that)."""
+        if await self._call(self.tasks.hand_back, entry):
+            log.warning("group %s: %s; its task is handed back", entry.group_id, why)
+            self.metrics.tasks_handed_back.labels(reason=reason).inc()
 
     async def _put(self, group: Any, entry: TaskEntry) -> None:
         """Write the group and ack its task, then log its samples for reading back through the API (not those of
@@ -285,7 +307,8 @@ class RolloutWorker:
 
     async def _agent_group(self, entrypoint: str, loop: AgentLoop, task: Task, entry: TaskEntry) -> TrajectoryGroup:
         """The job's agent run once per sample against the episode endpoint. A train group keeps only the
-        samples that can be trained (not failed, not edited); an eval group keeps all (failed score 0)."""
+        samples that can be trained (not failed, not edited); an eval group keeps all (failed score 0). An agent
+        whose first request does not fit the context fails the task (``PromptTooLong``), as the built-in loop does."""
         queued = time.time()
 
         async def one(index: int) -> Any:
@@ -306,6 +329,9 @@ class RolloutWorker:
             return await self.episodes.close(ep)
 
         samples = list(await asyncio.gather(*(one(i) for i in range(loop.config.n_samples))))
+        too_long = next((s for s in samples if s.finish_reason == "prompt_too_long"), None)
+        if too_long is not None:  # as the built-in loop's: the task is bad input, in a train or an eval job
+            raise PromptTooLong(too_long.reward_info["error"])
         if entry.kind == "train":
             for sample in samples:
                 if sample.finish_reason in FAILED_REASONS:
@@ -342,7 +368,8 @@ class RolloutWorker:
                                 "(the buffer keeps one)", entry.group_id)
                 await self._call(self.buffer_metrics.observe, self.redis, self.keys)
             except redis.RedisError as exc:
-                log.warning("heartbeat: %s: %s", type(exc).__name__, exc)
+                if not (self._stopping.is_set() and isinstance(exc, REDIS_GONE)):  # _close says that
+                    log.warning("heartbeat: %s: %s", type(exc).__name__, exc)
 
     async def _engine_version(self, stage: str, timeout_s: float | None = None) -> int:
         """The version the first engine serves; the last one known when it cannot be read within ``timeout_s``
@@ -375,6 +402,7 @@ class RolloutWorker:
     async def _close(self) -> None:
         try:
             await self._call(self.servers.deregister, self.consumer)
-        except redis.ConnectionError as exc:
-            log.warning("could not deregister %s: %s", self.consumer, exc)
+        except REDIS_GONE as exc:
+            log.warning("stopping without Redis (%s): %s stays registered until its entry expires, and the tasks it "
+                        "held are reclaimed by other servers once Redis is back", exc, self.consumer)
         self._pool.shutdown(wait=True)

@@ -126,8 +126,9 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def die_with_parent() -> None:
-    """SIGTERM this process when the launcher that started it dies (``PARENT_PID_ENV`` names that launcher).
+def die_with_parent() -> bool:
+    """SIGTERM this process when the launcher that started it dies (``PARENT_PID_ENV`` names that launcher);
+    whether a launcher started it.
 
     The kernel sends it when the *thread* that started this process ends (``PR_SET_PDEATHSIG``), so a launcher
     starts its children from a thread that lives as long as they should run (``EngineProcess.launch``).
@@ -138,9 +139,11 @@ def die_with_parent() -> None:
     (grpc/grpc#43055). The launcher that died before the signal was armed is caught by the pid check.
     """
     parent = os.environ.pop(PARENT_PID_ENV, None)  # a child of this component has another parent
-    if parent is None or sys.platform != "linux":  # not launched by a launcher, or no prctl
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if parent is None:  # not launched by a launcher
+        return False
+    if sys.platform == "linux":  # else no prctl
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(parent):
         log.error("the launcher (pid %s) is gone; exiting", parent)
         raise SystemExit(1)
+    return True

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -420,3 +423,16 @@ def test_a_model_without_a_tokenizer_is_refused_and_the_engine_says_why(
     with pytest.raises(RuntimeError, match="engine exited with code 1"):
         EngineProcess(bare, threads=1).start(60)
     assert f"{bare} has no tokenizer (none of tokenizer.json, tokenizer_config.json" in capfd.readouterr().out
+
+
+def test_an_engine_its_owner_started_leaves_a_ctrl_c_to_the_owner(tiny_model_dir: Path) -> None:
+    """A Ctrl-C at the terminal reaches the rollout server's whole process group, its engine too: the engine keeps
+    serving (the server's groups in flight need it while the server drains) until the server stops it (SIGTERM)."""
+    with EngineProcess(tiny_model_dir, max_batch_size=4, threads=1) as proc, ThreadPoolExecutor(1) as pool:
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+        running = pool.submit(post, proc.url, "/generate", body)
+        time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGINT)
+        assert running.result(timeout=120).status_code == 200
+        time.sleep(0.5)
+        assert httpx.get(proc.url + "/health", timeout=10).status_code == 200

@@ -2,7 +2,8 @@
 
 ``--fd N`` serves on a listening socket the parent bound (``EngineProcess``) instead of binding one.
 The API key comes from the environment (``ROLLWAVE_ENGINE_API_KEY``), never the command line; without one
-the engine serves loopback only.
+the engine serves loopback only. Started by a rollout server (``EngineProcess``), it leaves a Ctrl-C at the
+terminal to that owner, which stops it once its own groups are drained.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
+from types import FrameType
 
 import torch
 import uvicorn
@@ -50,9 +53,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class OwnedServer(uvicorn.Server):
+    """The server of an engine that its rollout server started. A Ctrl-C at the terminal (SIGINT to the whole
+    foreground process group) is the owner's to handle: it drains its groups, which need the engine, then stops
+    the engine (SIGTERM). Stopping at the SIGINT would fail the turns in flight."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGINT:
+            super().handle_exit(sig, frame)
+
+
 def main(argv: list[str] | None = None) -> None:
     prepare_component()
-    die_with_parent()
+    owned = die_with_parent()
+    if owned:  # until the server runs (loading the model), as OwnedServer then
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = parse_args(argv)
     api_key = os.environ.get(ENGINE_KEY_ENV) or None
     if api_key is not None and len(api_key) < MIN_SECRET_CHARS:
@@ -87,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("rollout_server.engine").warning("serving on %s:%d", args.host, sock.getsockname()[1])
     config = uvicorn.Config(create_app(engine, spec, api_key), log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=10)
-    uvicorn.Server(config).run(sockets=[sock])
+    (OwnedServer if owned else uvicorn.Server)(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ from typing import Any
 
 import grpc
 import xxhash
+from pydantic import ValidationError
 
+from core.config import LoraConfig
 from core.lora import PREFIX as LORA_PREFIX
 from proto import checkpoint_pb2 as pb
 
@@ -120,12 +122,17 @@ TensorSpecs = dict[str, tuple[str | None, tuple[int, ...]]]  # name -> (dtype, N
 def adapter_specs(adapter_config: str, served: dict[str, tuple[str, tuple[int, ...]]]) -> TensorSpecs:
     """The tensors a LoRA adapter of the served model must have, by peft's saved names: for every served
     ``<module>.weight`` [out, in] whose module ``adapter_config``'s ``target_modules`` names (the whole name or
-    its last parts), ``lora_A`` [r, in] and ``lora_B`` [out, r], in any floating dtype."""
+    its last parts), ``lora_A`` [r, in] and ``lora_B`` [out, r], in any floating dtype. ``r`` sizes the staged
+    file, so it must be in the range the trainer allows (``model.lora.rank``), whatever a manifest claims."""
     try:
         config = json.loads(adapter_config)
-        rank, targets = int(config["r"]), config["target_modules"]
+        r, targets = config["r"], config["target_modules"]
     except (ValueError, KeyError, TypeError) as exc:
         raise StageError("manifest", f"adapter_config: not a peft LoRA config ({exc!r})") from None
+    try:
+        rank = LoraConfig(rank=r).rank
+    except ValidationError as exc:
+        raise StageError("manifest", f"adapter_config: r={r!r}: {exc.errors()[0]['msg']} (model.lora.rank)") from None
     if isinstance(targets, str):
         targets = [targets]
     specs: TensorSpecs = {}
@@ -204,12 +211,16 @@ class StagedFile:
         # An existing file at ``path`` is overwritten in place: its tmpfs pages are reused, not zeroed again.
         size = self.base + self.total
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        os.ftruncate(self._fd, size)
-        os.write(self._fd, struct.pack("<Q", len(raw)) + raw)
-        # Allocating the tmpfs pages in one call is ~10x cheaper than faulting them in chunk by chunk; a file
-        # with every page allocated is left alone (fallocate would still walk its pages, 13 ms per 390 MiB).
-        if os.fstat(self._fd).st_blocks * 512 < size:
-            os.posix_fallocate(self._fd, 0, size)
+        try:
+            os.ftruncate(self._fd, size)
+            os.write(self._fd, struct.pack("<Q", len(raw)) + raw)
+            # Allocating the tmpfs pages in one call is ~10x cheaper than faulting them in chunk by chunk; a file
+            # with every page allocated is left alone (fallocate would still walk its pages, 13 ms per 390 MiB).
+            if os.fstat(self._fd).st_blocks * 512 < size:
+                os.posix_fallocate(self._fd, 0, size)
+        except BaseException:  # a file system that cannot take it: the caller never gets the file to close
+            os.close(self._fd)
+            raise
 
     def write(self, offset: int, data: memoryview) -> None:
         """Append one slice; chunks must arrive in offset order (the digests are computed on the fly)."""

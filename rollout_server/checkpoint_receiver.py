@@ -7,7 +7,8 @@ adapter's push (``Manifest.adapter_config``) is staged as a peft adapter directo
 it by name (``/load_lora_adapter``, replacing the one served), reports the checksum the engine gives for it
 (so the pusher verifies the delivery) and tells the rollout worker to name it on its requests.
 The manifest is checked against the served model before any byte is accepted, and a stage
-that fails (bad manifest, checksum, offsets, cut stream) is deleted: the server keeps its version.
+that fails (bad manifest, checksum, offsets, cut stream, a staging area that cannot take it) is deleted: the
+server keeps its version.
 A Stage's bytes come over the server's stage port (``rollout_server.stage_port``) when its
 manifest carries a ticket, else in the stream itself. The server is ``grpc.aio`` on the rollout server's
 event loop, so Commit awaits the same async engine client the agent loop uses. Every call needs the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import shutil
@@ -235,8 +237,8 @@ class CheckpointService:
         final = self.stage_root / f"v{version}"
         partial = self.stage_root / f"v{version}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
         try:
+            partial.mkdir(parents=True)
             if manifest.adapter_config:
                 (partial / ADAPTER_CONFIG).write_text(manifest.adapter_config)
             else:
@@ -251,11 +253,15 @@ class CheckpointService:
             finally:
                 staged.close()
             self._publish_stage(version, partial, final)
-        except grpc.RpcError as exc:
+        except BaseException as exc:
             shutil.rmtree(partial, ignore_errors=True)
-            raise StageError("stream", f"stream of version {version} broke: {exc}") from exc
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
+            if isinstance(exc, grpc.RpcError):
+                raise StageError("stream", f"stream of version {version} broke: {exc}") from exc
+            if isinstance(exc, OSError):  # the staging area's file system (full, a file size limit): not the stream
+                full = exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+                raise StageError("storage", f"version {version} ({manifest.total_bytes} bytes) cannot be staged in "
+                                            f"{exc.filename or partial}: {exc.strerror or exc}",
+                                 grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.INTERNAL) from exc
             raise
         return version, staged.received
 

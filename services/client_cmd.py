@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from tqdm import tqdm
@@ -19,6 +20,7 @@ from core.text_files import TextFileError, line_of, read_text, yaml_key_lines
 from services.cli import CliError
 
 TOKEN_ENV = SECRETS["api.token"]
+REDIS_OUTAGE_S = 60.0  # how long a wait rides out the API's 503s (its Redis restarting), as the components do
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -42,11 +44,16 @@ def _get(client: httpx.Client, path: str, **params: Any) -> Any:
 
 
 def _json(reply: httpx.Response, where: Callable[[list[Any]], str] = lambda _loc: "") -> Any:
-    """The reply's body, or a CliError naming what the API refused (exit 2 for 4xx, 1 for 5xx); ``where`` gives
-    the ``file:line: `` of a refused field's location in the body (a job file's)."""
-    if reply.status_code < 400:
-        return reply.json()
-    status, what = reply.status_code, f"{reply.request.method} {reply.request.url.path}"
+    """The reply's body, or a CliError naming the call (its whole URL: which API answered) and what the API refused
+    (exit 2 for 4xx, 1 for 5xx), or that a success carried no JSON (exit 2: --api is some other server); ``where``
+    gives the ``file:line: `` of a refused field's location in the body (a job file's)."""
+    status, what = reply.status_code, f"{reply.request.method} {reply.request.url}"
+    if status < 400:
+        try:
+            return reply.json()
+        except ValueError:
+            kind = reply.headers.get("content-type", "no content type")
+            raise CliError(f"{what}: HTTP {status} with no JSON ({kind}): is --api the rollwave API?") from None
     try:
         body = reply.json()
     except ValueError:  # not the rollwave API, or a proxy in front of it
@@ -126,12 +133,15 @@ def submit(args: argparse.Namespace) -> int:
 
 
 def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = None,
-                 poll_s: float = 1.0) -> dict[str, Any]:
+                 poll_s: float = 1.0, outage_s: float = REDIS_OUTAGE_S) -> dict[str, Any]:
     """Poll until the job is done or cancelled, with a progress bar of finished tasks; ``TimeoutError`` once
     ``timeout_s`` passed (None: as long as the job runs); a ``CliError`` (exit 1) saying why as soon as the job
-    is ``stalled`` (the trainer finished with groups of this train job left: waiting longer cannot help)."""
+    is ``stalled`` (the trainer finished with groups of this train job left: waiting longer cannot help). The API
+    answers 503 while its Redis is away (a restart): polls keep the last progress through ``outage_s`` of those."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    job = _get(client, f"/v1/jobs/{job_id}")
+    path = f"/v1/jobs/{job_id}"
+    job = _get(client, path)
+    outage_since: float | None = None
     with tqdm(total=job["progress"]["submitted"], desc=f"job {job_id}", unit="task") as bar:
         while True:
             p = job["progress"]
@@ -147,7 +157,13 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = No
                                    f"{bar.n} of {p['submitted']} tasks finished (is a rollout server up? see "
                                    "rollwave status)")
             time.sleep(poll_s)
-            job = _get(client, f"/v1/jobs/{job_id}")
+            reply = client.get(path)
+            if reply.status_code == 503:
+                outage_since = outage_since or time.monotonic()
+                if time.monotonic() - outage_since < outage_s:
+                    continue
+            outage_since = None
+            job = _json(reply)
 
 
 def _job_rows(jobs: list[dict[str, Any]]) -> list[str]:
@@ -228,7 +244,7 @@ def trajectories(args: argparse.Namespace) -> int:
     with _client(args) as client:
         cursor = ""
         while True:
-            page = _get(client, f"/v1/jobs/{args.job}/trajectories", cursor=cursor, limit=args.limit)
+            page = _get(client, f"/v1/jobs/{quote(args.job, safe='')}/trajectories", cursor=cursor, limit=args.limit)
             for item in page["items"]:
                 print(json.dumps(item) if args.json else _format_trajectory(item))
             cursor = page["next"]

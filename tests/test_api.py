@@ -271,7 +271,7 @@ def test_ops_endpoints(api: httpx.Client) -> None:
     assert api.get("/readyz").json() == {"status": "ready"}
     assert "rollwave_api_jobs_submitted_total" in api.get("/metrics").text
     assert api.get("/openapi.json").json()["info"]["title"] == "rollwave"
-    assert api.get("/docs").status_code == 200
+    assert api.get("/docs").status_code == 404  # its page loads a CDN's script: see test_api_pages
     status = api.get("/v1/status").json()
     assert status["version"] == 0 and status["servers"] == [] and status["buffer"]["groups"]["length"] == 0
     summary = api.get("/v1/metrics/summary").json()

@@ -6,7 +6,8 @@ rebinding; the unauthenticated ops probes are exempt, kubelet and Prometheus rea
 over ``api.max_body_bytes`` get 413; jobs read files only under ``api.data_root``, hold at most
 ``api.max_job_tasks`` tasks, name reward functions, agents and tools the run allows, and give each tool a task
 gets the create kwargs it requires; a train job submitted once the run's trainer finished gets 409 (nothing would
-train it). Each refusal is logged and counted.
+train it). Each refusal is logged and counted. While Redis is away or stuck a request is answered 503 naming it
+within about ``redis.timeout_s``: the API does not ride out the outage the other components do.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from buffer.keys import Keys
-from buffer.redis_server import connect
+from buffer.redis_server import OutageRetry, connect
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
 from core.config import Config, ConfigError, require_secret
@@ -47,6 +48,8 @@ from services.api.sampler import MetricsSampler
 STATIC = Path(__file__).resolve().parent.parent / "static"
 OPS_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 log = logging.getLogger(__name__)
+
+
 class Refuse(Protocol):
     """Logs a refused request with the reason (and what was wrong) and counts it by reason."""
 
@@ -103,6 +106,15 @@ class ApiState:
             "rollwave_api_jobs_submitted_total", "Jobs accepted", ["kind"], registry=self.registry
         )
         self.jobs_rejected = Counter("rollwave_api_jobs_rejected_total", "Jobs rejected", registry=self.registry)
+
+
+def _answer_within(client: redis.Redis, seconds: float) -> None:
+    """Retry a failed Redis call for ``seconds`` only, not the outage budget of ``client_for``: a request held
+    for a whole Redis restart outlives its caller (the CLI's timeout, a 3 s readiness probe) and holds a threadpool
+    thread meanwhile. The caller gets a 503 naming Redis and asks again."""
+    retry = client.get_retry()
+    if isinstance(retry, OutageRetry):
+        client.set_retry(OutageRetry(retry.peer, seconds))
 
 
 def _state(request: Request) -> ApiState:
@@ -219,7 +231,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     registry = CollectorRegistry()
     refused = Counter(
         "rollwave_api_requests_refused_total",
-        "Requests refused (auth, host, body_size, validation, cursor, not_found, trainer_finished)", ["reason"],
+        "Requests refused (auth, host, body_size, validation, cursor, not_found, trainer_finished, redis)", ["reason"],
         registry=registry,
     )
     refuse = _refused(refused)
@@ -234,6 +246,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         api.queue.ensure_groups()
         if url is not None:
             conn.hset(api.keys.api, mapping={"url": url, "pid": os.getpid()})
+        _answer_within(conn, cfg.redis.timeout_s)  # started (Redis rode out meanwhile): now requests are served
         app.state.api = api
         sampler = asyncio.create_task(api.sampler.run())
         try:
@@ -244,7 +257,9 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
             if owned is not None:
                 owned.stop()
 
-    app = FastAPI(title="rollwave", version="0.1.0", lifespan=lifespan)
+    # no /docs or /redoc: their pages load scripts from a CDN, on the origin whose localStorage keeps the
+    # dashboard's token; /openapi.json serves the schema
+    app = FastAPI(title="rollwave", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     @app.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound) -> JSONResponse:
@@ -256,6 +271,13 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         refuse("cursor", request.scope, str(exc))
         detail = [{"loc": ["query", "cursor"], "msg": str(exc), "type": "value_error"}]
         return JSONResponse({"detail": detail}, status_code=422)
+
+    @app.exception_handler(redis.RedisError)
+    async def redis_unavailable(request: Request, exc: redis.RedisError) -> JSONResponse:
+        """Redis gone, stuck or refusing: a 503 naming it (its errors name the server), not a 500."""
+        refuse("redis", request.scope, f"{type(exc).__name__}: {exc}")
+        return JSONResponse({"detail": f"the run's Redis failed this request ({type(exc).__name__}: {exc}); try "
+                                       "again once it answers (GET /readyz says when)"}, status_code=503)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -44,9 +44,11 @@
     const headers = { Accept: "application/json" };
     if (token) headers.Authorization = `Bearer ${token}`;
     const reply = await fetch(path, { headers, cache: "no-store" });
-    if (!reply.ok) {
+    if (!reply.ok) {  // the API's own words when it gave some (a 503 names the Redis that failed)
       const hint = reply.status === 401 ? " (enter the API token above)" : "";
-      throw new Error(`${path}: HTTP ${reply.status}${hint}`);
+      const body = await reply.json().catch(() => null);
+      const detail = typeof body?.detail === "string" ? `: ${body.detail}` : "";
+      throw new Error(`${path}: HTTP ${reply.status}${detail}${hint}`);
     }
     return reply.json();
   }

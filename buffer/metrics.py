@@ -21,7 +21,9 @@ class BufferMetrics:
             "rollwave_buffer_pending", "entries delivered to a consumer and not yet acked", ["stream"], registry=r
         )
         self.redeliveries = Counter(
-            "rollwave_buffer_redeliveries_total", "entries reclaimed from another consumer", ["stream"], registry=r
+            "rollwave_buffer_redeliveries_total",
+            "entries delivered again: reclaimed from a consumer idle past its lease (another, or this one's earlier "
+            "life after a restart or its periodic rescan)", ["stream"], registry=r,
         )
         self.dead_letters = Counter("rollwave_buffer_dead_letters_total", "tasks moved to dead letters", registry=r)
         self.malformed = Counter(

@@ -189,7 +189,7 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
     if overlap:
         assert seen["training"] > 0  # the engine kept its weights and KV
         return
-    trainer_bytes = held_bytes(model, optimizer)
+    trainer_bytes = held_bytes([model], [optimizer])
     decoupled, colocated = trainer_bytes + seen["generating"], trainer_bytes + seen["training"]
     print(f"held while training: decoupled {decoupled / 2**20:.2f} MiB (trainer {trainer_bytes / 2**20:.2f} + engine "
           f"{seen['generating'] / 2**20:.2f}), colocated {colocated / 2**20:.2f} MiB (engine released: "

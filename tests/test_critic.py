@@ -245,3 +245,16 @@ def test_critic_settings_without_gae_are_reported_ignored(
     trainer.close()
     assert trainer.critic is None
     assert "trainer.critic is set but trainer.advantage is rloo" in caplog.text
+
+
+def test_held_bytes_counts_the_critic_and_its_optimizer(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A step's ``held_bytes`` is what the trainer keeps between steps, the memory colocated engines must leave it:
+    with gae the critic's weights and AdamW state as well as the policy's (they were left out: about half)."""
+    trainer = Trainer(TrainerConfig(**GAE), tiny_model_dir, tmp_path).start(ctx=ctx)
+    record = trainer.train(synthetic_groups(0, 2))
+    trainer.close()
+    models, optimizers = (trainer.model, trainer.critic[0]), (trainer.optimizer, trainer.critic[1])
+    tensors = [p for m in models for p in m.parameters()]
+    tensors += [t for o in optimizers for s in o.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    assert len(trainer.critic[1].state) > 0
+    assert record["held_bytes"] == sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)

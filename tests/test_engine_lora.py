@@ -16,9 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_checkpoint_engine import PROMPTS, WAIT_S, greedy_reference
 from test_lora_push import lora_model
+from transformers import AutoModelForCausalLM
 
+from core.config import LoraConfig
 from core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PREFIX, adapter_checksum
+from rollout_server.engine.lora import AdapterSet, read_adapter
 from rollout_server.engine.process import EngineProcess
+from trainer.lora import add_adapter
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +114,31 @@ def test_a_bad_adapter_is_refused_and_the_served_one_stays(engine: EngineProcess
     assert needle in reply.json()["error_message"] and str(bad) in reply.json()["error_message"]
     assert reply.json()["loaded_adapters"] == {"good": str(adapter_dir)}
     assert outputs(greedy(engine, "good")) == before
+
+
+def test_the_engine_scales_an_adapter_by_its_own_alpha_over_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Rank and alpha other than the defaults (rank 4, alpha 32: scale 8, not the default 2) reach the engine's
+    forward from adapter_config.json: its logits with the adapter are peft's, and the base rows of the batch stay
+    the base model's."""
+    lora = LoraConfig(rank=4, alpha=32, target_modules=["q_proj", "down_proj"])
+    peft_model = add_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), lora).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    peft_model.save_pretrained(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    adapter = read_adapter(base, tmp_path)
+    assert adapter.scale == 8.0 and adapter.weights["model.layers.0.self_attn.q_proj"][0].shape[0] == 4
+    served = AdapterSet(base)
+    served.install("a", adapter)
+    ids = torch.tensor([list(range(5, 25))] * 2)
+    served.rows = ["a", None]
+    with torch.no_grad():
+        got, want = base(input_ids=ids).logits, peft_model(input_ids=ids[:1]).logits
+        served.rows = []
+        plain = base(input_ids=ids[1:]).logits
+    torch.testing.assert_close(got[:1], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1:], plain, rtol=1e-5, atol=1e-5)
+    assert (want - plain).abs().max() > 1e-2

@@ -14,9 +14,9 @@ import peft
 import pytest
 import torch
 from trainer_helpers import synthetic_groups
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PhiConfig, PhiForCausalLM
 
-from core.config import LoraConfig, TrainerConfig
+from core.config import ConfigError, LoraConfig, TrainerConfig
 from core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from trainer.checkpoint import export_hf
 from trainer.lora import adapter_config_json, add_adapter, iter_adapter_params
@@ -162,3 +162,27 @@ def test_rank_and_alpha_set_the_adapter_shapes_and_its_scale(tiny_model_dir: Pat
     torch.testing.assert_close(deltas[32.0], 4 * deltas[8.0], rtol=1e-4, atol=1e-6)
     config = json.loads(adapter_config_json(models[32.0]))
     assert (config["r"], config["lora_alpha"]) == (4, 32.0)
+
+
+def test_the_base_models_own_dropout_stays_off_as_in_a_full_weight_run() -> None:
+    """Only the adapter's dropout acts in the training forward. A base model with dropout layers of its own (Phi's
+    resid_pdrop, embd_pdrop) runs them off under LoRA as it does without (the trainer runs it in eval): the grad
+    forward computes what the engines serve. Hooking every nn.Dropout of the model turned Phi's on in the grad
+    forward, with has_dropout() False, so π_prox was taken from a forward with dropout."""
+    config = PhiConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       resid_pdrop=0.5, embd_pdrop=0.5)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = add_adapter(PhiForCausalLM(config), LORA.model_copy(update={"target_modules": ["q_proj"]})).eval()
+    ids = torch.tensor([list(range(5, 25))])
+    torch.testing.assert_close(model(input_ids=ids).logits, _logits(model, ids), rtol=0, atol=0)
+
+
+def test_a_target_module_the_engines_cannot_serve_is_refused_naming_the_key(tiny_model_dir: Path) -> None:
+    """The engines add an adapter to Linear modules only: an adapter on the embedding (peft's lora_embedding_A/B)
+    trained and then failed every push at the engine's load. It is refused when the adapter is added (the trainer's
+    start), naming model.lora.target_modules and the module."""
+    lora = LORA.model_copy(update={"target_modules": ["q_proj", "embed_tokens"]})
+    needle = r"model\.lora\.target_modules: 'model\.embed_tokens' \(Embedding\) is not a Linear"
+    with pytest.raises(ConfigError, match=needle):
+        add_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)

@@ -133,11 +133,12 @@ class LocalPusher:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes this rank keeps between steps: its parameters and optimizer state (its shards under FSDP2; gradients
-    are freed each step), on the device unless ``trainer.offload`` moves them off it."""
-    tensors = [*model.parameters()]
-    for state in optimizer.state.values():
-        tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+def held_bytes(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes this rank keeps between steps: the parameters of its models (policy, reference, critic) and their
+    optimizers' state (its shards under FSDP2; gradients are freed each step), on the device unless
+    ``trainer.offload`` moves them off it."""
+    tensors = [p for module in modules for p in module.parameters()]
+    for optimizer in optimizers:
+        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from core.config import LoraConfig
+from core.config import ConfigError, LoraConfig
 from trainer.parallel import hf_name
 from trainer.snapshot import TensorMeta, cast_metas
 
@@ -33,13 +33,21 @@ def peft_config(lora: LoraConfig, base_model: str = "") -> peft.LoraConfig:
 
 def add_adapter(model: PreTrainedModel, lora: LoraConfig, seed: int = 0, base_model: str = "") -> peft.PeftModel:
     """``model`` with a fresh adapter (B = 0, so it computes what ``model`` did), its base frozen. ``seed`` makes
-    the A matrices the same on every rank and every run."""
+    the A matrices the same on every rank and every run. ConfigError where ``target_modules`` names a module the
+    engines cannot serve an adapter on (they hook Linear modules only): refused at the trainer's start, not at
+    every push. The adapter's dropout alone follows the grad mode; the base model's own stays as it is (off)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         wrapped = peft.get_peft_model(model, peft_config(lora, base_model))
-    for module in wrapped.modules():
-        if isinstance(module, nn.Dropout):
-            module.register_forward_pre_hook(_dropout_only_with_grad)
+    for name, module in model.named_modules():
+        if not isinstance(module, peft.tuners.lora.LoraLayer):
+            continue
+        if not isinstance(module, peft.tuners.lora.Linear):
+            kind = type(module.get_base_layer()).__name__
+            raise ConfigError(f"model.lora.target_modules: {name!r} ({kind}) is not a Linear: the engines serve "
+                              "adapters on Linear modules only")
+        for dropout in module.lora_dropout.values():
+            dropout.register_forward_pre_hook(_dropout_only_with_grad)
     return wrapped
 
 

@@ -322,7 +322,7 @@ class Trainer:
             record.update(self._push())
         if self.step % self.cfg.checkpoint_every == 0 or self.done:
             self.save_checkpoint()
-        record.update(device_wait_s=device_wait_s, held_bytes=held_bytes(self.model, self.optimizer))
+        record.update(device_wait_s=device_wait_s, held_bytes=held_bytes(self._resident, self._optimizers))
         if self.device_share is not None:
             record.update(onload_s=onload_s, offload_s=self._offload())
             self.device_share.give_device(self.step)

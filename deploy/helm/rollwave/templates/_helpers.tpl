@@ -81,8 +81,36 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* The run config (core/config.py) every component reads from /config/run.yaml. */}}
+{{/* The run config (core/config.py) every component reads from /config/run.yaml. runConfig may not set a secret
+(this is a ConfigMap; each secret reaches its containers from the Secret) nor a key the chart wires from a value. */}}
 {{- define "rollwave.runConfig" -}}
+{{- $secret := "a secret never goes in runConfig, which the chart writes to a ConfigMap; it belongs in the Secret" }}
+{{- $port := "the chart sets it from %s, which the container port, Service and NetworkPolicy use: set that value" }}
+{{- $refused := dict
+  "api.token" (printf "%s (key secrets.apiTokenKey)" $secret)
+  "checkpoint.token" (printf "%s (key secrets.checkpointTokenKey)" $secret)
+  "redis.password" (printf "%s (key secrets.redisPasswordKey)" $secret)
+  "engine.api_key" (printf "%s; the chart's engines need none: they listen on the pod's loopback" $secret)
+  "rollout.grpc_port" (printf $port "rollout.grpcPort")
+  "rollout.stage_port" (printf $port "rollout.stagePort")
+  "rollout.metrics_port" (printf $port "rollout.metricsPort")
+  "trainer.metrics_port" (printf $port "trainer.metricsPort")
+  "rollout.metrics_host" "the chart binds metrics on 0.0.0.0 so that Prometheus can scrape them"
+  "trainer.metrics_host" "the chart binds metrics on 0.0.0.0 so that Prometheus can scrape them"
+  "engine.port" "the chart sets it from engine.port, which the SGLang sidecar listens on: set that value"
+  "model.path" "the chart sets it from model.path, which the SGLang sidecar loads: set that value"
+  "redis.url" "the chart sets it from redis.url (also REDIS_URL, which wins): set that value"
+  "run.dir" "the chart sets /runs, the trainer's volume (elsewhere is the read-only root)"
+  "checkpoint.stage_dir" "the chart sets the staging emptyDir's mount, sized by rollout.stageSize"
+  "checkpoint.tls_server_name" "the chart sets it from checkpointTLS.serverName, which its certificates carry: set that value"
+  "checkpoint.tls_client_name" "the chart sets it from checkpointTLS.clientName, which its certificates carry: set that value"
+}}
+{{- range $dotted, $why := $refused }}
+{{- $key := splitList "." $dotted }}
+{{- if hasKey (dig (first $key) dict $.Values.runConfig) (last $key) }}
+{{- fail (printf "runConfig.%s: %s" $dotted $why) }}
+{{- end }}
+{{- end -}}
 {{- $base := dict
   "run" (dict "name" .Values.run.name "dir" "/runs")
   "model" (dict "path" .Values.model.path "init_if_missing" false)
@@ -96,6 +124,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $tls := dict "tls_cert" "/tls/tls.crt" "tls_key" "/tls/tls.key" "tls_ca" "/tls/ca.crt" "tls_server_name" .Values.checkpointTLS.serverName "tls_client_name" .Values.checkpointTLS.clientName -}}
 {{- if .Values.checkpointTLS.enabled }}{{ $_ := mergeOverwrite $base.checkpoint $tls }}{{ end -}}
 {{- toYaml (mergeOverwrite $base (deepCopy .Values.runConfig)) -}}
+{{- end -}}
+
+{{/* A Kubernetes quantity in bytes, to compare sizes: (dict "key" VALUE-NAME "value" QUANTITY), a whole number
+with an optional unit (k, M, G, T, Ki, Mi, Gi, Ti); anything else fails naming the value. */}}
+{{- define "rollwave.bytes" -}}
+{{- $q := ternary (int64 .value | toString) (toString .value) (kindIs "float64" .value) -}}
+{{- $bytes := 0 -}}
+{{- range $unit, $scale := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
+{{- if and (hasSuffix $unit $q) (regexMatch "^[0-9]+$" (trimSuffix $unit $q)) }}{{ $bytes = mul (trimSuffix $unit $q | int64) $scale }}{{ end -}}
+{{- end -}}
+{{- if not $bytes }}{{ fail (printf "%s: %q is not a size this chart can compare: a whole number with an optional unit k, M, G, T, Ki, Mi, Gi or Ti" .key $q) }}{{ end -}}
+{{- $bytes -}}
 {{- end -}}
 
 {{/* Host names the API answers: its Service's in-cluster names, and loopback for kubectl port-forward. */}}

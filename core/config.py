@@ -367,7 +367,10 @@ class TrainerConfig(Section):
     advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = Field(
         "grpo", description="gae: PPO with a critic (trainer.critic); the others use the group as baseline"
     )
-    std_norm: bool = True
+    std_norm: bool = Field(
+        True, description="grpo: divide each group's centred rewards by their std (false: Dr. GRPO, centred "
+        "only); the other advantages have no such choice"
+    )
     critic: CriticConfig = CriticConfig()
     overlong: OverlongConfig = OverlongConfig()
     kl_coef: float = Field(0.0, ge=0)
@@ -412,6 +415,12 @@ class TrainerConfig(Section):
     def _icepop_window(self) -> TrainerConfig:
         if self.is_low >= self.is_high:
             raise ValueError("is_low must be below is_high")
+        return self
+
+    @model_validator(mode="after")
+    def _std_norm_is_grpo_only(self) -> TrainerConfig:
+        if not self.std_norm and self.advantage != "grpo":  # else a setting silently without effect
+            raise ValueError(f"std_norm=false applies to advantage=grpo only, not {self.advantage}")
         return self
 
 

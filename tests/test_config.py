@@ -40,6 +40,8 @@ def test_layering_defaults_file_overrides(tmp_path: Path) -> None:
         (["rollout.mode=sometimes"], "rollout.mode:"),
         (["nosuch.section=1"], "nosuch: unknown key"),
         (["trainer.is_low=3", "trainer.is_high=2"], "trainer:"),
+        (["trainer.advantage=rloo", "trainer.std_norm=false"],
+         "trainer: std_norm=false applies to advantage=grpo only, not rloo"),
         (["trainer"], "expected dotted.key=value"),
         (["checkpoint.quorum=0"], "checkpoint: quorum must be majority, all or a number >= 1"),
         (["rollout.top_k=0"], "rollout: top_k must be -1 (disable), or at least 1, got 0"),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +23,7 @@ import httpx
 import pytest
 from buffer_helpers import client
 from transformers import AutoTokenizer
+from worker_helpers import serve_until
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
@@ -126,22 +126,7 @@ def roll_out(server: EmbeddedRedis, api: httpx.Client, rollout: RolloutConfig, e
     def done() -> bool:
         return all(api.get(f"/v1/jobs/{job}").json()["state"] == "done" for job in jobs)
 
-    async def run() -> None:
-        serving = asyncio.create_task(worker.run())
-        try:
-            deadline = time.monotonic() + 90
-            while not await asyncio.to_thread(done):
-                if serving.done():
-                    serving.result()  # raises what stopped the worker
-                    raise AssertionError("the worker stopped before the jobs were done")
-                assert time.monotonic() < deadline, "jobs not done in 90 s"
-                await asyncio.sleep(0.05)
-        finally:
-            worker.stop()
-            await asyncio.wait_for(serving, 60)
-            await engine.aclose()
-
-    asyncio.run(run())
+    asyncio.run(serve_until(worker, done, "the jobs were done"))
     for job in jobs:
         progress = api.get(f"/v1/jobs/{job}").json()["progress"]
         assert progress["dead_lettered"] == 0 and progress["completed"] == progress["submitted"], (job, progress)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import openai
 import pytest
 from buffer_helpers import client
 from transformers import AutoTokenizer
+from worker_helpers import serve_until
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
@@ -67,19 +67,7 @@ def roll_out(server: EmbeddedRedis, rollout: RolloutConfig, engine_url: str, tok
 
     async def run() -> None:
         async with worker.episodes.serving("127.0.0.1", 0):
-            serving = asyncio.create_task(worker.run())
-            try:
-                deadline = time.monotonic() + 90
-                while not await asyncio.to_thread(done):
-                    if serving.done():
-                        serving.result()  # raises what stopped the worker
-                        raise AssertionError("the worker stopped before the job was done")
-                    assert time.monotonic() < deadline, "the job was not done in 90 s"
-                    await asyncio.sleep(0.05)
-            finally:
-                worker.stop()
-                await asyncio.wait_for(serving, 60)
-                await engine.aclose()
+            await serve_until(worker, done, "the job was done")
 
     asyncio.run(run())
     return metrics

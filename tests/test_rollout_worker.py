@@ -22,6 +22,7 @@ import pytest
 from buffer_helpers import client
 from net_helpers import bound_socket, refused_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from worker_helpers import serve_until
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
@@ -461,20 +462,7 @@ def test_a_slot_freed_by_a_group_is_not_held_empty_by_a_blocking_read(
 
     worker.tasks.read = spy
 
-    async def run() -> None:
-        serving = asyncio.create_task(worker.run())
-        deadline = time.monotonic() + 90
-        while client(redis_server).xlen(KEYS.groups) < 3:
-            if serving.done():
-                serving.result()  # raises what stopped the worker
-                raise AssertionError("the worker stopped before writing 3 groups")
-            assert time.monotonic() < deadline, "3 groups not written in 90 s"
-            await asyncio.sleep(0.05)
-        worker.stop()
-        await asyncio.wait_for(serving, 30)
-        await engine.aclose()
-
-    asyncio.run(run())
+    asyncio.run(serve_until(worker, lambda: client(redis_server).xlen(KEYS.groups) >= 3, "3 groups were written"))
     assert any(inflight for _, inflight in reads)  # it did read while a group was in flight
     assert [block for block, inflight in reads if inflight and block] == []
     assert any(block for block, inflight in reads if not inflight)  # and blocked only with nothing in flight

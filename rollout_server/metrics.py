@@ -86,6 +86,15 @@ class RolloutMetrics:
             ["reason"],
             registry=r,
         )
+        self.tasks_failed = Counter(
+            _P + "tasks_failed",
+            "Task attempts this server failed back to the queue with the error (retried, dead-lettered once "
+            "buffer.max_attempts are spent): episodes (episodes of the group failed, each counted in "
+            "rollwave_rollout_failed_total by reason), error (the rollout raised, e.g. a task naming a tool this "
+            "server lacks)",
+            ["reason"],
+            registry=r,
+        )
         self.tasks_dead_lettered = Counter(
             _P + "tasks_dead_lettered",
             "Tasks this server dead-lettered at once, as every attempt would fail the same way: invalid_task (the "

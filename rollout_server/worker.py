@@ -217,7 +217,7 @@ class RolloutWorker:
                 first = failed[0].reward_info["error"]
                 error = f"{len(failed)} of {len(group.samples)} episodes failed; first: {first}"
                 log.warning("group %s: %s", entry.group_id, error)
-                await self._call(self.tasks.fail, entry, error)
+                await self._fail(entry, "episodes", error)
                 return
             await self._put(group, entry)
         except ValidationError as exc:  # a bad task or job spec will not get better: no retries
@@ -236,9 +236,15 @@ class RolloutWorker:
                         entry.group_id, exc)
         except Exception as exc:  # a task that cannot be rolled out fails with its error; the server goes on
             log.warning("group %s failed: %s: %s", entry.group_id, type(exc).__name__, exc)
-            await self._call(self.tasks.fail, entry, f"{type(exc).__name__}: {exc}")
+            await self._fail(entry, "error", f"{type(exc).__name__}: {exc}")
         finally:
             self._unadmitted.discard(entry.group_id)
+
+    async def _fail(self, entry: TaskEntry, reason: str, error: str) -> None:
+        """Fail a task's attempt with ``error`` (requeued, dead-lettered once ``buffer.max_attempts`` are spent),
+        counted by ``reason``: a failure only logged would go unseen until the task is dead-lettered."""
+        self.metrics.tasks_failed.labels(reason=reason).inc()
+        await self._call(self.tasks.fail, entry, error)
 
     async def _dead_letter(self, entry: TaskEntry, reason: str, error: str) -> None:
         """Dead-letter a task that every attempt would fail the same way, without retries; counted by ``reason``

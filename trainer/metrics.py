@@ -80,6 +80,13 @@ class TrainerMetrics:
             registry=r,
         )
 
+        self.skipped_updates = Counter(
+            "rollwave_trainer_skipped_updates_total",
+            "policy optimizer updates skipped because the gradient norm was not finite (NaN or inf): the weights "
+            "stay as they were",
+            registry=r,
+        )
+
     def observe_step(self, record: dict[str, Any]) -> None:
         """Update every series but the policy version (set when a version is made) from one step's record."""
         self.step_duration.observe(record["step_time_s"])
@@ -93,6 +100,7 @@ class TrainerMetrics:
                 self.handover.labels(stage=stage).observe(record[key])
         self.truncated.inc(record["truncated"])
         self.overlong_masked.inc(record["overlong_masked"])
+        self.skipped_updates.inc(record["skipped_updates"])
         for name, gauge in self.gauges.items():
             value = record[_FROM_STEP.get(name, name)]
             if math.isfinite(value):

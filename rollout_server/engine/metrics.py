@@ -72,6 +72,10 @@ class EngineMetrics:
             "rollwave_engine_refused", "Control calls refused (engine busy, memory released), by call", ["call"],
             registry=r,
         )
+        self.step_failures = Counter(
+            "rollwave_engine_step_failures", "Engine steps (an admission or decode forward) that raised: the requests "
+            "in them fail with the error, the engine goes on", registry=r,
+        )
         self.version = Gauge(
             "rollwave_engine_weight_version_info", "1 for the weight version being served", ["version"], registry=r
         )

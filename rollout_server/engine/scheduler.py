@@ -353,6 +353,7 @@ class Scheduler:
                             self._decode()
                     except Exception as exc:  # a failed forward fails its requests loudly, the engine lives on
                         log.exception("engine step failed")
+                        self.metrics.step_failures.inc()
                         self._fail_running(exc)
                     if self._ahead is not None:
                         self._ahead_step()

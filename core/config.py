@@ -131,6 +131,23 @@ def check_redis_url(url: str) -> str:
     return url
 
 
+def check_engine_url(url: str) -> str:
+    """An engine base URL, ``http(s)://host[:port]``, without credentials: a URL lands on command lines, in logs
+    and in dumped configs, which ``engine.api_key`` never does. One without a scheme would be polled until
+    ``engine.ready_timeout_s`` (an hour by default), then blamed on that key."""
+    parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:  # not echoed: it would show them
+        raise ValueError("an engine URL carries credentials: give the engine's key in engine.api_key (env "
+                         "ROLLWAVE_ENGINE_API_KEY, or engine.api_key_file) and leave them out of the URL")
+    try:  # urlsplit checks the port when asked: ValueError past 65535
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        raise ValueError(f"{url} is not an engine URL: want http(s)://host:port, e.g. http://127.0.0.1:30000")
+    return url
+
+
 class RedisConfig(Section):
     url: str | None = Field(None, description="external Redis; None starts the embedded redis-server")
     username: str | None = Field(None, description="Redis ACL user to log in as with redis.password (None or "
@@ -190,6 +207,11 @@ class EngineConfig(Section):
         3600.0, gt=0, description="how long the rollout server waits for its engines' /health (a 70B load "
         "from network storage takes tens of minutes); progress is logged meanwhile"
     )
+
+    @field_validator("urls")
+    @classmethod
+    def _engine_urls(cls, urls: list[str]) -> list[str]:
+        return [check_engine_url(url) for url in urls]
 
 
 class RolloutConfig(Section):
@@ -666,8 +688,8 @@ def _format_validation_error(exc: ValidationError, path: Path | None, overridden
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         # never echo a secret: nor a whole section or config (a check across keys), which holds the secrets too
-        quiet = err["type"] == "extra_forbidden" or key in SECRETS or key == "redis.url" \
-            or isinstance(err.get("input"), dict)  # a URL refused for its password is not printed either
+        quiet = err["type"] == "extra_forbidden" or key in SECRETS or key in ("redis.url", "engine.urls") \
+            or isinstance(err.get("input"), dict)  # a URL refused for its credentials is not printed either
         got = "" if quiet else f" (got {err.get('input')!r})"
         # a check of a whole section (or config) may be about an overridden key in it: then no line of the file
         from_override = any(f"{key}.".startswith(f"{o}.") or o.startswith(f"{key}.") or key == "<root>"

@@ -35,6 +35,13 @@ def check_cpus(cpus: list[int], key: str) -> None:
                           f"(it may use {', '.join(map(str, sorted(usable)))})")
 
 
+def cpu_share(cpus: list[int], sharers: int) -> int:
+    """Torch threads for each of ``sharers`` processes pinned to the same ``cpus``: the CPUs split between them (at
+    least 1 each), so that together they do not run more threads than the set has CPUs, each spinning on the
+    others' cores, unless there are more processes than CPUs."""
+    return max(1, len(set(cpus)) // max(1, sharers))
+
+
 def pin(cpus: list[int], key: str, threads: int, sharers: int = 1) -> int:
     """Pin this process (every thread it runs, and the children it starts) to ``cpus``, named by its config
     ``key``; returns the torch thread count to run: ``threads`` when set, else the CPUs' share of each of the
@@ -46,4 +53,4 @@ def pin(cpus: list[int], key: str, threads: int, sharers: int = 1) -> int:
     for task in os.listdir("/proc/self/task"):  # every thread already running, not only the caller
         os.sched_setaffinity(int(task), set(cpus))
     log.info("pinned to CPUs %s (%s)", sorted(set(cpus)), key)
-    return threads or max(1, len(set(cpus)) // max(1, sharers))
+    return threads or cpu_share(cpus, sharers)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import importlib
 import os
 import sys
@@ -126,7 +127,9 @@ def _one_line(message: str) -> str:
 
 
 def _above_zero(convert: Callable[[str], Any]) -> Callable[[str], Any]:
-    """An argparse type: ``convert``'s value, refused unless it is above 0 (named by argparse, exit 2)."""
+    """An argparse type: ``convert``'s value, refused unless it is above 0 (named by argparse, exit 2). It keeps
+    ``convert``'s name, which argparse's error for a value that is no number names ("invalid int value")."""
+    @functools.wraps(convert)
     def parse(text: str) -> Any:
         value = convert(text)
         if value <= 0:
@@ -232,8 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "up", "start the service (Redis, rollout servers, trainer, API) as Ray actors",
                  "rollwave up -c configs/demo.yaml --rollout-servers 2")
-    p.add_argument("--rollout-servers", type=int, default=1, metavar="R")
-    p.add_argument("--trainer-ranks", type=int, default=1, metavar="W")
+    p.add_argument("--rollout-servers", type=_above_zero(int), default=1, metavar="R",
+                   help="rollout servers, each with its engine (default 1)")
+    p.add_argument("--trainer-ranks", type=_above_zero(int), default=1, metavar="W",
+                   help="trainer ranks, on one node (default 1)")
     p.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops everything")
     _config_args(p, required=True)
     p.set_defaults(func=_handler("services.ray_launcher:up", _local_ray_auth))

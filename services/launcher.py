@@ -34,7 +34,7 @@ import redis
 from buffer.keys import Keys
 from core.config import CONFIG_ERROR_EXIT, SECRETS, Config, secret_env
 from core.net import free_port_outside_ephemeral
-from core.placement import idle_threads_env
+from core.placement import cpu_share, idle_threads_env
 from core.process import PARENT_PID_ENV, kill_group, stop_process
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,13 @@ def components(
                **idle_threads_env(cfg.placement.trainer_cpus)}
         argv = [py, "-m", "trainer", "-c", str(config_path), *trainer_args, *common]
         specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu, one_node=True))
+    # the servers share placement.rollout_cpus: unless engine.threads says, their engines split its CPUs, as the
+    # trainer's ranks split theirs, rather than each running one thread per CPU of the set
+    share = ([f"engine.threads={cpu_share(cfg.placement.rollout_cpus, rollout_servers)}"]
+             if cfg.placement.rollout_cpus and not cfg.engine.threads else [])
     for i in range(rollout_servers):
-        argv = [py, "-m", "rollout_server", "-c", str(config_path), *common, f"rollout.server_id=rollout-{i}"]
+        argv = [py, "-m", "rollout_server", "-c", str(config_path), *common, f"rollout.server_id=rollout-{i}",
+                *share]
         env = {**checkpoint_env, **secret_env(cfg, "engine.api_key"), **idle_threads_env(cfg.placement.rollout_cpus)}
         specs.append(ComponentSpec(f"rollout-{i}", argv, env, node_overrides=("rollout.grpc_host={address}",)))
     if api:
@@ -154,9 +159,18 @@ class LocalStack:
         return proc
 
     def start(self) -> LocalStack:
-        with self._lock:
-            for spec in self.specs.values():
-                self.procs[spec.name] = self._spawn(spec)
+        """Start every component; one that cannot be started stops those started before it (a ``with`` block
+        that raises on entry never closes) and is named in the RuntimeError."""
+        try:
+            with self._lock:
+                for spec in self.specs.values():
+                    try:
+                        self.procs[spec.name] = self._spawn(spec)
+                    except OSError as exc:
+                        raise RuntimeError(f"{spec.name}: cannot start it: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
         self._thread = threading.Thread(target=self._supervise, name="local-stack", daemon=True)
         self._thread.start()
         return self

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from buffer.schema import Sample, TrajectoryGroup
-from core.config import Config, ConfigError, load_config
+from core.config import Config, ConfigError, check_engine_url, load_config
 from core.tasks import Task, load_tasks
 from core.trajectory import masked_spans
 from rollout_server.tools import ToolRegistry
@@ -118,12 +118,23 @@ def _task(args: argparse.Namespace, cfg: Config) -> Task:
     return tasks[0]
 
 
+def _engine_url(args: argparse.Namespace, cfg: Config) -> str | None:
+    """``--engine-url`` (checked as ``engine.urls`` are), else the config's first ``engine.urls``, else None (the
+    embedded engine)."""
+    if not args.engine_url:
+        return cfg.engine.urls[0] if cfg.engine.urls else None
+    try:
+        return check_engine_url(args.engine_url)
+    except ValueError as exc:
+        raise ConfigError(f"--engine-url: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     task = _task(args, cfg)
+    url = _engine_url(args, cfg)
     tools = ToolRegistry.from_file(cfg.rollout.tools)
     model_dir = _model_dir(cfg, args.model)
-    url = args.engine_url or (cfg.engine.urls[0] if cfg.engine.urls else None)
     key = cfg.engine.api_key.get_secret_value() if cfg.engine.api_key is not None else None
     if url is not None:
         group = asyncio.run(_rollout(args, cfg, task, tools, model_dir, url, key))

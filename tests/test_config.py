@@ -40,6 +40,8 @@ def test_layering_defaults_file_overrides(tmp_path: Path) -> None:
         (["rollout.mode=sometimes"], "rollout.mode:"),
         (["nosuch.section=1"], "nosuch: unknown key"),
         (["trainer.is_low=3", "trainer.is_high=2"], "trainer:"),
+        (['engine.urls=["http://127.0.0.1:30000", "localhost:30000"]'],
+         "engine.urls: localhost:30000 is not an engine URL: want http(s)://host:port"),
         (["trainer.advantage=rloo", "trainer.std_norm=false"],
          "trainer: std_norm=false applies to advantage=grpo only, not rloo"),
         (["trainer"], "expected dotted.key=value"),
@@ -62,6 +64,13 @@ def test_bad_values_name_the_key(overrides: list[str], needle: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert needle in str(err.value)
+
+
+def test_an_engine_url_with_credentials_is_refused_without_echoing_them() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ['engine.urls=["http://rollwave:s3cret-key@10.0.0.7:30000"]'])
+    assert "engine.urls: an engine URL carries credentials: give the engine's key in engine.api_key" in str(err.value)
+    assert "s3cret" not in str(err.value)
 
 
 def test_bad_yaml_names_file_and_line(tmp_path: Path) -> None:

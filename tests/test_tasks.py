@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -379,3 +380,12 @@ def test_inline_tasks_get_the_jsonl_row_checks_naming_their_path() -> None:
     # the caller may name the function that scores the job when the job does not (the run's rollout.reward)
     with pytest.raises(ValueError, match="reward.ground_truth"):
         _inline(ok).load_tasks(run_reward="gsm8k")
+
+
+def test_arith_past_its_stream_is_refused_at_once() -> None:
+    """The stream is made from its start: an offset in the hundred millions (a job's, ``rollout --index``'s) would
+    hold the API's request thread for hours and fill its memory; it is refused naming the position."""
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"arith: offset \+ limit = 100000005 is past the first 200000 tasks"):
+        load_tasks("arith", split="test", limit=5, offset=10**8)
+    assert time.monotonic() - started < 1

@@ -36,6 +36,9 @@ CALCULATOR_SCHEMA: dict[str, Any] = {
 
 SPLITS = ("train", "test")
 DEFAULT_LIMIT = 1000
+# the stream is made from its start, about 70 us a task: a job or `rollwave rollout --index` past this would hold
+# its caller (an API request, say) for minutes and its memory with it
+MAX_STREAM = 200_000
 _TEST_BUCKETS = 10  # one problem in ten is a test problem
 
 NAMES = ("Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Iris", "Jack", "Kara", "Leo")
@@ -161,6 +164,9 @@ def generate(split: str = "train", *, limit: int | None = None, seed: int = 0, o
     if split not in SPLITS:
         raise ValueError(f"arith: unknown split {split!r}; valid: {', '.join(SPLITS)}")
     count = offset + (DEFAULT_LIMIT if limit is None else limit)
+    if count > MAX_STREAM:
+        raise ValueError(f"arith: offset + limit = {count} is past the first {MAX_STREAM} tasks of a split this "
+                         "generator makes (a jsonl file holds as many as you like)")
     rng = random.Random(f"rollwave-arith/{split}/{seed}")
     seen: set[tuple[str, tuple[int, ...]]] = set()
     tasks: list[Task] = []

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis, client_for
-from core.config import Config, dump_config, load_config_or_exit
+from core.config import CONFIG_ERROR_EXIT, Config, ConfigError, dump_config, load_config_or_exit
 from core.process import refuse_inspection
 from core.tasks import load_tasks
 from core.tiny_model import build_tiny_model
@@ -91,9 +91,10 @@ def _evaluate(api: httpx.Client, n: int, seed: int, label: str, agent: str | Non
     return float(job["accuracy"]), sum(bool(s["tool_calls"]) for s in samples) / max(len(samples), 1)
 
 
-def _wait_ready(api: httpx.Client, timeout_s: float = 180.0) -> None:
+def _wait_ready(api: httpx.Client, stack: LocalStack, timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        stack.check_refused()
         try:
             status = api.get("/v1/status").json()
             if any(s["alive"] for s in status["servers"]):
@@ -115,6 +116,7 @@ def _train(api: httpx.Client, stack: LocalStack, cfg: Config, timeout_s: float, 
     schedule = "colocated" if cfg.placement.mode == "colocated" else cfg.rollout.mode
     with tqdm(total=cfg.trainer.total_steps, desc=f"{schedule} RL", unit="step") as bar:
         while not stack.finished("trainer-0"):
+            stack.check_refused()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"RL did not finish {cfg.trainer.total_steps} steps in {timeout_s:.0f} s")
             trainer = api.get("/v1/status").json()["trainer"] or {}
@@ -164,7 +166,7 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
                     client_for(redis_server.url, cfg.redis) as client, \
                     httpx.Client(base_url=published_api_url(client, Keys(cfg.run.name)), headers=auth,
                                  timeout=30) as api:
-                _wait_ready(api)
+                _wait_ready(api, stack)
                 before, tools_before = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out before RL", agent,
                                                 timeout_s)
                 rl_started = time.monotonic()
@@ -200,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config_or_exit(args.config, [f"run.name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides])
     try:
         summary = run(cfg, args.sft_steps, args.eval_tasks, args.timeout_min * 60, args.warm_start, args.agent)
+    except ConfigError as exc:  # a component refused its config (the stack is down by now)
+        print(f"error: {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
     except httpx.HTTPError as exc:  # the stack is down by now; say which call failed (logs under runs/<run>/logs)
         logs = cfg.run.path / "logs"
         raise SystemExit(f"demo: {failed_request(exc)}: {type(exc).__name__}: {exc} (see {logs})") from exc

@@ -32,7 +32,7 @@ from pathlib import Path
 import redis
 
 from buffer.keys import Keys
-from core.config import CONFIG_ERROR_EXIT, SECRETS, Config, secret_env
+from core.config import CONFIG_ERROR_EXIT, SECRETS, Config, ConfigError, secret_env
 from core.net import free_port_outside_ephemeral
 from core.placement import cpu_share, idle_threads_env
 from core.process import PARENT_PID_ENV, kill_group, stop_process
@@ -201,6 +201,14 @@ class LocalStack:
         """Fault injection: signal one component (the supervisor restarts it)."""
         with self._lock:
             os.killpg(self.procs[name].pid, sig)
+
+    def check_refused(self) -> None:
+        """ConfigError naming a component that refused its config, with the line its log ends on (the reason):
+        the stack leaves it stopped, so whatever waits on it would only wait out its timeout."""
+        for name in sorted(self.refused):
+            log_file = self.log_dir / f"{name}.log"
+            lines = log_file.read_text(errors="replace").strip().splitlines() if log_file.exists() else []
+            raise ConfigError(f"{refusal(name, CONFIG_ERROR_EXIT, self.log_dir)}: {lines[-1] if lines else ''}")
 
     def finished(self, name: str) -> bool:
         proc = self.procs[name]

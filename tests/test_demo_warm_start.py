@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 from core.config import load_config
-from services.demo import _parser, policy
+from services.demo import _parser, main, policy
 
 
 def test_warm_start_dir_is_the_policy_and_no_sft_runs(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -21,3 +22,17 @@ def test_warm_start_without_a_model_is_refused(tmp_path: Path) -> None:
     cfg = load_config(_parser().parse_args([]).config, [])
     with pytest.raises(SystemExit, match=r"--warm-start .*: no HF model there"):
         policy(cfg, tmp_path, 700, tmp_path)
+
+
+def test_a_component_that_refuses_its_config_ends_the_demo_at_once_naming_it(
+        tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The stack leaves a component that refused its config stopped: the demo says which and why (its log's last
+    line) and exits 2, rather than waiting out its timeouts (180 s for a rollout server) and a traceback."""
+    started = time.monotonic()
+    rc = main(["--warm-start", str(tiny_model_dir), "--eval-tasks", "2", f"run.dir={tmp_path}",
+               f"checkpoint.stage_dir={tmp_path / 'stage'}", "placement.rollout_cpus=[4095]"])
+    assert rc == 2
+    assert time.monotonic() - started < 90
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: rollout-0 refused its config (exit 2; "), err
+    assert "placement.rollout_cpus" in err and "4095" in err, err

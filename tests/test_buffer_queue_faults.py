@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 from buffer_helpers import client
+from net_helpers import LoopbackProxy
 
 from buffer.keys import ROLLOUT_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis, client_for
@@ -21,60 +22,30 @@ from core.config import BufferConfig, RedisConfig
 KEYS = Keys("t")
 
 
-class LoseExecReply:
+class LoseExecReply(LoopbackProxy):
     """A TCP proxy on 127.0.0.1 in front of Redis that, once, closes the connection instead of passing on the
     reply to a MULTI/EXEC, after Redis has run it (``ran()``): the reply lost as when Redis restarts or the
     network resets at that moment."""
 
     def __init__(self, upstream_port: int, ran: Callable[[], bool]) -> None:
-        self.upstream_port = upstream_port
         self.ran = ran
         self.armed = threading.Event()
         self.lost = False
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(("127.0.0.1", upstream_port), wait_s=10)
+        self.url = f"redis://{self.address}/0"
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self.listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=10)
-            threading.Thread(target=self._requests, args=(down, up), daemon=True).start()
-            threading.Thread(target=self._replies, args=(down, up), daemon=True).start()
-
-    def _requests(self, down: socket.socket, up: socket.socket) -> None:
-        try:
-            while data := down.recv(1 << 16):
-                if b"EXEC" in data and not self.lost:
-                    self.armed.set()
-                up.sendall(data)
-        except OSError:
-            pass
-
-    def _replies(self, down: socket.socket, up: socket.socket) -> None:
-        try:
-            while data := up.recv(1 << 16):
-                if self.armed.is_set() and not self.lost:
-                    deadline = time.monotonic() + 10
-                    while not self.ran() and time.monotonic() < deadline:
-                        time.sleep(0.01)
-                    self.lost = True
-                    break
-                down.sendall(data)
-        except OSError:
-            pass
-        for sock in (down, up):  # shutdown first: it wakes the other thread's recv, and the client sees the close
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-
-    def close(self) -> None:
-        self.listener.close()
+    def passes(self, pair: tuple[socket.socket, socket.socket], to_upstream: bool, data: bytes) -> bool:
+        if to_upstream:
+            if b"EXEC" in data and not self.lost:
+                self.armed.set()
+            return True
+        if not self.armed.is_set() or self.lost:
+            return True
+        deadline = time.monotonic() + 10
+        while not self.ran() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.lost = True
+        return False
 
 
 @pytest.mark.parametrize("chunk", [1000, 2])

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from net_helpers import LoopbackProxy
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from core.config import CheckpointConfig
@@ -31,82 +32,38 @@ WAIT_S = 60.0
 CUT_AFTER = 256 << 10  # bytes towards the receiver: far past Prove and Status, well inside a 2.4 MB Stage
 
 
-class CuttingProxy:
+class CuttingProxy(LoopbackProxy):
     """A loopback TCP proxy to ``upstream`` that resets the next ``arm()``ed connection once it has carried
     ``CUT_AFTER`` bytes towards the receiver; every other connection passes untouched."""
 
     def __init__(self, upstream: tuple[str, int]):
-        self.upstream = upstream
         self.cuts = 0
         self._armed = 0
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []
-        self._threads: list[threading.Thread] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._spawn(self._accept)
+        self._carried: dict[tuple[socket.socket, socket.socket], int] = {}  # an armed connection: bytes sent on
+        super().__init__(upstream, WAIT_S)
 
     def arm(self) -> None:
-        with self._lock:
+        with self.lock:
             self._armed += 1
 
-    def _spawn(self, target: object, *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
-        self._threads.append(thread)
-        thread.start()
+    def opened(self, pair: tuple[socket.socket, socket.socket]) -> None:
+        with self.lock:
+            if self._armed > 0:
+                self._armed -= 1
+                self._carried[pair] = 0
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:  # closed
-                return
-            server = socket.create_connection(self.upstream)
-            with self._lock:
-                armed, self._armed = self._armed > 0, max(self._armed - 1, 0)
-                self._sockets += [client, server]
-            pair = (client, server)
-            self._spawn(self._pump, client, server, pair, CUT_AFTER if armed else None)
-            self._spawn(self._pump, server, client, pair, None)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, pair: tuple[socket.socket, socket.socket],
-              cut_after: int | None) -> None:
-        carried = 0
-        while True:
-            try:
-                data = src.recv(1 << 16)
-                if not data:
-                    break
-                carried += len(data)
-                if cut_after is not None and carried > cut_after:
-                    with self._lock:
-                        self.cuts += 1
-                    for sock in pair:  # a reset both ways, as a dropped link
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                    break
-                dst.sendall(data)
-            except OSError:
-                break
-        for sock in pair:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        with self._lock:
-            sockets = list(self._sockets)
-        for sock in sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for thread in self._threads:
-            thread.join(WAIT_S)
-        for sock in sockets:
-            sock.close()
+    def passes(self, pair: tuple[socket.socket, socket.socket], to_upstream: bool, data: bytes) -> bool:
+        with self.lock:
+            if not to_upstream or pair not in self._carried:
+                return True
+            self._carried[pair] += len(data)
+            if self._carried[pair] <= CUT_AFTER:
+                return True
+            self.cuts += 1
+            del self._carried[pair]
+        for sock in pair:  # a reset both ways, as a dropped link
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        return False
 
 
 class ProxiedServer:

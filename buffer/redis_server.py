@@ -373,6 +373,15 @@ class OutageRetry(Retry):
         return super().call_with_retry(do, give_up_after_deadline, *args, **kwargs)
 
 
+def shorten_outage_retries(client: redis.Redis, outage_s: float) -> None:
+    """From now on ``client`` (one of ``client_for``) retries a failed call for ``outage_s`` only: a server that
+    answers callers with deadlines of their own (the API: the CLI's timeout, a 3 s readiness probe) must fail a
+    request naming Redis before they give up, not hold it for a whole Redis restart."""
+    retry = client.get_retry()
+    if isinstance(retry, OutageRetry):
+        client.set_retry(OutageRetry(retry.peer, outage_s))
+
+
 def end_outage_retries(client: redis.Redis) -> None:
     """From now on ``client`` (one of ``client_for``) retries nothing: its owner is shutting down."""
     retry = client.get_retry()

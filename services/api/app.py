@@ -33,7 +33,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from buffer.keys import Keys
-from buffer.redis_server import OutageRetry, connect
+from buffer.redis_server import connect, shorten_outage_retries
 from buffer.registry import ServerRegistry
 from buffer.task_queue import TaskQueue
 from core.config import Config, ConfigError, require_secret
@@ -106,15 +106,6 @@ class ApiState:
             "rollwave_api_jobs_submitted_total", "Jobs accepted", ["kind"], registry=self.registry
         )
         self.jobs_rejected = Counter("rollwave_api_jobs_rejected_total", "Jobs rejected", registry=self.registry)
-
-
-def _answer_within(client: redis.Redis, seconds: float) -> None:
-    """Retry a failed Redis call for ``seconds`` only, not the outage budget of ``client_for``: a request held
-    for a whole Redis restart outlives its caller (the CLI's timeout, a 3 s readiness probe) and holds a threadpool
-    thread meanwhile. The caller gets a 503 naming Redis and asks again."""
-    retry = client.get_retry()
-    if isinstance(retry, OutageRetry):
-        client.set_retry(OutageRetry(retry.peer, seconds))
 
 
 def _state(request: Request) -> ApiState:
@@ -246,7 +237,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         api.queue.ensure_groups()
         if url is not None:
             conn.hset(api.keys.api, mapping={"url": url, "pid": os.getpid()})
-        _answer_within(conn, cfg.redis.timeout_s)  # started (Redis rode out meanwhile): now requests are served
+        shorten_outage_retries(conn, cfg.redis.timeout_s)  # started (Redis rode out meanwhile): requests next
         app.state.api = api
         sampler = asyncio.create_task(api.sampler.run())
         try:

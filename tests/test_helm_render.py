@@ -351,6 +351,18 @@ def test_the_api_answers_its_service_names(tmp_path: Path) -> None:
     assert volume["persistentVolumeClaim"] == {"claimName": "tasks", "readOnly": True}
 
 
+def test_run_config_hosts_add_to_the_service_names(tmp_path: Path) -> None:
+    """An ingress host in ``runConfig.api.allowed_hosts`` joins the chart's names (a list would replace them:
+    port-forward and in-cluster clients would get 400), once each."""
+    docs = render({"runConfig": {"api": {"allowed_hosts": ["rl.example.com", "localhost"]}}})
+    api = containers(find(docs, "Deployment", "-api"))["api"]
+    hosts = run_config(docs, tmp_path, api["command"] + api["args"]).api.allowed_hosts
+    assert {"rl.example.com", "127.0.0.1", "localhost", "rw-rollwave-api.ml.svc"} <= set(hosts)
+    assert len(hosts) == len(set(hosts))
+    docs = render({"runConfig": {"api": {"allowed_hosts": None}}})
+    assert "rw-rollwave-api.ml.svc" in run_config(docs, tmp_path, api["command"] + api["args"]).api.allowed_hosts
+
+
 def tls_volume(doc: dict[str, Any], container: str) -> dict[str, Any] | None:
     """The checkpoint-tls volume a workload's container mounts at /tls (None: none)."""
     mounts = [m for m in containers(doc)[container].get("volumeMounts", []) if m["name"] == "checkpoint-tls"]

@@ -123,7 +123,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 -}}
 {{- $tls := dict "tls_cert" "/tls/tls.crt" "tls_key" "/tls/tls.key" "tls_ca" "/tls/ca.crt" "tls_server_name" .Values.checkpointTLS.serverName "tls_client_name" .Values.checkpointTLS.clientName -}}
 {{- if .Values.checkpointTLS.enabled }}{{ $_ := mergeOverwrite $base.checkpoint $tls }}{{ end -}}
-{{- toYaml (mergeOverwrite $base (deepCopy .Values.runConfig)) -}}
+{{- $chartHosts := $base.api.allowed_hosts -}}
+{{- $merged := mergeOverwrite $base (deepCopy .Values.runConfig) -}}
+{{- $_ := set $merged.api "allowed_hosts" (concat $chartHosts ($merged.api.allowed_hosts | default list) | uniq) -}}
+{{- toYaml $merged -}}
 {{- end -}}
 
 {{/* A Kubernetes quantity in bytes, to compare sizes: (dict "key" VALUE-NAME "value" QUANTITY), a whole number

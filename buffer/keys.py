@@ -12,6 +12,9 @@ TRAINER_GROUP = "trainer"
 TASK_KINDS = ("train", "eval")
 # the ``trainer`` hash's fields that say where and why the trainer stopped (the trainer writes them, the API reads)
 TRAINER_FINISHED_FIELDS = ("finished_step", "finished_reason", "finished_at")
+# how ``finished_reason`` starts when the trainer crashed (an exception out of its loop) rather than ended: a
+# supervisor (LocalStack, Ray) restarts it, and the restarted trainer clears the end once it trains again
+TRAINER_CRASHED = "crashed: "
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, Keys
+from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, TRAINER_FINISHED_FIELDS, Keys
 from buffer.metrics import TASK_STREAMS, BufferMetrics
 from buffer.streams import RENEW_LUA, Reclaimer
 from core.config import BufferConfig
@@ -86,13 +86,27 @@ if redis.call('HDEL', KEYS[4], ARGV[4]) == 1 then redis.call('DECR', KEYS[3]) en
 return 1
 """
 
-# Cancel a job that is running and not finished (``_job_state`` reads it ``done``), in one step: a job whose last
-# task finishes between a read and a write stays done.
+# the job counters of a train job's tasks that will never be trained (or were): ``submitted`` less their sum
+# is what is still to train
+TRAIN_ENDS = ("trained", "stale_dropped", "degenerate_dropped", "dead_lettered", "cancelled", "malformed")
+
+# Cancel a job (KEYS: job hash, trainer hash; ARGV: TRAIN_ENDS) that is running and not finished (``_job_state``
+# reads it ``done``), or a train job with groups left to train once the trainer finished (the API reads it
+# ``stalled``), in one step: a job whose last task finishes between a read and a write stays done. Returns the
+# job's state after: ``cancelled``, ``done``, or false for an unknown job.
 _CANCEL_JOB = """
-local h = redis.call('HMGET', KEYS[1], 'state', 'submitted', 'completed', 'dead_lettered')
-if h[1] == 'running' and (tonumber(h[3]) or 0) + (tonumber(h[4]) or 0) < (tonumber(h[2]) or 0) then
-  redis.call('HSET', KEYS[1], 'state', 'cancelled')
+local h = redis.call('HMGET', KEYS[1], 'state', 'submitted', 'completed', 'dead_lettered', 'kind')
+if not h[1] then return false end
+if h[1] == 'cancelled' then return 'cancelled' end
+local submitted = tonumber(h[2]) or 0
+local left = (tonumber(h[3]) or 0) + (tonumber(h[4]) or 0) < submitted
+if not left and h[5] == 'train' and redis.call('HEXISTS', KEYS[2], '""" + TRAINER_FINISHED_FIELDS[0] + """') == 1 then
+  for _, n in ipairs(redis.call('HMGET', KEYS[1], unpack(ARGV))) do submitted = submitted - (tonumber(n) or 0) end
+  left = submitted > 0
 end
+if not left then return 'done' end
+redis.call('HSET', KEYS[1], 'state', 'cancelled')
+return 'cancelled'
 """
 
 # Put a pending task back at the tail as a new entry carrying its attempt count (ARGV: ..., gid, job, kind, task,
@@ -189,9 +203,12 @@ class TaskQueue:
         running job whose every task has a written group or a dead letter reads as ``done``."""
         return _job_state(self.redis.hgetall(self.keys.job(job_id)))
 
-    def cancel_job(self, job_id: str) -> None:
-        """Mark a running job ``cancelled``; an unknown, done or cancelled one is left as it is."""
-        self._cancel_job([self.keys.job(job_id)])
+    def cancel_job(self, job_id: str) -> str | None:
+        """Mark a running job ``cancelled``, or a train job the finished trainer left groups of (their groups are
+        then acked away, never trained, should a trainer start again); a done or cancelled one is left as it is.
+        Returns the job's state after (``cancelled`` or ``done``), None for an unknown job."""
+        state = self._cancel_job([self.keys.job(job_id), self.keys.trainer], list(TRAIN_ENDS))
+        return None if state is None else state.decode()
 
     def jobs(self, job_ids: Sequence[str]) -> list[dict[str, str]]:
         """``job`` of each id, read in one round trip."""

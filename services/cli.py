@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tools", type=lambda names: names.split(","), help="comma-separated tool names")
     p.add_argument("--reward", help="a built-in (gsm8k, tool, tool_last) or a rollout.reward_allowlist name")
     p.add_argument("--wait", action="store_true", help="show progress until the job is done (exit 1 at once if "
-                   "it is stalled: the trainer finished with groups of it left)")
+                   "it is stalled: the trainer finished with groups of it left; after a trainer crash, once no "
+                   "restart took it up within 300 s)")
     p.add_argument("--timeout", type=_above_zero(float), metavar="S", help="with --wait: fail (exit 1) if the job "
                    "is not done after S seconds (default: wait as long as it runs)")
     _api_args(p)

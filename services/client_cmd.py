@@ -15,12 +15,16 @@ from urllib.parse import quote
 import httpx
 from tqdm import tqdm
 
+from buffer.keys import TRAINER_CRASHED
 from core.config import SECRETS, read_yaml
 from core.text_files import TextFileError, line_of, read_text, yaml_key_lines
 from services.cli import CliError
 
 TOKEN_ENV = SECRETS["api.token"]
 REDIS_OUTAGE_S = 60.0  # how long a wait rides out the API's 503s (its Redis restarting), as the components do
+# how long a wait gives a crashed trainer to be restarted and train again: Kubernetes' longest crash back-off
+# (LocalStack and Ray restart one at once; the model load and resume come on top)
+RESTART_WAIT_S = 300.0
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -132,16 +136,25 @@ def submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = None,
-                 poll_s: float = 1.0, outage_s: float = REDIS_OUTAGE_S) -> dict[str, Any]:
+def _trainer_crashed(client: httpx.Client) -> bool:
+    """The run's trainer crashed (its end says so) rather than ended."""
+    trainer = _get(client, "/v1/status")["trainer"] or {}
+    return str(trainer.get("finished_reason", "")).startswith(TRAINER_CRASHED)
+
+
+def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = None, poll_s: float = 1.0,
+                 outage_s: float = REDIS_OUTAGE_S, restart_wait_s: float = RESTART_WAIT_S) -> dict[str, Any]:
     """Poll until the job is done or cancelled, with a progress bar of finished tasks; ``TimeoutError`` once
     ``timeout_s`` passed (None: as long as the job runs); a ``CliError`` (exit 1) saying why as soon as the job
-    is ``stalled`` (the trainer finished with groups of this train job left: waiting longer cannot help). The API
-    answers 503 while its Redis is away (a restart): polls keep the last progress through ``outage_s`` of those."""
+    is ``stalled`` by a trainer that finished with groups of this train job left (waiting longer cannot help), or
+    once it has been stalled ``restart_wait_s`` by a trainer that crashed (a supervisor restarts that one, and the
+    job runs on once the restart trains: meanwhile the wait says why it waits). The API answers 503 while its
+    Redis is away (a restart): polls keep the last progress through ``outage_s`` of those."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     path = f"/v1/jobs/{job_id}"
     job = _get(client, path)
     outage_since: float | None = None
+    crashed_since: float | None = None
     with tqdm(total=job["progress"]["submitted"], desc=f"job {job_id}", unit="task") as bar:
         while True:
             p = job["progress"]
@@ -150,8 +163,15 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = No
             bar.refresh()
             if job["state"] in ("done", "cancelled"):
                 return job
-            if job["state"] == "stalled":
-                raise CliError(f"job {job_id} at {client.base_url} is stalled: {job['reason']}", 1)
+            if job["state"] != "stalled":
+                crashed_since = None
+            elif crashed_since is None and _trainer_crashed(client):
+                crashed_since = time.monotonic()
+                bar.write(f"job {job_id} is stalled: {job['reason']}; waiting up to {restart_wait_s:g} s for the "
+                          "trainer to be restarted")
+            elif crashed_since is None or time.monotonic() - crashed_since >= restart_wait_s:
+                waited = "" if crashed_since is None else f" (no trainer took it up within {restart_wait_s:g} s)"
+                raise CliError(f"job {job_id} at {client.base_url} is stalled: {job['reason']}{waited}", 1)
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"job {job_id} at {client.base_url}: still {job['state']} after {timeout_s:g} s, "
                                    f"{bar.n} of {p['submitted']} tasks finished (is a rollout server up? see "

@@ -456,7 +456,8 @@ class FinishesBeforeWrite(redis.Redis):
 
 def test_cancel_leaves_a_job_done_meanwhile_done(redis_url: str) -> None:
     """Cancel checks that a job is running and marks it cancelled in one step: a job whose last group is written
-    just before the mark (by a rollout server, here a real put) stays done, its result kept."""
+    just before the mark (by a rollout server, here a real put) stays done, its result kept, and the cancel gets
+    409 saying so."""
     client = FinishesBeforeWrite.from_url(redis_url)
     keys = Keys("api-cancel-race")
     with serve(redis_url, keys.run, client=client) as api:
@@ -467,13 +468,14 @@ def test_cancel_leaves_a_job_done_meanwhile_done(redis_url: str) -> None:
         replay.ensure_group()
         client.job_key = keys.job(job_id)
         client.finish = lambda: replay.put(make_group(job_id, entry.group_id, run=keys.run), task=entry)
-        job = api.post(f"/v1/jobs/{job_id}/cancel").json()
+        reply = api.post(f"/v1/jobs/{job_id}/cancel")
         assert client.finish is None  # the group was written during the cancel
-        assert (job["state"], job["progress"]["completed"]) == ("done", 1), job
+        assert reply.status_code == 409 and reply.json()["detail"].startswith(f"job {job_id} is done: "), reply.text
+        assert api.get(f"/v1/jobs/{job_id}").json()["progress"]["completed"] == 1
         assert r.hget(keys.job(job_id), "state") == b"running"  # never marked cancelled
         running = api.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 2}}).json()["job_id"]
         assert api.post(f"/v1/jobs/{running}/cancel").json()["state"] == "cancelled"
-        assert api.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "done"
+        assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 409
         assert api.post("/v1/jobs/nosuchjob/cancel").status_code == 404
         assert not r.exists(keys.job("nosuchjob"))
 

@@ -1,16 +1,20 @@
-"""A train job the trainer will no longer train says so: the trainer records its end in Redis, the API reads such
-a job ``stalled`` with the reason, refuses new train jobs (409) until a trainer starts again, and ``rollwave
-submit --wait`` ends at once with exit 1 instead of waiting for its timeout. Real API, real Redis, the real
-trainer and the installed CLI."""
+"""A train job the trainer will no longer train says so: the trainer records its end in Redis (a crash too), the
+API reads such a job ``stalled`` with the reason (and so does the dashboard), refuses new train jobs (409) until a
+trainer starts again, lets a stalled job be cancelled, and ``rollwave submit --wait`` ends at once with exit 1
+instead of waiting for its timeout (after a crash: once no restart came). Real API, real Redis, the real trainer,
+the installed CLI and headless Chromium."""
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,12 +30,16 @@ from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
-from core.config import BufferConfig, TrainerConfig, load_config
+from core.config import CONFIG_ERROR_EXIT, BufferConfig, TrainerConfig, load_config
 from core.jobs import TaskSource
 from core.process import stop_process
 from services.api import create_app
+from services.cli import CliError
+from services.client_cmd import wait_for_job
 from tests.buffer_helpers import make_group
+from tests.chromium_harness import dump_dom
 from tests.http_harness import serve_app
+from trainer.checkpoint import STATE_FILE
 from trainer.metrics import RedisStatus
 from trainer.parallel import DistContext
 from trainer.worker import Trainer
@@ -65,16 +73,43 @@ def _submit(api: httpx.Client, kind: str, limit: int) -> str:
     return reply.json()["job_id"]
 
 
-def _train_one(client: redis.Redis, keys: Keys) -> None:
-    """One train task rolled out (its group written with its task acked) and trained (acked by the trainer)."""
+def _roll_out_one(client: redis.Redis, keys: Keys) -> ReplayBuffer:
+    """One train task rolled out (its group written with its task acked); returns the trainer's reader."""
     queue, cfg = TaskQueue(client, keys, BufferConfig()), BufferConfig()
     reader = ReplayBuffer(client, keys, cfg, consumer="trainer")
     reader.ensure_group()
     [entry] = queue.read("rollout-0", 1, kinds=("train",))
     writer = ReplayBuffer(client, keys, cfg, consumer="rollout-0")
     assert writer.put(make_group(entry.job_id, entry.group_id, run=keys.run), task=entry, timeout_s=10)
+    return reader
+
+
+def _train_one(client: redis.Redis, keys: Keys) -> None:
+    """One train task rolled out and trained (acked by the trainer)."""
+    reader = _roll_out_one(client, keys)
     [(entry_id, group)] = reader.take(1, 5.0)
     assert reader.ack([entry_id], [group.group_id]) == 1
+
+
+def _trainer_config(tmp_path: Path, keys: Keys, redis_url: str, model: Path, **trainer: object) -> Path:
+    """A run config for ``python -m trainer`` on the CPU with the tiny model, run directory under ``tmp_path``."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"name": keys.run, "dir": str(tmp_path)},
+        "model": {"path": str(model), "init_if_missing": False},
+        "redis": {"url": redis_url},
+        "buffer": {"groups_per_step": GPS},
+        "trainer": {"micro_batch_tokens": 128, "take_timeout_s": 0.5, "device": "cpu", **trainer},
+    }))
+    return config
+
+
+def _start_trainer(config: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
+    env.pop("REDIS_URL", None)
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "trainer", "-c", str(config)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
 
 
 def test_a_train_job_with_groups_left_when_the_trainer_finished_reads_stalled(run) -> None:
@@ -168,21 +203,9 @@ def test_the_trainer_records_where_and_why_it_stopped(tiny_model_dir: Path, redi
     queue.ensure_groups()
     queue.submit("later", [TaskSource(kind="arith", limit=1).load()[0].model_dump()])  # the data has not run out
     RedisStatus(client, keys).finished(9, "trainer.total_steps", 0, 0)  # an earlier trainer's end
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "run": {"name": keys.run, "dir": str(tmp_path)},
-        "model": {"path": str(tiny_model_dir), "init_if_missing": False},
-        "redis": {"url": redis_url},
-        "buffer": {"groups_per_step": GPS},
-        "trainer": {"total_steps": 5, "stop_when_drained": True, "micro_batch_tokens": 128, "take_timeout_s": 0.5,
-                    "device": "cpu"},
-    }))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
-    env.pop("REDIS_URL", None)
+    config = _trainer_config(tmp_path, keys, redis_url, tiny_model_dir, total_steps=5, stop_when_drained=True)
     log = tmp_path / "trainer.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "trainer", "-c", str(config)], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
+    proc = _start_trainer(config, log)
     try:
         deadline = time.monotonic() + 240
         while client.hget(keys.trainer, "step") != b"1":
@@ -216,3 +239,127 @@ def test_a_trainer_that_reaches_total_steps_says_so(ctx: DistContext, tiny_model
     finally:
         trainer.close()
     assert trainer.step == 1
+
+
+def test_a_crashed_trainer_says_why_until_a_restart_trains_again(run, tiny_model_dir: Path, redis_url: str,
+                                                                 tmp_path: Path) -> None:
+    """``python -m trainer`` crashes at step 1 (the ``steps`` key holds a string: Redis refuses the step's record):
+    it records its end as ``crashed: <error>`` and fails, the train job reads ``stalled`` naming the error, and a
+    train job is still taken (a restart trains it). A trainer that fails right after connecting (checkpoints, no
+    ``--resume``) leaves that end as it was; one past its start-up clears it, and the job runs again."""
+    api, client, keys = run
+    job_id = _submit(api, "train", 1)
+    buffer = ReplayBuffer(client, keys, BufferConfig(), consumer="trainer")
+    buffer.ensure_group()
+    assert buffer.put_many(synthetic_groups(0, 2 * GPS, run=keys.run)) == [1] * (2 * GPS)
+    client.set(keys.steps, "no stream")
+    config = _trainer_config(tmp_path, keys, redis_url, tiny_model_dir, total_steps=5)
+    log = tmp_path / "trainer.log"
+    proc = _start_trainer(config, log)
+    try:
+        assert proc.wait(240) == 1, log.read_text()[-3000:]
+    finally:
+        stop_process(proc, 30, name="trainer")
+    status = {k.decode(): v.decode() for k, v in client.hgetall(keys.trainer).items()}
+    error = status["finished_reason"].removeprefix("crashed: ")
+    assert status["finished_step"] == "1" and error.startswith("ResponseError: ") and error.endswith(
+        "WRONGTYPE Operation against a key holding the wrong kind of value"), status
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert (job["state"], job["reason"]) == ("stalled", (
+        f"the trainer crashed at step 1 ({error}); 1 of this job's 1 groups wait for a trainer (LocalStack and Ray "
+        "restart a crashed one, which trains them once it is up again; by hand: python -m trainer --resume)")), job
+    _submit(api, "train", 1)  # taken: the restarted trainer trains it
+
+    ckpt = tmp_path / keys.run / "checkpoints" / "step_00000009"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / STATE_FILE).write_text("{}")
+    proc = _start_trainer(config, log)
+    try:
+        assert proc.wait(240) == CONFIG_ERROR_EXIT, log.read_text()[-3000:]
+    finally:
+        stop_process(proc, 30, name="trainer")
+    assert "holds checkpoints" in log.read_text()
+    assert client.hget(keys.trainer, "finished_reason").decode() == f"crashed: {error}"  # kept: it never started
+
+    shutil.rmtree(tmp_path / keys.run / "checkpoints")
+    client.delete(keys.steps)
+    proc = _start_trainer(config, log)
+    try:
+        deadline = time.monotonic() + 240
+        while api.get(f"/v1/jobs/{job_id}").json()["state"] != "running":
+            assert proc.poll() is None, f"trainer exited {proc.returncode}: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"the job is still stalled after 240 s: {log.read_text()[-3000:]}"
+            time.sleep(0.2)
+    finally:
+        stop_process(proc, 30, name="trainer")
+    assert client.hget(keys.trainer, "finished_step") is None  # a trainer stopped (SIGTERM) did not crash
+
+
+def test_submit_wait_gives_a_crashed_trainer_time_to_come_back(run) -> None:
+    """Stalled by a crash, a wait goes on for ``restart_wait_s``: a restart that trains the job ends it ``done``;
+    no restart within it ends it with the reason and how long it waited."""
+    api, client, keys = run
+    job_id = _submit(api, "train", 1)
+    status = RedisStatus(client, keys)
+    status.finished(2, "crashed: RuntimeError: CUDA error: an illegal memory access was encountered", 0, 0)
+    started = time.monotonic()
+    with pytest.raises(CliError) as refused:
+        wait_for_job(api, job_id, timeout_s=60, poll_s=0.2, restart_wait_s=1.0)
+    assert 1.0 <= time.monotonic() - started < 15
+    assert str(refused.value) == (
+        f"job {job_id} at {api.base_url} is stalled: the trainer crashed at step 2 (RuntimeError: CUDA error: an "
+        "illegal memory access was encountered); 1 of this job's 1 groups wait for a trainer (LocalStack and Ray "
+        "restart a crashed one, which trains them once it is up again; by hand: python -m trainer --resume) (no "
+        "trainer took it up within 1 s)")
+
+    def restarted() -> None:
+        status.started()
+        _train_one(client, keys)
+
+    timer = threading.Timer(1.0, restarted)
+    timer.start()
+    try:
+        job = wait_for_job(api, job_id, timeout_s=60, poll_s=0.2, restart_wait_s=60)
+    finally:
+        timer.join(30)
+    assert (job["state"], job["progress"]["trained"]) == ("done", 1), job
+
+
+def test_a_stalled_job_can_be_cancelled_and_a_done_one_says_why_not(run) -> None:
+    """Cancelled once stalled, a job's groups are acked away untrained when a trainer starts again; a job with
+    nothing left to cancel gets 409 naming its state, counted."""
+    api, client, keys = run
+    trained = _submit(api, "train", 1)
+    _train_one(client, keys)
+    left = _submit(api, "train", 1)
+    reader = _roll_out_one(client, keys)
+    reply = api.post(f"/v1/jobs/{left}/cancel")  # rolled out, its group goes to the trainer that runs
+    assert (reply.status_code, reply.json()["detail"]) == (409, (
+        f"job {left} is done: every task of it is rolled out, scored or dead-lettered; nothing is left to "
+        "cancel")), reply.text
+
+    RedisStatus(client, keys).finished(1, "trainer.total_steps", 1, 1)
+    assert api.get(f"/v1/jobs/{left}").json()["state"] == "stalled"
+    job = api.post(f"/v1/jobs/{left}/cancel").json()
+    assert (job["state"], job["reason"]) == ("cancelled", None), job
+    assert api.post(f"/v1/jobs/{left}/cancel").json()["state"] == "cancelled"  # again: as it is
+    assert api.post(f"/v1/jobs/{trained}/cancel").status_code == 409  # every group trained
+    assert 'rollwave_api_requests_refused_total{reason="not_cancellable"} 2.0' in api.get("/metrics").text
+    RedisStatus(client, keys).started()
+    assert reader.take(1, 0.5) == []  # its group is acked away, never trained
+    job = api.get(f"/v1/jobs/{left}").json()
+    assert (job["state"], job["progress"]["cancelled"], job["progress"]["trained"]) == ("cancelled", 1, 0), job
+
+
+def test_the_dashboard_shows_why_a_job_is_stalled_beside_its_state(run) -> None:
+    api, client, keys = run
+    job_id = _submit(api, "train", 2)
+    RedisStatus(client, keys).finished(3, "trainer.stop_when_drained", 0, 0)
+    reason = api.get(f"/v1/jobs/{job_id}").json()["reason"]
+    dom = dump_dom(f"{api.base_url}/#token={TOKEN}", virtual_time_ms=3000)
+    jobs = dom.split('id="jobs-body"', 1)[1].split("</table>", 1)[0]
+    head = re.findall(r"<th>(.*?)</th>", jobs)
+    [row] = [re.findall(r"<td>(.*?)</td>", tr) for tr in re.findall(r"<tr>(.*?)</tr>", jobs) if "<td>" in tr]
+    cells = {name: html.unescape(cell) for name, cell in zip(head, row, strict=True)}
+    assert head[head.index("state") + 1] == "reason", head
+    assert (cells["state"], cells["reason"]) == ("stalled", reason), cells

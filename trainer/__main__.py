@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import sys
+import textwrap
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from buffer.colocation import DeviceTurns
-from buffer.keys import Keys
+from buffer.keys import TRAINER_CRASHED, Keys
 from buffer.metrics import BufferMetrics
 from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
@@ -41,6 +42,7 @@ from trainer.parallel import DistContext, close_distributed, exit_rank, init_dis
 from trainer.worker import GroupSource, Trainer
 
 log = logging.getLogger("trainer")
+CRASH_REASON_CHARS = 300  # a crash's ``finished_reason``: the exception's type and the start of its message
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +108,18 @@ def _start(cfg: Config, trains: bool) -> None:
         ensure_model(cfg.model)
 
 
+def crash_reason(exc: Exception) -> str:
+    """The ``finished_reason`` of a trainer that crashed: ``crashed: <type>: <message>`` on one line, bounded, so the
+    API can say why a train job is not trained without a log to read."""
+    return textwrap.shorten(f"{TRAINER_CRASHED}{type(exc).__name__}: {exc}", CRASH_REASON_CHARS, placeholder=" ...")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Rank 0 clears the previous trainer's end only once this one is past its start-up (config, model load,
+    resume): one that fails before keeps the previous end, and its reason, in place. It records its own end as it
+    stops: the config key that stopped it, or ``crashed: ...`` for an exception out of the training loop (then
+    re-raised: the process fails); LocalStack and Ray restart a crashed trainer, and the restart clears that end
+    once it trains again, so ``rollwave submit --wait`` waits a while for it (``client_cmd.wait_for_job``)."""
     prepare_component()
     die_with_parent()
     args = _parser().parse_args(argv)
@@ -127,8 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         metrics = CollectorRegistry()
         buffer_metrics = BufferMetrics(metrics)  # the reads' counters (redeliveries, malformed...) and the trainer's
         source, pusher, status, staleness = _connect(cfg, ctx, stack, metrics, buffer_metrics)
-        if status is not None:  # as early as it can: the API refuses train jobs while the last trainer's end stands
-            status.started()
         try:
             trainer = Trainer(
                 cfg.trainer,
@@ -155,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             stack.callback(server.shutdown)
             if status is not None:
                 status.publish_metrics_address(f"{tc.metrics_host}:{server.server_port}")
+        if status is not None:  # past its start-up: the API takes train jobs again and the stalled ones run on
+            status.started()
         log.info("rank %d/%d training from step %d", ctx.rank, ctx.world_size, trainer.step)
 
         def published(record: dict[str, Any]) -> None:
@@ -162,12 +175,22 @@ def main(argv: list[str] | None = None) -> int:
             status.publish(record, trainer.version, pusher.last_pushed)
             log.info("step %d: loss %.4f reward %.3f", record["step"], record["loss"], record["reward_mean"])
 
-        reason = trainer.run(source, published if status is not None else None)
-        if staleness is not None:  # admission closes with the trainer (stop_when_drained stops short of the budget)
-            staleness.set_budget(staleness.trained())
-        if status is not None:
-            status.finished(trainer.step, reason, trainer.version, pusher.last_pushed)
-            log.info("finished at step %d (%s)", trainer.step, reason)
+        def ended(reason: str) -> None:
+            if staleness is not None:  # admission closes with the trainer (stop_when_drained stops short of it)
+                staleness.set_budget(staleness.trained())
+            if status is not None:
+                status.finished(trainer.step, reason, trainer.version, pusher.last_pushed)
+                log.info("finished at step %d (%s)", trainer.step, reason)
+
+        try:
+            reason = trainer.run(source, published if status is not None else None)
+        except Exception as exc:
+            try:  # the crash may be Redis's: its own error must not hide the one that stopped training
+                ended(crash_reason(exc))
+            except Exception:
+                log.exception("could not record the crash in Redis")
+            raise
+        ended(reason)
     return 0
 
 

@@ -6,7 +6,8 @@ rebinding; the unauthenticated ops probes are exempt, kubelet and Prometheus rea
 over ``api.max_body_bytes`` get 413; jobs read files only under ``api.data_root``, hold at most
 ``api.max_job_tasks`` tasks, name reward functions, agents and tools the run allows, and give each tool a task
 gets the create kwargs it requires; a train job submitted once the run's trainer finished gets 409 (nothing would
-train it). Each refusal is logged and counted. While Redis is away or stuck a request is answered 503 naming it
+train it; once it crashed one is taken: its restart trains it), and so does the cancel of a job that is done. Each
+refusal is logged and counted. While Redis is away or stuck a request is answered 503 naming it
 within about ``redis.timeout_s``: the API does not ride out the outage the other components do.
 """
 
@@ -42,7 +43,7 @@ from core.net import is_loopback
 from core.rewards import BUILTIN as BUILTIN_REWARDS
 from core.tasks import Task
 from rollout_server.tools.registry import ToolConfigError, tool_requirements
-from services.api.cluster import ClusterView, InvalidCursor, NotFound
+from services.api.cluster import ClusterView, InvalidCursor, NotCancellable, NotFound
 from services.api.sampler import MetricsSampler
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -222,7 +223,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     registry = CollectorRegistry()
     refused = Counter(
         "rollwave_api_requests_refused_total",
-        "Requests refused (auth, host, body_size, validation, cursor, not_found, trainer_finished, redis)", ["reason"],
+        "Requests refused (auth, host, body_size, validation, cursor, not_found, trainer_finished, not_cancellable, "
+        "redis)", ["reason"],
         registry=registry,
     )
     refuse = _refused(refused)
@@ -256,6 +258,11 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     async def not_found(request: Request, exc: NotFound) -> JSONResponse:
         refuse("not_found", request.scope, str(exc))
         return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(NotCancellable)
+    async def not_cancellable(request: Request, exc: NotCancellable) -> JSONResponse:
+        refuse("not_cancellable", request.scope, str(exc))
+        return JSONResponse({"detail": str(exc)}, status_code=409)
 
     @app.exception_handler(InvalidCursor)
     async def invalid_cursor(request: Request, exc: InvalidCursor) -> JSONResponse:
@@ -302,7 +309,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
 
     @app.post("/v1/jobs", status_code=201, tags=["jobs"])
     def create_job(spec: JobSpec, api: State, request: Request) -> dict[str, Any]:
-        if spec.kind == "train" and (end := api.cluster.trainer_end()) is not None:
+        if spec.kind == "train" and (end := api.cluster.trainer_end()) is not None and not end.crashed:
             msg = (f"{end}: a train job submitted now would never be trained; start the trainer again "
                    f"(python -m trainer --resume, trainer.total_steps above {end.step}), then submit")
             api.jobs_rejected.inc()

@@ -9,21 +9,24 @@ from typing import Any
 
 import redis
 
-from buffer.keys import ROLLOUT_GROUP, TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
+from buffer.keys import ROLLOUT_GROUP, TRAINER_CRASHED, TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
 from buffer.registry import ServerRegistry
-from buffer.task_queue import TaskQueue
+from buffer.task_queue import TRAIN_ENDS, TaskQueue
 
 _COUNTERS = (
     "submitted", "completed", "dead_lettered", "trained", "stale_dropped", "degenerate_dropped", "cancelled",
     "malformed", "samples",
 )
-# where each of a train job's tasks ends up, but trained: ``submitted`` less their sum is what is still to train
-_UNTRAINED_ENDS = ("trained", "stale_dropped", "degenerate_dropped", "dead_lettered", "cancelled", "malformed")
 _MAX_ID_PART = 2**64 - 1
 
 
 class NotFound(LookupError):
     """A job id that the run does not know."""
+
+
+class NotCancellable(ValueError):
+    """A cancel of a job with nothing left to cancel (every task rolled out and, for a train job, no trainer end
+    that leaves groups of it untrained)."""
 
 
 class InvalidCursor(ValueError):
@@ -38,23 +41,35 @@ class TrainerEnd:
     step: int
     reason: str
 
+    @property
+    def crashed(self) -> bool:
+        """It crashed rather than ended: a supervisor may restart it, which clears the end once it trains again."""
+        return self.reason.startswith(TRAINER_CRASHED)
+
     def __str__(self) -> str:
+        if self.crashed:
+            return f"the trainer crashed at step {self.step} ({self.reason.removeprefix(TRAINER_CRASHED)})"
         return f"the trainer finished at step {self.step} ({self.reason})"
 
 
 def _job_view(job_id: str, h: dict[str, str], end: TrainerEnd | None) -> dict[str, Any]:
     """What the API says about a job, from its hash and the trainer's ``end`` (None while it trains): a train job
-    with groups left to train once the trainer finished reads ``stalled``, its ``reason`` saying why."""
+    with groups left to train once the trainer finished (or crashed) reads ``stalled``, its ``reason`` saying why."""
     progress = {name: int(float(h.get(name, 0))) for name in _COUNTERS}
     samples = progress["samples"]
     reward_mean = float(h.get("reward_sum", 0.0)) / samples if samples else None
     kind, state = h.get("kind", "train"), h.get("state", "running")
-    untrained = progress["submitted"] - sum(progress[name] for name in _UNTRAINED_ENDS)
+    untrained = progress["submitted"] - sum(progress[name] for name in TRAIN_ENDS)
     reason = None
     if kind == "train" and state != "cancelled" and end is not None and untrained > 0:
         state = "stalled"
-        reason = (f"{end}; {untrained} of this job's {progress['submitted']} groups will not be trained (start "
-                  f"the trainer again to train them: python -m trainer --resume, trainer.total_steps above {end.step})")
+        of = f"{untrained} of this job's {progress['submitted']} groups"
+        if end.crashed:
+            reason = (f"{end}; {of} wait for a trainer (LocalStack and Ray restart a crashed one, which trains "
+                      "them once it is up again; by hand: python -m trainer --resume)")
+        else:
+            reason = (f"{end}; {of} will not be trained (start the trainer again to train them: python -m trainer "
+                      f"--resume, trainer.total_steps above {end.step})")
     return {
         "job_id": job_id,
         "kind": kind,
@@ -113,9 +128,15 @@ class ClusterView:
         return {"jobs": jobs, "next": page[-1] if start + limit < len(order) else None}
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        """Mark a running job cancelled (checked and set in one step: a job done meanwhile stays done); servers
-        acknowledge its remaining tasks without rolling them out."""
-        self.queue.cancel_job(job_id)
+        """Mark a running or ``stalled`` job cancelled (checked and set in one step: a job done meanwhile stays
+        done); servers acknowledge its remaining tasks without rolling them out, and a trainer acks its groups away
+        untrained. ``NotCancellable`` for a job that is done; a cancelled one reads as it is."""
+        state = self.queue.cancel_job(job_id)
+        if state is None:
+            raise NotFound(f"job {job_id!r} not found")
+        if state == "done":
+            raise NotCancellable(f"job {job_id} is done: every task of it is rolled out, scored or dead-lettered; "
+                                 "nothing is left to cancel")
         return self.job(job_id)
 
     def trajectories(self, job_id: str, cursor: str, limit: int) -> dict[str, Any]:

@@ -10,8 +10,8 @@
   const POLL_MS = 2000;
   const JOBS_PAGE = 100;
   const TOKEN_KEY = "rollwave.token";
-  const JOB_COLUMNS = ["job_id", "name", "kind", "source", "state", "tasks", "samples", "trained", "reward_mean",
-                       "accuracy", "stale_dropped", "dead_lettered", "cancelled", "created"];
+  const JOB_COLUMNS = ["job_id", "name", "kind", "source", "state", "reason", "tasks", "samples", "trained",
+                       "reward_mean", "accuracy", "stale_dropped", "dead_lettered", "cancelled", "created"];
   const STATUS_COLUMNS = ["name", "server_id", "alive", "version", "straggler", "last_push", "heartbeat_age_s",
                           "engine_url", "grpc_address"];
   const FORMAT = {
@@ -220,9 +220,11 @@
     for (const [name, rows] of tables) root.append(el("h3", name), table(rows, STATUS_COLUMNS));
   }
 
-  // One row per job: the spec is summarised (name, task source) and progress counters become columns.
+  // One row per job: the spec is summarised (name, task source) and progress counters become columns. A job's
+  // reason (why it is stalled) sits beside its state; the column shows only when some job has one.
   function jobRow(job) {
-    const { spec, progress, ...row } = job;
+    const { spec, progress, reason, ...row } = job;
+    if (reason) row.reason = reason;
     if (spec && typeof spec === "object") {
       if (spec.name) row.name = spec.name;
       if (spec.source && spec.source.kind) row.source = spec.source.kind;

@@ -51,6 +51,11 @@ class BufferMetrics:
             "rollwave_buffer_duplicates_dropped_total", "groups skipped because already written or trained",
             registry=r,
         )
+        self.deleted_pending = Counter(
+            "rollwave_buffer_deleted_pending_total",
+            "pending entries found deleted from their stream (an XDEL or trim by hand) and acked away when reclaimed",
+            ["stream"], registry=r,
+        )
         self.task_gone_dropped = Counter(
             "rollwave_buffer_task_gone_dropped_total", "groups not written because their task was no longer pending "
             "(the worker lost its lease, and another failed, dead-lettered, cancelled or handed back the task)",

@@ -279,6 +279,7 @@ class ReplayBuffer:
         if deleted:
             log.warning("%s: %d pending group(s) had been deleted from the stream; acked them away",
                         self.keys.groups, deleted)
+            self.metrics.deleted_pending.labels(stream="groups").inc(deleted)
         out = self._accept([(entry_id, fields) for entry_id, _n, fields in claimed if entry_id not in self._held])
         if out:
             self.metrics.redeliveries.labels(stream="groups").inc(len(out))

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import xxhash
 from pydantic import ValidationError
+from transformers import AutoConfig
 
 from core.config import LoraConfig
 from core.lora import PREFIX as LORA_PREFIX
@@ -33,6 +34,10 @@ MODEL_WEIGHTS = "model.safetensors"  # the one weights file of a staged full-mod
 TICKET_BYTES = 32  # a manifest's data_ticket: the pusher's random bytes that admit its stage port connection
 DATA_RECEIVED = b"\x06"  # the stage port's one reply: every byte of the payload arrived (the pusher waits for it)
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+# Buffers older checkpoints saved that are computed from the config, never trained: a push never carries them, and
+# the engine keeps its own (SGLang's loaders skip them too).
+DERIVED_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+TIED_HEAD = "lm_head.weight"  # the output embedding, the input embedding's tensor when the config ties them
 
 
 def trailer_checksum(digests: Sequence[int]) -> str:
@@ -47,8 +52,19 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
         return json.loads(f.read(size))
 
 
+def ties_word_embeddings(model_dir: Path) -> bool:
+    """Whether ``model_dir``'s config ties the output embedding to the input one (the model class's default when
+    config.json does not say); False for a config transformers cannot read, so the head stays required."""
+    try:
+        return bool(AutoConfig.from_pretrained(model_dir, local_files_only=True).tie_word_embeddings)
+    except (OSError, ValueError):
+        return False
+
+
 def served_tensor_specs(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Name -> (torch dtype name, shape) of every tensor in ``model_dir``'s safetensors files."""
+    """Name -> (torch dtype name, shape) of every tensor in ``model_dir``'s safetensors files that a full push
+    replaces: not the ``DERIVED_BUFFERS``, nor a tied ``TIED_HEAD`` saved beside the input embedding (the trainer's
+    model has it as no parameter of its own; the engine's follows the embedding it shares)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir}: no *.safetensors file to check pushed weights against")
@@ -59,7 +75,12 @@ def served_tensor_specs(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]
                 continue
             if meta["dtype"] not in _FROM_SAFETENSORS:
                 raise ValueError(f"{path}: tensor {name} has dtype {meta['dtype']}, which pushes do not support")
-            specs[name] = (_FROM_SAFETENSORS[meta["dtype"]], tuple(meta["shape"]))
+            if not name.endswith(DERIVED_BUFFERS):
+                specs[name] = (_FROM_SAFETENSORS[meta["dtype"]], tuple(meta["shape"]))
+    head = specs.get(TIED_HEAD)
+    if head is not None and any(n != TIED_HEAD and s == head for n, s in specs.items()) \
+            and ties_word_embeddings(model_dir):
+        del specs[TIED_HEAD]
     return specs
 
 

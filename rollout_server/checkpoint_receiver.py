@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hmac
 import logging
 import shutil
@@ -55,7 +54,7 @@ from core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_checksum
 from core.net import bind_retrying, listen_socket
 from proto import checkpoint_pb2 as pb
 from rollout_server.engine_client import EngineClient, EngineError, EngineGroup
-from rollout_server.stage_port import IncomingData, StagePort
+from rollout_server.stage_port import IncomingData, StagePort, storage_error
 
 log = logging.getLogger(__name__)
 RESUME_BACKOFF_S = (0.1, 5.0)  # between tries of a failed continue_generation: first, longest (doubling)
@@ -98,8 +97,20 @@ class CheckpointMetrics:
                                        "answer within checkpoint.pause_timeout_s)", ["reason"], registry=r)
         self.refused = Counter("rollwave_rollout_checkpoint_refused", "checkpoint calls refused before they ran "
                                "(unauthenticated: no or a wrong token; certificate: the caller's certificate lacks "
-                               "checkpoint.tls_client_name; nonce: a malformed challenge; ticket: a stage port "
-                               "connection that named no Stage in progress)", ["reason"], registry=r)
+                               "checkpoint.tls_client_name; nonce: a malformed challenge; and stage port "
+                               "connections: handshake_timeout, no TLS handshake and ticket within "
+                               "checkpoint.connect_timeout_s; tls: a failed handshake; ticket: a ticket no Stage in "
+                               "progress holds; busy: every slot for a Stage not yet begun taken)", ["reason"],
+                               registry=r)
+        self.aborts = Counter("rollwave_rollout_stage_aborts", "Abort calls by outcome (dropped: the staged version "
+                              "was deleted; not_staged: the version named was not the one staged)", ["outcome"],
+                              registry=r)
+        self.swap_fallbacks = Counter("rollwave_rollout_swap_fallbacks", "Commits that went on the slower way "
+                                      "(prepare: prepare_weights_from_disk, with the KV ahead when asked, failed so "
+                                      "the load reads the files in the pause; prepare_timeout: no answer to it within "
+                                      "checkpoint.pause_timeout_s; late_pause: a pause that answered after its "
+                                      "deadline failed, the engines are continued all the same)", ["reason"],
+                                      registry=r)
 
 
 @dataclass
@@ -257,11 +268,9 @@ class CheckpointService:
             shutil.rmtree(partial, ignore_errors=True)
             if isinstance(exc, grpc.RpcError):
                 raise StageError("stream", f"stream of version {version} broke: {exc}") from exc
-            if isinstance(exc, OSError):  # the staging area's file system (full, a file size limit): not the stream
-                full = exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-                raise StageError("storage", f"version {version} ({manifest.total_bytes} bytes) cannot be staged in "
-                                            f"{exc.filename or partial}: {exc.strerror or exc}",
-                                 grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.INTERNAL) from exc
+            if isinstance(exc, OSError):
+                raise storage_error(exc, f"version {version} ({manifest.total_bytes} bytes) cannot be staged in "
+                                         f"{exc.filename or partial}") from exc
             raise
         return version, staged.received
 
@@ -283,12 +292,18 @@ class CheckpointService:
     async def _receive_over_port(self, chunks: AsyncIterator[bytes], staged: StagedFile, ticket: bytes,
                                  incoming: IncomingData) -> None:
         """The data comes on the stage port, the trailer in the stream; the connection's thread is done with
-        ``staged`` when this returns, whatever happened."""
+        ``staged`` when this returns, whatever happened. A connection that fails before the trailer comes ends the
+        Stage at once with its cause: the pusher sends no trailer then, it waits for the call to say why."""
         assert self.stage_port is not None
         self.stage_port.ready(incoming, staged)
         done = asyncio.wrap_future(incoming.done)
+        last = asyncio.ensure_future(anext(chunks, None))
+        last.add_done_callback(lambda task: task.cancelled() or task.exception())  # raised below, or moot
         try:
-            kind, _, payload = parse_chunk(await anext(chunks, None) or b"")
+            await asyncio.wait({done, last}, return_when=asyncio.FIRST_COMPLETED)
+            if done.done() and done.exception() is not None:
+                done.result()
+            kind, _, payload = parse_chunk(await last or b"")
             if kind != "trailer":
                 raise StageError("stream", f"a {kind or 'missing'} chunk where a Stage with a data_ticket has its "
                                            "trailer (its data goes over the stage port)")
@@ -303,6 +318,7 @@ class CheckpointService:
             if await anext(chunks, None) is not None:
                 raise StageError("stream", "data after the trailer")
         finally:
+            last.cancel()
             self.stage_port.forget(ticket)  # cuts a connection still receiving
             await asyncio.wait({done}, timeout=30.0)  # its thread settles at once after the cut
             if not done.done():
@@ -456,14 +472,21 @@ class CheckpointService:
         return swap
 
     async def _prepare(self, path: Path) -> None:
+        """Prepare the staged version in the engines; a failure is a fallback (logged and counted), not a refusal:
+        the load still works, only its pause is longer."""
         limit = self.config.pause_timeout_s
+        prefill_running = self.config.prefill_ahead and self.config.kv_on_swap == "recompute"
         try:
-            await asyncio.wait_for(self.engine.prepare_weights_from_disk(
-                str(path), prefill_running=self.config.prefill_ahead and self.config.kv_on_swap == "recompute"), limit)
+            await asyncio.wait_for(self.engine.prepare_weights_from_disk(str(path), prefill_running), limit)
         except (EngineError, TimeoutError) as exc:
-            why = f"no answer within {limit:g} s" if isinstance(exc, TimeoutError) else str(exc)
-            log.warning("engine %s: prepare_weights_from_disk of %s failed (%s); the load reads it in the pause",
-                        self.engine_url, path, why)
+            timed_out = isinstance(exc, TimeoutError)
+            self.metrics.swap_fallbacks.labels("prepare_timeout" if timed_out else "prepare").inc()
+            then = "the load reads it in the pause"
+            if prefill_running:
+                then += ", and the requests it retracts prefill in full after it (no KV computed ahead)"
+            log.warning("%s: engine %s: prepare_weights_from_disk of %s (prefill_running %s) failed (%s); %s",
+                        self.server_id, self.engine_url, path, prefill_running,
+                        f"no answer within {limit:g} s" if timed_out else exc, then)
 
     async def _load_adapter(self, path: Path, version: int) -> str:
         """Load the staged adapter under ``adapter_name`` (replacing the one served) and return the checksum the
@@ -502,6 +525,7 @@ class CheckpointService:
             try:
                 await pause
             except EngineError as exc:
+                self.metrics.swap_fallbacks.labels("late_pause").inc()
                 log.warning("%s: engine %s: the late pause failed (%s); continuing the engines all the same",
                             self.server_id, self.engine_url, exc)
             swap = _Swap()
@@ -537,12 +561,20 @@ class CheckpointService:
             delay = min(2 * delay, RESUME_BACKOFF_S[1])
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
+        """A pusher gives up a staged version (its round failed elsewhere): drop it, logged and counted, so an
+        operator sees why a staged version never served."""
         state = self._state
         if request.version != state.staged or state.staged_dir is None:
+            self.metrics.aborts.labels("not_staged").inc()
+            log.info("%s: Abort of version %d from %s: not staged (staged %d, current %d), nothing to drop",
+                     self.server_id, request.version, context.peer(), state.staged, state.current)
             return pb.AbortReply(dropped=False)
         path = state.staged_dir
         state.staged, state.staged_dir = -1, None
         shutil.rmtree(path, ignore_errors=True)
+        self.metrics.aborts.labels("dropped").inc()
+        log.warning("%s: Abort of version %d from %s: dropped the staged version; still serving version %d",
+                    self.server_id, request.version, context.peer(), state.current)
         return pb.AbortReply(dropped=True)
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:

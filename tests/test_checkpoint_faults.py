@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import threading
 import time
@@ -109,6 +110,8 @@ def test_a_failed_pause_leaves_no_engine_of_the_group_paused(tiny_model_dir: Pat
             swaps = [path for path in seen_a if path in ("/pause_generation", "/continue_generation")]
             assert swaps == ["/pause_generation", "/continue_generation"] * (len(swaps) // 2), swaps
             assert receiver.version == 2 and not app_a.state.paused and not app_b.state.paused
+            # a late pause that then fails is a fallback (the engines are continued all the same), counted
+            assert sample(receiver, "rollwave_rollout_swap_fallbacks_total", "late_pause") == (1 if late else 0)
 
     asyncio.run(run())
 
@@ -137,6 +140,74 @@ def test_a_failed_continue_is_tried_until_the_engine_continues(tiny_model_dir: P
             assert pushed.ok and result.commit_attempts == 1, result
             assert sample(receiver, "rollwave_rollout_resume_failures_total", "resume") == 2
             assert receiver.version == 1
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("prefill_ahead", [True, False])
+def test_a_failed_prepare_is_a_counted_fallback_and_the_load_reads_the_files(
+    tiny_model_dir: Path, tmp_path: Path, prefill_ahead: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine fails ``/prepare_weights_from_disk`` (HTTP 500): the Commit still loads the version, reading its
+    files in the pause, as it did; the fallback used to be only logged, and is now also counted
+    (``swap_fallbacks{reason="prepare"}``), the log naming the server, the engine, the staged directory, whether
+    the KV was to be computed ahead, and the engine's error. An engine without the route (SGLang: 404) is no
+    failure and counts nothing."""
+    cfg = config(tmp_path, retries=0, prefill_ahead=prefill_ahead, kv_on_swap="recompute")
+
+    async def refuse_prepare(path: str) -> bool:
+        return path == "/prepare_weights_from_disk"
+
+    async def run() -> None:
+        app, seen, _ = sglang_056_stub(fault=refuse_prepare)
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+            async with receiver_and_pusher(cfg, tiny_model_dir, engine, url) as (receiver, pusher):
+                assert (await push(pusher, model_of(tiny_model_dir), 1)).ok
+                assert receiver.version == 1 and "/update_weights_from_disk" in seen
+                assert sample(receiver, "rollwave_rollout_swap_fallbacks_total", "prepare") == 1
+                staged = receiver.service.stage_root / "v1"
+                assert f"stub: engine {url}: prepare_weights_from_disk of {staged} (prefill_running " \
+                       f"{prefill_ahead}) failed (/prepare_weights_from_disk: HTTP 500: " in caplog.text
+                assert ("no KV computed ahead" in caplog.text) == prefill_ahead
+
+                app_ok, _, _ = sglang_056_stub()  # answers the prepare 404, as SGLang does
+                async with serve(app_ok) as url_ok, EngineClient(url_ok, backoff_s=0.05) as engine_ok:
+                    receiver.service.engine = engine_ok
+                    assert (await push(pusher, model_of(tiny_model_dir), 2)).ok
+                assert sample(receiver, "rollwave_rollout_swap_fallbacks_total", "prepare") == 1
+
+    asyncio.run(run())
+
+
+def test_abort_of_a_staged_version_is_logged_and_counted(tiny_model_dir: Path, tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A pusher's Abort drops the version staged; one naming another version drops nothing. Both used to pass
+    silently: now each is logged with the version and the caller, and counted by outcome."""
+    caplog.set_level(logging.INFO, logger="rollout_server.checkpoint_receiver")
+    cfg = config(tmp_path)
+    snapshot = snapshot_of(model_of(tiny_model_dir), 1)
+    auth = [("authorization", f"Bearer {cfg.token.get_secret_value()}")]
+
+    def stage_then_abort(address: str) -> list[bool]:
+        with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+            stage = channel.stream_unary(f"/{SERVICE}/Stage", response_deserializer=pb.StageReply.FromString)
+            stage(snapshot.chunks(1 << 20, None), metadata=auth, timeout=WAIT_S)
+            abort = channel.unary_unary(f"/{SERVICE}/Abort", request_serializer=pb.AbortRequest.SerializeToString,
+                                        response_deserializer=pb.AbortReply.FromString)
+            return [abort(pb.AbortRequest(version=v), metadata=auth, timeout=WAIT_S).dropped for v in (2, 1)]
+
+    async def run() -> None:
+        app, _, _ = sglang_056_stub()
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+            async with receiver_and_pusher(cfg, tiny_model_dir, engine, url) as (receiver, _):
+                assert await asyncio.to_thread(stage_then_abort, receiver.address) == [False, True]
+                assert receiver.service._state.staged == -1 and receiver.version == 0
+                for outcome in ("not_staged", "dropped"):
+                    assert receiver.metrics.registry.get_sample_value("rollwave_rollout_stage_aborts_total",
+                                                                      {"outcome": outcome}) == 1
+                assert "stub: Abort of version 2 from ipv4:127.0.0.1:" in caplog.text
+                assert "stub: Abort of version 1 from ipv4:127.0.0.1:" in caplog.text
+                assert "dropped the staged version; still serving version 0" in caplog.text
 
     asyncio.run(run())
 

@@ -106,7 +106,7 @@ def test_a_staging_area_that_cannot_take_the_version_is_a_named_counted_refusal(
                     result.error
                 assert pusher.metrics.registry.get_sample_value(
                     "rollwave_trainer_push_failures_total",
-                    {"server": rec.address, "stage": "stage", "reason": "storage"}) == 1
+                    {"stage": "stage", "reason": "storage"}) == 1
                 assert failures(rec, "storage") == 1
                 assert "rollout-0: stage refused (storage)" in caplog.text
                 root = rec.service.stage_root

@@ -132,12 +132,16 @@ def server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ProxiedServer]:
 def test_a_stage_cut_by_the_network_is_retried_only_with_retries_left(server: ProxiedServer, tiny_model_dir: Path,
                                                                       transport: str) -> None:
     """retries=0: the cut Stage fails the push, tried once, and the server keeps its version. retries=1: the same
-    cut costs one more Stage attempt on a new connection, and the version is committed."""
+    cut costs one more Stage attempt on a new connection, and the version is committed. A cut stage port
+    connection fails the push with the receiver's cause (reason ``stream``, the bytes it had), which the receiver
+    sends as soon as its side of the connection closes; a cut stream is the pusher's own ``unavailable``."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     cutter = server.stage_proxy if transport == "tcp" else server.proxy
     none = server.push(model, version=1, retries=0, transport=transport)
     assert (none.ok, none.stage, none.reason, none.stage_attempts, none.commit_attempts) == (
-        False, "stage", "unavailable", 1, 0), none
+        False, "stage", "stream" if transport == "tcp" else "unavailable", 1, 0), none
+    assert transport == "grpc" or ("UNAVAILABLE: data connection from 127.0.0.1:" in none.error
+                                   and " bytes" in none.error), none.error
     assert cutter.cuts == 1 and server.receiver.version == 0
     once = server.push(model, version=1, retries=1, transport=transport)
     assert (once.ok, once.stage_attempts, once.commit_attempts) == (True, 2, 1), once

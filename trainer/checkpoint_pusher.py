@@ -30,8 +30,9 @@ A LoRA model's push carries its adapter alone (``trainer.lora``), and its commit
 reports serving an adapter with the checksum of the bytes pushed (else stage ``verify``, reason ``mismatch``).
 
 Every failed push is logged naming the server and the stage, counted in
-``rollwave_trainer_push_failures_total{server,stage,reason}`` and recorded (``record``, the registry's
-per-server push results that ``rollwave status``, the API and the dashboard show). A version that no quorum
+``rollwave_trainer_push_failures_total{stage,reason}`` (no server label: ids are hostname-pid by default, a new
+series at every restart) and recorded (``record``, the registry's per-server push results that
+``rollwave status``, the API and the dashboard show). A version that no quorum
 committed is an error in the log, listing each server's reason.
 """
 
@@ -65,7 +66,7 @@ from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
 from trainer.lora import adapter_config_json, adapter_metas, is_lora, iter_adapter_params
 from trainer.parallel import iter_full_params
-from trainer.snapshot import BufferPool, Snapshot, TensorMeta, model_metas, take_snapshot, trailer_chunk
+from trainer.snapshot import BufferPool, Snapshot, TensorMeta, cast_metas, model_metas, take_snapshot, trailer_chunk
 
 log = logging.getLogger(__name__)
 _STAGE_METHOD = f"/{SERVICE}/Stage"
@@ -167,8 +168,9 @@ class PushRound:
 class PushMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.failures = Counter("rollwave_trainer_push_failures", "failed pushes of a version to a server",
-                                ["server", "stage", "reason"], registry=self.registry)
+        self.failures = Counter("rollwave_trainer_push_failures", "failed pushes of a version to a server (which "
+                                "server: the log and the registry's push results)", ["stage", "reason"],
+                                registry=self.registry)
         self.unpublished = Counter("rollwave_trainer_push_unpublished", "versions that no quorum committed",
                                    registry=self.registry)
 
@@ -197,6 +199,7 @@ class _Link:
         self.committed = 0
         self.committed_to = target.started  # the incarnation that committed ``committed``
         self.retry_at = 0.0
+        self.dtypes: dict[str, torch.dtype] | None = None  # by tensor name, from this server's last Status
         self._backoff = BACKOFF_S[0]
         self._pusher = pusher
         self._config = pusher.config
@@ -287,9 +290,8 @@ class _Link:
             status = self._connect()
             result.serves = status.current_version
             if result.serves != snapshot.version:  # equal: a commit that outlived its deadline landed
-                dtypes = {t.name: getattr(torch, t.dtype) for t in status.served}
-                self._pusher.served_dtypes = dtypes
-                self._stage_version(snapshot, dtypes, status.stage_port, result)
+                self.dtypes = {t.name: getattr(torch, t.dtype) for t in status.served}
+                self._stage_version(snapshot, self.dtypes, status.stage_port, result)
                 self._commit(snapshot, result)
             elif snapshot.adapter_checksum:
                 self._verify(snapshot, status.adapter_checksum)
@@ -506,7 +508,6 @@ class CheckpointPusher:
         self.ssl_context: ssl.SSLContext | None = ssl_context(config, server_side=False)  # the stage port's
         self.published = 0
         self.last_pushed = 0
-        self.served_dtypes: dict[str, torch.dtype] | None = None  # by tensor name, from the servers' Status
         self._newest: Snapshot | None = None
         self._rounds: dict[int, PushRound] = {}
         self._links: dict[str, _Link] = {}
@@ -521,8 +522,7 @@ class CheckpointPusher:
                    ) -> PushRound | None:
         """Snapshot ``model`` (FSDP2-sharded or plain) as ``version`` (default: the next) and hand it to the
         servers; every rank calls this (the all-gathers are collectives), rank 0 pushes and gets the round,
-        others get None. Floating tensors are cast to the dtypes the servers serve (learned from their Status;
-        before the first answer the snapshot keeps the model's dtypes and each stream casts). A LoRA model
+        others get None. Floating tensors are cast to the dtypes the servers serve (``push``). A LoRA model
         pushes its adapter alone, in the trainer's dtype (the engine casts it). ``unacked``: groups trained into
         the model that the buffer has not counted yet (acks wait for a checkpoint)."""
         lora = is_lora(model)
@@ -534,7 +534,7 @@ class CheckpointPusher:
         if lora:
             metas, config = adapter_metas(model), adapter_config_json(model)
         else:
-            metas, config = model_metas(model, self.served_dtypes), ""
+            metas, config = model_metas(model), ""
         return self.push(metas, params, version, config, unacked)  # type: ignore[arg-type]
 
     def push(self, metas: Sequence[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],
@@ -542,12 +542,15 @@ class CheckpointPusher:
         """Snapshot ``tensors`` (in ``metas`` order) as ``version`` (default: above every version pushed,
         published or served) and offer it to every live server; returns at once. ``adapter_config`` (peft's
         adapter_config.json) makes it an adapter push, whose delivery each server's commit must verify.
-        The groups the tensors were trained on (the buffer's count plus ``unacked``) are published with it."""
+        The groups the tensors were trained on (the buffer's count plus ``unacked``) are published with it.
+        Full weights are snapshotted in the dtypes every live server serves (``_served_dtypes``)."""
         start = time.perf_counter()
         trained = groups_trained(self._staleness, unacked)
         targets = self._list_servers()
         if version is None:
             version = max([self.last_pushed, self.published, *(t.version for t in targets)]) + 1
+        if not adapter_config:
+            metas = cast_metas(metas, self._served_dtypes(targets))
         snapshot = take_snapshot(version, metas, tensors, self._pool, adapter_config)
         rnd = PushRound(version, targets, time.perf_counter() - start, trained)
         with self._lock:
@@ -603,6 +606,20 @@ class CheckpointPusher:
         if newest is not None:
             newest.release()
 
+    def _served_dtypes(self, targets: Sequence[Target]) -> dict[str, torch.dtype] | None:
+        """The dtype each tensor has on every one of ``targets``, learned from their Status: the snapshot is cast
+        to it once (fp32 masters to a bf16 fleet's bf16). A tensor the servers disagree on keeps the trainer's
+        dtype, and so does every tensor while a server has not answered yet: each stream then casts from the
+        trainer's precision to its server's own dtype, and a fp32 server never gets bf16-rounded weights."""
+        with self._lock:
+            links = [self._links.get(t.address) for t in targets]
+            known = [link.dtypes for link, t in zip(links, targets, strict=True)
+                     if link is not None and link.target.server_id == t.server_id and link.dtypes is not None]
+        if not known or len(known) != len(targets):
+            return None
+        first, *others = known
+        return {name: dtype for name, dtype in first.items() if all(o.get(name) == dtype for o in others)}
+
     def _link(self, target: Target) -> _Link:
         link = self._links.get(target.address)
         if link is None or link.target.server_id != target.server_id:
@@ -653,7 +670,7 @@ class CheckpointPusher:
         """Account one result: metrics, the registry record, the log, the version's quorum."""
         if not result.skipped:
             if not result.ok:
-                self.metrics.failures.labels(result.server_id, result.stage, result.reason).inc()
+                self.metrics.failures.labels(result.stage, result.reason).inc()
                 log.warning("push of version %d failed: %s", result.version, result.error)
             if self._record is not None:
                 try:

@@ -9,6 +9,7 @@ as the policy and trained with its own AdamW (``trainer.critic.lr``, constant) o
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -106,7 +107,7 @@ class CriticStep:
         plans: list[list[MicroBatch]]
     ) -> dict[str, float]:
         """The critic's updates of one step (one per minibatch, over this rank's ``plans`` of it) and their
-        figures (reduced over ranks)."""
+        figures (reduced over ranks), the updates skipped for a non-finite gradient norm among them."""
         results = [self.update(batch, old_values, returns, rows, plan)
                    for rows, plan in zip(minibatches, plans, strict=True)]
         sums = torch.stack([s for _, s in results]).sum(dim=0)
@@ -121,4 +122,5 @@ class CriticStep:
             "value_mean": float(old_values[mask].mean()) if mask.any() else 0.0,
             "return_mean": float(returns[mask].mean()) if mask.any() else 0.0,
             "critic_grad_norm": step_grad_norm([n for n, _ in results]),
+            "critic_skipped_updates": sum(not math.isfinite(n) for n, _ in results),
         }

@@ -86,6 +86,12 @@ class TrainerMetrics:
             "stay as they were",
             registry=r,
         )
+        self.critic_skipped_updates = Counter(
+            "rollwave_trainer_critic_skipped_updates_total",
+            "critic optimizer updates (trainer.advantage=gae) skipped because the gradient norm was not finite: the "
+            "value model stays as it was",
+            registry=r,
+        )
 
     def observe_step(self, record: dict[str, Any]) -> None:
         """Update every series but the policy version (set when a version is made) from one step's record."""
@@ -101,6 +107,7 @@ class TrainerMetrics:
         self.truncated.inc(record["truncated"])
         self.overlong_masked.inc(record["overlong_masked"])
         self.skipped_updates.inc(record["skipped_updates"])
+        self.critic_skipped_updates.inc(record.get("critic_skipped_updates", 0))
         for name, gauge in self.gauges.items():
             value = record[_FROM_STEP.get(name, name)]
             if math.isfinite(value):

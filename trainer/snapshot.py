@@ -2,11 +2,12 @@
 
 Training goes on while versions stream to the servers, so each version is copied once (a per-parameter
 all-gather on FSDP2, cast to the served dtype as it lands: fp32 masters become a bf16 snapshot for a bf16
-server) into a host buffer that the streams read. The buffer goes back to a small pool when the last stream
-lets go of it: a fresh multi-GiB buffer would cost its page faults (or a pinned allocation) on the training
-step's path every push. A stream to a server that serves another dtype than the snapshot's casts each tensor
-as it sends it (one tensor at a time, never a second copy of the model); each stream computes the xxh3
-digests of the bytes it sends, which trail the data.
+fleet; a tensor the live servers serve in different dtypes stays in the trainer's) into a host buffer that the
+streams read. The buffer goes back to a small pool when the last stream lets go of it: a fresh multi-GiB
+buffer would cost its page faults (or a pinned allocation) on the training step's path every push. A stream
+to a server that serves another dtype than the snapshot's casts each tensor as it sends it (one tensor at a
+time, never a second copy of the model); each stream computes the xxh3 digests of the bytes it sends, which
+trail the data.
 """
 
 from __future__ import annotations
@@ -44,12 +45,10 @@ class TensorMeta:
         return DTYPES[self.dtype_name][1] * int(torch.Size(self.shape).numel())
 
 
-def model_metas(model: torch.nn.Module, dtypes: Mapping[str, torch.dtype] | None = None) -> list[TensorMeta]:
-    """Manifest entries in ``iter_full_params`` order, from parameter metadata alone (a DTensor's
-    ``shape`` is the full, unsharded one), so nothing is gathered to build the manifest. ``dtypes`` (the
-    served model's, by name) casts floating tensors, e.g. fp32 masters to a bf16 server."""
-    return cast_metas([TensorMeta(hf_name(name), p.dtype, tuple(p.shape)) for name, p in model.named_parameters()],
-                      dtypes)
+def model_metas(model: torch.nn.Module) -> list[TensorMeta]:
+    """Manifest entries in ``iter_full_params`` order, in the model's dtypes, from parameter metadata alone (a
+    DTensor's ``shape`` is the full, unsharded one), so nothing is gathered to build the manifest."""
+    return [TensorMeta(hf_name(name), p.dtype, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
 def cast_metas(metas: Sequence[TensorMeta], dtypes: Mapping[str, torch.dtype] | None) -> list[TensorMeta]:

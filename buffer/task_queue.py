@@ -250,8 +250,8 @@ class TaskQueue:
     def reclaim(self, consumer: str, count: int, kind: str) -> list[TaskEntry]:
         """This consumer's own pending tasks (all after a restart; then, every ``claim_idle_ms``, those it left
         idle that long: a task it dropped without an ack), then tasks idle past ``claim_idle_ms`` in other
-        consumers' pending lists. Entries deleted while pending are acked away and logged. A live consumer renews
-        the tasks it works on (``renew``), so they are not handed to it again."""
+        consumers' pending lists. Entries deleted while pending are acked away, logged and counted. A live consumer
+        renews the tasks it works on (``renew``), so they are not handed to it again."""
         stream = self.keys.tasks(kind)
         reclaimer = self._reclaimers.get((consumer, kind))
         if reclaimer is None:
@@ -261,6 +261,7 @@ class TaskQueue:
         claimed, deleted = reclaimer.claim(count)
         if deleted:
             log.warning("%s: %d pending task(s) had been deleted from the stream; acked them away", stream, deleted)
+            self.metrics.deleted_pending.labels(stream=TASK_STREAMS[kind]).inc(deleted)
         if claimed:
             self.metrics.redeliveries.labels(stream=TASK_STREAMS[kind]).inc(len(claimed))
         out = [self._parse(stream, entry_id, fields, consumer, delivered=n) for entry_id, n, fields in claimed]

@@ -248,7 +248,9 @@ class StagedFile:
         if offset != self.received or offset + len(data) > self.total:
             raise StageError("offsets", f"chunk at offset {offset} with {len(data)} bytes; expected offset "
                                         f"{self.received}, payload is {self.total} bytes")
-        os.pwrite(self._fd, data, self.base + offset)
+        written = 0
+        while written < len(data):  # a write the file system cut short goes on, and raises what stopped it
+            written += os.pwrite(self._fd, data[written:], self.base + offset + written)
         view, pos = data, 0
         while pos < len(view):
             t = self.tensors[self._index]

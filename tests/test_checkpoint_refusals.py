@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import resource
@@ -24,7 +25,7 @@ from net_helpers import refused_port
 from pydantic import SecretStr
 from transformers import AutoModelForCausalLM
 
-from core.checkpoint_format import GRPC_OPTIONS, REASON_KEY, SERVICE, served_tensor_specs
+from core.checkpoint_format import GRPC_OPTIONS, REASON_KEY, SERVICE, StagedFile, served_tensor_specs
 from core.config import CheckpointConfig
 from core.lora import PREFIX
 from proto import checkpoint_pb2 as pb
@@ -78,6 +79,20 @@ def max_file_bytes(limit: int) -> Iterator[None]:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_write_the_file_system_cuts_short_is_an_error_not_a_hole(tmp_path: Path) -> None:
+    """A staged file whose writes stop taking bytes part way (a size limit reached after the file was sized, as
+    a tmpfs filling up) raises on the write that cannot finish: before, the bytes past the cut were dropped while
+    the digests, computed from the bytes received, still matched the trailer."""
+    meta = TensorMeta("w", torch.float32, (1 << 18,))  # 1 MiB
+    staged = StagedFile(tmp_path / "model.safetensors", build_manifest(1, [meta]))
+    try:
+        with max_file_bytes(staged.base + meta.nbytes // 2), pytest.raises(OSError) as err:
+            staged.write(0, memoryview(bytes(meta.nbytes)))
+        assert err.value.errno == errno.EFBIG
+    finally:
+        staged.close()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "grpc"])

@@ -2,8 +2,8 @@
 
 ``components(...)`` is the one description of a stack (Redis aside): R rollout servers, W trainer
 ranks and the API, each a ``python -m`` command. ``LocalStack`` runs it as child processes and
-restarts one that dies (the demo, the end-to-end tests); ``services.ray_launcher`` places the same
-commands in Ray actors.
+restarts one that dies, after a delay that doubles while it keeps dying soon after its start (the demo, the
+end-to-end tests); ``services.ray_launcher`` places the same commands in Ray actors.
 
 No component is handed a port: each binds what its config says (0 by default: any free port) and
 publishes what it bound in Redis (the registry, the trainer status, ``Keys.api``), so a restarted one
@@ -140,14 +140,25 @@ def refusal(name: str, rc: int, log_dir: Path) -> str:
 
 
 class LocalStack:
-    """Runs component specs as child processes, restarts any that dies, and stops them all on close."""
+    """Runs component specs as child processes, restarts any that dies, and stops them all on close.
 
-    def __init__(self, specs: list[ComponentSpec], log_dir: Path, poll_s: float = 0.5) -> None:
+    A component that dies is restarted after ``backoff_s``, doubled for each further death within ``stable_s`` of
+    its start, up to ``max_backoff_s``: one that cannot start (a port taken, a peer missing) is not respawned, and
+    its log grown, twice a second for as long as the run lasts. A component that stayed up ``stable_s`` starts
+    again from ``backoff_s``. ``restarts`` counts the restarts made.
+    """
+
+    def __init__(self, specs: list[ComponentSpec], log_dir: Path, poll_s: float = 0.5, backoff_s: float = 0.5,
+                 max_backoff_s: float = 30.0, stable_s: float = 60.0) -> None:
         self.specs = {s.name: s for s in specs}
         self.log_dir = log_dir
         self.poll_s = poll_s
+        self.backoff_s, self.max_backoff_s, self.stable_s = backoff_s, max_backoff_s, stable_s
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {name: 0 for name in self.specs}
+        self._started: dict[str, float] = {}  # when each was last started (monotonic)
+        self._quick_deaths: dict[str, int] = {name: 0 for name in self.specs}  # in a row, each within stable_s
+        self._due: dict[str, float] = {}  # died: when its restart is due (monotonic)
         self.refused: set[str] = set()  # exited on a config error: not restarted (it would only fail again)
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -155,6 +166,7 @@ class LocalStack:
 
     def _spawn(self, spec: ComponentSpec) -> subprocess.Popen:
         proc = spawn(spec, self.log_dir, os.environ)
+        self._started[spec.name] = time.monotonic()
         log.info("started %s (pid %d)", spec.name, proc.pid)
         return proc
 
@@ -179,6 +191,13 @@ class LocalStack:
         while not self._stop.wait(self.poll_s):
             with self._lock:
                 for name, proc in list(self.procs.items()):
+                    now = time.monotonic()
+                    if name in self._due:  # waiting out its backoff
+                        if now >= self._due[name] and not self._stop.is_set():
+                            del self._due[name]
+                            self.restarts[name] += 1
+                            self.procs[name] = self._spawn(self.specs[name])
+                        continue
                     rc = proc.poll()
                     if rc is None or self._stop.is_set():
                         continue
@@ -189,10 +208,12 @@ class LocalStack:
                         log.error("%s; not restarting it", refusal(name, rc, self.log_dir))
                         self.refused.add(name)
                         continue
-                    log.warning("%s exited with %s; restarting", name, rc)
                     kill_group(proc.pid)  # what it left (a rollout server's engine) would run beside the new one
-                    self.restarts[name] += 1
-                    self.procs[name] = self._spawn(spec)
+                    up_s = now - self._started[name]
+                    self._quick_deaths[name] = self._quick_deaths[name] + 1 if up_s < self.stable_s else 1
+                    delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self._quick_deaths[name] - 1))
+                    log.warning("%s exited with %s after %.1f s up; restarting it in %g s", name, rc, up_s, delay)
+                    self._due[name] = now + delay
 
     def pid(self, name: str) -> int:
         return self.procs[name].pid

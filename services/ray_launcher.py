@@ -14,7 +14,10 @@ Without ``RAY_ADDRESS`` a local Ray head is started as ``ray start --head --bloc
 its own, with its own short temp dir, advertising 127.0.0.1, requiring a token made for it (Ray's token
 authentication) and with as many logical CPUs as the stack asks for; ``down`` stops it by its process id
 (never ``ray stop``, which would end every Ray on the machine). ``<run dir>/ray.json`` records what ``up``
-started, for ``down``.
+started, for ``down``, as it starts it (the head as soon as its process exists), so an ``up`` killed mid-launch
+leaves nothing ``down`` cannot find. An ``up`` or ``down`` holds ``<run dir>/ray.lock`` (``flock``) while it works,
+so a second one of the same run fails at once naming the first; the kernel drops the lock when its holder dies,
+and an ``up`` that died mid-launch is named by its ``ray.json`` (``launched`` false) instead.
 
 The checkpoint plane is mutual TLS unless ``checkpoint.tls_*`` are set: ``up`` makes a private CA and the
 receivers' and trainers' certificates once for the run, in ``<run dir>/checkpoint-tls``.
@@ -23,7 +26,9 @@ receivers' and trainers' certificates once for the run, in ``<run dir>/checkpoin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import math
@@ -38,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +176,33 @@ def _state_path(cfg: Config) -> Path:
     return cfg.run.path.absolute() / "ray.json"
 
 
+def _write_state(path: Path, state: dict[str, Any]) -> None:
+    """Replace ``ray.json`` whole (a new file renamed over it): an ``up`` killed while writing leaves the last one."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(state))
+    partial.replace(path)
+
+
+@contextlib.contextmanager
+def _run_lock(run_dir: Path, command: str) -> Iterator[None]:
+    """Hold ``<run dir>/ray.lock`` while ``command`` (``up``'s launch, ``down``) works on the run, so that two of
+    them never start or stop the same run at once; the other fails at once naming this one. The kernel releases
+    an ``flock`` when its holder dies, however it dies: a killed ``up`` leaves no stale lock."""
+    fd = os.open(run_dir / "ray.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another `rollwave up` or `down`"
+            raise CliError(f"{run_dir}: {holder} is starting or stopping this run (it holds {run_dir / 'ray.lock'});"
+                           " let it finish or Ctrl-C it, then try again", exit_code=1) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"`rollwave {command}` (pid {os.getpid()})".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _absolute_paths(cfg: Config) -> None:
     """Components run in Ray workers, whose working directory is not the caller's: pin every path."""
     cfg.run.dir = cfg.run.dir.absolute()
@@ -189,10 +222,13 @@ def _absolute_paths(cfg: Config) -> None:
         cfg.engine.api_key_file = cfg.engine.api_key_file.absolute()
 
 
-def start_head(num_cpus: int, log_path: Path, timeout_s: float = 120.0) -> dict[str, Any]:
+def start_head(num_cpus: int, log_path: Path, started: Callable[[dict[str, Any]], None],
+               timeout_s: float = 120.0) -> dict[str, Any]:
     """``ray start --head --block`` on 127.0.0.1 in its own session, with Ray's token authentication and a token
     made for it (Ray binds some of its ports on every interface: without the token they refuse); returns its
-    address, pid, temp dir and token file."""
+    address, pid, temp dir and token file, which ``started`` is given first, as soon as the process exists (to
+    record it). The head is stopped if it does not come up or the wait for it is interrupted (Ctrl-C): being in a
+    session of its own, it would not get the terminal's SIGINT."""
     temp_dir = tempfile.mkdtemp(prefix="rwray-")  # short: Ray's socket paths must stay under 108 bytes
     token = Path(temp_dir) / "auth_token"  # the directory is the user's only (mkdtemp), the file too
     token.touch(mode=0o600)
@@ -205,24 +241,31 @@ def start_head(num_cpus: int, log_path: Path, timeout_s: float = 120.0) -> dict[
            "--disable-usage-stats", f"--num-cpus={num_cpus}", f"--temp-dir={temp_dir}"]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
+        ours = out.tell()  # the log may hold an earlier head's lines: this one's start here
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, **ray_auth_env(str(token))},
                                 start_new_session=True)
     head = {"address": f"{HOST}:{port}", "head_pid": proc.pid, "temp_dir": temp_dir, "auth_token": str(token)}
-    deadline = time.monotonic() + timeout_s
-    while "Ray runtime started" not in log_path.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_head(head)
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-            raise RuntimeError(f"ray start --head did not come up (see {log_path}):\n{tail}")
-        time.sleep(0.2)
+    try:
+        started(head)
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started" not in (text := log_path.read_bytes()[ours:].decode(errors="replace")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(text.splitlines()[-20:])
+                raise RuntimeError(f"ray start --head did not come up (see {log_path}):\n{tail}")
+            time.sleep(0.2)
+    except BaseException:
+        stop_head(head)
+        raise
     return head
 
 
 def stop_head(head: dict[str, Any], timeout_s: float = 60.0) -> None:
-    """SIGTERM to ``ray start --block`` (it drains and stops its processes), then SIGKILL its group."""
+    """SIGTERM to ``ray start --block`` alone (it drains the node through the GCS, then stops its processes: a GCS
+    signalled with it cannot be drained through, and ``ray start`` waits 30 s for it), then SIGKILL its group."""
     pid = head["head_pid"]
-    kill_group(pid, signal.SIGTERM)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and _alive(pid):
         time.sleep(0.2)
@@ -254,30 +297,34 @@ def _connect(state: dict[str, Any]) -> None:
 
 
 def _stop_all(state: dict[str, Any]) -> None:
-    """Stop what ``state`` records, in reverse order of starting; a part already gone is skipped."""
+    """Stop what ``state`` records, in reverse order of starting; a part already gone (or recorded but never
+    started: ``up`` records each before starting it) is skipped. The head ``up`` started is stopped even if its
+    actors could not be (a head killed mid-start may take no driver)."""
     head_gone = bool(state.get("head_pid")) and not _alive(state["head_pid"])  # its actors went with it
-    if (state.get("actors") or state.get("placement_groups")) and not head_gone:
-        if not ray.is_initialized():
-            _connect(state)
-        for name in reversed(state.get("actors", [])):
-            try:
-                actor = ray.get_actor(name)
-            except ValueError:
-                continue
-            try:
-                ray.get(actor.stop.remote(), timeout=60)
-            except (ray.exceptions.RayError, TimeoutError) as exc:
-                log.warning("%s did not stop cleanly: %s", name, exc)
-            ray.kill(actor, no_restart=True)
-        for name in state.get("placement_groups", []):
-            try:
-                remove_placement_group(ray.util.get_placement_group(name))
-            except ValueError:
-                log.warning("placement group %s was already gone", name)
-    if ray.is_initialized():
-        ray.shutdown()
-    if state.get("head_pid"):
-        stop_head(state)
+    try:
+        if (state.get("actors") or state.get("placement_groups")) and not head_gone:
+            if not ray.is_initialized():
+                _connect(state)
+            for name in reversed(state.get("actors", [])):
+                try:
+                    actor = ray.get_actor(name)
+                except ValueError:
+                    continue
+                try:
+                    ray.get(actor.stop.remote(), timeout=60)
+                except (ray.exceptions.RayError, TimeoutError) as exc:
+                    log.warning("%s did not stop cleanly: %s", name, exc)
+                ray.kill(actor, no_restart=True)
+            for name in state.get("placement_groups", []):
+                try:
+                    remove_placement_group(ray.util.get_placement_group(name))
+                except ValueError:
+                    log.warning("placement group %s was already gone", name)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if state.get("head_pid"):
+            stop_head(state)
 
 
 def _checkpoint_tls(cfg: Config, run_dir: Path) -> tuple[str, ...]:
@@ -296,9 +343,9 @@ def _checkpoint_tls(cfg: Config, run_dir: Path) -> tuple[str, ...]:
 
 
 def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_dir: Path,
-            trainer_overrides: tuple[str, ...]) -> str:
+            trainer_overrides: tuple[str, ...], record: Callable[[], None]) -> str:
     """The embedded Redis (unless external) on this node, then the components in their placement groups; returns
-    the Redis URL."""
+    the Redis URL. Each part goes into ``state``, and ``record`` is called, before it is started."""
     def stack() -> list[ComponentSpec]:
         return components(cfg, run_dir / "config.yaml", None,  # Redis comes through REDIS_URL, set below
                           rollout_servers=args.rollout_servers, trainer_ranks=args.trainer_ranks,
@@ -306,13 +353,16 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
 
     if not os.environ.get("RAY_ADDRESS"):
         wanted = math.ceil(sum(s.num_cpus for s in stack())) + 1  # + the Redis actor
-        state.update(start_head(max(wanted, os.cpu_count() or 1), run_dir / "logs" / "ray-head.log"))
+        start_head(max(wanted, os.cpu_count() or 1), run_dir / "logs" / "ray-head.log",
+                   lambda head: (state.update(head), record()))
     _connect(state)
     if not is_loopback(ray.util.get_node_ip_address()):
         _secure_for_cluster(cfg)
     specs = stack()
     redis_url = configured_url(cfg.redis)
     if not redis_url:
+        state["actors"].append(REDIS_ACTOR)
+        record()
         actor = RedisActor.options(
             name=REDIS_ACTOR, lifetime="detached", num_cpus=1,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
@@ -320,7 +370,6 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
             str(cfg.redis.data_dir or run_dir / "redis"), cfg.redis.port, cfg.redis.aof,
             cfg.redis.password.get_secret_value() if cfg.redis.password is not None else None,
         )
-        state["actors"].append(REDIS_ACTOR)
         try:
             redis_url = ray.get(actor.url.remote(), timeout=120)
         except ray.exceptions.GetTimeoutError:
@@ -331,12 +380,13 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
     forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     for spec in specs:
         spec.env = {**forwarded, **spec.env, "REDIS_URL": redis_url}
-    for spec, (pg, index) in zip(specs, _place(specs, state), strict=True):
+    for spec, (pg, index) in zip(specs, _place(specs, state, record), strict=True):
+        state["actors"].append(spec.name)
+        record()
         ComponentActor.options(
             name=spec.name, lifetime="detached", num_cpus=0, num_gpus=spec.num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         ).remote(spec, str(run_dir / "logs"))
-        state["actors"].append(spec.name)
     return redis_url
 
 
@@ -351,7 +401,8 @@ def _secure_for_cluster(cfg: Config) -> None:
         log.info("redis.password is not set: made one for this run (its components get it in their environment)")
 
 
-def _place(specs: list[ComponentSpec], state: dict[str, Any]) -> list[tuple[PlacementGroup, int]]:
+def _place(specs: list[ComponentSpec], state: dict[str, Any],
+           record: Callable[[], None]) -> list[tuple[PlacementGroup, int]]:
     """Each component's placement group and bundle: those marked ``one_node`` (the trainer ranks, whose
     rendezvous is on loopback) in a STRICT_PACK group, the rest in a PACK group, over as many nodes as they need."""
     where: dict[int, tuple[PlacementGroup, int]] = {}
@@ -362,8 +413,9 @@ def _place(specs: list[ComponentSpec], state: dict[str, Any]) -> list[tuple[Plac
         bundles = [{"CPU": specs[i].num_cpus, **({"GPU": specs[i].num_gpus} if specs[i].num_gpus else {})}
                    for i in members]
         name = f"{state['namespace']}-{'one-node' if together else 'packed'}"
-        pg = placement_group(bundles, strategy=strategy, name=name, lifetime="detached")
         state["placement_groups"].append(name)
+        record()
+        pg = placement_group(bundles, strategy=strategy, name=name, lifetime="detached")
         try:
             ray.get(pg.ready(), timeout=120)
         except ray.exceptions.GetTimeoutError:
@@ -389,6 +441,8 @@ def _config_checks(names: list[str]) -> tuple[list[str], list[str]]:
 
 
 def up(args: argparse.Namespace) -> int:
+    """Start the run under its lock (``_run_lock``), recording each part in ``ray.json`` before starting it; what a
+    failed or interrupted launch started is stopped. Then wait for the components' config checks and the API."""
     if os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
         raise CliError(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}: `rollwave up` runs the embedded Redis on the node "
                        "it runs on and talks to it, and a Ray Client (ray://) driver is no node; run it on a node "
@@ -398,20 +452,54 @@ def up(args: argparse.Namespace) -> int:
     _absolute_paths(cfg)
     run_dir = cfg.run.path
     run_dir.mkdir(parents=True, exist_ok=True)
-    if _state_path(cfg).exists():
-        raise CliError(f"{_state_path(cfg)} exists: the run is up; stop it with `{_down_command(args)}` first")
-    check_api_config(cfg)
-    ensure_checkpoint_token(cfg)
-    trainer_overrides = _checkpoint_tls(cfg, run_dir)
-    ensure_model(cfg.model)  # once here, not raced by every component
-    (run_dir / "config.yaml").write_text(dump_config(cfg))  # secrets masked; components get theirs as env
-    state: dict[str, Any] = {"namespace": f"rollwave-{cfg.run.name}", "actors": [], "placement_groups": []}
+    path = _state_path(cfg)
+    state: dict[str, Any] = {"namespace": f"rollwave-{cfg.run.name}", "actors": [], "placement_groups": [],
+                             "up_pid": os.getpid(), "launched": False}
     try:
-        redis_url = _launch(cfg, args, state, run_dir, trainer_overrides)
-    except BaseException:
-        _stop_all(state)
-        raise
-    _state_path(cfg).write_text(json.dumps(state))
+        with _run_lock(run_dir, "up"):
+            if path.exists():
+                _refuse_started(path, args)
+            check_api_config(cfg)
+            ensure_checkpoint_token(cfg)
+            trainer_overrides = _checkpoint_tls(cfg, run_dir)
+            ensure_model(cfg.model)  # once here, not raced by every component
+            (run_dir / "config.yaml").write_text(dump_config(cfg))  # secrets masked; components get theirs as env
+            try:
+                redis_url = _launch(cfg, args, state, run_dir, trainer_overrides, lambda: _write_state(path, state))
+            except BaseException:
+                _stop_all(state)  # if this fails too, ray.json stays, for `down`
+                path.unlink(missing_ok=True)
+                raise
+            state["launched"] = True
+            _write_state(path, state)
+        return _await_start(cfg, args, state, redis_url)
+    except KeyboardInterrupt:
+        if not state["launched"]:  # what it started is stopped
+            raise
+        raise CliError(f"interrupted; left running: {_started(state)} (run {cfg.run.name}, {path}); "
+                       f"`{_down_command(args)}` stops it", exit_code=130) from None
+
+
+def _refuse_started(path: Path, args: argparse.Namespace) -> None:
+    """CliError for an ``up`` of a run that has a ``ray.json``: the run is up, or the ``up`` that started it died
+    mid-launch (it held the lock that is free now) and left what it recorded."""
+    state = json.loads(path.read_text())
+    if state.get("launched", True):
+        raise CliError(f"{path} exists: the run is up; stop it with `{_down_command(args)}` first")
+    raise CliError(f"{path}: the `rollwave up` that started this run (pid {state.get('up_pid')}) ended mid-launch, "
+                   f"leaving what it had started: {_started(state)}; stop it with `{_down_command(args)}` first")
+
+
+def _started(state: dict[str, Any]) -> str:
+    """What ``state`` records as started (each part is recorded just before it starts)."""
+    head = [f"the Ray head (pid {state['head_pid']}, {state['temp_dir']})"] if state.get("head_pid") else []
+    return ", ".join([*state.get("actors", []), *head]) or "nothing"
+
+
+def _await_start(cfg: Config, args: argparse.Namespace, state: dict[str, Any], redis_url: str) -> int:
+    """Wait for every component's config check and the API's address; with ``--foreground``, stay until Ctrl-C,
+    then stop the run."""
+    run_dir = cfg.run.path
     refused, silent = _config_checks([name for name in state["actors"] if name != REDIS_ACTOR])
     ray.shutdown()
     if refused:  # exit 2 as for the CLI's other config errors: fix the input
@@ -428,7 +516,7 @@ def up(args: argparse.Namespace) -> int:
         with client_for(redis_url, cfg.redis) as client:
             api = published_api_url(client, Keys(cfg.run.name))
     except TimeoutError as exc:
-        print(f"error: {exc} (see {run_dir / 'logs' / 'api.log'}); the rest is up: `rollwave down` stops it",
+        print(f"error: {exc} (see {run_dir / 'logs' / 'api.log'}); the rest is up: `{_down_command(args)}` stops it",
               file=sys.stderr)
         return 1
     print(f"rollwave up: run {cfg.run.name}: {', '.join(state['actors'])}; redis {redis_url}; "
@@ -448,15 +536,16 @@ def _down_command(args: argparse.Namespace) -> str:
 
 
 def down(args: argparse.Namespace) -> int:
+    """Stop what the run's ``ray.json`` records, under the run's lock (not while an ``up`` is launching it)."""
     cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     path = _state_path(cfg)
     if not path.exists():
         print(f"nothing to stop: {path} does not exist", file=sys.stderr)
         return 0
-    state = json.loads(path.read_text())
-    _stop_all(state)
-    path.unlink()
-    head = " and the Ray head" if state.get("head_pid") else ""
-    print(f"rollwave down: stopped {', '.join(state['actors'])}{head}")
+    with _run_lock(path.parent, "down"):
+        state = json.loads(path.read_text())
+        _stop_all(state)
+        path.unlink()
+    print(f"rollwave down: stopped {_started(state)}")
     return 0

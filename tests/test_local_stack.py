@@ -23,7 +23,7 @@ def test_a_crash_restarts_but_a_config_refusal_does_not(tmp_path: Path) -> None:
     crashes = ComponentSpec("crashes", [sys.executable, "-c", "import sys; sys.exit(1)"])
     refuses = ComponentSpec("refuses", [sys.executable, "-c",
                                         f"import sys; print('error: x.y is bad'); sys.exit({CONFIG_ERROR_EXIT})"])
-    with LocalStack([crashes, refuses], tmp_path / "logs", poll_s=0.05) as stack:
+    with LocalStack([crashes, refuses], tmp_path / "logs", poll_s=0.05, max_backoff_s=0.05) as stack:
         deadline = time.monotonic() + 60
         while stack.restarts["crashes"] < 2 or "refuses" not in stack.refused:
             assert time.monotonic() < deadline, (stack.restarts, stack.refused)

@@ -296,3 +296,160 @@ def test_up_spreads_the_stack_over_two_nodes(tmp_path: Path, tiny_model_dir: Pat
     nodes = {result["placement"]["driver_node"], *groups["one-node"]["nodes"], *groups["packed"]["nodes"]}
     assert len(nodes) == 2, report
     assert result["down"]["rc"] == 0, report
+
+
+@contextlib.contextmanager
+def loopback_namespace() -> Iterator[tuple[list[str], str]]:
+    """A network namespace with only loopback, held by a sleeping process; yields the prefix that runs a command in
+    it (``nsenter`` execs the command: the pid it is started under is the command's) and the namespace's id."""
+    holder = subprocess.Popen(["unshare", "-n", "bash", "-c", "ip link set lo up && echo up && exec sleep 900"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "up"
+        yield ["nsenter", "-t", str(holder.pid), "-n"], os.readlink(f"/proc/{holder.pid}/ns/net")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _heads_in(netns: str) -> set[int]:
+    """The Ray heads (``ray start``) running in the network namespace ``netns``."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if (os.readlink(f"/proc/{pid}/ns/net") == netns
+                    and b"ray.scripts.scripts\0start" in Path(f"/proc/{pid}/cmdline").read_bytes()):
+                found.add(int(pid))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):  # gone, or not ours
+            continue
+    return found
+
+
+def _recorded(state: Path, key: str, up: subprocess.Popen, log: Path) -> dict[str, Any]:
+    """Wait for ``up`` to record ``key`` (``head_pid``: the head it started; ``launched``) in ``ray.json``; returns
+    the record."""
+    deadline = time.monotonic() + 120
+    while not (state.exists() and (record := json.loads(state.read_text())).get(key)):
+        assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.02)
+    return record
+
+
+def _gone(head: dict[str, Any]) -> list[str]:
+    """What is left of a head: its processes (its group, or anything with its temp dir in the command line) and
+    its temp dir."""
+    from ray_stack_script import alive_in
+
+    return alive_in({head["head_pid"]}, head["temp_dir"]) + [head["temp_dir"]] * Path(head["temp_dir"]).exists()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_up_claims_its_run_and_leaves_no_head_that_down_cannot_stop(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """On a real local Ray head, in a loopback-only namespace: ``up`` records the head in ``ray.json`` as soon as it
+    starts it; a second ``up`` of the run meanwhile fails at once naming the first and starts nothing; Ctrl-C while
+    the head starts stops it; an ``up`` SIGKILLed there leaves a head that the next ``up`` names (and refuses to
+    start beside) and ``down`` stops; Ctrl-C once the run is launched (``up`` waiting for the config checks) says
+    what it leaves running and how to stop it."""
+    config = str(_config(tmp_path, tiny_model_dir))
+    run_dir = tmp_path / "runs" / "raytest"
+    state, down_cmd = run_dir / "ray.json", f"`rollwave down -c {config}`"
+    heads: list[dict[str, Any]] = []
+    procs: list[subprocess.Popen] = []
+    with loopback_namespace() as (ns, netns):
+        def rollwave(*args: str, log: Path | None = None) -> subprocess.Popen:
+            with open(log, "w") if log else contextlib.nullcontext(subprocess.PIPE) as out:
+                procs.append(subprocess.Popen([*ns, sys.executable, "-m", "services.cli", *args, "-c", config],
+                                              cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                              env={**os.environ, "ROLLWAVE_DEBUG": "1"}))  # with a traceback
+            return procs[-1]
+
+        def finished(*args: str) -> tuple[int, str]:
+            proc = rollwave(*args)
+            out = proc.communicate(timeout=180)[0]
+            return proc.returncode, out
+
+        try:
+            first = rollwave("up", log=tmp_path / "first.log")
+            heads.append(head := _recorded(state, "head_pid", first, tmp_path / "first.log"))
+            os.kill(first.pid, signal.SIGSTOP)  # holding the run, the head still starting
+            rc, out = finished("up")
+            assert rc == 1 and f"{run_dir}: `rollwave up` (pid {first.pid}) is starting or stopping" in out, out
+            assert _heads_in(netns) == {head["head_pid"]}, out  # the second started nothing
+            os.kill(first.pid, signal.SIGINT)  # delivered as it goes on, in start_head's wait
+            os.kill(first.pid, signal.SIGCONT)
+            assert first.wait(120) == 130, (tmp_path / "first.log").read_text()[-3000:]
+            assert _gone(head) == [] and _heads_in(netns) == set() and not state.exists()
+
+            killed = rollwave("up", log=tmp_path / "killed.log")
+            heads.append(head := _recorded(state, "head_pid", killed, tmp_path / "killed.log"))
+            killed.kill()
+            killed.wait()
+            rc, out = finished("up")
+            assert rc == 2 and f"(pid {killed.pid}) ended mid-launch" in out, out
+            assert f"the Ray head (pid {head['head_pid']}, {head['temp_dir']}); stop it with {down_cmd}" in out, out
+            assert _heads_in(netns) == {head["head_pid"]}, out
+            rc, out = finished("down")
+            assert rc == 0 and f"stopped the Ray head (pid {head['head_pid']}" in out, out
+            assert _gone(head) == [] and _heads_in(netns) == set() and not state.exists()
+
+            launched = rollwave("up", log=tmp_path / "launched.log")
+            heads.append(head := _recorded(state, "launched", launched, tmp_path / "launched.log"))
+            os.kill(launched.pid, signal.SIGINT)
+            assert launched.wait(120) == 130
+            out = (tmp_path / "launched.log").read_text()
+            assert (f"error: interrupted; left running: redis, trainer-0, rollout-0, api, the Ray head (pid "
+                    f"{head['head_pid']}, {head['temp_dir']}) (run raytest, {state}); {down_cmd} stops it") in out, out
+            assert _heads_in(netns) == {head["head_pid"]}
+            rc, out = finished("down")
+            assert rc == 0 and _gone(head) == [] and _heads_in(netns) == set() and not state.exists(), out
+        finally:
+            for proc in procs:  # one left stopped (SIGSTOP) by a failed assertion too
+                proc.kill()
+                proc.wait()
+            for head in heads:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(head["head_pid"], signal.SIGKILL)
+                shutil.rmtree(head["temp_dir"], ignore_errors=True)
+
+
+def test_a_run_held_by_an_up_refuses_a_second_up_or_down_and_a_dead_ones_record_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without Ray: another process holding the run's lock and ``ray.json`` as ``up`` does while it launches makes
+    ``up`` and ``down`` of the run fail at once (exit 1) naming the run dir and the holder, touching nothing. SIGKILLed,
+    it holds nothing (the kernel drops an ``flock``), and its ``ray.json`` (``launched`` false) makes the next ``up``
+    name it and the ``down`` to run, which clears it."""
+    from services.cli import main
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # what the CLI sets for a local head, undone after the test
+    config = str(_config(tmp_path, tmp_path / "model"))
+    run_dir = tmp_path / "runs" / "raytest"
+    run_dir.mkdir(parents=True)
+    state = run_dir / "ray.json"
+    holds = ("import os, sys, time; from pathlib import Path\n"
+             "from services.ray_launcher import _run_lock, _write_state\n"
+             "with _run_lock(Path(sys.argv[1]), 'up'):\n"
+             "    _write_state(Path(sys.argv[1]) / 'ray.json', {'namespace': 'rollwave-raytest', 'actors': [], "
+             "'placement_groups': [], 'up_pid': os.getpid(), 'launched': False})\n"
+             "    print('held', flush=True)\n    time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", holds, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        record = state.read_text()
+        for command in ("up", "down"):
+            started = time.monotonic()
+            assert main([command, "-c", config]) == 1
+            err = capsys.readouterr().err
+            assert f"{run_dir}: `rollwave up` (pid {holder.pid}) is starting or stopping this run" in err, err
+            assert time.monotonic() - started < 10 and state.read_text() == record
+            assert sorted(p.name for p in run_dir.iterdir()) == ["ray.json", "ray.lock"]  # nothing started
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["up", "-c", config]) == 2
+    err = capsys.readouterr().err
+    assert (f"{state}: the `rollwave up` that started this run (pid {holder.pid}) ended mid-launch, leaving what it "
+            f"had started: nothing; stop it with `rollwave down -c {config}` first") in err, err
+    assert main(["down", "-c", config]) == 0 and not state.exists()
+    assert capsys.readouterr().out == "rollwave down: stopped nothing\n"

@@ -2,7 +2,7 @@
 
 The entrypoint is ``fn(task, base_url, api_key)`` (sync or async): ``task`` is the task's ``task_id``,
 ``messages`` and ``tools`` (never its reward spec, which may hold the answer), ``base_url`` and
-``api_key`` are for the ``openai`` client. It returns a float reward, or None to leave the reward to
+``api_key`` are for the ``openai`` client. It returns a finite float reward, or None to leave the reward to
 the job's reward function.
 
 Each run is a fresh process forked from a multiprocessing fork server that has already imported
@@ -10,7 +10,8 @@ Each run is a fresh process forked from a multiprocessing fork server that has a
 sample starts in milliseconds instead of paying a Python start, those imports (about 1 s of CPU here) and the
 client's first call (``agent_warmup``). The child leads its own session, pins itself to
 ``placement.agent_cpus`` when set, sets its own address-space limit (``RLIMIT_AS``) before calling the agent,
-and sends its result back over a pipe; the parent kills the child's whole process group at the time limit.
+and sends its result back over a pipe; the parent kills the child's whole process group when it exits (what
+the agent left running) or at the time limit.
 Anything the agent prints goes to the worker's stderr.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import math
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -76,7 +78,7 @@ async def run_agent(entrypoint: str, task: Any, base_url: str, api_key: str, *, 
         except asyncio.CancelledError:
             _kill(proc)
             raise
-        proc.join()
+        _kill(proc)  # it has exited: what it started and left running goes with it
         result = receive.recv() if receive.poll() else {}
     except EOFError:
         result = {}
@@ -86,7 +88,7 @@ async def run_agent(entrypoint: str, task: Any, base_url: str, api_key: str, *, 
         return AgentOutcome(failure="agent_error", error=f"agent {entrypoint} failed: {result['error']}")
     if "invalid" in result:
         return AgentOutcome(failure="agent_error",
-                            error=f"agent {entrypoint} returned {result['invalid']}; want a float or None")
+                            error=f"agent {entrypoint} returned {result['invalid']}; want a finite float or None")
     if proc.exitcode != 0 or "reward" not in result:
         return AgentOutcome(failure="agent_error", error=f"agent {entrypoint} exited {proc.exitcode} with no result")
     reward = result["reward"]
@@ -127,8 +129,10 @@ def _child(payload: dict[str, Any], result: Connection) -> None:
         if inspect.isawaitable(reward):
             reward = asyncio.run(reward)
         # checked here, so only a number or a short repr crosses the pipe: the parent reads it only once this
-        # process has exited, so a result larger than the pipe's buffer would block it until the time limit
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+        # process has exited, so a result larger than the pipe's buffer would block it until the time limit;
+        # a NaN or infinite reward would poison its group's advantages
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)
+                                   or not math.isfinite(reward)):
             result.send({"invalid": reprlib.repr(reward)})
         else:
             result.send({"reward": reward})

@@ -15,13 +15,14 @@ budget) only when it lacks its end token, and an episode whose next request no l
 gets the same 400 but ends the episode ``prompt_too_long``: the worker dead-letters the task, as the built-in loop
 does with a prompt that leaves no room to generate.
 
-Sampling (temperature, top_p, top_k, the max_new_tokens cap) is the job's, whatever the request says,
-so behaviour logprobs match what the trainer assumes. ``stop`` sequences end the turn (the tokens through the
-match are recorded; the content ends before it, as OpenAI's). ``logprobs=true`` returns the recorded behaviour
-logprobs (``top_logprobs`` is refused: the engines give none). ``tool_choice`` selects which calls are parsed
-(``none``: none; a named function: only it); generation is not constrained, so ``required`` cannot force
-a call. Streaming sends the finished turn as
-OpenAI-shaped chunks (the engine client has no token stream).
+Sampling (temperature, top_p, top_k, the max_new_tokens cap) is the job's, so behaviour logprobs match what
+the trainer assumes: a request asking for other values, penalties, a ``seed``, ``logit_bias`` or a constrained
+``response_format`` is refused (400 naming the field), neither sampled nor silently ignored; ``max_tokens`` below
+the cap lowers it. A message the chat template refuses is a 400 too. ``stop`` sequences end the turn (the tokens
+through the match are recorded; the content ends before it, as OpenAI's). ``logprobs=true`` returns the recorded
+behaviour logprobs (``top_logprobs`` is refused: the engines give none). ``tool_choice`` selects which calls are
+parsed (``none``: none; a named function: only it); generation is not constrained, so ``required`` cannot force
+a call. Streaming sends the finished turn as OpenAI-shaped chunks (the engine client has no token stream).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -54,6 +56,7 @@ from pydantic_core import PydanticCustomError
 
 from buffer.schema import Sample, ToolCallRecord
 from core.config import RolloutConfig
+from core.net import http_url
 from core.rewards import RewardComputer
 from core.trajectory import ChatRenderer, TrajectoryBuilder
 from rollout_server.agent_loop import EngineReplyError, PromptTooLong, turn_from_reply
@@ -163,6 +166,10 @@ def _is_text_part(part: Any) -> bool:
     return True
 
 
+def _closed(episode_id: str) -> APIError:
+    return APIError(404, f"episode {episode_id!r} does not exist or is closed", "episode_not_found")
+
+
 def _param(loc: tuple[int | str, ...]) -> str:
     """A pydantic error location as OpenAI's ``param``: ``messages[1].tool_calls[0].function``."""
     out = ""
@@ -179,7 +186,7 @@ _EXPECTED = {
 
 
 class ChatRequest(BaseModel):
-    """The fields we act on; other OpenAI fields are accepted and ignored (see the module docstring)."""
+    """The fields we act on or refuse; other OpenAI fields (``user``, ``metadata``, ...) are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -194,6 +201,14 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # sampling: checked against the job's (``EpisodeStore._refuse_sampling``), never silently ignored
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("tool_choice", "stop", mode="wrap")
     @classmethod
@@ -215,7 +230,7 @@ class ChatRequest(BaseModel):
 
 
 class RewardRequest(BaseModel):
-    reward: float
+    reward: float = Field(allow_inf_nan=False)  # NaN or inf would poison the group's advantages
     info: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -305,7 +320,7 @@ class EpisodeStore:
                 raise RuntimeError(f"episode endpoint: could not listen on {host}:{port} within {timeout_s:.0f}s")
             await asyncio.sleep(0.01)
         bound = server.servers[0].sockets[0].getsockname()
-        self.url = f"http://{host}:{bound[1]}"
+        self.url = http_url(host, bound[1])
         try:
             yield self.url
         finally:
@@ -335,7 +350,8 @@ class EpisodeStore:
             ep.failure = (reason, message)
 
     def discard(self, ep: AgentEpisode) -> None:
-        """End the episode without a Sample (its run was cancelled); later requests get 404."""
+        """End the episode without a Sample (its run was cancelled); later requests, and those still waiting
+        for the episode, get 404."""
         if self.episodes.pop(ep.episode_id, None) is not None:
             self.metrics.inflight_requests.dec()
 
@@ -442,7 +458,7 @@ class EpisodeStore:
     def _episode(self, episode_id: str, authorization: str | None) -> AgentEpisode:
         ep = self.episodes.get(episode_id)
         if ep is None:
-            raise APIError(404, f"episode {episode_id!r} does not exist or is closed", "episode_not_found")
+            raise _closed(episode_id)
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), ep.key.encode()):
             raise APIError(401, "invalid API key for this episode", "invalid_api_key", "authentication_error")
@@ -452,15 +468,19 @@ class EpisodeStore:
         if req.model != self.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist (this server serves "
                                 f"{self.model_name!r})", "model_not_found", param="model")
-        if req.top_logprobs:
-            raise APIError(400, "top_logprobs is not supported: the engines return the sampled token's logprob only "
-                                "(use logprobs=true)", "unsupported_parameter", param="top_logprobs")
+        self._refuse_sampling(ep.config, req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         names = self._tool_names(req, tools)
         async with ep.lock:
+            if self.episodes.get(ep.episode_id) is not ep:  # it ended (cancelled, closed) while this request waited
+                raise _closed(ep.episode_id)
             if ep.failure is not None and ep.failure[0] != "history_mismatch":
                 raise APIError(409, f"episode {ep.episode_id} has ended: {ep.failure[1]}", "episode_closed")
-            self._extend(ep, [m.model_dump(exclude_unset=True) for m in req.messages], tools)
+            try:
+                self._extend(ep, [m.model_dump(exclude_unset=True) for m in req.messages], tools)
+            except (TemplateError, ValueError) as exc:  # the template refused them ("roles must alternate", ...)
+                raise APIError(400, f"messages: the chat template cannot render them: {exc}", "invalid_messages",
+                               param="messages") from exc
             reply, max_new = await self._generate(ep, req)
             message, finish = self._record(ep, reply, names, max_new)
             logprobs = self._logprobs(ep, reply["output_ids"]) if req.logprobs else None
@@ -475,6 +495,33 @@ class EpisodeStore:
         return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "usage": usage,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}]}
+
+    @staticmethod
+    def _refuse_sampling(cfg: RolloutConfig, req: ChatRequest) -> None:
+        """Refuse (400 naming the field) what would sample otherwise than the job does: the trainer assumes the
+        job's distribution, so honouring another would train off-policy and ignoring it would answer the agent
+        with something it did not ask for. ``top_k``, ``min_p`` and ``repetition_penalty`` are SGLang's and
+        vLLM's names, which agents send as ``extra_body``."""
+        job = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+        engine = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+        for name, allowed in (job | engine).items():
+            asked = getattr(req, name, None)  # top_k, min_p, repetition_penalty: extra fields
+            if asked is not None and asked != allowed:
+                why = (f"this job samples at {name}={allowed} (rollout.{name} or the job's override), as the trainer "
+                       "assumes" if name in job else "the rollout engine samples without it")
+                raise APIError(400, f"Unsupported value: {name}={asked!r}; {why}. Omit {name} or send {allowed}.",
+                               "unsupported_value", param=name)
+        refused = {
+            "seed": (req.seed is not None, "the samples of a group must differ, so the server seeds sampling itself"),
+            "logit_bias": (bool(req.logit_bias), "it would change the distribution the trainer assumes"),
+            "response_format": ((req.response_format or {}).get("type", "text") != "text",
+                                "generation is not constrained (only {\"type\": \"text\"})"),
+            "top_logprobs": (bool(req.top_logprobs), "the engines return the sampled token's logprob only "
+                                                     "(use logprobs=true)"),
+        }
+        for name, (asked, why) in refused.items():
+            if asked:
+                raise APIError(400, f"{name} is not supported: {why}", "unsupported_parameter", param=name)
 
     def _logprobs(self, ep: AgentEpisode, ids: list[int]) -> dict[str, Any]:
         """OpenAI's ``logprobs``: the recorded behaviour logprob of each generated token, the closing end token

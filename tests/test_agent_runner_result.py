@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from core.tasks import Task
@@ -24,5 +29,48 @@ def test_a_large_non_reward_result_is_an_agent_error_not_a_timeout() -> None:
     outcome = asyncio.run(run_agent("tests.test_agent_runner_result:big_reward", TASK, "http://127.0.0.1:9/v1", "k",
                                     timeout_s=20, memory_mb=2048))
     assert outcome.failure == "agent_error", outcome
-    assert "returned ['not a reward', " in outcome.error and outcome.error.endswith("; want a float or None")
+    assert "returned ['not a reward', " in outcome.error and outcome.error.endswith("; want a finite float or None")
     assert time.monotonic() - start < 15
+
+
+def nan_reward(task: dict[str, Any], base_url: str, api_key: str) -> float:
+    return float("nan")
+
+
+def test_a_reward_that_is_not_finite_is_an_agent_error() -> None:
+    """An entrypoint that returns NaN fails its sample as ``agent_error`` naming it: a NaN reward would poison its
+    group's advantages (the built-in reward functions are held to the same)."""
+    outcome = asyncio.run(run_agent("tests.test_agent_runner_result:nan_reward", TASK, "http://127.0.0.1:9/v1", "k",
+                                    timeout_s=20, memory_mb=2048))
+    assert (outcome.failure, outcome.reward) == ("agent_error", None), outcome
+    assert outcome.error == "agent tests.test_agent_runner_result:nan_reward returned nan; want a finite float or None"
+
+
+def leaves_a_process(task: dict[str, Any], base_url: str, api_key: str) -> float:
+    """Starts a process it never stops; its pid is the reward, so the test can look for it."""
+    return float(subprocess.Popen(["sleep", "600"]).pid)
+
+
+def test_what_an_agent_started_ends_with_its_sample() -> None:
+    """A process the agent started and left running is killed when the agent returns (its process group), not left
+    behind by every sample of the run."""
+    outcome = asyncio.run(run_agent("tests.test_agent_runner_result:leaves_a_process", TASK, "http://127.0.0.1:9/v1",
+                                    "k", timeout_s=20, memory_mb=2048))
+    assert outcome.failure is None and outcome.reward is not None, outcome
+    pid = int(outcome.reward)
+    deadline = time.monotonic() + 5
+    try:
+        while time.monotonic() < deadline and _running(pid):
+            time.sleep(0.05)
+        assert not _running(pid), f"the agent's process {pid} outlived its sample"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: a container's init may be slow to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -59,13 +59,13 @@ def _config(**overrides: Any) -> RolloutConfig:
 
 def _run(tokenizer: Any, engine: Any, agent: Callable[[openai.AsyncOpenAI, AgentEpisode, EpisodeStore], Awaitable[Any]],
          model_name: str = "rollwave", reward: RewardComputer | None = None, task: Task = TASK,
-         **cfg: Any) -> tuple[Any, EpisodeStore]:
-    """Open one episode of ``task``, serve it, run ``agent`` with an openai client on its base URL, close it (scored
-    by ``reward``, default gsm8k)."""
+         host: str = "127.0.0.1", **cfg: Any) -> tuple[Any, EpisodeStore]:
+    """Open one episode of ``task``, serve it on ``host``, run ``agent`` with an openai client on its base URL, close
+    it (scored by ``reward``, default gsm8k)."""
     store = EpisodeStore(tokenizer, model_name, RolloutMetrics())
 
     async def main() -> Any:
-        async with store.serving("127.0.0.1", 0):
+        async with store.serving(host, 0):
             ep = store.open(task, 0, _config(**cfg), engine, reward or RewardComputer("gsm8k"))
             client = openai.AsyncOpenAI(base_url=store.base_url(ep), api_key=ep.key, max_retries=0, timeout=60)
             try:
@@ -209,6 +209,19 @@ def test_posted_reward_replaces_the_reward_function(tokenizer: Any) -> None:
 
     sample, _ = _run(tokenizer, engine, agent, model_name="policy")
     assert sample.reward == 0.7 and sample.reward_info == {"judge": "agent"}
+
+
+def test_an_ipv6_host_gives_agents_a_url_they_can_reach(tokenizer: Any) -> None:
+    """Served on ``::1``, the endpoint's URL has the address in brackets (``http://::1:8000`` names no port), so
+    the agent's base URL reaches it."""
+    engine = ScriptedEngine(tokenizer, [("The answer is 42.", "stop")])
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        assert store.base_url(ep).startswith("http://[::1]:")
+        await client.chat.completions.create(model="rollwave", messages=MESSAGES)
+
+    sample, _ = _run(tokenizer, engine, agent, host="::1")
+    assert (sample.finish_reason, sample.reward, len(engine.calls)) == ("stop", 1.0, 1)
 
 
 def test_reward_function_scores_the_final_answer(tokenizer: Any) -> None:

@@ -6,8 +6,10 @@ Each episode is a small state machine, like verl's ``AsyncRolloutRequest``::
 
 Token-in/token-out (see ``trajectory.py``): the engine's ``output_ids`` are appended as they are,
 with their behaviour logprobs and the policy version of each token. Every limit ends the episode
-with its own ``finish_reason``: ``stop`` (answered), ``length`` (a turn hit ``max_new_tokens`` before its
-end token; a turn whose end token is the last allowed one is answered, whatever the engine reports),
+with its own ``finish_reason``: ``stop`` (answered; a turn ended by any stop token of the model, Qwen's
+``<|endoftext|>`` as well as ``<|im_end|>``, is finished and its tool calls run), ``length`` (a turn hit
+``max_new_tokens`` before its end token; a turn whose end token is the last allowed one is answered, whatever the
+engine reports),
 ``max_total_tokens`` (the context budget), ``max_turns``, ``abort`` (the engine aborted the
 request), ``error`` (the engine failed, or a tool could not be set up) or ``reward_error`` (the
 reward function failed). The last three are failures (``Sample.failed``), counted in
@@ -258,8 +260,13 @@ class AgentLoop:
         ep.builder.add_generated(turn)
         ep.num_turns += 1
         self.metrics.generated_tokens.inc(len(turn.output_ids))
-        reason = (reply.get("meta_info", {}).get("finish_reason") or {}).get("type", "stop")
-        closed = bool(turn.output_ids) and turn.output_ids[-1] == self.renderer.eos_id
+        finish = reply.get("meta_info", {}).get("finish_reason") or {}
+        reason = finish.get("type", "stop")
+        # closed by its end token, or by another stop token of the model (Qwen's <|endoftext|>), which the engine
+        # names as the int it matched (a stop string is a str)
+        last = turn.output_ids[-1] if turn.output_ids else None
+        stop_token = reason == "stop" and finish.get("matched") == last
+        closed = last is not None and (last == self.renderer.eos_id or stop_token)
         text = self.renderer.decode(turn.output_ids[:-1] if closed else turn.output_ids)
         ep.final_text = text
         if reason == "abort":
@@ -284,6 +291,7 @@ class AgentLoop:
     async def _call_tools(self, task: Any, ep: Episode, calls: list[ToolCall], errors: list[ToolCallError]) -> None:
         """Run the turn's calls concurrently, answer each (errors too) in order, then continue or stop."""
         done = await asyncio.gather(*(self._run_call(task, ep, c) for c in calls))
+        ep.tool_rewards += [float(result.reward) for result, _ in done if result.reward is not None]  # call order
         answers = [(c.index, c.name, result.text, record) for c, (result, record) in zip(calls, done, strict=True)]
         for err in errors:
             name = err.name or "invalid"
@@ -325,8 +333,6 @@ class AgentLoop:
             log.warning("tool %s raised: %s: %s", call.name, type(exc).__name__, exc)
             result = ToolResult.failure(f"{call.name} failed: {type(exc).__name__}: {exc}")
         latency = time.perf_counter() - start
-        if result.reward is not None:
-            ep.tool_rewards.append(float(result.reward))
         outcome = outcome or ("ok" if result.ok else "refused" if result.refused else "error")
         self.metrics.tool_calls.labels(tool=call.name, outcome=outcome).inc()
         self.metrics.tool_latency.labels(tool=call.name).observe(latency)

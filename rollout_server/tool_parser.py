@@ -38,13 +38,17 @@ class ToolCallError:
     raw: str = ""
 
 
+# what json.loads raises on bad text; RecursionError on nesting past Python's limit (a policy can write ``[[[[...``)
+_BAD_JSON = (json.JSONDecodeError, RecursionError)
+
+
 def _parse_arguments(act: dict[str, Any]) -> dict[str, Any] | str:
     """The call's arguments as a dict (SGLang: ``parameters`` or ``arguments``), or an error message."""
     args = act.get("parameters") or act.get("arguments", {})
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+        except _BAD_JSON:
             return "arguments must be a JSON object, got a string that is not JSON"
     if not isinstance(args, dict):
         return f"arguments must be a JSON object, got {type(args).__name__}"
@@ -72,7 +76,7 @@ def parse_tool_calls(
     for raw in blocks:
         try:
             payload = json.loads(raw.strip())
-        except json.JSONDecodeError as exc:
+        except _BAD_JSON as exc:
             errors.append(ToolCallError(index, f"invalid JSON in tool call: {exc}", raw=raw))
             index += 1
             continue

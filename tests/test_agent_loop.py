@@ -66,9 +66,11 @@ def model(tiny_model_dir: Path) -> Any:
 class ScriptedEngine:
     """Test data in the engine's reply shape: scripted assistant turns, then (optionally) the real engine.
 
-    A scripted turn is ``(text, finish)``; ``finish`` is ``"stop"`` (eos appended), ``"open"`` (stops
-    without eos) or ``"abort"``. Output that reaches ``max_new_tokens`` is cut there with finish ``length``,
-    even when its last token is eos: SGLang's ``Req.check_finished`` tests the length before the stop token.
+    A scripted turn is ``(text, finish)``; ``finish`` is ``"stop"`` (eos appended), ``"endoftext"`` (the model's
+    other stop token, ``<|endoftext|>``, appended: Qwen's generation config stops on both), ``"open"`` (stops
+    without a stop token, as on a stop string) or ``"abort"``. Output that reaches ``max_new_tokens`` is cut there
+    with finish ``length``, even when its last token is eos: SGLang's ``Req.check_finished`` tests the length
+    before the stop token.
     Scripted tokens carry logprob -0.5 and versions "3" then "4" (a switch after two tokens), marked
     approximate with ``approximate`` (as ``EngineClient`` marks an engine that gives no spans). One
     script serves one episode (``n=1``): turns are handed out in call order.
@@ -90,9 +92,10 @@ class ScriptedEngine:
         text, finish = self.script.pop(0)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         eos = self.tokenizer.eos_token_id
-        ids += [eos] if finish == "stop" else []
+        end = {"stop": [eos], "endoftext": [self.tokenizer.convert_tokens_to_ids("<|endoftext|>")]}
+        ids += end.get(finish, [])
         limit = sampling_params["max_new_tokens"]
-        reason: dict[str, Any] = {"type": "stop", "matched": ids[-1]}
+        reason: dict[str, Any] = {"type": "stop", "matched": ids[-1] if finish in end else text[-1:]}
         if len(ids) >= limit:
             ids, reason = ids[:limit], {"type": "length", "length": limit}
         elif finish == "abort":

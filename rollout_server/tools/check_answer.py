@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.rewards import gsm8k_reward
+from core.rewards import gsm8k_gold, gsm8k_reward
 from rollout_server.tools.base import Tool, ToolResult, function_schema
 
 
@@ -24,8 +24,12 @@ class CheckAnswerTool(Tool):
     create_requires = ("ground_truth",)
 
     async def create(self, instance_id: str, **create_kwargs: Any) -> None:
+        """Refuses a ground truth gsm8k cannot read: every call would fail and the episode be scored 0 for it."""
         await super().create(instance_id, **create_kwargs)  # refuses one without a ground_truth
-        self._instances[instance_id] = {"ground_truth": str(create_kwargs["ground_truth"])}
+        ground_truth = str(create_kwargs["ground_truth"])
+        if gsm8k_gold(ground_truth) is None:
+            raise ValueError(f"{self.name}: ground_truth {ground_truth!r} is not a number (task tools_kwargs)")
+        self._instances[instance_id] = {"ground_truth": ground_truth}
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
         state = self._instances.get(instance_id)

@@ -103,6 +103,16 @@ def turn_from_reply(reply: dict[str, Any]) -> Turn:
     return Turn(ids, [float(e[0]) for e in entries], versions, bool(meta.get("weight_versions_approximate")))
 
 
+def ends_turn(ids: list[int], reply: dict[str, Any], eos_id: int) -> bool:
+    """The turn's last token closes it: the chat template's end token, or another stop token of the model (Qwen's
+    ``<|endoftext|>``), which the engine names as the int it matched (a stop string is a str). Its text is then the
+    tokens before it."""
+    if not ids:
+        return False
+    finish = reply.get("meta_info", {}).get("finish_reason") or {}
+    return ids[-1] == eos_id or (finish.get("type") == "stop" and finish.get("matched") == ids[-1])
+
+
 def checked_result(result: Any) -> ToolResult:
     """``result`` if it is a ``ToolResult`` with text and no reward or a finite one, else TypeError saying what it is:
     a tool's return value is operator code as much as its exceptions, and one it cannot use must not fail the group
@@ -260,13 +270,8 @@ class AgentLoop:
         ep.builder.add_generated(turn)
         ep.num_turns += 1
         self.metrics.generated_tokens.inc(len(turn.output_ids))
-        finish = reply.get("meta_info", {}).get("finish_reason") or {}
-        reason = finish.get("type", "stop")
-        # closed by its end token, or by another stop token of the model (Qwen's <|endoftext|>), which the engine
-        # names as the int it matched (a stop string is a str)
-        last = turn.output_ids[-1] if turn.output_ids else None
-        stop_token = reason == "stop" and finish.get("matched") == last
-        closed = last is not None and (last == self.renderer.eos_id or stop_token)
+        reason = (reply.get("meta_info", {}).get("finish_reason") or {}).get("type", "stop")
+        closed = ends_turn(turn.output_ids, reply, self.renderer.eos_id)
         text = self.renderer.decode(turn.output_ids[:-1] if closed else turn.output_ids)
         ep.final_text = text
         if reason == "abort":

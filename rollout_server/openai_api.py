@@ -59,7 +59,7 @@ from core.config import RolloutConfig
 from core.net import http_url
 from core.rewards import RewardComputer
 from core.trajectory import ChatRenderer, TrajectoryBuilder
-from rollout_server.agent_loop import EngineReplyError, PromptTooLong, turn_from_reply
+from rollout_server.agent_loop import EngineReplyError, PromptTooLong, ends_turn, turn_from_reply
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.tool_parser import parse_tool_calls
@@ -615,7 +615,7 @@ class EpisodeStore:
         ids = reply["output_ids"]
         finish_reason = reply.get("meta_info", {}).get("finish_reason") or {}
         reason, matched = finish_reason.get("type", "stop"), finish_reason.get("matched")
-        closed = bool(ids) and ids[-1] == self.renderer.eos_id
+        closed = ends_turn(ids, reply, self.renderer.eos_id)
         text = self.renderer.decode(ids[:-1] if closed else ids)
         if reason == "stop" and isinstance(matched, str) and matched in text:  # OpenAI's content ends before it
             text = text[: text.index(matched)]

@@ -188,3 +188,21 @@ def test_the_key_is_checked_before_the_body_and_the_model_can_be_retrieved(token
             await client.models.retrieve("gpt-4o")
 
     _run(tokenizer, engine, agent)
+
+
+def test_a_turn_ended_by_the_models_other_stop_token_is_finished_without_it(tokenizer: Any) -> None:
+    """The engine stops on every end token the model declares (Qwen: ``<|endoftext|>`` beside ``<|im_end|>``): a
+    turn ended by the other one is finished as the built-in loop finishes it, its tool call parsed, and the token
+    is no part of the content (it was, literally, and the call was lost in it)."""
+    engine = ScriptedEngine(tokenizer, [("Let me compute. " + CALC.format("6*7"), "endoftext"), ("42", "endoftext")])
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        reply = await client.chat.completions.create(model="rollwave", messages=MESSAGES, tools=TOOLS)
+        choice = reply.choices[0]
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", "Let me compute.")
+        assert choice.message.tool_calls[0].function.name == "calculator"
+        reply = await client.chat.completions.create(model="rollwave", messages=MESSAGES, tools=TOOLS)
+        assert (reply.choices[0].finish_reason, reply.choices[0].message.content) == ("stop", "42")
+
+    sample, _ = _run(tokenizer, engine, agent, max_new_tokens=64)
+    assert [t.name for t in sample.tool_calls] == ["calculator"]

@@ -405,9 +405,10 @@ class TrainerConfig(Section):
         "layers unsharded through each update (false where one unsharded copy of the model does not fit)"
     )
     ppo_minibatches: int = Field(
-        1, ge=1, description="optimizer updates per step; 1: π_prox is the step's own forward, so u ≡ 1 and "
-        "clip_eps never acts (with model.lora.dropout > 0 a no-grad pass computes π_prox, and u is the dropout's "
-        "noise); >1 recomputes π_prox and the later minibatches are clipped against it"
+        1, ge=1, description="optimizer updates per step (one per sample in a step with fewer samples); 1: π_prox "
+        "is the step's own forward, so u ≡ 1 and clip_eps never acts (with model.lora.dropout > 0 a no-grad pass "
+        "computes π_prox, and u is the dropout's noise); >1 recomputes π_prox and the later minibatches are clipped "
+        "against it"
     )
     take_timeout_s: float = Field(5.0, gt=0, description="how long one buffer read blocks waiting for data")
     stop_when_drained: bool = Field(

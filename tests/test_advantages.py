@@ -7,8 +7,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from trainer_helpers import synthetic_groups
 
 from trainer.advantages import compute_advantages
+from trainer.batching import collate
 
 EPS = 1e-6
 
@@ -102,3 +104,13 @@ def test_rejects_bad_input() -> None:
         compute_advantages(torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2, 3), kind="gae")
     with pytest.raises(ValueError, match="must agree on B"):
         compute_advantages(torch.ones(2), torch.zeros(3, dtype=torch.long), torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("reward", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_reward_is_refused_naming_its_sample(reward: float) -> None:
+    """A NaN reward would zero its group's advantages without a word (a NaN fails the "rewards differ" test), an
+    infinite one would make the step's loss NaN: the collator refuses either, naming the sample."""
+    groups = synthetic_groups(0, 2)
+    groups[1].samples[2].reward = reward
+    with pytest.raises(ValueError, match=r"group s0-g1\.samples\[2\]\.reward: .* not a finite number"):
+        collate(groups)

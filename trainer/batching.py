@@ -9,6 +9,7 @@ t predict; they have L - 1 columns.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -64,7 +65,8 @@ def collate(
     groups: list[TrajectoryGroup], pad_id: int = 0, vocab_size: int | None = None, temperature: float = 1.0
 ) -> Batch:
     """Stack every sample of ``groups`` (in order) into one right-padded ``Batch``; token ids must lie
-    in [0, vocab_size). ``temperature`` stands in for groups that do not record theirs (schema 1)."""
+    in [0, vocab_size) and rewards be finite. ``temperature`` stands in for groups that do not record theirs
+    (schema 1)."""
     samples = [(g, s) for g in groups for s in g.samples]
     if not samples:
         raise ValueError("collate: the step has no samples")
@@ -82,6 +84,8 @@ def collate(
     for row, (group, s) in enumerate(samples):
         where = f"group {group.group_id}.samples[{s.sample_index}]"
         s.validate(where)
+        if not math.isfinite(s.reward):  # NaN would zero its group's advantages unseen; inf makes the loss NaN
+            raise ValueError(f"{where}.reward: {s.reward} is not a finite number")
         n = len(s.token_ids)
         if n and (s.token_ids.min() < 0 or (vocab_size is not None and s.token_ids.max() >= vocab_size)):
             bad = int(s.token_ids.max() if s.token_ids.min() >= 0 else s.token_ids.min())

@@ -22,13 +22,16 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
 
 
 def lr_factor(step: int, cfg: TrainerConfig) -> float:
-    """Multiplier of ``cfg.lr`` at optimizer step ``step`` (0-based): linear warmup over ``warmup_steps``
-    (step s uses (s+1)/warmup), then constant or a cosine decay that reaches 0 at ``total_steps``."""
+    """Multiplier of ``cfg.lr`` at the scheduler's step ``step`` (0-based; it advances once per trainer step that
+    trains the policy, whatever ``ppo_minibatches``): linear warmup over ``warmup_steps`` (step s uses
+    (s+1)/warmup), then constant or a cosine decay that reaches 0 when the policy's steps end: ``total_steps``
+    less the critic's warm-up under ``advantage=gae`` (steps that train the critic alone do not advance it)."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return 1.0
-    progress = (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps)
+    policy_steps = cfg.total_steps - (cfg.critic.warmup_steps if cfg.advantage == "gae" else 0)
+    progress = (step - cfg.warmup_steps) / max(1, policy_steps - cfg.warmup_steps)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 

@@ -15,6 +15,7 @@ dropout (``model.lora.dropout > 0``): the training forward drops adapter inputs,
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter
@@ -38,6 +39,8 @@ from trainer.lora import has_dropout
 from trainer.optim import apply_gradients, step_grad_norm
 from trainer.parallel import DistContext
 from trainer.shaping import shape_batch
+
+log = logging.getLogger(__name__)
 
 _MEAN_KEYS = ("is_ratio_mean", "clip_fraction", "masked_fraction", "logprob_gap", "entropy", "kl")
 _SUM_KEYS = ("loss", "pg_loss")
@@ -132,9 +135,10 @@ class TrainStep:
         cfg = self.cfg
         batch, shaping = shape_batch(collate(groups, self.pad_id, self.vocab_size, self.temperature), groups,
                                      cfg.overlong)
-        updates = cfg.ppo_minibatches
-        if updates > len(batch):
-            raise ValueError(f"trainer.ppo_minibatches: {updates} exceeds the step's {len(batch)} samples")
+        updates = min(cfg.ppo_minibatches, len(batch))
+        if updates < cfg.ppo_minibatches:  # the last partial batch of a drained run, say: one update per sample
+            log.warning("step %d: %d samples, fewer than trainer.ppo_minibatches=%d: %d updates, one per sample",
+                        step, len(batch), cfg.ppo_minibatches, updates)
         minibatches = _split(len(batch), updates)
         plans = [self._micro_batches(rows, batch) for rows in minibatches]
         critic_out: dict[str, Any] = {}

@@ -7,6 +7,7 @@ control bodies (``{"object": "error", ...}``, produced by the server's handler).
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import replace
 from typing import Any, Literal
@@ -74,6 +75,27 @@ _UNSUPPORTED = (
 )
 
 
+# top-level fields of SGLang's ``GenerateReqInput`` that change the prompt, the sampling or the reply there: set
+# (anything truthy), they are refused rather than ignored, which would hand a client other tokens or a reply without
+# what it asked for without a word; the fields that only route, label or log a request are ignored, as unknown ones
+_UNHONOURED_TOP = (
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "positional_embed_overrides",
+    "session_params",
+    "custom_logit_processor",
+    "max_thinking_tokens",
+    "require_reasoning",
+    "return_hidden_states",
+    "return_routed_experts",
+    "return_indexer_topk",
+    "return_entropy",
+    "return_sampling_mask",
+)
+
+
 class GenerateBody(BaseModel):
     """The top-level ``/generate`` fields this engine reads; other keys are ignored, as in SGLang."""
 
@@ -108,6 +130,9 @@ class GenerateSpec:
 def build_requests(body: Any, spec: GenerateSpec) -> tuple[list[Request], bool]:
     """Validate and normalise a ``/generate`` body; returns the requests and whether it was a batch."""
     gen = _gate(body)
+    unhonoured = next((k for k in _UNHONOURED_TOP if _any(body.get(k), bool)), None)
+    if unhonoured is not None:
+        raise ValueError(f"{unhonoured} is not supported by the embedded engine")
     if gen.stream:
         raise ValueError("stream=true is not supported by the embedded engine")
     if gen.token_ids_logprob is not None or _any(gen.top_logprobs_num, lambda v: v not in (None, 0)):
@@ -168,10 +193,11 @@ def _prompts(gen: GenerateBody, spec: GenerateSpec) -> tuple[list[list[int]], bo
         prompts = [spec.tokenizer.encode(t) for t in texts]  # the tokenizer's special tokens, as SGLang encodes text
     else:
         raise ValueError("Either text or input_ids should be provided.")
+    field = "input_ids" if gen.input_ids is not None else "text"
     if not prompts:
-        raise ValueError("input_ids is an empty batch")
+        raise ValueError(f"{field} is an empty batch")
     for i, prompt in enumerate(prompts):
-        where = f"input_ids[{i}]" if batch else "input_ids"
+        where = f"{field}[{i}]" if batch else field
         if not prompt:
             raise ValueError(f"{where} is empty")
         bad = next((t for t in prompt if not 0 <= t < spec.vocab_size), None)
@@ -201,6 +227,8 @@ def _sampling(raw: dict[str, Any]) -> SamplingParams:
     for key in _UNSUPPORTED:
         if getattr(body, key) != SamplingParamsBody.model_fields[key].default:
             raise ValueError(f"sampling_params.{key} is not supported by the embedded engine")
+    if not math.isfinite(body.temperature):  # JSON as Python reads it has Infinity and NaN; SGLang's verify refuses
+        raise ValueError(f"sampling_params.temperature must be a finite number, got {body.temperature}")
     check_sampling(body.temperature, body.top_p, body.top_k, body.min_p, where="sampling_params.")
     if body.max_new_tokens is not None and body.max_new_tokens < 0:
         raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {body.max_new_tokens}")
@@ -227,8 +255,12 @@ def _request(
     prompt: list[int], params: SamplingParams, rid: str, logprob: bool, gen: GenerateBody, spec: GenerateSpec,
     lora: str | None = None,
 ) -> Request:
+    if len(prompt) >= spec.max_context:  # SGLang's check, whatever max_new_tokens says
+        raise ValueError(
+            f"The input ({len(prompt)} tokens) is longer than the model's context length ({spec.max_context} tokens)."
+        )
     if params.max_new_tokens < 0:  # None: up to the context length
-        params = replace(params, max_new_tokens=max(spec.max_context - len(prompt), 0))
+        params = replace(params, max_new_tokens=spec.max_context - len(prompt))
     total = len(prompt) + params.max_new_tokens
     if total > spec.max_context:
         raise ValueError(

@@ -117,6 +117,7 @@ class Request:
             meta["output_token_logprobs"] = [
                 [lp, t, s] for lp, t, s in zip(self.logprobs, self.output_ids, texts, strict=True)
             ]
+            meta["output_token_logprobs_length"] = len(self.output_ids)
         meta["e2e_latency"] = self._latency()
         meta["response_sent_to_client_ts"] = time.time()
         out: dict[str, Any] = {"text": text, "output_ids": list(self.output_ids), "meta_info": meta}

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from core.net import LOOPBACK_NAMES
 from rollout_server.engine.protocol import GenerateSpec
 from rollout_server.engine.routes import generate, info, lora, memory, object_error, weights
-from rollout_server.engine.scheduler import Scheduler
+from rollout_server.engine.scheduler import EngineFailure, Scheduler
 
 log = logging.getLogger(__name__)
 REASON_BYTES = 500  # of a refusal's body, logged as its reason
@@ -97,6 +97,10 @@ def create_app(engine: Scheduler, spec: GenerateSpec, api_key: str | None = None
         exc_str, errors_str = str(exc), str(exc.errors())
         message = f"{exc_str} {errors_str}" if errors_str and errors_str != exc_str else exc_str
         return object_error(message, 400)
+
+    @app.exception_handler(EngineFailure)
+    async def engine_failure(_: Request, exc: EngineFailure) -> JSONResponse:
+        return object_error(f"engine failure: {exc}", 500)
 
     for module in (generate, weights, memory, lora, info):
         app.include_router(module.router)

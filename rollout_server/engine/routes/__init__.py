@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 
 from rollout_server.engine.protocol import GenerateSpec
-from rollout_server.engine.scheduler import Scheduler
+from rollout_server.engine.scheduler import EngineFailure, Scheduler
+
+ALIVE_CHECK_S = 1.0  # how often a wait on the scheduler thread checks that the thread still runs
 
 
 async def _scheduler(request: Request) -> Scheduler:  # async: a plain def would hop to a worker thread per request
@@ -30,7 +33,24 @@ SpecDep = Annotated[GenerateSpec, Depends(_spec)]
 
 async def on_engine(engine: Scheduler, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on the scheduler thread and await its result."""
-    return await asyncio.wrap_future(engine.call(fn))
+    return await engine_wait(engine, engine.call(fn))
+
+
+async def engine_wait(engine: Scheduler, fut: Future | asyncio.Future) -> Any:
+    """Await what the scheduler thread settles (a request, a call): as long as that takes while the thread runs
+    (a generation or a load waiting for one may take minutes, as in SGLang), an ``EngineFailure`` within
+    ``ALIVE_CHECK_S`` once it has ended, since nothing would settle ``fut`` then. Cancelling the caller cancels
+    ``fut``."""
+    waiter = asyncio.wrap_future(fut)
+    try:
+        while not (await asyncio.wait({waiter}, timeout=ALIVE_CHECK_S))[0]:
+            if not engine.alive:
+                waiter.cancel()
+                raise EngineFailure("the engine's scheduler thread has ended; nothing it was given will finish")
+    except asyncio.CancelledError:
+        waiter.cancel()
+        raise
+    return waiter.result()
 
 
 def object_error(message: str, status: int) -> JSONResponse:

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from rollout_server.engine.protocol import AbortReq, ContractError, build_requests
-from rollout_server.engine.routes import EngineDep, SpecDep, object_error, on_engine
+from rollout_server.engine.routes import EngineDep, SpecDep, engine_wait, object_error, on_engine
 from rollout_server.engine.scheduler import EngineFailure
 
 FLUSH_TEXT = (
@@ -40,7 +40,7 @@ async def generate(request: Request, engine: EngineDep, spec: SpecDep) -> Respon
     except ValueError as exc:
         return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
     try:
-        done = await asyncio.gather(*(asyncio.wrap_future(r.future) for r in reqs))
+        done = await engine_wait(engine, asyncio.gather(*(asyncio.wrap_future(r.future) for r in reqs)))
     except asyncio.CancelledError:  # the client went away: free the batch slots
         rids = {r.rid for r in reqs}
         engine.call(lambda: engine.abort_where(lambda r: r.rid in rids))

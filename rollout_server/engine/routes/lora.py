@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 
 from rollout_server.engine.lora import read_adapter
 from rollout_server.engine.protocol import LoadLoRAAdapterReq, UnloadLoRAAdapterReq
-from rollout_server.engine.routes import EngineDep
+from rollout_server.engine.routes import EngineDep, engine_wait
 from rollout_server.engine.scheduler import Scheduler
 from rollout_server.engine.weights import WeightError
 
@@ -37,7 +37,7 @@ async def load_lora_adapter(obj: LoadLoRAAdapterReq, engine: EngineDep) -> JSONR
         adapter = await asyncio.to_thread(read_adapter, engine.model, obj.lora_path)
     except WeightError as exc:
         return _reply(engine, f"Failed to load LoRA adapter {obj.lora_name!r}: {exc}")
-    await asyncio.wrap_future(engine.call_when_idle(lambda: engine.install_adapter(obj.lora_name, adapter)))
+    await engine_wait(engine, engine.call_when_idle(lambda: engine.install_adapter(obj.lora_name, adapter)))
     return _reply(engine)
 
 
@@ -45,5 +45,5 @@ async def load_lora_adapter(obj: LoadLoRAAdapterReq, engine: EngineDep) -> JSONR
 async def unload_lora_adapter(obj: UnloadLoRAAdapterReq, engine: EngineDep) -> JSONResponse:
     if obj.lora_name not in engine.adapters.loaded:
         return _reply(engine, f"LoRA adapter {obj.lora_name!r} is not loaded")
-    await asyncio.wrap_future(engine.call_when_idle(lambda: engine.remove_adapter(obj.lora_name)))
+    await engine_wait(engine, engine.call_when_idle(lambda: engine.remove_adapter(obj.lora_name)))
     return _reply(engine)

@@ -22,7 +22,7 @@ from rollout_server.engine.protocol import (
     UpdateWeightVersionReq,
     WeightUpdateSessionReq,
 )
-from rollout_server.engine.routes import EngineDep, on_engine, result
+from rollout_server.engine.routes import EngineDep, engine_wait, on_engine, result
 from rollout_server.engine.scheduler import Scheduler
 from rollout_server.engine.weights import WeightError, check_tensors, decode_named_tensors, read_hf_dir
 
@@ -92,7 +92,7 @@ async def _load(
         return paused
 
     try:
-        num_paused = await asyncio.wrap_future(engine.call_when_idle(apply))
+        num_paused = await engine_wait(engine, engine.call_when_idle(apply))
     except WeightError as exc:
         return False, f"Failed to update weights: {exc}. Rolled back to the previous weights.", 0
     suffix = f" Weight version updated to {version}." if version is not None else ""
@@ -116,7 +116,7 @@ async def prepare_weights_from_disk(obj: PrepareWeightsFromDiskReq, engine: Engi
         return result(False, f"Failed to prepare weights: {exc}")
     message = f"Prepared {count} tensors from {obj.model_path}"
     if obj.prefill_running:
-        tokens = await asyncio.wrap_future(engine.prefill_ahead(prepared))
+        tokens = await engine_wait(engine, engine.prefill_ahead(prepared))
         message += f"; computed the KV of {tokens} tokens of running requests under them"
     return result(True, message)
 

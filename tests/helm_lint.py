@@ -39,7 +39,7 @@ KNOWN = {
     "b64enc", "b64dec", "sha256sum", "randAlphaNum", "dict", "list", "get", "set", "unset", "hasKey", "keys",
     "merge", "mergeOverwrite", "deepCopy", "int", "int64", "float64", "toString", "toStrings", "add",
     "sub", "mul", "div", "mod", "max", "min", "until", "join", "split", "splitList", "first", "last",
-    "append", "uniq", "has", "kindIs", "typeOf", "fail", "cat", "regexMatch", "regexReplaceAll", "dig",
+    "append", "concat", "uniq", "has", "kindIs", "typeOf", "fail", "cat", "regexMatch", "regexReplaceAll", "dig",
     "semverCompare", "now", "date", "genCA", "genSignedCert",
 }
 

@@ -152,7 +152,7 @@ def test_engine_host_port_and_max_context_are_the_embedded_engines(tiny_model_di
                 assert (await http.get(small[0] + "/health", headers=auth)).status_code == 200
                 refused = await http.post(small[0] + "/generate", json=body, headers=auth)
                 assert refused.status_code == 400, refused.text
-                assert "maximum context length of 64 tokens" in refused.json()["error"]["message"]
+                assert "context length (64 tokens)" in refused.json()["error"]["message"]
                 taken = await http.post(default[0] + "/generate", json=body,
                                         headers={"Authorization": f"Bearer {default_key}"})
                 assert taken.status_code == 200, taken.text

@@ -14,11 +14,11 @@ from trainer.worker import Trainer
 
 def test_a_skipped_critic_update_is_counted_apart_from_the_policy_s(ctx: DistContext, tiny_model_dir: Path,
                                                                      tmp_path: Path) -> None:
-    """A NaN reward in the second group makes the critic's returns, so its second minibatch's gradient, NaN: that
-    update is skipped (the critic trains alone during warm-up), and counted in the critic's counter, not the
-    policy's."""
+    """A reward of 1e30 in the second group (finite: the collator refuses NaN) makes the critic's squared error, so
+    its second minibatch's gradient norm, infinite: that update is skipped (the critic trains alone during warm-up),
+    and counted in the critic's counter, not the policy's."""
     groups = synthetic_groups(0, 2)
-    groups[1].samples[0].reward = math.nan
+    groups[1].samples[0].reward = 1e30
     cfg = TrainerConfig(advantage="gae", device="cpu", lr=1e-3, micro_batch_tokens=128, kl_coef=0.0,
                         ppo_minibatches=2, critic={"warmup_steps": 1})
     trainer = Trainer(cfg, tiny_model_dir, tmp_path).start(ctx=ctx)
@@ -26,7 +26,7 @@ def test_a_skipped_critic_update_is_counted_apart_from_the_policy_s(ctx: DistCon
         record = trainer.train(groups)
     finally:
         trainer.close()
-    assert record["policy_updates"] == 0 and math.isnan(record["critic_grad_norm"])
+    assert record["policy_updates"] == 0 and record["critic_grad_norm"] == math.inf
     assert (record["skipped_updates"], record["critic_skipped_updates"]) == (0, 1)
     sample = trainer.metrics.registry.get_sample_value
     assert sample("rollwave_trainer_critic_skipped_updates_total") == 1

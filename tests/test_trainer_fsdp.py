@@ -414,8 +414,8 @@ def test_a_non_finite_gradient_in_a_later_update_is_the_step_s_norm(
 ) -> None:
     """Two updates, the second one's gradient NaN: the step reports NaN for the policy (grad_norm) and the critic
     (critic_grad_norm), not the first update's finite norm, which Python's max returns (it skips a NaN that is
-    not first). A NaN behaviour logprob breaks the policy's loss of its row, a NaN reward the critic's returns;
-    each row is in the second group, so in the second minibatch."""
+    not first). A NaN behaviour logprob breaks the policy's loss of its row, a reward of 1e30 the critic's squared
+    error (inf; the collator refuses a NaN reward); each row is in the second group, so in the second minibatch."""
     cfg = {**CFG, "kl_coef": 0.0, "ppo_minibatches": 2}
     groups = synthetic_groups(0, 2)
     sample = groups[1].samples[0]
@@ -428,15 +428,15 @@ def test_a_non_finite_gradient_in_a_later_update_is_the_step_s_norm(
     assert caplog.text.count("policy gradient norm is nan: update skipped") == 1
 
     groups = synthetic_groups(0, 2)
-    groups[1].samples[0].reward = math.nan
+    groups[1].samples[0].reward = 1e30
     critic_cfg = TrainerConfig(**cfg, advantage="gae", critic={"warmup_steps": 1})  # the critic alone trains
     trainer = Trainer(critic_cfg, tiny_model_dir, tmp_path / "critic").start(ctx=ctx)
     caplog.clear()
     with caplog.at_level("WARNING"):
         record = trainer.train(groups)
     trainer.close()
-    assert record["policy_updates"] == 0 and math.isnan(record["critic_grad_norm"])
-    assert caplog.text.count("critic gradient norm is nan: update skipped") == 1
+    assert record["policy_updates"] == 0 and record["critic_grad_norm"] == math.inf
+    assert caplog.text.count("critic gradient norm is inf: update skipped") == 1
 
 
 def test_lr_schedule_warmup_then_constant_or_cosine() -> None:

@@ -152,6 +152,11 @@ class Keys:
         return self.prefix + "device:engines"
 
     @property
+    def trainer_epoch(self) -> str:
+        """Counter, one per trainer that took or acked groups (``ReplayBuffer.fence``): only the newest may go on."""
+        return self.prefix + "trainer:epoch"
+
+    @property
     def trainer(self) -> str:
         """Hash: the trainer's step, version, heartbeat and metrics address (written by rank 0); once it stopped,
         where and why (``TRAINER_FINISHED_FIELDS``)."""

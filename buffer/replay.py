@@ -5,7 +5,10 @@ Exactly-once effect over at-least-once delivery:
   again (``groups:state`` hash), so a redelivered task never makes a second copy;
 - the trainer acks after the step that used the groups is checkpointed or committed; the ack marks the
   group ids consumed in the same call, and ``take`` skips ids already consumed or held, so a group is
-  trained on once even when the trainer dies between take and ack.
+  trained on once even when the trainer dies between take and ack; an entry this process acked that comes
+  back pending (Redis lost the ack) is acked again, not delivered;
+- one trainer per run: each takes a new trainer epoch (``fence``), and an older one still running is refused
+  its next take or ack (``TrainerFenced``), checked in the ack's Lua call.
 Bounded: a put waits while ``max_groups`` groups are not yet delivered to the trainer. Nothing is ever
 trimmed: an entry leaves the stream only when the trainer acks it, and its id leaves ``groups:state`` once
 ``dedup_window`` newer groups were consumed. Groups of a cancelled job are acked away unread, counted
@@ -25,6 +28,7 @@ import math
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import redis
@@ -91,17 +95,40 @@ end
 return written and 0 or 1
 """
 
-# KEYS: groups stream, group state, admitted counter, consumed ids list, trained counter. ARGV: job key prefix,
-# dedup window, then (entry id, gid, outcome, job, payload key) quintuples; outcome is the job counter: trained
-# (also counted run-wide), stale_dropped, degenerate_dropped, cancelled or malformed (all but trained give their
-# admission slot back). The caller that read the entry passes its job and payload key ('' for a group stored
-# inline), so the script does not read the entry again; an empty job means the caller does not know the entry, and
-# both are looked up in it. Only entries still pending count, so acking twice changes nothing. The payload key goes
-# with the entry. An empty gid (a malformed entry without one) marks nothing consumed. Consumed ids beyond the
-# window leave groups:state. Returns how many were acked.
-_ACK = """
+
+def _fence_lua(key: str, epoch: str) -> str:
+    """Lua that returns -1 when the trainer epoch at ``key`` is newer than ours (``epoch``): a newer trainer of the
+    run started. Ours is written back where Redis lost it (a restart without its data): only a newer one fences."""
+    return f"""
+local current, mine = tonumber(redis.call('GET', {key}) or '0'), tonumber({epoch})
+if current > mine then return -1 end
+if current < mine then redis.call('SET', {key}, mine) end
+"""
+
+
+# KEYS: trainer epoch. ARGV: this trainer's epoch. Returns -1 when fenced, else 0.
+_FENCE = _fence_lua("KEYS[1]", "ARGV[1]") + "return 0"
+
+# KEYS: groups stream, malformed stream, trainer epoch. ARGV: entry id, this trainer's epoch, then the dead letter's
+# field/value pairs. Written only while the entry is pending (the ack runs after it in the same MULTI), so a MULTI
+# the client runs again after a lost reply writes no second dead letter. Returns -1 fenced, 1 written, 0 not.
+_MOVE_ASIDE = _fence_lua("KEYS[3]", "ARGV[2]") + """
+if not redis.call('XPENDING', KEYS[1], '""" + TRAINER_GROUP + """', ARGV[1], ARGV[1], 1)[1] then return 0 end
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+return 1
+"""
+
+# KEYS: groups stream, group state, admitted counter, consumed ids list, trained counter, trainer epoch. ARGV: job key
+# prefix, dedup window, this trainer's epoch, then (entry id, gid, outcome, job, payload key) quintuples; outcome is
+# the job counter: trained (also counted run-wide), stale_dropped, degenerate_dropped, cancelled or malformed (all but
+# trained give their admission slot back). The caller that read the entry passes its job and payload key ('' for a
+# group stored inline), so the script does not read the entry again; an empty job means the caller does not know the
+# entry, and both are looked up in it. Only entries still pending count, so acking twice changes nothing. The
+# payload key goes with the entry. An empty gid (a malformed entry without one) marks nothing consumed. Consumed ids
+# beyond the window leave groups:state. Returns how many were acked, or -1 (nothing done) when a newer trainer started.
+_ACK = _fence_lua("KEYS[6]", "ARGV[3]") + """
 local acked = 0
-for i = 3, #ARGV, 5 do
+for i = 4, #ARGV, 5 do
   local id, gid, outcome, job, payload = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   if redis.call('XACK', KEYS[1], '""" + TRAINER_GROUP + """', id) == 1 then
     if job == '' then
@@ -139,6 +166,11 @@ class BufferClosed(RuntimeError):
     """The buffer was closed while a put was waiting for room."""
 
 
+class TrainerFenced(RuntimeError):
+    """A newer trainer of the run started (``ReplayBuffer.fence``): this one must take and ack nothing more. Starting
+    it again cannot help; the newer one owns the run."""
+
+
 class ReplayBuffer:
     """Producer side (``put``) and trainer side (``take``/``ack``) of the groups stream."""
 
@@ -157,10 +189,16 @@ class ReplayBuffer:
         self.metrics = metrics or BufferMetrics()
         self._put = client.register_script(_PUT)
         self._ack = client.register_script(_ACK)
+        self._fence = client.register_script(_FENCE)
+        self._move_aside = client.register_script(_MOVE_ASIDE)
         self._reclaimer = Reclaimer(client, keys.groups, TRAINER_GROUP, consumer, config.claim_idle_ms,
                                     own_every_s=config.claim_idle_ms / 1000)
         # entry id -> (group id, job id, payload key or '' when inline): taken, not yet acked
         self._held: dict[str, tuple[str, str, str]] = {}
+        # entry id -> (group id, outcome) acked by this process, the last dedup_window of them: one that comes back
+        # pending (Redis lost the ack: appendfsync everysec, a restart) is acked again, not trained again
+        self._acked: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._epoch: int | None = None
         self._closed = threading.Event()
 
     def ensure_group(self) -> None:
@@ -174,6 +212,31 @@ class ReplayBuffer:
     def close(self) -> None:
         """Wake and fail any put waiting for room (shutdown)."""
         self._closed.set()
+
+    def fence(self) -> int:
+        """Become the run's trainer: take a trainer epoch above every earlier trainer's (once; the first take or ack
+        does it if the trainer did not). A trainer of the run still running (launched twice, or not yet dead when a
+        supervisor restarted it) is refused its next take or ack (``TrainerFenced``): it used to go on training and
+        acking groups as trained that the newer trainer, which resumed from an earlier checkpoint, never saw.
+        Returns this trainer's epoch."""
+        if self._epoch is None:
+            self._epoch = int(self.redis.incr(self.keys.trainer_epoch))
+            log.info("%s: this trainer is epoch %d; an older trainer of the run takes and acks nothing more",
+                     self.keys.trainer_epoch, self._epoch)
+        return self._epoch
+
+    def _fenced(self) -> TrainerFenced:
+        current = self.redis.get(self.keys.trainer_epoch)
+        error = TrainerFenced(
+            f"{self.keys.trainer_epoch} is {current.decode() if current else None}: a newer trainer of run "
+            f"{self.keys.run} started (this one is epoch {self._epoch}); this one takes and acks no more groups, "
+            "and the newer one takes back what it held")
+        log.error("%s", error)
+        return error
+
+    def _check_fence(self) -> None:
+        if int(self._fence([self.keys.trainer_epoch], [self.fence()])) < 0:
+            raise self._fenced()
 
     # producer side
 
@@ -273,8 +336,10 @@ class ReplayBuffer:
 
         Pending groups of a dead trainer (or of this consumer's previous life, or whose ack Redis lost: this
         consumer's own pending entries are scanned again every ``claim_idle_ms``) come first. Groups already
-        consumed, or held by this process, are acked away as duplicates; malformed entries are moved aside."""
+        consumed, or held or acked by this process, are acked away as duplicates; malformed entries are moved aside.
+        Raises ``TrainerFenced`` once a newer trainer of the run started (what this one read stays pending for it)."""
         deadline = time.monotonic() + timeout_s
+        self._check_fence()
         claimed, deleted = self._reclaimer.claim(max_groups)
         if deleted:
             log.warning("%s: %d pending group(s) had been deleted from the stream; acked them away",
@@ -293,7 +358,18 @@ class ReplayBuffer:
             out += self._accept(entries)
             if block <= 0:
                 break
+        self._check_fence()
         return out
+
+    def _ack_again(self, entry_ids: list[str]) -> None:
+        """Ack again, with the outcome it had, each entry this process acked that is pending again: Redis lost the
+        ack (``appendfsync everysec`` and a restart), and the group was trained or dropped already."""
+        if not entry_ids:
+            return
+        self._ack_outcomes([(e, *self._acked[e], "", "") for e in entry_ids])  # job '': read from the entry
+        self.metrics.duplicates_dropped.inc(len(entry_ids))
+        log.warning("%s: %d entries acked before came back pending (Redis lost their ack): acked again, not "
+                    "delivered: %s", self.keys.groups, len(entry_ids), ", ".join(entry_ids))
 
     def drained(self) -> bool:
         """No train task left to roll out and no group left to deliver: nothing more can arrive
@@ -312,6 +388,8 @@ class ReplayBuffer:
         return [next(stored) if b"p" in fields else fields.get(b"g") for _, fields in entries]
 
     def _accept(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[tuple[str, TrajectoryGroup]]:
+        self._ack_again([entry_id for entry_id, _ in entries if entry_id in self._acked])
+        entries = [(entry_id, fields) for entry_id, fields in entries if entry_id not in self._acked]
         decoded: list[tuple[str, TrajectoryGroup, str]] = []  # (entry id, group, payload key or '' when inline)
         for (entry_id, fields), payload in zip(entries, self._payloads(entries), strict=True):
             try:
@@ -375,12 +453,24 @@ class ReplayBuffer:
         raw = {b"f." + k: v for k, v in fields.items()}
         if payload is not None and b"p" in fields:
             raw[b"payload"] = payload
+        letter = {"stream": self.keys.groups, "entry_id": entry_id, "error": error, **raw}
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.keys.groups_malformed, {"stream": self.keys.groups, "entry_id": entry_id, "error": error, **raw})
+        self._move_aside([self.keys.groups, self.keys.groups_malformed, self.keys.trainer_epoch],
+                         [entry_id, self.fence(), *(x for pair in letter.items() for x in pair)], client=pipe)
         item = (entry_id, fields.get(b"gid", b""), "malformed", fields.get(b"job", b""), fields.get(b"p", b""))
         self._ack(*self._ack_script_args([item]), client=pipe)
-        pipe.execute()
+        if int(pipe.execute()[-1]) < 0:
+            raise self._fenced()
         self.metrics.malformed.labels(stream="groups").inc()
+
+    def reject(self, entry_id: str, error: str) -> None:
+        """Move a group this trainer took aside, as a decode failure is (``groups:malformed``, its job counting it
+        ``malformed``, its admission slot given back): one it cannot train on (``error`` says why), which would
+        otherwise stay pending and fail the trainer's step again after every restart."""
+        [(_, fields)] = self.redis.xrange(self.keys.groups, entry_id, entry_id) or [(None, {})]
+        payload = self.redis.get(fields[b"p"]) if b"p" in fields else fields.get(b"g")
+        self._move_malformed(entry_id, fields, payload, f"group entry {entry_id}: {error}")
+        self._held.pop(entry_id, None)
 
     def ack(
         self,
@@ -394,7 +484,8 @@ class ReplayBuffer:
         equal): their admission is released, so the rollout replaces them, and they count as ``stale_dropped``
         or ``degenerate_dropped``.
 
-        Idempotent: an entry no longer pending changes nothing. Returns how many entries were acked."""
+        Idempotent: an entry no longer pending changes nothing. Returns how many entries were acked. Raises
+        ``TrainerFenced`` (nothing acked) once a newer trainer of the run started."""
         if len(entry_ids) != len(group_ids):
             raise ValueError(f"ack: {len(entry_ids)} entry ids but {len(group_ids)} group ids")
         outcomes = {gid: "stale_dropped" for gid in stale_group_ids}
@@ -408,16 +499,21 @@ class ReplayBuffer:
 
     def _ack_script_args(self, items: Sequence[tuple[str | bytes, ...]]) -> tuple[list[str], list[str | bytes | int]]:
         """KEYS and ARGV of the ack script for (entry id, group id, job counter, job id, payload key) items."""
-        args: list[str | bytes | int] = [self.keys.job_prefix, self.config.dedup_window]
+        args: list[str | bytes | int] = [self.keys.job_prefix, self.config.dedup_window, self.fence()]
         for item in items:
             args += item
         k = self.keys
-        return [k.groups, k.group_state, k.admitted, k.groups_consumed, k.trained], args
+        return [k.groups, k.group_state, k.admitted, k.groups_consumed, k.trained, k.trainer_epoch], args
 
     def _ack_outcomes(self, items: Sequence[tuple[str, str, str, str, str]]) -> int:
         """Ack (entry id, group id, job counter, job id, payload key) items in one Lua call (job '': the script
-        reads job and payload key from the entry); forget them as held."""
+        reads job and payload key from the entry); forget them as held, remember them as acked."""
         acked = int(self._ack(*self._ack_script_args(items)))
-        for entry_id, *_ in items:
+        if acked < 0:
+            raise self._fenced()
+        for entry_id, gid, outcome, *_ in items:
             self._held.pop(entry_id, None)
+            self._acked[entry_id] = (gid, outcome)
+        while len(self._acked) > self.config.dedup_window:
+            self._acked.popitem(last=False)
         return acked

@@ -27,7 +27,7 @@ from buffer.keys import TRAINER_CRASHED, Keys
 from buffer.metrics import BufferMetrics
 from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
-from buffer.replay import ReplayBuffer
+from buffer.replay import ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
 from core.config import CONFIG_ERROR_EXIT, Config, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
@@ -81,6 +81,7 @@ def _connect(
     keys = Keys(cfg.run.name)
     buffer = ReplayBuffer(client, keys, cfg.buffer, consumer="trainer", metrics=buffer_metrics)  # served
     buffer.ensure_group()
+    buffer.fence()  # at once: a trainer of the run still running stops taking groups this one will not see
     stack.callback(buffer.close)
     staleness = StalenessControl(client, keys, cfg.buffer)
     registry = ServerRegistry(client, keys)
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 lora=cfg.model.lora,
                 device_share=pusher if isinstance(pusher, LocalPusher) else None,
             ).start(resume=args.resume, ctx=ctx, source=source)
-        except CheckpointMismatch as exc:  # the run directory's checkpoints: starting again cannot help
+        except (CheckpointMismatch, TrainerFenced) as exc:  # starting again cannot help
             print(f"error: {exc}", file=sys.stderr)
             return CONFIG_ERROR_EXIT
         stack.callback(trainer.close)
@@ -184,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             reason = trainer.run(source, published if status is not None else None)
+        except TrainerFenced as exc:  # the newer trainer owns the run's end and budget: record neither
+            print(f"error: {exc}", file=sys.stderr)
+            return CONFIG_ERROR_EXIT
         except Exception as exc:
             try:  # the crash may be Redis's: its own error must not hide the one that stopped training
                 ended(crash_reason(exc))

@@ -137,3 +137,36 @@ def test_take_timeout_s_is_how_long_each_buffer_read_waits(
         trainer.close()
     assert len(groups) == 1 and waited >= 1.4
     assert len(calls) in reads and set(calls) == {take_timeout_s}, calls
+
+
+def test_a_group_the_model_cannot_train_on_is_moved_aside_not_trained(
+    ctx: DistContext, tiny_model_dir: Path, redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """A group that decodes but holds a token outside the model's vocabulary (a rollout on another tokenizer) used
+    to reach the step and fail it: the trainer crashed, and each restart took the same pending group back and
+    crashed again. It is moved aside before the step (``groups:malformed``, with its payload and the reason; its
+    job counts it ``malformed`` and its admission slot comes back), and the step trains the others."""
+    run = "untrainable"
+    cfg = BufferConfig(max_staleness=1, groups_per_step=GPS)  # room for GPS + 1
+    client, keys = redis.Redis.from_url(redis_server.url), Keys(run)
+    staleness = StalenessControl(client, keys, cfg)
+    replay = ReplayBuffer(client, keys, cfg)
+    replay.ensure_group()
+    trainer_cfg = TrainerConfig(total_steps=1, take_timeout_s=0.2, device="cpu")
+    trainer = Trainer(trainer_cfg, tiny_model_dir, tmp_path, cfg).start(ctx=ctx)
+    vocab = trainer.train_step.vocab_size
+    groups = synthetic_groups(0, GPS + 1, run=run)
+    groups[1].samples[2].token_ids[-1] = vocab + 5
+    for g in groups:
+        assert staleness.try_admit(g.group_id)
+    assert replay.put_many(groups) == [1] * (GPS + 1)
+    batch, _ = trainer.next_batch(replay)
+    assert [g.group_id for g in batch] == [groups[0].group_id, groups[2].group_id]
+    trainer.train(batch)
+    trainer.finish(replay)
+    trainer.close()
+    [(_, letter)] = client.xrange(keys.groups_malformed)
+    assert f"samples[2].token_ids: id {vocab + 5} outside the model's vocabulary".encode() in letter[b"error"]
+    assert letter[b"payload"]  # the group itself, nothing accepted is lost
+    assert client.hget(keys.job("job"), "malformed") == b"1" and client.hget(keys.job("job"), "trained") == b"2"
+    assert client.xlen(keys.groups) == 0 and staleness.admitted() == GPS  # the rejected one's slot came back

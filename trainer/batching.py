@@ -61,27 +61,16 @@ class Batch:
         return Batch(**{k: v.to(device) for k, v in vars(self).items()})
 
 
-def collate(
-    groups: list[TrajectoryGroup], pad_id: int = 0, vocab_size: int | None = None, temperature: float = 1.0
-) -> Batch:
-    """Stack every sample of ``groups`` (in order) into one right-padded ``Batch``; token ids must lie
-    in [0, vocab_size) and rewards be finite. ``temperature`` stands in for groups that do not record theirs
-    (schema 1)."""
-    samples = [(g, s) for g in groups for s in g.samples]
-    if not samples:
-        raise ValueError("collate: the step has no samples")
-    temps = {g.group_id: temperature if g.temperature is None else g.temperature for g in groups}
-    for gid, t in temps.items():
-        if t <= 0:
-            raise ValueError(f"group {gid}.temperature: {t} cannot be trained on (greedy samples have no logprobs)")
-    length = max(max(len(s.token_ids) for _, s in samples), 2)
-    b = len(samples)
-    ids = np.full((b, length), pad_id, dtype=np.int64)
-    mask = np.zeros((b, length), dtype=bool)
-    behav = np.zeros((b, length), dtype=np.float32)
-    versions = np.full((b, length), -1, dtype=np.int64)
-    group_pos = {g.group_id: i for i, g in enumerate(groups)}
-    for row, (group, s) in enumerate(samples):
+def check_group(group: TrajectoryGroup, vocab_size: int | None = None, temperature: float = 1.0) -> None:
+    """ValueError naming what the trainer cannot train on in ``group``: a greedy temperature, a non-finite reward,
+    a token id outside [0, vocab_size), a trained first token. The buffer's decode checks the schema; these depend
+    on the trainer's model and loss, and the trainer moves a group that fails them aside before its step (one that
+    reached the step would fail it again after every restart)."""
+    t = temperature if group.temperature is None else group.temperature
+    if t <= 0:
+        raise ValueError(f"group {group.group_id}.temperature: {t} cannot be trained on (greedy samples have no "
+                         "logprobs)")
+    for s in group.samples:
         where = f"group {group.group_id}.samples[{s.sample_index}]"
         s.validate(where)
         if not math.isfinite(s.reward):  # NaN would zero its group's advantages unseen; inf makes the loss NaN
@@ -90,12 +79,34 @@ def collate(
         if n and (s.token_ids.min() < 0 or (vocab_size is not None and s.token_ids.max() >= vocab_size)):
             bad = int(s.token_ids.max() if s.token_ids.min() >= 0 else s.token_ids.min())
             raise ValueError(f"{where}.token_ids: id {bad} outside the model's vocabulary [0, {vocab_size})")
+        if n and s.loss_mask[0]:
+            raise ValueError(f"{where}.loss_mask: the first token cannot be trained on (nothing predicts it)")
+
+
+def collate(
+    groups: list[TrajectoryGroup], pad_id: int = 0, vocab_size: int | None = None, temperature: float = 1.0
+) -> Batch:
+    """Stack every sample of ``groups`` (in order) into one right-padded ``Batch``; each group must pass
+    ``check_group``. ``temperature`` stands in for groups that do not record theirs (schema 1)."""
+    samples = [(g, s) for g in groups for s in g.samples]
+    if not samples:
+        raise ValueError("collate: the step has no samples")
+    for g in groups:
+        check_group(g, vocab_size, temperature)
+    temps = {g.group_id: temperature if g.temperature is None else g.temperature for g in groups}
+    length = max(max(len(s.token_ids) for _, s in samples), 2)
+    b = len(samples)
+    ids = np.full((b, length), pad_id, dtype=np.int64)
+    mask = np.zeros((b, length), dtype=bool)
+    behav = np.zeros((b, length), dtype=np.float32)
+    versions = np.full((b, length), -1, dtype=np.int64)
+    group_pos = {g.group_id: i for i, g in enumerate(groups)}
+    for row, (_, s) in enumerate(samples):
+        n = len(s.token_ids)
         ids[row, :n] = s.token_ids
         mask[row, :n] = s.loss_mask.astype(bool)
         behav[row, :n] = s.behaviour_logprobs
         versions[row, :n] = s.token_versions
-        if n and mask[row, 0]:
-            raise ValueError(f"{where}.loss_mask: the first token cannot be trained on (nothing predicts it)")
     return Batch(
         input_ids=torch.from_numpy(ids),
         loss_mask=torch.from_numpy(mask[:, 1:].copy()),

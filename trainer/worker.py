@@ -32,6 +32,7 @@ from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
 from buffer.staleness import split_stale
 from core.config import BufferConfig, LoraConfig, TrainerConfig
+from trainer.batching import check_group
 from trainer.checkpoint import Checkpointer, CheckpointMismatch
 from trainer.checkpoint_pusher import PushResult, PushRound
 from trainer.colocation import held_bytes
@@ -61,6 +62,8 @@ class GroupSource(Protocol):
     ) -> int: ...
 
     def drained(self) -> bool: ...
+
+    def reject(self, entry_id: str, error: str) -> None: ...
 
 
 class Pusher(Protocol):
@@ -278,6 +281,7 @@ class Trainer:
             ids = [g.group_id for _, g in stale]
             source.ack([e for e, _ in stale], ids, stale_group_ids=ids)
             self._stale_dropped += len(stale)
+        fresh = self._reject_untrainable(source, fresh)
         if self.buffer.filter_degenerate_groups:
             fresh = self._drop_degenerate(source, fresh)
         self._partial += fresh
@@ -287,6 +291,24 @@ class Trainer:
         batch, self._partial = self._partial, []
         self._unacked += [(e, g.group_id) for e, g in batch]
         return [g for _, g in batch], drained, self.version
+
+    def _reject_untrainable(
+        self, source: GroupSource, items: list[tuple[str, TrajectoryGroup]]
+    ) -> list[tuple[str, TrajectoryGroup]]:
+        """Move aside (``GroupSource.reject``) the groups this model cannot train on (``check_group``: a token
+        outside its vocabulary, a greedy temperature, ...) before they reach a step, which would fail on them
+        again after every restart; returns the others."""
+        step = self.train_step
+        kept = []
+        for entry_id, group in items:
+            try:
+                check_group(group, step.vocab_size, step.temperature)
+            except ValueError as exc:
+                log.error("group %s cannot be trained on: %s; moved aside", group.group_id, exc)
+                source.reject(entry_id, str(exc))
+            else:
+                kept.append((entry_id, group))
+        return kept
 
     def _drop_degenerate(
         self, source: GroupSource, items: list[tuple[str, TrajectoryGroup]]

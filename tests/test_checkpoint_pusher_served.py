@@ -20,6 +20,7 @@ import httpx
 import pytest
 import torch
 from pydantic import SecretStr
+from receiver_helpers import started_receiver
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -27,7 +28,6 @@ from core.checkpoint_format import MODEL_WEIGHTS, StageError, check_manifest, se
 from core.config import CheckpointConfig
 from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine.process import EngineProcess
-from rollout_server.engine_client import EngineClient
 from trainer.checkpoint_pusher import CheckpointPusher, Target
 from trainer.snapshot import TensorMeta, build_manifest
 
@@ -38,13 +38,8 @@ WAIT_S = 60.0
 async def receiver(cfg: CheckpointConfig, model_dir: Path, name: str) -> AsyncIterator[CheckpointReceiver]:
     """A receiver in front of an embedded engine serving ``model_dir`` (in the dtype it is saved in)."""
     with EngineProcess(model_dir, max_batch_size=2, threads=1, log_path=model_dir.parent / f"{name}.log") as proc:
-        async with EngineClient(proc.url) as engine:
-            rec = CheckpointReceiver(cfg, model_dir, engine, proc.url, name)
-            await rec.start()
-            try:
-                yield rec
-            finally:
-                await rec.stop()
+        async with started_receiver(cfg, model_dir, proc.url, name) as rec:
+            yield rec
 
 
 def bf16_copy(model_dir: Path, out: Path) -> Path:

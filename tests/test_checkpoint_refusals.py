@@ -23,6 +23,7 @@ import pytest
 import torch
 from net_helpers import refused_port
 from pydantic import SecretStr
+from receiver_helpers import started_receiver
 from transformers import AutoModelForCausalLM
 
 from core.checkpoint_format import GRPC_OPTIONS, REASON_KEY, SERVICE, StagedFile, served_tensor_specs
@@ -30,7 +31,6 @@ from core.config import CheckpointConfig
 from core.lora import PREFIX
 from proto import checkpoint_pb2 as pb
 from rollout_server.checkpoint_receiver import CheckpointReceiver
-from rollout_server.engine_client import EngineClient
 from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.snapshot import TensorMeta, build_manifest
 
@@ -45,14 +45,8 @@ def config(tmp_path: Path) -> CheckpointConfig:
 @contextlib.asynccontextmanager
 async def receiver(cfg: CheckpointConfig, model_dir: Path) -> AsyncIterator[CheckpointReceiver]:
     with refused_port() as port:
-        url = f"http://127.0.0.1:{port}"
-        async with EngineClient(url) as engine:
-            rec = CheckpointReceiver(cfg, model_dir, engine, url, "rollout-0")
-            await rec.start()
-            try:
-                yield rec
-            finally:
-                await rec.stop()
+        async with started_receiver(cfg, model_dir, f"http://127.0.0.1:{port}") as rec:
+            yield rec
 
 
 def failures(rec: CheckpointReceiver, reason: str) -> float:

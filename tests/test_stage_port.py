@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from receiver_helpers import started_receiver
 from test_checkpoint_engine import make_pki, read_to_close, snapshot_of
 from test_checkpoint_refusals import max_file_bytes
 from test_engine_client import serve, sglang_056_stub
@@ -27,7 +28,6 @@ from core.checkpoint_format import GRPC_OPTIONS, REASON_KEY, SERVICE
 from core.config import CheckpointConfig
 from proto import checkpoint_pb2 as pb
 from rollout_server.checkpoint_receiver import CheckpointReceiver
-from rollout_server.engine_client import EngineClient
 from rollout_server.stage_port import MAX_UNCLAIMED
 from trainer.checkpoint_pusher import CheckpointPusher
 
@@ -43,13 +43,8 @@ def config(tmp_path: Path, **overrides: object) -> CheckpointConfig:
 @contextlib.asynccontextmanager
 async def stub_receiver(cfg: CheckpointConfig, model_dir: Path) -> AsyncIterator[CheckpointReceiver]:
     app, _, _ = sglang_056_stub()
-    async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
-        rec = CheckpointReceiver(cfg, model_dir, engine, url, "rollout-0")
-        await rec.start()
-        try:
-            yield rec
-        finally:
-            await rec.stop()
+    async with serve(app) as url, started_receiver(cfg, model_dir, url, backoff_s=0.05) as rec:
+        yield rec
 
 
 def refused(rec: CheckpointReceiver, reason: str) -> float:

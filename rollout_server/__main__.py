@@ -159,16 +159,22 @@ async def serve(cfg: Config, tools: ToolRegistry) -> None:
             loop.add_signal_handler(sig, worker.stop)
         if turns is None:
             await worker.run()
-            return
-        hand_over = asyncio.create_task(turns.run(), name="device turns")
-        hand_over.add_done_callback(lambda task: task.cancelled() or worker.stop())
-        try:
-            await worker.run()
-        finally:
-            hand_over.cancel()
-            await asyncio.gather(hand_over, return_exceptions=True)
-        if not hand_over.cancelled() and hand_over.exception() is not None:
-            raise hand_over.exception()
+        else:
+            hand_over = asyncio.create_task(turns.run(), name="device turns")
+            hand_over.add_done_callback(lambda task: task.cancelled() or worker.stop())
+            try:
+                await worker.run()
+            finally:
+                hand_over.cancel()
+                await asyncio.gather(hand_over, return_exceptions=True)
+            if not hand_over.cancelled() and hand_over.exception() is not None:
+                raise hand_over.exception()
+        if worker.engine_down is not None:
+            raise EngineDown(worker.engine_down)
+
+
+class EngineDown(RuntimeError):
+    """An engine of this server stopped answering (``RolloutWorker.engine_down``): the server exits 1."""
 
 
 def name_adapter(engines: list[EngineClient], name: str | None) -> None:
@@ -236,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except EngineDown as exc:  # its supervisor restarts it, and with it an embedded engine
+        print(f"error: {exc}: this server stopped, its tasks handed back", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -82,7 +82,7 @@ class RolloutMetrics:
         self.tasks_handed_back = Counter(
             _P + "tasks_handed_back",
             "Tasks handed back to the queue unacked, any group they made dropped (stopped_awaiting_admission, "
-            "failed_while_stopping, buffer_closed, cancelled)",
+            "failed_while_stopping, buffer_closed, cancelled, engine_down)",
             ["reason"],
             registry=r,
         )

@@ -99,6 +99,7 @@ class RolloutWorker:
         self._unadmitted: set[str] = set()  # train groups read whose admission is not yet settled
         self._loops: dict[tuple[str, int], AgentLoop] = {}
         self._next_engine = 0
+        self.engine_down: str | None = None  # why the worker stopped itself: an engine stopped answering (_engines_up)
         self._stopping = threading.Event()
         self._pool = ThreadPoolExecutor(
             rollout.max_concurrent_groups + rollout.max_concurrent_eval_groups + 4, thread_name_prefix="redis"
@@ -213,6 +214,10 @@ class RolloutWorker:
                                       "episodes failed while the server was stopping (the engine went away under a "
                                       f"shutdown); first: {failed[0].reward_info.get('error')}")
                 return
+            if failed and any(s.finish_reason in ("error", "abort") for s in failed) and not await self._engines_up():
+                await self._hand_back(entry, "engine_down", f"{len(failed)} of {len(group.samples)} episodes failed "
+                                      f"on an engine that is down; first: {failed[0].reward_info.get('error')}")
+                return
             if failed:  # no outcome for some samples: never trained as reward 0; rolled out again, or dead-lettered
                 first = failed[0].reward_info["error"]
                 error = f"{len(failed)} of {len(group.samples)} episodes failed; first: {first}"
@@ -239,6 +244,19 @@ class RolloutWorker:
             await self._fail(entry, "error", f"{type(exc).__name__}: {exc}")
         finally:
             self._unadmitted.discard(entry.group_id)
+
+    async def _engines_up(self) -> bool:
+        """Whether every engine answers ``/health``. One that does not (its process died, a sidecar went away) stops
+        this server, once, naming it (``engine_down``; the server then exits 1 and its supervisor restarts it, and
+        with it an embedded engine): a task failing on a dead engine would spend its attempts and be
+        dead-lettered, and every task this server took after it with it."""
+        healthy = await asyncio.gather(*(e.health() for e in self.engines))
+        down = [e.base_url for e, ok in zip(self.engines, healthy, strict=True) if not ok]
+        if down and self.engine_down is None:
+            self.engine_down = f"engine {', '.join(down)} does not answer /health"
+            log.error("%s: stopping this server; its tasks are handed back unfailed", self.engine_down)
+            self.stop()
+        return not down
 
     async def _fail(self, entry: TaskEntry, reason: str, error: str) -> None:
         """Fail a task's attempt with ``error`` (requeued, dead-lettered once ``buffer.max_attempts`` are spent),

@@ -487,3 +487,27 @@ def test_code_or_tools_the_config_names_that_do_not_load_stop_the_server_at_star
                           env={**env, "ROLLWAVE_CHECKPOINT_TOKEN": CHECKPOINT_TOKEN})
     assert proc.returncode == 2 and proc.stderr.strip().startswith(error), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_an_engine_that_dies_stops_its_server_with_its_tasks_handed_back(redis_server: EmbeddedRedis,
+                                                                         workers) -> None:
+    """The engine a rollout server started dies (OOM, a crash). Every episode then failed on it, each failure
+    spent an attempt of its task, and with ``buffer.max_attempts=1`` the queue was dead-lettered task by task while
+    the server went on reading. Now the first failure finds the engine down: the server hands the task back
+    unfailed (counted ``engine_down``), stops taking tasks and exits 1 naming the engine, for its supervisor to
+    restart it; nothing is dead-lettered, and a new server rolls out every task."""
+    r = client(redis_server)
+    gids = submit(redis_server, "job", 12)
+    w = workers("srv-e", "buffer.max_attempts=1", "rollout.max_concurrent_groups=2", "rollout.max_new_tokens=32",
+                own_engine=True)
+    wait_for(lambda: r.xlen(KEYS.groups) >= 1, w)
+    children = Path(f"/proc/{w.proc.pid}/task/{w.proc.pid}/children").read_text().split()
+    [engine] = [int(pid) for pid in children if "rollout_server.engine" in Path(f"/proc/{pid}/cmdline").read_text()]
+    os.kill(engine, signal.SIGKILL)
+    assert w.proc.wait(120) == 1, w.log()
+    assert "does not answer /health: this server stopped, its tasks handed back" in w.log()
+    assert r.xlen(KEYS.tasks_dead) == 0, r.xrange(KEYS.tasks_dead)
+    assert r.xpending(KEYS.tasks("train"), ROLLOUT_GROUP)["pending"] == 0  # nothing left held by the dead server
+    again = workers("srv-f", own_engine=True)
+    wait_for(lambda: r.xlen(KEYS.groups) == len(gids), again)
+    assert sorted(f[b"gid"].decode() for _, f in r.xrange(KEYS.groups)) == sorted(gids)

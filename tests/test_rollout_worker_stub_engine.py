@@ -37,8 +37,8 @@ HANDED_BACK = "rollwave_rollout_tasks_handed_back_total"
 
 
 class StubEngine:
-    """``/model_info`` answers version 3 while ``info_open`` is set and waits while it is clear; ``/generate``
-    waits until ``generate_open`` is set, then fails with HTTP 500. ``close`` opens both and stops the server,
+    """``/health`` answers 200; ``/model_info`` answers version 3 while ``info_open`` is set and waits while it is
+    clear; ``/generate`` waits until ``generate_open`` is set, then fails with HTTP 500. ``close`` opens both and stops the server,
     joining its request threads."""
 
     def __init__(self) -> None:
@@ -49,6 +49,9 @@ class StubEngine:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path == "/health":  # up, whatever its /generate does: the worker asks after a failure
+                    self._reply(200, {})
+                    return
                 if self.path != "/model_info":
                     self._reply(404, {"error": "not found"})
                     return

@@ -38,8 +38,8 @@ HANDED_BACK = "rollwave_rollout_tasks_handed_back_total"
 
 class StubEngine:
     """``/health`` answers 200; ``/model_info`` answers version 3 while ``info_open`` is set and waits while it is
-    clear; ``/generate`` waits until ``generate_open`` is set, then fails with HTTP 500. ``close`` opens both and stops the server,
-    joining its request threads."""
+    clear; ``/generate`` waits until ``generate_open`` is set, then fails with HTTP 500. ``close`` opens both and
+    stops the server, joining its request threads."""
 
     def __init__(self) -> None:
         self.info_open = threading.Event()

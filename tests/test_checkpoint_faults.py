@@ -19,7 +19,7 @@ import grpc
 import pytest
 import redis
 import torch
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import SecretStr
 from test_checkpoint_engine import snapshot_of
@@ -71,6 +71,16 @@ async def receiver_and_pusher(cfg: CheckpointConfig, model_dir: Path, engine: En
     finally:
         await asyncio.to_thread(pusher.close)
         await receiver.stop()
+
+
+@contextlib.asynccontextmanager
+async def on_stub(cfg: CheckpointConfig, model_dir: Path,
+                  app: FastAPI) -> AsyncIterator[tuple[str, CheckpointReceiver, CheckpointPusher]]:
+    """The stub engine ``app`` served on 127.0.0.1, with a receiver swapping it and a pusher to that: (its URL, the
+    receiver, the pusher), all stopped on the way out."""
+    async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+        async with receiver_and_pusher(cfg, model_dir, engine, url) as (receiver, pusher):
+            yield url, receiver, pusher
 
 
 def sample(receiver: CheckpointReceiver, name: str, reason: str) -> float:
@@ -160,21 +170,20 @@ def test_a_failed_prepare_is_a_counted_fallback_and_the_load_reads_the_files(
 
     async def run() -> None:
         app, seen, _ = sglang_056_stub(fault=refuse_prepare)
-        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
-            async with receiver_and_pusher(cfg, tiny_model_dir, engine, url) as (receiver, pusher):
-                assert (await push(pusher, model_of(tiny_model_dir), 1)).ok
-                assert receiver.version == 1 and "/update_weights_from_disk" in seen
-                assert sample(receiver, "rollwave_rollout_swap_fallbacks_total", "prepare") == 1
-                staged = receiver.service.stage_root / "v1"
-                assert f"stub: engine {url}: prepare_weights_from_disk of {staged} (prefill_running " \
-                       f"{prefill_ahead}) failed (/prepare_weights_from_disk: HTTP 500: " in caplog.text
-                assert ("no KV computed ahead" in caplog.text) == prefill_ahead
+        async with on_stub(cfg, tiny_model_dir, app) as (url, receiver, pusher):
+            assert (await push(pusher, model_of(tiny_model_dir), 1)).ok
+            assert receiver.version == 1 and "/update_weights_from_disk" in seen
+            assert sample(receiver, "rollwave_rollout_swap_fallbacks_total", "prepare") == 1
+            staged = receiver.service.stage_root / "v1"
+            assert f"stub: engine {url}: prepare_weights_from_disk of {staged} (prefill_running " \
+                   f"{prefill_ahead}) failed (/prepare_weights_from_disk: HTTP 500: " in caplog.text
+            assert ("no KV computed ahead" in caplog.text) == prefill_ahead
 
-                app_ok, _, _ = sglang_056_stub()  # answers the prepare 404, as SGLang does
-                async with serve(app_ok) as url_ok, EngineClient(url_ok, backoff_s=0.05) as engine_ok:
-                    receiver.service.engine = engine_ok
-                    assert (await push(pusher, model_of(tiny_model_dir), 2)).ok
-                assert sample(receiver, "rollwave_rollout_swap_fallbacks_total", "prepare") == 1
+            app_ok, _, _ = sglang_056_stub()  # answers the prepare 404, as SGLang does
+            async with serve(app_ok) as url_ok, EngineClient(url_ok, backoff_s=0.05) as engine_ok:
+                receiver.service.engine = engine_ok
+                assert (await push(pusher, model_of(tiny_model_dir), 2)).ok
+            assert sample(receiver, "rollwave_rollout_swap_fallbacks_total", "prepare") == 1
 
     asyncio.run(run())
 
@@ -198,16 +207,15 @@ def test_abort_of_a_staged_version_is_logged_and_counted(tiny_model_dir: Path, t
 
     async def run() -> None:
         app, _, _ = sglang_056_stub()
-        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
-            async with receiver_and_pusher(cfg, tiny_model_dir, engine, url) as (receiver, _):
-                assert await asyncio.to_thread(stage_then_abort, receiver.address) == [False, True]
-                assert receiver.service._state.staged == -1 and receiver.version == 0
-                for outcome in ("not_staged", "dropped"):
-                    assert receiver.metrics.registry.get_sample_value("rollwave_rollout_stage_aborts_total",
-                                                                      {"outcome": outcome}) == 1
-                assert "stub: Abort of version 2 from ipv4:127.0.0.1:" in caplog.text
-                assert "stub: Abort of version 1 from ipv4:127.0.0.1:" in caplog.text
-                assert "dropped the staged version; still serving version 0" in caplog.text
+        async with on_stub(cfg, tiny_model_dir, app) as (url, receiver, _):
+            assert await asyncio.to_thread(stage_then_abort, receiver.address) == [False, True]
+            assert receiver.service._state.staged == -1 and receiver.version == 0
+            for outcome in ("not_staged", "dropped"):
+                assert receiver.metrics.registry.get_sample_value("rollwave_rollout_stage_aborts_total",
+                                                                  {"outcome": outcome}) == 1
+            assert "stub: Abort of version 2 from ipv4:127.0.0.1:" in caplog.text
+            assert "stub: Abort of version 1 from ipv4:127.0.0.1:" in caplog.text
+            assert "dropped the staged version; still serving version 0" in caplog.text
 
     asyncio.run(run())
 
@@ -255,14 +263,13 @@ def test_a_load_answered_with_a_page_not_json_fails_the_commit_and_the_engine_co
                 return PlainTextResponse("<html>OK</html>")
             return await call_next(request)
 
-        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
-            async with receiver_and_pusher(cfg, tiny_model_dir, engine, url) as (receiver, pusher):
-                [failed] = (await push(pusher, model_of(tiny_model_dir), 1)).servers
-                assert (failed.stage, failed.reason) == ("commit", "load"), failed
-                assert "not a JSON object" in failed.error and "<html>OK</html>" in failed.error, failed.error
-                assert seen[-1] == "/continue_generation" and not app.state.paused
-                assert receiver.version == 0
-                assert sample(receiver, "rollwave_rollout_commit_failures_total", "load") == 1
+        async with on_stub(cfg, tiny_model_dir, app) as (url, receiver, pusher):
+            [failed] = (await push(pusher, model_of(tiny_model_dir), 1)).servers
+            assert (failed.stage, failed.reason) == ("commit", "load"), failed
+            assert "not a JSON object" in failed.error and "<html>OK</html>" in failed.error, failed.error
+            assert seen[-1] == "/continue_generation" and not app.state.paused
+            assert receiver.version == 0
+            assert sample(receiver, "rollwave_rollout_commit_failures_total", "load") == 1
 
     asyncio.run(run())
 
@@ -292,18 +299,17 @@ def test_a_stage_without_a_deadline_that_stalls_ends_by_stage_timeout_and_frees_
 
     async def run() -> None:
         app, _, _ = sglang_056_stub()
-        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
-            async with receiver_and_pusher(cfg, tiny_model_dir, engine, url) as (receiver, pusher):
-                call = asyncio.to_thread(stage_without_deadline, receiver.address)
-                try:
-                    err = await asyncio.wait_for(call, WAIT_S)
-                finally:
-                    stalled.set()
-                assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
-                assert f"not done within {limit:.3g} s" in err.details() and "127.0.0.1" in err.details(), \
-                    err.details()
-                assert sample(receiver, "rollwave_rollout_stage_failures_total", "timeout") == 1
-                assert (await push(pusher, model, 1)).ok and receiver.version == 1
+        async with on_stub(cfg, tiny_model_dir, app) as (url, receiver, pusher):
+            call = asyncio.to_thread(stage_without_deadline, receiver.address)
+            try:
+                err = await asyncio.wait_for(call, WAIT_S)
+            finally:
+                stalled.set()
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+            assert f"not done within {limit:.3g} s" in err.details() and "127.0.0.1" in err.details(), \
+                err.details()
+            assert sample(receiver, "rollwave_rollout_stage_failures_total", "timeout") == 1
+            assert (await push(pusher, model, 1)).ok and receiver.version == 1
 
     asyncio.run(run())
 

@@ -20,9 +20,23 @@ the trainer assumes: a request asking for other values, penalties, a ``seed``, `
 ``response_format`` is refused (400 naming the field), neither sampled nor silently ignored; ``max_tokens`` below
 the cap lowers it. A message the chat template refuses is a 400 too. ``stop`` sequences end the turn (the tokens
 through the match are recorded; the content ends before it, as OpenAI's). ``logprobs=true`` returns the recorded
-behaviour logprobs (``top_logprobs`` is refused: the engines give none). ``tool_choice`` selects which calls are
-parsed (``none``: none; a named function: only it); generation is not constrained, so ``required`` cannot force
-a call. Streaming sends the finished turn as OpenAI-shaped chunks (the engine client has no token stream).
+behaviour logprobs (``top_logprobs`` is refused: the engines give none). ``tool_choice``: ``auto`` parses the calls
+the model writes; ``none`` parses none (a call the model writes anyway is content, verbatim); ``required`` and a
+named function are honoured by prefilling the call opening the chat template writes (``<tool_call>\\n``, through
+``"arguments":`` for a named one) after the assistant header. Those tokens are recorded as template tokens
+(loss_mask 0, no behaviour logprob; prompt tokens in ``usage``, none in ``logprobs``): the policy did not sample
+them, and what it samples after them is conditioned on them exactly as the engine saw. The call's body is the
+model's: one that does not parse comes back as content, as under ``auto``. A template that writes calls otherwise
+makes them a 400. Streaming sends the finished turn as OpenAI-shaped chunks (the engine client has no token stream).
+
+A retried request is idempotent: a request equal (messages and parameters) to the episode's last answered one gets
+that answer again, same id, without generating or touching the episode (``outcome="replayed"``). The openai client
+retries after a timeout or a connection error, when the first attempt may have been answered already (its re-sent
+history then lacks that turn, which would otherwise be a history mismatch); other clients retry too, so equality
+decides, not the client's ``x-stainless-retry-count``. A retry that comes while the first attempt is generating waits
+for it (the episode's lock), then gets its answer. Refusals tell the client not to retry (``x-should-retry: false``):
+the same request would be refused again, and after an engine failure, which ends the episode, a retry would only hide
+the 503 behind a 409.
 """
 
 from __future__ import annotations
@@ -62,7 +76,7 @@ from core.trajectory import ChatRenderer, TrajectoryBuilder
 from rollout_server.agent_loop import EngineReplyError, PromptTooLong, ends_turn, turn_from_reply
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
-from rollout_server.tool_parser import parse_tool_calls
+from rollout_server.tool_parser import BOT_TOKEN, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +93,7 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+        return JSONResponse({"error": body}, status_code=self.status, headers={"x-should-retry": "false"})
 
 
 class _Server(uvicorn.Server):
@@ -235,6 +249,18 @@ class RewardRequest(BaseModel):
 
 
 @dataclass
+class Completion:
+    """An answered turn as the agent got it, kept so that a retry of its request gets the same answer (same id)."""
+
+    id: str
+    created: int
+    message: dict[str, Any]
+    finish: str
+    usage: dict[str, int]
+    logprobs: dict[str, Any] | None
+
+
+@dataclass
 class AgentEpisode:
     """One sample's record while an external agent drives it."""
 
@@ -257,6 +283,7 @@ class AgentEpisode:
     failure: tuple[str, str] | None = None  # (finish_reason, message)
     started: float = field(default_factory=time.time)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last: tuple[dict[str, Any], Completion] | None = None  # the last answered request (as sent) and its answer
 
 
 def _text(content: Any) -> str:
@@ -429,13 +456,16 @@ class EpisodeStore:
         episode, episode_in_header = Depends(in_path), Depends(in_header)
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollwave"}
 
+        # x-stainless-retry-count: the openai client's attempt number, for the log (equality decides a replay)
         @app.post("/episodes/{episode_id}/v1/chat/completions")
-        async def _chat(body: ChatRequest, ep: AgentEpisode = episode) -> Any:
-            return await self.chat(ep, body)
+        async def _chat(body: ChatRequest, ep: AgentEpisode = episode,
+                        x_stainless_retry_count: str | None = Header(None)) -> Any:
+            return await self.chat(ep, body, x_stainless_retry_count)
 
         @app.post("/v1/chat/completions")
-        async def _chat_header(body: ChatRequest, ep: AgentEpisode = episode_in_header) -> Any:
-            return await self.chat(ep, body)
+        async def _chat_header(body: ChatRequest, ep: AgentEpisode = episode_in_header,
+                               x_stainless_retry_count: str | None = Header(None)) -> Any:
+            return await self.chat(ep, body, x_stainless_retry_count)
 
         @app.get("/episodes/{episode_id}/v1/models")
         async def _models(ep: AgentEpisode = episode) -> dict[str, Any]:
@@ -464,37 +494,55 @@ class EpisodeStore:
             raise APIError(401, "invalid API key for this episode", "invalid_api_key", "authentication_error")
         return ep
 
-    async def chat(self, ep: AgentEpisode, req: ChatRequest) -> Any:
+    async def chat(self, ep: AgentEpisode, req: ChatRequest, retry: str | None = None) -> Any:
+        """Answer one request: a new turn, or the last answer again when ``req`` repeats the last answered request
+        (a retry whose first attempt was answered, or is being: the lock makes it wait). ``retry``: the client's
+        own attempt number, if it sends one."""
         if req.model != self.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist (this server serves "
                                 f"{self.model_name!r})", "model_not_found", param="model")
         self._refuse_sampling(ep.config, req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         names = self._tool_names(req, tools)
+        forced = self._forced(req, tools)
+        sent = req.model_dump(mode="json", exclude_unset=True)
+        if ep.lock.locked():  # an agent awaits each answer: most likely a retry whose first attempt is generating
+            log.info("episode %s: a request waits for the one in flight (client retry %s)", ep.episode_id,
+                     retry or "not said")
         async with ep.lock:
             if self.episodes.get(ep.episode_id) is not ep:  # it ended (cancelled, closed) while this request waited
                 raise _closed(ep.episode_id)
             if ep.failure is not None and ep.failure[0] != "history_mismatch":
                 raise APIError(409, f"episode {ep.episode_id} has ended: {ep.failure[1]}", "episode_closed")
+            if ep.last is not None and ep.last[0] == sent:
+                self.metrics.openai_requests.labels(outcome="replayed").inc()
+                log.info("episode %s: the request repeats the last answered one (client retry %s): answered %s again",
+                         ep.episode_id, retry or "not said", ep.last[1].id)
+                return self._respond(ep.last[1], req)
             try:
-                self._extend(ep, [m.model_dump(exclude_unset=True) for m in req.messages], tools)
+                self._extend(ep, [m.model_dump(exclude_unset=True) for m in req.messages], tools, len(forced))
             except (TemplateError, ValueError) as exc:  # the template refused them ("roles must alternate", ...)
                 raise APIError(400, f"messages: the chat template cannot render them: {exc}", "invalid_messages",
                                param="messages") from exc
-            reply, max_new = await self._generate(ep, req)
-            message, finish = self._record(ep, reply, names, max_new)
-            logprobs = self._logprobs(ep, reply["output_ids"]) if req.logprobs else None
+            reply = await self._generate(ep, req, forced)
+            message, finish = self._record(ep, reply, names, forced)
+            ids = reply["output_ids"]
+            assert ep.builder is not None
+            usage = {"prompt_tokens": len(ep.builder) - len(ids), "completion_tokens": len(ids),
+                     "total_tokens": len(ep.builder)}
+            done = Completion("chatcmpl-" + uuid.uuid4().hex, int(time.time()), message, finish, usage,
+                              self._logprobs(ep, ids) if req.logprobs else None)
+            ep.last = (sent, done)
         self.metrics.openai_requests.labels(outcome="ok").inc()
-        completion_id = "chatcmpl-" + uuid.uuid4().hex
-        assert ep.builder is not None
-        usage = {"prompt_tokens": len(ep.builder) - len(reply["output_ids"]),
-                 "completion_tokens": len(reply["output_ids"]), "total_tokens": len(ep.builder)}
+        return self._respond(done, req)
+
+    def _respond(self, done: Completion, req: ChatRequest) -> Any:
         if req.stream:
-            return StreamingResponse(self._chunks(completion_id, message, finish, usage, req, logprobs),
-                                     media_type="text/event-stream")
-        return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "usage": usage,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}]}
+            return StreamingResponse(self._chunks(done, req), media_type="text/event-stream")
+        return {"id": done.id, "object": "chat.completion", "created": done.created, "model": self.model_name,
+                "usage": done.usage,
+                "choices": [{"index": 0, "message": done.message, "finish_reason": done.finish,
+                             "logprobs": done.logprobs}]}
 
     @staticmethod
     def _refuse_sampling(cfg: RolloutConfig, req: ChatRequest) -> None:
@@ -547,13 +595,39 @@ class EpisodeStore:
             raise APIError(400, "tool_choice=required needs tools", "invalid_tool_choice", param="tool_choice")
         return set() if choice == "none" else names
 
-    def _extend(self, ep: AgentEpisode, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
-        """Grow the recorded tokens by the request's new messages, or mark a history mismatch."""
+    def _forced(self, req: ChatRequest, tools: list[dict[str, Any]] | None) -> list[int]:
+        """The tokens that honour ``tool_choice`` (``required``: the call opening; a named function: through
+        ``"arguments":``), prefilled after the assistant header; none for ``auto`` and ``none``. Only when the chat
+        template writes a call with exactly these tokens (else a 400): the policy would have emitted them itself."""
+        choice = req.tool_choice
+        if choice != "required" and not isinstance(choice, dict):
+            return []
+        assert tools  # _tool_names refused a choice that names no tool
+        name = choice["function"]["name"] if isinstance(choice, dict) else tools[0]["function"]["name"]
+        text = BOT_TOKEN + (f'{{"name": {json.dumps(name)}, "arguments":' if isinstance(choice, dict) else "")
+        ids: list[int] = self.renderer.tokenizer.encode(text, add_special_tokens=False)
+        call = {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": {}}}]}
+        try:
+            written = self.renderer.assistant_turn_ids(call)
+        except (TemplateError, ValueError):
+            written = []
+        if written[: len(ids)] != ids:
+            shown = choice if isinstance(choice, str) else json.dumps(choice)
+            raise APIError(400, f"tool_choice={shown} is not supported with this model: its chat template does not "
+                                f"write a call as {text!r}, so the call opening cannot be prefilled (use \"auto\")",
+                           "unsupported_value", param="tool_choice")
+        return ids
+
+    def _extend(self, ep: AgentEpisode, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                forced: int) -> None:
+        """Grow the recorded tokens by the request's new messages, or mark a history mismatch; the context must
+        leave room for the ``forced`` (prefilled) tokens and one generated token."""
         limit = ep.config.max_total_tokens
         if ep.builder is None:
             ids = self.renderer.prompt_ids([template_message(m) for m in messages], tools)
             try:
-                self._check_context(len(ids), limit)
+                self._check_context(len(ids) + forced, limit)
             except APIError:  # the prompt leaves no room: the task fails, as in the built-in loop (never retried)
                 self.fail(ep, "prompt_too_long", str(PromptTooLong.of(ep.task.task_id, len(ids), limit)))
                 raise
@@ -566,7 +640,7 @@ class EpisodeStore:
             ids = [] if ep.builder.token_ids[-1] == self.renderer.eos_id else [self.renderer.eos_id]
             ids += self.renderer.turn_end_suffix + self.renderer.tool_turn_ids([template_message(m) for m in new])
             try:
-                self._check_context(len(ep.builder) + len(ids), limit)
+                self._check_context(len(ep.builder) + len(ids) + forced, limit)
             except APIError:
                 ep.last_reason = "max_total_tokens"  # the context cut the episode off, as in the built-in loop
                 raise
@@ -579,7 +653,7 @@ class EpisodeStore:
                         ep.episode_id)
             self.fail(ep, "history_mismatch", "the agent edited its history; the recorded tokens no longer apply")
         ids = self.renderer.prompt_ids([template_message(m) for m in messages], tools)
-        self._check_context(len(ids), limit)
+        self._check_context(len(ids) + forced, limit)
         ep.builder, ep.messages, ep.tools = TrajectoryBuilder(ids), [dict(m) for m in messages], tools
 
     @staticmethod
@@ -588,30 +662,34 @@ class EpisodeStore:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your messages "
                                 f"resulted in {n} tokens.", "context_length_exceeded", param="messages")
 
-    async def _generate(self, ep: AgentEpisode, req: ChatRequest) -> tuple[dict[str, Any], int]:
+    async def _generate(self, ep: AgentEpisode, req: ChatRequest, forced: list[int]) -> dict[str, Any]:
+        """One engine reply continuing the recorded tokens and the ``forced`` ones, which are recorded with it
+        (as template tokens): the episode changes only once the engine has answered."""
         cfg = ep.config
         assert ep.builder is not None
         asked = req.max_completion_tokens or req.max_tokens or cfg.max_new_tokens
-        max_new = min(asked, cfg.max_new_tokens, cfg.max_total_tokens - len(ep.builder))
+        max_new = min(asked, cfg.max_new_tokens, cfg.max_total_tokens - len(ep.builder) - len(forced))
         params: dict[str, Any] = {"max_new_tokens": max_new, "temperature": cfg.temperature, "top_p": cfg.top_p,
                                   "top_k": cfg.top_k}
         if req.stop_sequences():  # ends the turn early; the distribution of the tokens it keeps is the job's
             params["stop"] = req.stop_sequences()
         try:
-            reply = await ep.engine.generate(ep.builder.token_ids, params, return_logprob=True,
+            reply = await ep.engine.generate(ep.builder.token_ids + forced, params, return_logprob=True,
                                              rid=f"{ep.episode_id}-{ep.num_turns}")
             turn = turn_from_reply(reply)
         except (EngineError, EngineReplyError) as exc:
             self.fail(ep, "error", f"engine: {type(exc).__name__}: {exc}")
             raise APIError(503, f"the engine failed: {exc}", "engine_error", "server_error") from exc
+        ep.builder.add_template(forced)
         ep.builder.add_generated(turn)
         ep.num_turns += 1
         self.metrics.generated_tokens.inc(len(turn.output_ids))
-        return reply, max_new
+        return reply
 
     def _record(self, ep: AgentEpisode, reply: dict[str, Any], names: set[str],
-                max_new: int) -> tuple[dict[str, Any], str]:
-        """The assistant message (OpenAI shape) and finish reason of a reply; recorded on the episode."""
+                forced: list[int]) -> tuple[dict[str, Any], str]:
+        """The assistant message (OpenAI shape) and finish reason of a reply after the ``forced`` tokens (their
+        text opens it); recorded on the episode."""
         ids = reply["output_ids"]
         finish_reason = reply.get("meta_info", {}).get("finish_reason") or {}
         reason, matched = finish_reason.get("type", "stop"), finish_reason.get("matched")
@@ -619,6 +697,7 @@ class EpisodeStore:
         text = self.renderer.decode(ids[:-1] if closed else ids)
         if reason == "stop" and isinstance(matched, str) and matched in text:  # OpenAI's content ends before it
             text = text[: text.index(matched)]
+        text = self.renderer.decode(forced) + text
         if reason == "abort":  # no outcome: the sample fails (never trained), the agent gets the engine's error
             ep.messages.append({"role": "assistant", "content": text})
             self.fail(ep, "abort", "the engine aborted the request")
@@ -642,11 +721,10 @@ class EpisodeStore:
             ep.last_reason = "max_total_tokens"
         return message, finish
 
-    async def _chunks(self, completion_id: str, message: dict[str, Any], finish: str, usage: dict[str, int],
-                      req: ChatRequest, logprobs: dict[str, Any] | None = None) -> AsyncIterator[str]:
+    async def _chunks(self, done: Completion, req: ChatRequest) -> AsyncIterator[str]:
         """The finished turn as chunks; ``logprobs`` ride on the content chunk, or on the last one without it."""
-        base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.model_name}
+        base = {"id": done.id, "object": "chat.completion.chunk", "created": done.created, "model": self.model_name}
+        message, logprobs = done.message, done.logprobs
 
         def chunk(delta: dict[str, Any], finish_reason: str | None = None, lp: dict[str, Any] | None = None) -> str:
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": lp}
@@ -657,7 +735,7 @@ class EpisodeStore:
             yield chunk({"content": message["content"]}, lp=logprobs)
         for i, call in enumerate(message.get("tool_calls") or []):
             yield chunk({"tool_calls": [{"index": i, **call}]})
-        yield chunk({}, finish, None if message.get("content") else logprobs)
+        yield chunk({}, done.finish, None if message.get("content") else logprobs)
         if (getattr(req, "stream_options", None) or {}).get("include_usage"):
-            yield "data: " + json.dumps({**base, "choices": [], "usage": usage}) + "\n\n"
+            yield "data: " + json.dumps({**base, "choices": [], "usage": done.usage}) + "\n\n"
         yield "data: [DONE]\n\n"

@@ -1,8 +1,9 @@
 """The episode endpoint's OpenAI compatibility, driven by the real ``openai`` client: ``stop``,
-``logprobs``, and the shape of refusals of bodies that are not a chat request at all."""
+``logprobs``, ``tool_choice``, and the shape of refusals of bodies that are not a chat request at all."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from core.tiny_model import CHAT_TEMPLATE
+from core.trajectory import ChatRenderer
 from rollout_server.openai_api import AgentEpisode, EpisodeStore
 from tests.test_agent_loop import CALC, ScriptedEngine
 from tests.test_openai_api import MESSAGES, TOOLS, RecordingEngine, _run
@@ -201,8 +204,138 @@ def test_a_turn_ended_by_the_models_other_stop_token_is_finished_without_it(toke
         choice = reply.choices[0]
         assert (choice.finish_reason, choice.message.content) == ("tool_calls", "Let me compute.")
         assert choice.message.tool_calls[0].function.name == "calculator"
-        reply = await client.chat.completions.create(model="rollwave", messages=MESSAGES, tools=TOOLS)
+        messages = [*MESSAGES, choice.message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "42"}]
+        reply = await client.chat.completions.create(model="rollwave", messages=messages, tools=TOOLS)
         assert (reply.choices[0].finish_reason, reply.choices[0].message.content) == ("stop", "42")
 
     sample, _ = _run(tokenizer, engine, agent, max_new_tokens=64)
     assert [t.name for t in sample.tool_calls] == ["calculator"]
+    assert (sample.finish_reason, sample.num_turns) == ("stop", 2)
+
+
+NAMED = {"type": "function", "function": {"name": "calculator"}}
+OPENING = "<tool_call>\n"  # what the chat template writes before a call's JSON
+NAMED_OPENING = OPENING + '{"name": "calculator", "arguments":'
+
+
+def test_required_and_named_tool_choice_prefill_the_call_opening(tokenizer: Any) -> None:
+    """``required`` and a named function make the turn a call: the template's call opening (through the name for a
+    named one) is prefilled after the assistant header, so the engine continues from it; the agent gets OpenAI's
+    tool_calls, and the episode records the forced tokens as template tokens (loss_mask 0, behaviour logprob 0,
+    prompt tokens in ``usage``) and only the engine's as the policy's; re-sent, the history matches."""
+    renderer = ChatRenderer(tokenizer)
+    body = '{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+    engine = ScriptedEngine(tokenizer, [(body, "stop"), (' {"expression": "42*1"}}\n</tool_call>', "stop"),
+                                        ("The answer is 42.", "stop")])
+    replies: list[Any] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        messages: list[Any] = list(MESSAGES)
+        for choice in ("required", NAMED, "auto"):
+            reply = await client.chat.completions.create(model="rollwave", messages=messages, tools=TOOLS,
+                                                         tool_choice=choice)  # type: ignore[arg-type]
+            replies.append(reply)
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls or []:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": "42"})
+
+    sample, store = _run(tokenizer, engine, agent, max_new_tokens=64)
+    assert [r.choices[0].finish_reason for r in replies] == ["tool_calls", "tool_calls", "stop"]
+    assert [json.loads(r.choices[0].message.tool_calls[0].function.arguments) for r in replies[:2]] == [
+        {"expression": "6*7"}, {"expression": "42*1"}]
+    assert all(r.choices[0].message.tool_calls[0].function.name == "calculator" for r in replies[:2])
+    assert replies[0].choices[0].message.content is None
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    prompt = renderer.prompt_ids(MESSAGES, TOOLS)
+    forced1, forced2 = ids(OPENING), ids(NAMED_OPENING)
+    out1, out2, out3 = ([*ids(t), renderer.eos_id] for t in (body, ' {"expression": "42*1"}}\n</tool_call>',
+                                                             "The answer is 42."))
+    delta = renderer.turn_end_suffix + renderer.tool_turn_ids([{"role": "tool", "content": "42"}])
+    assert engine.calls[0]["input_ids"] == prompt + forced1
+    assert engine.calls[1]["input_ids"] == prompt + forced1 + out1 + delta + forced2
+    assert sample.token_ids.tolist() == prompt + forced1 + out1 + delta + forced2 + out2 + delta + out3
+    mask = [0] * len(prompt + forced1) + [1] * len(out1) + [0] * len(delta + forced2) + [1] * len(out2) + \
+        [0] * len(delta) + [1] * len(out3)
+    assert sample.loss_mask.tolist() == mask
+    assert sample.behaviour_logprobs.tolist() == [-0.5 if m else 0.0 for m in mask]
+    assert replies[0].usage.prompt_tokens == len(prompt + forced1)
+    assert replies[0].usage.completion_tokens == len(out1)
+    assert (sample.finish_reason, sample.num_turns, sample.reward) == ("stop", 3, 1.0)
+    assert store.metrics.total("rollwave_rollout_history_mismatches_total") == 0
+
+
+def test_a_forced_call_opening_is_what_the_real_engine_continues(tokenizer: Any, engine_url: str) -> None:
+    """With the real engine, a named tool_choice's turn is the prefilled opening (not trained) followed by exactly the
+    engine's output ids and behaviour logprobs; its text, a call or not, starts with the opening."""
+    real = RecordingEngine(engine_url)
+    got: list[Any] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        reply = await client.chat.completions.create(model="rollwave", messages=MESSAGES, tools=TOOLS,
+                                                     tool_choice=NAMED)  # type: ignore[arg-type]
+        got.append(reply.choices[0])
+
+    sample, _ = _run(tokenizer, real, agent, max_new_tokens=16)
+    forced = tokenizer.encode(NAMED_OPENING, add_special_tokens=False)
+    start = sample.prompt_len
+    turn = sample.token_ids.tolist()[start:]
+    out = real.replies[0]["output_ids"]
+    assert turn == forced + out
+    assert sample.loss_mask.tolist()[start:] == [0] * len(forced) + [1] * len(out)
+    assert sample.behaviour_logprobs.tolist()[start:] == pytest.approx(
+        [0.0] * len(forced) + [e[0] for e in real.replies[0]["meta_info"]["output_token_logprobs"]])
+    message = got[0].message
+    if message.tool_calls:
+        assert message.tool_calls[0].function.name == "calculator"
+    else:
+        assert (message.content or "").startswith(NAMED_OPENING)
+
+
+def test_tool_choice_none_returns_a_call_the_model_writes_as_content(tokenizer: Any) -> None:
+    """With ``none`` nothing is prefilled nor parsed: a call the model writes anyway comes back verbatim as content
+    (finish ``stop``), as vLLM and SGLang answer it, and is no tool call of the episode."""
+    engine = ScriptedEngine(tokenizer, [(CALC.format("6*7"), "stop")])
+    got: list[Any] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        reply = await client.chat.completions.create(model="rollwave", messages=MESSAGES, tools=TOOLS,
+                                                     tool_choice="none")
+        got.append(reply.choices[0])
+
+    sample, _ = _run(tokenizer, engine, agent, max_new_tokens=64)
+    assert (got[0].finish_reason, got[0].message.content, got[0].message.tool_calls) == (
+        "stop", CALC.format("6*7"), None)
+    assert engine.calls[0]["input_ids"] == ChatRenderer(tokenizer).prompt_ids(MESSAGES, TOOLS)
+    assert sample.tool_calls == []
+
+
+def test_a_tool_choice_the_template_cannot_prefill_is_refused(tiny_model_dir: Path) -> None:
+    """A chat template that writes a call otherwise than the parser reads it (here without the newline after the tag)
+    makes ``required`` and a named function a 400 naming ``tool_choice`` and its value, counted, with nothing
+    recorded; ``auto`` is still answered."""
+    other = AutoTokenizer.from_pretrained(tiny_model_dir)
+    other.chat_template = CHAT_TEMPLATE.replace('<tool_call>\\n{"name"', '<tool_call>{"name"')
+    assert other.chat_template != CHAT_TEMPLATE
+    engine = ScriptedEngine(other, [("The answer is 42.", "stop")])
+    refused: list[openai.BadRequestError] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        for choice in ("required", NAMED):
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(model="rollwave", messages=MESSAGES, tools=TOOLS,
+                                                     tool_choice=choice)  # type: ignore[arg-type]
+            refused.append(info.value)
+        assert ep.builder is None and engine.calls == []
+        await client.chat.completions.create(model="rollwave", messages=MESSAGES, tools=TOOLS, tool_choice="auto")
+
+    sample, store = _run(other, engine, agent)
+    for error, shown in zip(refused, ("tool_choice=required", 'tool_choice={"type": "function"'), strict=True):
+        assert (error.status_code, error.code, error.body["param"]) == (400, "unsupported_value", "tool_choice")
+        assert error.body["message"].startswith(shown), error.body["message"]
+    assert store.metrics.total("rollwave_rollout_openai_requests_total", outcome="unsupported_value") == 2
+    assert (sample.num_turns, sample.reward) == (1, 1.0)

@@ -23,7 +23,7 @@ from services.cli import CliError
 TOKEN_ENV = SECRETS["api.token"]
 REDIS_OUTAGE_S = 60.0  # how long a wait rides out the API's 503s (its Redis restarting), as the components do
 # how long a wait gives a crashed trainer to be restarted and train again: Kubernetes' longest crash back-off
-# (LocalStack and Ray restart one at once; the model load and resume come on top)
+# (LocalStack and the Ray actors restart one after RestartBackoff's delay; the model load and resume come on top)
 RESTART_WAIT_S = 300.0
 
 

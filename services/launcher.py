@@ -2,8 +2,9 @@
 
 ``components(...)`` is the one description of a stack (Redis aside): R rollout servers, W trainer
 ranks and the API, each a ``python -m`` command. ``LocalStack`` runs it as child processes and
-restarts one that dies, after a delay that doubles while it keeps dying soon after its start (the demo, the
-end-to-end tests); ``services.ray_launcher`` places the same commands in Ray actors.
+restarts one that dies, after a delay that doubles while it keeps dying soon after its start (``RestartBackoff``;
+the demo, the end-to-end tests); ``services.ray_launcher`` places the same commands in Ray actors, which restart
+their process by the same policy.
 
 No component is handed a port: each binds what its config says (0 by default: any free port) and
 publishes what it bound in Redis (the registry, the trainer status, ``Keys.api``), so a restarted one
@@ -139,34 +140,83 @@ def refusal(name: str, rc: int, log_dir: Path) -> str:
     return f"{name} refused its config (exit {rc}; the reason is the last line of {log_dir / f'{name}.log'})"
 
 
-class LocalStack:
-    """Runs component specs as child processes, restarts any that dies, and stops them all on close.
+class RestartBackoff:
+    """When a launcher restarts one component that failed; ``LocalStack`` and the Ray launcher's actors share it.
 
-    A component that dies is restarted after ``backoff_s``, doubled for each further death within ``stable_s`` of
-    its start, up to ``max_backoff_s``: one that cannot start (a port taken, a peer missing) is not respawned, and
-    its log grown, twice a second for as long as the run lasts. A component that stayed up ``stable_s`` starts
-    again from ``backoff_s``. ``restarts`` counts the restarts made.
+    It is restarted after ``backoff_s``, doubled for each further death within ``stable_s`` of its start, up to
+    ``max_backoff_s``: one that cannot start (a port taken, a peer missing) is not respawned, and its log grown,
+    twice a second for as long as the run lasts. One that stayed up ``stable_s`` starts again from ``backoff_s``. A
+    restart that could not be made (``spawn`` failed: a process or file limit) waits the next delay. Each delay is
+    logged, and ``restarts`` counts the restarts made.
     """
 
-    def __init__(self, specs: list[ComponentSpec], log_dir: Path, poll_s: float = 0.5, backoff_s: float = 0.5,
-                 max_backoff_s: float = 30.0, stable_s: float = 60.0) -> None:
+    BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 0.5, 30.0, 60.0
+
+    def __init__(self, name: str, backoff_s: float = BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S,
+                 stable_s: float = STABLE_S) -> None:
+        self.name = name
+        self.backoff_s, self.max_backoff_s, self.stable_s = backoff_s, max_backoff_s, stable_s
+        self._starts = 0
+        self._started = 0.0  # when it was last started (monotonic)
+        self._next_s = min(max_backoff_s, backoff_s)  # the next delay: doubled, not 2**deaths (a float overflows)
+
+    @property
+    def restarts(self) -> int:
+        """Every start after the first."""
+        return max(0, self._starts - 1)
+
+    def started(self) -> None:
+        """The component was started (again)."""
+        self._starts += 1
+        self._started = time.monotonic()
+
+    def died(self, rc: int) -> float:
+        """The delay before restarting the component, which exited with ``rc`` after its last ``started``."""
+        up_s = time.monotonic() - self._started
+        if up_s >= self.stable_s:  # it had settled: this death is not one of a series
+            self._next_s = min(self.max_backoff_s, self.backoff_s)
+        delay = self._take()
+        log.warning("%s exited with %s after %.1f s up; restarting it in %g s", self.name, rc, up_s, delay)
+        return delay
+
+    def not_restarted(self, exc: OSError) -> float:
+        """The delay before trying again to restart the component, whose restart failed with ``exc``."""
+        delay = self._take()
+        log.error("%s could not be restarted (%s); trying again in %g s", self.name, exc, delay)
+        return delay
+
+    def _take(self) -> float:
+        delay, self._next_s = self._next_s, min(self.max_backoff_s, self._next_s * 2)
+        return delay
+
+
+class LocalStack:
+    """Runs component specs as child processes, restarts any that fails (``RestartBackoff``), and stops them all on
+    close, whatever each is doing then: running, waiting out its backoff, being restarted.
+    """
+
+    def __init__(self, specs: list[ComponentSpec], log_dir: Path, poll_s: float = 0.5,
+                 backoff_s: float = RestartBackoff.BACKOFF_S, max_backoff_s: float = RestartBackoff.MAX_BACKOFF_S,
+                 stable_s: float = RestartBackoff.STABLE_S) -> None:
         self.specs = {s.name: s for s in specs}
         self.log_dir = log_dir
         self.poll_s = poll_s
-        self.backoff_s, self.max_backoff_s, self.stable_s = backoff_s, max_backoff_s, stable_s
+        self.backoff = {name: RestartBackoff(name, backoff_s, max_backoff_s, stable_s) for name in self.specs}
         self.procs: dict[str, subprocess.Popen] = {}
-        self.restarts: dict[str, int] = {name: 0 for name in self.specs}
-        self._started: dict[str, float] = {}  # when each was last started (monotonic)
-        self._quick_deaths: dict[str, int] = {name: 0 for name in self.specs}  # in a row, each within stable_s
         self._due: dict[str, float] = {}  # died: when its restart is due (monotonic)
         self.refused: set[str] = set()  # exited on a config error: not restarted (it would only fail again)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
+    @property
+    def restarts(self) -> dict[str, int]:
+        """The restarts made of each component."""
+        return {name: backoff.restarts for name, backoff in self.backoff.items()}
+
     def _spawn(self, spec: ComponentSpec) -> subprocess.Popen:
         proc = spawn(spec, self.log_dir, os.environ)
-        self._started[spec.name] = time.monotonic()
+        self.backoff[spec.name].started()
         log.info("started %s (pid %d)", spec.name, proc.pid)
         return proc
 
@@ -190,16 +240,15 @@ class LocalStack:
     def _supervise(self) -> None:
         while not self._stop.wait(self.poll_s):
             with self._lock:
+                if self._stop.is_set():  # close() set it under this lock: no restart begins after it
+                    return
                 for name, proc in list(self.procs.items()):
-                    now = time.monotonic()
                     if name in self._due:  # waiting out its backoff
-                        if now >= self._due[name] and not self._stop.is_set():
-                            del self._due[name]
-                            self.restarts[name] += 1
-                            self.procs[name] = self._spawn(self.specs[name])
+                        if time.monotonic() >= self._due[name]:
+                            self._restart(name)
                         continue
                     rc = proc.poll()
-                    if rc is None or self._stop.is_set():
+                    if rc is None:
                         continue
                     spec = self.specs[name]
                     if rc == 0 or not spec.restart or name in self.refused:
@@ -209,19 +258,31 @@ class LocalStack:
                         self.refused.add(name)
                         continue
                     kill_group(proc.pid)  # what it left (a rollout server's engine) would run beside the new one
-                    up_s = now - self._started[name]
-                    self._quick_deaths[name] = self._quick_deaths[name] + 1 if up_s < self.stable_s else 1
-                    delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self._quick_deaths[name] - 1))
-                    log.warning("%s exited with %s after %.1f s up; restarting it in %g s", name, rc, up_s, delay)
-                    self._due[name] = now + delay
+                    self._due[name] = time.monotonic() + self.backoff[name].died(rc)
+
+    def _restart(self, name: str) -> None:
+        """Start ``name`` again, its backoff waited out; one that cannot be started now (a process or file limit) is
+        tried again after the next delay, rather than end the supervision of every component."""
+        try:
+            self.procs[name] = self._spawn(self.specs[name])
+        except OSError as exc:
+            self._due[name] = time.monotonic() + self.backoff[name].not_restarted(exc)
+        else:
+            del self._due[name]
 
     def pid(self, name: str) -> int:
         return self.procs[name].pid
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Fault injection: signal one component (the supervisor restarts it)."""
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> bool:
+        """Fault injection: signal one component's process group (the supervisor restarts it); whether it was
+        running. One that is not (it died and waits out its backoff, or it ended) has no process to signal."""
         with self._lock:
-            os.killpg(self.procs[name].pid, sig)
+            proc = self.procs[name]
+            if name in self._due or proc.poll() is not None:
+                log.info("%s is not running: not signalled", name)
+                return False
+            os.killpg(proc.pid, sig)  # not reaped (only a poll under this lock reaps it): its group is there
+            return True
 
     def check_refused(self) -> None:
         """ConfigError naming a component that refused its config, with the line its log ends on (the reason):
@@ -236,15 +297,22 @@ class LocalStack:
         return proc.poll() == 0
 
     def close(self, timeout_s: float = 30.0) -> None:
-        self._stop.set()
+        """Stop every component: SIGTERM to each group, up to ``timeout_s`` in all, then SIGKILL. No restart begins
+        once this has begun, and one waiting out its backoff has no process left (its group was killed as it died)."""
+        with self._lock:  # the supervisor restarts only under this lock, where it sees the stop first
+            self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.error("the supervisor did not end within %g s of close; stopping the components anyway",
+                          timeout_s)
         with self._lock:
-            for proc in self.procs.values():
+            running = {name: proc for name, proc in self.procs.items() if name not in self._due}
+            for proc in running.values():
                 if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
+                    kill_group(proc.pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
-            for name, proc in self.procs.items():
+            for name, proc in running.items():
                 stop_process(proc, max(0.1, deadline - time.monotonic()), name=name, group=True)
 
     def __enter__(self) -> LocalStack:

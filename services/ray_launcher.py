@@ -1,10 +1,11 @@
 """``rollwave up`` / ``rollwave down``: the stack of ``services.launcher.components`` as Ray actors.
 
 Each component runs in a detached ``ComponentActor`` that owns its process (in a process group of
-its own); when the process dies the actor kills what it left behind (a rollout server's engine) and
-exits, and Ray restarts it (``max_restarts=-1``), which starts the process again: a rollout server
-rejoins the registry and is re-synced by the trainer's next push, a trainer rank resumes from its
-last checkpoint. A component that refused its config (``CONFIG_ERROR_EXIT``) is not restarted, and ``up``
+its own); when the process fails the actor kills what it left behind (a rollout server's engine) and
+starts it again after ``LocalStack``'s backoff (``RestartBackoff``: one that fails at start-up is not respawned
+in a tight loop): a rollout server rejoins the registry and is re-synced by the trainer's next push, a trainer
+rank resumes from its last checkpoint. Ray restarts an actor whose worker dies (``max_restarts=-1``), which starts
+the process again. A component that refused its config (``CONFIG_ERROR_EXIT``) is not restarted, and ``up``
 waits for every component's config check and fails naming one that refused. The trainer ranks share a node
 (their rendezvous is on loopback); the rest is packed over the cluster's nodes, and the embedded Redis runs on
 the node ``up`` runs on. A rollout server's receiver and the API listen on their node's address (loopback on a
@@ -62,6 +63,7 @@ from services.api.app import check_api_config
 from services.cli import CliError
 from services.launcher import (
     ComponentSpec,
+    RestartBackoff,
     components,
     ensure_checkpoint_token,
     published_api_url,
@@ -77,9 +79,9 @@ START_TIMEOUT_S = 120.0  # how long an actor waits for its component's config ch
 
 
 class ComponentProcess:
-    """Owns one component process (as ``ComponentActor``): when the process fails the actor's worker exits, and
-    Ray restarts the actor and with it the process; one that refused its config (``CONFIG_ERROR_EXIT``) is left
-    stopped, as ``LocalStack`` leaves it: it would only refuse again, for ever.
+    """Owns one component process (as ``ComponentActor``): when the process fails the actor starts it again after
+    ``RestartBackoff``'s delay, as ``LocalStack`` does; one that exited 0, or refused its config
+    (``CONFIG_ERROR_EXIT``: it would only refuse again, for ever), is left stopped, as ``LocalStack`` leaves it.
 
     The constructor returns once the component got past its config check (every component's
     ``load_config_or_exit`` writes to a pipe it is given) or exited, so that ``up`` can name one that refused.
@@ -87,24 +89,29 @@ class ComponentProcess:
     (``spec.env``), since it is a process with its own thread settings, not a Ray task.
     """
 
-    def __init__(self, spec: ComponentSpec, log_dir: str, start_timeout_s: float = START_TIMEOUT_S) -> None:
+    def __init__(self, spec: ComponentSpec, log_dir: str, start_timeout_s: float = START_TIMEOUT_S,
+                 backoff: RestartBackoff | None = None) -> None:
         if spec.node_overrides:  # it listens where peers on other nodes reach it
             address = ray.util.get_node_ip_address()
             spec = dataclasses.replace(spec, argv=[*spec.argv, *(o.replace("{address}", address)
                                                                  for o in spec.node_overrides)])
         self.spec = spec
         self.log_dir = Path(log_dir)
-        self._stopping = False
+        self.backoff = backoff or RestartBackoff(spec.name)
+        self._lock = threading.Lock()  # a restart and ``stop``: none begins once ``stop`` has
+        self._stopping = threading.Event()
         self._settled = threading.Event()
-        env = {k: v for k, v in os.environ.items()  # a component talks to no Ray: it gets no Ray token
-               if k != "OMP_NUM_THREADS" and not k.startswith("RAY_AUTH_")}
+        self._env = {k: v for k, v in os.environ.items()  # a component talks to no Ray: it gets no Ray token
+                     if k != "OMP_NUM_THREADS" and not k.startswith("RAY_AUTH_")}
         accepted, writer = os.pipe()
         with open(accepted, "rb", buffering=0) as pipe:
             try:
-                self.proc = spawn(spec, self.log_dir, {**env, CONFIG_ACCEPTED_FD_ENV: str(writer)}, (writer,))
+                self.proc = spawn(spec, self.log_dir, {**self._env, CONFIG_ACCEPTED_FD_ENV: str(writer)}, (writer,))
             finally:
                 os.close(writer)  # the component holds the only writer: the pipe ends when it does
-            threading.Thread(target=self._watch, daemon=True).start()
+            self.backoff.started()
+            self._watcher = threading.Thread(target=self._watch, name=f"watch-{spec.name}", daemon=True)
+            self._watcher.start()
             self.confirmed = bool(select.select([pipe], [], [], start_timeout_s)[0])  # accepted, or exited
             if self.confirmed and not pipe.read(1):
                 self._settled.wait(start_timeout_s)  # it exited first: the watcher says what that means
@@ -113,19 +120,39 @@ class ComponentProcess:
                   f"{self.log_dir / f'{spec.name}.log'}); left running", file=sys.stderr, flush=True)
 
     def _watch(self) -> None:
-        rc = self.proc.wait()
-        kill_group(self.proc.pid)
-        if rc == CONFIG_ERROR_EXIT and not self._stopping:
-            print(f"{refusal(self.spec.name, rc, self.log_dir)}; Ray does not restart it", file=sys.stderr,
-                  flush=True)
-        elif rc != 0 and not self._stopping:
-            print(f"{self.spec.name} exited with {rc}; exiting so that Ray restarts it", file=sys.stderr, flush=True)
-            self._restart()
-        self._settled.set()
+        """Wait for the process, and start it again while it fails, until ``stop``. Restarts come from this thread,
+        which lives as long as the process it started: the kernel's parent-death signal
+        (``core.process.die_with_parent``) follows the thread that started a process."""
+        while True:
+            proc = self.proc
+            rc = proc.wait()
+            kill_group(proc.pid)  # what it left (a rollout server's engine) would run beside the new one
+            if self._stopping.is_set() or rc == 0:
+                delay = None
+            elif rc == CONFIG_ERROR_EXIT:
+                print(f"{refusal(self.spec.name, rc, self.log_dir)}; not restarting it", file=sys.stderr, flush=True)
+                delay = None
+            else:
+                delay = self.backoff.died(rc)
+            self._settled.set()  # the constructor waits for this verdict on a component that exits at once
+            if delay is None or not self._respawn(delay):
+                return
 
-    def _restart(self) -> None:
-        """Exit this actor's worker: Ray restarts the actor (``max_restarts=-1``), which starts the process again."""
-        os._exit(1)
+    def _respawn(self, delay: float) -> bool:
+        """Start the process again after ``delay``, and after each further delay while it cannot be started; False
+        once ``stop`` has begun (it cuts the wait short)."""
+        while not self._stopping.wait(delay):
+            with self._lock:
+                if self._stopping.is_set():
+                    break
+                try:
+                    self.proc = spawn(self.spec, self.log_dir, self._env)
+                except OSError as exc:
+                    delay = self.backoff.not_restarted(exc)
+                    continue
+                self.backoff.started()
+                return True
+        return False
 
     def pid(self) -> int:
         return self.proc.pid
@@ -133,14 +160,25 @@ class ComponentProcess:
     def returncode(self) -> int | None:
         return self.proc.poll()
 
+    def restarts(self) -> int:
+        return self.backoff.restarts
+
     def config_checked(self) -> bool:
         """Whether the component got past its config check (or exited) before the constructor returned."""
         return self.confirmed
 
     def stop(self, timeout_s: float = 45.0) -> int:
-        """SIGTERM (components shut down gracefully), then SIGKILL to whatever is left of its group."""
-        self._stopping = True
-        return stop_process(self.proc, timeout_s, name=self.spec.name, group=True)
+        """SIGTERM (components shut down gracefully), then SIGKILL to whatever is left of its group, whatever the
+        component is doing: running, waiting out its backoff (no restart follows), being restarted (the new process
+        is the one stopped). Returns its exit code once the watcher is done, so nothing starts after."""
+        with self._lock:  # a restart under way ends first; none begins once this is set
+            self._stopping.set()
+        rc = stop_process(self.proc, timeout_s, name=self.spec.name, group=True)
+        self._watcher.join(timeout_s)
+        if self._watcher.is_alive():
+            print(f"{self.spec.name}: its watcher did not end within {timeout_s:g} s of the stop", file=sys.stderr,
+                  flush=True)
+        return rc
 
 
 ComponentActor = ray.remote(max_restarts=-1, max_task_retries=-1)(ComponentProcess)

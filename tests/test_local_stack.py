@@ -1,9 +1,11 @@
 """LocalStack's supervision: a crashed component is restarted, once what it left is killed; one that refused its
-config (exit 2) is not; spawning is safe beside gRPC; a component, and the engine a rollout server starts, dies
-with its launcher."""
+config (exit 2) is not; a restart that cannot be made is tried again; fault injection and close at any moment (a
+component waiting out its backoff) raise nothing and leave nothing; spawning is safe beside gRPC; a component, and
+the engine a rollout server starts, dies with its launcher."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -13,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import pytest
 
 from core.config import CONFIG_ERROR_EXIT
 from core.process import stop_process
@@ -87,6 +90,75 @@ def test_a_restart_first_kills_what_the_dead_component_left(tmp_path: Path) -> N
         for pid in children:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _logged(caplog: pytest.LogCaptureFixture, message: str, timeout_s: float = 60.0) -> None:
+    """Wait for a line of what ``services.launcher`` logged to hold ``message``."""
+    deadline = time.monotonic() + timeout_s
+    while not any(message in r.getMessage() for r in caplog.records if r.name == "services.launcher"):
+        assert time.monotonic() < deadline, f"never logged: {message}"
+        time.sleep(0.01)
+
+
+def test_kill_and_close_while_a_component_waits_out_its_backoff(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A component that died has no process until its restart is due: ``kill`` says so (it signalled the dead
+    one's group, gone, and raised ProcessLookupError), and ``close`` stops the rest, leaving nothing running."""
+    caplog.set_level(logging.INFO, "services.launcher")
+    pids = tmp_path / "children"
+    dies = ComponentSpec("dies", ["sh", "-c", "exit 1"])
+    lives = ComponentSpec("lives", [sys.executable, "-c", CRASHES_WITH_A_CHILD, str(pids)])
+    pids.write_text("")  # not its first run: it does not kill itself
+    children: list[int] = []
+    try:
+        with LocalStack([dies, lives], tmp_path / "logs", poll_s=0.01, backoff_s=60,
+                        max_backoff_s=60) as stack:
+            _logged(caplog, "s up; restarting it in 60 s")  # what dies logs as it dies
+            assert stack.kill("dies") is False
+            deadline = time.monotonic() + 60
+            while not (children := [int(p) for p in pids.read_text().split()]):
+                assert time.monotonic() < deadline, "lives never started its child"
+                time.sleep(0.05)
+            leader = stack.pid("lives")
+        assert stack.restarts == {"dies": 0, "lives": 0}
+        _gone(leader, "close() left a running component")
+        _gone(children[0], "close() left a running component's child")
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_restart_that_cannot_be_made_is_tried_again_and_the_rest_stay_supervised(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A component whose program is gone when its restart is due (as a process or file limit would make the spawn
+    fail): the failure is logged and the restart tried again after the next delay; the spawn's OSError used to end
+    the supervisor, and no component was restarted again."""
+    caplog.set_level(logging.INFO, "services.launcher")
+    program = tmp_path / "program"
+    program.write_text('#!/bin/sh\nrm -f "$0"\nexit 1\n')  # it removes itself, then fails
+    program.chmod(0o755)
+    gone = ComponentSpec("gone", [str(program)])
+    crashes = ComponentSpec("crashes", ["sh", "-c", "exit 1"])
+    with LocalStack([gone, crashes], tmp_path / "logs", poll_s=0.01, backoff_s=0.05, max_backoff_s=0.2) as stack:
+        _logged(caplog, f"gone could not be restarted ([Errno 2] No such file or directory: '{program}'); trying "
+                        "again in 0.1 s")
+        seen = stack.restarts["crashes"]
+        deadline = time.monotonic() + 60
+        while stack.restarts["crashes"] <= seen:
+            assert time.monotonic() < deadline, "the other component is no longer restarted"
+            time.sleep(0.01)
+        assert stack.restarts["gone"] == 0
+        back = tmp_path / "program.new"
+        back.write_text("#!/bin/sh\nexec sleep 120\n")
+        back.chmod(0o755)
+        back.rename(program)  # whole, at once: an exec never sees it half written
+        while stack.restarts["gone"] < 1:
+            assert time.monotonic() < deadline, "gone was not restarted once its program was back"
+            time.sleep(0.01)
+        pid = stack.pid("gone")
+        assert stack.kill("gone", signal.SIGCONT) is True  # it runs
+    _gone(pid, "close() left the restarted component")
 
 
 def test_spawning_beside_grpc_never_kills_the_child_before_exec(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 ``tests/ray_stack_script.py`` runs in the namespace (``unshare -n``, then ``lo`` up): it brings the
 stack up with one rollout server and one trainer rank, runs an eval and a train job through the API,
 checks that the trainer's push went over the mutual TLS that ``up`` set up (a plaintext channel is
-refused), SIGKILLs the rollout server's process and waits for Ray to restart it, then runs ``rollwave down``;
+refused), SIGKILLs the rollout server's process and waits for its actor to restart it, then runs ``rollwave down``;
 then it brings up a run whose rollout server refuses its config. The test checks what the script reports: jobs
 done, a trainer step, the server back under a new process, every socket on loopback, nothing left running or
 listening after ``down``, and the refusal named by ``up`` and not restarted.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -140,32 +141,80 @@ def test_up_makes_the_run_a_checkpoint_pki_unless_tls_is_configured(tmp_path: Pa
     assert not (tmp_path / "other").exists()
 
 
-def without_ray(spec: Any, log_dir: Path, start_timeout_s: float = 60.0) -> Any:
-    """``ComponentProcess``, the class of the Ray actor, run here without Ray: it records the restart it asks Ray
-    for (exiting its worker) instead of exiting the test's process."""
+def without_ray(spec: Any, log_dir: Path, start_timeout_s: float = 60.0, backoff: Any = None) -> Any:
+    """``ComponentProcess``, the class of the Ray actor, run here without Ray (it restarts its process itself)."""
     from services.ray_launcher import ComponentProcess
 
-    class Recording(ComponentProcess):
-        restarted = False
+    return ComponentProcess(spec, str(log_dir), start_timeout_s, backoff)
 
-        def _restart(self) -> None:
-            self.restarted = True
 
-    return Recording(spec, str(log_dir), start_timeout_s)
+def _until(what: str, cond: Callable[[], object], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
 
 
 def test_an_actor_leaves_a_config_refusal_stopped_and_restarts_a_crash(tmp_path: Path) -> None:
-    """Ray restarts an actor whose worker exits: the actor exits on a crash, not on a config refusal (exit 2),
-    which would only come again, for ever. Its constructor returns once the component exited."""
+    """The actor restarts a component that crashed, not one that refused its config (exit 2), which would only
+    come again, for ever. Its constructor returns once the component exited."""
     from core.config import CONFIG_ERROR_EXIT
-    from services.launcher import ComponentSpec
+    from services.launcher import ComponentSpec, RestartBackoff
 
     refuses = without_ray(ComponentSpec("refuses", [sys.executable, "-c", "import sys; print('error: x.y is bad'); "
                                                 f"sys.exit({CONFIG_ERROR_EXIT})"]), tmp_path)
-    assert refuses.returncode() == CONFIG_ERROR_EXIT and not refuses.restarted
+    assert refuses.returncode() == CONFIG_ERROR_EXIT
     assert (tmp_path / "refuses.log").read_text().strip() == "error: x.y is bad"
-    crashes = without_ray(ComponentSpec("crashes", [sys.executable, "-c", "import sys; sys.exit(1)"]), tmp_path)
-    assert crashes.returncode() == 1 and crashes.restarted
+    crashes = without_ray(ComponentSpec("crashes", ["sh", "-c", "exit 1"]), tmp_path,
+                          backoff=RestartBackoff("crashes", 0.05, 0.05))
+    try:
+        _until("crashes restarted", lambda: crashes.restarts() >= 2)
+    finally:
+        crashes.stop(10)
+    assert refuses.restarts() == 0 and (tmp_path / "refuses.log").read_text().count("x.y is bad") == 1
+
+
+def test_an_actor_stopped_while_its_component_waits_out_its_backoff_starts_nothing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``stop`` cuts the backoff short, and returns once the restart is called off: nothing starts after it."""
+    from services.launcher import ComponentSpec, RestartBackoff
+
+    caplog.set_level(logging.WARNING, "services.launcher")
+    component = without_ray(ComponentSpec("dies", ["sh", "-c", "echo up; exit 1"]), tmp_path,
+                            backoff=RestartBackoff("dies", 60, 60))
+    try:
+        _until("the restart delay logged", lambda: any(r.getMessage().endswith("restarting it in 60 s")
+                                                       for r in caplog.records))
+    finally:
+        rc = component.stop(10)
+    assert rc == 1 and not component._watcher.is_alive() and component.restarts() == 0
+    assert (tmp_path / "dies.log").read_text().split() == ["up"]
+
+
+def test_an_actor_retries_a_restart_it_could_not_make(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A component whose program is gone when its restart is due: the actor logs it and tries again after the next
+    delay, and the program back, restarts it."""
+    from services.launcher import ComponentSpec, RestartBackoff
+
+    caplog.set_level(logging.ERROR, "services.launcher")
+    program = tmp_path / "program"
+    program.write_text('#!/bin/sh\nrm -f "$0"\nexit 1\n')  # it removes itself, then fails
+    program.chmod(0o755)
+    component = without_ray(ComponentSpec("gone", [str(program)]), tmp_path / "logs",
+                            backoff=RestartBackoff("gone", 0.05, 0.2))
+    try:
+        _until("the failed restart logged", lambda: any(r.getMessage().startswith(
+            f"gone could not be restarted ([Errno 2] No such file or directory: '{program}'); trying again in")
+            for r in caplog.records))
+        back = tmp_path / "program.new"
+        back.write_text("#!/bin/sh\nexec sleep 120\n")
+        back.chmod(0o755)
+        back.rename(program)  # whole, at once: an exec never sees it half written
+        _until("gone restarted once its program was back", lambda: component.restarts() == 1)
+        assert component.returncode() is None
+    finally:
+        component.stop(10)
+    assert component.returncode() == -15  # stopped by its SIGTERM
 
 
 def test_an_actor_starts_once_its_component_accepted_its_config(tmp_path: Path) -> None:
@@ -190,7 +239,7 @@ def test_an_actor_starts_once_its_component_accepted_its_config(tmp_path: Path) 
         assert component.config_checked()
     finally:
         component.stop(10)
-    assert not component.restarted
+    assert component.restarts() == 0
 
 
 def test_an_actor_whose_component_says_nothing_returns_by_its_timeout_saying_so(
@@ -213,7 +262,7 @@ def test_an_actor_whose_component_says_nothing_returns_by_its_timeout_saying_so(
             assert time.monotonic() < deadline and component.returncode() is None, log
             time.sleep(0.05)
         time.sleep(0.5)
-        assert component.returncode() is None and not component.restarted, log
+        assert component.returncode() is None and component.restarts() == 0, log
     finally:
         component.stop(10)
     assert f"late: no word from its config check within 1 s (see {tmp_path / 'late.log'})" in capsys.readouterr().err

@@ -446,6 +446,21 @@ class TrainerConfig(Section):
             raise ValueError(f"std_norm=false applies to advantage=grpo only, not {self.advantage}")
         return self
 
+    @model_validator(mode="after")
+    def _warmups_end_within_the_run(self) -> TrainerConfig:
+        """Under gae the first critic.warmup_steps train the critic alone; the cosine schedule spans the policy's
+        steps (trainer/optim.py): a warm-up that lasts the whole run would never let the policy train, or the
+        learning rate finish warming up (its decay never starts)."""
+        critic = self.critic.warmup_steps if self.advantage == "gae" else 0
+        if critic >= self.total_steps:
+            raise ValueError(f"critic.warmup_steps ({critic}) must be below total_steps ({self.total_steps}) with "
+                             "advantage=gae: those steps train the critic alone, so the policy would never train")
+        if self.lr_schedule == "cosine" and self.warmup_steps >= self.total_steps - critic:
+            steps = f"total_steps ({self.total_steps})" + (f" less critic.warmup_steps ({critic})" if critic else "")
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below {steps} with lr_schedule=cosine: "
+                             "the learning rate would never finish warming up, nor its cosine decay start")
+        return self
+
 
 class CheckpointConfig(Section):
     token: Secret | None = Field(

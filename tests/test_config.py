@@ -142,6 +142,29 @@ def test_dynamic_sampling_is_refused_with_gae() -> None:
     assert load_config(None, ["trainer.advantage=gae"]).trainer.advantage == "gae"
 
 
+def test_a_warm_up_that_lasts_the_whole_run_is_refused() -> None:
+    """A cosine schedule spans the policy's steps (total_steps, less critic.warmup_steps under gae, which train the
+    critic alone): a warmup_steps that reaches their end never finishes warming up and never decays; a
+    critic.warmup_steps that reaches total_steps never lets the policy train. One step shorter validates, and so
+    does a constant schedule's (it does not use total_steps) or a critic's the advantage ignores."""
+    run, cosine, gae = ["trainer.total_steps=10"], ["trainer.lr_schedule=cosine"], ["trainer.advantage=gae"]
+    with pytest.raises(ConfigError, match=r"trainer: warmup_steps \(10\) must be below total_steps \(10\) with "
+                       r"lr_schedule=cosine: the learning rate would never finish warming up"):
+        load_config(None, [*run, *cosine, "trainer.warmup_steps=10"])
+    with pytest.raises(ConfigError, match=r"trainer: warmup_steps \(6\) must be below total_steps \(10\) less "
+                       r"critic.warmup_steps \(4\) with lr_schedule=cosine"):
+        load_config(None, [*run, *cosine, *gae, "trainer.critic.warmup_steps=4", "trainer.warmup_steps=6"])
+    with pytest.raises(ConfigError, match=r"trainer: critic.warmup_steps \(10\) must be below total_steps \(10\) "
+                       r"with advantage=gae: .* the policy would never train"):
+        load_config(None, [*run, *gae, "trainer.critic.warmup_steps=10"])
+    assert load_config(None, [*run, *cosine, "trainer.warmup_steps=9"]).trainer.warmup_steps == 9
+    assert load_config(None, [*run, *cosine, *gae, "trainer.critic.warmup_steps=4",
+                              "trainer.warmup_steps=5"]).trainer.warmup_steps == 5
+    assert load_config(None, [*run, "trainer.warmup_steps=10"]).trainer.warmup_steps == 10
+    assert load_config(None, [*run, *gae, "trainer.critic.warmup_steps=9"]).trainer.critic.warmup_steps == 9
+    assert load_config(None, [*run, "trainer.critic.warmup_steps=10"]).trainer.critic.warmup_steps == 10
+
+
 SECRET = "s" * 31 + "#x y"  # 35 characters; YAML would cut it at " #"
 
 

@@ -11,7 +11,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from buffer_helpers import client
@@ -131,11 +130,12 @@ def test_a_failed_task_attempt_is_counted_by_reason(
 
 
 def test_a_skipped_policy_update_is_counted(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:
-    """A NaN behaviour logprob makes the second minibatch's gradient NaN: its update is skipped, and counted."""
+    """A reward beyond fp32's range (its advantage, unnormalised, overflows) makes the second minibatch's gradient
+    NaN: its update is skipped, and counted."""
     groups = synthetic_groups(0, 2)
-    sample = groups[1].samples[0]
-    sample.behaviour_logprobs[np.flatnonzero(sample.loss_mask)[0]] = np.nan
-    cfg = TrainerConfig(lr=1e-3, micro_batch_tokens=96, kl_coef=0.0, ppo_minibatches=2, device="cpu")
+    groups[1].samples[0].reward = 1e39
+    cfg = TrainerConfig(lr=1e-3, micro_batch_tokens=96, kl_coef=0.0, ppo_minibatches=2, std_norm=False,
+                        device="cpu")
     trainer = Trainer(cfg, tiny_model_dir, tmp_path / "policy").start(ctx=ctx)
     try:
         record = trainer.train(groups)

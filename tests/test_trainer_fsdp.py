@@ -414,13 +414,13 @@ def test_a_non_finite_gradient_in_a_later_update_is_the_step_s_norm(
 ) -> None:
     """Two updates, the second one's gradient NaN: the step reports NaN for the policy (grad_norm) and the critic
     (critic_grad_norm), not the first update's finite norm, which Python's max returns (it skips a NaN that is
-    not first). A NaN behaviour logprob breaks the policy's loss of its row, a reward of 1e30 the critic's squared
-    error (inf; the collator refuses a NaN reward); each row is in the second group, so in the second minibatch."""
+    not first). A reward beyond fp32's range breaks the policy's loss of its row (its unnormalised advantage
+    overflows), a reward of 1e30 the critic's squared error (inf; the collator refuses a NaN reward); each row is in
+    the second group, so in the second minibatch."""
     cfg = {**CFG, "kl_coef": 0.0, "ppo_minibatches": 2}
     groups = synthetic_groups(0, 2)
-    sample = groups[1].samples[0]
-    sample.behaviour_logprobs[np.flatnonzero(sample.loss_mask)[0]] = np.nan
-    trainer = Trainer(TrainerConfig(**cfg), tiny_model_dir, tmp_path / "policy").start(ctx=ctx)
+    groups[1].samples[0].reward = 1e39
+    trainer = Trainer(TrainerConfig(**cfg, std_norm=False), tiny_model_dir, tmp_path / "policy").start(ctx=ctx)
     with caplog.at_level("WARNING"):
         record = trainer.train(groups)
     trainer.close()

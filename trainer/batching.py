@@ -61,11 +61,18 @@ class Batch:
         return Batch(**{k: v.to(device) for k, v in vars(self).items()})
 
 
+# A behaviour logprob above this is no log-probability: the engine's fp32 log_softmax gives at most 0, an engine that
+# takes the log of renormalised probabilities (SGLang after top-p) a rounding error above it.
+MAX_BEHAVIOUR_LOGPROB = 1e-4
+
+
 def check_group(group: TrajectoryGroup, vocab_size: int | None = None, temperature: float = 1.0) -> None:
     """ValueError naming what the trainer cannot train on in ``group``: a greedy temperature, a non-finite reward,
-    a token id outside [0, vocab_size), a trained first token. The buffer's decode checks the schema; these depend
-    on the trainer's model and loss, and the trainer moves a group that fails them aside before its step (one that
-    reached the step would fail it again after every restart)."""
+    a token id outside [0, vocab_size), a trained first token, and on a trained token a behaviour logprob that is
+    NaN (it makes the step's loss NaN) or above 0 or a negative policy version (the staleness filter
+    cannot judge its age). Untrained tokens' logprobs and versions are never read. The buffer's decode checks the
+    schema; these depend on the trainer's model and loss, and the trainer moves a group that fails them aside
+    before its step (one that reached the step would fail it again after every restart)."""
     t = temperature if group.temperature is None else group.temperature
     if t <= 0:
         raise ValueError(f"group {group.group_id}.temperature: {t} cannot be trained on (greedy samples have no "
@@ -81,6 +88,20 @@ def check_group(group: TrajectoryGroup, vocab_size: int | None = None, temperatu
             raise ValueError(f"{where}.token_ids: id {bad} outside the model's vocabulary [0, {vocab_size})")
         if n and s.loss_mask[0]:
             raise ValueError(f"{where}.loss_mask: the first token cannot be trained on (nothing predicts it)")
+        trained = s.loss_mask.astype(bool)
+        logprobs = s.behaviour_logprobs
+        # -inf passes: an engine reports it for a token its float precision rounds to 0, and the losses clamp its
+        # log ratio (losses.py), so its weight is capped or the token masked rather than its group lost
+        wrong = np.flatnonzero(trained & ~(logprobs <= MAX_BEHAVIOUR_LOGPROB))
+        if wrong.size:
+            i = int(wrong[0])
+            raise ValueError(f"{where}.behaviour_logprobs[{i}]: {logprobs[i]} on a trained token is not a "
+                             "log-probability (<= 0): the token's importance ratio would be NaN or meaningless")
+        wrong = np.flatnonzero(trained & (s.token_versions < 0))
+        if wrong.size:
+            i = int(wrong[0])
+            raise ValueError(f"{where}.token_versions[{i}]: {s.token_versions[i]} on a trained token is no policy "
+                             "version (0, 1, ...): the staleness filter cannot judge its age")
 
 
 def collate(

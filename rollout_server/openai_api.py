@@ -33,7 +33,9 @@ A retried request is idempotent: a request equal (messages and parameters) to th
 that answer again, same id, without generating or touching the episode (``outcome="replayed"``). The openai client
 retries after a timeout or a connection error, when the first attempt may have been answered already (its re-sent
 history then lacks that turn, which would otherwise be a history mismatch); other clients retry too, so equality
-decides, not the client's ``x-stainless-retry-count``. A retry that comes while the first attempt is generating waits
+decides, not the client's ``x-stainless-retry-count``, except that a request the openai client marks as its first
+attempt (``0``) is never a retry: an agent that asks again on purpose (a resample loop, calls at once) gets a new
+sample, its episode then an edited history as before. A retry that comes while the first attempt is generating waits
 for it (the episode's lock), then gets its answer. Refusals tell the client not to retry (``x-should-retry: false``):
 the same request would be refused again, and after an engine failure, which ends the episode, a retry would only hide
 the 503 behind a 409.
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import secrets
@@ -79,6 +82,7 @@ from rollout_server.metrics import RolloutMetrics
 from rollout_server.tool_parser import BOT_TOKEN, parse_tool_calls
 
 log = logging.getLogger(__name__)
+FIRST_ATTEMPT = "0"  # x-stainless-retry-count of the openai client's first try at a request
 
 FAILED_REASONS = ("history_mismatch", "agent_error", "agent_timeout", "error")
 
@@ -283,7 +287,7 @@ class AgentEpisode:
     failure: tuple[str, str] | None = None  # (finish_reason, message)
     started: float = field(default_factory=time.time)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    last: tuple[dict[str, Any], Completion] | None = None  # the last answered request (as sent) and its answer
+    last: tuple[bytes, Completion] | None = None  # the last answered request's digest and its answer
 
 
 def _text(content: Any) -> str:
@@ -505,8 +509,9 @@ class EpisodeStore:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         names = self._tool_names(req, tools)
         forced = self._forced(req, tools)
-        sent = req.model_dump(mode="json", exclude_unset=True)
-        if ep.lock.locked():  # an agent awaits each answer: most likely a retry whose first attempt is generating
+        dumped = json.dumps(req.model_dump(mode="json", exclude_unset=True), sort_keys=True)
+        sent = hashlib.sha256(dumped.encode()).digest()  # kept per episode: a digest, not a copy of the history
+        if ep.lock.locked():  # an agent awaits each answer: a retry whose first attempt is generating, or calls at once
             log.info("episode %s: a request waits for the one in flight (client retry %s)", ep.episode_id,
                      retry or "not said")
         async with ep.lock:
@@ -514,7 +519,7 @@ class EpisodeStore:
                 raise _closed(ep.episode_id)
             if ep.failure is not None and ep.failure[0] != "history_mismatch":
                 raise APIError(409, f"episode {ep.episode_id} has ended: {ep.failure[1]}", "episode_closed")
-            if ep.last is not None and ep.last[0] == sent:
+            if ep.last is not None and ep.last[0] == sent and retry != FIRST_ATTEMPT:
                 self.metrics.openai_requests.labels(outcome="replayed").inc()
                 log.info("episode %s: the request repeats the last answered one (client retry %s): answered %s again",
                          ep.episode_id, retry or "not said", ep.last[1].id)

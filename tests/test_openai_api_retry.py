@@ -171,3 +171,24 @@ def test_an_engine_failure_is_not_retried_into_a_conflict(tokenizer: Any) -> Non
                                                                                          "false")
     assert store.metrics.total("rollwave_rollout_openai_requests_total", outcome="episode_closed") == 0
     assert len(engine.calls) == 1 and sample.finish_reason == "abort"
+
+
+def test_an_openai_client_asking_again_on_purpose_gets_a_new_sample(tokenizer: Any) -> None:
+    """The openai client marks a first attempt ``x-stainless-retry-count: 0``: an agent that sends the same request
+    again on purpose (a loop until the answer is valid) gets a new sample each time, not the last answer, and its
+    episode is an edited history (never trained), as any repeat of a turn it already got."""
+    engine = ScriptedEngine(tokenizer, [("bad answer", "stop"), ("still bad", "stop"), ("The answer is 42.", "stop")])
+    answers: list[str | None] = []
+
+    async def agent(client: openai.AsyncOpenAI, _ep: AgentEpisode, _store: EpisodeStore) -> None:
+        for _ in range(3):
+            reply = await client.chat.completions.create(model="rollwave", messages=MESSAGES)
+            answers.append(reply.choices[0].message.content)
+            if "42" in (answers[-1] or ""):
+                break
+
+    sample, store = _run(tokenizer, engine, agent)
+    assert answers == ["bad answer", "still bad", "The answer is 42."] and len(engine.calls) == 3
+    assert store.metrics.total("rollwave_rollout_openai_requests_total", outcome="replayed") == 0
+    assert store.metrics.total("rollwave_rollout_history_mismatches_total") == 1
+    assert sample.finish_reason == "history_mismatch"

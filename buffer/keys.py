@@ -56,6 +56,13 @@ class Keys:
         return self.prefix + "groups:malformed"
 
     @property
+    def groups_newer(self) -> str:
+        """Train groups of a schema newer than the trainer that took them reads (a rolling upgrade's producers went
+        first), with their entries' fields (``f.<name>``) and ``schema``: a trainer that reads it moves them back
+        into ``groups`` as it starts. Their payload keys stay, owned by these entries."""
+        return self.prefix + "groups:newer"
+
+    @property
     def group_state(self) -> str:
         """Hash group_id -> written (a train group's payload key, an eval group's ``w``) | ``t`` (consumed by the
         trainer): the de-duplication record."""
@@ -101,7 +108,8 @@ class Keys:
 
     @property
     def admitted_ids(self) -> str:
-        """Hash of group ids admitted whose task is not yet done, so a redelivered task is not admitted twice."""
+        """Hash of group ids admitted whose task is not yet done, so a redelivered task is not admitted twice; a
+        written group takes its slot over (its entry's field ``s``)."""
         return self.prefix + "admitted:ids"
 
     @property

@@ -29,6 +29,11 @@ class BufferMetrics:
         self.malformed = Counter(
             "rollwave_buffer_malformed_total", "entries moved aside as malformed", ["stream"], registry=r
         )
+        self.newer_schema = Counter(
+            "rollwave_buffer_newer_schema_total",
+            "train groups of a schema newer than this trainer reads: parked in groups:newer (action=parked) for a "
+            "trainer that reads it, or moved back into groups by one (action=restored)", ["action"], registry=r,
+        )
         self.stale_dropped = Counter(
             "rollwave_buffer_stale_dropped_total", "groups dropped by the trainer as too stale", registry=r
         )
@@ -68,6 +73,7 @@ class BufferMetrics:
             **{label: (keys.tasks(kind), ROLLOUT_GROUP) for kind, label in TASK_STREAMS.items()},
             "groups": (keys.groups, TRAINER_GROUP),
             "tasks_dead": (keys.tasks_dead, None),
+            "groups_newer": (keys.groups_newer, None),
         }
         pipe = client.pipeline(transaction=False)
         for key, group in streams.values():

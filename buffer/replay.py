@@ -8,11 +8,15 @@ Exactly-once effect over at-least-once delivery:
   trained on once even when the trainer dies between take and ack; an entry this process acked that comes
   back pending (Redis lost the ack) is acked again, not delivered;
 - one trainer per run: each takes a new trainer epoch (``fence``), and an older one still running is refused
-  its next take or ack (``TrainerFenced``), checked in the ack's Lua call.
+  its next take or ack (``TrainerFenced``), checked in the ack's Lua call, and its next checkpoint or push
+  commit (``check_fence``, which the trainer calls).
 Bounded: a put waits while ``max_groups`` groups are not yet delivered to the trainer. Nothing is ever
 trimmed: an entry leaves the stream only when the trainer acks it, and its id leaves ``groups:state`` once
 ``dedup_window`` newer groups were consumed. Groups of a cancelled job are acked away unread, counted
 ``cancelled``. An eval group's results (reward sum, samples) go to ``eval:<job>``; its tokens are not kept.
+A written group takes over its admission slot (entry field ``s``), and an ack as anything but trained gives back
+only a slot the group holds. A group of a schema newer than this trainer reads is kept in ``groups:newer`` (its job
+counts nothing, its slot stays) until a trainer that reads it moves it back at its first take.
 
 The encoded group never passes through Lua: Redis 7 hashes every byte of every Lua string (a 64 KiB
 argument costs its single thread ~60 us, 30x Redis 6.2), so a put SETs the payload under a key of its own
@@ -35,7 +39,7 @@ import redis
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.metrics import BufferMetrics
-from buffer.schema import SchemaError, TrajectoryGroup, decode_group, encode_group
+from buffer.schema import NewerSchema, SchemaError, TrajectoryGroup, decode_group, encode_group, reads_version
 from buffer.streams import Reclaimer
 from buffer.task_queue import TaskEntry
 from core.config import BufferConfig
@@ -53,7 +57,9 @@ WRITTEN, DUPLICATE, FULL, TASK_GONE = 1, 0, -1, -2  # what a put did (try_put, p
 # value, which a retried MULTI finds); otherwise it is deleted. A group is written only while its task is pending
 # (for this worker or another): a worker that lost its lease must not write a group whose task another one failed,
 # dead-lettered or cancelled meanwhile, which has already been counted and given its admission slot back. An eval
-# group is finished once written, so its id enters the consumed ids (and the dedup window) at once.
+# group is finished once written, so its id enters the consumed ids (and the dedup window) at once. A written train
+# group takes its admission slot over from the admitted ids: its entry's field s is 1 when it holds one, 0 when it was
+# never admitted (a put without a task, as put_many's), so the trainer's ack gives back only a slot the group holds.
 # Returns 1 written, 0 duplicate (already written; its task is acked all the same), -1 full, -2 task no longer
 # pending (nothing done for these three).
 _PUT = """
@@ -74,8 +80,9 @@ else
     return -2
   end
   if payload ~= '' then
+    local slot = redis.call('HDEL', KEYS[5], gid)
     redis.call('HSET', KEYS[2], gid, payload)
-    redis.call('XADD', KEYS[1], '*', 'p', payload, 'gid', gid, 'job', ARGV[2])
+    redis.call('XADD', KEYS[1], '*', 'p', payload, 'gid', gid, 'job', ARGV[2], 's', tostring(slot))
   else
     redis.call('HSET', KEYS[2], gid, 'w')
     redis.call('XADD', KEYS[1], '*', 'gid', gid, 'job', ARGV[2], 'reward_sum', ARGV[5], 'samples', ARGV[6])
@@ -119,17 +126,22 @@ return 1
 """
 
 # KEYS: groups stream, group state, admitted counter, consumed ids list, trained counter, trainer epoch. ARGV: job key
-# prefix, dedup window, this trainer's epoch, then (entry id, gid, outcome, job, payload key) quintuples; outcome is
-# the job counter: trained (also counted run-wide), stale_dropped, degenerate_dropped, cancelled or malformed (all but
-# trained give their admission slot back). The caller that read the entry passes its job and payload key ('' for a
-# group stored inline), so the script does not read the entry again; an empty job means the caller does not know the
-# entry, and both are looked up in it. Only entries still pending count, so acking twice changes nothing. The
-# payload key goes with the entry. An empty gid (a malformed entry without one) marks nothing consumed. Consumed ids
-# beyond the window leave groups:state. Returns how many were acked, or -1 (nothing done) when a newer trainer started.
+# prefix, dedup window, this trainer's epoch, then (entry id, gid, outcome, job, payload key, slot) sextuples; outcome
+# is the job counter: trained (also counted run-wide), stale_dropped, degenerate_dropped, cancelled or malformed (all
+# but trained give back the admission slot the group holds). slot is the entry's field s: 1 the group holds a slot, 0
+# it holds none (never admitted), '' an entry written before puts recorded it (taken to hold one, as every group a
+# rollout server wrote was admitted). The caller that read the entry passes its job, payload key ('' for a group
+# stored inline) and slot, so the script does not read the entry again; an empty job means the caller does not know
+# the entry, and all three are looked up in it. Only entries still pending count, and the slot goes back in the call
+# that deletes the entry, so acking twice changes nothing, and an ack Redis lost (the entry pending again) gives it
+# back once when acked again. The payload key goes with the entry. An empty gid (a malformed entry without one) marks
+# nothing consumed. Consumed ids beyond the window leave groups:state. Returns how many were acked, or -1 (nothing
+# done) when a newer trainer started.
 _ACK = _fence_lua("KEYS[6]", "ARGV[3]") + """
 local acked = 0
-for i = 4, #ARGV, 5 do
-  local id, gid, outcome, job, payload = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
+for i = 4, #ARGV, 6 do
+  local id, gid, outcome, job = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local payload, slot = ARGV[i + 4], ARGV[i + 5]
   if redis.call('XACK', KEYS[1], '""" + TRAINER_GROUP + """', id) == 1 then
     if job == '' then
       local e = redis.call('XRANGE', KEYS[1], id, id)[1]
@@ -137,6 +149,7 @@ for i = 4, #ARGV, 5 do
         for j = 1, #e[2], 2 do
           if e[2][j] == 'p' then payload = e[2][j + 1] end
           if e[2][j] == 'job' then job = e[2][j + 1] end
+          if e[2][j] == 's' then slot = e[2][j + 1] end
         end
       end
     end
@@ -148,7 +161,7 @@ for i = 4, #ARGV, 5 do
     end
     if outcome == 'trained' then
       redis.call('INCR', KEYS[5])
-    elseif tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then
+    elseif slot ~= '0' and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then
       redis.call('DECR', KEYS[3])
     end
     if job ~= '' then redis.call('HINCRBY', ARGV[1] .. job, outcome, 1) end
@@ -159,6 +172,40 @@ for _ = 1, redis.call('LLEN', KEYS[4]) - tonumber(ARGV[2]) do
   redis.call('HDEL', KEYS[2], redis.call('LPOP', KEYS[4]))
 end
 return acked
+"""
+
+# KEYS: groups stream, newer stream, trainer epoch. ARGV: entry id, this trainer's epoch, then the parked entry's
+# field/value pairs. Moves a group of a schema newer than this trainer reads to groups:newer, only while its entry is
+# pending (a call run again after a lost reply parks nothing twice): not consumed, not counted for its job, its
+# admission slot and payload key kept (the parked entry owns the key). Returns -1 fenced, 1 parked, 0 not pending.
+_PARK = _fence_lua("KEYS[3]", "ARGV[2]") + """
+if redis.call('XACK', KEYS[1], '""" + TRAINER_GROUP + """', ARGV[1]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[1])
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+return 1
+"""
+
+# KEYS: newer stream, groups stream, trainer epoch. ARGV: this trainer's epoch, then ids of groups:newer entries. Each
+# entry still there goes back into groups with the fields it was written with (its f.<name> ones) and leaves
+# groups:newer, so a call run again after a lost reply moves nothing twice. Returns how many moved, -1 when fenced.
+_RESTORE = _fence_lua("KEYS[3]", "ARGV[1]") + """
+local moved = 0
+for i = 2, #ARGV do
+  local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])[1]
+  if e then
+    local written = {}
+    for j = 1, #e[2], 2 do
+      if string.sub(e[2][j], 1, 2) == 'f.' then
+        written[#written + 1] = string.sub(e[2][j], 3)
+        written[#written + 1] = e[2][j + 1]
+      end
+    end
+    redis.call('XADD', KEYS[2], '*', unpack(written))
+    redis.call('XDEL', KEYS[1], ARGV[i])
+    moved = moved + 1
+  end
+end
+return moved
 """
 
 
@@ -191,14 +238,17 @@ class ReplayBuffer:
         self._ack = client.register_script(_ACK)
         self._fence = client.register_script(_FENCE)
         self._move_aside = client.register_script(_MOVE_ASIDE)
+        self._park = client.register_script(_PARK)
+        self._restore = client.register_script(_RESTORE)
         self._reclaimer = Reclaimer(client, keys.groups, TRAINER_GROUP, consumer, config.claim_idle_ms,
                                     own_every_s=config.claim_idle_ms / 1000)
-        # entry id -> (group id, job id, payload key or '' when inline): taken, not yet acked
-        self._held: dict[str, tuple[str, str, str]] = {}
+        # entry id -> (group id, job id, payload key or '' when inline, slot: its field s): taken, not yet acked
+        self._held: dict[str, tuple[str, str, str, str]] = {}
         # entry id -> (group id, outcome) acked by this process, the last dedup_window of them: one that comes back
         # pending (Redis lost the ack: appendfsync everysec, a restart) is acked again, not trained again
         self._acked: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._epoch: int | None = None
+        self._restored = False  # the groups an older trainer parked for this one's schema were moved back
         self._closed = threading.Event()
 
     def ensure_group(self) -> None:
@@ -216,25 +266,28 @@ class ReplayBuffer:
     def fence(self) -> int:
         """Become the run's trainer: take a trainer epoch above every earlier trainer's (once; the first take or ack
         does it if the trainer did not). A trainer of the run still running (launched twice, or not yet dead when a
-        supervisor restarted it) is refused its next take or ack (``TrainerFenced``): it used to go on training and
-        acking groups as trained that the newer trainer, which resumed from an earlier checkpoint, never saw.
-        Returns this trainer's epoch."""
+        supervisor restarted it) is refused its next take or ack (``TrainerFenced``), and its next checkpoint or
+        commit of a push (``check_fence``): it used to go on training and acking groups as trained that the newer
+        trainer, which resumed from an earlier checkpoint, never saw. Returns this trainer's epoch."""
         if self._epoch is None:
             self._epoch = int(self.redis.incr(self.keys.trainer_epoch))
-            log.info("%s: this trainer is epoch %d; an older trainer of the run takes and acks nothing more",
-                     self.keys.trainer_epoch, self._epoch)
+            log.info("%s: this trainer is epoch %d; an older trainer of the run takes, acks, checkpoints and pushes "
+                     "nothing more", self.keys.trainer_epoch, self._epoch)
         return self._epoch
 
     def _fenced(self) -> TrainerFenced:
         current = self.redis.get(self.keys.trainer_epoch)
         error = TrainerFenced(
             f"{self.keys.trainer_epoch} is {current.decode() if current else None}: a newer trainer of run "
-            f"{self.keys.run} started (this one is epoch {self._epoch}); this one takes and acks no more groups, "
-            "and the newer one takes back what it held")
+            f"{self.keys.run} started (this one is epoch {self._epoch}); this one takes, acks, checkpoints and pushes "
+            "nothing more, and the newer one takes back what it held")
         log.error("%s", error)
         return error
 
-    def _check_fence(self) -> None:
+    def check_fence(self) -> None:
+        """Raise ``TrainerFenced`` once a newer trainer of the run started (one round trip). Take and ack check it
+        themselves; the trainer also checks it before what outlives its next take: a checkpoint, which a newer
+        trainer would resume from, and each push's commit, after which the servers serve its weights."""
         if int(self._fence([self.keys.trainer_epoch], [self.fence()])) < 0:
             raise self._fenced()
 
@@ -336,10 +389,14 @@ class ReplayBuffer:
 
         Pending groups of a dead trainer (or of this consumer's previous life, or whose ack Redis lost: this
         consumer's own pending entries are scanned again every ``claim_idle_ms``) come first. Groups already
-        consumed, or held or acked by this process, are acked away as duplicates; malformed entries are moved aside.
-        Raises ``TrainerFenced`` once a newer trainer of the run started (what this one read stays pending for it)."""
+        consumed, or held or acked by this process, are acked away as duplicates; malformed entries are moved aside,
+        and groups of a schema newer than this trainer reads are parked in ``groups:newer``. The first take moves back
+        the parked groups this trainer reads. Raises ``TrainerFenced`` once a newer trainer of the run started (what
+        this one read stays pending for it)."""
         deadline = time.monotonic() + timeout_s
-        self._check_fence()
+        self.check_fence()
+        if not self._restored:
+            self._restore_newer()
         claimed, deleted = self._reclaimer.claim(max_groups)
         if deleted:
             log.warning("%s: %d pending group(s) had been deleted from the stream; acked them away",
@@ -358,7 +415,7 @@ class ReplayBuffer:
             out += self._accept(entries)
             if block <= 0:
                 break
-        self._check_fence()
+        self.check_fence()
         return out
 
     def _ack_again(self, entry_ids: list[str]) -> None:
@@ -366,7 +423,7 @@ class ReplayBuffer:
         ack (``appendfsync everysec`` and a restart), and the group was trained or dropped already."""
         if not entry_ids:
             return
-        self._ack_outcomes([(e, *self._acked[e], "", "") for e in entry_ids])  # job '': read from the entry
+        self._ack_outcomes([(e, *self._acked[e], "", "", "") for e in entry_ids])  # job '': read from the entry
         self.metrics.duplicates_dropped.inc(len(entry_ids))
         log.warning("%s: %d entries acked before came back pending (Redis lost their ack): acked again, not "
                     "delivered: %s", self.keys.groups, len(entry_ids), ", ".join(entry_ids))
@@ -390,22 +447,26 @@ class ReplayBuffer:
     def _accept(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[tuple[str, TrajectoryGroup]]:
         self._ack_again([entry_id for entry_id, _ in entries if entry_id in self._acked])
         entries = [(entry_id, fields) for entry_id, fields in entries if entry_id not in self._acked]
-        decoded: list[tuple[str, TrajectoryGroup, str]] = []  # (entry id, group, payload key or '' when inline)
+        # (entry id, group, payload key or '' when inline, slot: the entry's field s)
+        decoded: list[tuple[str, TrajectoryGroup, str, str]] = []
         for (entry_id, fields), payload in zip(entries, self._payloads(entries), strict=True):
             try:
                 if payload is None:
                     raise SchemaError(f"payload key {fields[b'p'].decode(errors='replace')} is missing"
                                       if b"p" in fields else "missing field p (the payload key) or g (the group)")
-                decoded.append((entry_id, decode_group(payload), fields.get(b"p", b"").decode()))
+                decoded.append((entry_id, decode_group(payload), fields.get(b"p", b"").decode(),
+                                fields.get(b"s", b"").decode()))
+            except NewerSchema as exc:
+                self._park_newer(entry_id, fields, exc)
             except SchemaError as exc:
                 self._move_malformed(entry_id, fields, payload, f"group entry {entry_id}: {exc}")
         decoded = self._drop_cancelled(decoded)
         if not decoded:
             return []
-        states = self.redis.hmget(self.keys.group_state, [g.group_id for _, g, _p in decoded])
-        held = {gid for gid, _job, _p in self._held.values()}
+        states = self.redis.hmget(self.keys.group_state, [g.group_id for _, g, *_ in decoded])
+        held = {gid for gid, *_ in self._held.values()}
         out, duplicates, payloads = [], [], []
-        for (entry_id, group, payload_key), state in zip(decoded, states, strict=True):
+        for (entry_id, group, payload_key, slot), state in zip(decoded, states, strict=True):
             if entry_id in self._held:
                 continue
             if state == b"t" or group.group_id in held:
@@ -414,7 +475,7 @@ class ReplayBuffer:
                     payloads.append(payload_key)
                 continue
             held.add(group.group_id)
-            self._held[entry_id] = (group.group_id, group.job_id, payload_key)
+            self._held[entry_id] = (group.group_id, group.job_id, payload_key, slot)
             out.append((entry_id, group))
         if duplicates:
             pipe = self.redis.pipeline(transaction=True)
@@ -429,16 +490,16 @@ class ReplayBuffer:
         return out
 
     def _drop_cancelled(
-        self, items: list[tuple[str, TrajectoryGroup, str]],
-    ) -> list[tuple[str, TrajectoryGroup, str]]:
+        self, items: list[tuple[str, TrajectoryGroup, str, str]],
+    ) -> list[tuple[str, TrajectoryGroup, str, str]]:
         """Ack away the groups of cancelled jobs (job counter ``cancelled``, admission slot given back, never
-        trained); returns the others. Items are (entry id, group, payload key)."""
-        jobs = sorted({g.job_id for _, g, _p in items})
+        trained); returns the others. Items are (entry id, group, payload key, slot)."""
+        jobs = sorted({g.job_id for _, g, *_ in items})
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
             pipe.hget(self.keys.job(job), "state")
         cancelled = {job for job, state in zip(jobs, pipe.execute(), strict=True) if state == b"cancelled"}
-        dropped = [(e, g.group_id, "cancelled", g.job_id, p) for e, g, p in items if g.job_id in cancelled]
+        dropped = [(e, g.group_id, "cancelled", g.job_id, p, s) for e, g, p, s in items if g.job_id in cancelled]
         if dropped:
             acked = self._ack_outcomes(dropped)
             self.metrics.cancelled.labels(stream="groups").inc(acked)
@@ -457,11 +518,51 @@ class ReplayBuffer:
         pipe = self.redis.pipeline(transaction=True)
         self._move_aside([self.keys.groups, self.keys.groups_malformed, self.keys.trainer_epoch],
                          [entry_id, self.fence(), *(x for pair in letter.items() for x in pair)], client=pipe)
-        item = (entry_id, fields.get(b"gid", b""), "malformed", fields.get(b"job", b""), fields.get(b"p", b""))
+        item = (entry_id, fields.get(b"gid", b""), "malformed", fields.get(b"job", b""), fields.get(b"p", b""),
+                fields.get(b"s", b""))
         self._ack(*self._ack_script_args([item]), client=pipe)
         if int(pipe.execute()[-1]) < 0:
             raise self._fenced()
         self.metrics.malformed.labels(stream="groups").inc()
+
+    def _park_newer(self, entry_id: str, fields: dict[bytes, bytes], error: NewerSchema) -> None:
+        """Keep a group of a schema newer than this trainer reads (a rolling upgrade that upgraded the producers
+        first) for a trainer that reads it, in ``groups:newer``: it is in flight, not broken, so its job counts nothing
+        yet and it keeps its admission slot and its payload key. Out of ``groups``, it is not read again here."""
+        parked = {"schema": error.version, "entry_id": entry_id, **{b"f." + k: v for k, v in fields.items()}}
+        keys = [self.keys.groups, self.keys.groups_newer, self.keys.trainer_epoch]
+        done = int(self._park(keys, [entry_id, self.fence(), *(x for pair in parked.items() for x in pair)]))
+        if done < 0:
+            raise self._fenced()
+        if done:
+            self.metrics.newer_schema.labels(action="parked").inc()
+            log.warning("%s: moved to %s for a trainer that reads it (upgrade the trainer; the group keeps its "
+                        "admission slot meanwhile): group entry %s: %s", self.keys.groups, self.keys.groups_newer,
+                        entry_id, error)
+
+    def _restore_newer(self) -> None:
+        """Move back into ``groups`` the groups an older trainer parked for a schema that this one reads. Done at the
+        first take, past this trainer's fence, so an older trainer still running parks none after it."""
+        ids, versions, left = [], set(), 0
+        for entry_id, fields in self.redis.xrange(self.keys.groups_newer):
+            version = fields.get(b"schema", b"")
+            if version.isdigit() and not reads_version(int(version)):
+                left += 1
+                continue
+            ids.append(entry_id)
+            versions.add(version.decode(errors="replace"))
+        moved = int(self._restore([self.keys.groups_newer, self.keys.groups, self.keys.trainer_epoch],
+                                  [self.fence(), *ids])) if ids else 0
+        if moved < 0:
+            raise self._fenced()
+        self._restored = True
+        if moved:
+            self.metrics.newer_schema.labels(action="restored").inc(moved)
+            log.info("%s: moved %d group(s) of schema_version %s back into %s: this trainer reads them",
+                     self.keys.groups_newer, moved, ", ".join(sorted(versions)), self.keys.groups)
+        if left:
+            log.warning("%s: %d group(s) of a schema newer than this trainer reads are left there for a trainer that "
+                        "reads it", self.keys.groups_newer, left)
 
     def reject(self, entry_id: str, error: str) -> None:
         """Move a group this trainer took aside, as a decode failure is (``groups:malformed``, its job counting it
@@ -493,21 +594,22 @@ class ReplayBuffer:
         items = []
         for entry_id, gid in zip(entry_ids, group_ids, strict=True):
             held = self._held.get(entry_id)
-            job, payload_key = held[1:] if held is not None and held[0] == gid else ("", "")  # "": read the entry
-            items.append((entry_id, gid, outcomes.get(gid, "trained"), job, payload_key))
+            # job '': the script reads job, payload key and slot from the entry
+            job, payload_key, slot = held[1:] if held is not None and held[0] == gid else ("", "", "")
+            items.append((entry_id, gid, outcomes.get(gid, "trained"), job, payload_key, slot))
         return self._ack_outcomes(items)
 
     def _ack_script_args(self, items: Sequence[tuple[str | bytes, ...]]) -> tuple[list[str], list[str | bytes | int]]:
-        """KEYS and ARGV of the ack script for (entry id, group id, job counter, job id, payload key) items."""
+        """KEYS and ARGV of the ack script for (entry id, group id, job counter, job id, payload key, slot) items."""
         args: list[str | bytes | int] = [self.keys.job_prefix, self.config.dedup_window, self.fence()]
         for item in items:
             args += item
         k = self.keys
         return [k.groups, k.group_state, k.admitted, k.groups_consumed, k.trained, k.trainer_epoch], args
 
-    def _ack_outcomes(self, items: Sequence[tuple[str, str, str, str, str]]) -> int:
-        """Ack (entry id, group id, job counter, job id, payload key) items in one Lua call (job '': the script
-        reads job and payload key from the entry); forget them as held, remember them as acked."""
+    def _ack_outcomes(self, items: Sequence[tuple[str, str, str, str, str, str]]) -> int:
+        """Ack (entry id, group id, job counter, job id, payload key, slot) items in one Lua call (job '': the script
+        reads job, payload key and slot from the entry); forget them as held, remember them as acked."""
         acked = int(self._ack(*self._ack_script_args(items)))
         if acked < 0:
             raise self._fenced()

@@ -5,7 +5,9 @@ cross-server join. Arrays travel as raw little-endian buffers with a dtype fixed
 
 Schema versions: 2 adds the group's sampling ``temperature``; a version-1 group decodes with
 ``temperature=None`` (not recorded: the trainer falls back to its configured ``rollout.temperature``).
-3 adds ``Sample.versions_approximate``; an older group decodes with ``False``.
+3 adds ``Sample.versions_approximate``; an older group decodes with ``False``. A group of a version above these
+(a newer producer, as during a rolling upgrade that upgrades the producers first) raises ``NewerSchema``, which the
+trainer keeps aside for a trainer that reads it rather than as malformed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,20 @@ ARRAY_DTYPES: dict[str, np.dtype] = {
 
 class SchemaError(ValueError):
     """Bytes or fields that do not form a valid trajectory group; the message names the field."""
+
+
+class NewerSchema(SchemaError):
+    """A group tagged with a schema version above those this code reads: written by a newer producer, not broken.
+    ``version`` is its version."""
+
+    def __init__(self, message: str, version: int) -> None:
+        super().__init__(message)
+        self.version = version
+
+
+def reads_version(version: int) -> bool:
+    """Whether this code decodes groups of schema ``version`` (the trainer restores the groups it kept aside)."""
+    return version in READABLE_VERSIONS
 
 
 @dataclass
@@ -270,7 +286,8 @@ def encode_group(group: TrajectoryGroup) -> bytes:
 
 
 def decode_group(data: bytes) -> TrajectoryGroup:
-    """Inverse of ``encode_group``; any defect raises ``SchemaError`` naming the field."""
+    """Inverse of ``encode_group``; any defect raises ``SchemaError`` naming the field, a schema version above those
+    this code reads ``NewerSchema``."""
     try:
         wire = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except (msgpack.UnpackException, ValueError) as exc:
@@ -280,7 +297,10 @@ def decode_group(data: bytes) -> TrajectoryGroup:
     version = wire.pop("schema_version", None)
     if type(version) is not int or version not in READABLE_VERSIONS:
         readable = ", ".join(map(str, READABLE_VERSIONS))
-        raise SchemaError(f"trajectory group: schema_version {version!r} is not supported (want {readable})")
+        error = f"trajectory group: schema_version {version!r} is not supported (want {readable})"
+        if type(version) is int and version > max(READABLE_VERSIONS):
+            raise NewerSchema(f"{error}: written by a newer producer", version)
+        raise SchemaError(error)
     group_known, sample_known = _KNOWN_FIELDS[version]
     _check_fields(wire, _REQUIRED_GROUP, group_known, "trajectory group")
     where = f"group {wire['task_id']}" if type(wire["task_id"]) is str else "trajectory group"

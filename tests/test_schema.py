@@ -6,6 +6,7 @@ import pytest
 
 from buffer.schema import (
     SCHEMA_VERSION,
+    NewerSchema,
     Sample,
     SchemaError,
     ToolCallRecord,
@@ -64,11 +65,24 @@ def test_truncated_bytes() -> None:
         decode_group(data[: len(data) // 2])
 
 
-def test_wrong_schema_version() -> None:
+@pytest.mark.parametrize("version", [0, -1, "3", None])
+def test_wrong_schema_version(version: object) -> None:
+    wire = msgpack.unpackb(encode_group(make_group()))
+    wire["schema_version"] = version
+    with pytest.raises(SchemaError, match=rf"schema_version {version!r} is not supported \(want 1, 2, 3\)$") as err:
+        decode_group(msgpack.packb(wire))
+    assert type(err.value) is SchemaError  # malformed, not newer
+
+
+def test_a_newer_schema_version_is_told_apart_from_a_broken_group() -> None:
+    """A newer producer's group (a rolling upgrade upgrades producers first) is not malformed: the trainer keeps it
+    for a trainer that reads its version, which ``NewerSchema`` carries."""
     wire = msgpack.unpackb(encode_group(make_group()))
     wire["schema_version"] = SCHEMA_VERSION + 1
-    with pytest.raises(SchemaError, match=r"schema_version 4 is not supported \(want 1, 2, 3\)"):
+    newer = r"schema_version 4 is not supported \(want 1, 2, 3\): written by a newer producer"
+    with pytest.raises(NewerSchema, match=newer) as err:
         decode_group(msgpack.packb(wire))
+    assert err.value.version == 4 and isinstance(err.value, SchemaError)
 
 
 def test_version_1_groups_decode_without_a_temperature() -> None:

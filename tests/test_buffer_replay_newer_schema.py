@@ -1,0 +1,132 @@
+"""Groups of a schema newer than the trainer reads, against a real Redis: a rolling upgrade upgrades the producers
+first, and the groups they write wait, counted and holding their admission slots, for a trainer that reads them.
+
+The older trainer is this code pinned to the schema versions a release that read 1 and 2 only decodes; the groups
+come from this code's producer, in version 3."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+from buffer_helpers import client, make_group
+
+from buffer import schema
+from buffer.keys import TRAINER_GROUP, Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.replay import ReplayBuffer, TrainerFenced
+from buffer.staleness import StalenessControl
+from buffer.task_queue import TRAIN_ENDS, TaskQueue
+from core.config import BufferConfig
+
+KEYS = Keys("t")
+CONFIG = BufferConfig(max_staleness=0, groups_per_step=2, claim_idle_ms=200)  # admission: 2 groups
+
+
+def older_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on this process decodes as a release that read schema versions 1 and 2 only (its producer still
+    writes version 3: a newer one)."""
+    monkeypatch.setattr(schema, "READABLE_VERSIONS", (1, 2))
+
+
+def produce(queue: TaskQueue, staleness: StalenessControl, producer: ReplayBuffer, n: int) -> list[str]:
+    """As a rollout server does: each task admitted, then its group written with the task acked."""
+    gids = queue.submit("job", [{"task_id": f"t{i}", "messages": []} for i in range(n)])
+    for entry in queue.read("srv", n):
+        assert staleness.try_admit(entry.group_id)
+        assert producer.put(make_group("job", entry.group_id), entry)
+    return gids
+
+
+def test_groups_of_a_newer_schema_wait_for_a_trainer_that_reads_them(
+    redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """They used to go to ``groups:malformed`` (counted ``malformed``, their slots given back): lost for training,
+    though the upgraded trainer reads them. The older trainer moves them to ``groups:newer`` once (it does not read
+    them again, nor does it when started again), its job counts nothing for them and they keep their slots; the
+    upgraded trainer moves them back as it starts and trains them. A truly malformed group still goes aside."""
+    caplog.set_level(logging.INFO, logger="buffer.replay")
+    r = client(redis_server)
+    queue = TaskQueue(r, KEYS, CONFIG)
+    queue.ensure_groups()
+    staleness = StalenessControl(r, KEYS, CONFIG)
+    producer = ReplayBuffer(r, KEYS, CONFIG, "producer")
+    producer.ensure_group()
+    gids = produce(queue, staleness, producer, 2)
+    r.set(KEYS.payload("bad:0:x", "0"), b"\xc1 not a group")
+    r.xadd(KEYS.groups, {"p": KEYS.payload("bad:0:x", "0"), "gid": "bad:0:x", "job": "bad", "s": "0"})
+
+    older_trainer(monkeypatch)
+    old = ReplayBuffer(r, KEYS, CONFIG)
+    assert old.take(5, 0.3) == []
+    assert r.xlen(KEYS.groups) == 0 and r.xpending(KEYS.groups, TRAINER_GROUP)["pending"] == 0
+    assert r.xlen(KEYS.groups_malformed) == 1 and queue.job("bad")["malformed"] == "1"
+    parked = [fields for _, fields in r.xrange(KEYS.groups_newer)]
+    assert [(f[b"schema"], f[b"f.gid"].decode()) for f in parked] == [(b"3", g) for g in gids]
+    assert all(r.exists(f[b"f.p"]) for f in parked)  # the payloads wait with them
+    assert "written by a newer producer" in caplog.text and f"moved to {KEYS.groups_newer}" in caplog.text
+    job = queue.job("job")
+    assert job["completed"] == "2" and not set(TRAIN_ENDS) & set(job)  # not ended: still to train
+    assert staleness.admitted() == 2 and not staleness.try_admit("job:9:z")  # in flight, holding their slots
+    time.sleep(0.3)  # past claim_idle_ms: the rescan of its own pending entries finds none
+    assert old.take(5, 0.3) == []
+    assert old.metrics.newer_schema.labels(action="parked")._value.get() == 2  # once each
+    old.metrics.observe(r, KEYS)
+    assert old.metrics.registry.get_sample_value("rollwave_buffer_depth", {"stream": "groups_newer"}) == 2
+    again = ReplayBuffer(r, KEYS, CONFIG)  # the older trainer started again: it still does not read them
+    assert again.take(5, 0.2) == [] and r.xlen(KEYS.groups_newer) == 2
+    assert again.metrics.newer_schema.labels(action="restored")._value.get() == 0
+
+    monkeypatch.undo()  # the trainer is upgraded
+    new = ReplayBuffer(r, KEYS, CONFIG)
+    batch = new.take(5, 0.5)
+    assert sorted(g.group_id for _, g in batch) == gids and r.xlen(KEYS.groups_newer) == 0
+    assert new.metrics.newer_schema.labels(action="restored")._value.get() == 2
+    assert f"moved 2 group(s) of schema_version 3 back into {KEYS.groups}" in caplog.text
+    with pytest.raises(TrainerFenced):
+        again.take(1, 0.1)
+    assert new.ack([e for e, _ in batch], [g.group_id for _, g in batch], stale_group_ids=[gids[0]]) == 2
+    job = queue.job("job")
+    assert (job["trained"], job["stale_dropped"]) == ("1", "1")  # submitted = trained + stale_dropped
+    assert staleness.admitted() == 1  # the trained group keeps its slot, the stale one gave its own back
+    assert r.keys(KEYS.payload("*", "*")) == []
+
+
+def test_an_older_trainer_fenced_while_reading_parks_nothing(
+    redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newer trainer that started while the older one waited on its read has already moved back what was parked:
+    what the older one reads after that is left pending for the newer one, not parked out of its reach."""
+    r = client(redis_server)
+    queue = TaskQueue(r, KEYS, CONFIG)
+    queue.ensure_groups()
+    staleness = StalenessControl(r, KEYS, CONFIG)
+    producer = ReplayBuffer(r, KEYS, CONFIG, "producer")
+    producer.ensure_group()
+    older_trainer(monkeypatch)
+    old = ReplayBuffer(r, KEYS, CONFIG)
+    errors: list[Exception] = []
+
+    def take() -> None:
+        try:
+            old.take(1, 30)
+        except TrainerFenced as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=take)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while r.info("clients")["blocked_clients"] == 0:  # the older trainer waits on its read
+        assert time.monotonic() < deadline, "the older trainer never waited on its read"
+        time.sleep(0.01)
+    new = ReplayBuffer(r, KEYS, CONFIG)
+    new.fence()
+    [gid] = produce(queue, staleness, producer, 1)
+    reader.join(10)
+    assert not reader.is_alive() and len(errors) == 1
+    assert r.xlen(KEYS.groups_newer) == 0 and r.xpending(KEYS.groups, TRAINER_GROUP)["pending"] == 1
+    monkeypatch.undo()  # the newer trainer reads version 3
+    [(_, group)] = new.take(1, 0.5)
+    assert group.group_id == gid

@@ -30,6 +30,7 @@ from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
+from core.checkpoint_format import MODEL_WEIGHTS
 from core.config import CONFIG_ERROR_EXIT, BufferConfig, TrainerConfig, load_config
 from core.jobs import TaskSource
 from core.process import stop_process
@@ -245,8 +246,9 @@ def test_a_crashed_trainer_says_why_until_a_restart_trains_again(run, tiny_model
                                                                  tmp_path: Path) -> None:
     """``python -m trainer`` crashes at step 1 (the ``steps`` key holds a string: Redis refuses the step's record):
     it records its end as ``crashed: <error>`` and fails, the train job reads ``stalled`` naming the error, and a
-    train job is still taken (a restart trains it). A trainer that fails right after connecting (checkpoints, no
-    ``--resume``) leaves that end as it was; one past its start-up clears it, and the job runs again."""
+    train job is still taken (a restart trains it). A trainer refused at its start-up (checkpoints, no ``--resume``)
+    records that as its end in turn, and exits with the status no launcher restarts; one past its start-up clears
+    the end, and the job runs again."""
     api, client, keys = run
     job_id = _submit(api, "train", 1)
     buffer = ReplayBuffer(client, keys, BufferConfig(), consumer="trainer")
@@ -278,8 +280,9 @@ def test_a_crashed_trainer_says_why_until_a_restart_trains_again(run, tiny_model
         assert proc.wait(240) == CONFIG_ERROR_EXIT, log.read_text()[-3000:]
     finally:
         stop_process(proc, 30, name="trainer")
-    assert "holds checkpoints" in log.read_text()
-    assert client.hget(keys.trainer, "finished_reason").decode() == f"crashed: {error}"  # kept: it never started
+    status = {k.decode(): v.decode() for k, v in client.hgetall(keys.trainer).items()}
+    assert status["finished_step"] == "0" and status["finished_reason"].startswith(
+        "crashed: CheckpointMismatch: ") and "holds checkpoints" in status["finished_reason"], status
 
     shutil.rmtree(tmp_path / keys.run / "checkpoints")
     client.delete(keys.steps)
@@ -293,6 +296,37 @@ def test_a_crashed_trainer_says_why_until_a_restart_trains_again(run, tiny_model
     finally:
         stop_process(proc, 30, name="trainer")
     assert client.hget(keys.trainer, "finished_step") is None  # a trainer stopped (SIGTERM) did not crash
+
+
+def test_a_trainer_that_crashes_in_its_start_up_says_why(run, tiny_model_dir: Path, redis_url: str,
+                                                         tmp_path: Path) -> None:
+    """``python -m trainer`` connects, then fails to load its model (a weights file cut short): it used to record
+    nothing, so a fresh run's train job read ``running`` and ``rollwave submit --wait`` waited for a trainer that
+    never came. It records ``crashed: <error>`` at step 0 and closes admission; the job reads ``stalled`` with the
+    reason, and a wait ends with it once no restart took the job up."""
+    api, client, keys = run
+    job_id = _submit(api, "train", 1)
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    weights = model / MODEL_WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:1000])
+    log = tmp_path / "trainer.log"
+    proc = _start_trainer(_trainer_config(tmp_path, keys, redis_url, model, total_steps=5), log)
+    try:
+        assert proc.wait(240) == 1, log.read_text()[-3000:]
+    finally:
+        stop_process(proc, 30, name="trainer")
+    status = {k.decode(): v.decode() for k, v in client.hgetall(keys.trainer).items()}
+    assert status.get("finished_step") == "0" and status["finished_reason"].startswith("crashed: "), status
+    error = status["finished_reason"].removeprefix("crashed: ")
+    assert error.split(":")[0] in log.read_text(), (error, log.read_text()[-3000:])  # the exception that stopped it
+    staleness = StalenessControl(client, keys, BufferConfig(groups_per_step=GPS))
+    assert staleness.budget() == staleness.trained() == 0
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert (job["state"], job["reason"]) == ("stalled", (
+        f"the trainer crashed at step 0 ({error}); 1 of this job's 1 groups wait for a trainer (LocalStack and Ray "
+        "restart a crashed one, which trains them once it is up again; by hand: python -m trainer --resume)")), job
+    with pytest.raises(CliError, match=re.escape(f"is stalled: the trainer crashed at step 0 ({error})")):
+        wait_for_job(api, job_id, timeout_s=60, poll_s=0.2, restart_wait_s=0.5)
 
 
 def test_submit_wait_gives_a_crashed_trainer_time_to_come_back(run) -> None:

@@ -43,7 +43,7 @@ TRAINER = {
     "checkpoint_every": 2,
     "keep_checkpoints": 1,
     "lr": 1e-3,
-    "warmup_steps": 2,
+    "warmup_steps": 1,
     "lr_schedule": "cosine",
     "micro_batch_tokens": 128,
     "take_timeout_s": 1.0,

@@ -90,8 +90,8 @@ def _connect(
                             cfg.placement.colocated_timeout_s, overlap=cfg.placement.colocated_staleness == 1)
         local.published = staleness.version()
         return buffer, local, RedisStatus(client, keys), staleness
-    pusher = CheckpointPusher(cfg.checkpoint, registered_servers(registry), staleness,
-                              record=registry.record_push, registry=metrics, pin_memory=ctx.device.type == "cuda")
+    pusher = CheckpointPusher(cfg.checkpoint, registered_servers(registry), staleness, record=registry.record_push,
+                              registry=metrics, pin_memory=ctx.device.type == "cuda", fence=buffer.check_fence)
     pusher.published = staleness.version()  # numbering continues above what this run published before
     stack.callback(pusher.close)
     return buffer, pusher, RedisStatus(client, keys), staleness
@@ -117,10 +117,14 @@ def crash_reason(exc: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Rank 0 clears the previous trainer's end only once this one is past its start-up (config, model load,
-    resume): one that fails before keeps the previous end, and its reason, in place. It records its own end as it
-    stops: the config key that stopped it, or ``crashed: ...`` for an exception out of the training loop (then
+    resume), so a trainer killed during it leaves the previous end, and its reason, in place. It records its own end
+    as it stops: the config key that stopped it, or ``crashed: ...`` for an exception out of its start-up (once it
+    connected to Redis: a model that fails to load, a checkpoint that fails to resume) or its training loop (then
     re-raised: the process fails); LocalStack and Ray restart a crashed trainer, and the restart clears that end
-    once it trains again, so ``rollwave submit --wait`` waits a while for it (``client_cmd.wait_for_job``)."""
+    once it trains again, so ``rollwave submit --wait`` waits a while for it (``client_cmd.wait_for_job``), then
+    ends with the reason. A ``CheckpointMismatch`` is recorded the same way but exits ``CONFIG_ERROR_EXIT``, which no
+    launcher restarts (it would only fail again). A trainer fenced by a newer one of its run (``TrainerFenced``)
+    records nothing: the run's end and budget are the newer one's."""
     prepare_component()
     die_with_parent()
     args = _parser().parse_args(argv)
@@ -141,35 +145,21 @@ def main(argv: list[str] | None = None) -> int:
         metrics = CollectorRegistry()
         buffer_metrics = BufferMetrics(metrics)  # the reads' counters (redeliveries, malformed...) and the trainer's
         source, pusher, status, staleness = _connect(cfg, ctx, stack, metrics, buffer_metrics)
-        try:
-            trainer = Trainer(
-                cfg.trainer,
-                cfg.model.path,
-                cfg.run.path,
-                cfg.buffer,
-                temperature=cfg.rollout.temperature,
-                pusher=pusher,
-                registry=metrics,
-                buffer_metrics=buffer_metrics,
-                lora=cfg.model.lora,
-                device_share=pusher if isinstance(pusher, LocalPusher) else None,
-            ).start(resume=args.resume, ctx=ctx, source=source)
-        except (CheckpointMismatch, TrainerFenced) as exc:  # starting again cannot help
-            print(f"error: {exc}", file=sys.stderr)
-            return CONFIG_ERROR_EXIT
+        trainer = Trainer(
+            cfg.trainer,
+            cfg.model.path,
+            cfg.run.path,
+            cfg.buffer,
+            temperature=cfg.rollout.temperature,
+            pusher=pusher,
+            registry=metrics,
+            buffer_metrics=buffer_metrics,
+            lora=cfg.model.lora,
+            device_share=pusher if isinstance(pusher, LocalPusher) else None,
+            fence=None if source is None else source.check_fence,
+        )
         stack.callback(trainer.close)
         tc = cfg.trainer
-        if staleness is not None:  # after start, which acks what a resumed checkpoint covers: nothing counted twice
-            remaining = max(0, tc.total_steps - trainer.step) * cfg.buffer.groups_per_step
-            staleness.set_budget(staleness.trained() + remaining)
-        if ctx.is_main and tc.metrics_port is not None:
-            server = serve_metrics(trainer.metrics.registry, "trainer", tc.metrics_host, tc.metrics_port)
-            stack.callback(server.shutdown)
-            if status is not None:
-                status.publish_metrics_address(f"{tc.metrics_host}:{server.server_port}")
-        if status is not None:  # past its start-up: the API takes train jobs again and the stalled ones run on
-            status.started()
-        log.info("rank %d/%d training from step %d", ctx.rank, ctx.world_size, trainer.step)
 
         def published(record: dict[str, Any]) -> None:
             assert status is not None
@@ -179,20 +169,39 @@ def main(argv: list[str] | None = None) -> int:
         def ended(reason: str) -> None:
             if staleness is not None:  # admission closes with the trainer (stop_when_drained stops short of it)
                 staleness.set_budget(staleness.trained())
-            if status is not None:
-                status.finished(trainer.step, reason, trainer.version, pusher.last_pushed)
+            if status is not None:  # the published version (read at connect) for a trainer that never trained
+                status.finished(trainer.step, reason, max(trainer.version, pusher.published), pusher.last_pushed)
                 log.info("finished at step %d (%s)", trainer.step, reason)
 
+        def crashed(exc: Exception) -> None:
+            try:  # the crash may be Redis's: its own error must not hide the one that stopped the trainer
+                ended(crash_reason(exc))
+            except Exception:
+                log.exception("could not record the crash in Redis")
+
         try:
+            trainer.start(resume=args.resume, ctx=ctx, source=source)
+            if staleness is not None:  # after start, which acks what a resumed checkpoint covers: nothing counted twice
+                remaining = max(0, tc.total_steps - trainer.step) * cfg.buffer.groups_per_step
+                staleness.set_budget(staleness.trained() + remaining)
+            if ctx.is_main and tc.metrics_port is not None:
+                server = serve_metrics(trainer.metrics.registry, "trainer", tc.metrics_host, tc.metrics_port)
+                stack.callback(server.shutdown)
+                if status is not None:
+                    status.publish_metrics_address(f"{tc.metrics_host}:{server.server_port}")
+            if status is not None:  # past its start-up: the API takes train jobs again and the stalled ones run on
+                status.started()
+            log.info("rank %d/%d training from step %d", ctx.rank, ctx.world_size, trainer.step)
             reason = trainer.run(source, published if status is not None else None)
         except TrainerFenced as exc:  # the newer trainer owns the run's end and budget: record neither
             print(f"error: {exc}", file=sys.stderr)
             return CONFIG_ERROR_EXIT
+        except CheckpointMismatch as exc:  # starting again cannot help: recorded, and no launcher restarts it
+            crashed(exc)
+            print(f"error: {exc}", file=sys.stderr)
+            return CONFIG_ERROR_EXIT
         except Exception as exc:
-            try:  # the crash may be Redis's: its own error must not hide the one that stopped training
-                ended(crash_reason(exc))
-            except Exception:
-                log.exception("could not record the crash in Redis")
+            crashed(exc)
             raise
         ended(reason)
     return 0

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -193,11 +193,18 @@ class Checkpointer:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         state: dict[str, Any],
         critic: Critic | None = None,
+        fence: Callable[[], None] | None = None,
     ) -> Path:
         """Write checkpoint ``step`` (``state`` must be JSON-serialisable) and prune beyond ``keep``. What a crash
-        left under a hidden name (a checkpoint half written, or half pruned) goes first: nothing else removes it."""
+        left under a hidden name (a checkpoint half written, or half pruned) goes first: nothing else removes it.
+
+        ``fence`` (called on every rank) raises when a newer trainer of the run started: before anything is written or
+        removed, and again before the checkpoint is renamed into place, since the newer trainer resumes from the
+        latest one listed (what it refuses stays under its hidden name, for the next save to remove)."""
         final = self.root / f"{_PREFIX}{step:08d}"
         staging = self.root / f".{final.name}.partial"
+        if fence is not None:
+            fence()
         if _is_main():
             for left in self.root.glob(f".{_PREFIX}*"):
                 shutil.rmtree(left)
@@ -206,6 +213,8 @@ class Checkpointer:
         dcp.save(_shards(model, optimizer, critic), checkpoint_id=str(staging))  # DCP flushes its files
         _save_rng(staging)
         _barrier()
+        if fence is not None:
+            fence()
         if _is_main():
             if critic is not None:
                 critic[0].config.save_pretrained(staging / CRITIC_CONFIG)

@@ -29,6 +29,14 @@ mutual TLS.
 A LoRA model's push carries its adapter alone (``trainer.lora``), and its commit counts only when the engine
 reports serving an adapter with the checksum of the bytes pushed (else stage ``verify``, reason ``mismatch``).
 
+A trainer's pusher asks before each Commit whether a newer trainer of the run started (``fence``:
+``ReplayBuffer.check_fence``, one round trip): the commit is the moment a server starts serving a version, and
+the newer trainer's versions are numbered from what the servers serve, so one committed after it started would
+serve the older trainer's weights under a number the newer one counts as its own. A refused push fails at stage
+``fence`` (reason ``fenced``; ``unavailable`` when Redis cannot tell, and nothing is committed), the watcher offers
+nothing more, and ``flush`` raises the refusal (``TrainerFenced``), so the trainer stops rather than recording an
+end that belongs to the newer one.
+
 Every failed push is logged naming the server and the stage, counted in
 ``rollwave_trainer_push_failures_total{stage,reason}`` (no server label: ids are hostname-pid by default, a new
 series at every restart) and recorded (``record``, the registry's per-server push results that
@@ -58,6 +66,7 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Counter
 
 from buffer.registry import PushRecord, ServerRegistry
+from buffer.replay import TrainerFenced
 from buffer.staleness import StalenessControl
 from core.checkpoint_auth import NONCE_BYTES, channel_credentials, open_channel, proof, ssl_context
 from core.checkpoint_format import DATA_RECEIVED, GRPC_OPTIONS, REASON_KEY, SERVICE, TICKET_BYTES
@@ -99,8 +108,8 @@ class Target:
 
 @dataclass
 class PushResult:
-    """One version on one server: committed, failed (at ``stage``: connect, prove, stage, commit, verify) or skipped
-    because a newer version replaced it before its turn."""
+    """One version on one server: committed, failed (at ``stage``: connect, prove, stage, fence, commit, verify) or
+    skipped because a newer version replaced it before its turn."""
 
     server_id: str
     address: str
@@ -431,6 +440,7 @@ class _Link:
         for attempt in range(cfg.retries + 1):
             if attempt:
                 time.sleep(min(RETRY_PAUSE_S[0] * 2**attempt, RETRY_PAUSE_S[1]))
+            self._pusher._check_fence()
             result.commit_attempts += 1
             try:
                 reply = self._stub.Commit(pb.CommitRequest(version=version), metadata=self._pusher.metadata,
@@ -492,8 +502,13 @@ class CheckpointPusher:
     def __init__(self, config: CheckpointConfig, servers: Sequence[str] | Callable[[], Sequence[Target]],
                  staleness: StalenessControl | None = None, *,
                  record: Callable[[str, PushRecord], None] | None = None,
-                 registry: CollectorRegistry | None = None, pin_memory: bool = False):
+                 registry: CollectorRegistry | None = None, pin_memory: bool = False,
+                 fence: Callable[[], None] | None = None):
+        """``fence`` raises ``TrainerFenced`` once a newer trainer of the run started (``ReplayBuffer.check_fence``):
+        asked before each Commit."""
         self.config = config
+        self._fence = fence
+        self.refused: TrainerFenced | None = None  # the first Commit a newer trainer of the run refused
         if callable(servers):
             self._servers = servers
         else:
@@ -590,7 +605,24 @@ class CheckpointPusher:
             if time.monotonic() > deadline:
                 return [f"{t.server_id} ({t.address})" for t in busy]
             time.sleep(0.05)
+        if self.refused is not None:  # raised here, in the trainer's thread: the link's thread only records it
+            raise self.refused
         return []
+
+    def _check_fence(self) -> None:
+        """Before a Commit: ``_Failed`` at stage ``fence`` once a newer trainer of the run started (``refused`` keeps
+        it for ``flush``), or when Redis cannot tell: nothing is committed that the newer trainer would not know of."""
+        if self._fence is None:
+            return
+        try:
+            self._fence()
+        except TrainerFenced as exc:
+            with self._lock:
+                self.refused = self.refused or exc
+            raise _Failed("fence", "fenced", f"fence: {exc}") from None
+        except redis.RedisError as exc:
+            error = f"fence: the trainer epoch cannot be read, so nothing is committed: {exc}"
+            raise _Failed("fence", "unavailable", error) from None
 
     def close(self) -> None:
         self._stop.set()
@@ -653,9 +685,9 @@ class CheckpointPusher:
                 self._publish(max(ready, key=lambda r: r.version))
 
     def _catch_up(self, targets: list[Target]) -> None:
-        """Offer the newest version to live servers that lack it (``_Link.serves``) and are not backing off; drop
-        the links of servers that left."""
-        newest, now = self._newest, time.monotonic()
+        """Offer the newest version to live servers that lack it (``_Link.serves``) and are not backing off (none once
+        a newer trainer of the run refused a commit); drop the links of servers that left."""
+        newest, now = None if self.refused is not None else self._newest, time.monotonic()
         for target in targets:
             link = self._link(target)
             if newest is None or link.serves(target) >= newest.version:
@@ -672,7 +704,7 @@ class CheckpointPusher:
             if not result.ok:
                 self.metrics.failures.labels(result.stage, result.reason).inc()
                 log.warning("push of version %d failed: %s", result.version, result.error)
-            if self._record is not None:
+            if self._record is not None and result.reason != "fenced":  # the newer trainer's pushes are the record
                 try:
                     self._record(result.server_id, result.record())
                 except redis.RedisError as exc:

@@ -12,6 +12,9 @@ so staleness is measured against weights that really serve. The trainer pushes i
 starts (every server then serves them, a resumed trainer's included) and every ``push_every`` steps; it
 never waits for a push. Without a pusher (tests that sample from the trainer's own model) the version
 counts the trainer's own updates.
+
+Once a newer trainer of the run started (``ReplayBuffer.fence``), this one stops (``TrainerFenced``) at its next
+take or ack, and before its next push or checkpoint: the newer one owns the servers' weights and the resume point.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 from buffer.metrics import BufferMetrics
+from buffer.replay import TrainerFenced
 from buffer.schema import TrajectoryGroup
 from buffer.staleness import split_stale
 from core.config import BufferConfig, LoraConfig, TrainerConfig
@@ -64,6 +68,8 @@ class GroupSource(Protocol):
     def drained(self) -> bool: ...
 
     def reject(self, entry_id: str, error: str) -> None: ...
+
+    def check_fence(self) -> None: ...
 
 
 class Pusher(Protocol):
@@ -114,9 +120,14 @@ class Trainer:
         buffer_metrics: BufferMetrics | None = None,
         lora: LoraConfig | None = None,
         device_share: DeviceShare | None = None,
+        fence: Callable[[], None] | None = None,
     ) -> None:
+        """``fence`` (rank 0's; ``ReplayBuffer.check_fence``) raises ``TrainerFenced`` once a newer trainer of the run
+        started: asked before each push and each checkpoint, so that one's servers and resume point get nothing from
+        this trainer after that."""
         self.cfg = cfg
         self.device_share = device_share
+        self.fence = fence
         self.lora = lora
         self.model_path = Path(model_path)
         self.run_dir = Path(run_dir)
@@ -203,7 +214,7 @@ class Trainer:
             # them 0 then), and the device is handed over with them. Any other start pushes what it resumed from,
             # trained on the groups its checkpoint covers (acked above), so admission opens nothing for it.
             if self.step > 0 or self.pusher.published > 0 or self.device_share is not None:
-                self.pusher.push_model(self.model, unacked=len(self._covered))
+                self._push()
         if self.device_share is not None:  # the servers serve what this trainer resumes from
             self._offload()
             self.device_share.give_device(self.step)
@@ -371,11 +382,28 @@ class Trainer:
             self._offloaded = False
         return time.perf_counter() - start
 
+    def _check_fence(self) -> None:
+        """Raise ``TrainerFenced`` on every rank once a newer trainer of the run started: rank 0 asks (``fence``, one
+        round trip) and tells the others, so all of them stop before the same collective (a push's gathers, a
+        checkpoint's writes) instead of waiting in it for a rank that left."""
+        refusal: list[str | None] = [None]
+        if self.fence is not None:
+            try:
+                self.fence()
+            except TrainerFenced as exc:
+                refusal[0] = str(exc)
+        if self.ctx.world_size > 1:
+            dist.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            raise TrainerFenced(refusal[0])
+
     def _push(self) -> dict[str, Any]:
-        """Hand the new weights to the pusher (every rank); rank 0's figures for the step's record."""
+        """Hand the new weights to the pusher (every rank), unless a newer trainer of the run started (``fence``);
+        rank 0's figures for the step's record."""
         if self.pusher is None:
             self.version += 1
             return {}
+        self._check_fence()
         pushed = self.pusher.push_model(self.model, unacked=len(self._unacked) + len(self._covered))
         if pushed is None:
             return {}
@@ -398,7 +426,8 @@ class Trainer:
         state = {"policy_version": self.version, "buffer": {"unacked": self._unacked}, "settings": self._settings()}
         offloaded = self._offloaded
         self._onload()  # after the last step (finish): memory_saver's paused memory cannot be read
-        path = self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, state, self.critic)
+        path = self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, state, self.critic,
+                                      fence=self._check_fence)
         if offloaded:
             self._offload()
         self._saved_step = self.step

@@ -133,13 +133,14 @@ def test_a_fenced_trainer_s_push_is_refused_before_its_commit_and_its_flush_says
     asyncio.run(run())
 
 
-def _fenced_ranks(rank: int, world: int, port: int, redis_url: str, model_dir: Path, run_dir: Path) -> None:
+def _fenced_ranks(rank: int, world: int, port: int, redis_url: str, model_dir: Path, run_dir: Path,
+                  where: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     ctx = init_distributed("cpu", timeout_s=60)
     outcome = "trained"
     try:
-        fence = None
+        fence, old = None, None
         if rank == 0:
             old = _buffer(redis_url, "fenced-ranks")
             old.fence()
@@ -147,7 +148,10 @@ def _fenced_ranks(rank: int, world: int, port: int, redis_url: str, model_dir: P
             fence = old.check_fence
         trainer = Trainer(TrainerConfig(**TRAINER), model_dir, run_dir, fence=fence).start(ctx=ctx)
         try:
-            trainer.train(synthetic_groups(0, GPS))  # every rank trains the batch rank 0 shares
+            if where == "take":  # rank 0's take is refused; the others wait in its broadcast
+                trainer.next_batch(old)
+            else:
+                trainer.train(synthetic_groups(0, GPS))  # every rank trains the batch rank 0 shares
         except TrainerFenced as exc:
             outcome = f"fenced: {exc}"
         finally:
@@ -158,11 +162,12 @@ def _fenced_ranks(rank: int, world: int, port: int, redis_url: str, model_dir: P
     exit_rank()
 
 
-def test_every_rank_of_a_fenced_trainer_stops_before_the_checkpoint(redis_server: EmbeddedRedis, tiny_model_dir: Path,
-                                                                    tmp_path: Path) -> None:
-    """Rank 0 alone reads the fence; the other ranks stop with it, before the checkpoint's collectives, rather than
-    waiting in them for a rank that left."""
-    args = (2, free_port_outside_ephemeral(), redis_server.url, tiny_model_dir, tmp_path)
+@pytest.mark.parametrize("where", ["checkpoint", "take"])
+def test_every_rank_of_a_fenced_trainer_stops_together(redis_server: EmbeddedRedis, tiny_model_dir: Path,
+                                                       tmp_path: Path, where: str) -> None:
+    """Rank 0 alone reads the fence (before the checkpoint, or in its take); the other ranks stop with it, before the
+    checkpoint's collectives or out of the read's broadcast, rather than waiting in them for a rank that left."""
+    args = (2, free_port_outside_ephemeral(), redis_server.url, tiny_model_dir, tmp_path, where)
     mp.spawn(_fenced_ranks, args=args, nprocs=2, join=True)
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}").read_text().startswith(

@@ -261,15 +261,23 @@ class Trainer:
 
         Rank 0 reads ``source`` (ignored elsewhere) and drops stale groups. After every read, full batch
         or not, it broadcasts, so the other ranks never sit in one collective longer than a read
-        (``take_timeout_s``) however long the buffer stays empty (NCCL would time out).
+        (``take_timeout_s``) however long the buffer stays empty (NCCL would time out). A read refused because a
+        newer trainer started (``TrainerFenced``) is broadcast too: every rank stops, none waits for rank 0.
         """
         if self.ctx.is_main and source is None:
             raise ValueError("rank 0 needs a GroupSource to read batches from")
         start = time.perf_counter()
         while True:
-            payload: list[Any] = [self._read(source) if self.ctx.is_main else None]
+            payload: list[Any] = [None]
+            if self.ctx.is_main:
+                try:
+                    payload[0] = self._read(source)
+                except TrainerFenced as exc:
+                    payload[0] = exc
             if self.ctx.world_size > 1:
                 dist.broadcast_object_list(payload, src=0)
+            if isinstance(payload[0], TrainerFenced):
+                raise payload[0]
             if payload[0] is not None:
                 groups, self._drained, self.version = payload[0]
                 return groups, time.perf_counter() - start

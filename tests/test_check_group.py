@@ -117,3 +117,28 @@ def test_a_group_with_a_nan_behaviour_logprob_is_moved_aside_before_the_step(
     assert replay.metrics.malformed.labels(stream="groups")._value.get() == 1
     assert client.hget(keys.job("job"), "malformed") == b"1" and client.hget(keys.job("job"), "trained") == b"2"
     assert client.xlen(keys.groups) == 0 and staleness.admitted() == gps
+
+
+def test_a_group_with_no_policy_s_version_is_malformed_not_stale(
+    ctx: DistContext, tiny_model_dir: Path, redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """The read checks a group before the staleness filter judges its age: a trained token's version -1 is no
+    policy's, so the group is malformed (moved aside, counted so), not dropped as stale under a policy version past
+    ``max_staleness``."""
+    run, gps = "noversion", 2
+    cfg = BufferConfig(max_staleness=1, groups_per_step=gps)
+    client, keys = redis.Redis.from_url(redis_server.url), Keys(run)
+    replay = ReplayBuffer(client, keys, cfg)
+    replay.ensure_group()
+    trainer = Trainer(TrainerConfig(total_steps=1, take_timeout_s=0.2, device="cpu"), tiny_model_dir, tmp_path,
+                      cfg).start(ctx=ctx)
+    trainer.version = 5
+    groups = synthetic_groups(0, gps + 1, run=run, version=5)
+    at, _ = _positions(groups[1].samples[0].loss_mask)
+    groups[1].samples[0].token_versions[at] = -1
+    assert replay.put_many(groups) == [1] * (gps + 1)
+    batch, _ = trainer.next_batch(replay)
+    trainer.close()
+    assert [g.group_id for g in batch] == [groups[0].group_id, groups[2].group_id]
+    assert client.hget(keys.job("job"), "malformed") == b"1" and client.hget(keys.job("job"), "stale_dropped") is None
+    assert replay.metrics.stale_dropped._value.get() == 0

@@ -294,13 +294,14 @@ class Trainer:
             self.version = max(self.version, self.pusher.published)
         # the groups held for this batch were judged by the version of their read: a push since may have aged them
         self._partial, stale = split_stale(self._partial, self.version, self.buffer.max_staleness, self.buffer_metrics)
-        fresh, stale_now = split_stale(items, self.version, self.buffer.max_staleness, self.buffer_metrics)
+        # untrainable first: a group whose versions are no policy's is malformed, not stale
+        fresh, stale_now = split_stale(self._reject_untrainable(source, items), self.version,
+                                       self.buffer.max_staleness, self.buffer_metrics)
         stale += stale_now
         if stale:
             ids = [g.group_id for _, g in stale]
             source.ack([e for e, _ in stale], ids, stale_group_ids=ids)
             self._stale_dropped += len(stale)
-        fresh = self._reject_untrainable(source, fresh)
         if self.buffer.filter_degenerate_groups:
             fresh = self._drop_degenerate(source, fresh)
         self._partial += fresh

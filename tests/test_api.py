@@ -147,6 +147,23 @@ def test_auth(api: httpx.Client) -> None:
     assert api.get("/v1/jobs").status_code == 200
 
 
+def test_a_refusal_is_logged_on_one_line_whatever_the_client_sent(api: httpx.Client,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A path's ``%0a`` decodes to a newline and a JSON key or tool name may hold any character: logged as they are,
+    anyone who reaches the port could forge log lines (here one that looks like the API's own) or send escape
+    sequences to the operator's terminal. Control characters are logged escaped."""
+    forged = "2026-01-01 00:00:00 INFO services.api: serving on http://0.0.0.0:8000"
+    reply = httpx.get(f"{api.base_url}/v1/jobs%0a{forged.replace(' ', '%20')}%1b[2J")
+    assert reply.status_code == 401
+    body = {"source": {"kind": "arith", "limit": 1}}
+    assert api.post("/v1/jobs", json={**body, f"x\n{forged}": 1}).status_code == 422
+    assert api.post("/v1/jobs", json={**body, "tools": [f"x\n{forged}"]}).status_code == 422
+    warned = [r.getMessage() for r in caplog.records if r.name == "services.api.app"]
+    assert len(warned) == 3 and all(forged in message for message in warned), warned
+    assert not [message for message in warned if "\n" in message or "\x1b" in message], warned
+    assert "\\x0a" + forged in warned[0] and "\\x1b[2J" in warned[0], warned[0]
+
+
 def test_a_non_loopback_api_needs_a_token(redis_url: str) -> None:
     cfg = load_config(None, [f"redis.url={redis_url}", "api.host=0.0.0.0"], env={})
     with pytest.raises(ConfigError, match="api.token is not set and api.host=0.0.0.0 is not loopback"):
@@ -174,6 +191,28 @@ def test_host_header_guards_against_dns_rebinding(redis_url: str) -> None:
         assert api.get("/v1/jobs").status_code == 400  # 127.0.0.1 is no longer in the list
 
 
+def test_a_write_from_a_page_of_another_origin_is_refused(redis_url: str) -> None:
+    """A tokenless API on loopback is reachable from any web page in the operator's browser: a form (or a no-cors
+    fetch) POSTs to it with the loopback Host, which the Host check lets through, and the browser names the page's
+    origin. Such a write gets 403 and changes nothing; the API's own origin, a client that sends no Origin (the CLI)
+    and reads from anywhere are answered."""
+    cfg = load_config(None, ["run.name=api-origin", f"redis.url={redis_url}"], env={})
+    with serve_app(create_app(cfg)) as url:
+        job_id = httpx.post(f"{url}/v1/jobs", json={"source": {"kind": "arith", "limit": 2}}).json()["job_id"]
+        for origin in ("http://evil.example", "null", f"{url.replace('127.0.0.1', 'localhost')}"):
+            headers = {"Origin": origin}
+            reply = httpx.post(f"{url}/v1/jobs/{job_id}/cancel", headers=headers)
+            assert reply.status_code == 403 and f"another origin ({origin})" in reply.text, (origin, reply.text)
+            reply = httpx.post(f"{url}/v1/jobs", json={"source": {"kind": "arith", "limit": 1}}, headers=headers)
+            assert reply.status_code == 403, (origin, reply.text)
+        evil = {"Origin": "http://evil.example"}
+        [job] = httpx.get(f"{url}/v1/jobs", headers=evil).json()["jobs"]
+        assert (job["job_id"], job["state"]) == (job_id, "running")
+        assert 'rollwave_api_requests_refused_total{reason="origin"} 6.0' in httpx.get(f"{url}/metrics").text
+        reply = httpx.post(f"{url}/v1/jobs/{job_id}/cancel", headers={"Origin": url})
+        assert reply.status_code == 200 and reply.json()["state"] == "cancelled", reply.text
+
+
 def test_request_bodies_are_bounded(redis_url: str) -> None:
     job = {"kind": "train", "source": {"kind": "arith", "limit": 2}, "name": ""}
     with serve(redis_url, "api-body", "api.max_body_bytes=2048") as api:
@@ -198,6 +237,7 @@ def test_job_size_is_capped(redis_url: str) -> None:
     with serve(redis_url, "api-cap", "api.max_job_tasks=3") as api:
         reply = api.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 4}})
         assert reply.status_code == 422 and "at most api.max_job_tasks=3" in reply.text
+        assert reply.json()["detail"][0]["loc"] == ["body", "source", "limit"]  # refused before a task is made
         inline = [{"task_id": f"t{i}", "messages": [{"role": "user", "content": "q"}], "reward": {}} for i in range(4)]
         assert api.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": inline}}).status_code == 422
         assert api.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 3}}).status_code == 201
@@ -438,6 +478,76 @@ def test_jobs_name_only_agents_the_run_allows(api: httpx.Client, redis_url: str)
                 "tools": ["check_answer"]}  # no create kwargs: an agent calls its tools itself, none is created
         reply = custom.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": [task]}, "agent": allowed})
         assert reply.status_code == 201, reply.text
+
+
+def _refused_loc(api: httpx.Client, body: dict[str, Any]) -> list[str]:
+    reply = api.post("/v1/jobs", json=body)
+    assert reply.status_code == 422, reply.text
+    return reply.json()["detail"][0]["loc"]
+
+
+def test_a_job_setting_what_the_run_cannot_honour_is_refused_naming_it(redis_url: str) -> None:
+    """A job's override that the rollout servers would drop without a word is refused, naming the field: max_turns
+    on an agent job (its agent decides its turns), max_new_tokens no turn can reach within rollout.max_total_tokens,
+    and a train group of one sample, whose group-relative advantage is 0. The same settings where they apply are
+    taken."""
+    allowed = "rollout_server.agents.calculator_agent:run"
+    source = {"kind": "arith", "limit": 1}
+    with serve(redis_url, "api-inapplicable", f"rollout.agent_allowlist=['{allowed}']",
+               "rollout.max_total_tokens=256") as api:
+        assert _refused_loc(api, {"source": source, "agent": allowed, "max_turns": 2}) == ["body", "max_turns"]
+        for kind in ("train", "eval"):
+            body = {"kind": kind, "source": source, "sampling": {"max_new_tokens": 256}}
+            assert _refused_loc(api, body) == ["body", "sampling", "max_new_tokens"]
+        reply = api.post("/v1/jobs", json={"source": source, "n_samples": 1})
+        assert reply.status_code == 422 and reply.json()["detail"][0]["loc"] == ["body", "n_samples"], reply.text
+        assert "advantage 0 under trainer.advantage=grpo" in reply.text
+        assert api.get("/v1/jobs").json()["jobs"] == []
+        assert "rollwave_api_jobs_rejected_total 4.0" in api.get("/metrics").text
+        for body in ({"source": source, "agent": allowed}, {"source": source, "max_turns": 2},
+                     {"source": source, "sampling": {"max_new_tokens": 255}}, {"source": source, "n_samples": 2},
+                     {"kind": "eval", "source": source, "n_samples": 1}):
+            assert api.post("/v1/jobs", json=body).status_code == 201, body
+    with serve(redis_url, "api-inapplicable-gae", "trainer.advantage=gae") as api:  # a critic's baseline: n=1 trains
+        assert api.post("/v1/jobs", json={"source": source, "n_samples": 1}).status_code == 201
+
+
+def test_a_body_that_json_cannot_echo_as_it_is_gets_a_422_not_a_500(api: httpx.Client) -> None:
+    """Python's JSON parser takes NaN and Infinity, and a body sent as text need not be UTF-8: the 422 echoes such an
+    input (as a string, the body with replacement characters) and names the field; FastAPI's own handler could not
+    write either into JSON and the client got a 500."""
+    json_body = {"Content-Type": "application/json"}
+    for raw, loc, echoed in ((b'{"source": {"kind": "arith", "limit": 2}, "sampling": {"temperature": NaN}}',
+                              ["body", "sampling", "temperature"], "NaN"),
+                             (b'{"source": {"kind": "arith", "limit": 2, "seed": 1e400}}',
+                              ["body", "source", "seed"], "Infinity"),
+                             (b'{"source": {"kind": "arith", "limit": -Infinity}}',
+                              ["body", "source", "limit"], "-Infinity")):
+        reply = api.post("/v1/jobs", content=raw, headers=json_body)
+        assert reply.status_code == 422, reply.text
+        [error] = reply.json()["detail"]
+        assert (error["loc"], error["input"]) == (loc, echoed), error
+    reply = api.post("/v1/jobs", content=b"\xff{}", headers={"Content-Type": "text/plain"})
+    assert reply.status_code == 422, reply.text
+    [error] = reply.json()["detail"]
+    assert (error["loc"], error["input"]) == (["body"], "\ufffd{}"), error
+    assert _refused(api, "validation") == 4
+    assert api.get("/v1/jobs").json()["jobs"] == []
+
+
+def test_a_body_the_parser_cannot_read_gets_a_422_saying_why(api: httpx.Client) -> None:
+    """JSON nested deeper than Python's parser goes, or not UTF-8: FastAPI's bare 400 ("There was an error parsing
+    the body") said neither why nor was logged and counted; it is a 422 naming the cause, and a rejected job."""
+    json_body = {"Content-Type": "application/json"}
+    for raw, why in ((b"[" * 100_000, "RecursionError: maximum recursion depth exceeded"),
+                     (b'{"source": {"kind": "arith", "limit": 1}, "name": "\xff"}', "UnicodeDecodeError: 'utf-8'")):
+        reply = api.post("/v1/jobs", content=raw, headers=json_body)
+        assert reply.status_code == 422, reply.text
+        [error] = reply.json()["detail"]
+        assert error["loc"] == ["body"] and why in error["msg"], error
+    assert _refused(api, "validation") == 2
+    assert "rollwave_api_jobs_rejected_total 2.0" in api.get("/metrics").text
+    assert api.post("/v1/jobs/nosuchjob/cancel", content=b"[" * 100_000).status_code == 404  # a body it never reads
 
 
 class FinishesBeforeWrite(redis.Redis):

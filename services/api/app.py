@@ -3,12 +3,14 @@
 Bounded and guarded: ``/v1`` needs ``api.token`` (a bind off loopback refuses to start without one),
 checked before any body is read; requests must name an allowed Host (``api.allowed_hosts``, against DNS
 rebinding; the unauthenticated ops probes are exempt, kubelet and Prometheus reach them by pod IP); bodies
-over ``api.max_body_bytes`` get 413; jobs read files only under ``api.data_root``, hold at most
-``api.max_job_tasks`` tasks, name reward functions, agents and tools the run allows, and give each tool a task
-gets the create kwargs it requires; a train job submitted once the run's trainer finished gets 409 (nothing would
-train it; once it crashed one is taken: its restart trains it), and so does the cancel of a job that is done. Each
-refusal is logged and counted. While Redis is away or stuck a request is answered 503 naming it
-within about ``redis.timeout_s``: the API does not ride out the outage the other components do.
+over ``api.max_body_bytes`` get 413; a write from a browser page of another origin gets 403 (a loopback API may
+have no token, and a page may POST to it); jobs read files only under ``api.data_root``, hold at most
+``api.max_job_tasks`` tasks, name reward functions, agents and tools the run allows, set nothing this run cannot
+honour (``_inapplicable``), and give each tool a task gets the create kwargs it requires; a train job submitted
+once the run's trainer finished gets 409 (nothing would train it; once it crashed one is taken: its restart trains
+it), and so does the cancel of a job that is done. Each refusal is logged and counted. While Redis is away or stuck
+a request is answered 503 naming it within about ``redis.timeout_s``: the API does not ride out the outage the
+other components do.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ import secrets
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, Protocol
+from urllib.parse import urlsplit
 
+import pydantic_core
 import redis
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import SecretStr
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -48,6 +53,8 @@ from services.api.sampler import MetricsSampler
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 OPS_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
 log = logging.getLogger(__name__)
 
 
@@ -91,6 +98,23 @@ def _unmet_create_kwargs(spec: JobSpec, tasks: list[Task], requires: dict[str, t
     return None
 
 
+def _inapplicable(spec: JobSpec, cfg: Config) -> tuple[str, str] | None:
+    """A setting of the job that this run could not honour, as (dotted field, why), or None: refused, where the
+    rollout servers would drop it without a word."""
+    if spec.agent is not None and spec.max_turns is not None:
+        return "max_turns", ("an agent job's agent decides how many turns it takes (rollout.max_total_tokens and "
+                             "rollout.agent_timeout_s bound an episode): max_turns applies to the built-in loop only")
+    max_new, total = spec.sampling.max_new_tokens, cfg.rollout.max_total_tokens
+    if max_new is not None and max_new >= total:
+        return "sampling.max_new_tokens", (f"{max_new} tokens a turn can never be generated: "
+                                           f"rollout.max_total_tokens={total} bounds the prompt and all turns together")
+    if spec.kind == "train" and spec.n_samples == 1 and cfg.trainer.advantage != "gae":
+        return "n_samples", (f"a group of 1 sample has advantage 0 under trainer.advantage={cfg.trainer.advantage} "
+                             "(its baseline is the group's other samples), so the job would train on no reward; "
+                             "give 2 or more, or kind=eval")
+    return None
+
+
 class ApiState:
     """What the routes share: the Redis client, the run's keys, the queue and the cluster view."""
 
@@ -113,18 +137,35 @@ def _state(request: Request) -> ApiState:
     return request.app.state.api
 
 
+def _one_line(text: str) -> str:
+    """``text`` with its control characters escaped: a client's path (``%0a`` decodes to a newline) or field name
+    must not forge log lines or drive the operator's terminal."""
+    return text.translate(_CONTROL_ESCAPES)
+
+
 def _refused(counter: Counter) -> Refuse:
     def refuse(reason: str, scope: Scope, detail: str = "") -> None:
         client = scope.get("client") or ("?", 0)
-        log.warning("refused %s %s from %s: %s%s", scope.get("method"), scope.get("path"), client[0], reason,
-                    f": {detail}" if detail else "")
+        log.warning("refused %s %s from %s: %s%s", scope.get("method"), _one_line(scope.get("path", "")), client[0],
+                    reason, f": {_one_line(detail)}" if detail else "")
         counter.labels(reason=reason).inc()
 
     return refuse
 
 
+def _validation_body(exc: RequestValidationError) -> bytes:
+    """FastAPI's 422 body, also where an input cannot go into JSON as it is: NaN and infinities (which Python's JSON
+    parser takes) are written as strings, a body that is not UTF-8 with replacement characters. FastAPI's own
+    handler raised on both, and the client got a 500."""
+    errors = [{**e, "input": e["input"].decode(errors="replace")} if isinstance(e.get("input"), bytes) else e
+              for e in exc.errors()]
+    return pydantic_core.to_json({"detail": errors}, inf_nan_mode="strings", fallback=str)
+
+
 class HostGuard:
-    """Starlette's TrustedHostMiddleware on every path but the ops probes; refusals (400) are counted."""
+    """Starlette's TrustedHostMiddleware on every path but the ops probes, then no write from another origin: a web
+    page can POST to a loopback API that has no token (a form, a no-cors fetch), and its browser names the page's
+    origin. Refusals (400, 403) are counted."""
 
     def __init__(self, app: ASGIApp, allowed_hosts: list[str], refuse: Refuse) -> None:
         self.app = app
@@ -140,7 +181,15 @@ class HostGuard:
         async def inner(scope: Scope, receive: Receive, send: Send) -> None:
             nonlocal passed
             passed = True
-            await self.app(scope, receive, send)
+            headers = Headers(scope=scope)
+            origin = headers.get("origin")
+            if scope["method"] in READ_METHODS or origin is None or \
+                    urlsplit(origin).netloc.lower() == headers.get("host", "").lower():
+                await self.app(scope, receive, send)
+                return
+            self.refuse("origin", scope, origin)
+            detail = f"a write from a page of another origin ({origin}) is refused; send it without an Origin header"
+            await JSONResponse({"detail": detail}, status_code=403)(scope, receive, send)
 
         await TrustedHostMiddleware(inner, allowed_hosts=self.allowed_hosts)(scope, receive, send)
         if not passed:
@@ -223,8 +272,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     registry = CollectorRegistry()
     refused = Counter(
         "rollwave_api_requests_refused_total",
-        "Requests refused (auth, host, body_size, validation, cursor, not_found, trainer_finished, not_cancellable, "
-        "redis)", ["reason"],
+        "Requests refused (auth, host, origin, body_size, validation, cursor, not_found, trainer_finished, "
+        "not_cancellable, redis)", ["reason"],
         registry=registry,
     )
     refuse = _refused(refused)
@@ -278,13 +327,24 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
                                        "again once it answers (GET /readyz says when)"}, status_code=503)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
         """FastAPI's 422, logged and counted; a job spec that fails its schema is also a rejected job."""
         refuse("validation", request.scope, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
                                                       for e in exc.errors()))
         if request.method == "POST" and request.url.path == "/v1/jobs":
             request.app.state.api.jobs_rejected.inc()
-        return await request_validation_exception_handler(request, exc)
+        return Response(_validation_body(exc), status_code=422, media_type="application/json")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """FastAPI answers a body it cannot parse at all (nested deeper than Python's parser goes, bytes that are not
+        UTF-8, an integer of over 4300 digits) with a bare 400 that says neither why nor is counted: it is a 422
+        naming the cause, as a body that is not JSON is."""
+        if exc.status_code == 400 and (cause := exc.__cause__) is not None:
+            why = f"the body is not JSON this API can read ({type(cause).__name__}: {cause})"
+            error = {"type": "json_invalid", "loc": ("body",), "msg": why, "input": {}}
+            return await invalid_request(request, RequestValidationError([error]))
+        return await http_exception_handler(request, exc)
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:
@@ -303,9 +363,10 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         return Response(generate_latest(api.registry), media_type=CONTENT_TYPE_LATEST)
 
     def reject(api: ApiState, field: str, msg: str) -> HTTPException:
+        """A 422 naming the dotted ``field`` of the job, logged and counted."""
         api.jobs_rejected.inc()
-        log.warning("job rejected: %s: %s", field, msg)
-        return HTTPException(422, [{"loc": ["body", field], "msg": msg, "type": "value_error"}])
+        log.warning("job rejected: %s: %s", field, _one_line(msg))
+        return HTTPException(422, [{"loc": ["body", *field.split(".")], "msg": msg, "type": "value_error"}])
 
     @app.post("/v1/jobs", status_code=201, tags=["jobs"])
     def create_job(spec: JobSpec, api: State, request: Request) -> dict[str, Any]:
@@ -322,6 +383,12 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         if spec.agent is not None and spec.agent not in cfg.rollout.agent_allowlist:
             names = ", ".join(cfg.rollout.agent_allowlist) or "none"
             raise reject(api, "agent", f"agent {spec.agent!r} is not in this run's rollout.agent_allowlist: {names}")
+        if (inapplicable := _inapplicable(spec, cfg)) is not None:
+            raise reject(api, *inapplicable)
+        cap = cfg.api.max_job_tasks
+        if spec.source.limit is not None and spec.source.limit > cap:  # refused before a task is made or read
+            raise reject(api, "source.limit", f"{spec.source.limit} tasks; a job may hold at most "
+                                              f"api.max_job_tasks={cap}")
         try:
             tasks = spec.load_tasks(cfg.api.data_root, cfg.rollout.reward)
         except (ValueError, OSError) as exc:
@@ -336,8 +403,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         # an agent job's agent calls its tools itself: the registry's tools are never created for it
         if tools is not None and spec.agent is None and (unmet := _unmet_create_kwargs(spec, tasks, tools)):
             raise reject(api, "tools" if spec.tools is not None else "source", unmet)
-        if len(tasks) > cfg.api.max_job_tasks:
-            cap = cfg.api.max_job_tasks
+        if len(tasks) > cap:
             raise reject(api, "source", f"{len(tasks)} tasks; a job may hold at most api.max_job_tasks={cap}")
         job_id = secrets.token_hex(6)
         try:  # all or nothing (TaskQueue.submit): a failed submit leaves no job behind

@@ -80,9 +80,17 @@ class RunConfig(Section):
         return self.dir / self.name
 
 
+# SGLang's "whole vocabulary" (its TOP_K_ALL, what top_k -1 becomes): no vocabulary is larger, so a larger top_k
+# means the same, and one past an int64 cannot go into the engines' batch tensors (the whole batch fails)
+TOP_K_ALL = 1 << 30
+# below this both engines sample greedily (SGLang's _SAMPLING_EPS; the embedded engine's sampling.py uses it)
+GREEDY_TEMPERATURE = 1e-6
+
+
 def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float = 0.0, where: str = "") -> None:
     """SGLang's sampling checks (``srt/sampling/sampling_params.py``): a value SGLang would refuse fails every
-    episode, so it is refused here first. ``where`` prefixes the key in the message."""
+    episode, so it is refused here first; so is a top_k past ``TOP_K_ALL``, which would fail the engine's whole
+    batch. ``where`` prefixes the key in the message."""
     if temperature < 0:
         raise ValueError(f"{where}temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
@@ -91,6 +99,19 @@ def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float = 
         raise ValueError(f"{where}min_p must be in [0, 1], got {min_p}")
     if top_k < 1 and top_k != -1:
         raise ValueError(f"{where}top_k must be -1 (disable), or at least 1, got {top_k}")
+    if top_k > TOP_K_ALL:
+        raise ValueError(f"{where}top_k must be at most 2**30 = {TOP_K_ALL} (the whole vocabulary, as -1), "
+                         f"got {top_k}")
+
+
+def check_train_temperature(temperature: float, where: str = "") -> None:
+    """A temperature groups are trained at: below ``GREEDY_TEMPERATURE`` the engines sample greedily (every sample
+    of a task the same, and its logprobs not of the distribution the trainer computes), while the trainer divides
+    the logits by it. ``where`` prefixes the message (the key, where the error's location does not name it)."""
+    if not temperature >= GREEDY_TEMPERATURE:  # NaN too
+        raise ValueError(f"{where}{temperature:g} cannot be trained on: below {GREEDY_TEMPERATURE:g} the engines "
+                         "sample greedily (every sample of a task the same, no sampled logprobs) while the trainer "
+                         f"divides the logits by it; use >= {GREEDY_TEMPERATURE:g} (greedy is for eval jobs)")
 
 
 class LoraConfig(Section):
@@ -223,10 +244,11 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(64, ge=1, description="per assistant turn")
     max_total_tokens: int = Field(512, ge=16, description="prompt + all turns")
     temperature: float = Field(
-        1.0, gt=0, description="train sampling temperature (groups record it; the trainer divides logits by it)"
+        1.0, description="train sampling temperature (groups record it; the trainer divides logits by it): at least "
+        "1e-6, below which the engines sample greedily"
     )
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, description="-1 (the whole vocabulary) or >= 1, as SGLang requires")
+    top_k: int = Field(-1, description="-1 (the whole vocabulary) or 1 .. 2**30, as SGLang requires")
     max_concurrent_groups: int = Field(8, ge=1, description="train groups in flight per server")
     max_concurrent_eval_groups: int = Field(64, ge=1, description="eval groups in flight (usually 1 sample each)")
     tools: Path | None = Field(None, description="tool config YAML; None uses the built-in tools")
@@ -291,6 +313,12 @@ class RolloutConfig(Section):
                 "nor a name in rollout.reward_allowlist"
             )
         return self
+
+    @field_validator("temperature")
+    @classmethod
+    def _trainable_temperature(cls, temperature: float) -> float:
+        check_train_temperature(temperature)
+        return temperature
 
     @model_validator(mode="after")
     def _sampling(self) -> RolloutConfig:
@@ -664,6 +692,16 @@ class Config(Section):
             raise ValueError("buffer.filter_degenerate_groups needs a group-relative trainer.advantage (grpo, rloo, "
                              "reinforce_pp), not gae: with the critic as baseline a group whose rewards are all "
                              "equal still has nonzero advantages, and dropping it would lose its data")
+        return self
+
+    @model_validator(mode="after")
+    def _group_size(self) -> Config:
+        """A group-relative baseline is the group's other samples: a group of one has advantage 0 (rloo divides by
+        n - 1), so every train group would train on no reward. GAE's baseline is the critic."""
+        if self.rollout.n_samples == 1 and self.trainer.advantage != "gae":
+            raise ValueError(f"rollout.n_samples=1 with trainer.advantage={self.trainer.advantage}: a group of 1 "
+                             "sample has advantage 0 under a group-relative baseline (the group's other samples), "
+                             "so training would learn nothing; give rollout.n_samples >= 2, or trainer.advantage=gae")
         return self
 
 

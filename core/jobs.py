@@ -14,15 +14,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core.config import RolloutConfig, check_sampling
+from core.config import RolloutConfig, check_sampling, check_train_temperature
 from core.rewards import REWARD_NAME
 from core.tasks import Task, load_tasks
-from core.tasks.base import check_split
+from core.tasks.base import check_split, window
 from core.tasks.check import check_inline
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
 
 MAX_INLINE_TASKS = 10_000
+# which of path, split and seed each kind reads (all read limit and offset): one given to another kind is refused
+_READS = {"arith": ("split", "seed"), "gsm8k": ("path", "split"), "jsonl": ("path", "split"), "inline": ()}
 
 
 class Strict(BaseModel):
@@ -30,16 +32,18 @@ class Strict(BaseModel):
 
 
 class TaskSource(Strict):
-    """Where a job's tasks come from: a named source or tasks given inline."""
+    """Where a job's tasks come from: a named source or tasks given inline. A field the kind does not read (a
+    ``path`` for arith, a ``seed`` for a file, which is read in file order) is refused, not ignored; ``seed`` 0 is
+    the default every kind takes, so a stored spec validates again."""
 
     kind: Literal["arith", "gsm8k", "jsonl", "inline"] = "arith"
     path: str | None = Field(
         None, description="gsm8k/jsonl: a .jsonl file or a directory of {split}.jsonl; gsm8k defaults to data/gsm8k"
     )
     split: str | None = Field(None, description="train or test; a plain name: a directory's {split}.jsonl")
-    limit: int | None = Field(None, ge=1, le=100_000, description="how many tasks")
+    limit: int | None = Field(None, ge=1, le=100_000, description="how many tasks (a file is read no further)")
     offset: int = Field(0, ge=0, le=100_000, description="skip this many tasks first (arith generates them)")
-    seed: int = 0
+    seed: int = Field(0, description="arith: which problem stream; files are read in order (no seed)")
     tasks: list[Task] | None = Field(None, max_length=MAX_INLINE_TASKS, description="inline tasks (kind=inline)")
 
     @field_validator("split")
@@ -53,8 +57,16 @@ class TaskSource(Strict):
         if self.kind == "inline":
             if not self.tasks:
                 raise ValueError("kind=inline needs a non-empty `tasks` list")
+            if self.offset >= len(self.tasks):
+                raise ValueError(f"source.offset: {self.offset} is past the {len(self.tasks)} inline tasks")
         elif self.tasks is not None:
             raise ValueError(f"`tasks` is only allowed with kind=inline, not kind={self.kind}")
+        for name in ("path", "split", "seed"):
+            if name not in _READS[self.kind] and getattr(self, name) not in (None, 0):
+                readers = ", ".join(kind for kind, fields in _READS.items() if name in fields)
+                order = "; its tasks are taken in order: offset and limit pick them" if name == "seed" else ""
+                raise ValueError(f"source.{name}: kind={self.kind} does not read it, so it would be ignored (kind "
+                                 f"{readers} reads it){order}; leave it out")
         if self.kind == "jsonl" and not self.path:
             raise ValueError("kind=jsonl needs `path`")
         if self.kind == "arith" and self.limit is None:
@@ -63,13 +75,14 @@ class TaskSource(Strict):
 
     def load(self, data_root: Path | None = None, reward: str | None = None, agent: bool = False) -> list[Task]:
         """The tasks, each checked as a jsonl row is (``core.tasks.check``: a ValueError names the field, e.g.
-        ``source.tasks[0].messages[0].role``); inline task ids must be unique. With ``data_root``, a ``path`` is
+        ``source.tasks[0].messages[0].role``); inline task ids must be unique, and ``offset``/``limit`` pick which
+        of the (all checked) inline tasks the job holds, as they pick a file's rows. With ``data_root``, a ``path`` is
         read relative to it and must not lead out of it. ``reward`` is the reward function that scores the
         tasks, when known (``JobSpec.load_tasks``); ``agent``: an agent runs them (and may post the reward)."""
         if self.kind == "inline":
             assert self.tasks is not None
             check_inline(self.tasks, label="source.tasks", reward=reward, agent=agent)
-            return list(self.tasks)
+            return window(list(self.tasks), self.offset, self.limit)
         return load_tasks(
             self.kind, path=self.path, split=self.split, limit=self.limit, seed=self.seed, offset=self.offset,
             root=data_root, reward=reward,
@@ -79,7 +92,7 @@ class TaskSource(Strict):
 class SamplingSpec(Strict):
     temperature: float | None = Field(None, ge=0, le=10)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, description="-1 (the whole vocabulary) or >= 1, as SGLang requires")
+    top_k: int | None = Field(None, description="-1 (the whole vocabulary) or 1 .. 2**30, as SGLang requires")
     max_new_tokens: int | None = Field(None, ge=1, le=32_768)
 
     @model_validator(mode="after")
@@ -128,9 +141,8 @@ class JobSpec(Strict):
 
     @model_validator(mode="after")
     def _eval_defaults(self) -> JobSpec:
-        if self.kind == "train" and self.sampling.temperature == 0:
-            raise ValueError("sampling.temperature: 0 (greedy) cannot be trained on: every sample of a task would be "
-                             "the same and greedy tokens have no logprobs; use > 0, or kind=eval")
+        if self.kind == "train" and self.sampling.temperature is not None:
+            check_train_temperature(self.sampling.temperature, where="sampling.temperature: ")
         if self.kind == "eval":
             if self.n_samples is None:
                 self.n_samples = 1

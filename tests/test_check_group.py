@@ -142,3 +142,16 @@ def test_a_group_with_no_policy_s_version_is_malformed_not_stale(
     assert [g.group_id for g in batch] == [groups[0].group_id, groups[2].group_id]
     assert client.hget(keys.job("job"), "malformed") == b"1" and client.hget(keys.job("job"), "stale_dropped") is None
     assert replay.metrics.stale_dropped._value.get() == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 5e-7, math.nan])
+def test_a_group_sampled_greedily_cannot_be_trained_on(temperature: float) -> None:
+    """Below 1e-6 the engines sample greedily, while the trainer would divide the logits by the group's temperature:
+    the group is refused, naming it (at 1e-6 it trains)."""
+    [group] = synthetic_groups(0, 1)
+    group.temperature = temperature
+    with pytest.raises(ValueError, match=r"group s0-g0\.temperature: .* cannot be trained on: below 1e-06 the engines "
+                       "sample greedily"):
+        check_group(group)
+    group.temperature = 1e-6
+    check_group(group)

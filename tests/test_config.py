@@ -3,11 +3,22 @@
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 
-from core.config import MASK, ConfigError, dump_config, load_config, load_config_or_exit, require_secret
+from core.config import (
+    GREEDY_TEMPERATURE,
+    MASK,
+    TOP_K_ALL,
+    ConfigError,
+    dump_config,
+    load_config,
+    load_config_or_exit,
+    require_secret,
+)
 from core.jobs import JobSpec
 from core.tiny_model import ensure_model
+from rollout_server.engine.sampling import BatchSampler, SamplingParams
 from services.api.app import check_api_config
 from services.cli import main
 
@@ -368,3 +379,48 @@ def test_episodes_must_fit_the_embedded_engines_context() -> None:
     assert load_config(None, ["rollout.max_total_tokens=2048", "engine.max_context=2048"]).engine.max_context == 2048
     for other in ("engine.urls=[http://127.0.0.1:30000]", "engine.backend=sglang"):
         assert load_config(None, ["rollout.max_total_tokens=2048", other]).rollout.max_total_tokens == 2048
+
+
+def test_a_top_k_past_the_whole_vocabulary_is_refused() -> None:
+    """-1 is the whole vocabulary, which SGLang stores as 2**30; a larger top_k means the same, and one of 2**63 or
+    more cannot go into the embedded engine's batch tensor, which fails every request batched with it."""
+    huge = 2**63
+    with pytest.raises(ValueError, match="Overflow"):  # what an unchecked top_k does to the engine's whole batch
+        BatchSampler([SamplingParams(top_k=huge), SamplingParams()], [None, None], torch.Generator())
+    sampler = BatchSampler([SamplingParams(top_k=TOP_K_ALL), SamplingParams()], [None, None], torch.Generator())
+    assert sampler.sample(torch.zeros(2, 5))[0].shape == (2,)  # the bound itself builds and samples
+    for top_k in (huge, TOP_K_ALL + 1):
+        with pytest.raises(ConfigError, match=rf"rollout: top_k must be at most 2\*\*30 = {TOP_K_ALL} \(the whole "
+                           rf"vocabulary, as -1\), got {top_k}"):
+            load_config(None, [f"rollout.top_k={top_k}"])
+        with pytest.raises(ValidationError, match=rf"top_k must be at most 2\*\*30 = {TOP_K_ALL}"):
+            JobSpec.model_validate({"source": {"kind": "arith", "limit": 1}, "sampling": {"top_k": top_k}})
+    assert load_config(None, [f"rollout.top_k={TOP_K_ALL}"]).rollout.top_k == TOP_K_ALL
+    spec = JobSpec.model_validate({"source": {"kind": "arith", "limit": 1}, "sampling": {"top_k": TOP_K_ALL}})
+    assert spec.sampling.top_k == TOP_K_ALL
+
+
+def test_a_train_temperature_the_engines_sample_greedily_is_refused() -> None:
+    """Below 1e-6 both engines sample greedily (SGLang's _SAMPLING_EPS, the embedded engine's rule), while the
+    trainer divides the logits by the temperature: the run's rollout.temperature must be at least that."""
+    assert SamplingParams(temperature=5e-7).greedy and not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+    for value in ("5e-7", "0", ".nan"):
+        with pytest.raises(ConfigError, match=r"rollout\.temperature: .* cannot be trained on: below 1e-06 the "
+                           r"engines sample greedily .* use >= 1e-06"):
+            load_config(None, [f"rollout.temperature={value}"])
+    assert load_config(None, ["rollout.temperature=1e-6"]).rollout.temperature == GREEDY_TEMPERATURE
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp"])
+def test_one_sample_per_group_is_refused_under_a_group_baseline(advantage: str) -> None:
+    """A group-relative baseline is the group's other samples: with rollout.n_samples 1 every train group has
+    advantage 0 (rloo divides by n - 1). GAE's baseline is the critic, so one sample trains there."""
+    with pytest.raises(ConfigError, match=rf"rollout.n_samples=1 with trainer.advantage={advantage}: a group of 1 "
+                       r"sample has advantage 0 .* give rollout.n_samples >= 2, or trainer.advantage=gae"):
+        load_config(None, ["rollout.n_samples=1", f"trainer.advantage={advantage}"])
+    assert load_config(None, ["rollout.n_samples=2", f"trainer.advantage={advantage}"]).rollout.n_samples == 2
+    assert load_config(None, ["rollout.n_samples=1", "trainer.advantage=gae"]).rollout.n_samples == 1
+
+
+def test_the_deploy_config_loads() -> None:
+    assert load_config(ROOT / "deploy/config/run.yaml").rollout.n_samples >= 2

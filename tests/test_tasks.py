@@ -343,6 +343,27 @@ def test_an_empty_file_or_an_offset_past_its_end_names_the_file(tmp_path: Path) 
         load_tasks("gsm8k", path=str(tmp_path / "none.jsonl"))
 
 
+def test_a_file_is_read_no_further_than_offset_plus_limit(tmp_path: Path) -> None:
+    """A job's limit bounds what a large file costs: the rows past offset + limit are never read (a bad row there
+    fails no job that stops before it), while every row read, those before the offset too, is checked."""
+    rows = _write(tmp_path / "rows.jsonl", [_ROW | {"id": i} for i in range(4)] + ["{not json"])
+    assert [t.task_id for t in load_tasks("jsonl", path=str(rows), offset=1, limit=2)] == ["1", "2"]
+    assert [t.task_id for t in load_tasks("jsonl", path=str(rows), offset=3, limit=1)] == ["3"]
+    with pytest.raises(ValueError, match=re.escape(f"{rows}:5: invalid JSON")):
+        load_tasks("jsonl", path=str(rows), offset=3, limit=2)
+    with pytest.raises(ValueError, match=re.escape(f"offset 6 is past the 3 rows of {rows.with_name('three.jsonl')}")):
+        load_tasks("jsonl", path=str(_write(rows.with_name("three.jsonl"), [_ROW | {"id": i} for i in range(3)])),
+                   offset=6, limit=2)
+    skipped_bad = _write(tmp_path / "skipped.jsonl", [{"prompt": _ROW["prompt"]}, _ROW])
+    with pytest.raises(ValueError, match=re.escape(f"{skipped_bad}:1: missing field 'reward_model'")):
+        load_tasks("jsonl", path=str(skipped_bad), offset=1, limit=1)
+    good = {"question": "How many?", "answer": "#### 7"}
+    gsm = _write(tmp_path / "gsm.jsonl", [good, "", good, json.dumps({"question": "q", "answer": "no marker"})])
+    assert [t.task_id for t in load_tasks("gsm8k", path=str(gsm), limit=2)] == ["gsm8k-gsm-1", "gsm8k-gsm-3"]
+    with pytest.raises(ValueError, match=re.escape(f"{gsm}:4: field 'answer' does not end with '#### <number>'")):
+        load_tasks("gsm8k", path=str(gsm), offset=1)
+
+
 def _inline(*tasks: dict[str, object], **job: object):
     from core.jobs import JobSpec
 

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from buffer.schema import TrajectoryGroup
+from core.config import check_train_temperature
 
 
 @dataclass
@@ -74,9 +75,10 @@ def check_group(group: TrajectoryGroup, vocab_size: int | None = None, temperatu
     schema; these depend on the trainer's model and loss, and the trainer moves a group that fails them aside
     before its step (one that reached the step would fail it again after every restart)."""
     t = temperature if group.temperature is None else group.temperature
-    if t <= 0:
-        raise ValueError(f"group {group.group_id}.temperature: {t} cannot be trained on (greedy samples have no "
-                         "logprobs)")
+    try:
+        check_train_temperature(t)
+    except ValueError as exc:
+        raise ValueError(f"group {group.group_id}.temperature: {exc}") from None
     for s in group.samples:
         where = f"group {group.group_id}.samples[{s.sample_index}]"
         s.validate(where)

@@ -25,9 +25,10 @@ def load_tasks(
     """Tasks ``offset .. offset+limit`` of a source.
 
     ``arith`` is generated (``split`` train|test, ``seed`` picks the stream, ``limit`` defaults to 1000);
-    ``gsm8k`` and ``jsonl`` read ``path`` (a file, or a directory holding ``{split}.jsonl``) in file order,
-    and ignore ``seed``; ``gsm8k`` without a path reads the repository's ``data/gsm8k``; with ``root``, ``path``
-    is read under it and may not lead out of it. An empty file, or an ``offset`` past its last row, is an error.
+    ``gsm8k`` and ``jsonl`` read ``path`` (a file, or a directory holding ``{split}.jsonl``) in file order, no
+    further than row ``offset + limit``, and ignore ``seed`` (a job that sets one is refused: ``core.jobs``);
+    ``gsm8k`` without a path reads the repository's ``data/gsm8k``; with ``root``, ``path`` is read under it and
+    may not lead out of it. An empty file, or an ``offset`` past its last row, is an error.
 
     ``reward`` is the reward function the tasks will be scored with, when known (the job's ``reward``, else the
     run's ``rollout.reward``): a ``jsonl`` row's reward spec is checked against it (``core.tasks.check``); None

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import closing
+from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -106,16 +108,36 @@ def field(row: dict[str, Any], key: str, kind: type[T], where: str, *, label: st
     return value
 
 
-def window(items: list[T], offset: int, limit: int | None, *, file: Path | None = None) -> list[T]:
-    """``items[offset : offset + limit]`` after checking both; with ``file`` (the rows' file) an empty file or an
-    offset past its last row is an error naming it, not an empty job."""
+def read_window(file: Path, offset: int, limit: int | None, make: Callable[[int, dict[str, Any]], T]) -> list[T]:
+    """Rows ``offset .. offset+limit`` of a jsonl file, each made by ``make(line, row)``, which checks it (its error
+    names ``file:line``). Reading stops once the last of them is taken, so a job's ``limit`` bounds what a large file
+    costs: the rows before ``offset`` are read and checked but not kept, the rows after the window are never read.
+    An empty file or an ``offset`` past its last row is an error naming the file, not an empty job."""
+    _check_window(offset, limit)
+    taken: list[T] = []
+    rows = 0
+    stop = None if limit is None else offset + max(limit, 1)  # limit 0 reads the row at offset too: there must be one
+    with closing(read_jsonl(file)) as lines:
+        for line, row in islice(lines, stop):
+            item = make(line, row)
+            if rows >= offset:
+                taken.append(item)
+            rows += 1
+    if not rows:
+        raise ValueError(f"{file}: no rows")
+    if offset >= rows:
+        raise ValueError(f"offset {offset} is past the {rows} row{'' if rows == 1 else 's'} of {file}")
+    return taken[:limit]
+
+
+def window(items: list[T], offset: int, limit: int | None) -> list[T]:
+    """``items[offset : offset + limit]`` after checking both."""
+    _check_window(offset, limit)
+    return items[offset:] if limit is None else items[offset : offset + limit]
+
+
+def _check_window(offset: int, limit: int | None) -> None:
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    if file is not None and not items:
-        raise ValueError(f"{file}: no rows")
-    if file is not None and offset >= len(items):
-        rows = f"{len(items)} row" if len(items) == 1 else f"{len(items)} rows"
-        raise ValueError(f"offset {offset} is past the {rows} of {file}")
-    return items[offset:] if limit is None else items[offset : offset + limit]

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
-from core.tasks.base import SYSTEM_PROMPT, Task, field, gold_tools_kwargs, read_jsonl, split_file, window
+from core.tasks.base import SYSTEM_PROMPT, Task, field, gold_tools_kwargs, read_window, split_file
 
 _GOLD = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
 _ANNOTATION = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
@@ -26,15 +27,16 @@ def load(
     offset: int = 0,
     root: Path | None = None,
 ) -> list[Task]:
-    """Every row is validated (a bad row anywhere fails loudly), then ``offset``/``limit`` pick the window.
+    """Rows ``offset .. offset+limit``, read no further (``read_window``): every row read is validated (a bad one
+    fails loudly, naming ``file:line``).
 
     ``path`` None reads the bundled ``data/gsm8k/{split}.jsonl``, which must lie under ``BUNDLED`` as a ``path``
     must under ``root``: the API reads it for any job.
     """
     file = split_file("gsm8k", path, split, root) if path else split_file("gsm8k", str(BUNDLED), split, BUNDLED)
     name = split or file.stem
-    tasks = []
-    for line, row in read_jsonl(file):
+
+    def make(line: int, row: dict[str, Any]) -> Task:
         where = f"{file}:{line}"
         question = field(row, "question", str, where)
         answer = field(row, "answer", str, where)
@@ -42,23 +44,22 @@ def load(
         if match is None:
             raise ValueError(f"{where}: field 'answer' does not end with '#### <number>'")
         gold = match.group(1).replace(",", "")
-        tasks.append(
-            Task(
-                task_id=f"gsm8k-{name}-{line}",
-                messages=[
-                    {"role": "system", "content": SYSTEM_PROMPT},
-                    {"role": "user", "content": question},
-                ],
-                tools=["calculator"],
-                tools_kwargs=gold_tools_kwargs(gold),
-                reward={"kind": "gsm8k", "ground_truth": gold},
-                meta={
-                    "source": "gsm8k",
-                    "file": str(file),
-                    "line": line,
-                    "solution": answer,
-                    "calculations": [f"{lhs}={rhs}" for lhs, rhs in _ANNOTATION.findall(answer)],
-                },
-            )
+        return Task(
+            task_id=f"gsm8k-{name}-{line}",
+            messages=[
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": question},
+            ],
+            tools=["calculator"],
+            tools_kwargs=gold_tools_kwargs(gold),
+            reward={"kind": "gsm8k", "ground_truth": gold},
+            meta={
+                "source": "gsm8k",
+                "file": str(file),
+                "line": line,
+                "solution": answer,
+                "calculations": [f"{lhs}={rhs}" for lhs, rhs in _ANNOTATION.findall(answer)],
+            },
         )
-    return window(tasks, offset, limit, file=file)
+
+    return read_window(file, offset, limit, make)

@@ -7,7 +7,8 @@ sit in ``extra_info`` (where verl puts it); ``tools`` (names) defaults to the ke
 function scores the row (its ``reward``, else the run's ``rollout.reward``, gsm8k by default), as verl's rows
 carry none. It is checked against the function that will score the row (a gsm8k ``ground_truth`` must be a
 number...: ``core.tasks.check``). The task id is ``id``, else ``jsonl-{file}-{extra_info.index}``, else
-``jsonl-{file}-{line}``. An empty file, or an ``offset`` past its last row, is an error naming the file.
+``jsonl-{file}-{line}``. An empty file, or an ``offset`` past its last row, is an error naming the file; rows past
+``offset + limit`` are not read.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from core.tasks.base import Task, field, read_jsonl, split_file, window
+from core.tasks.base import Task, field, read_window, split_file
 from core.tasks.check import check_task
 
 
@@ -28,23 +29,25 @@ def load(
     root: Path | None = None,
     reward: str | None = None,
 ) -> list[Task]:
-    """Every row is validated (a bad row anywhere fails loudly), then ``offset``/``limit`` pick the window.
+    """Rows ``offset .. offset+limit``, read no further (``read_window``): every row read is validated (a bad one
+    fails loudly, naming ``file:line``), and no two rows read may share a task id.
 
     ``reward`` is the job's reward function, when known: a row's reward spec is checked against the function
     that will score it (``core.tasks.check``).
     """
     file = split_file("jsonl", path, split, root)
-    tasks: list[Task] = []
     first_line: dict[str, int] = {}
-    for line, row in read_jsonl(file):
+
+    def make(line: int, row: dict[str, Any]) -> Task:
         where = f"{file}:{line}"
         task = _task(row, file, line, where, reward)
         if task.task_id in first_line:
             first = first_line[task.task_id]
             raise ValueError(f"{where}: duplicate task id {task.task_id!r} (first on line {first})")
         first_line[task.task_id] = line
-        tasks.append(task)
-    return window(tasks, offset, limit, file=file)
+        return task
+
+    return read_window(file, offset, limit, make)
 
 
 def _task(row: dict[str, Any], file: Path, line: int, where: str, reward: str | None) -> Task:

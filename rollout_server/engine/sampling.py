@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-GREEDY_EPS = 1e-6
+from core.config import GREEDY_TEMPERATURE, TOP_K_ALL
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class BatchSampler:
@@ -52,7 +52,7 @@ class BatchSampler:
         self._all_greedy = bool(self._greedy.all())
         temps = [1.0 if p.greedy else p.temperature for p in params]
         self._temps = None if all(t == 1.0 for t in temps) else torch.tensor(temps)[:, None]
-        self._top_k = torch.tensor([p.top_k if p.top_k > 0 else 1 << 30 for p in params])[:, None]
+        self._top_k = torch.tensor([p.top_k if p.top_k > 0 else TOP_K_ALL for p in params])[:, None]
         self._top_p = torch.tensor([p.top_p for p in params])[:, None]
         self._min_p = torch.tensor([p.min_p for p in params])[:, None]
         self._truncate = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params if not p.greedy)

@@ -123,6 +123,11 @@ class Keys:
     def job(self, job_id: str) -> str:
         return self.job_prefix + job_id
 
+    def idempotency(self, fingerprint: str) -> str:
+        """String naming the job a submit's idempotency key made (its id and its spec's fingerprint), with an expiry:
+        keyed by the client key's fingerprint, so a key of any length or bytes names one of ours."""
+        return f"{self.prefix}idempotency:{fingerprint}"
+
     @property
     def servers(self) -> str:
         return self.prefix + "servers"

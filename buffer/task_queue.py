@@ -7,11 +7,14 @@ A task delivered more than ``max_attempts`` times, or failed that often, goes to
 with its error; an entry that cannot be parsed goes to the malformed stream. Neither ever stops a consumer.
 
 Each task gets a run-unique group id ``<job>:<seq>:<task_id>`` at submit time, so the same task submitted
-twice (two jobs, two epochs) makes two groups.
+twice (two jobs, two epochs) makes two groups. A submit may carry an idempotency key (the API's ``Idempotency-Key``):
+the first submit under a key claims it for its job, in the same Lua call that adds the tasks, and a later one under
+it adds nothing (``IdempotencyKeyUsed``) for ``IDEMPOTENCY_TTL_S``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import secrets
@@ -22,7 +25,7 @@ from typing import Any
 
 import redis
 
-from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, TRAINER_FINISHED_FIELDS, Keys
+from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, Keys
 from buffer.metrics import TASK_STREAMS, BufferMetrics
 from buffer.streams import RENEW_LUA, Reclaimer
 from core.config import BufferConfig
@@ -30,12 +33,27 @@ from core.config import BufferConfig
 log = logging.getLogger(__name__)
 
 SUBMIT_CHUNK = 1000
+# how long an idempotency key names its job: a client's retries come within minutes; Stripe keeps its keys a day
+IDEMPOTENCY_TTL_S = 24 * 3600
 
-# ARGV: job, kind, spec, now, submit id, chunk index, (task id, task)... Returns the job seq of the submit's first
-# task. Each chunk marks the job's ``submit`` field ``<submit id>:<chunk>:<first seq>``: a MULTI that runs again (the
-# client retrying after a lost reply) finds its own chunks marked and adds nothing.
+# KEYS: task stream, job hash, jobs index, then the idempotency key's key when the submit has one. ARGV: job, kind,
+# spec, now, submit id, chunk index, the spec's fingerprint ('' without a key), the key's TTL in seconds, (task id,
+# task)... Returns the job seq of the submit's first task, or {job, same spec (1 or 0)} when the idempotency key names
+# another job (nothing added: every chunk of the MULTI finds it so). The first chunk under a key claims it for this job
+# (``<job>:<fingerprint>``, expiring after the TTL); being checked and claimed in the call that adds the tasks, two
+# submits under one key cannot both add theirs. Each chunk marks the job's ``submit`` field ``<submit id>:<chunk>:<first
+# seq>``: a MULTI that runs again (the client retrying after a lost reply) finds its own chunks marked and adds nothing.
 _SUBMIT = """
-local n, chunk = (#ARGV - 6) / 2, tonumber(ARGV[6])
+local n, chunk = (#ARGV - 8) / 2, tonumber(ARGV[6])
+if KEYS[4] then
+  local claim = redis.call('GET', KEYS[4])
+  if not claim then
+    redis.call('SET', KEYS[4], ARGV[1] .. ':' .. ARGV[7], 'EX', ARGV[8])
+  else
+    local job, fingerprint = string.match(claim, '^([^:]*):(.*)$')
+    if job ~= ARGV[1] then return {job, fingerprint == ARGV[7] and 1 or 0} end
+  end
+end
 local mark = redis.call('HGET', KEYS[2], 'submit')
 local id, done, first
 if mark then id, done, first = string.match(mark, '^(.*):(%d+):(%d+)$') end
@@ -53,8 +71,8 @@ if ARGV[3] ~= '' then redis.call('HSETNX', KEYS[2], 'spec', ARGV[3]) end
 if redis.call('HGET', KEYS[2], 'state') ~= 'cancelled' then redis.call('HSET', KEYS[2], 'state', 'running') end
 redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[4])
 for i = 0, n - 1 do
-  local gid = ARGV[1] .. ':' .. (base + i) .. ':' .. ARGV[7 + 2 * i]
-  redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task', ARGV[8 + 2 * i])
+  local gid = ARGV[1] .. ':' .. (base + i) .. ':' .. ARGV[9 + 2 * i]
+  redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task', ARGV[10 + 2 * i])
 end
 return first
 """
@@ -90,21 +108,19 @@ return 1
 # is what is still to train
 TRAIN_ENDS = ("trained", "stale_dropped", "degenerate_dropped", "dead_lettered", "cancelled", "malformed")
 
-# Cancel a job (KEYS: job hash, trainer hash; ARGV: TRAIN_ENDS) that is running and not finished (``_job_state``
-# reads it ``done``), or a train job with groups left to train once the trainer finished (the API reads it
-# ``stalled``), in one step: a job whose last task finishes between a read and a write stays done. Returns the
-# job's state after: ``cancelled``, ``done``, or false for an unknown job.
+# Cancel a job (KEYS: job hash; ARGV: TRAIN_ENDS) that has something left to end, in one step: an eval job with a task
+# not yet rolled out (its groups are finished once written), a train job with a group not yet trained or dropped
+# (its task not rolled out yet, or its group still in the buffer: the trainer acks those away unread), so a job whose
+# last task or group finishes between a read and a write stays done. Returns the job's state after: ``cancelled``,
+# ``done``, or false for an unknown job.
 _CANCEL_JOB = """
-local h = redis.call('HMGET', KEYS[1], 'state', 'submitted', 'completed', 'dead_lettered', 'kind')
+local h = redis.call('HMGET', KEYS[1], 'state', 'submitted', 'kind')
 if not h[1] then return false end
 if h[1] == 'cancelled' then return 'cancelled' end
-local submitted = tonumber(h[2]) or 0
-local left = (tonumber(h[3]) or 0) + (tonumber(h[4]) or 0) < submitted
-if not left and h[5] == 'train' and redis.call('HEXISTS', KEYS[2], '""" + TRAINER_FINISHED_FIELDS[0] + """') == 1 then
-  for _, n in ipairs(redis.call('HMGET', KEYS[1], unpack(ARGV))) do submitted = submitted - (tonumber(n) or 0) end
-  left = submitted > 0
-end
-if not left then return 'done' end
+local ends = h[3] == 'train' and ARGV or {'completed', 'dead_lettered'}
+local left = tonumber(h[2]) or 0
+for _, n in ipairs(redis.call('HMGET', KEYS[1], unpack(ends))) do left = left - (tonumber(n) or 0) end
+if left <= 0 then return 'done' end
 redis.call('HSET', KEYS[1], 'state', 'cancelled')
 return 'cancelled'
 """
@@ -120,6 +136,18 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 if #KEYS == 3 and redis.call('HDEL', KEYS[3], ARGV[4]) == 1 then redis.call('DECR', KEYS[2]) end
 return 1
 """
+
+
+class IdempotencyKeyUsed(Exception):
+    """A submit's idempotency key already names a job, submitted under it before (within ``IDEMPOTENCY_TTL_S``):
+    nothing was added. ``same_spec``: that job has the same spec, so this is a retry of its submit (answer with that
+    job); otherwise the key was reused for another job."""
+
+    def __init__(self, job_id: str, same_spec: bool) -> None:
+        how = "the same spec" if same_spec else "another spec"
+        super().__init__(f"the idempotency key was used for job {job_id}, with {how}")
+        self.job_id = job_id
+        self.same_spec = same_spec
 
 
 @dataclass
@@ -165,7 +193,8 @@ class TaskQueue:
                     raise
 
     def submit(
-        self, job_id: str, tasks: Sequence[Mapping[str, Any]], kind: str = "train", spec: str | None = None
+        self, job_id: str, tasks: Sequence[Mapping[str, Any]], kind: str = "train", spec: str | None = None,
+        idempotency_key: str | None = None,
     ) -> list[str]:
         """Enqueue tasks (dicts of the ``Task`` model) of a job; returns their group ids.
 
@@ -176,10 +205,15 @@ class TaskQueue:
         ``spec`` (the job's rollout parameters as JSON) is stored on the first submit of the job. The client
         retries a MULTI whose reply was lost (Redis restarting, a connection reset), and Redis may have run it:
         the submit's id in the job hash makes that rerun add nothing (the last submit of a job is remembered).
+        With ``idempotency_key`` (``spec`` then required: a retry is told apart from a reuse by it) the first chunk
+        claims the key for this job, checked in the same call, or finds it naming another job: then nothing is
+        added and ``IdempotencyKeyUsed`` says which job, and whether its spec was the same.
         """
         stream = self.keys.tasks(kind)
         if not job_id or ":" in job_id:
             raise ValueError(f"job_id {job_id!r}: must be non-empty and contain no ':'")
+        if idempotency_key is not None and spec is None:
+            raise ValueError("idempotency_key: a submit under one needs its spec, which a retry must repeat")
         args: list[str] = []
         for i, task in enumerate(tasks):
             task_id = task.get("task_id")
@@ -190,12 +224,32 @@ class TaskQueue:
             return []
         now, submit_id = f"{time.time():.3f}", secrets.token_hex(8)
         keys = [stream, self.keys.job(job_id), self.keys.jobs]
+        fingerprint = ""
+        if idempotency_key is not None:
+            keys.append(self._idempotency_key(idempotency_key))
+            fingerprint = _fingerprint(spec or "")
         pipe = self.redis.pipeline(transaction=True)
         for i, start in enumerate(range(0, len(args), 2 * SUBMIT_CHUNK)):
             chunk = args[start : start + 2 * SUBMIT_CHUNK]
-            self._submit(keys, [job_id, kind, spec or "", now, submit_id, i, *chunk], client=pipe)
-        first = int(pipe.execute()[0])
-        return [f"{job_id}:{first + i}:{task_id}" for i, task_id in enumerate(args[::2])]
+            self._submit(keys, [job_id, kind, spec or "", now, submit_id, i, fingerprint, IDEMPOTENCY_TTL_S, *chunk],
+                         client=pipe)
+        first = pipe.execute()[0]
+        if isinstance(first, list):
+            raise IdempotencyKeyUsed(first[0].decode(), first[1] == 1)
+        return [f"{job_id}:{int(first) + i}:{task_id}" for i, task_id in enumerate(args[::2])]
+
+    def check_idempotency_key(self, idempotency_key: str, spec: str) -> None:
+        """Raise ``IdempotencyKeyUsed`` when the key already names a job, so a retry is answered before the checks a
+        new job needs (a train job retried after the trainer finished would be refused). ``submit`` checks again in
+        the call that claims the key: that check decides, this one only answers early."""
+        claim = self.redis.get(self._idempotency_key(idempotency_key))
+        if claim is not None:
+            job_id, _, fingerprint = claim.decode().partition(":")
+            raise IdempotencyKeyUsed(job_id, fingerprint == _fingerprint(spec))
+
+    def _idempotency_key(self, idempotency_key: str) -> str:
+        """The Redis key of a client's idempotency key: hashed, so a key of any length or bytes names one of ours."""
+        return self.keys.idempotency(_fingerprint(idempotency_key))
 
     def job(self, job_id: str) -> dict[str, str]:
         """The job hash: ``spec`` (JSON), ``kind``, ``state`` and counters (``submitted``, ``completed``,
@@ -204,10 +258,12 @@ class TaskQueue:
         return _job_state(self.redis.hgetall(self.keys.job(job_id)))
 
     def cancel_job(self, job_id: str) -> str | None:
-        """Mark a running job ``cancelled``, or a train job the finished trainer left groups of (their groups are
-        then acked away, never trained, should a trainer start again); a done or cancelled one is left as it is.
-        Returns the job's state after (``cancelled`` or ``done``), None for an unknown job."""
-        state = self._cancel_job([self.keys.job(job_id), self.keys.trainer], list(TRAIN_ENDS))
+        """Mark ``cancelled`` an eval job with tasks not rolled out yet, or a train job with groups not trained yet
+        (tasks not rolled out, or groups still in the buffer, which the trainer then acks away unread; the groups of
+        a step it already took are trained), whether or not the trainer is running; a done (every group trained or
+        dropped) or cancelled one is left as it is. Returns the job's state after (``cancelled`` or ``done``), None
+        for an unknown job."""
+        state = self._cancel_job([self.keys.job(job_id)], list(TRAIN_ENDS))
         return None if state is None else state.decode()
 
     def jobs(self, job_ids: Sequence[str]) -> list[dict[str, str]]:
@@ -372,6 +428,10 @@ class TaskQueue:
             taken = {i.decode() for i in self._renew([stream], [ROLLOUT_GROUP, consumer, *(e.entry_id for e in group)])}
             lost += [e for e in group if e.entry_id in taken]
         return lost
+
+
+def _fingerprint(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _job_state(raw: dict[bytes, bytes]) -> dict[str, str]:

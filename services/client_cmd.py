@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ REDIS_OUTAGE_S = 60.0  # how long a wait rides out the API's 503s (its Redis res
 # how long a wait gives a crashed trainer to be restarted and train again: Kubernetes' longest crash back-off
 # (LocalStack and the Ray actors restart one after RestartBackoff's delay; the model load and resume come on top)
 RESTART_WAIT_S = 300.0
+# the failures after which a submit is sent again: its reply lost (a reset, a timeout), or the API not answering a
+# while; a refused connection is only retried after an earlier try failed (before: no API is there, said at once)
+RESUBMIT_ON = (httpx.NetworkError, httpx.TimeoutException, httpx.RemoteProtocolError)
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -128,12 +132,33 @@ def submit(args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.wait:
         raise CliError("--timeout is how long --wait waits: give --wait too")
     with _client(args) as client:
-        job = _json(client.post("/v1/jobs", json=job_from_args(args)), _job_file_lines(args))
+        job = post_job(client, job_from_args(args), _job_file_lines(args))
         print(f"job {job['job_id']} ({job['kind']}): {job['progress']['submitted']} tasks")
         if args.wait:
             job = wait_for_job(client, job["job_id"], args.timeout)
             print(json.dumps({k: job[k] for k in ("job_id", "state", "progress", "reward_mean", "accuracy")}))
     return 0
+
+
+def post_job(client: httpx.Client, body: dict[str, Any], where: Callable[[list[Any]], str] = lambda _loc: "",
+             outage_s: float = REDIS_OUTAGE_S, retry_s: float = 1.0) -> dict[str, Any]:
+    """POST /v1/jobs under an Idempotency-Key of its own, sent again with the same key every ``retry_s`` while the
+    reply is lost (a connection reset, a timeout) or the API answers 503 (its Redis restarting), for up to
+    ``outage_s`` after the first failure: a try the API did take is answered with its job, never made twice."""
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    failing_since: float | None = None
+    while True:
+        expired = failing_since is not None and time.monotonic() - failing_since >= outage_s
+        try:
+            reply = client.post("/v1/jobs", json=body, headers=headers)
+        except RESUBMIT_ON as exc:
+            if expired or (failing_since is None and isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)):
+                raise
+        else:
+            if reply.status_code != 503 or expired:
+                return _json(reply, where)
+        failing_since = failing_since or time.monotonic()
+        time.sleep(retry_s)
 
 
 def _trainer_crashed(client: httpx.Client) -> bool:

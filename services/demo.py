@@ -126,7 +126,7 @@ def _train(api: httpx.Client, stack: LocalStack, cfg: Config, timeout_s: float, 
             time.sleep(1.0)
         bar.n = cfg.trainer.total_steps
         bar.refresh()
-    reply = api.post(f"/v1/jobs/{job_id}/cancel")  # the extra tasks; 409: every one was rolled out, none left
+    reply = api.post(f"/v1/jobs/{job_id}/cancel")  # the extra tasks; 409: every group trained or dropped, none left
     if reply.status_code == 409:
         reply = api.get(f"/v1/jobs/{job_id}")
     reply.raise_for_status()

@@ -20,7 +20,7 @@ from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerInfo, ServerRegistry
 from buffer.replay import ReplayBuffer
-from buffer.task_queue import TaskQueue
+from buffer.task_queue import TRAIN_ENDS, TaskQueue
 from core.config import BufferConfig, ConfigError, load_config
 from core.jobs import MAX_INLINE_TASKS
 from core.tasks.gsm8k import BUNDLED
@@ -31,6 +31,7 @@ from services.api.cluster import ClusterView
 from services.api.sampler import MetricsSampler
 from tests.buffer_helpers import make_group
 from tests.http_harness import serve_app
+from trainer.metrics import RedisStatus
 
 TOKEN = secrets.token_urlsafe(32)
 
@@ -565,9 +566,9 @@ class FinishesBeforeWrite(redis.Redis):
 
 
 def test_cancel_leaves_a_job_done_meanwhile_done(redis_url: str) -> None:
-    """Cancel checks that a job is running and marks it cancelled in one step: a job whose last group is written
-    just before the mark (by a rollout server, here a real put) stays done, its result kept, and the cancel gets
-    409 saying so."""
+    """Cancel checks that a job has something left and marks it cancelled in one step: a train job whose last group
+    is trained just before the mark (written by a rollout server and acked by the trainer, here a real put, take and
+    ack) stays done, its result kept, and the cancel gets 409 saying so."""
     client = FinishesBeforeWrite.from_url(redis_url)
     keys = Keys("api-cancel-race")
     with serve(redis_url, keys.run, client=client) as api:
@@ -576,12 +577,18 @@ def test_cancel_leaves_a_job_done_meanwhile_done(redis_url: str) -> None:
         [entry] = TaskQueue(r, keys, BufferConfig()).read("server-1", 1)
         replay = ReplayBuffer(r, keys, BufferConfig())
         replay.ensure_group()
+
+        def train() -> None:
+            assert replay.put(make_group(job_id, entry.group_id, run=keys.run), task=entry)
+            [(entry_id, group)] = replay.take(1, 5.0)
+            assert replay.ack([entry_id], [group.group_id]) == 1
+
         client.job_key = keys.job(job_id)
-        client.finish = lambda: replay.put(make_group(job_id, entry.group_id, run=keys.run), task=entry)
+        client.finish = train
         reply = api.post(f"/v1/jobs/{job_id}/cancel")
-        assert client.finish is None  # the group was written during the cancel
+        assert client.finish is None  # the group was written and trained during the cancel
         assert reply.status_code == 409 and reply.json()["detail"].startswith(f"job {job_id} is done: "), reply.text
-        assert api.get(f"/v1/jobs/{job_id}").json()["progress"]["completed"] == 1
+        assert api.get(f"/v1/jobs/{job_id}").json()["progress"]["trained"] == 1
         assert r.hget(keys.job(job_id), "state") == b"running"  # never marked cancelled
         running = api.post("/v1/jobs", json={"source": {"kind": "arith", "limit": 2}}).json()["job_id"]
         assert api.post(f"/v1/jobs/{running}/cancel").json()["state"] == "cancelled"
@@ -638,3 +645,120 @@ def test_dashboard_pause_is_the_latest_updates_not_a_lifetime_mean(redis_url: st
     assert sample(3.0, b=[50.0]) == pytest.approx(50.0)
     servers["b"], started["b"] = _server_metrics(), time.time() + 1  # b restarted: its counters begin again
     assert sample(4.0, a=[10.0], b=[2.0]) == pytest.approx(6.0)
+
+
+def _train_job(api: httpx.Client, limit: int) -> str:
+    reply = api.post("/v1/jobs", json={"kind": "train", "source": {"kind": "arith", "limit": limit}})
+    assert reply.status_code == 201, reply.text
+    return reply.json()["job_id"]
+
+
+def test_a_train_job_is_cancelled_while_its_groups_wait_untrained_and_they_are_never_trained(redis_url: str) -> None:
+    """Every task rolled out, the trainer running and the job's groups still in the buffer: the cancel takes (it was
+    refused 409 "nothing is left to cancel" until the trainer had finished), and the trainer acks the groups it had not
+    taken away unread, counted ``cancelled``; the one a step already held is trained. The job adds up. Only a job
+    whose every group is trained or dropped is done (409). Real API, real Redis, a real trainer-side take."""
+    keys, cfg = Keys("api-cancel-untrained"), BufferConfig()
+    with serve(redis_url, keys.run) as api:
+        r = redis.Redis.from_url(redis_url)
+        queue, writer = TaskQueue(r, keys, cfg), ReplayBuffer(r, keys, cfg, consumer="rollout-0")
+        trainer = ReplayBuffer(r, keys, cfg, consumer="trainer")
+        trainer.ensure_group()
+
+        def roll_out(job_id: str, n: int) -> None:
+            for entry in queue.read("rollout-0", n):
+                assert entry.job_id == job_id and writer.put(make_group(job_id, entry.group_id, run=keys.run),
+                                                              task=entry)
+
+        job_id = _train_job(api, 3)
+        roll_out(job_id, 3)
+        [(held, group)] = trainer.take(1, 5.0)  # a step holds one of its groups
+        reply = api.post(f"/v1/jobs/{job_id}/cancel")
+        assert reply.status_code == 200 and reply.json()["state"] == "cancelled", reply.text
+        assert trainer.take(2, 0.5) == []  # the two left are acked away, never delivered for training
+        assert trainer.ack([held], [group.group_id]) == 1  # the step that held one trains it
+        progress = api.get(f"/v1/jobs/{job_id}").json()["progress"]
+        assert (progress["trained"], progress["cancelled"]) == (1, 2), progress
+        assert progress["submitted"] == sum(progress[name] for name in TRAIN_ENDS) == 3
+        assert trainer.metrics.cancelled.labels(stream="groups")._value.get() == 2
+        assert api.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"  # again: as it is
+
+        done = _train_job(api, 2)
+        roll_out(done, 2)
+        taken = trainer.take(2, 5.0)
+        stale = taken[1][1].group_id
+        assert trainer.ack([e for e, _ in taken], [g.group_id for _, g in taken], stale_group_ids=[stale]) == 2
+        reply = api.post(f"/v1/jobs/{done}/cancel")  # one group trained, one dropped: nothing is left
+        assert reply.status_code == 409 and reply.json()["detail"].startswith(f"job {done} is done: "), reply.text
+        assert r.hget(keys.job(done), "state") == b"running"
+        assert _refused(api, "not_cancellable") == 1
+
+
+class ChecksThenCompetes(redis.Redis):
+    """A Redis client that, once, lets ``compete`` run right after the API read an idempotency key (and found it
+    unused): another submit under the key slips in between that check and the API's own submit."""
+
+    compete: Callable[[], object] | None = None
+    prefix = ""
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        result = super().execute_command(*args, **options)
+        if self.compete is not None and args[0] == "GET" and str(args[1]).startswith(self.prefix):
+            compete, self.compete = self.compete, None
+            compete()
+        return result
+
+
+def _metric(api: httpx.Client, name: str) -> float:
+    [value] = [float(line.split()[-1]) for line in api.get("/metrics").text.splitlines() if line.startswith(name)]
+    return value
+
+
+def test_a_submit_retried_with_its_idempotency_key_makes_one_job(redis_url: str) -> None:
+    """A client that lost the reply to its submit sends it again with the same Idempotency-Key: it gets the job the
+    first made (200, its id, no new tasks), counted; also once the trainer finished, which refuses a new train job. The
+    key with another spec is a 422 naming the header; without a key each submit is a job of its own."""
+    keys = Keys("api-idempotent")
+    body = {"kind": "train", "source": {"kind": "arith", "limit": 3}}
+    with serve(redis_url, keys.run) as api:
+        r = redis.Redis.from_url(redis_url)
+        first = api.post("/v1/jobs", json=body, headers={"Idempotency-Key": "retry-1"})
+        assert first.status_code == 201 and "Idempotent-Replayed" not in first.headers, first.text
+        job_id = first.json()["job_id"]
+        RedisStatus(r, keys).finished(4, "trainer.total_steps", 0, 0)
+        again = api.post("/v1/jobs", json=body, headers={"Idempotency-Key": "retry-1"})
+        assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true", again.text
+        assert again.json()["job_id"] == job_id and again.json()["progress"]["submitted"] == 3
+        assert _metric(api, "rollwave_api_jobs_replayed_total") == 1
+        RedisStatus(r, keys).started()
+
+        other = api.post("/v1/jobs", json={**body, "n_samples": 8}, headers={"Idempotency-Key": "retry-1"})
+        assert other.status_code == 422, other.text
+        [error] = other.json()["detail"]
+        assert error["loc"] == ["header", "Idempotency-Key"] and f"used for job {job_id}" in error["msg"], error
+        assert _refused(api, "idempotency_key") == 1 and _metric(api, "rollwave_api_jobs_rejected_total") == 1
+        long = api.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k" * 256})
+        assert long.status_code == 422 and long.json()["detail"][0]["loc"] == ["header", "Idempotency-Key"]
+
+        assert [j["job_id"] for j in api.get("/v1/jobs").json()["jobs"]] == [job_id]
+        assert r.xlen(keys.tasks("train")) == 3
+        unkeyed = {api.post("/v1/jobs", json=body).json()["job_id"] for _ in range(2)}
+        assert len(unkeyed) == 2 and r.xlen(keys.tasks("train")) == 9
+
+
+def test_two_submits_under_one_key_make_one_job_whichever_checks_first(redis_url: str) -> None:
+    """The key is claimed in the Redis call that adds the tasks, not by a read before it: a submit under the key that
+    lands between the API's read of the key and its submit makes the job, and the API answers with that job."""
+    client = ChecksThenCompetes.from_url(redis_url)
+    keys = Keys("api-idempotent-race")
+    body = {"kind": "eval", "source": {"kind": "arith", "limit": 2}}
+    with serve(redis_url, keys.run, client=client) as api:
+        competed: list[httpx.Response] = []
+        client.prefix = f"{keys.prefix}idempotency:"
+        client.compete = lambda: competed.append(api.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k"}))
+        reply = api.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k"})
+        [winner] = competed
+        assert winner.status_code == 201, winner.text
+        assert reply.status_code == 200 and reply.json()["job_id"] == winner.json()["job_id"], reply.text
+        assert [j["job_id"] for j in api.get("/v1/jobs").json()["jobs"]] == [winner.json()["job_id"]]
+        assert redis.Redis.from_url(redis_url).xlen(keys.tasks("eval")) == 2

@@ -8,9 +8,11 @@ have no token, and a page may POST to it); jobs read files only under ``api.data
 ``api.max_job_tasks`` tasks, name reward functions, agents and tools the run allows, set nothing this run cannot
 honour (``_inapplicable``), and give each tool a task gets the create kwargs it requires; a train job submitted
 once the run's trainer finished gets 409 (nothing would train it; once it crashed one is taken: its restart trains
-it), and so does the cancel of a job that is done. Each refusal is logged and counted. While Redis is away or stuck
-a request is answered 503 naming it within about ``redis.timeout_s``: the API does not ride out the outage the
-other components do.
+it), and so does the cancel of a job that is done. A submit may carry an ``Idempotency-Key`` header: a retry with the
+same key and spec is answered with the job the first one made (200, ``Idempotent-Replayed: true``, no new tasks,
+counted), the key with another spec gets 422 naming the header. Each refusal is logged and counted. While Redis is
+away or stuck a request is answered 503 naming it within about ``redis.timeout_s``: the API does not ride out the
+outage the other components do.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from urllib.parse import urlsplit
 
 import pydantic_core
 import redis
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -41,7 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from buffer.keys import Keys
 from buffer.redis_server import connect, shorten_outage_retries
 from buffer.registry import ServerRegistry
-from buffer.task_queue import TaskQueue
+from buffer.task_queue import IDEMPOTENCY_TTL_S, IdempotencyKeyUsed, TaskQueue
 from core.config import Config, ConfigError, require_secret
 from core.jobs import JobSpec
 from core.net import is_loopback
@@ -54,6 +56,7 @@ from services.api.sampler import MetricsSampler
 STATIC = Path(__file__).resolve().parent.parent / "static"
 OPS_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+IDEMPOTENCY_KEY = "Idempotency-Key"
 _CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,8 @@ class ApiState:
             "rollwave_api_jobs_submitted_total", "Jobs accepted", ["kind"], registry=self.registry
         )
         self.jobs_rejected = Counter("rollwave_api_jobs_rejected_total", "Jobs rejected", registry=self.registry)
+        self.jobs_replayed = Counter("rollwave_api_jobs_replayed_total", "Job submits answered with the job an "
+                                     "earlier submit with their Idempotency-Key made", registry=self.registry)
 
 
 def _state(request: Request) -> ApiState:
@@ -273,7 +278,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     refused = Counter(
         "rollwave_api_requests_refused_total",
         "Requests refused (auth, host, origin, body_size, validation, cursor, not_found, trainer_finished, "
-        "not_cancellable, redis)", ["reason"],
+        "not_cancellable, idempotency_key, redis)", ["reason"],
         registry=registry,
     )
     refuse = _refused(refused)
@@ -368,8 +373,40 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         log.warning("job rejected: %s: %s", field, _one_line(msg))
         return HTTPException(422, [{"loc": ["body", *field.split(".")], "msg": msg, "type": "value_error"}])
 
+    def key_used(api: ApiState, request: Request, response: Response, used: IdempotencyKeyUsed) -> dict[str, Any]:
+        """The answer to a submit whose Idempotency-Key names a job already: that job (200), when it has the same spec
+        (a client retrying a submit whose reply it lost), else a 422 naming the header."""
+        if not used.same_spec:
+            api.jobs_rejected.inc()
+            refuse("idempotency_key", request.scope, str(used))
+            msg = (f"{used}: a key names one job, for {IDEMPOTENCY_TTL_S} s; send a new key for a new job, the same "
+                   "spec to retry that one")
+            raise HTTPException(422, [{"loc": ["header", IDEMPOTENCY_KEY], "msg": msg, "type": "value_error"}])
+        api.jobs_replayed.inc()
+        log.info("POST /v1/jobs: its %s was used for job %s with the same spec: answered with that job, nothing added",
+                 IDEMPOTENCY_KEY, used.job_id)
+        response.status_code = 200
+        response.headers["Idempotent-Replayed"] = "true"
+        return api.cluster.job(used.job_id)
+
     @app.post("/v1/jobs", status_code=201, tags=["jobs"])
-    def create_job(spec: JobSpec, api: State, request: Request) -> dict[str, Any]:
+    def create_job(
+        spec: JobSpec,
+        api: State,
+        request: Request,
+        response: Response,
+        idempotency_key: Annotated[str | None, Header(
+            alias=IDEMPOTENCY_KEY, min_length=1, max_length=255, pattern=r"^[\x20-\x7e]+$",
+            description="a client's key for this submit (e.g. a UUID), sent again with each retry of it: the same key "
+                        f"and spec within {IDEMPOTENCY_TTL_S} s are answered with the job the first made (200)",
+        )] = None,
+    ) -> dict[str, Any]:
+        spec_json = spec.model_dump_json()
+        if idempotency_key is not None:  # a retry is answered before the checks a new job needs, which may now fail
+            try:
+                api.queue.check_idempotency_key(idempotency_key, spec_json)
+            except IdempotencyKeyUsed as used:
+                return key_used(api, request, response, used)
         if spec.kind == "train" and (end := api.cluster.trainer_end()) is not None and not end.crashed:
             msg = (f"{end}: a train job submitted now would never be trained; start the trainer again "
                    f"(python -m trainer --resume, trainer.total_steps above {end.step}), then submit")
@@ -407,14 +444,17 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
             raise reject(api, "source", f"{len(tasks)} tasks; a job may hold at most api.max_job_tasks={cap}")
         job_id = secrets.token_hex(6)
         try:  # all or nothing (TaskQueue.submit): a failed submit leaves no job behind
-            api.queue.submit(job_id, [t.model_dump() for t in tasks], spec.kind, spec.model_dump_json())
+            api.queue.submit(job_id, [t.model_dump() for t in tasks], spec.kind, spec_json, idempotency_key)
+        except IdempotencyKeyUsed as used:  # a submit with the key ran since the check above: it decides
+            return key_used(api, request, response, used)
         except redis.RedisError as exc:
             api.jobs_rejected.inc()
             log.warning("job %s rejected: Redis did not take its %d tasks: %s", job_id, len(tasks), exc)
             why = str(exc).rpartition("of pipeline caused error: ")[2]  # not the command redis-py quotes
+            retry = f"; sending it again with the same {IDEMPOTENCY_KEY} makes no second job" if idempotency_key else ""
             raise HTTPException(503, f"Redis did not take the job's {len(tasks)} tasks ({type(exc).__name__}: "
                                      f"{why}); a job is written whole or not at all: GET /v1/jobs/{job_id} says "
-                                     "which (404: nothing was submitted)") from None
+                                     f"which (404: nothing was submitted){retry}") from None
         api.jobs_submitted.labels(kind=spec.kind).inc()
         return api.cluster.job(job_id)
 

@@ -25,8 +25,8 @@ class NotFound(LookupError):
 
 
 class NotCancellable(ValueError):
-    """A cancel of a job with nothing left to cancel (every task rolled out and, for a train job, no trainer end
-    that leaves groups of it untrained)."""
+    """A cancel of a job with nothing left to cancel: every task of an eval job rolled out, every group of a train
+    job trained or dropped."""
 
 
 class InvalidCursor(ValueError):
@@ -135,8 +135,8 @@ class ClusterView:
         if state is None:
             raise NotFound(f"job {job_id!r} not found")
         if state == "done":
-            raise NotCancellable(f"job {job_id} is done: every task of it is rolled out, scored or dead-lettered; "
-                                 "nothing is left to cancel")
+            raise NotCancellable(f"job {job_id} is done: every task of it is rolled out and scored, or its groups "
+                                 "trained or dropped, or dead-lettered; nothing is left to cancel")
         return self.job(job_id)
 
     def trajectories(self, job_id: str, cursor: str, limit: int) -> dict[str, Any]:

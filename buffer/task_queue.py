@@ -257,6 +257,12 @@ class TaskQueue:
         running job whose every task has a written group or a dead letter reads as ``done``."""
         return _job_state(self.redis.hgetall(self.keys.job(job_id)))
 
+    def job_state(self, job_id: str) -> str | None:
+        """The job's stored ``state`` alone (``cancelled`` once cancelled; None for an unknown job or one that has
+        none): one small read where the spec, which may hold thousands of inline tasks, is not needed."""
+        state = self.redis.hget(self.keys.job(job_id), "state")
+        return None if state is None else state.decode()
+
     def cancel_job(self, job_id: str) -> str | None:
         """Mark ``cancelled`` an eval job with tasks not rolled out yet, or a train job with groups not trained yet
         (tasks not rolled out, or groups still in the buffer, which the trainer then acks away unread; the groups of

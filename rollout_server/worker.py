@@ -98,6 +98,8 @@ class RolloutWorker:
         self._inflight: dict[asyncio.Task, TaskEntry] = {}
         self._unadmitted: set[str] = set()  # train groups read whose admission is not yet settled
         self._loops: dict[tuple[str, int], AgentLoop] = {}
+        self._specs: dict[str, JobSpec] = {}  # job id -> its spec, validated (the last MAX_CACHED_LOOPS jobs)
+        self._spec_read = asyncio.Lock()
         self._next_engine = 0
         self.engine_down: str | None = None  # why the worker stopped itself: an engine stopped answering (_engines_up)
         self._stopping = threading.Event()
@@ -183,11 +185,10 @@ class RolloutWorker:
         """One task -> one group written (or the task handed back, failed or dead-lettered, never lost). A group
         with a failed episode is not written: the task fails and is rolled out again (``buffer.max_attempts``)."""
         try:
-            job = await self._call(self.tasks.job, entry.job_id)
-            if job.get("state") == "cancelled":  # acked and counted, not dead-lettered: it did not fail
-                await self._call(self.tasks.cancel, entry)
+            if await self._call(self.tasks.job_state, entry.job_id) == "cancelled":  # acked and counted, not
+                await self._call(self.tasks.cancel, entry)  # dead-lettered: it did not fail
                 return
-            spec = JobSpec.model_validate_json(job["spec"]) if job.get("spec") else None
+            spec = await self._job_spec(entry.job_id)
             loop = self._agent_loop(entry.job_id, spec)
             task = Task.model_validate({**entry.task, "task_id": entry.group_id})
             if spec is not None and spec.tools is not None:
@@ -308,6 +309,21 @@ class RolloutWorker:
             pipe.xadd(self.keys.trajectories(group.job_id), {"sample": json.dumps(record, default=str)},
                       maxlen=TRAJECTORY_LOG_LEN, approximate=True)
         pipe.execute()
+
+    async def _job_spec(self, job_id: str) -> JobSpec | None:
+        """The job's spec, read and validated once per job (a job's spec never changes once stored): an inline job's
+        spec holds its tasks, up to ``MAX_INLINE_TASKS``, and reading and validating it for each of them cost the
+        server seconds a task. None for a job stored without one (read again next time)."""
+        async with self._spec_read:  # the groups a job starts at once wait for one read
+            if (spec := self._specs.get(job_id)) is None:
+                stored = (await self._call(self.tasks.job, job_id)).get("spec")
+                if not stored:
+                    return None
+                spec = JobSpec.model_validate_json(stored)
+                if len(self._specs) >= MAX_CACHED_LOOPS:
+                    self._specs.pop(next(iter(self._specs)))
+                self._specs[job_id] = spec
+        return spec
 
     def _agent_loop(self, job_id: str, spec: JobSpec | None) -> AgentLoop:
         """The agent loop with a job's settings on the next engine (round robin). Cached per job and engine."""

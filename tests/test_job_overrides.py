@@ -279,3 +279,30 @@ def test_job_max_turns_ends_episodes_before_the_runs_limit(redis_server: Embedde
             assert roles == ["system", "user"] + ["assistant", "tool"] * turns, (job, roles)
             assert [c["ok"] for c in item["tool_calls"]] == [True] * turns
         assert len(requests_of(engine, job)) == 2 * turns, job
+
+
+def test_a_job_spec_is_read_once_per_server_however_many_tasks_it_has(redis_server: EmbeddedRedis,
+                                                                       tokenizer: Any) -> None:
+    """An inline job's stored spec holds every task: a worker reads and validates it once, then reads only the job's
+    state for each task (it read the whole hash, megabytes for a big inline job, and validated every task in it,
+    for each of its tasks). Its settings still reach every task."""
+    rollout = RolloutConfig(n_samples=2, max_new_tokens=64, max_total_tokens=1024, max_turns=5)
+    engine = ToolCallingEngine(tokenizer)
+    tasks = [{"task_id": f"t{i}", "messages": [{"role": "user", "content": f"What is {i}*7?"}],
+              "reward": {"ground_truth": str(7 * i)}}
+             for i in range(4)]
+    with api_of(redis_server) as api:
+        job = submit(api, {"source": {"kind": "inline", "tasks": tasks}, "max_turns": 1})
+        worker = RolloutWorker(client(redis_server), RUN, rollout, BufferConfig(), [engine], tokenizer,
+                               ToolRegistry.builtin(), RolloutMetrics())
+        reads: list[str] = []
+        read_job = worker.tasks.job
+
+        def spied(job_id: str) -> dict[str, str]:  # a spy: the queue still answers
+            reads.append(job_id)
+            return read_job(job_id)
+
+        worker.tasks.job = spied  # type: ignore[method-assign]
+        asyncio.run(serve_until(worker, lambda: api.get(f"/v1/jobs/{job}").json()["state"] == "done", "job done"))
+    assert reads == [job]
+    assert len(requests_of(engine, job)) == 4 * 2  # max_turns 1: one request per sample

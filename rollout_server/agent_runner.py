@@ -9,15 +9,21 @@ Each run is a fresh process forked from a multiprocessing fork server that has a
 ``openai`` and the allowed agents' modules and run the ``openai`` client once (``start_fork_server``), so a
 sample starts in milliseconds instead of paying a Python start, those imports (about 1 s of CPU here) and the
 client's first call (``agent_warmup``). The child leads its own session, pins itself to
-``placement.agent_cpus`` when set, sets its own address-space limit (``RLIMIT_AS``) before calling the agent,
-and sends its result back over a pipe; the parent kills the child's whole process group when it exits (what
-the agent left running) or at the time limit.
+``placement.agent_cpus`` when set, and becomes a child subreaper: it forks the agent's process, which sets its own
+address-space limit (``RLIMIT_AS``) before calling the agent and sends its result back over a pipe. Every process
+the agent starts stays below the child, even one in a session of its own whose parent has exited (orphans come
+to the subreaper, not to init), so when the agent's process exits, or the parent closes its end of a second pipe
+(at the time limit, on cancellation, or because the rollout server died), the child SIGKILLs and reaps all of
+them, leaving neither a process nor a zombie. The parent SIGKILLs the child's process group if the child has not
+ended ``KILL_WAIT_S`` after that.
 Anything the agent prints goes to the worker's stderr.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import importlib
 import inspect
 import math
@@ -26,6 +32,7 @@ import multiprocessing.forkserver
 import os
 import reprlib
 import resource
+import select
 import signal
 import sys
 import traceback
@@ -34,6 +41,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 ERROR_TAIL = 2000
+KILL_WAIT_S = 10.0
+PR_SET_CHILD_SUBREAPER = 36
 _FORK_SERVER = multiprocessing.get_context("forkserver")
 
 
@@ -62,28 +71,29 @@ async def start_fork_server(entrypoints: list[str]) -> None:
 async def run_agent(entrypoint: str, task: Any, base_url: str, api_key: str, *, timeout_s: float,
                     memory_mb: int, cpus: list[int] | None = None) -> AgentOutcome:
     """Run ``entrypoint`` for one sample in a child process, pinned to ``cpus`` if given; never raises for the
-    agent's faults."""
+    agent's faults, and returns (or raises) only once the child and every process the agent started are gone."""
     payload = {"entrypoint": entrypoint, "task": agent_task(task), "base_url": base_url, "api_key": api_key,
                "memory_mb": memory_mb, "cpus": cpus or []}
     receive, send = _FORK_SERVER.Pipe(duplex=False)
-    proc = _FORK_SERVER.Process(target=_child, args=(payload, send), name=f"agent {task.task_id}", daemon=True)
+    watch, keep = _FORK_SERVER.Pipe(duplex=False)  # the child ends the agent once ``keep`` is closed
+    proc = _FORK_SERVER.Process(target=_child, args=(payload, send, watch), name=f"agent {task.task_id}",
+                                daemon=True)
     try:
         await asyncio.to_thread(proc.start)
         send.close()
+        watch.close()
         try:
             await asyncio.wait_for(_exited(proc.sentinel), timeout_s)
         except TimeoutError:
-            _kill(proc)
             return AgentOutcome(failure="agent_timeout", error=f"agent {entrypoint} ran past {timeout_s:g}s")
-        except asyncio.CancelledError:
-            _kill(proc)
-            raise
-        _kill(proc)  # it has exited: what it started and left running goes with it
         result = receive.recv() if receive.poll() else {}
     except EOFError:
         result = {}
     finally:
+        keep.close()
         receive.close()
+        if proc.pid is not None:
+            await _end(proc)
     if "error" in result:
         return AgentOutcome(failure="agent_error", error=f"agent {entrypoint} failed: {result['error']}")
     if "invalid" in result:
@@ -105,19 +115,80 @@ async def _exited(sentinel: int) -> None:
         loop.remove_reader(sentinel)
 
 
-def _kill(proc: multiprocessing.process.BaseProcess) -> None:
-    """SIGKILL the child's process group (all it started); the child itself if it has not led one yet."""
+async def _end(proc: multiprocessing.process.BaseProcess) -> None:
+    """Wait for the child, which ends the agent and all it started once ``keep`` is closed; SIGKILL its process
+    group (the child itself if it has not led one yet) if it has not ended within ``KILL_WAIT_S``."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        proc.kill()
+        await asyncio.wait_for(_exited(proc.sentinel), KILL_WAIT_S)
+    except TimeoutError:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            proc.kill()
     proc.join()
 
 
-def _child(payload: dict[str, Any], result: Connection) -> None:
+def _child(payload: dict[str, Any], result: Connection, watch: Connection) -> None:
+    """The subreaper above the agent's process: returns (exits) with the agent's exit code once the agent has
+    exited or ``watch`` has closed, and every process below it is killed and reaped."""
     os.setsid()
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
     if payload["cpus"]:  # the rollout server checked them at start (placement.agent_cpus)
         os.sched_setaffinity(0, payload["cpus"])
+    agent = os.fork()
+    if agent == 0:
+        watch.close()
+        code = 1
+        try:
+            code = _agent(payload, result)
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    result.close()
+    try:
+        select.select([watch, os.pidfd_open(agent)], [], [])  # the pidfd is closed as this process exits
+    finally:
+        code = _kill_descendants(agent)
+    raise SystemExit(code)
+
+
+def _kill_descendants(agent: int) -> int:
+    """SIGKILL and reap every process below this one, a subreaper (what a killed process leaves comes to it);
+    returns the agent's exit code."""
+    code, killed = 1, False
+    while True:
+        try:  # blocks only while a child it killed has still to die, not on one that came since, unkilled
+            pid, status = os.waitpid(-1, 0 if killed else os.WNOHANG)
+        except ChildProcessError:
+            return code
+        if pid == agent:
+            code = os.waitstatus_to_exitcode(status)
+        killed = False
+        if pid == 0:  # a child runs: kill every child there is now
+            for child in _children():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
+                killed = True
+
+
+def _children() -> list[int]:
+    """This process's children, read from ``/proc`` (``/proc/<pid>/task/<tid>/children`` needs a kernel built with
+    CONFIG_PROC_CHILDREN)."""
+    me, found = os.getpid(), []
+    for entry in os.scandir("/proc"):
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                parent = int(stat.read().rsplit(b")", 1)[1].split()[1])  # the name before ")" may hold anything
+        except (OSError, ValueError, IndexError):  # not a process, or gone meanwhile
+            continue
+        if parent == me:
+            found.append(int(entry.name))
+    return found
+
+
+def _agent(payload: dict[str, Any], result: Connection) -> int:
+    """Call the agent in this process, under its memory limit; send back its result and return the exit code."""
     limit = payload["memory_mb"] * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     os.dup2(2, 1)  # the agent's prints go to stderr
@@ -138,4 +209,5 @@ def _child(payload: dict[str, Any], result: Connection) -> None:
             result.send({"reward": reward})
     except BaseException as exc:  # noqa: BLE001 - whatever the agent raised is the sample's failure
         result.send({"error": "".join(traceback.format_exception(exc))[-ERROR_TAIL:]})
-        raise SystemExit(1) from None
+        return 1
+    return 0

@@ -5,7 +5,8 @@ reading /etc/passwd, the model dir or a host file, writing outside the working d
 Redis on 127.0.0.1, a fork bomb, a 4 GB allocation, an endless loop, 100 MB of output, reading the
 environment and /proc of its parent, killing its parent, a session-leading child started through
 ``_posixsubprocess.fork_exec`` that should outlive the timeout, ptracing the sandbox's pid 1 to run past the limits
-and the kill, filling /dev/shm, and a nested user namespace. Where the tool's path as root and as another user
+and the kill, filling /dev/shm, a nested user namespace, and reading a key of the rollout server's session
+keyring. Where the tool's path as root and as another user
 differ, both run (``_py_as``).
 """
 
@@ -541,6 +542,44 @@ def test_no_nested_user_namespace(who: str) -> None:
     assert calls == ["-1 No space left on device"] * 2, out.text
     if who == "root":  # the sandbox uid is itself on the host, not root
         assert ids == "65534 ['0', '0', '1', '65534', '65534', '1']", out.text
+
+
+_WITH_A_KEY = """
+import asyncio, ctypes, dataclasses, json, platform, sys
+from rollout_server.tools.python_tool import KEYCTL_SYSCALLS, PythonTool
+libc = ctypes.CDLL(None, use_errno=True)
+keyctl = KEYCTL_SYSCALLS[platform.machine()]
+assert libc.syscall(keyctl, 1, None) > 0  # KEYCTL_JOIN_SESSION_KEYRING: a new one, not the test's
+add_key = {"x86_64": 248, "aarch64": 217, "riscv64": 217}[platform.machine()]
+key = libc.syscall(add_key, b"user", b"rollwave-test", sys.argv[1].encode(), len(sys.argv[1]), -3)  # to @s
+assert key > 0, ctypes.get_errno()
+code = sys.argv[2].replace("KEYCTL", str(keyctl)).replace("KEY", str(key))
+print(json.dumps(dataclasses.asdict(asyncio.run(PythonTool().execute("i", {"code": code})))))
+"""
+
+
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_a_key_of_the_rollout_servers_session_keyring_stays_out_of_reach(who: str) -> None:
+    """Keyrings are not namespaced: the snippet inherited its rollout server's session keyring, and so possessed,
+    and read, every key in it (a login's or a service manager's session holds credentials there)."""
+    secret = "s3cret-" + "k" * 32
+    code = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "buf = ctypes.create_string_buffer(4096)\n"
+        "for key in (KEY, -3):  # the key, and the session keyring (the ids of the keys in it)\n"
+        "    n = libc.syscall(KEYCTL, 11, key, buf, 4096)  # KEYCTL_READ\n"
+        "    print(key, n, buf.raw[:max(n, 0)] if n >= 0 else ctypes.get_errno())\n"
+    )
+    prefix = [] if who == "root" else ["unshare", "--user", "--map-user=1000", "--map-group=1000", "--"]
+    done = subprocess.run([*prefix, sys.executable, "-c", _WITH_A_KEY, secret, code], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = ToolResult(**json.loads(done.stdout))
+    assert out.ok and secret not in out.text, out.text
+    key_line, session_line = out.text.splitlines()
+    assert key_line.endswith(" -1 13"), out.text  # EACCES: the key is not the snippet's
+    assert session_line == "-3 0 b''", out.text  # its session keyring is a new, empty one
 
 
 def test_concurrent_snippets_each_have_their_own_process_limit() -> None:

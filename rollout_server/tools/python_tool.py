@@ -13,6 +13,10 @@ The boundary is the kernel's, set up by bubblewrap (``bwrap``, Debian package ``
   Run as root, ``_USER_NAMESPACE`` makes it before bwrap, mapping root and the uid each to itself (bwrap's own
   would map the uid to root); bwrap runs in it as its root and the snippet switches to the uid before anything
   else. The environment is empty but for PATH, HOME, LANG and thread counts.
+- **Keys**: the kernel's keyrings are not namespaced, and a process possesses (may read) every key of the session
+  keyring it inherits: the bootstrap joins a new, empty session keyring before the snippet runs, so no key of the
+  rollout server's session (a login's, a service manager's) reaches it. Where the number of the ``keyctl`` system
+  call is not known (``KEYCTL_SYSCALLS``), the sandbox counts as unavailable.
 - **Processes**: the bootstrap is the sandbox's pid 1 (``--as-pid-1``: no init of bwrap's, which no rlimit
   would cover) and sets rlimits NPROC, AS (memory), CPU, FSIZE, NOFILE and CORE, which no process of the
   sandbox can raise, before it forks the snippet; it is not dumpable, so the snippet cannot ptrace it even as
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -45,13 +50,15 @@ WORKDIR = "/sandbox"
 LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64")
 PROBE_TIMEOUT_S = 30.0
 KILL_WAIT_S = 10.0
+KEYCTL_SYSCALLS = {"x86_64": 250, "aarch64": 219, "riscv64": 219}  # the system call's number, by machine
 
-# Runs in the sandbox as its pid 1 (the docstring's Processes): limits and not dumpable before the snippet can run,
-# it forks the snippet and reaps until the snippet ends, then ends with its status (128 + a signal that killed it,
-# as bwrap reports one).
+# Runs in the sandbox as its pid 1 (the docstring's Processes): limits, not dumpable and a session keyring of its own
+# (the docstring's Keys; ENOSYS or EPERM: the kernel has no keys, or a seccomp filter the snippet inherits forbids
+# them) before the snippet can run, it forks the snippet and reaps until the snippet ends, then ends with its status
+# (128 + a signal that killed it, as bwrap reports one).
 _BOOTSTRAP = r"""
-import ctypes, os, resource, sys, traceback
-_uid, _mem, _cpu, _fsize, _nproc, _nofile, _memory_exit = (int(a) for a in sys.argv[1:8])
+import ctypes, errno, os, resource, sys, traceback
+_uid, _mem, _cpu, _fsize, _nproc, _nofile, _memory_exit, _keyctl = (int(a) for a in sys.argv[1:9])
 for _limit, _value in ((resource.RLIMIT_AS, _mem), (resource.RLIMIT_FSIZE, _fsize), (resource.RLIMIT_NPROC, _nproc + 1),
                        (resource.RLIMIT_NOFILE, _nofile), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(_limit, (_value, _value))  # NPROC + 1: room for pid 1's fork, where it counts
@@ -59,8 +66,11 @@ resource.setrlimit(resource.RLIMIT_CPU, (_cpu, _cpu + 1))
 _source = sys.stdin.read()
 sys.stdin.close()
 del _limit, _value
-if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
+_libc = ctypes.CDLL(None, use_errno=True)
+if _libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
     sys.exit(f"prctl(PR_SET_DUMPABLE): {os.strerror(ctypes.get_errno())}")
+if _libc.syscall(_keyctl, 1, None) < 0 and ctypes.get_errno() not in (errno.ENOSYS, errno.EPERM):  # JOIN_SESSION
+    sys.exit(f"keyctl(KEYCTL_JOIN_SESSION_KEYRING): {os.strerror(ctypes.get_errno())}")
 _snippet = os.fork()
 while _snippet:  # pid 1
     _pid, _status = os.wait()
@@ -168,6 +178,10 @@ class PythonTool(Tool):
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             raise FileNotFoundError("bwrap not found: install the Debian package bubblewrap")
+        keyctl = KEYCTL_SYSCALLS.get(platform.machine())
+        if keyctl is None:
+            raise OSError(f"the keyctl system call's number on {platform.machine()} is not known (KEYCTL_SYSCALLS): "
+                          "the snippet would keep the rollout server's session keyring")
         argv = [
             bwrap, "--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox",
@@ -196,7 +210,7 @@ class PythonTool(Tool):
             if os.path.islink(link):
                 argv += ["--symlink", os.readlink(link), link]
         limits = (self.sandbox_uid, self.memory_bytes, self.cpu_s, self.max_file_bytes, self.max_processes,
-                  self.max_open_files, MEMORY_ERROR_EXIT)
+                  self.max_open_files, MEMORY_ERROR_EXIT, keyctl)
         return [*user_namespace, *argv, "--remount-ro", "/", "--chdir", WORKDIR, "--", sys.executable, "-I", "-B",
                 "-c", _BOOTSTRAP, *map(str, limits)]
 

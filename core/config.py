@@ -305,6 +305,15 @@ class RolloutConfig(Section):
                 raise ValueError(f"{name}: {path!r} is not module:function")
         return allowlist
 
+    @field_validator("agent_allowlist")
+    @classmethod
+    def _agent_entrypoints(cls, allowlist: list[str]) -> list[str]:
+        """Each entry as jobs name it: one that is not ``module:function`` would refuse every job's sample instead."""
+        for entry in allowlist:
+            if not IMPORT_PATH.fullmatch(entry):
+                raise ValueError(f"{entry!r} is not module:function")
+        return allowlist
+
     @model_validator(mode="after")
     def _known_reward(self) -> RolloutConfig:
         if self.reward not in BUILTIN_REWARDS and self.reward not in self.reward_allowlist:

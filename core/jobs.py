@@ -8,19 +8,16 @@ scales that group's logits by it.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from core.config import RolloutConfig, check_sampling, check_train_temperature
-from core.rewards import REWARD_NAME
+from core.rewards import IMPORT_PATH, REWARD_NAME
 from core.tasks import Task, load_tasks
 from core.tasks.base import check_split, window
 from core.tasks.check import check_inline
-
-_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
 
 MAX_INLINE_TASKS = 10_000
 # which of path, split and seed each kind reads (all read limit and offset): one given to another kind is refused
@@ -135,7 +132,7 @@ class JobSpec(Strict):
     @field_validator("agent")
     @classmethod
     def _agent_name(cls, agent: str | None) -> str | None:
-        if agent is not None and not _IMPORT_PATH.fullmatch(agent):
+        if agent is not None and not IMPORT_PATH.fullmatch(agent):
             raise ValueError(f"agent {agent!r}: not module:function")
         return agent
 

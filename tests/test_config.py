@@ -1,5 +1,6 @@
 """Config layering and validation: errors name the full dotted key."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -424,3 +425,13 @@ def test_one_sample_per_group_is_refused_under_a_group_baseline(advantage: str) 
 
 def test_the_deploy_config_loads() -> None:
     assert load_config(ROOT / "deploy/config/run.yaml").rollout.n_samples >= 2
+
+
+@pytest.mark.parametrize("entry", ["my_agents.run", "my_agents:run.attr", "my_agents:", "1bad:run"])
+def test_an_agent_allowlist_entry_that_is_no_entrypoint_is_refused(entry: str) -> None:
+    """rollout.agent_allowlist holds ``module:function`` entrypoints as jobs name them: anything else is refused when
+    the config loads (it would refuse every sample of every job that named it)."""
+    refused = rf"rollout\.agent_allowlist.*{re.escape(repr(entry))} is not module:function"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(None, [f"rollout.agent_allowlist=[{entry!r}]"])
+    assert load_config(None, ["rollout.agent_allowlist=['my_agents:run']"]).rollout.agent_allowlist == ["my_agents:run"]

@@ -63,7 +63,10 @@ def run(redis_url: str, request: pytest.FixtureRequest) -> Iterator[tuple[httpx.
     cfg = load_config(None, [f"run.name={name}", f"redis.url={redis_url}", f"api.token={TOKEN}"], env={})
     client = redis.Redis.from_url(redis_url)
     with serve_app(create_app(cfg)) as url:
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as api:
+        # a connection a request each: the tests wait minutes between requests (a trainer's run), and a kept-alive
+        # connection the server closes for idleness just as the next request goes out is reset under load
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30,
+                          limits=httpx.Limits(max_keepalive_connections=0)) as api:
             yield api, client, Keys(name)
     client.close()
 

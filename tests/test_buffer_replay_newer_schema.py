@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import redis
 from buffer_helpers import client, make_group
 
 from buffer import schema
@@ -31,6 +32,15 @@ def older_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(schema, "READABLE_VERSIONS", (1, 2))
 
 
+def run_parts(r: redis.Redis) -> tuple[TaskQueue, StalenessControl, ReplayBuffer]:
+    """The run's task queue, admission and a rollout server's producer side, their streams created."""
+    queue = TaskQueue(r, KEYS, CONFIG)
+    queue.ensure_groups()
+    producer = ReplayBuffer(r, KEYS, CONFIG, "producer")
+    producer.ensure_group()
+    return queue, StalenessControl(r, KEYS, CONFIG), producer
+
+
 def produce(queue: TaskQueue, staleness: StalenessControl, producer: ReplayBuffer, n: int) -> list[str]:
     """As a rollout server does: each task admitted, then its group written with the task acked."""
     gids = queue.submit("job", [{"task_id": f"t{i}", "messages": []} for i in range(n)])
@@ -49,11 +59,7 @@ def test_groups_of_a_newer_schema_wait_for_a_trainer_that_reads_them(
     upgraded trainer moves them back as it starts and trains them. A truly malformed group still goes aside."""
     caplog.set_level(logging.INFO, logger="buffer.replay")
     r = client(redis_server)
-    queue = TaskQueue(r, KEYS, CONFIG)
-    queue.ensure_groups()
-    staleness = StalenessControl(r, KEYS, CONFIG)
-    producer = ReplayBuffer(r, KEYS, CONFIG, "producer")
-    producer.ensure_group()
+    queue, staleness, producer = run_parts(r)
     gids = produce(queue, staleness, producer, 2)
     r.set(KEYS.payload("bad:0:x", "0"), b"\xc1 not a group")
     r.xadd(KEYS.groups, {"p": KEYS.payload("bad:0:x", "0"), "gid": "bad:0:x", "job": "bad", "s": "0"})
@@ -100,11 +106,7 @@ def test_an_older_trainer_fenced_while_reading_parks_nothing(
     """A newer trainer that started while the older one waited on its read has already moved back what was parked:
     what the older one reads after that is left pending for the newer one, not parked out of its reach."""
     r = client(redis_server)
-    queue = TaskQueue(r, KEYS, CONFIG)
-    queue.ensure_groups()
-    staleness = StalenessControl(r, KEYS, CONFIG)
-    producer = ReplayBuffer(r, KEYS, CONFIG, "producer")
-    producer.ensure_group()
+    queue, staleness, producer = run_parts(r)
     older_trainer(monkeypatch)
     old = ReplayBuffer(r, KEYS, CONFIG)
     errors: list[Exception] = []

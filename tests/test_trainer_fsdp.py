@@ -478,20 +478,21 @@ def _second_step_after_a_gradient(optimizer: torch.optim.Optimizer) -> tuple[lis
 def test_weight_decay_and_betas_reach_the_policy_and_critic_optimizers(ctx: DistContext, tiny_model_dir: Path,
                                                                         tmp_path: Path) -> None:
     """trainer.weight_decay and trainer.betas set both AdamWs the trainer builds: with β1 = 0 a step on a zero
-    gradient keeps no momentum and only decays each weight by lr·wd; with the defaults (β1 = 0.9, no decay) the
-    same step still moves the weights on the first step's momentum."""
+    gradient keeps no momentum and only decays each matrix by lr·wd (biases and norm gains, in a group of their
+    own, not at all); with the defaults (β1 = 0.9, no decay) the same step still moves the weights on the first
+    step's momentum."""
     cfg = {**CFG, "advantage": "gae", "kl_coef": 0.0}
     tuned = Trainer(TrainerConfig(**cfg, weight_decay=0.1, betas=(0.0, 0.99)), tiny_model_dir, tmp_path / "a")
     tuned.start(ctx=ctx)
     assert tuned.critic is not None
     for optimizer in (tuned.optimizer, tuned.critic[1]):
-        [group] = optimizer.param_groups
-        assert (group["weight_decay"], group["betas"]) == (0.1, (0.0, 0.99))
+        groups = optimizer.param_groups
+        assert [(g["weight_decay"], g["betas"]) for g in groups] == [(0.1, (0.0, 0.99)), (0.0, (0.0, 0.99))]
         before, after = _second_step_after_a_gradient(optimizer)
-        shrink = 1.0 - group["lr"] * 0.1
+        shrink = 1.0 - groups[0]["lr"] * 0.1
         assert max(b.abs().max().item() for b in before) > 0.1 and shrink < 1.0
-        for b, a in zip(before, after, strict=True):
-            torch.testing.assert_close(a, b * shrink, rtol=1e-6, atol=0)
+        for p, b, a in zip(_optimizer_params(optimizer), before, after, strict=True):
+            torch.testing.assert_close(a, b * shrink if p.ndim >= 2 else b, rtol=1e-6, atol=0)
     tuned.close()
     default = Trainer(TrainerConfig(**cfg), tiny_model_dir, tmp_path / "b").start(ctx=ctx)
     assert default.critic is not None

@@ -81,8 +81,9 @@ def test_the_resumed_optimizers_follow_the_run_s_settings(
     ctx: DistContext, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """The checkpoint gives the position (step counts, moments, the schedule's step); the run's config gives the
-    learning rates, betas and weight decay, so a run extended on resume (``trainer.total_steps`` raised) trains on
-    its new schedule at once, not one step at the end of the old one (a cosine's 0)."""
+    learning rates, betas and weight decay (the matrices'; biases and norm gains stay at 0), so a run extended on
+    resume (``trainer.total_steps`` raised) trains on its new schedule at once, not one step at the end of the old
+    one (a cosine's 0)."""
     base = {**CFG, "advantage": "gae", "total_steps": 2, "warmup_steps": 1, "lr_schedule": "cosine"}
     first = Trainer(TrainerConfig(**base), tiny_model_dir, tmp_path).start(ctx=ctx)
     for seed in range(2):
@@ -98,8 +99,8 @@ def test_the_resumed_optimizers_follow_the_run_s_settings(
     resumed.close()
     assert resumed.critic is not None
     policy, critic = resumed.optimizer.param_groups, resumed.critic[1].param_groups
-    assert [g["initial_lr"] for g in policy] == [5e-3] and [g["lr"] for g in critic] == [2e-3]
-    assert {(g["betas"], g["weight_decay"]) for g in policy + critic} == {((0.8, 0.95), 0.1)}
+    assert [g["initial_lr"] for g in policy] == [5e-3] * 2 and [g["lr"] for g in critic] == [2e-3] * 2
+    assert [(g["betas"], g["weight_decay"]) for g in policy + critic] == [((0.8, 0.95), 0.1), ((0.8, 0.95), 0.0)] * 2
 
 
 @pytest.mark.parametrize(("saved", "resumed", "key"), [

@@ -12,6 +12,8 @@ A resume refuses a checkpoint whose recorded settings (``settings``: dotted key 
 or whose model tensors do not fit the run's model, with an error naming the key or the tensor.
 With a critic (``trainer.advantage=gae``) its model and optimizer are in the same DCP checkpoint (``critic``,
 ``critic_optim``) and its HF config in ``critic_config/``, so the export can rebuild it.
+An optimizer written with one parameter group (before the matrices and the 1-D parameters had a group each, for
+``trainer.weight_decay``) resumes into the run's groups; another count of groups is refused, naming the checkpoint.
 """
 
 from __future__ import annotations
@@ -139,11 +141,10 @@ def _check_settings(path: Path, saved: Mapping[str, Any], settings: Mapping[str,
                                  "new run directory")
 
 
-def _check_model(path: Path, model: Mapping[str, Any]) -> None:
+def _check_model(path: Path, metadata: Mapping[str, Any], model: Mapping[str, Any]) -> None:
     """Refuse a checkpoint whose model tensors are not the run's model's (another model, or LoRA settings a
     checkpoint without them was written under), naming the first tensor, before DCP fails on it deep inside."""
-    saved = {key.removeprefix("model."): meta for key, meta in
-             dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+    saved = {key.removeprefix("model."): meta for key, meta in metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     for name in sorted(saved.keys() | model.keys()):
         if name not in model:
@@ -155,6 +156,28 @@ def _check_model(path: Path, model: Mapping[str, Any]) -> None:
         else:
             continue
         raise CheckpointMismatch(f"{path}: written for another model (model.path): {problem}")
+
+
+def _saved_groups(path: Path, metadata: Mapping[str, Any], key: str, own: list[dict[str, Any]]
+                  ) -> list[dict[str, Any]]:
+    """The param groups to load optimizer ``key`` into: the run's ``own``, or one group of all their parameters
+    where the checkpoint has one (written before the decay groups); another count is refused, naming the file."""
+    prefix = f"{key}.param_groups."
+    saved = len({name.removeprefix(prefix).split(".")[0] for name in metadata if name.startswith(prefix)})
+    if saved == len(own):
+        return own
+    if saved != 1:
+        raise CheckpointMismatch(f"{path}: its optimizer {key} has {saved} param groups, this run's has {len(own)}")
+    return [{**own[0], "params": [name for group in own for name in group["params"]]}]
+
+
+def _regroup(loaded: list[dict[str, Any]], own: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run's groups ``own`` with the hyperparameters of the checkpoint's one group ``loaded``, but each group's
+    own weight decay (the run's config sets them again at a resume)."""
+    if len(loaded) == len(own):
+        return loaded
+    [saved] = loaded
+    return [{**saved, "weight_decay": group["weight_decay"], "params": group["params"]} for group in own]
 
 
 def _shards(model: nn.Module, optimizer: torch.optim.Optimizer, critic: Critic | None) -> dict[str, Any]:
@@ -255,8 +278,14 @@ class Checkpointer:
         record = json.loads(state_file.read_text())
         _check_settings(path, record.get("settings", {}), settings or {})
         shards = _shards(model, optimizer, critic)
-        _check_model(path, shards["model"])
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        _check_model(path, metadata, shards["model"])
+        own = {key: shards[key]["param_groups"] for key in ("optim", "critic_optim") if key in shards}
+        for key, groups in own.items():
+            shards[key]["param_groups"] = _saved_groups(path, metadata, key, groups)
         dcp.load(shards, checkpoint_id=str(path))
+        for key, groups in own.items():
+            shards[key]["param_groups"] = _regroup(shards[key]["param_groups"], groups)
         set_model_state_dict(model, shards["model"])
         set_optimizer_state_dict(model, optimizer, shards["optim"])
         if critic is not None:

@@ -20,7 +20,7 @@ from transformers import AutoModelForTokenClassification
 from core.config import TrainerConfig
 from trainer import losses
 from trainer.batching import Batch, MicroBatch
-from trainer.optim import apply_gradients, step_grad_norm
+from trainer.optim import apply_gradients, param_groups, step_grad_norm
 from trainer.parallel import DistContext, shard_model
 
 
@@ -42,7 +42,8 @@ def load_critic(path: Path | str, ctx: DistContext) -> nn.Module:
 
 
 def build_critic_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.critic.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    """AdamW with the policy's betas and decay groups (``trainer.weight_decay`` on matrices alone)."""
+    return torch.optim.AdamW(param_groups(model.parameters(), cfg.weight_decay), lr=cfg.critic.lr, betas=cfg.betas)
 
 
 def explained_variance(values: Tensor, returns: Tensor, loss_mask: Tensor) -> float:

@@ -1,10 +1,15 @@
-"""The optimizer side of a step: AdamW, the LR schedule (warmup, then constant or cosine), gradient clipping."""
+"""The optimizer side of a step: AdamW, the LR schedule (warmup, then constant or cosine), gradient clipping.
+
+``trainer.weight_decay`` decays the matrices (linear weights and the embeddings, as HF Trainer and Megatron decay
+them) and spares the 1-D parameters, biases and norm gains: decay pulls a gain toward 0, not toward the identity.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,9 +21,24 @@ from core.config import TrainerConfig
 log = logging.getLogger(__name__)
 
 
+def decays(param: torch.Tensor) -> bool:
+    """Whether weight decay applies to ``param``: a matrix does, a bias or a norm gain (1-D) does not. A DTensor
+    (an FSDP2 shard) has its full tensor's ``ndim``."""
+    return param.ndim >= 2
+
+
+def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's groups: the decayed parameters at ``weight_decay``, the others at 0. A group that would be empty (a
+    LoRA adapter has matrices alone) is left out: DCP's optimizer state dict takes at most one empty group."""
+    params = list(params)
+    groups = [{"params": [p for p in params if decays(p)], "weight_decay": weight_decay},
+              {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
 def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter alone
-    return torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    trainable = (p for p in model.parameters() if p.requires_grad)  # with LoRA: the adapter alone
+    return torch.optim.AdamW(param_groups(trainable, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
 
 
 def lr_factor(step: int, cfg: TrainerConfig) -> float:
@@ -44,12 +64,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainerConfig) -> Lam
 
 def apply_settings(optimizer: torch.optim.Optimizer, lr: float, cfg: TrainerConfig,
                    scheduler: LambdaLR | None = None) -> None:
-    """After a resume: the run's config sets the learning rate, betas and weight decay, the checkpoint only the
-    state (step counts, moments, the schedule's position). A scheduler's base rate is ``lr`` and the current rate is
-    its schedule's (``cfg``'s, e.g. a raised ``total_steps``) at the restored position, as ``LambdaLR`` computes it;
-    without a scheduler the rate is ``lr`` (constant)."""
+    """After a resume: the run's config sets the learning rate, betas and weight decay (the matrices'; the 1-D
+    parameters' group stays at 0), the checkpoint only the state (step counts, moments, the schedule's position). A
+    scheduler's base rate is ``lr`` and the current rate is its schedule's (``cfg``'s, e.g. a raised ``total_steps``)
+    at the restored position, as ``LambdaLR`` computes it; without a scheduler the rate is ``lr`` (constant)."""
     for group in optimizer.param_groups:
-        group.update(betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, lr=lr)
+        decay = cfg.weight_decay if all(decays(p) for p in group["params"]) else 0.0
+        group.update(betas=tuple(cfg.betas), weight_decay=decay, lr=lr)
     if scheduler is not None:
         now = [lr * lr_factor(scheduler.last_epoch, cfg) for _ in optimizer.param_groups]
         scheduler.load_state_dict({**scheduler.state_dict(), "base_lrs": [lr] * len(now), "_last_lr": now})

@@ -37,14 +37,16 @@ SUBMIT_CHUNK = 1000
 IDEMPOTENCY_TTL_S = 24 * 3600
 
 # KEYS: task stream, job hash, jobs index, then the idempotency key's key when the submit has one. ARGV: job, kind,
-# spec, now, submit id, chunk index, the spec's fingerprint ('' without a key), the key's TTL in seconds, (task id,
-# task)... Returns the job seq of the submit's first task, or {job, same spec (1 or 0)} when the idempotency key names
-# another job (nothing added: every chunk of the MULTI finds it so). The first chunk under a key claims it for this job
-# (``<job>:<fingerprint>``, expiring after the TTL); being checked and claimed in the call that adds the tasks, two
-# submits under one key cannot both add theirs. Each chunk marks the job's ``submit`` field ``<submit id>:<chunk>:<first
-# seq>``: a MULTI that runs again (the client retrying after a lost reply) finds its own chunks marked and adds nothing.
+# spec ('' but in the first chunk), now, submit id, chunk index, the spec's fingerprint ('' without a key), the key's
+# TTL in seconds, the spec's summary (``summarize_spec``: stored with the spec, so never one without the other), (task
+# id, task)... Returns the job seq of the submit's first task, or {job, same spec (1 or 0)} when the idempotency key
+# names another job (nothing added: every chunk of the MULTI finds it so). The first chunk under a key claims it for
+# this job (``<job>:<fingerprint>``, expiring after the TTL); being checked and claimed in the call that adds the tasks,
+# two submits under one key cannot both add theirs. Each chunk marks the job's ``submit`` field ``<submit
+# id>:<chunk>:<first seq>``: a MULTI that runs again (the client retrying after a lost reply) finds its own chunks
+# marked and adds nothing.
 _SUBMIT = """
-local n, chunk = (#ARGV - 8) / 2, tonumber(ARGV[6])
+local n, chunk = (#ARGV - 9) / 2, tonumber(ARGV[6])
 if KEYS[4] then
   local claim = redis.call('GET', KEYS[4])
   if not claim then
@@ -67,12 +69,14 @@ if chunk == 0 then first = base end
 redis.call('HSET', KEYS[2], 'submit', ARGV[5] .. ':' .. chunk .. ':' .. first)
 redis.call('HSETNX', KEYS[2], 'kind', ARGV[2])
 redis.call('HSETNX', KEYS[2], 'created', ARGV[4])
-if ARGV[3] ~= '' then redis.call('HSETNX', KEYS[2], 'spec', ARGV[3]) end
+if ARGV[3] ~= '' and redis.call('HSETNX', KEYS[2], 'spec', ARGV[3]) == 1 then
+  redis.call('HSET', KEYS[2], 'spec_summary', ARGV[9])
+end
 if redis.call('HGET', KEYS[2], 'state') ~= 'cancelled' then redis.call('HSET', KEYS[2], 'state', 'running') end
 redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[4])
 for i = 0, n - 1 do
-  local gid = ARGV[1] .. ':' .. (base + i) .. ':' .. ARGV[9 + 2 * i]
-  redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task', ARGV[10 + 2 * i])
+  local gid = ARGV[1] .. ':' .. (base + i) .. ':' .. ARGV[10 + 2 * i]
+  redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task', ARGV[11 + 2 * i])
 end
 return first
 """
@@ -107,6 +111,12 @@ return 1
 # the job counters of a train job's tasks that will never be trained (or were): ``submitted`` less their sum
 # is what is still to train
 TRAIN_ENDS = ("trained", "stale_dropped", "degenerate_dropped", "dead_lettered", "cancelled", "malformed")
+# the job hash's counters, in the order the API shows them
+JOB_COUNTERS = ("submitted", "completed", "dead_lettered", "trained", "stale_dropped", "degenerate_dropped",
+                "cancelled", "malformed", "samples")
+# the job hash's fields a listing reads (``TaskQueue.job_summaries``): all but ``spec``, which may hold thousands of
+# inline tasks, and ``submit``
+_LISTED = ("kind", "state", "created", *JOB_COUNTERS, "reward_sum", "spec_summary")
 
 # Cancel a job (KEYS: job hash; ARGV: TRAIN_ENDS) that has something left to end, in one step: an eval job with a task
 # not yet rolled out (its groups are finished once written), a train job with a group not yet trained or dropped
@@ -202,7 +212,8 @@ class TaskQueue:
         go in one MULTI/EXEC, which Redis runs whole, with nothing else in between (about 10 ms per chunk), or
         not at all. A write refused for memory fails every chunk at its first write (Redis decides that once, as
         EXEC starts; a chunk refused as it is queued aborts the EXEC), so a failed submit writes nothing.
-        ``spec`` (the job's rollout parameters as JSON) is stored on the first submit of the job. The client
+        ``spec`` (the job's rollout parameters as JSON) is stored on the first submit of the job, with its summary
+        (``summarize_spec``) in the same call, which a listing reads instead (``job_summaries``). The client
         retries a MULTI whose reply was lost (Redis restarting, a connection reset), and Redis may have run it:
         the submit's id in the job hash makes that rerun add nothing (the last submit of a job is remembered).
         With ``idempotency_key`` (``spec`` then required: a retry is told apart from a reuse by it) the first chunk
@@ -222,6 +233,7 @@ class TaskQueue:
             args += [task_id, json.dumps(task, separators=(",", ":"))]
         if not args:
             return []
+        summary = "" if spec is None else summarize_spec(spec)
         now, submit_id = f"{time.time():.3f}", secrets.token_hex(8)
         keys = [stream, self.keys.job(job_id), self.keys.jobs]
         fingerprint = ""
@@ -231,8 +243,9 @@ class TaskQueue:
         pipe = self.redis.pipeline(transaction=True)
         for i, start in enumerate(range(0, len(args), 2 * SUBMIT_CHUNK)):
             chunk = args[start : start + 2 * SUBMIT_CHUNK]
-            self._submit(keys, [job_id, kind, spec or "", now, submit_id, i, fingerprint, IDEMPOTENCY_TTL_S, *chunk],
-                         client=pipe)
+            head = (spec or "", summary) if i == 0 else ("", "")  # sent once: an inline spec is as big as its tasks
+            self._submit(keys, [job_id, kind, head[0], now, submit_id, i, fingerprint, IDEMPOTENCY_TTL_S, head[1],
+                                *chunk], client=pipe)
         first = pipe.execute()[0]
         if isinstance(first, list):
             raise IdempotencyKeyUsed(first[0].decode(), first[1] == 1)
@@ -255,7 +268,7 @@ class TaskQueue:
         """The job hash: ``spec`` (JSON), ``kind``, ``state`` and counters (``submitted``, ``completed``,
         ``dead_lettered``, ``cancelled``, ``trained``, ``stale_dropped``, ``samples``, ``reward_sum``), as strings. A
         running job whose every task has a written group or a dead letter reads as ``done``."""
-        return _job_state(self.redis.hgetall(self.keys.job(job_id)))
+        return _job_state(_decoded(self.redis.hgetall(self.keys.job(job_id))))
 
     def job_state(self, job_id: str) -> str | None:
         """The job's stored ``state`` alone (``cancelled`` once cancelled; None for an unknown job or one that has
@@ -272,12 +285,39 @@ class TaskQueue:
         state = self._cancel_job([self.keys.job(job_id)], list(TRAIN_ENDS))
         return None if state is None else state.decode()
 
-    def jobs(self, job_ids: Sequence[str]) -> list[dict[str, str]]:
-        """``job`` of each id, read in one round trip."""
+    def job_summaries(self, job_ids: Sequence[str]) -> list[dict[str, str]]:
+        """``job`` of each id ({} for an unknown one) as a listing shows it, in one round trip: its ``spec`` is the
+        spec's summary (``summarize_spec``), and the spec itself, which may hold thousands of inline tasks, is never
+        read. A job stored before summaries were (an older API wrote it, before or during a rolling upgrade) has its
+        summary made from its spec once, and kept."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.hgetall(self.keys.job(job_id))
-        return [_job_state(raw) for raw in pipe.execute()]
+            pipe.hmget(self.keys.job(job_id), *_LISTED)
+            pipe.hstrlen(self.keys.job(job_id), "spec")
+        replies = pipe.execute()
+        jobs = [{name: value.decode() for name, value in zip(_LISTED, values, strict=True) if value is not None}
+                for values in replies[::2]]
+        unsummarized = [i for i, (job, spec_len) in enumerate(zip(jobs, replies[1::2], strict=True))
+                        if spec_len and "spec_summary" not in job]
+        if unsummarized:
+            self._summarize([job_ids[i] for i in unsummarized], [jobs[i] for i in unsummarized])
+        for job in jobs:
+            if "spec_summary" in job:
+                job["spec"] = job.pop("spec_summary")
+        return [_job_state(job) for job in jobs]
+
+    def _summarize(self, job_ids: Sequence[str], jobs: Sequence[dict[str, str]]) -> None:
+        """Make and keep the summaries of jobs stored with a spec but none (into ``jobs``, as read): the one read of
+        their specs a listing makes. The summary of a spec, which never changes once stored, is always the same, so
+        API replicas that do this at once agree."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(self.keys.job(job_id), "spec")
+        for job_id, job, spec in zip(job_ids, jobs, pipe.execute(), strict=True):
+            job["spec_summary"] = summarize_spec(spec.decode())
+            pipe.hsetnx(self.keys.job(job_id), "spec_summary", job["spec_summary"])
+        pipe.execute()
+        log.info("stored the spec summaries of %d job(s) written without one: %s", len(job_ids), ", ".join(job_ids))
 
     def read(
         self, consumer: str, count: int, block_ms: int = 0, kinds: Sequence[str] = ("eval", "train")
@@ -440,9 +480,24 @@ def _fingerprint(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _job_state(raw: dict[bytes, bytes]) -> dict[str, str]:
-    """A job hash decoded, ``state`` reading ``done`` once every task is finished."""
-    job = {k.decode(): v.decode() for k, v in raw.items()}
+def summarize_spec(spec: str) -> str:
+    """A job's spec as a listing shows it: without its source's ``tasks``, an inline source saying how many it gave
+    (``task_count``), so a page of jobs stays small whatever they hold."""
+    summary = json.loads(spec)
+    source = summary.get("source")
+    if isinstance(source, dict) and "tasks" in source:
+        tasks = source.pop("tasks")
+        if isinstance(tasks, list):
+            source["task_count"] = len(tasks)
+    return json.dumps(summary, separators=(",", ":"))
+
+
+def _decoded(raw: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def _job_state(job: dict[str, str]) -> dict[str, str]:
+    """A job hash, ``state`` reading ``done`` once every task is finished."""
     finished = int(job.get("completed", 0)) + int(job.get("dead_lettered", 0))
     if job.get("state") == "running" and finished >= int(job.get("submitted", 0)):
         job["state"] = "done"

@@ -466,11 +466,17 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         ] = "",
         limit: Annotated[int, Query(ge=1, le=200)] = 50,
     ) -> dict[str, Any]:
-        """Newest first, a page at a time: ``{"jobs": [...], "next": cursor or null}``."""
+        """Newest first, a page at a time: ``{"jobs": [...], "next": cursor or null}``.
+
+        Each job is as ``GET /v1/jobs/{job_id}`` has it, except that its spec's ``source`` never carries ``tasks``
+        (it keeps every other field: ``kind``, ``offset``, ``limit``, ...). An inline source has ``task_count``
+        instead: how many tasks it gave, before ``offset`` and ``limit`` picked the job's (``progress.submitted``
+        counts those). So a page stays small whatever its jobs hold; ``GET /v1/jobs/{job_id}`` has the tasks."""
         return api.cluster.jobs(cursor, limit)
 
     @app.get("/v1/jobs/{job_id}", tags=["jobs"])
     def get_job(job_id: str, api: State) -> dict[str, Any]:
+        """The job with its whole spec, an inline source's tasks included."""
         return api.cluster.job(job_id)
 
     @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"])

@@ -11,12 +11,8 @@ import redis
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_CRASHED, TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
 from buffer.registry import ServerRegistry
-from buffer.task_queue import TRAIN_ENDS, TaskQueue
+from buffer.task_queue import JOB_COUNTERS, TRAIN_ENDS, TaskQueue
 
-_COUNTERS = (
-    "submitted", "completed", "dead_lettered", "trained", "stale_dropped", "degenerate_dropped", "cancelled",
-    "malformed", "samples",
-)
 _MAX_ID_PART = 2**64 - 1
 
 
@@ -55,7 +51,7 @@ class TrainerEnd:
 def _job_view(job_id: str, h: dict[str, str], end: TrainerEnd | None) -> dict[str, Any]:
     """What the API says about a job, from its hash and the trainer's ``end`` (None while it trains): a train job
     with groups left to train once the trainer finished (or crashed) reads ``stalled``, its ``reason`` saying why."""
-    progress = {name: int(float(h.get(name, 0))) for name in _COUNTERS}
+    progress = {name: int(float(h.get(name, 0))) for name in JOB_COUNTERS}
     samples = progress["samples"]
     reward_mean = float(h.get("reward_sum", 0.0)) / samples if samples else None
     kind, state = h.get("kind", "train"), h.get("state", "running")
@@ -109,7 +105,9 @@ class ClusterView:
         return _job_view(job_id, h, self.trainer_end())
 
     def jobs(self, cursor: str = "", limit: int = 50) -> dict[str, Any]:
-        """A page of jobs, newest first, after the job ``cursor`` names; two round trips whatever the page size."""
+        """A page of jobs, newest first, after the job ``cursor`` names; two round trips whatever the page size (two
+        more, once, for jobs stored without summaries). Each job's ``spec`` is its summary (``TaskQueue.job_summaries``:
+        no inline tasks)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.jobs)
         pipe.hmget(self.keys.trainer, *TRAINER_FINISHED_FIELDS)
@@ -124,7 +122,7 @@ class ClusterView:
                 raise InvalidCursor(f"cursor {cursor!r} is no job of this run") from None
         page = order[start : start + limit]
         end = self.trainer_end(end_fields)
-        jobs = [_job_view(job_id, h, end) for job_id, h in zip(page, self.queue.jobs(page), strict=True) if h]
+        jobs = [_job_view(job_id, h, end) for job_id, h in zip(page, self.queue.job_summaries(page), strict=True) if h]
         return {"jobs": jobs, "next": page[-1] if start + limit < len(order) else None}
 
     def cancel(self, job_id: str) -> dict[str, Any]:

@@ -61,6 +61,11 @@ class BufferMetrics:
             "pending entries found deleted from their stream (an XDEL or trim by hand) and acked away when reclaimed",
             ["stream"], registry=r,
         )
+        self.fenced_refusals = Counter(
+            "rollwave_buffer_fenced_refusals_total",
+            "writes refused to a trainer because a newer trainer of the run started (a take, an ack, a checkpoint, a "
+            "push's commit, its start or end in the run's status; the log says which)", registry=r,
+        )
         self.task_gone_dropped = Counter(
             "rollwave_buffer_task_gone_dropped_total", "groups not written because their task was no longer pending "
             "(the worker lost its lease, and another failed, dead-lettered, cancelled or handed back the task)",

@@ -8,8 +8,9 @@ Exactly-once effect over at-least-once delivery:
   trained on once even when the trainer dies between take and ack; an entry this process acked that comes
   back pending (Redis lost the ack) is acked again, not delivered;
 - one trainer per run: each takes a new trainer epoch (``fence``), and an older one still running is refused
-  its next take or ack (``TrainerFenced``), checked in the ack's Lua call, and its next checkpoint or push
-  commit (``check_fence``, which the trainer calls).
+  its next take or ack (``TrainerFenced``), checked in the ack's Lua call, its next checkpoint or push
+  commit (``check_fence``, which the trainer calls), and any other write it makes to the run (``fenced_write``: a
+  MULTI under WATCH of the epoch; its duplicates acked away, its start and end in the run's status).
 Bounded: a put waits while ``max_groups`` groups are not yet delivered to the trainer. Nothing is ever
 trimmed: an entry leaves the stream only when the trainer acks it, and its id leaves ``groups:state`` once
 ``dedup_window`` newer groups were consumed. Groups of a cancelled job are acked away unread, counted
@@ -33,7 +34,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import redis
 
@@ -275,21 +276,42 @@ class ReplayBuffer:
                      "nothing more", self.keys.trainer_epoch, self._epoch)
         return self._epoch
 
-    def _fenced(self) -> TrainerFenced:
+    def _fenced(self, refused: str) -> TrainerFenced:
+        """The error for a write a newer trainer's epoch refused (``refused`` names it), logged and counted."""
         current = self.redis.get(self.keys.trainer_epoch)
         error = TrainerFenced(
             f"{self.keys.trainer_epoch} is {current.decode() if current else None}: a newer trainer of run "
             f"{self.keys.run} started (this one is epoch {self._epoch}); this one takes, acks, checkpoints and pushes "
             "nothing more, and the newer one takes back what it held")
-        log.error("%s", error)
+        log.error("%s (refused: %s)", error, refused)
+        self.metrics.fenced_refusals.inc()
         return error
 
-    def check_fence(self) -> None:
+    def check_fence(self, refused: str = "a checkpoint or a push's commit") -> None:
         """Raise ``TrainerFenced`` once a newer trainer of the run started (one round trip). Take and ack check it
         themselves; the trainer also checks it before what outlives its next take: a checkpoint, which a newer
         trainer would resume from, and each push's commit, after which the servers serve its weights."""
         if int(self._fence([self.keys.trainer_epoch], [self.fence()])) < 0:
-            raise self._fenced()
+            raise self._fenced(refused)
+
+    def fenced_write(self, write: Callable[[redis.client.Pipeline], object], refused: str) -> None:
+        """Run the writes ``write`` queues on a MULTI only while this trainer is the run's newest: the epoch is
+        WATCHed from its check to the EXEC, so a newer trainer that starts in between aborts the MULTI, and the check,
+        run again, refuses it (``TrainerFenced``; ``refused`` names the write in the log). For writes no script of
+        this buffer checks (the trainer's start and end in the run's status, its budget): a fenced trainer made them
+        over the newer one's. As the scripts' check, only a newer epoch fences (a Redis that lost it gets ours back)."""
+        mine = self.fence()
+
+        def attempt(pipe: redis.client.Pipeline) -> None:
+            current = int(pipe.get(self.keys.trainer_epoch) or 0)
+            if current > mine:
+                raise self._fenced(refused)
+            pipe.multi()
+            if current < mine:
+                pipe.set(self.keys.trainer_epoch, mine)
+            write(pipe)
+
+        self.redis.transaction(attempt, self.keys.trainer_epoch)
 
     # producer side
 
@@ -394,7 +416,7 @@ class ReplayBuffer:
         the parked groups this trainer reads. Raises ``TrainerFenced`` once a newer trainer of the run started (what
         this one read stays pending for it)."""
         deadline = time.monotonic() + timeout_s
-        self.check_fence()
+        self.check_fence("a take")
         if not self._restored:
             self._restore_newer()
         claimed, deleted = self._reclaimer.claim(max_groups)
@@ -415,7 +437,7 @@ class ReplayBuffer:
             out += self._accept(entries)
             if block <= 0:
                 break
-        self.check_fence()
+        self.check_fence("a take")
         return out
 
     def _ack_again(self, entry_ids: list[str]) -> None:
@@ -478,12 +500,14 @@ class ReplayBuffer:
             self._held[entry_id] = (group.group_id, group.job_id, payload_key, slot)
             out.append((entry_id, group))
         if duplicates:
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.xack(self.keys.groups, TRAINER_GROUP, *duplicates)
-            pipe.xdel(self.keys.groups, *duplicates)
-            if payloads:
-                pipe.delete(*payloads)
-            pipe.execute()
+            def drop(pipe: redis.client.Pipeline) -> None:
+                pipe.xack(self.keys.groups, TRAINER_GROUP, *duplicates)
+                pipe.xdel(self.keys.groups, *duplicates)
+                if payloads:
+                    pipe.delete(*payloads)
+
+            # a fenced trainer's view of what is held or trained is stale: these entries are the newer one's to judge
+            self.fenced_write(drop, "acking duplicates away")
             self.metrics.duplicates_dropped.inc(len(duplicates))
             log.info("%s: acked away %d duplicate entries (groups already trained on or held): %s",
                      self.keys.groups, len(duplicates), ", ".join(duplicates))
@@ -522,7 +546,7 @@ class ReplayBuffer:
                 fields.get(b"s", b""))
         self._ack(*self._ack_script_args([item]), client=pipe)
         if int(pipe.execute()[-1]) < 0:
-            raise self._fenced()
+            raise self._fenced("moving a group aside")
         self.metrics.malformed.labels(stream="groups").inc()
 
     def _park_newer(self, entry_id: str, fields: dict[bytes, bytes], error: NewerSchema) -> None:
@@ -533,7 +557,7 @@ class ReplayBuffer:
         keys = [self.keys.groups, self.keys.groups_newer, self.keys.trainer_epoch]
         done = int(self._park(keys, [entry_id, self.fence(), *(x for pair in parked.items() for x in pair)]))
         if done < 0:
-            raise self._fenced()
+            raise self._fenced("parking a group of a newer schema")
         if done:
             self.metrics.newer_schema.labels(action="parked").inc()
             log.warning("%s: moved to %s for a trainer that reads it (upgrade the trainer; the group keeps its "
@@ -554,7 +578,7 @@ class ReplayBuffer:
         moved = int(self._restore([self.keys.groups_newer, self.keys.groups, self.keys.trainer_epoch],
                                   [self.fence(), *ids])) if ids else 0
         if moved < 0:
-            raise self._fenced()
+            raise self._fenced("moving parked groups back")
         self._restored = True
         if moved:
             self.metrics.newer_schema.labels(action="restored").inc(moved)
@@ -612,7 +636,7 @@ class ReplayBuffer:
         reads job, payload key and slot from the entry); forget them as held, remember them as acked."""
         acked = int(self._ack(*self._ack_script_args(items)))
         if acked < 0:
-            raise self._fenced()
+            raise self._fenced("an ack")
         for entry_id, gid, outcome, *_ in items:
             self._held.pop(entry_id, None)
             self._acked[entry_id] = (gid, outcome)

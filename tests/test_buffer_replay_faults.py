@@ -8,9 +8,11 @@ import secrets
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 from buffer_helpers import client, make_group
 from test_buffer_queue_faults import LoseExecReply
@@ -60,6 +62,57 @@ def test_a_second_trainer_of_the_run_fences_the_first(redis_server: EmbeddedRedi
         assert new.ack([e for e, _ in batch], [g.group_id for _, g in batch]) == len(batch)
     assert sorted(trained) == ["job:0:a", "job:1:a", "job:2:a"]  # each once, by the trainer that goes on
     assert TaskQueue(client(redis_server), KEYS, BufferConfig()).job("job")["trained"] == "3"
+
+
+def test_a_write_a_newer_trainer_started_during_is_not_made(redis_server: EmbeddedRedis) -> None:
+    """``fenced_write`` checks the epoch and writes in one MULTI under WATCH: a newer trainer that starts between the
+    check and the EXEC aborts it, and the check, run again, refuses it (logged, counted). A check followed by the
+    writes made them over the newer trainer's."""
+    r = client(redis_server)
+    old, newer = buffer(redis_server.url), buffer(redis_server.url)
+    old.fence()
+    calls: list[int] = []
+
+    def write(pipe: redis.client.Pipeline) -> None:
+        calls.append(1)
+        if len(calls) == 1:  # checked already, not yet run
+            newer.fence()
+        pipe.set(KEYS.budget, 1)
+
+    with pytest.raises(TrainerFenced, match=f"{KEYS.trainer_epoch} is 2: a newer trainer of run t started"):
+        old.fenced_write(write, "a test's write")
+    assert calls == [1] and r.get(KEYS.budget) is None
+    assert old.metrics.registry.get_sample_value("rollwave_buffer_fenced_refusals_total") == 1
+    newer.fenced_write(write, "a test's write")
+    assert r.get(KEYS.budget) == b"1"
+
+
+def test_a_fenced_trainer_acks_no_duplicate_away(redis_server: EmbeddedRedis) -> None:
+    """The older trainer's take reads a copy of a group it holds (written again once its id left the dedup window)
+    after the newer trainer started: it used to ack the copy away and delete it and its payload, with no fence
+    check, on a view of what is held that is no longer the run's. Now its take is refused there (counted), and the
+    copy stays pending, with its payload, for the newer trainer to judge."""
+    r = client(redis_server)
+    producer = buffer(redis_server.url, "producer")
+    fill(producer, ["job:0:a"])
+    old = buffer(redis_server.url)
+    [(held, _)] = old.take(1, 0.5)
+    with ThreadPoolExecutor(1) as pool:
+        taking = pool.submit(old.take, 1, 10)
+        deadline = time.monotonic() + 10
+        while not any(c["cmd"] == "xreadgroup" and "b" in c["flags"] for c in r.client_list()):  # past its check
+            assert not taking.done() and time.monotonic() < deadline, "the older trainer's take never waited"
+            time.sleep(0.01)
+        buffer(redis_server.url).fence()  # the newer trainer
+        r.hdel(KEYS.group_state, "job:0:a")  # the id left the dedup window
+        fill(producer, ["job:0:a"])  # a late copy
+        with pytest.raises(TrainerFenced, match="a newer trainer of run t started"):
+            taking.result(timeout=60)
+    [(copy, fields)] = [(e.decode(), f) for e, f in r.xrange(KEYS.groups) if e.decode() != held]
+    assert r.xpending(KEYS.groups, TRAINER_GROUP)["pending"] == 2 and r.exists(fields[b"p"]), copy
+    metrics = old.metrics.registry
+    assert metrics.get_sample_value("rollwave_buffer_fenced_refusals_total") == 1
+    assert metrics.get_sample_value("rollwave_buffer_duplicates_dropped_total") == 0
 
 
 def test_a_fenced_trainer_process_leaves_the_runs_end_and_budget_to_the_newer_one(

@@ -1,18 +1,24 @@
-"""A trainer fenced by a newer trainer of its run (``ReplayBuffer.fence``) writes no checkpoint and commits no weights
-after that: the newer trainer resumes from the run's latest checkpoint, and numbers its versions from what the servers
-serve. Real Redis, a real receiver in front of a stub engine, real ranks (gloo)."""
+"""A trainer fenced by a newer trainer of its run (``ReplayBuffer.fence``) writes no checkpoint, commits no weights and
+records neither its start nor its end after that: the newer trainer resumes from the run's latest checkpoint, numbers
+its versions from what the servers serve, and owns the run's budget and end. Real Redis, a real receiver in front of a
+stub engine, real ranks (gloo), the real ``python -m trainer``."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import secrets
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import redis
 import torch
 import torch.multiprocessing as mp
+import yaml
 from pydantic import SecretStr
 from test_checkpoint_faults import config, model_of, push
 from test_engine_client import serve, sglang_056_stub
@@ -23,10 +29,12 @@ from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerRegistry
 from buffer.replay import ReplayBuffer, TrainerFenced
-from core.config import BufferConfig, CheckpointConfig, TrainerConfig
+from buffer.staleness import StalenessControl
+from core.config import CONFIG_ERROR_EXIT, BufferConfig, CheckpointConfig, TrainerConfig
 from core.net import free_port_outside_ephemeral
 from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine_client import EngineClient
+from trainer.__main__ import RunRecord
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed
@@ -173,3 +181,112 @@ def test_every_rank_of_a_fenced_trainer_stops_together(redis_server: EmbeddedRed
         assert (tmp_path / f"rank{rank}").read_text().startswith(
             "fenced: rw:fenced-ranks:trainer:epoch is 2: a newer trainer of run fenced-ranks started"), rank
     assert Checkpointer(tmp_path / "checkpoints", 1).list() == []
+
+
+def test_a_fenced_trainer_records_neither_its_start_nor_its_end(redis_server: EmbeddedRedis) -> None:
+    """A trainer fenced after its last take or ack wrote its start (the run's budget, where its metrics are served, an
+    earlier end cleared) and its end (the budget closed at what it trained, where and why it stopped) over the newer
+    trainer's: the newer one's admission shut, its run stalled, and the API pointed at the older one's metrics. Both
+    are refused now (logged, counted); the newer trainer's record stays, and its own end is written."""
+    keys, cfg = Keys("fenced-record"), BufferConfig(groups_per_step=GPS)
+    r = redis.Redis.from_url(redis_server.url)
+    old = _buffer(redis_server.url, keys.run)
+    old.fence()
+    newer = RunRecord(_buffer(redis_server.url, keys.run), cfg)
+    newer.started(4 * GPS, "127.0.0.1:9401")
+    older = RunRecord(old, cfg)
+    with pytest.raises(TrainerFenced, match="a newer trainer of run fenced-record started"):
+        older.started(2 * GPS, "127.0.0.1:9400")
+    with pytest.raises(TrainerFenced, match="a newer trainer of run fenced-record started"):
+        older.ended(1, "trainer.total_steps", 1, 1)
+    staleness = StalenessControl(r, keys, cfg)
+    assert staleness.budget() == 4 * GPS and r.hget(keys.trainer, "finished_reason") is None
+    assert r.hget(keys.trainer, "metrics_address") == b"127.0.0.1:9401"
+    assert old.metrics.registry.get_sample_value("rollwave_buffer_fenced_refusals_total") == 2
+    newer.ended(4, "trainer.total_steps", 2, 2)
+    assert staleness.budget() == 0 and r.hget(keys.trainer, "finished_reason") == b"trainer.total_steps"
+
+
+def _trainer_with_bad_tls(redis_url: str, run: str, model_dir: Path, tmp_path: Path, key: Path) -> subprocess.Popen:
+    """``python -m trainer`` whose checkpoint TLS certificate and CA are not PEM (``key``: the key file): it connects,
+    takes its fence, then fails as it makes its pusher (``ssl.SSLError``)."""
+    cert, ca = tmp_path / "cert.pem", tmp_path / "ca.pem"
+    for path in (cert, ca):
+        path.write_text("not PEM\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"name": run, "dir": str(tmp_path)},
+        "model": {"path": str(model_dir), "init_if_missing": False},
+        "redis": {"url": redis_url},
+        "buffer": {"groups_per_step": GPS},
+        "checkpoint": {"tls_cert": str(cert), "tls_key": str(key), "tls_ca": str(ca)},
+        "trainer": {"total_steps": 4, "device": "cpu"},
+    }))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
+    env.pop("REDIS_URL", None)
+    return subprocess.Popen([sys.executable, "-m", "trainer", "-c", str(config)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_trainer_that_crashes_making_its_pusher_records_its_end(redis_server: EmbeddedRedis, tiny_model_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """``python -m trainer`` takes its fence, then fails to load its TLS files as it makes its pusher (in ``_connect``,
+    before the start-up that records a crash): it used to record nothing, so a train job read ``running`` while a
+    launcher restarted it again and again. It records ``crashed: ...`` at step 0 and closes admission, as a crash
+    later in its start-up does, and fails."""
+    keys = Keys("pusher-crash")
+    key = tmp_path / "key.pem"
+    key.write_text("not PEM\n")
+    proc = _trainer_with_bad_tls(redis_server.url, keys.run, tiny_model_dir, tmp_path, key)
+    try:
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1 and "SSLError" in err, err[-3000:]
+    r = redis.Redis.from_url(redis_server.url)
+    status = {k.decode(): v.decode() for k, v in r.hgetall(keys.trainer).items()}
+    assert status["finished_step"] == "0" and status["finished_reason"].startswith("crashed: SSLError: "), status
+    staleness = StalenessControl(r, keys, BufferConfig(groups_per_step=GPS))
+    assert staleness.budget() == staleness.trained() == 0
+
+
+def test_a_trainer_fenced_before_it_crashed_leaves_the_run_s_end_to_the_newer_one(
+    redis_server: EmbeddedRedis, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The newer trainer starts while the older one, past its fence, reads its TLS key (a FIFO here, which holds it
+    there until the test writes it), which then fails: the crash is not recorded over the newer trainer's start (its
+    budget stays, no end appears), the log says why, and it exits with the status no launcher restarts (a restart
+    would fence the newer trainer in turn)."""
+    keys = Keys("fenced-crash")
+    key = tmp_path / "key.pem"
+    os.mkfifo(key)
+    r = redis.Redis.from_url(redis_server.url)
+    proc = _trainer_with_bad_tls(redis_server.url, keys.run, tiny_model_dir, tmp_path, key)
+    try:
+        deadline = time.monotonic() + 120
+        while r.get(keys.trainer_epoch) != b"1":  # past its fence: it waits for the key
+            assert proc.poll() is None and time.monotonic() < deadline, f"trainer never fenced: {proc.poll()}"
+            time.sleep(0.05)
+        RunRecord(_buffer(redis_server.url, keys.run), BufferConfig(groups_per_step=GPS)).started(4 * GPS, None)
+        while True:  # a FIFO opens for writing once its reader is there: the trainer, reading the key
+            try:
+                fd = os.open(key, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as exc:
+                assert exc.errno == errno.ENXIO, exc
+                assert proc.poll() is None and time.monotonic() < deadline, f"trainer never read its key: {proc.poll()}"
+                time.sleep(0.05)
+        os.write(fd, b"not PEM\n")
+        os.close(fd)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == CONFIG_ERROR_EXIT, err[-3000:]
+    assert "SSLError" in err and "refused: its end in the run's status" in err, err[-3000:]
+    assert f"{keys.trainer_epoch} is 2: a newer trainer of run fenced-crash started" in err
+    assert StalenessControl(r, keys, BufferConfig()).budget() == 4 * GPS
+    assert r.hget(keys.trainer, "finished_reason") is None

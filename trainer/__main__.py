@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import textwrap
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from buffer.redis_server import connect
 from buffer.registry import ServerRegistry
 from buffer.replay import ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
-from core.config import CONFIG_ERROR_EXIT, Config, load_config_or_exit, require_secret
+from core.config import CONFIG_ERROR_EXIT, BufferConfig, Config, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
 from core.placement import pin
 from core.process import die_with_parent, prepare_component
@@ -39,7 +40,7 @@ from trainer.checkpoint_pusher import CheckpointPusher, registered_servers
 from trainer.colocation import LocalPusher
 from trainer.metrics import RedisStatus
 from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, resolve_device
-from trainer.worker import GroupSource, Trainer
+from trainer.worker import Trainer
 
 log = logging.getLogger("trainer")
 CRASH_REASON_CHARS = 300  # a crash's ``finished_reason``: the exception's type and the start of its message
@@ -57,14 +58,75 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class RunRecord:
+    """Rank 0's record of the trainer in the run's state, beside the buffer's scripts: its start (the run's budget of
+    train groups, where its metrics are served, an earlier trainer's end cleared) and its end (where and why it
+    stopped, ``RedisStatus.finished``; the budget closed at what was trained). Each is one MULTI run only while this
+    trainer is the run's newest (``ReplayBuffer.fenced_write``): a trainer fenced by then wrote them over the newer
+    trainer's, whose admission its budget then shut (or opened past the newer one's steps), and whose end it cleared
+    or replaced."""
+
+    def __init__(self, buffer: ReplayBuffer, cfg: BufferConfig) -> None:
+        self.buffer = buffer
+        self.cfg = cfg
+        self.staleness = StalenessControl(buffer.redis, buffer.keys, cfg)
+
+    def _write(self, refused: str, write: Callable[[RedisStatus, StalenessControl], None]) -> None:
+        """``write`` the status and the admission budget, queued on one MULTI that only the newest trainer runs."""
+        keys = self.buffer.keys
+        self.buffer.fenced_write(lambda pipe: write(RedisStatus(pipe, keys), StalenessControl(pipe, keys, self.cfg)),
+                                 refused)
+
+    def started(self, remaining: int, metrics_address: str | None) -> None:
+        """Past its start-up: the run trains ``remaining`` more groups than were trained (admission stops there), its
+        metrics are served at ``metrics_address``, and the end an earlier trainer recorded no longer holds (the API
+        takes train jobs again and the stalled ones run on)."""
+        budget = self.staleness.trained() + remaining
+
+        def write(status: RedisStatus, staleness: StalenessControl) -> None:
+            staleness.set_budget(budget)
+            if metrics_address is not None:
+                status.publish_metrics_address(metrics_address)
+            status.started()
+
+        self._write("its start in the run's status", write)
+
+    def ended(self, step: int, reason: str, version: int | None = None, pushed: int = 0) -> None:
+        """The trainer stopped at ``step`` because of ``reason``, with its ``version`` (None: the published one, for a
+        trainer that never made its pusher) and the newest ``pushed``: admission closes at what was trained (with the
+        trainer: ``stop_when_drained`` stops short of the budget)."""
+        trained = self.staleness.trained()
+        version = self.staleness.version() if version is None else version
+
+        def write(status: RedisStatus, staleness: StalenessControl) -> None:
+            staleness.set_budget(trained)
+            status.finished(step, reason, version, pushed)
+
+        self._write("its end in the run's status", write)
+        log.info("finished at step %d (%s)", step, reason)
+
+    def crashed(self, exc: Exception, step: int = 0, version: int | None = None, pushed: int = 0) -> None:
+        """Record ``exc`` as the end (``crash_reason``). Raises ``TrainerFenced`` when a newer trainer of the run
+        started, whose end it is (a launcher must not restart this one: it would fence the newer one in turn)."""
+        try:  # the crash may be Redis's: its own error must not hide the one that stopped the trainer
+            self.ended(step, crash_reason(exc), version, pushed)
+        except TrainerFenced:
+            log.error("the trainer crashed after a newer trainer of the run started; the run's end is that one's",
+                      exc_info=exc)
+            raise
+        except Exception:
+            log.exception("could not record the crash in Redis")
+
 
 def _connect(
     cfg: Config, ctx: DistContext, stack: contextlib.ExitStack, metrics: CollectorRegistry,
     buffer_metrics: BufferMetrics,
-) -> tuple[GroupSource | None, CheckpointPusher | LocalPusher, RedisStatus | None, StalenessControl | None]:
+) -> tuple[ReplayBuffer | None, CheckpointPusher | LocalPusher, RedisStatus | None, RunRecord | None]:
     """Rank 0: the replay buffer, a pusher to the live servers (recording each push in the registry; colocated:
-    a local pusher that also hands the device over), the status sink for the API and the run's staleness control
-    (to publish its budget); other ranks: a pusher that only takes part in the gathers."""
+    a local pusher that also hands the device over), the status sink for the API and the record of the trainer's
+    start and end (the run's budget among them); other ranks: a pusher that only takes part in the gathers. Rank 0
+    records a crash past its fence as the run's end, as one later in its start-up (a bad TLS file: a launcher restarts
+    it, and a train job would read ``running`` meanwhile)."""
     colocated = cfg.placement.mode == "colocated"
     local_root = cfg.checkpoint.stage_dir / cfg.run.name / "local_push"
     if not ctx.is_main:
@@ -83,18 +145,23 @@ def _connect(
     buffer.ensure_group()
     buffer.fence()  # at once: a trainer of the run still running stops taking groups this one will not see
     stack.callback(buffer.close)
-    staleness = StalenessControl(client, keys, cfg.buffer)
-    registry = ServerRegistry(client, keys)
-    if colocated:
-        local = LocalPusher(local_root, cfg.model.path, DeviceTurns(client, keys), registry, staleness,
-                            cfg.placement.colocated_timeout_s, overlap=cfg.placement.colocated_staleness == 1)
-        local.published = staleness.version()
-        return buffer, local, RedisStatus(client, keys), staleness
-    pusher = CheckpointPusher(cfg.checkpoint, registered_servers(registry), staleness, record=registry.record_push,
-                              registry=metrics, pin_memory=ctx.device.type == "cuda", fence=buffer.check_fence)
-    pusher.published = staleness.version()  # numbering continues above what this run published before
-    stack.callback(pusher.close)
-    return buffer, pusher, RedisStatus(client, keys), staleness
+    record = RunRecord(buffer, cfg.buffer)
+    staleness = record.staleness
+    try:
+        registry = ServerRegistry(client, keys)
+        if colocated:
+            local = LocalPusher(local_root, cfg.model.path, DeviceTurns(client, keys), registry, staleness,
+                                cfg.placement.colocated_timeout_s, overlap=cfg.placement.colocated_staleness == 1)
+            local.published = staleness.version()
+            return buffer, local, RedisStatus(client, keys), record
+        pusher = CheckpointPusher(cfg.checkpoint, registered_servers(registry), staleness, record=registry.record_push,
+                                  registry=metrics, pin_memory=ctx.device.type == "cuda", fence=buffer.check_fence)
+        pusher.published = staleness.version()  # numbering continues above what this run published before
+        stack.callback(pusher.close)
+        return buffer, pusher, RedisStatus(client, keys), record
+    except Exception as exc:
+        record.crashed(exc)
+        raise
 
 
 def _start(cfg: Config, trains: bool) -> None:
@@ -119,12 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     """Rank 0 clears the previous trainer's end only once this one is past its start-up (config, model load,
     resume), so a trainer killed during it leaves the previous end, and its reason, in place. It records its own end
     as it stops: the config key that stopped it, or ``crashed: ...`` for an exception out of its start-up (once it
-    connected to Redis: a model that fails to load, a checkpoint that fails to resume) or its training loop (then
-    re-raised: the process fails); LocalStack and Ray restart a crashed trainer, and the restart clears that end
-    once it trains again, so ``rollwave submit --wait`` waits a while for it (``client_cmd.wait_for_job``), then
-    ends with the reason. A ``CheckpointMismatch`` is recorded the same way but exits ``CONFIG_ERROR_EXIT``, which no
-    launcher restarts (it would only fail again). A trainer fenced by a newer one of its run (``TrainerFenced``)
-    records nothing: the run's end and budget are the newer one's."""
+    connected to Redis and took its fence: a bad TLS file, a model that fails to load, a checkpoint that fails to
+    resume) or its training loop (then re-raised: the process fails); LocalStack and Ray restart a crashed trainer,
+    and the restart clears that end once it trains again, so ``rollwave submit --wait`` waits a while for it
+    (``client_cmd.wait_for_job``), then ends with the reason. A ``CheckpointMismatch`` is recorded the same way but
+    exits ``CONFIG_ERROR_EXIT``, which no launcher restarts (it would only fail again). A trainer fenced by a newer one
+    of its run (``TrainerFenced``) records nothing, its start, its end and a crash included (``RunRecord``): the run's
+    end and budget are the newer one's; it exits ``CONFIG_ERROR_EXIT`` too (a restart would fence the newer one)."""
     prepare_component()
     die_with_parent()
     args = _parser().parse_args(argv)
@@ -139,12 +207,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
+    try:
+        return _train(cfg, args.resume)
+    except TrainerFenced as exc:  # the newer trainer owns the run's end and budget: record neither
+        print(f"error: {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+
+
+def _train(cfg: Config, resume: bool) -> int:
+    """Connect, start and train (``main``); raises ``TrainerFenced`` once a newer trainer of the run started."""
     ctx = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     with contextlib.ExitStack() as stack:
         stack.callback(close_distributed)
         metrics = CollectorRegistry()
         buffer_metrics = BufferMetrics(metrics)  # the reads' counters (redeliveries, malformed...) and the trainer's
-        source, pusher, status, staleness = _connect(cfg, ctx, stack, metrics, buffer_metrics)
+        source, pusher, status, run_record = _connect(cfg, ctx, stack, metrics, buffer_metrics)
         trainer = Trainer(
             cfg.trainer,
             cfg.model.path,
@@ -166,44 +243,34 @@ def main(argv: list[str] | None = None) -> int:
             status.publish(record, trainer.version, pusher.last_pushed)
             log.info("step %d: loss %.4f reward %.3f", record["step"], record["loss"], record["reward_mean"])
 
-        def ended(reason: str) -> None:
-            if staleness is not None:  # admission closes with the trainer (stop_when_drained stops short of it)
-                staleness.set_budget(staleness.trained())
-            if status is not None:  # the published version (read at connect) for a trainer that never trained
-                status.finished(trainer.step, reason, max(trainer.version, pusher.published), pusher.last_pushed)
-                log.info("finished at step %d (%s)", trainer.step, reason)
-
-        def crashed(exc: Exception) -> None:
-            try:  # the crash may be Redis's: its own error must not hide the one that stopped the trainer
-                ended(crash_reason(exc))
-            except Exception:
-                log.exception("could not record the crash in Redis")
+        def versions() -> tuple[int, int]:
+            """The published version (read at connect, for a trainer that never trained) and the newest pushed."""
+            return max(trainer.version, pusher.published), pusher.last_pushed
 
         try:
-            trainer.start(resume=args.resume, ctx=ctx, source=source)
-            if staleness is not None:  # after start, which acks what a resumed checkpoint covers: nothing counted twice
-                remaining = max(0, tc.total_steps - trainer.step) * cfg.buffer.groups_per_step
-                staleness.set_budget(staleness.trained() + remaining)
+            trainer.start(resume=resume, ctx=ctx, source=source)
+            address = None
             if ctx.is_main and tc.metrics_port is not None:
                 server = serve_metrics(trainer.metrics.registry, "trainer", tc.metrics_host, tc.metrics_port)
                 stack.callback(server.shutdown)
-                if status is not None:
-                    status.publish_metrics_address(f"{tc.metrics_host}:{server.server_port}")
-            if status is not None:  # past its start-up: the API takes train jobs again and the stalled ones run on
-                status.started()
+                address = f"{tc.metrics_host}:{server.server_port}"
+            if run_record is not None:  # after start, which acks what a resumed checkpoint covers: none counted twice
+                run_record.started(max(0, tc.total_steps - trainer.step) * cfg.buffer.groups_per_step, address)
             log.info("rank %d/%d training from step %d", ctx.rank, ctx.world_size, trainer.step)
             reason = trainer.run(source, published if status is not None else None)
-        except TrainerFenced as exc:  # the newer trainer owns the run's end and budget: record neither
-            print(f"error: {exc}", file=sys.stderr)
-            return CONFIG_ERROR_EXIT
+        except TrainerFenced:  # no crash: main says why it stops (the run's end is the newer trainer's)
+            raise
         except CheckpointMismatch as exc:  # starting again cannot help: recorded, and no launcher restarts it
-            crashed(exc)
+            if run_record is not None:
+                run_record.crashed(exc, trainer.step, *versions())
             print(f"error: {exc}", file=sys.stderr)
             return CONFIG_ERROR_EXIT
         except Exception as exc:
-            crashed(exc)
+            if run_record is not None:
+                run_record.crashed(exc, trainer.step, *versions())
             raise
-        ended(reason)
+        if run_record is not None:
+            run_record.ended(trainer.step, reason, *versions())
     return 0
 
 

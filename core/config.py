@@ -642,6 +642,25 @@ class ApiConfig(Section):
     max_job_tasks: int = Field(100_000, ge=1, description="tasks in one job, inline or loaded")
 
 
+class LauncherConfig(Section):
+    """How long the launchers (``LocalStack``, ``rollwave up``'s actors) go on restarting a component that keeps
+    failing. A death before the component has been up the launchers' ``stable_s`` (60 s) is one of a series, which
+    staying up that long ends; the death that would be restart ``max_restarts + 1`` of a series within
+    ``restart_window_s`` is the last: the launcher gives the component up and stops the run (a run without its trainer
+    or a rollout server is not the run asked for), as systemd's ``StartLimitBurst`` and Ray's ``max_restarts`` bound
+    theirs."""
+
+    max_restarts: int = Field(
+        10, ge=0, description="restarts of a failing component within restart_window_s before the run is stopped "
+        "(0: restart it for ever)",
+    )
+    restart_window_s: float = Field(
+        900.0, gt=0, description="the window of max_restarts; the default holds ten of the slowest series (up just "
+        "under 60 s, then the 30 s backoff), so a component that fails every start is given up however slowly it "
+        "fails",
+    )
+
+
 class Config(Section):
     _masked_unset: frozenset[str] = PrivateAttr(default=frozenset())  # masked in the file, given nowhere else
     run: RunConfig = RunConfig()
@@ -654,6 +673,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     api: ApiConfig = ApiConfig()
     placement: PlacementConfig = PlacementConfig()
+    launcher: LauncherConfig = LauncherConfig()
 
     def masked_unset(self, dotted: str) -> bool:
         """Whether the secret ``dotted`` was masked in the file it was loaded from and given nowhere else."""

@@ -29,7 +29,7 @@ from core.tasks import load_tasks
 from core.tiny_model import build_tiny_model
 from services.cli import failed_request
 from services.client_cmd import wait_for_job
-from services.launcher import LocalStack, components, ensure_checkpoint_token, published_api_url
+from services.launcher import ComponentGivenUp, LocalStack, components, ensure_checkpoint_token, published_api_url
 from services.report import histogram_totals, learning_curve, summarize
 from trainer.sft import warm_start
 
@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # a component refused its config (the stack is down by now)
         print(f"error: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
+    except ComponentGivenUp as exc:  # one failed at every start (the stack is down by now): its error names its log
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except httpx.HTTPError as exc:  # the stack is down by now; say which call failed (logs under runs/<run>/logs)
         logs = cfg.run.path / "logs"
         raise SystemExit(f"demo: {failed_request(exc)}: {type(exc).__name__}: {exc} (see {logs})") from exc

@@ -3,8 +3,9 @@
 ``components(...)`` is the one description of a stack (Redis aside): R rollout servers, W trainer
 ranks and the API, each a ``python -m`` command. ``LocalStack`` runs it as child processes and
 restarts one that dies, after a delay that doubles while it keeps dying soon after its start (``RestartBackoff``;
-the demo, the end-to-end tests); ``services.ray_launcher`` places the same commands in Ray actors, which restart
-their process by the same policy.
+the demo, the end-to-end tests), and gives up on one that keeps dying (``launcher.max_restarts`` within
+``launcher.restart_window_s``), stopping the whole stack; ``services.ray_launcher`` places the same commands in Ray
+actors, which restart their process, and give it up, by the same policy.
 
 No component is handed a port: each binds what its config says (0 by default: any free port) and
 publishes what it bound in Redis (the registry, the trainer status, ``Keys.api``), so a restarted one
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,13 +35,14 @@ from pathlib import Path
 import redis
 
 from buffer.keys import Keys
-from core.config import CONFIG_ERROR_EXIT, SECRETS, Config, ConfigError, secret_env
+from core.config import CONFIG_ERROR_EXIT, SECRETS, Config, ConfigError, LauncherConfig, secret_env
 from core.net import free_port_outside_ephemeral
 from core.placement import cpu_share, idle_threads_env
 from core.process import PARENT_PID_ENV, kill_group, stop_process
 
 log = logging.getLogger(__name__)
 SECRET_VARS = frozenset(SECRETS.values())
+LIMITS = LauncherConfig()  # the restart limit a spec has unless ``components`` gives it the config's
 
 
 def ensure_checkpoint_token(cfg: Config) -> None:
@@ -59,6 +62,8 @@ class ComponentSpec:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     restart: bool = True
+    max_restarts: int = LIMITS.max_restarts  # given up after this many restarts within restart_window_s (0: never)
+    restart_window_s: float = LIMITS.restart_window_s
     # overrides given where it runs on Ray, ``{address}`` being its node's address: peers on other nodes reach it
     node_overrides: tuple[str, ...] = ()
     one_node: bool = False  # placed on one node with the others so marked (the trainer ranks' rendezvous)
@@ -81,6 +86,7 @@ def components(
     redis_env = secret_env(cfg, "redis.password")
     checkpoint_env = {**redis_env, **secret_env(cfg, "checkpoint.token")}
     specs: list[ComponentSpec] = []
+    limits = {"max_restarts": cfg.launcher.max_restarts, "restart_window_s": cfg.launcher.restart_window_s}
     gpu = 1.0 if cfg.trainer.device == "cuda" else 0.0
     pool = {"WORLD_SIZE": str(trainer_ranks), "LOCAL_WORLD_SIZE": str(trainer_ranks)}
     if trainer_ranks > 1:  # a pool of one needs no rendezvous
@@ -89,7 +95,7 @@ def components(
         env = {**checkpoint_env, **pool, "RANK": str(rank), "LOCAL_RANK": str(rank),
                **idle_threads_env(cfg.placement.trainer_cpus)}
         argv = [py, "-m", "trainer", "-c", str(config_path), *trainer_args, *common]
-        specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu, one_node=True))
+        specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu, one_node=True, **limits))
     # the servers share placement.rollout_cpus: unless engine.threads says, their engines split its CPUs, as the
     # trainer's ranks split theirs, rather than each running one thread per CPU of the set
     share = ([f"engine.threads={cpu_share(cfg.placement.rollout_cpus, rollout_servers)}"]
@@ -98,12 +104,13 @@ def components(
         argv = [py, "-m", "rollout_server", "-c", str(config_path), *common, f"rollout.server_id=rollout-{i}",
                 *share]
         env = {**checkpoint_env, **secret_env(cfg, "engine.api_key"), **idle_threads_env(cfg.placement.rollout_cpus)}
-        specs.append(ComponentSpec(f"rollout-{i}", argv, env, node_overrides=("rollout.grpc_host={address}",)))
+        specs.append(ComponentSpec(f"rollout-{i}", argv, env, node_overrides=("rollout.grpc_host={address}",),
+                                   **limits))
     if api:
         argv = [py, "-m", "services.api", "-c", str(config_path), *common]
         hosts = json.dumps([*cfg.api.allowed_hosts, "{address}"])  # requests name the node's address too
         specs.append(ComponentSpec("api", argv, {**redis_env, **secret_env(cfg, "api.token")}, num_cpus=0.5,
-                                   node_overrides=("api.host={address}", f"api.allowed_hosts={hosts}")))
+                                   node_overrides=("api.host={address}", f"api.allowed_hosts={hosts}"), **limits))
     return specs
 
 
@@ -140,6 +147,10 @@ def refusal(name: str, rc: int, log_dir: Path) -> str:
     return f"{name} refused its config (exit {rc}; the reason is the last line of {log_dir / f'{name}.log'})"
 
 
+class ComponentGivenUp(RuntimeError):
+    """A component failed at every start and the launcher gave it up, stopping the run (``RestartBackoff.gave_up``)."""
+
+
 class RestartBackoff:
     """When a launcher restarts one component that failed; ``LocalStack`` and the Ray launcher's actors share it.
 
@@ -148,17 +159,25 @@ class RestartBackoff:
     twice a second for as long as the run lasts. One that stayed up ``stable_s`` starts again from ``backoff_s``. A
     restart that could not be made (``spawn`` failed: a process or file limit) waits the next delay. Each delay is
     logged, and ``restarts`` counts the restarts made.
+
+    Nor is one that fails at every start restarted for as long as the run lasts: the death that would be restart
+    ``max_restarts + 1`` within ``window_s``, none of those deaths after ``stable_s`` up, gives it up (``died``
+    returns None; ``launcher.max_restarts``, 0: never). A restart that could not be made does not count: the
+    launcher's host failed it, not the component.
     """
 
     BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 0.5, 30.0, 60.0
 
     def __init__(self, name: str, backoff_s: float = BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S,
-                 stable_s: float = STABLE_S) -> None:
+                 stable_s: float = STABLE_S, max_restarts: int = LIMITS.max_restarts,
+                 window_s: float = LIMITS.restart_window_s) -> None:
         self.name = name
         self.backoff_s, self.max_backoff_s, self.stable_s = backoff_s, max_backoff_s, stable_s
+        self.max_restarts, self.window_s = max_restarts, window_s
         self._starts = 0
         self._started = 0.0  # when it was last started (monotonic)
         self._next_s = min(max_backoff_s, backoff_s)  # the next delay: doubled, not 2**deaths (a float overflows)
+        self._deaths: deque[float] = deque()  # the series' deaths within window_s (monotonic)
 
     @property
     def restarts(self) -> int:
@@ -170,14 +189,31 @@ class RestartBackoff:
         self._starts += 1
         self._started = time.monotonic()
 
-    def died(self, rc: int) -> float:
-        """The delay before restarting the component, which exited with ``rc`` after its last ``started``."""
-        up_s = time.monotonic() - self._started
+    def died(self, rc: int) -> float | None:
+        """The delay before restarting the component, which exited with ``rc`` after its last ``started``; None
+        when it is given up (``gave_up`` says so)."""
+        now = time.monotonic()
+        up_s = now - self._started
         if up_s >= self.stable_s:  # it had settled: this death is not one of a series
             self._next_s = min(self.max_backoff_s, self.backoff_s)
+            self._deaths.clear()
+        self._deaths.append(now)
+        while self._deaths[0] < now - self.window_s:
+            self._deaths.popleft()
+        if self.max_restarts and len(self._deaths) > self.max_restarts:
+            return None
         delay = self._take()
         log.warning("%s exited with %s after %.1f s up; restarting it in %g s", self.name, rc, up_s, delay)
         return delay
+
+    def gave_up(self, rc: int, log_dir: Path) -> str:
+        """Log (an error) the give-up ``died`` returned None for; returns what it logged, which names the component,
+        its last exit code and its log. Not a metric: the run it stops serves none after, and exits failing."""
+        message = (f"{self.name} fails at every start and is given up: it died {len(self._deaths)} times within "
+                   f"{self.window_s:g} s, never up {self.stable_s:g} s (launcher.max_restarts={self.max_restarts}); "
+                   f"its last exit {rc}, its log {log_dir / f'{self.name}.log'}")
+        log.error("%s; stopping the run", message)
+        return message
 
     def not_restarted(self, exc: OSError) -> float:
         """The delay before trying again to restart the component, whose restart failed with ``exc``."""
@@ -192,7 +228,8 @@ class RestartBackoff:
 
 class LocalStack:
     """Runs component specs as child processes, restarts any that fails (``RestartBackoff``), and stops them all on
-    close, whatever each is doing then: running, waiting out its backoff, being restarted.
+    close, whatever each is doing then: running, waiting out its backoff, being restarted. One that fails at every
+    start is given up (its spec's ``max_restarts``): the stack stops them all then, and ``check_refused`` raises.
     """
 
     def __init__(self, specs: list[ComponentSpec], log_dir: Path, poll_s: float = 0.5,
@@ -201,7 +238,9 @@ class LocalStack:
         self.specs = {s.name: s for s in specs}
         self.log_dir = log_dir
         self.poll_s = poll_s
-        self.backoff = {name: RestartBackoff(name, backoff_s, max_backoff_s, stable_s) for name in self.specs}
+        self.backoff = {name: RestartBackoff(name, backoff_s, max_backoff_s, stable_s, spec.max_restarts,
+                                             spec.restart_window_s) for name, spec in self.specs.items()}
+        self.given_up: str | None = None  # why the stack stopped itself: a component failed at every start
         self.procs: dict[str, subprocess.Popen] = {}
         self._due: dict[str, float] = {}  # died: when its restart is due (monotonic)
         self.refused: set[str] = set()  # exited on a config error: not restarted (it would only fail again)
@@ -258,7 +297,13 @@ class LocalStack:
                         self.refused.add(name)
                         continue
                     kill_group(proc.pid)  # what it left (a rollout server's engine) would run beside the new one
-                    self._due[name] = time.monotonic() + self.backoff[name].died(rc)
+                    if (delay := self.backoff[name].died(rc)) is None:
+                        message = self.backoff[name].gave_up(rc, self.log_dir)
+                        self._stop.set()
+                        self._stop_components()
+                        self.given_up = message  # once every component is stopped
+                        return
+                    self._due[name] = time.monotonic() + delay
 
     def _restart(self, name: str) -> None:
         """Start ``name`` again, its backoff waited out; one that cannot be started now (a process or file limit) is
@@ -286,11 +331,14 @@ class LocalStack:
 
     def check_refused(self) -> None:
         """ConfigError naming a component that refused its config, with the line its log ends on (the reason):
-        the stack leaves it stopped, so whatever waits on it would only wait out its timeout."""
+        the stack leaves it stopped, so whatever waits on it would only wait out its timeout. ``ComponentGivenUp``
+        naming the component the stack gave up on (``given_up``), having stopped every component."""
         for name in sorted(self.refused):
             log_file = self.log_dir / f"{name}.log"
             lines = log_file.read_text(errors="replace").strip().splitlines() if log_file.exists() else []
             raise ConfigError(f"{refusal(name, CONFIG_ERROR_EXIT, self.log_dir)}: {lines[-1] if lines else ''}")
+        if self.given_up is not None:
+            raise ComponentGivenUp(f"the stack stopped: {self.given_up}")
 
     def finished(self, name: str) -> bool:
         proc = self.procs[name]
@@ -307,13 +355,17 @@ class LocalStack:
                 log.error("the supervisor did not end within %g s of close; stopping the components anyway",
                           timeout_s)
         with self._lock:
-            running = {name: proc for name, proc in self.procs.items() if name not in self._due}
-            for proc in running.values():
-                if proc.poll() is None:
-                    kill_group(proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            for name, proc in running.items():
-                stop_process(proc, max(0.1, deadline - time.monotonic()), name=name, group=True)
+            self._stop_components(timeout_s)
+
+    def _stop_components(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to each component's group, up to ``timeout_s`` in all, then SIGKILL; under the lock."""
+        running = {name: proc for name, proc in self.procs.items() if name not in self._due}
+        for proc in running.values():
+            if proc.poll() is None:
+                kill_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name, proc in running.items():
+            stop_process(proc, max(0.1, deadline - time.monotonic()), name=name, group=True)
 
     def __enter__(self) -> LocalStack:
         return self.start()

@@ -6,7 +6,9 @@ starts it again after ``LocalStack``'s backoff (``RestartBackoff``: one that fai
 in a tight loop): a rollout server rejoins the registry and is re-synced by the trainer's next push, a trainer
 rank resumes from its last checkpoint. Ray restarts an actor whose worker dies (``max_restarts=-1``), which starts
 the process again. A component that refused its config (``CONFIG_ERROR_EXIT``) is not restarted, and ``up``
-waits for every component's config check and fails naming one that refused. The trainer ranks share a node
+waits for every component's config check and fails naming one that refused. One that fails at every start is given
+up by its actor (``launcher.max_restarts``), which stops the run's other components; ``up --foreground`` then stops
+the run and exits 1 naming it. The trainer ranks share a node
 (their rendezvous is on loopback); the rest is packed over the cluster's nodes, and the embedded Redis runs on
 the node ``up`` runs on. A rollout server's receiver and the API listen on their node's address (loopback on a
 local head), which on a cluster needs the API's token, and the embedded Redis gets a password made for the run.
@@ -81,7 +83,9 @@ START_TIMEOUT_S = 120.0  # how long an actor waits for its component's config ch
 class ComponentProcess:
     """Owns one component process (as ``ComponentActor``): when the process fails the actor starts it again after
     ``RestartBackoff``'s delay, as ``LocalStack`` does; one that exited 0, or refused its config
-    (``CONFIG_ERROR_EXIT``: it would only refuse again, for ever), is left stopped, as ``LocalStack`` leaves it.
+    (``CONFIG_ERROR_EXIT``: it would only refuse again, for ever), is left stopped, as ``LocalStack`` leaves it. One
+    that fails at every start is given up (the spec's ``max_restarts``, unless ``backoff`` says), and the actors of
+    ``peers`` (the run's other components) are stopped, as ``LocalStack`` stops the rest: ``given_up`` says why.
 
     The constructor returns once the component got past its config check (every component's
     ``load_config_or_exit`` writes to a pipe it is given) or exited, so that ``up`` can name one that refused.
@@ -90,14 +94,17 @@ class ComponentProcess:
     """
 
     def __init__(self, spec: ComponentSpec, log_dir: str, start_timeout_s: float = START_TIMEOUT_S,
-                 backoff: RestartBackoff | None = None) -> None:
+                 backoff: RestartBackoff | None = None, peers: tuple[str, ...] = ()) -> None:
         if spec.node_overrides:  # it listens where peers on other nodes reach it
             address = ray.util.get_node_ip_address()
             spec = dataclasses.replace(spec, argv=[*spec.argv, *(o.replace("{address}", address)
                                                                  for o in spec.node_overrides)])
         self.spec = spec
         self.log_dir = Path(log_dir)
-        self.backoff = backoff or RestartBackoff(spec.name)
+        self.backoff = backoff or RestartBackoff(spec.name, max_restarts=spec.max_restarts,
+                                                 window_s=spec.restart_window_s)
+        self.peers = peers
+        self._given_up: str | None = None
         self._lock = threading.Lock()  # a restart and ``stop``: none begins once ``stop`` has
         self._stopping = threading.Event()
         self._settled = threading.Event()
@@ -132,8 +139,9 @@ class ComponentProcess:
             elif rc == CONFIG_ERROR_EXIT:
                 print(f"{refusal(self.spec.name, rc, self.log_dir)}; not restarting it", file=sys.stderr, flush=True)
                 delay = None
-            else:
-                delay = self.backoff.died(rc)
+            elif (delay := self.backoff.died(rc)) is None:
+                self._given_up = self.backoff.gave_up(rc, self.log_dir)
+                self._stop_peers()
             self._settled.set()  # the constructor waits for this verdict on a component that exits at once
             if delay is None or not self._respawn(delay):
                 return
@@ -153,6 +161,18 @@ class ComponentProcess:
                 self.backoff.started()
                 return True
         return False
+
+    def _stop_peers(self) -> None:
+        """Ask each of the run's other components' actors to stop it (not waiting: one may be asking this one)."""
+        for name in self.peers:
+            try:
+                ray.get_actor(name).stop.remote()
+            except ValueError:  # gone already (`rollwave down`)
+                continue
+
+    def given_up(self) -> str | None:
+        """Why this component was given up (it failed at every start), or None."""
+        return self._given_up
 
     def pid(self) -> int:
         return self.proc.pid
@@ -424,7 +444,7 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
         ComponentActor.options(
             name=spec.name, lifetime="detached", num_cpus=0, num_gpus=spec.num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-        ).remote(spec, str(run_dir / "logs"))
+        ).remote(spec, str(run_dir / "logs"), peers=tuple(s.name for s in specs if s is not spec))
     return redis_url
 
 
@@ -535,10 +555,10 @@ def _started(state: dict[str, Any]) -> str:
 
 
 def _await_start(cfg: Config, args: argparse.Namespace, state: dict[str, Any], redis_url: str) -> int:
-    """Wait for every component's config check and the API's address; with ``--foreground``, stay until Ctrl-C,
-    then stop the run."""
+    """Wait for every component's config check and the API's address; with ``--foreground``, stay (``_stay``)."""
     run_dir = cfg.run.path
-    refused, silent = _config_checks([name for name in state["actors"] if name != REDIS_ACTOR])
+    actors = [name for name in state["actors"] if name != REDIS_ACTOR]
+    refused, silent = _config_checks(actors)
     ray.shutdown()
     if refused:  # exit 2 as for the CLI's other config errors: fix the input
         names = "; ".join(refusal(name, CONFIG_ERROR_EXIT, run_dir / "logs") for name in refused)
@@ -559,13 +579,29 @@ def _await_start(cfg: Config, args: argparse.Namespace, state: dict[str, Any], r
         return 1
     print(f"rollwave up: run {cfg.run.name}: {', '.join(state['actors'])}; redis {redis_url}; "
           f"API {api}; logs {run_dir / 'logs'}")
-    if args.foreground:
-        try:
-            while True:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            return down(args)
-    return 0
+    return _stay(args, state, actors) if args.foreground else 0
+
+
+def _stay(args: argparse.Namespace, state: dict[str, Any], names: list[str]) -> int:
+    """``up --foreground``: stay until Ctrl-C, then stop the run; or until an actor gives its component up (having
+    stopped the others): then stop the run too, and return 1 naming it."""
+    _connect(state)
+    try:
+        while not (given_up := _given_up(names)):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        return down(args)
+    print(f"error: {'; '.join(given_up)}; stopping the run", file=sys.stderr, flush=True)
+    down(args)
+    return 1
+
+
+def _given_up(names: list[str]) -> list[str]:
+    """Why each of the actors of ``names`` that gave its component up did so; one busy for 10 s (stopping its
+    component, as a peer's give-up asked) is asked again next time."""
+    calls = [ray.get_actor(name).given_up.remote() for name in names]
+    done, _ = ray.wait(calls, num_returns=len(calls), timeout=10)
+    return [message for message in ray.get(done) if message]
 
 
 def _down_command(args: argparse.Namespace) -> str:

@@ -1,18 +1,21 @@
 """The launchers' restart backoff (``RestartBackoff``, shared by ``LocalStack`` and the Ray launcher's actors): a
 component that keeps dying at once is restarted after a delay that doubles each time (up to its cap), and one that
-stayed up a while starts again from the first delay."""
+stayed up a while starts again from the first delay. One that fails at every start is given up after
+``launcher.max_restarts`` restarts within ``launcher.restart_window_s``, and the stack stops."""
 
 from __future__ import annotations
 
 import logging
 import re
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from services.launcher import ComponentSpec, LocalStack, RestartBackoff
+from core.config import ConfigError, load_config
+from services.launcher import ComponentGivenUp, ComponentSpec, LocalStack, RestartBackoff, components
 
 DELAY = re.compile(r"^(\S+) exited with 1 after [\d.]+ s up; restarting it in ([\d.e-]+) s$")
 
@@ -63,7 +66,7 @@ def test_a_component_that_died_a_thousand_times_is_restarted_still(tmp_path: Pat
     """The delay was ``backoff_s * 2 ** (deaths - 1)``, capped: at the 1025th death in a row the power no longer fits
     a float, and the OverflowError ended the supervisor (of every component) for good."""
     caplog.set_level(logging.WARNING, "services.launcher")
-    dies = ComponentSpec("dies", ["sh", "-c", "exit 1"])
+    dies = ComponentSpec("dies", ["sh", "-c", "exit 1"], max_restarts=0)  # never given up
     with LocalStack([dies], tmp_path / "logs", poll_s=0.001, backoff_s=1e-4, max_backoff_s=1e-4) as stack:
         _wait_restarts(lambda: stack.restarts["dies"], 1100, timeout_s=120)
     assert set(_delays(caplog, "dies")) == {1e-4}
@@ -84,3 +87,87 @@ def test_a_ray_actor_restarts_its_component_by_the_same_backoff(tmp_path: Path,
         component.stop(10)
     assert took >= 0.05 * 30, took  # 0.05 * (1 + 2 + 4 + 8 + 16) s of delays, the first begun as it returned
     assert _delays(caplog, "dies")[:5] == [0.05, 0.1, 0.2, 0.4, 0.8]
+
+
+def _until(what: str, cond: Callable[[], object], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_component_that_fails_at_every_start_is_given_up_and_the_stack_stops(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With ``max_restarts=3`` (the default is 10) the fourth death in a row gives ``dies`` up: an error names it,
+    its last exit code and its log, the stack stops its other component, and ``check_refused``
+    (which the demo's waits call) raises naming it. It used to be restarted for as long as the run lasted."""
+    caplog.set_level(logging.WARNING, "services.launcher")
+    dies = ComponentSpec("dies", ["sh", "-c", "exit 3"], max_restarts=3)
+    lives = ComponentSpec("lives", ["sleep", "120"])
+    with LocalStack([dies, lives], tmp_path / "logs", poll_s=0.01, backoff_s=0.01, max_backoff_s=0.05) as stack:
+        _until("dies given up", lambda: stack.given_up is not None)
+        assert stack.procs["lives"].poll() == -signal.SIGTERM  # stopped by the stack, before close
+        with pytest.raises(ComponentGivenUp, match=r"^the stack stopped: dies fails at every start") as raised:
+            stack.check_refused()
+    message = (f"dies fails at every start and is given up: it died 4 times within 900 s, never up 60 s "
+               f"(launcher.max_restarts=3); its last exit 3, its log {tmp_path / 'logs' / 'dies.log'}")
+    assert str(raised.value) == f"the stack stopped: {message}"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [f"{message}; stopping the run"]
+    assert stack.restarts == {"dies": 3, "lives": 0}
+
+
+def test_a_component_that_stays_up_between_deaths_is_never_given_up(tmp_path: Path) -> None:
+    """Each run of ``flaky`` stays up past ``stable_s`` before it dies: no death is one of a series, so even with
+    ``max_restarts=1`` it is restarted again and again."""
+    flaky = ComponentSpec("flaky", ["sh", "-c", "sleep 1; exit 1"], max_restarts=1)
+    with LocalStack([flaky], tmp_path / "logs", poll_s=0.01, backoff_s=0.01, max_backoff_s=0.01,
+                    stable_s=0.2) as stack:
+        _wait_restarts(lambda: stack.restarts["flaky"], 3)
+        assert stack.given_up is None and stack.procs["flaky"].poll() is None
+
+
+def test_deaths_further_apart_than_the_window_are_never_given_up(tmp_path: Path) -> None:
+    """A restart waits its backoff (0.05 s), so with a window of 0.02 s no two deaths fall in one window: with
+    ``max_restarts=1`` the component that dies at once is restarted still."""
+    dies = ComponentSpec("dies", ["sh", "-c", "exit 1"], max_restarts=1, restart_window_s=0.02)
+    with LocalStack([dies], tmp_path / "logs", poll_s=0.01, backoff_s=0.05, max_backoff_s=0.05) as stack:
+        _wait_restarts(lambda: stack.restarts["dies"], 3)
+        assert stack.given_up is None
+
+
+def test_a_ray_actor_gives_up_by_its_specs_limit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The Ray launcher's actor (its class, run here without Ray) gives up a component that fails at every start by
+    the limit its spec carries (``max_restarts=2``), with the same error as ``LocalStack``, and restarts
+    it no more; ``given_up`` says why (``rollwave up --foreground`` asks it)."""
+    from services.ray_launcher import ComponentProcess
+
+    caplog.set_level(logging.WARNING, "services.launcher")
+    dies = ComponentSpec("dies", ["sh", "-c", "exit 3"], max_restarts=2)
+    component = ComponentProcess(dies, str(tmp_path / "logs"), 60)  # the default backoff: 0.5 s, then 1 s
+    try:
+        _until("dies given up", component.given_up)
+        component._watcher.join(10)
+    finally:
+        component.stop(10)
+    message = (f"dies fails at every start and is given up: it died 3 times within 900 s, never up 60 s "
+               f"(launcher.max_restarts=2); its last exit 3, its log {tmp_path / 'logs' / 'dies.log'}")
+    assert component.given_up() == message and not component._watcher.is_alive() and component.restarts() == 2
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [f"{message}; stopping the run"]
+
+
+@pytest.mark.parametrize("override", ["launcher.max_restarts=-1", "launcher.restart_window_s=0",
+                                      "launcher.restart_window_s=-60"])
+def test_a_negative_restart_limit_or_an_empty_window_is_refused(override: str) -> None:
+    with pytest.raises(ConfigError, match=f"{override.partition('=')[0]}:"):
+        load_config(None, [override])
+
+
+def test_every_component_gets_the_configured_restart_limit(tmp_path: Path) -> None:
+    """``launcher.*`` reach each spec ``components`` makes, and so ``LocalStack`` and the Ray actors; by default the
+    specs carry the config's defaults."""
+    cfg = load_config(None, ["launcher.max_restarts=3", "launcher.restart_window_s=60"])
+    specs = components(cfg, tmp_path / "config.yaml", None, rollout_servers=2)
+    assert [(s.name, s.max_restarts, s.restart_window_s) for s in specs] == [
+        ("trainer-0", 3, 60), ("rollout-0", 3, 60), ("rollout-1", 3, 60), ("api", 3, 60)]
+    default, spec = load_config(None).launcher, ComponentSpec("x", [])
+    assert (default.max_restarts, default.restart_window_s) == (spec.max_restarts, spec.restart_window_s) == (10, 900)

@@ -23,7 +23,8 @@ from services.launcher import ComponentSpec, LocalStack, spawn
 
 
 def test_a_crash_restarts_but_a_config_refusal_does_not(tmp_path: Path) -> None:
-    crashes = ComponentSpec("crashes", [sys.executable, "-c", "import sys; sys.exit(1)"])
+    crashes = ComponentSpec("crashes", [sys.executable, "-c", "import sys; sys.exit(1)"],
+                            max_restarts=0)  # never given up
     refuses = ComponentSpec("refuses", [sys.executable, "-c",
                                         f"import sys; print('error: x.y is bad'); sys.exit({CONFIG_ERROR_EXIT})"])
     with LocalStack([crashes, refuses], tmp_path / "logs", poll_s=0.05, max_backoff_s=0.05) as stack:
@@ -139,7 +140,7 @@ def test_a_restart_that_cannot_be_made_is_tried_again_and_the_rest_stay_supervis
     program.write_text('#!/bin/sh\nrm -f "$0"\nexit 1\n')  # it removes itself, then fails
     program.chmod(0o755)
     gone = ComponentSpec("gone", [str(program)])
-    crashes = ComponentSpec("crashes", ["sh", "-c", "exit 1"])
+    crashes = ComponentSpec("crashes", ["sh", "-c", "exit 1"], max_restarts=0)  # never given up
     with LocalStack([gone, crashes], tmp_path / "logs", poll_s=0.01, backoff_s=0.05, max_backoff_s=0.2) as stack:
         _logged(caplog, f"gone could not be restarted ([Errno 2] No such file or directory: '{program}'); trying "
                         "again in 0.1 s")

@@ -16,7 +16,9 @@ to the subreaper, not to init), so when the agent's process exits, or the parent
 (at the time limit, on cancellation, or because the rollout server died), the child SIGKILLs and reaps all of
 them, leaving neither a process nor a zombie. The parent SIGKILLs the child's process group if the child has not
 ended ``KILL_WAIT_S`` after that.
-Anything the agent prints goes to the worker's stderr.
+What the agent and the processes it starts print (stdout and stderr) goes to a pipe the rollout server reads as it
+comes, keeping only the last ``OUTPUT_TAIL`` bytes, which it logs when the run ends with the number of bytes dropped
+before them: an agent printing in a loop costs neither the server's memory nor its log more than that.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import contextlib
 import ctypes
 import importlib
 import inspect
+import logging
 import math
 import multiprocessing
 import multiprocessing.forkserver
@@ -41,9 +44,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 ERROR_TAIL = 2000
+OUTPUT_TAIL = 16 << 10  # bytes of what an agent printed that are kept and logged: the last ones
 KILL_WAIT_S = 10.0
 PR_SET_CHILD_SUBREAPER = 36
 _FORK_SERVER = multiprocessing.get_context("forkserver")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +58,35 @@ class AgentOutcome:
     reward: float | None = None
     failure: str | None = None  # finish_reason: agent_error | agent_timeout
     error: str = ""
+
+
+class _Output:
+    """What an agent prints, read as it comes (unread, a full pipe would block the agent): only the last ``limit``
+    bytes are kept, and those before them counted."""
+
+    def __init__(self, fd: int, limit: int) -> None:
+        os.set_blocking(fd, False)
+        self.fd, self.limit, self.kept, self.dropped, self.ended = fd, limit, bytearray(), 0, False
+
+    def read(self) -> bool:
+        """Read one chunk; whether there was one (none yet, or none ever: ``ended``, every writer gone)."""
+        try:
+            chunk = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return False
+        self.ended = not chunk
+        self.kept += chunk
+        if (excess := len(self.kept) - self.limit) > 0:
+            self.dropped += excess
+            del self.kept[:excess]
+        return bool(chunk)
+
+    def log(self, entrypoint: str, task_id: str) -> None:
+        if not self.kept:
+            return
+        dropped = f"; the first {self.dropped} bytes dropped" if self.dropped else ""
+        log.info("agent %s, task %s, printed %d bytes%s:\n%s", entrypoint, task_id, self.dropped + len(self.kept),
+                 dropped, self.kept.decode(errors="replace"))
 
 
 def agent_task(task: Any) -> dict[str, Any]:
@@ -76,12 +110,22 @@ async def run_agent(entrypoint: str, task: Any, base_url: str, api_key: str, *, 
                "memory_mb": memory_mb, "cpus": cpus or []}
     receive, send = _FORK_SERVER.Pipe(duplex=False)
     watch, keep = _FORK_SERVER.Pipe(duplex=False)  # the child ends the agent once ``keep`` is closed
-    proc = _FORK_SERVER.Process(target=_child, args=(payload, send, watch), name=f"agent {task.task_id}",
+    printed, prints = _FORK_SERVER.Pipe(duplex=False)  # the agent's stdout and stderr
+    proc = _FORK_SERVER.Process(target=_child, args=(payload, send, watch, prints), name=f"agent {task.task_id}",
                                 daemon=True)
+    output = _Output(printed.fileno(), OUTPUT_TAIL)
+    loop = asyncio.get_running_loop()
+
+    def read_output() -> None:
+        if not output.read() and output.ended:
+            loop.remove_reader(output.fd)
+
+    loop.add_reader(output.fd, read_output)
     try:
         await asyncio.to_thread(proc.start)
         send.close()
         watch.close()
+        prints.close()
         try:
             await asyncio.wait_for(_exited(proc.sentinel), timeout_s)
         except TimeoutError:
@@ -92,8 +136,14 @@ async def run_agent(entrypoint: str, task: Any, base_url: str, api_key: str, *, 
     finally:
         keep.close()
         receive.close()
+        prints.close()
         if proc.pid is not None:
             await _end(proc)
+        loop.remove_reader(output.fd)
+        while output.read():  # the rest, once every process that could print is gone
+            pass
+        printed.close()
+        output.log(entrypoint, task.task_id)
     if "error" in result:
         return AgentOutcome(failure="agent_error", error=f"agent {entrypoint} failed: {result['error']}")
     if "invalid" in result:
@@ -128,7 +178,7 @@ async def _end(proc: multiprocessing.process.BaseProcess) -> None:
     proc.join()
 
 
-def _child(payload: dict[str, Any], result: Connection, watch: Connection) -> None:
+def _child(payload: dict[str, Any], result: Connection, watch: Connection, prints: Connection) -> None:
     """The subreaper above the agent's process: returns (exits) with the agent's exit code once the agent has
     exited or ``watch`` has closed, and every process below it is killed and reaped."""
     os.setsid()
@@ -139,6 +189,9 @@ def _child(payload: dict[str, Any], result: Connection, watch: Connection) -> No
     agent = os.fork()
     if agent == 0:
         watch.close()
+        os.dup2(prints.fileno(), 1)
+        os.dup2(prints.fileno(), 2)
+        prints.close()
         code = 1
         try:
             code = _agent(payload, result)
@@ -146,6 +199,7 @@ def _child(payload: dict[str, Any], result: Connection, watch: Connection) -> No
             sys.stderr.flush()
             os._exit(code)
     result.close()
+    prints.close()
     try:
         select.select([watch, os.pidfd_open(agent)], [], [])  # the pidfd is closed as this process exits
     finally:
@@ -191,8 +245,7 @@ def _agent(payload: dict[str, Any], result: Connection) -> int:
     """Call the agent in this process, under its memory limit; send back its result and return the exit code."""
     limit = payload["memory_mb"] * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    os.dup2(2, 1)  # the agent's prints go to stderr
-    sys.stdout = sys.stderr
+    sys.stdout = sys.stderr  # line-buffered, flushed as the process exits, and in order with the rest
     try:
         module_name, _, attr = payload["entrypoint"].partition(":")
         fn = getattr(importlib.import_module(module_name), attr)

@@ -559,3 +559,25 @@ def test_a_python_tool_without_its_sandbox_is_refused_and_counted(
     value = loop.metrics.registry.get_sample_value
     assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "refused"}) == 1
     assert not ran.exists()
+
+
+def test_a_python_call_past_max_concurrent_is_refused_logged_and_counted(
+    tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two python calls of one turn run at once; with max_concurrent 1 the second waits for the first's sandbox,
+    and past max_wait_s the model is told it was refused, the refusal logged and counted."""
+    calls = [json.dumps({"name": "python", "arguments": {"code": code}})
+             for code in ("import time; time.sleep(60)", "print('ran')")]
+    turn = "".join(f"<tool_call>\n{call}\n</tool_call>\n" for call in calls)
+    script = [(turn, "stop"), ("The answer is 4.", "stop")]
+    tool = PythonTool(max_concurrent=1, max_wait_s=0.2, timeout_s=2)
+    loop = _loop(ScriptedEngine(tokenizer, script), tokenizer, tools=[tool], max_new_tokens=256)
+    with caplog.at_level(logging.WARNING, logger="rollout_server.tools.python_tool"):
+        (s,) = _group(loop, _task(["python"], ground_truth=None, kind="gsm8k")).samples
+    busy = "busy: max_concurrent (1) sandboxes ran for all of the 0.2s this call waited (max_wait_s); try again later"
+    assert [m["content"] for m in s.messages if m["role"] == "tool"] == [
+        "Error: timed out after 2s and was killed", f"Error: {busy}"]
+    assert "python: refused a call of t-1/0/" in caplog.text and busy in caplog.text, caplog.text
+    value = loop.metrics.registry.get_sample_value
+    assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "refused"}) == 1
+    assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "error"}) == 1

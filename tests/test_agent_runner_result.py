@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from core.tasks import Task
-from rollout_server.agent_runner import run_agent
+from rollout_server.agent_runner import OUTPUT_TAIL, run_agent
 
 TASK = Task(task_id="t-1", messages=[{"role": "user", "content": "hi"}], reward={})
 
@@ -74,3 +78,29 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def prints_a_lot(task: dict[str, Any], base_url: str, api_key: str) -> float:
+    """Prints 8 MiB to stdout, then a line to each of stdout and stderr, and one through a process it starts."""
+    for _ in range(8):
+        print("x" * (1 << 20), end="")
+    print("\nlast on stdout")
+    print("last on stderr", file=sys.stderr)
+    subprocess.run(["echo", "from a child"], check=True)
+    return 1.0
+
+
+def test_what_an_agent_prints_is_kept_and_logged_only_as_its_last_16_kib(caplog: pytest.LogCaptureFixture) -> None:
+    """An agent's prints went to the rollout server's stderr without bound; only the last OUTPUT_TAIL bytes are kept
+    and logged, saying how many came before them, and printing never blocks the agent."""
+    with caplog.at_level(logging.INFO, logger="rollout_server.agent_runner"):
+        outcome = asyncio.run(run_agent("tests.test_agent_runner_result:prints_a_lot", TASK, "http://127.0.0.1:9/v1",
+                                        "k", timeout_s=60, memory_mb=2048))
+    assert (outcome.failure, outcome.reward) == (None, 1.0), outcome
+    [record] = [r for r in caplog.records if r.name == "rollout_server.agent_runner"]
+    tail = "\nlast on stdout\nlast on stderr\nfrom a child\n"
+    printed = (8 << 20) + len(tail)
+    head, kept = record.getMessage().split("\n", 1)
+    assert head == (f"agent tests.test_agent_runner_result:prints_a_lot, task t-1, printed {printed} bytes; the first "
+                    f"{printed - OUTPUT_TAIL} bytes dropped:")
+    assert kept == "x" * (OUTPUT_TAIL - len(tail)) + tail

@@ -5,9 +5,8 @@ reading /etc/passwd, the model dir or a host file, writing outside the working d
 Redis on 127.0.0.1, a fork bomb, a 4 GB allocation, an endless loop, 100 MB of output, reading the
 environment and /proc of its parent, killing its parent, a session-leading child started through
 ``_posixsubprocess.fork_exec`` that should outlive the timeout, ptracing the sandbox's pid 1 to run past the limits
-and the kill, filling /dev/shm, a nested user namespace, and reading a key of the rollout server's session
-keyring. Where the tool's path as root and as another user
-differ, both run (``_py_as``).
+and the kill, filling /dev/shm, files made in a loop, a nested user namespace, and reading a key of the rollout
+server's session keyring. Where the tool's path as root and as another user differ, both run (``_py_as``).
 """
 
 from __future__ import annotations
@@ -527,6 +526,51 @@ def test_dev_is_read_only_and_dev_shm_is_capped(who: str) -> None:
 
 
 @pytest.mark.parametrize("who", ["root", "user"])
+def test_files_in_a_loop_are_stopped_at_max_files(who: str) -> None:
+    """Empty files cost no bytes of a tmpfs's size but an inode each (kernel memory): a loop making them ran until the
+    timeout, without bound. Each of /tmp, /dev/shm and the working directory holds at most max_files (its root
+    counts), and a snippet that fails on that is told the limit."""
+    code = (
+        "import os\n"
+        "for d in ('/tmp', '/dev/shm'):\n"
+        "    n = 0\n"
+        "    try:\n"
+        "        while True:\n"
+        "            os.mkdir(f'{d}/{n}') if n % 2 else open(f'{d}/{n}', 'w').close()\n"
+        "            n += 1\n"
+        "    except OSError as exc:\n"
+        "        print(d, n, exc.strerror, flush=True)\n"
+        "n = 0\n"
+        "while True:\n"
+        "    open(str(n), 'w').close()\n"
+        "    n += 1\n"
+    )
+    out = _py_as(who, code, max_files=100)
+    assert out.error == "file limit of 100 files (max_files) exceeded", out.text
+    assert out.text.startswith("/tmp 99 No space left on device\n/dev/shm 99 No space left on device\n"), out.text
+    assert "OSError: [Errno 28] No space left on device: '99'" in out.text, out.text
+
+
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_no_process_of_the_sandbox_keeps_cap_sys_admin(who: str) -> None:
+    """pid 1 gets CAP_SYS_ADMIN to mount the private tmpfs; it must be gone before the snippet runs, or the snippet
+    (or pid 1, were it attached) could mount a tmpfs of no limit, or unmount the capped ones."""
+    code = (
+        "import ctypes, os\n"
+        "for pid in (1, os.getpid()):\n"
+        "    caps = dict(line.split(':') for line in open(f'/proc/{pid}/status') if line.startswith('Cap'))\n"
+        "    print(pid, [name for name in ('CapInh', 'CapPrm', 'CapEff', 'CapAmb') if int(caps[name], 16) >> 21 & 1])\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.unshare(0x20000), os.strerror(ctypes.get_errno()))\n"
+        "print(libc.umount2(b'/tmp', 2), os.strerror(ctypes.get_errno()))\n"
+    )
+    out = _py_as(who, code)
+    assert out.ok, out.text
+    assert out.text.splitlines() == ["1 []", "2 []", "-1 Operation not permitted", "-1 Operation not permitted"], \
+        out.text
+
+
+@pytest.mark.parametrize("who", ["root", "user"])
 def test_no_nested_user_namespace(who: str) -> None:
     """As root, a snippet made a user namespace, mounted a tmpfs of no size in it and filled it."""
     code = (
@@ -600,6 +644,29 @@ def test_concurrent_snippets_each_have_their_own_process_limit() -> None:
         return await asyncio.gather(*(tool.execute("i", {"code": code}) for _ in range(3)))
 
     assert [out.text for out in run(scenario())] == ["forked\n"] * 3
+
+
+def test_past_max_concurrent_a_call_waits_then_is_refused() -> None:
+    """Every call started a sandbox at once: a burst of calls started hundreds. With max_concurrent 1, a second call
+    waits for the first (both run), and one that waits past max_wait_s is refused, naming both limits."""
+
+    async def scenario() -> tuple[list[ToolResult], ToolResult]:
+        tool = PythonTool(max_concurrent=1, max_wait_s=60)
+        waited = await asyncio.gather(*(tool.execute(str(i), {"code": f"print({i})"}) for i in range(2)))
+        tool = PythonTool(max_concurrent=1, max_wait_s=0.2, timeout_s=60)
+        first = asyncio.create_task(tool.execute("a", {"code": "import time; time.sleep(60)"}))
+        await asyncio.sleep(0)  # the first takes the one sandbox
+        refused = await tool.execute("b", {"code": "print('ran')"})
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        return waited, refused
+
+    waited, refused = run(scenario())
+    assert [out.text for out in waited] == ["0\n", "1\n"]
+    assert not refused.ok and refused.refused, refused
+    assert refused.error == "busy: max_concurrent (1) sandboxes ran for all of the 0.2s this call waited " \
+        "(max_wait_s); try again later"
 
 
 def test_without_a_sandbox_the_tool_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,12 @@ The boundary is the kernel's, set up by bubblewrap (``bwrap``, Debian package ``
 - **Files**: a new root holding, read-only, only the interpreter (``sys.base_prefix``, ``sys.prefix``) and
   the shared libraries (``/usr/lib``, ``/usr/lib64``, ``/lib``, ``/lib64``); no ``/etc``, home, model or run
   directory. The working directory (``/sandbox``), ``/tmp`` and ``/dev/shm`` are private tmpfs of
-  ``max_file_mb`` each, gone when the snippet ends; the rest of ``/dev`` is minimal and read-only.
+  ``max_file_mb`` and ``max_files`` files (inodes: directories, links and empty files too, which no byte limit
+  counts) each, gone when the snippet ends; the rest of ``/dev`` is minimal and read-only. bwrap can bound a tmpfs's
+  bytes only (``--size``): the bootstrap mounts these three itself, with ``nr_inodes``, in a mount namespace of its
+  own (the sandbox's user namespace owns it, so ``CAP_SYS_ADMIN`` there is enough), and drops that capability
+  before the snippet exists. A snippet that fails with one of them full of files is reported as past
+  ``max_files``.
 - **User**: a separate uid (``sandbox_uid``, 65534) in a user namespace in which no further user namespace
   can be made. Run as any other user, bwrap makes it (``--disable-userns``) and maps the uid to that user.
   Run as root, ``_USER_NAMESPACE`` makes it before bwrap, mapping root and the uid each to itself (bwrap's own
@@ -27,6 +32,8 @@ The boundary is the kernel's, set up by bubblewrap (``bwrap``, Debian package ``
 The snippet arrives on stdin, never in a file or argv. When the sandbox cannot be set up (no bwrap, no
 namespaces allowed here), every call is refused with an error saying why (``ToolResult.refused``, counted
 as ``outcome="refused"`` in ``rollwave_rollout_tool_calls_total``): code never runs outside the sandbox.
+At most ``max_concurrent`` sandboxes of a tool run at once; a call past that waits up to ``max_wait_s`` for one
+to end, then is refused (logged, and counted the same way), so a burst of calls cannot start hundreds of them.
 """
 
 from __future__ import annotations
@@ -46,19 +53,22 @@ from rollout_server.tools.base import Tool, ToolResult, function_schema
 
 log = logging.getLogger(__name__)
 MEMORY_ERROR_EXIT = 97
+FILE_LIMIT_EXIT = 96
 WORKDIR = "/sandbox"
 LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64")
 PROBE_TIMEOUT_S = 30.0
 KILL_WAIT_S = 10.0
 KEYCTL_SYSCALLS = {"x86_64": 250, "aarch64": 219, "riscv64": 219}  # the system call's number, by machine
 
-# Runs in the sandbox as its pid 1 (the docstring's Processes): limits, not dumpable and a session keyring of its own
+# Runs in the sandbox as its pid 1 (the docstring's Processes): limits, not dumpable, a session keyring of its own
 # (the docstring's Keys; ENOSYS or EPERM: the kernel has no keys, or a seccomp filter the snippet inherits forbids
-# them) before the snippet can run, it forks the snippet and reaps until the snippet ends, then ends with its status
-# (128 + a signal that killed it, as bwrap reports one).
+# them) and the private tmpfs (the docstring's Files; then CAP_SYS_ADMIN goes) before the snippet can run, it forks
+# the snippet and reaps until the snippet ends, then ends with its status (128 + a signal that killed it, as bwrap
+# reports one), or _files_exit if it failed with a tmpfs full of files.
 _BOOTSTRAP = r"""
 import ctypes, errno, os, resource, sys, traceback
-_uid, _mem, _cpu, _fsize, _nproc, _nofile, _memory_exit, _keyctl = (int(a) for a in sys.argv[1:9])
+_uid, _mem, _cpu, _fsize, _nproc, _nofile, _memory_exit, _keyctl, _files, _files_exit = (int(a) for a in sys.argv[1:11])
+_tmpfs = (("/tmp", "1777"), ("/dev/shm", "1777"), (os.getcwd(), "0777"))  # bwrap put it in the working directory
 for _limit, _value in ((resource.RLIMIT_AS, _mem), (resource.RLIMIT_FSIZE, _fsize), (resource.RLIMIT_NPROC, _nproc + 1),
                        (resource.RLIMIT_NOFILE, _nofile), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(_limit, (_value, _value))  # NPROC + 1: room for pid 1's fork, where it counts
@@ -71,11 +81,27 @@ if _libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
     sys.exit(f"prctl(PR_SET_DUMPABLE): {os.strerror(ctypes.get_errno())}")
 if _libc.syscall(_keyctl, 1, None) < 0 and ctypes.get_errno() not in (errno.ENOSYS, errno.EPERM):  # JOIN_SESSION
     sys.exit(f"keyctl(KEYCTL_JOIN_SESSION_KEYRING): {os.strerror(ctypes.get_errno())}")
+if _libc.unshare(0x20000) != 0:  # CLONE_NEWNS
+    sys.exit(f"unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}")
+for _path, _mode in _tmpfs:
+    _options = f"mode={_mode},size={_fsize},nr_inodes={_files}".encode()
+    if _libc.mount(b"tmpfs", _path.encode(), b"tmpfs", 6, _options) != 0:  # MS_NOSUID | MS_NODEV
+        sys.exit(f"mount tmpfs on {_path}: {os.strerror(ctypes.get_errno())}")
+os.chdir(os.getcwd())  # the new tmpfs, not the directory under it that bwrap entered
+_header, _caps = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # capability sets, version 3
+if _libc.capget(_header, _caps) != 0:
+    sys.exit(f"capget: {os.strerror(ctypes.get_errno())}")
+for _set in range(3):  # effective, permitted, inheritable (ambient follows): CAP_SYS_ADMIN (21) goes
+    _caps[_set] &= ~(1 << 21)
+if _libc.capset(_header, _caps) != 0:
+    sys.exit(f"capset: {os.strerror(ctypes.get_errno())}")
 _snippet = os.fork()
 while _snippet:  # pid 1
     _pid, _status = os.wait()
     if _pid == _snippet:
         _code = os.waitstatus_to_exitcode(_status)
+        if _code != 0 and any(os.statvfs(_path).f_ffree == 0 for _path, _ in _tmpfs):
+            os._exit(_files_exit)
         os._exit(_code if _code >= 0 else 128 - _code)
 if os.getuid() == 0:
     os.setgroups([])
@@ -153,10 +179,14 @@ class PythonTool(Tool):
         max_output_bytes: int = 4096,
         max_processes: int = 16,
         max_open_files: int = 64,
+        max_files: int = 4096,
+        max_concurrent: int = 16,
+        max_wait_s: float = 30.0,
         sandbox_uid: int = 65534,
     ) -> None:
         super().__init__(name, schema)
-        limits = (timeout_s, cpu_s, memory_mb, max_file_mb, max_output_bytes, max_processes, max_open_files)
+        limits = (timeout_s, cpu_s, memory_mb, max_file_mb, max_output_bytes, max_processes, max_open_files,
+                  max_files, max_concurrent, max_wait_s)
         if min(limits) <= 0:
             raise ValueError(f"{self.name}: every limit (timeout_s, cpu_s, memory_mb, ...) must be > 0")
         if sandbox_uid <= 0:
@@ -168,6 +198,10 @@ class PythonTool(Tool):
         self.max_output_bytes = max_output_bytes
         self.max_processes = max_processes
         self.max_open_files = max_open_files
+        self.max_files = max_files
+        self.max_concurrent = max_concurrent
+        self.max_wait_s = max_wait_s
+        self._sandboxes = asyncio.Semaphore(max_concurrent)
         self.sandbox_uid = sandbox_uid
         self.unavailable = self._probe()
         if self.unavailable is not None:
@@ -193,14 +227,11 @@ class PythonTool(Tool):
         else:
             argv += ["--unshare-user", "--disable-userns", "--uid", str(self.sandbox_uid), "--gid",
                      str(self.sandbox_uid)]
-        argv += ["--clearenv"]
+        argv += ["--cap-add", "CAP_SYS_ADMIN", "--clearenv"]  # the bootstrap's, to mount the tmpfs; it drops it
         for key, value in (("PATH", "/usr/bin:/bin"), ("HOME", WORKDIR), ("LANG", "C.UTF-8"),
                            ("OMP_NUM_THREADS", "1"), ("OPENBLAS_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1")):
             argv += ["--setenv", key, value]
-        argv += ["--proc", "/proc", "--dev", "/dev"]
-        for path, mode in (("/tmp", "1777"), ("/dev/shm", "1777"), (WORKDIR, "0777")):
-            argv += ["--size", str(self.max_file_bytes), "--perms", mode, "--tmpfs", path]
-        argv += ["--remount-ro", "/dev"]  # not recursive: /dev/shm stays writable
+        argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--dir", "/tmp", "--dir", WORKDIR]
         binds = _read_only_binds()
         for directory in sorted({str(p) for b in binds for p in PurePosixPath(b).parents if str(p) != "/"}):
             argv += ["--perms", "0755", "--dir", directory]  # traversable by the sandbox uid
@@ -210,7 +241,7 @@ class PythonTool(Tool):
             if os.path.islink(link):
                 argv += ["--symlink", os.readlink(link), link]
         limits = (self.sandbox_uid, self.memory_bytes, self.cpu_s, self.max_file_bytes, self.max_processes,
-                  self.max_open_files, MEMORY_ERROR_EXIT, keyctl)
+                  self.max_open_files, MEMORY_ERROR_EXIT, keyctl, self.max_files, FILE_LIMIT_EXIT)
         return [*user_namespace, *argv, "--remount-ro", "/", "--chdir", WORKDIR, "--", sys.executable, "-I", "-B",
                 "-c", _BOOTSTRAP, *map(str, limits)]
 
@@ -233,7 +264,18 @@ class PythonTool(Tool):
         if self.unavailable is not None:
             log.warning("%s: refused a call: %s", self.name, self.unavailable)
             return ToolResult(f"Error: {self.unavailable}", ok=False, error=self.unavailable, refused=True)
-        return await self._run(code.encode("utf-8", errors="surrogatepass"))
+        try:
+            async with asyncio.timeout(self.max_wait_s):
+                await self._sandboxes.acquire()
+        except TimeoutError:
+            busy = (f"busy: max_concurrent ({self.max_concurrent}) sandboxes ran for all of the {self.max_wait_s:g}s "
+                    "this call waited (max_wait_s); try again later")
+            log.warning("%s: refused a call of %s: %s", self.name, instance_id, busy)
+            return ToolResult(f"Error: {busy}", ok=False, error=busy, refused=True)
+        try:
+            return await self._run(code.encode("utf-8", errors="surrogatepass"))
+        finally:
+            self._sandboxes.release()
 
     async def _run(self, code: bytes) -> ToolResult:
         proc = await asyncio.create_subprocess_exec(
@@ -292,6 +334,8 @@ class PythonTool(Tool):
             error = stopped
         elif returncode in (MEMORY_ERROR_EXIT, 128 + signal.SIGSEGV):  # bwrap exits 128 + the signal that ended it
             error = f"memory limit of {self.memory_bytes >> 20} MiB exceeded"
+        elif returncode == FILE_LIMIT_EXIT:
+            error = f"file limit of {self.max_files} files (max_files) exceeded"
         elif returncode in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
             error = f"CPU limit of {self.cpu_s}s exceeded and was killed"
         elif returncode != 0:

@@ -27,7 +27,12 @@ named function are honoured by prefilling the call opening the chat template wri
 (loss_mask 0, no behaviour logprob; prompt tokens in ``usage``, none in ``logprobs``): the policy did not sample
 them, and what it samples after them is conditioned on them exactly as the engine saw. The call's body is the
 model's: one that does not parse comes back as content, as under ``auto``. A template that writes calls otherwise
-makes them a 400. Streaming sends the finished turn as OpenAI-shaped chunks (the engine client has no token stream).
+makes them a 400. ``parallel_tool_calls=false`` adds the call's closing tag (``</tool_call>``) to the stop strings:
+the turn ends after the first call, whose tokens are the policy's; the end token that follows is a template token.
+The legacy ``functions``/``function_call``, audio output and ``web_search_options`` are refused (400 naming the
+field); other fields the endpoint does not act on (``user``, ``metadata``, ``store``, ...) are ignored, and a null
+is taken as the field's absence, as OpenAI takes it. Streaming sends the finished turn as OpenAI-shaped chunks (the
+engine client has no token stream).
 
 A retried request is idempotent: a request equal (messages and parameters) to the episode's last answered one gets
 that answer again, same id, without generating or touching the episode (``outcome="replayed"``). The openai client
@@ -51,7 +56,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -70,6 +75,7 @@ from pydantic import (
     field_validator,
 )
 from pydantic_core import PydanticCustomError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from buffer.schema import Sample, ToolCallRecord
 from core.config import RolloutConfig
@@ -79,7 +85,7 @@ from core.trajectory import ChatRenderer, TrajectoryBuilder
 from rollout_server.agent_loop import EngineReplyError, PromptTooLong, ends_turn, turn_from_reply
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
-from rollout_server.tool_parser import BOT_TOKEN, parse_tool_calls
+from rollout_server.tool_parser import BOT_TOKEN, EOT_TOKEN, parse_tool_calls
 
 log = logging.getLogger(__name__)
 FIRST_ATTEMPT = "0"  # x-stainless-retry-count of the openai client's first try at a request
@@ -201,10 +207,28 @@ _EXPECTED = {
     "tool_choice": 'expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
     "stop": "expected a string, a list of strings or null",
 }
+# OpenAI fields asking for output this endpoint cannot give: ignored, the agent would get something else than it asked
+# for (a call written as content, no audio, no search), so each is refused naming it; (asked?, why)
+_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "functions": (bool, "it is the legacy function-calling API (send tools)"),
+    "function_call": (lambda v: v is not None, "it is the legacy function-calling API (send tool_choice)"),
+    "modalities": (lambda v: v not in (None, [], ["text"]), "only text is generated"),
+    "audio": (lambda v: v is not None, "only text is generated"),
+    "web_search_options": (lambda v: v is not None, "the model does not search the web"),
+}
+
+
+class StreamOptions(BaseModel):
+    """Checked with the body: one that is not an object is a 400, not an error once the stream has begun."""
+
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = None
 
 
 class ChatRequest(BaseModel):
-    """The fields we act on or refuse; other OpenAI fields (``user``, ``metadata``, ...) are accepted and ignored."""
+    """The fields we act on or refuse; other OpenAI fields (``user``, ``metadata``, ...) are accepted and ignored,
+    those in ``_UNSUPPORTED`` refused."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -212,13 +236,15 @@ class ChatRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1, le=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    parallel_tool_calls: bool | None = None
     # sampling: checked against the job's (``EpisodeStore._refuse_sampling``), never silently ignored
     temperature: float | None = None
     top_p: float | None = None
@@ -231,20 +257,36 @@ class ChatRequest(BaseModel):
     @field_validator("tool_choice", "stop", mode="wrap")
     @classmethod
     def _one_error(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
-        """One message naming the field, not one per member of its union (whose tags would land in ``param``)."""
+        """One message naming the field, not one per member of its union (whose tags would land in ``param``);
+        a named ``tool_choice`` must name its function."""
         try:
             out = handler(value)
         except ValidationError:
             raise PydanticCustomError("invalid", _EXPECTED[info.field_name]) from None
-        if info.field_name == "stop" and isinstance(out, list) and len(out) > MAX_STOP:
-            raise PydanticCustomError("invalid", "at most {limit} stop sequences, got {n}",
-                                      {"limit": MAX_STOP, "n": len(out)})
+        if isinstance(out, dict):  # a named tool_choice
+            function = out.get("function")
+            if out.get("type") != "function" or not isinstance(function, dict) or not isinstance(
+                    function.get("name"), str):
+                raise PydanticCustomError("invalid", _EXPECTED[info.field_name])
         return out
 
     def stop_sequences(self) -> list[str]:
         """``stop`` as the engine takes it: a list of non-empty strings."""
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return [s for s in stops if s]
+
+    def engine_stops(self, names: set[str]) -> list[str]:
+        """What ends the turn at the engine: the ``stop`` sequences, and with ``parallel_tool_calls=false`` (at most
+        one call, as OpenAI's) the first call's closing tag when calls are parsed. The tokens through a match are
+        the policy's either way; only the agent's own stop sequences are cut from the content."""
+        stops = self.stop_sequences()
+        if self.parallel_tool_calls is False and names and EOT_TOKEN not in stops:
+            stops.append(EOT_TOKEN)
+        if len(stops) > MAX_STOP:
+            ours = " (one is the call's closing tag, for parallel_tool_calls=false)" if EOT_TOKEN in stops else ""
+            raise APIError(400, f"stop: at most {MAX_STOP} stop sequences{ours}, got {len(stops)}",
+                           "invalid_request", param="stop")
+        return stops
 
 
 class RewardRequest(BaseModel):
@@ -427,6 +469,13 @@ class EpisodeStore:
                         exc.message)
             return exc.response()
 
+        @app.exception_handler(StarletteHTTPException)
+        async def _unknown_url(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            """A path or method not served (``/v1/completions``, ``/v1/responses``, ...), in OpenAI's shape."""
+            return await _api_error(request, APIError(
+                exc.status_code, f"Invalid URL ({request.method} {request.url.path}): {exc.detail}; this endpoint "
+                "serves POST .../v1/chat/completions and GET .../v1/models", "unknown_url"))
+
         @app.exception_handler(RequestValidationError)
         async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
             first = exc.errors()[0] if exc.errors() else {}
@@ -460,27 +509,24 @@ class EpisodeStore:
         episode, episode_in_header = Depends(in_path), Depends(in_header)
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollwave"}
 
-        # x-stainless-retry-count: the openai client's attempt number, for the log (equality decides a replay)
-        @app.post("/episodes/{episode_id}/v1/chat/completions")
-        async def _chat(body: ChatRequest, ep: AgentEpisode = episode,
-                        x_stainless_retry_count: str | None = Header(None)) -> Any:
-            return await self.chat(ep, body, x_stainless_retry_count)
+        # the same API under both base URLs: the episode's, and the plain one with the X-Episode-Id header
+        for base, found in (("/episodes/{episode_id}/v1", episode), ("/v1", episode_in_header)):
+            # x-stainless-retry-count: the openai client's attempt number, for the log (equality decides a replay)
+            @app.post(f"{base}/chat/completions")
+            async def _chat(body: ChatRequest, ep: AgentEpisode = found,
+                            x_stainless_retry_count: str | None = Header(None)) -> Any:
+                return await self.chat(ep, body, x_stainless_retry_count)
 
-        @app.post("/v1/chat/completions")
-        async def _chat_header(body: ChatRequest, ep: AgentEpisode = episode_in_header,
-                               x_stainless_retry_count: str | None = Header(None)) -> Any:
-            return await self.chat(ep, body, x_stainless_retry_count)
+            @app.get(f"{base}/models")
+            async def _models(ep: AgentEpisode = found) -> dict[str, Any]:
+                return {"object": "list", "data": [model]}
 
-        @app.get("/episodes/{episode_id}/v1/models")
-        async def _models(ep: AgentEpisode = episode) -> dict[str, Any]:
-            return {"object": "list", "data": [model]}
-
-        @app.get("/episodes/{episode_id}/v1/models/{name:path}")
-        async def _model(name: str, ep: AgentEpisode = episode) -> dict[str, Any]:
-            if name != self.model_name:
-                raise APIError(404, f"the model {name!r} does not exist (this server serves {self.model_name!r})",
-                               "model_not_found", param="model")
-            return model
+            @app.get(f"{base}/models/{{name:path}}")
+            async def _model(name: str, ep: AgentEpisode = found) -> dict[str, Any]:
+                if name != self.model_name:
+                    raise APIError(404, f"the model {name!r} does not exist (this server serves "
+                                        f"{self.model_name!r})", "model_not_found", param="model")
+                return model
 
         @app.post("/episodes/{episode_id}/reward")
         async def _reward(body: RewardRequest, ep: AgentEpisode = episode) -> dict[str, Any]:
@@ -509,6 +555,7 @@ class EpisodeStore:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         names = self._tool_names(req, tools)
         forced = self._forced(req, tools)
+        stops = req.engine_stops(names)
         dumped = json.dumps(req.model_dump(mode="json", exclude_unset=True), sort_keys=True)
         sent = hashlib.sha256(dumped.encode()).digest()  # kept per episode: a digest, not a copy of the history
         if ep.lock.locked():  # an agent awaits each answer: a retry whose first attempt is generating, or calls at once
@@ -529,8 +576,8 @@ class EpisodeStore:
             except (TemplateError, ValueError) as exc:  # the template refused them ("roles must alternate", ...)
                 raise APIError(400, f"messages: the chat template cannot render them: {exc}", "invalid_messages",
                                param="messages") from exc
-            reply = await self._generate(ep, req, forced)
-            message, finish = self._record(ep, reply, names, forced)
+            reply = await self._generate(ep, req, forced, stops)
+            message, finish = self._record(ep, reply, names, forced, req.stop_sequences())
             ids = reply["output_ids"]
             assert ep.builder is not None
             usage = {"prompt_tokens": len(ep.builder) - len(ids), "completion_tokens": len(ids),
@@ -554,7 +601,7 @@ class EpisodeStore:
         """Refuse (400 naming the field) what would sample otherwise than the job does: the trainer assumes the
         job's distribution, so honouring another would train off-policy and ignoring it would answer the agent
         with something it did not ask for. ``top_k``, ``min_p`` and ``repetition_penalty`` are SGLang's and
-        vLLM's names, which agents send as ``extra_body``."""
+        vLLM's names, which agents send as ``extra_body``. Output this endpoint cannot give is refused too."""
         job = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
         engine = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
         for name, allowed in (job | engine).items():
@@ -571,7 +618,7 @@ class EpisodeStore:
                                 "generation is not constrained (only {\"type\": \"text\"})"),
             "top_logprobs": (bool(req.top_logprobs), "the engines return the sampled token's logprob only "
                                                      "(use logprobs=true)"),
-        }
+        } | {name: (asked(getattr(req, name, None)), why) for name, (asked, why) in _UNSUPPORTED.items()}
         for name, (asked, why) in refused.items():
             if asked:
                 raise APIError(400, f"{name} is not supported: {why}", "unsupported_parameter", param=name)
@@ -590,9 +637,9 @@ class EpisodeStore:
         """The tool names whose calls are parsed: none for ``tool_choice="none"``, one for a named choice."""
         names = {t["function"]["name"] for t in tools or []}
         choice = req.tool_choice
-        if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
-            if choice.get("type") != "function" or name not in names:
+        if isinstance(choice, dict):  # its shape is checked (ChatRequest._one_error)
+            name = choice["function"]["name"]
+            if name not in names:
                 raise APIError(400, f"tool_choice names a function that is not in tools: {name!r}",
                                "invalid_tool_choice", param="tool_choice")
             return {name}
@@ -667,17 +714,18 @@ class EpisodeStore:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your messages "
                                 f"resulted in {n} tokens.", "context_length_exceeded", param="messages")
 
-    async def _generate(self, ep: AgentEpisode, req: ChatRequest, forced: list[int]) -> dict[str, Any]:
+    async def _generate(self, ep: AgentEpisode, req: ChatRequest, forced: list[int],
+                        stops: list[str]) -> dict[str, Any]:
         """One engine reply continuing the recorded tokens and the ``forced`` ones, which are recorded with it
-        (as template tokens): the episode changes only once the engine has answered."""
+        (as template tokens), ended early by ``stops``: the episode changes only once the engine has answered."""
         cfg = ep.config
         assert ep.builder is not None
         asked = req.max_completion_tokens or req.max_tokens or cfg.max_new_tokens
         max_new = min(asked, cfg.max_new_tokens, cfg.max_total_tokens - len(ep.builder) - len(forced))
         params: dict[str, Any] = {"max_new_tokens": max_new, "temperature": cfg.temperature, "top_p": cfg.top_p,
                                   "top_k": cfg.top_k}
-        if req.stop_sequences():  # ends the turn early; the distribution of the tokens it keeps is the job's
-            params["stop"] = req.stop_sequences()
+        if stops:  # ends the turn early; the distribution of the tokens it keeps is the job's
+            params["stop"] = stops
         try:
             reply = await ep.engine.generate(ep.builder.token_ids + forced, params, return_logprob=True,
                                              rid=f"{ep.episode_id}-{ep.num_turns}")
@@ -691,16 +739,17 @@ class EpisodeStore:
         self.metrics.generated_tokens.inc(len(turn.output_ids))
         return reply
 
-    def _record(self, ep: AgentEpisode, reply: dict[str, Any], names: set[str],
-                forced: list[int]) -> tuple[dict[str, Any], str]:
+    def _record(self, ep: AgentEpisode, reply: dict[str, Any], names: set[str], forced: list[int],
+                trimmed: list[str]) -> tuple[dict[str, Any], str]:
         """The assistant message (OpenAI shape) and finish reason of a reply after the ``forced`` tokens (their
-        text opens it); recorded on the episode."""
+        text opens it), its content ending before a match of one of the agent's stop sequences (``trimmed``);
+        recorded on the episode."""
         ids = reply["output_ids"]
         finish_reason = reply.get("meta_info", {}).get("finish_reason") or {}
         reason, matched = finish_reason.get("type", "stop"), finish_reason.get("matched")
         closed = ends_turn(ids, reply, self.renderer.eos_id)
         text = self.renderer.decode(ids[:-1] if closed else ids)
-        if reason == "stop" and isinstance(matched, str) and matched in text:  # OpenAI's content ends before it
+        if reason == "stop" and matched in trimmed and matched in text:  # OpenAI's content ends before it
             text = text[: text.index(matched)]
         text = self.renderer.decode(forced) + text
         if reason == "abort":  # no outcome: the sample fails (never trained), the agent gets the engine's error
@@ -727,7 +776,8 @@ class EpisodeStore:
         return message, finish
 
     async def _chunks(self, done: Completion, req: ChatRequest) -> AsyncIterator[str]:
-        """The finished turn as chunks; ``logprobs`` ride on the content chunk, or on the last one without it."""
+        """The finished turn as chunks; ``logprobs`` ride on the content chunk, or on the last one without it. A turn
+        that is only calls opens with ``content: null``, so that it accumulates to the message a plain request gets."""
         base = {"id": done.id, "object": "chat.completion.chunk", "created": done.created, "model": self.model_name}
         message, logprobs = done.message, done.logprobs
 
@@ -735,12 +785,12 @@ class EpisodeStore:
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": lp}
             return "data: " + json.dumps({**base, "choices": [choice]}) + "\n\n"
 
-        yield chunk({"role": "assistant", "content": ""})
+        yield chunk({"role": "assistant", "content": None if message["content"] is None else ""})
         if message.get("content"):
             yield chunk({"content": message["content"]}, lp=logprobs)
         for i, call in enumerate(message.get("tool_calls") or []):
             yield chunk({"tool_calls": [{"index": i, **call}]})
         yield chunk({}, done.finish, None if message.get("content") else logprobs)
-        if (getattr(req, "stream_options", None) or {}).get("include_usage"):
+        if req.stream_options and req.stream_options.include_usage:
             yield "data: " + json.dumps({**base, "choices": [], "usage": done.usage}) + "\n\n"
         yield "data: [DONE]\n\n"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 BOT_TOKEN = "<tool_call>\n"
+EOT_TOKEN = "</tool_call>"  # a call's closing tag: as a stop string, it ends the turn after one call
 _BLOCK = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 _OPEN_TAG = "<tool_call>"
 _FORMAT_HINT = 'write <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>'

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +57,6 @@ def step_one(model_dir: Path, ctx: DistContext, run_dir: Path) -> dict[str, dict
         torch.set_num_threads(threads)
     return out
 
-
-@pytest.fixture(scope="module")
-def ctx() -> Iterator[DistContext]:
-    assert "RANK" not in os.environ, "RANK is set; these tests need a lone process"
-    context = init_distributed("cpu")
-    yield context
-    close_distributed()
 
 
 def test_step_one_matches_the_golden_file(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:

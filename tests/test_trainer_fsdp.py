@@ -9,7 +9,6 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -168,14 +167,6 @@ def test_two_ranks_match_one_rank_with_a_critic(tiny_model_dir: Path, tmp_path: 
     for name in one["params"]:
         torch.testing.assert_close(one["params"][name], two["params"][name], rtol=1e-4, atol=4e-5)
 
-
-@pytest.fixture(scope="module")
-def ctx() -> Iterator[DistContext]:
-    for key in ("RANK", "WORLD_SIZE"):
-        assert key not in os.environ, f"{key} is set; these tests need a lone process"
-    context = init_distributed("cpu")
-    yield context
-    close_distributed()
 
 
 def test_proximal_shortcut_equals_no_grad_recompute(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -5,8 +5,6 @@ dropout acts in the training forward only."""
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,20 +18,12 @@ from core.config import ConfigError, LoraConfig, TrainerConfig
 from core.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from trainer.checkpoint import export_hf
 from trainer.lora import adapter_config_json, add_adapter, iter_adapter_params
-from trainer.parallel import DistContext, close_distributed, init_distributed
+from trainer.parallel import DistContext
 from trainer.worker import Trainer
 
 LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
 CFG = {"total_steps": 3, "checkpoint_every": 2, "lr": 1e-2, "device": "cpu"}
 
-
-@pytest.fixture(scope="module")
-def ctx() -> Iterator[DistContext]:
-    for key in ("RANK", "WORLD_SIZE"):
-        assert key not in os.environ, f"{key} is set; these tests need a lone process"
-    context = init_distributed("cpu")
-    yield context
-    close_distributed()
 
 
 def _adapter(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -12,6 +12,10 @@ Each trainer start takes a new ``epoch`` (``new_epoch``) and every turn carries 
 older checkpoint and takes a step again takes a new turn, which the servers release for and it waits for, never
 a report left from before its restart. What the engines hold released is recorded by their URLs
 (``engines_released``), so a server restarted while they are released resumes them instead of loading into them.
+
+The trainer's turns are written only while it is the run's newest trainer (``ReplayBuffer.fenced_script``): a trainer
+fenced by a newer one used to hand the engines its weights after its step, or have them release the device for a
+step of its own, over the newer trainer's turns.
 """
 
 from __future__ import annotations
@@ -19,13 +23,18 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import redis
 
 from buffer.keys import Keys
 from buffer.registry import ServerRegistry
 
+if TYPE_CHECKING:
+    from buffer.replay import ReplayBuffer
+
 POLL_S = 0.02
+_SET_TURN = "redis.call('SET', KEYS[1], ARGV[1])"  # KEYS: the turn. ARGV: its JSON. Run fenced (fenced_script).
 
 
 @dataclass(frozen=True)
@@ -48,9 +57,12 @@ class Turn:
 class DeviceTurns:
     """Both sides of the hand-over of one run."""
 
-    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, fence: ReplayBuffer | None = None) -> None:
+        """``fence``: the trainer's buffer; its turns (``take``, ``give``) are refused (``TrainerFenced``) once a newer
+        trainer of the run started."""
         self.redis = client
         self.keys = keys
+        self._fenced_set = None if fence is None else fence.fenced_script(_SET_TURN, "a device turn")
 
     def turn(self) -> Turn | None:
         raw = self.redis.get(self.keys.device_turn)
@@ -63,12 +75,19 @@ class DeviceTurns:
     def take(self, epoch: int, step: int) -> Turn:
         """The trainer asks for the device to train ``step``."""
         turn = Turn("trainer", step, epoch=epoch)
-        self.redis.set(self.keys.device_turn, json.dumps(asdict(turn)))
+        self._set(turn)
         return turn
 
     def give(self, epoch: int, step: int, version: int, path: str) -> None:
         """The trainer is done with ``step``: the servers serve ``version`` from ``path`` next."""
-        self.redis.set(self.keys.device_turn, json.dumps(asdict(Turn("rollout", step, version, path, epoch))))
+        self._set(Turn("rollout", step, version, path, epoch))
+
+    def _set(self, turn: Turn) -> None:
+        raw = json.dumps(asdict(turn))
+        if self._fenced_set is None:
+            self.redis.set(self.keys.device_turn, raw)
+        else:
+            self._fenced_set([self.keys.device_turn], [raw])
 
     def released(self, server_id: str, turn: Turn) -> None:
         """A server's engines released their memory for the trainer's ``turn``."""

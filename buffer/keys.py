@@ -59,7 +59,8 @@ class Keys:
     def groups_newer(self) -> str:
         """Train groups of a schema newer than the trainer that took them reads (a rolling upgrade's producers went
         first), with their entries' fields (``f.<name>``) and ``schema``: a trainer that reads it moves them back
-        into ``groups`` as it starts. Their payload keys stay, owned by these entries."""
+        into ``groups`` as it starts (and again should Redis lose that; the ack of a group it holds from a lost move
+        finds it here). Their payload keys stay, owned by these entries."""
         return self.prefix + "groups:newer"
 
     @property

@@ -10,14 +10,16 @@ Exactly-once effect over at-least-once delivery:
 - one trainer per run: each takes a new trainer epoch (``fence``), and an older one still running is refused
   its next take or ack (``TrainerFenced``), checked in the ack's Lua call, its next checkpoint or push
   commit (``check_fence``, which the trainer calls), and any other write it makes to the run (``fenced_write``: a
-  MULTI under WATCH of the epoch; its duplicates acked away, its start and end in the run's status).
+  MULTI under WATCH of the epoch, its duplicates acked away, its start and end in the run's status; ``fenced_script``:
+  a Lua call checking the epoch, its steps, published versions and device turns).
 Bounded: a put waits while ``max_groups`` groups are not yet delivered to the trainer. Nothing is ever
 trimmed: an entry leaves the stream only when the trainer acks it, and its id leaves ``groups:state`` once
 ``dedup_window`` newer groups were consumed. Groups of a cancelled job are acked away unread, counted
 ``cancelled``. An eval group's results (reward sum, samples) go to ``eval:<job>``; its tokens are not kept.
 A written group takes over its admission slot (entry field ``s``), and an ack as anything but trained gives back
 only a slot the group holds. A group of a schema newer than this trainer reads is kept in ``groups:newer`` (its job
-counts nothing, its slot stays) until a trainer that reads it moves it back at its first take.
+counts nothing, its slot stays) until a trainer that reads it moves it back at its first take (and again should Redis
+lose that move; the ack of a group the trainer holds from a lost move finds it parked).
 
 The encoded group never passes through Lua: Redis 7 hashes every byte of every Lua string (a 64 KiB
 argument costs its single thread ~60 us, 30x Redis 6.2), so a put SETs the payload under a key of its own
@@ -126,36 +128,60 @@ redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
 return 1
 """
 
-# KEYS: groups stream, group state, admitted counter, consumed ids list, trained counter, trainer epoch. ARGV: job key
-# prefix, dedup window, this trainer's epoch, then (entry id, gid, outcome, job, payload key, slot) sextuples; outcome
-# is the job counter: trained (also counted run-wide), stale_dropped, degenerate_dropped, cancelled or malformed (all
-# but trained give back the admission slot the group holds). slot is the entry's field s: 1 the group holds a slot, 0
-# it holds none (never admitted), '' an entry written before puts recorded it (taken to hold one, as every group a
-# rollout server wrote was admitted). The caller that read the entry passes its job, payload key ('' for a group
-# stored inline) and slot, so the script does not read the entry again; an empty job means the caller does not know
-# the entry, and all three are looked up in it. Only entries still pending count, and the slot goes back in the call
-# that deletes the entry, so acking twice changes nothing, and an ack Redis lost (the entry pending again) gives it
-# back once when acked again. The payload key goes with the entry. An empty gid (a malformed entry without one) marks
-# nothing consumed. Consumed ids beyond the window leave groups:state. Returns how many were acked, or -1 (nothing
-# done) when a newer trainer started.
+# KEYS: groups stream, group state, admitted counter, consumed ids list, trained counter, trainer epoch, newer stream.
+# ARGV: job key prefix, dedup window, this trainer's epoch, then (entry id, gid, outcome, job, payload key, slot)
+# sextuples; outcome is the job counter: trained (also counted run-wide), stale_dropped, degenerate_dropped, cancelled
+# or malformed (all but trained give back the admission slot the group holds). slot is the entry's field s: 1 the group
+# holds a slot, 0 it holds none (never admitted), '' an entry written before puts recorded it (taken to hold one, as
+# every group a rollout server wrote was admitted). The caller that read the entry passes its job, payload key ('' for
+# a group stored inline) and slot, so the script does not read the entry again; an empty job means the caller does not
+# know the entry, and all three are looked up in it. Only entries still pending count, and the slot goes back in the
+# call that deletes the entry, so acking twice changes nothing, and an ack Redis lost (the entry pending again) gives
+# it back once when acked again. Where Redis lost what delivered the entry, a group not yet consumed is found all the
+# same: its entry undelivered (the read was lost), or, its entry gone, parked again in the newer stream (the restore
+# that made the entry was lost; its copy there has the f.<name> fields). The payload key goes with the entry. An empty
+# gid (a malformed entry without one) marks nothing consumed. Consumed ids beyond the window leave groups:state.
+# Returns how many were acked, or -1 (nothing done) when a newer trainer started.
 _ACK = _fence_lua("KEYS[6]", "ARGV[3]") + """
-local acked = 0
+local acked, parked = 0, nil
 for i = 4, #ARGV, 6 do
   local id, gid, outcome, job = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local payload, slot = ARGV[i + 4], ARGV[i + 5]
-  if redis.call('XACK', KEYS[1], '""" + TRAINER_GROUP + """', id) == 1 then
+  local stream, prefix = KEYS[1], ''
+  if redis.call('XACK', KEYS[1], '""" + TRAINER_GROUP + """', id) == 0 then
+    stream = nil
+    if gid ~= '' and redis.call('HGET', KEYS[2], gid) ~= 't' then
+      if redis.call('XRANGE', KEYS[1], id, id)[1] then
+        stream = KEYS[1]
+      else
+        if not parked then  -- gid -> its entry in the newer stream, read once
+          parked = {}
+          for _, e in ipairs(redis.call('XRANGE', KEYS[7], '-', '+')) do
+            for j = 1, #e[2], 2 do
+              if e[2][j] == 'f.gid' then parked[e[2][j + 1]] = e[1] end
+            end
+          end
+        end
+        if parked[gid] then
+          stream, prefix, id, job = KEYS[7], 'f.', parked[gid], ''
+          parked[gid] = nil
+        end
+      end
+    end
+  end
+  if stream then
     if job == '' then
-      local e = redis.call('XRANGE', KEYS[1], id, id)[1]
+      local e = redis.call('XRANGE', stream, id, id)[1]
       if e then
         for j = 1, #e[2], 2 do
-          if e[2][j] == 'p' then payload = e[2][j + 1] end
-          if e[2][j] == 'job' then job = e[2][j + 1] end
-          if e[2][j] == 's' then slot = e[2][j + 1] end
+          if e[2][j] == prefix .. 'p' then payload = e[2][j + 1] end
+          if e[2][j] == prefix .. 'job' then job = e[2][j + 1] end
+          if e[2][j] == prefix .. 's' then slot = e[2][j + 1] end
         end
       end
     end
     if payload ~= '' then redis.call('DEL', payload) end
-    redis.call('XDEL', KEYS[1], id)
+    redis.call('XDEL', stream, id)
     if gid ~= '' then
       redis.call('HSET', KEYS[2], gid, 't')
       redis.call('RPUSH', KEYS[4], gid)
@@ -249,7 +275,9 @@ class ReplayBuffer:
         # pending (Redis lost the ack: appendfsync everysec, a restart) is acked again, not trained again
         self._acked: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._epoch: int | None = None
-        self._restored = False  # the groups an older trainer parked for this one's schema were moved back
+        # when to move back (again: Redis may lose a restore) the groups an older trainer parked for this one's schema
+        self._next_restore = 0.0
+        self._left_newer = 0  # groups:newer entries of a schema this trainer does not read either, as last logged
         self._closed = threading.Event()
 
     def ensure_group(self) -> None:
@@ -312,6 +340,23 @@ class ReplayBuffer:
             write(pipe)
 
         self.redis.transaction(attempt, self.keys.trainer_epoch)
+
+    def fenced_script(self, lua: str, refused: str) -> Callable[[Sequence[str], Sequence[object]], object]:
+        """``lua`` as a script whose writes are made only while this trainer is the run's newest: the check and the
+        writes in one call, one round trip where ``fenced_write`` takes three, for what the trainer writes at every
+        step (its status, a device turn) or once a push is committed (the version). Called with its own keys and
+        args; the trainer epoch and this trainer's epoch are passed after them (its last KEYS and ARGV). Refused as
+        ``fenced_write`` is (``TrainerFenced``, logged naming ``refused``, counted); else returns what ``lua``
+        returns, which is never -1."""
+        script = self.redis.register_script(_fence_lua("KEYS[#KEYS]", "ARGV[#ARGV]") + lua)
+
+        def run(keys: Sequence[str], args: Sequence[object]) -> object:
+            result = script([*keys, self.keys.trainer_epoch], [*args, self.fence()])
+            if result == -1:
+                raise self._fenced(refused)
+            return result
+
+        return run
 
     # producer side
 
@@ -417,7 +462,7 @@ class ReplayBuffer:
         this one read stays pending for it)."""
         deadline = time.monotonic() + timeout_s
         self.check_fence("a take")
-        if not self._restored:
+        if time.monotonic() >= self._next_restore:
             self._restore_newer()
         claimed, deleted = self._reclaimer.claim(max_groups)
         if deleted:
@@ -440,15 +485,15 @@ class ReplayBuffer:
         self.check_fence("a take")
         return out
 
-    def _ack_again(self, entry_ids: list[str]) -> None:
-        """Ack again, with the outcome it had, each entry this process acked that is pending again: Redis lost the
-        ack (``appendfsync everysec`` and a restart), and the group was trained or dropped already."""
+    def _ack_again(self, entry_ids: list[str], lost: str = "came back pending (Redis lost their ack)") -> None:
+        """Ack again, with the outcome it had, each entry this process acked that is back (``lost`` says how): Redis
+        lost the ack (``appendfsync everysec`` and a restart), and the group was trained or dropped already."""
         if not entry_ids:
             return
         self._ack_outcomes([(e, *self._acked[e], "", "", "") for e in entry_ids])  # job '': read from the entry
         self.metrics.duplicates_dropped.inc(len(entry_ids))
-        log.warning("%s: %d entries acked before came back pending (Redis lost their ack): acked again, not "
-                    "delivered: %s", self.keys.groups, len(entry_ids), ", ".join(entry_ids))
+        log.warning("%s: %d entries acked before %s: acked again, not delivered: %s", self.keys.groups,
+                    len(entry_ids), lost, ", ".join(entry_ids))
 
     def drained(self) -> bool:
         """No train task left to roll out and no group left to deliver: nothing more can arrive
@@ -566,27 +611,42 @@ class ReplayBuffer:
 
     def _restore_newer(self) -> None:
         """Move back into ``groups`` the groups an older trainer parked for a schema that this one reads. Done at the
-        first take, past this trainer's fence, so an older trainer still running parks none after it."""
-        ids, versions, left = [], set(), 0
+        first take, past this trainer's fence, so an older trainer still running parks none after it, and again every
+        ``claim_idle_ms``: Redis may lose a restore (``appendfsync everysec`` and a crash), parking its groups again.
+        One this trainer holds from that restore stays parked, and its ack finds it there (the ack script looks for a
+        group whose entry is gone in ``groups:newer``); one it acked is acked there again. Restored again, either would
+        come back under a new entry id, which the trainer does not know: delivered as a new group, trained twice."""
+        self._next_restore = time.monotonic() + self.config.claim_idle_ms / 1000
+        parked, left = {}, 0  # groups:newer entry id -> (group id, schema version), of the groups this trainer reads
         for entry_id, fields in self.redis.xrange(self.keys.groups_newer):
             version = fields.get(b"schema", b"")
             if version.isdigit() and not reads_version(int(version)):
                 left += 1
                 continue
-            ids.append(entry_id)
-            versions.add(version.decode(errors="replace"))
+            parked[entry_id] = (fields.get(b"f.gid", b"").decode(), version.decode(errors="replace"))
+        if parked:
+            gids = {gid for gid, _ in parked.values()}
+            held = {gid: e for e, (gid, *_) in self._held.items() if gid in gids}
+            acked = {gid: e for e, (gid, _) in self._acked.items() if gid in gids}
+            if held:
+                log.warning("%s: Redis lost the restore of %d group(s) this trainer holds (entries %s): left there, "
+                            "for their acks to find", self.keys.groups_newer, len(held), ", ".join(held.values()))
+            self._ack_again(list(acked.values()),
+                            f"are in {self.keys.groups_newer} again (Redis lost the restore that moved them out)")
+            parked = {e: (gid, v) for e, (gid, v) in parked.items() if gid not in held and gid not in acked}
         moved = int(self._restore([self.keys.groups_newer, self.keys.groups, self.keys.trainer_epoch],
-                                  [self.fence(), *ids])) if ids else 0
+                                  [self.fence(), *parked])) if parked else 0
         if moved < 0:
             raise self._fenced("moving parked groups back")
-        self._restored = True
         if moved:
             self.metrics.newer_schema.labels(action="restored").inc(moved)
             log.info("%s: moved %d group(s) of schema_version %s back into %s: this trainer reads them",
-                     self.keys.groups_newer, moved, ", ".join(sorted(versions)), self.keys.groups)
-        if left:
+                     self.keys.groups_newer, moved, ", ".join(sorted({v for _, v in parked.values()})),
+                     self.keys.groups)
+        if left and left != self._left_newer:
             log.warning("%s: %d group(s) of a schema newer than this trainer reads are left there for a trainer that "
                         "reads it", self.keys.groups_newer, left)
+        self._left_newer = left
 
     def reject(self, entry_id: str, error: str) -> None:
         """Move a group this trainer took aside, as a decode failure is (``groups:malformed``, its job counting it
@@ -629,7 +689,8 @@ class ReplayBuffer:
         for item in items:
             args += item
         k = self.keys
-        return [k.groups, k.group_state, k.admitted, k.groups_consumed, k.trained, k.trainer_epoch], args
+        keys = [k.groups, k.group_state, k.admitted, k.groups_consumed, k.trained, k.trainer_epoch, k.groups_newer]
+        return keys, args
 
     def _ack_outcomes(self, items: Sequence[tuple[str, str, str, str, str, str]]) -> int:
         """Ack (entry id, group id, job counter, job id, payload key, slot) items in one Lua call (job '': the script

@@ -34,6 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -41,6 +42,9 @@ from buffer.keys import Keys
 from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
 from core.config import BufferConfig
+
+if TYPE_CHECKING:
+    from buffer.replay import ReplayBuffer
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +76,8 @@ return 1
 """
 
 # KEYS: version, version's trained groups. ARGV: new version, the groups it was trained on. The committed version
-# only goes up (the same one again, a resumed colocated trainer's, brings its count); returns the current one.
+# only goes up (the same one again, a resumed colocated trainer's, brings its count); returns the current one. A
+# trainer's runs fenced (ReplayBuffer.fenced_script: the trainer epoch and its own after these, -1 when refused).
 _SET_VERSION = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
 local new = tonumber(ARGV[1])
@@ -111,8 +116,10 @@ class StalenessControl:
     """Admission control and the committed policy ``version`` of one run."""
 
     def __init__(
-        self, client: redis.Redis, keys: Keys, cfg: BufferConfig, metrics: BufferMetrics | None = None
+        self, client: redis.Redis, keys: Keys, cfg: BufferConfig, metrics: BufferMetrics | None = None,
+        fence: ReplayBuffer | None = None,
     ) -> None:
+        """``fence``: the trainer's buffer, whose epoch its versions are published under (``set_version``)."""
         self.redis = client
         self.keys = keys
         self.max_staleness = cfg.max_staleness
@@ -120,7 +127,8 @@ class StalenessControl:
         self.metrics = metrics or BufferMetrics()
         self._admit = client.register_script(_ADMIT)
         self._release = client.register_script(_RELEASE)
-        self._set_version = client.register_script(_SET_VERSION)
+        self._set_version = (client.register_script(_SET_VERSION) if fence is None
+                             else fence.fenced_script(_SET_VERSION, "publishing a policy version"))
         self._budget_logged = False  # once per process
 
     def bound(self, version: int, trained: int, served: int | None = None, budget: int | None = None) -> int:
@@ -150,7 +158,9 @@ class StalenessControl:
 
     def set_version(self, version: int, trained: int) -> int:
         """Publish a committed version whose weights were trained on ``trained`` groups of this run; an older
-        version is ignored. Returns the version now current."""
+        version is ignored. Returns the version now current. With a ``fence``, refused (``TrainerFenced``) once a
+        newer trainer of the run started: a fenced trainer's late quorum (or hand-over) used to publish its version,
+        and the groups it was trained on, over the newer trainer's."""
         return int(self._set_version([self.keys.version, self.keys.version_trained], [int(version), int(trained)]))
 
     def admitted(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -17,7 +18,7 @@ from buffer_helpers import client, make_group
 from buffer import schema
 from buffer.keys import TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
-from buffer.replay import ReplayBuffer, TrainerFenced
+from buffer.replay import WRITTEN, ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TRAIN_ENDS, TaskQueue
 from core.config import BufferConfig
@@ -132,3 +133,110 @@ def test_an_older_trainer_fenced_while_reading_parks_nothing(
     monkeypatch.undo()  # the newer trainer reads version 3
     [(_, group)] = new.take(1, 0.5)
     assert group.group_id == gid
+
+
+def aof_now(server: EmbeddedRedis) -> dict[Path, bytes]:
+    """The AOF as it stands (every write fsynced: ``appendfsync always``): what a Redis that crashes and loses the
+    writes after this point comes back with. Redis 6.2 keeps one file, Redis 7 a directory of them."""
+    return {path: path.read_bytes() for path in server.data_dir.rglob("appendonly*") if path.is_file()}
+
+
+def crash_back_to(server: EmbeddedRedis, aof: dict[Path, bytes]) -> None:
+    """Crash Redis and start it again from ``aof``: the writes made since are lost, as the last second or two of
+    them are with ``appendfsync everysec``."""
+    server.kill()
+    for path in server.data_dir.rglob("appendonly*"):
+        if path.is_file():
+            path.unlink()
+    for path, data in aof.items():
+        path.write_bytes(data)
+    server.start()
+
+
+def parked_groups(
+    r: redis.Redis, monkeypatch: pytest.MonkeyPatch, n: int, unadmitted: int = 0,
+) -> tuple[TaskQueue, list[str]]:
+    """``n`` groups written by upgraded producers (and ``unadmitted`` more, put without a task) and parked by an older
+    trainer; the trainer is then upgraded."""
+    queue, staleness, producer = run_parts(r)
+    gids = produce(queue, staleness, producer, n)
+    gids += [f"job:{n + i}:x" for i in range(unadmitted)]
+    assert producer.put_many([make_group("job", g) for g in gids[n:]]) == [WRITTEN] * unadmitted
+    older_trainer(monkeypatch)
+    assert ReplayBuffer(r, KEYS, CONFIG).take(len(gids), 0.3) == [] and r.xlen(KEYS.groups_newer) == len(gids)
+    monkeypatch.undo()
+    return queue, gids
+
+
+def assert_trained_once(r: redis.Redis, queue: TaskQueue, gids: list[str]) -> None:
+    """Each group counted trained once, nothing left to deliver anywhere: a later trainer gets none of them."""
+    assert queue.job("job")["trained"] == str(len(gids))
+    assert r.hgetall(KEYS.group_state) == {g.encode(): b"t" for g in gids}
+    assert r.xlen(KEYS.groups_newer) == 0 and r.xlen(KEYS.groups) == 0
+    assert r.keys(KEYS.payload("*", "*")) == []
+    assert ReplayBuffer(r, KEYS, CONFIG).take(5, 0.3) == []
+
+
+def test_a_restore_redis_lost_is_done_again_and_what_the_trainer_held_trains_once(
+    redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis lost the restore (a crash with ``appendfsync everysec``): the groups were parked again, while the
+    trainer held the copies the restore had made. It restored only once, so it never took the group it had not read
+    yet, and the acks of those it held found no entry: they counted nothing, and the next trainer trained them again.
+    Now the held group's ack finds it parked, one acked before the loss is acked again there, and the rest are
+    restored again within ``claim_idle_ms``, the held one left parked until then."""
+    caplog.set_level(logging.INFO, logger="buffer.replay")
+    r = client(redis_server)
+    queue, gids = parked_groups(r, monkeypatch, 2, unadmitted=1)
+    trainer = ReplayBuffer(r, KEYS, CONFIG)
+    trainer.fence()
+    before_restore = aof_now(redis_server)
+    (e0, g0), (e1, g1) = trainer.take(2, 0.5)  # restores all three, takes two
+    assert [g0.group_id, g1.group_id] == gids[:2]
+    assert trainer.ack([e0], [g0.group_id]) == 1  # trained before the crash: this ack is lost with the restore
+    crash_back_to(redis_server, before_restore)
+    assert r.xlen(KEYS.groups_newer) == 3 and r.xlen(KEYS.groups) == 0
+
+    time.sleep(0.3)  # past claim_idle_ms: the trainer restores again the group it had not read, and only it
+    [(e2, g2)] = trainer.take(5, 0.5)
+    assert g2.group_id == gids[2] and r.xlen(KEYS.groups_newer) == 1  # the held one waits for its ack
+    assert f"Redis lost the restore of 1 group(s) this trainer holds (entries {e1})" in caplog.text
+    assert trainer.ack([e1, e2], [g1.group_id, g2.group_id]) == 2
+    assert_trained_once(r, queue, gids)
+
+
+def test_a_trainer_resumed_after_a_lost_restore_trains_nothing_twice(
+    redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer that held the restored copies crashed after its checkpoint, before its ack; Redis had lost the
+    restore. The next trainer acks what that checkpoint covers before it takes: the acks found no entry, and it
+    restored and trained the groups a second time."""
+    r = client(redis_server)
+    queue, gids = parked_groups(r, monkeypatch, 2)
+    crashed = ReplayBuffer(r, KEYS, CONFIG)
+    crashed.fence()
+    before_restore = aof_now(redis_server)
+    covered = crashed.take(2, 0.5)
+    crash_back_to(redis_server, before_restore)
+    resumed = ReplayBuffer(r, KEYS, CONFIG)
+    assert resumed.ack([e for e, _ in covered], [g.group_id for _, g in covered]) == 2
+    assert_trained_once(r, queue, gids)
+
+
+def test_a_take_redis_lost_after_a_restore_it_kept_trains_nothing_twice(
+    redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis kept the restore but lost the read that delivered a restored group (its entry is there, undelivered);
+    the trainer crashed after its checkpoint. The next trainer's ack of that entry counted nothing, since it was not
+    pending, and its take delivered the group again."""
+    r = client(redis_server)
+    queue, gids = parked_groups(r, monkeypatch, 2)
+    crashed = ReplayBuffer(r, KEYS, CONFIG)
+    covered = crashed.take(1, 0.5)  # restores both, reads one
+    before_read = aof_now(redis_server)
+    covered += crashed.take(1, 0.5)
+    crash_back_to(redis_server, before_read)
+    assert r.xpending(KEYS.groups, TRAINER_GROUP)["pending"] == 1 and r.xlen(KEYS.groups) == 2
+    resumed = ReplayBuffer(r, KEYS, CONFIG)
+    assert resumed.ack([e for e, _ in covered], [g.group_id for _, g in covered]) == 2
+    assert_trained_once(r, queue, gids)

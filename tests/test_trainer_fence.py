@@ -6,6 +6,7 @@ stub engine, real ranks (gloo), the real ``python -m trainer``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import secrets
@@ -19,24 +20,28 @@ import redis
 import torch
 import torch.multiprocessing as mp
 import yaml
+from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
-from test_checkpoint_faults import config, model_of, push
+from test_checkpoint_faults import config, eventually, model_of, push
 from test_engine_client import serve, sglang_056_stub
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM
 
+from buffer.colocation import DeviceTurns
 from buffer.keys import Keys
+from buffer.metrics import BufferMetrics
 from buffer.redis_server import EmbeddedRedis
-from buffer.registry import ServerRegistry
+from buffer.registry import PushRecord, ServerInfo, ServerRegistry
 from buffer.replay import ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
-from core.config import CONFIG_ERROR_EXIT, BufferConfig, CheckpointConfig, TrainerConfig
+from core.config import CONFIG_ERROR_EXIT, BufferConfig, CheckpointConfig, Config, TrainerConfig, load_config
 from core.net import free_port_outside_ephemeral
 from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine_client import EngineClient
-from trainer.__main__ import RunRecord
+from trainer.__main__ import RunRecord, _connect
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_pusher import CheckpointPusher
+from trainer.colocation import LocalPusher
 from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed
 from trainer.worker import Trainer
 
@@ -205,6 +210,156 @@ def test_a_fenced_trainer_records_neither_its_start_nor_its_end(redis_server: Em
     assert old.metrics.registry.get_sample_value("rollwave_buffer_fenced_refusals_total") == 2
     newer.ended(4, "trainer.total_steps", 2, 2)
     assert staleness.budget() == 0 and r.hget(keys.trainer, "finished_reason") == b"trainer.total_steps"
+
+
+def _run_config(redis_url: str, run: str, model_dir: Path, tmp_path: Path, *overrides: str) -> Config:
+    """A run's config as a user sets it, for ``_connect``: the trainer's parts as ``python -m trainer`` makes them."""
+    return load_config(None, [f"run.name={run}", f"redis.url={redis_url}", f"run.dir={tmp_path}",
+                              f"model.path={model_dir}", f"checkpoint.stage_dir={tmp_path}/stage", *overrides], env={})
+
+
+def _step(step: int) -> dict[str, float]:
+    return {"step": step, "reward_mean": 0.5, "loss": 0.25, "tokens_per_s": 100.0}
+
+
+def test_a_fenced_colocated_trainer_neither_hands_the_device_over_nor_publishes_its_steps(
+    ctx: DistContext, redis_server: EmbeddedRedis, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The parts ``_connect`` makes for a colocated trainer. The newer trainer starts while the older one trains a step
+    it took the device for: the older one used to hand the engines its weights after it (the turn, the published
+    version), write its step over the newer trainer's status, and take the device for another step, which the engines
+    released for while the newer trainer waited for the groups they no longer generated. Each is refused now (logged,
+    counted): the turn, the version and the status stay as they were."""
+    cfg = _run_config(redis_server.url, "fenced-colocated", tiny_model_dir, tmp_path, "placement.mode=colocated")
+    keys, r = Keys(cfg.run.name), redis.Redis.from_url(redis_server.url)
+    metrics = CollectorRegistry()
+    model = model_of(tiny_model_dir)
+    with contextlib.ExitStack() as stack:
+        _, pusher, status, _ = _connect(cfg, ctx, stack, metrics, BufferMetrics(metrics))
+        assert isinstance(pusher, LocalPusher) and status is not None
+        pusher.push_model(model)
+        pusher.give_device(0)
+        pusher.take_device(1)  # no live server: the device is taken at once
+        pusher.push_model(model, unacked=1)
+        pusher.give_device(1)
+        status.publish(_step(1), 1, 1)
+        pusher.take_device(2)
+        pusher.push_model(model, unacked=2)
+        _buffer(redis_server.url, keys.run).fence()  # the newer trainer
+        with pytest.raises(TrainerFenced, match="a newer trainer of run fenced-colocated started"):
+            pusher.give_device(2)
+        with pytest.raises(TrainerFenced, match="a newer trainer of run fenced-colocated started"):
+            status.publish(_step(2), 2, 2)
+        with pytest.raises(TrainerFenced, match="a newer trainer of run fenced-colocated started"):
+            pusher.take_device(3)
+    turn = DeviceTurns(r, keys).turn()
+    assert turn is not None and (turn.holder, turn.step) == ("trainer", 2)  # its step 2's, taken before the newer start
+    assert StalenessControl(r, keys, cfg.buffer).version() == 1 and pusher.published == 1
+    assert r.hget(keys.trainer, "step") == b"1" and r.xlen(keys.steps) == 1
+    assert metrics.get_sample_value("rollwave_buffer_fenced_refusals_total") == 3
+
+
+def _fenced_hand_over(rank: int, world: int, port: int, redis_url: str, model_dir: Path, root: Path,
+                      where: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    init_distributed("cpu", timeout_s=60)
+    outcome = "handed over"
+    try:
+        pusher = LocalPusher(root, model_dir)  # the other ranks': no turns
+        if rank == 0:
+            old, keys = _buffer(redis_url, "fenced-turns"), Keys("fenced-turns")
+            client = redis.Redis.from_url(redis_url)
+            pusher = LocalPusher(root, model_dir, DeviceTurns(client, keys, fence=old), ServerRegistry(client, keys),
+                                 StalenessControl(client, keys, BufferConfig(), fence=old))
+            old.fence()
+            _buffer(redis_url, "fenced-turns").fence()  # the newer trainer
+        pusher.push_model(model_of(model_dir))
+        try:
+            if where == "take":
+                pusher.take_device(1)
+            else:
+                pusher.give_device(0)
+        except TrainerFenced as exc:
+            outcome = f"fenced: {exc}"
+        (root / f"rank{rank}").write_text(outcome)
+    finally:
+        close_distributed()
+    exit_rank()
+
+
+@pytest.mark.parametrize("where", ["take", "give"])
+def test_every_rank_of_a_fenced_colocated_trainer_stops_at_the_hand_over(redis_server: EmbeddedRedis,
+                                                                          tiny_model_dir: Path, tmp_path: Path,
+                                                                          where: str) -> None:
+    """Rank 0 alone writes the turn, and is refused; the other ranks stop with it where they meet it, rather than go
+    on to the step's collectives and wait in them for a rank that left."""
+    args = (2, free_port_outside_ephemeral(), redis_server.url, tiny_model_dir, tmp_path, where)
+    mp.spawn(_fenced_hand_over, args=args, nprocs=2, join=True)
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}").read_text().startswith(
+            "fenced: rw:fenced-turns:trainer:epoch is 2: a newer trainer of run fenced-turns started"), rank
+    assert DeviceTurns(redis.Redis.from_url(redis_server.url), Keys("fenced-turns")).turn() is None
+
+
+def test_a_fenced_trainer_s_pusher_publishes_no_version_and_records_no_push_after_the_newer_one_started(
+    ctx: DistContext, redis_server: EmbeddedRedis, tiny_model_dir: Path, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pusher ``_connect`` makes. A version the older trainer's servers committed before the newer trainer started
+    reached its quorum only after (a dead server left the live set): the watcher published it over the newer trainer's
+    version. And a push that failed after the newer trainer started was recorded over the newer trainer's record of
+    that server. Both are refused now (logged, counted, raised by ``flush``); the version and the record stay."""
+    cfg = _run_config(redis_server.url, "fenced-publish", tiny_model_dir, tmp_path,
+                      f"checkpoint.token={secrets.token_urlsafe(32)}", "checkpoint.retries=0",
+                      "checkpoint.connect_timeout_s=1")
+    keys, r = Keys(cfg.run.name), redis.Redis.from_url(redis_server.url)
+    servers = ServerRegistry(r, keys, ttl_s=600)  # live for the whole test without heartbeats
+    dead = ServerInfo("srv-dead", engine_url="http://127.0.0.1:1",
+                      grpc_address=f"127.0.0.1:{free_port_outside_ephemeral()}")
+    staleness = StalenessControl(r, keys, cfg.buffer)
+    metrics = CollectorRegistry()
+    model = model_of(tiny_model_dir)
+
+    def refused(what: str) -> bool:
+        return any(f"(refused: {what})" in r.getMessage() for r in caplog.records if r.name == "buffer.replay")
+
+    async def run() -> None:
+        app, _, _ = sglang_056_stub()
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+            receiver = CheckpointReceiver(cfg.checkpoint, tiny_model_dir, engine, url, "stub")
+            servers.register(ServerInfo("stub", engine_url=url, grpc_address=await receiver.start()))
+            servers.register(dead)
+            stack = contextlib.ExitStack()
+            try:
+                _, pusher, _, _ = _connect(cfg, ctx, stack, metrics, BufferMetrics(metrics))
+                assert isinstance(pusher, CheckpointPusher)
+                first = await push(pusher, model, 1)
+                assert sorted((s.server_id, s.ok) for s in first.servers) == [("srv-dead", False), ("stub", True)]
+                assert staleness.version() == 0  # no quorum of the two live servers
+                newer = _buffer(redis_server.url, keys.run)
+                newer.fence()
+                servers.deregister(dead.server_id)  # the live set's quorum is now 1: version 1 has it
+                await eventually(lambda: staleness.version() > 0 or refused("publishing a policy version"),
+                                 "the watcher to publish version 1")
+                assert staleness.version() == 0 and int(r.get(keys.version_trained) or 0) == 0
+                servers.register(dead)
+                RunRecord(newer, cfg.buffer).pushed(dead.server_id, PushRecord(2, ok=True, serves=2))
+                second = await push(pusher, model, 2)
+                assert sorted((s.server_id, s.stage) for s in second.servers) == [
+                    ("srv-dead", "connect"), ("stub", "fence")]
+                assert refused("a push's result in the registry")
+                pushes = servers.pushes()
+                assert (pushes["stub"].version, pushes["stub"].ok) == (1, True)
+                assert (pushes["srv-dead"].version, pushes["srv-dead"].ok) == (2, True)  # the newer trainer's
+                assert metrics.get_sample_value("rollwave_buffer_fenced_refusals_total") >= 3  # and the commit's
+                with pytest.raises(TrainerFenced, match="a newer trainer of run fenced-publish started"):
+                    await asyncio.to_thread(pusher.flush, 10.0)
+            finally:
+                await asyncio.to_thread(stack.close)
+                await receiver.stop()
+
+    asyncio.run(run())
 
 
 def _trainer_with_bad_tls(redis_url: str, run: str, model_dir: Path, tmp_path: Path, key: Path) -> subprocess.Popen:

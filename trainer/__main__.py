@@ -27,7 +27,7 @@ from buffer.colocation import DeviceTurns
 from buffer.keys import TRAINER_CRASHED, Keys
 from buffer.metrics import BufferMetrics
 from buffer.redis_server import connect
-from buffer.registry import ServerRegistry
+from buffer.registry import PushRecord, ServerRegistry
 from buffer.replay import ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
 from core.config import CONFIG_ERROR_EXIT, BufferConfig, Config, load_config_or_exit, require_secret
@@ -61,15 +61,16 @@ def _parser() -> argparse.ArgumentParser:
 class RunRecord:
     """Rank 0's record of the trainer in the run's state, beside the buffer's scripts: its start (the run's budget of
     train groups, where its metrics are served, an earlier trainer's end cleared) and its end (where and why it
-    stopped, ``RedisStatus.finished``; the budget closed at what was trained). Each is one MULTI run only while this
-    trainer is the run's newest (``ReplayBuffer.fenced_write``): a trainer fenced by then wrote them over the newer
-    trainer's, whose admission its budget then shut (or opened past the newer one's steps), and whose end it cleared
-    or replaced."""
+    stopped, ``RedisStatus.finished``; the budget closed at what was trained), and each push's result in the
+    registry. Each is one MULTI run only while this trainer is the run's newest (``ReplayBuffer.fenced_write``): a
+    trainer fenced by then wrote them over the newer trainer's, whose admission its budget then shut (or opened past
+    the newer one's steps), whose end it cleared or replaced, and whose last push to a server it replaced. The
+    versions its pushers publish (``staleness``) are fenced the same way."""
 
     def __init__(self, buffer: ReplayBuffer, cfg: BufferConfig) -> None:
         self.buffer = buffer
         self.cfg = cfg
-        self.staleness = StalenessControl(buffer.redis, buffer.keys, cfg)
+        self.staleness = StalenessControl(buffer.redis, buffer.keys, cfg, fence=buffer)
 
     def _write(self, refused: str, write: Callable[[RedisStatus, StalenessControl], None]) -> None:
         """``write`` the status and the admission budget, queued on one MULTI that only the newest trainer runs."""
@@ -117,6 +118,12 @@ class RunRecord:
         except Exception:
             log.exception("could not record the crash in Redis")
 
+    def pushed(self, server_id: str, push: PushRecord) -> None:
+        """The result of a push to ``server_id``, its last push as ``rollwave status`` and the API show it."""
+        keys = self.buffer.keys
+        self.buffer.fenced_write(lambda pipe: ServerRegistry(pipe, keys).record_push(server_id, push),
+                                 "a push's result in the registry")
+
 
 def _connect(
     cfg: Config, ctx: DistContext, stack: contextlib.ExitStack, metrics: CollectorRegistry,
@@ -124,9 +131,10 @@ def _connect(
 ) -> tuple[ReplayBuffer | None, CheckpointPusher | LocalPusher, RedisStatus | None, RunRecord | None]:
     """Rank 0: the replay buffer, a pusher to the live servers (recording each push in the registry; colocated:
     a local pusher that also hands the device over), the status sink for the API and the record of the trainer's
-    start and end (the run's budget among them); other ranks: a pusher that only takes part in the gathers. Rank 0
-    records a crash past its fence as the run's end, as one later in its start-up (a bad TLS file: a launcher restarts
-    it, and a train job would read ``running`` meanwhile)."""
+    start and end (the run's budget among them), each writing to the run only while this trainer is its newest (the
+    buffer's fence); other ranks: a pusher that only takes part in the gathers. Rank 0 records a crash past its fence
+    as the run's end, as one later in its start-up (a bad TLS file: a launcher restarts it, and a train job would read
+    ``running`` meanwhile)."""
     colocated = cfg.placement.mode == "colocated"
     local_root = cfg.checkpoint.stage_dir / cfg.run.name / "local_push"
     if not ctx.is_main:
@@ -147,18 +155,20 @@ def _connect(
     stack.callback(buffer.close)
     record = RunRecord(buffer, cfg.buffer)
     staleness = record.staleness
+    status = RedisStatus(client, keys, fence=buffer)
     try:
         registry = ServerRegistry(client, keys)
         if colocated:
-            local = LocalPusher(local_root, cfg.model.path, DeviceTurns(client, keys), registry, staleness,
-                                cfg.placement.colocated_timeout_s, overlap=cfg.placement.colocated_staleness == 1)
+            local = LocalPusher(local_root, cfg.model.path, DeviceTurns(client, keys, fence=buffer), registry,
+                                staleness, cfg.placement.colocated_timeout_s,
+                                overlap=cfg.placement.colocated_staleness == 1)
             local.published = staleness.version()
-            return buffer, local, RedisStatus(client, keys), record
-        pusher = CheckpointPusher(cfg.checkpoint, registered_servers(registry), staleness, record=registry.record_push,
+            return buffer, local, status, record
+        pusher = CheckpointPusher(cfg.checkpoint, registered_servers(registry), staleness, record=record.pushed,
                                   registry=metrics, pin_memory=ctx.device.type == "cuda", fence=buffer.check_fence)
         pusher.published = staleness.version()  # numbering continues above what this run published before
         stack.callback(pusher.close)
-        return buffer, pusher, RedisStatus(client, keys), record
+        return buffer, pusher, status, record
     except Exception as exc:
         record.crashed(exc)
         raise

@@ -35,7 +35,10 @@ the newer trainer's versions are numbered from what the servers serve, so one co
 serve the older trainer's weights under a number the newer one counts as its own. A refused push fails at stage
 ``fence`` (reason ``fenced``; ``unavailable`` when Redis cannot tell, and nothing is committed), the watcher offers
 nothing more, and ``flush`` raises the refusal (``TrainerFenced``), so the trainer stops rather than recording an
-end that belongs to the newer one.
+end that belongs to the newer one. What a push writes in Redis afterwards is refused the same way when the trainer's
+``staleness`` and ``record`` are fenced (``RunRecord``): a version a quorum committed before the newer trainer
+started, published after it did, used to replace the newer trainer's version (or the groups it was trained on), and
+a push that failed after it started replaced the newer trainer's record of that server.
 
 Every failed push is logged naming the server and the stage, counted in
 ``rollwave_trainer_push_failures_total{stage,reason}`` (no server label: ids are hostname-pid by default, a new
@@ -617,12 +620,16 @@ class CheckpointPusher:
         try:
             self._fence()
         except TrainerFenced as exc:
-            with self._lock:
-                self.refused = self.refused or exc
+            self._refuse(exc)
             raise _Failed("fence", "fenced", f"fence: {exc}") from None
         except redis.RedisError as exc:
             error = f"fence: the trainer epoch cannot be read, so nothing is committed: {exc}"
             raise _Failed("fence", "unavailable", error) from None
+
+    def _refuse(self, exc: TrainerFenced) -> None:
+        """Keep a refusal (logged and counted where it was refused) for ``flush`` to raise in the trainer's thread."""
+        with self._lock:
+            self.refused = self.refused or exc
 
     def close(self) -> None:
         self._stop.set()
@@ -707,6 +714,8 @@ class CheckpointPusher:
             if self._record is not None and result.reason != "fenced":  # the newer trainer's pushes are the record
                 try:
                     self._record(result.server_id, result.record())
+                except TrainerFenced as exc:
+                    self._refuse(exc)
                 except redis.RedisError as exc:
                     log.warning("cannot record the push result of %s: %s", result.server_id, exc)
         with self._lock:
@@ -741,6 +750,8 @@ class CheckpointPusher:
         if self._staleness is not None:
             try:
                 self._staleness.set_version(version, published.trained)
+            except TrainerFenced as exc:
+                self._refuse(exc)
             except redis.RedisError as exc:
                 log.error("version %d committed by a quorum but not recorded in Redis: %s", version, exc)
 

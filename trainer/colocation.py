@@ -10,6 +10,8 @@ its first write above every published version (a fresh run's is version 0, which
 the servers load what a resumed trainer hands over and versions never go back in age.
 With the one-step overlap (``placement.colocated_staleness=1``) the trainer does not take the device: the
 engines keep generating on the previous weights while it trains, and load each new version when it is given.
+Once a newer trainer of the run started, the turns and the version are refused (``TrainerFenced``; ``DeviceTurns``
+and ``StalenessControl`` made with the trainer's buffer as their fence), on every rank.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from buffer.colocation import DeviceTurns
 from buffer.registry import ServerRegistry
+from buffer.replay import TrainerFenced
 from buffer.staleness import StalenessControl
 from core.checkpoint_format import MODEL_WEIGHTS
 from trainer.checkpoint_pusher import PushResult, PushRound, groups_trained
@@ -103,34 +107,53 @@ class LocalPusher:
 
     def take_device(self, step: int) -> float:
         """Ask for the device for ``step`` and wait until every live server released it (rank 0; other ranks wait
-        at a barrier; with the overlap, the engines keep it). Returns the seconds waited; TimeoutError names the
-        servers that did not release."""
+        for it where the ranks meet; with the overlap, the engines keep it). Returns the seconds waited; TimeoutError
+        names the servers that did not release."""
         start = time.perf_counter()
-        if self.turns is not None and not self.overlap:
-            assert self.servers is not None
-            turn = self.turns.take(self.epoch, step)
-            self.turns.wait_released(turn, self.servers, self.timeout_s)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+        _on_rank0(self._take if self.turns is not None and not self.overlap else None, step)
         return time.perf_counter() - start
 
     def give_device(self, step: int) -> None:
-        """Hand the device back after ``step`` with the newest weights written, and publish their version."""
-        if self.turns is None:
-            return
+        """Hand the device back after ``step`` with the newest weights written, and publish their version (rank 0;
+        the ranks meet there when there are more)."""
+        _on_rank0(self._give if self.turns is not None else None, step)
+
+    def _take(self, step: int) -> None:
+        assert self.turns is not None and self.servers is not None
+        turn = self.turns.take(self.epoch, step)
+        self.turns.wait_released(turn, self.servers, self.timeout_s)
+
+    def _give(self, step: int) -> None:
+        assert self.turns is not None
         if self.written is None:
             raise RuntimeError("give_device before any weights were written: push_model first")
         version, trained = self.written
+        if self._staleness is not None:  # first: a version handed over is published (a newer trainer numbers above)
+            self._staleness.set_version(version, trained)
         self.turns.give(self.epoch, step, version, str(self.root / f"v{version}"))
         self.published = max(self.published, version)
-        if self._staleness is not None:
-            self._staleness.set_version(version, trained)
 
     def _prune(self) -> None:
         keep = {f"v{v}" for v in range(self.last_pushed - KEEP_VERSIONS + 1, self.last_pushed + 1)}
         for old in self.root.glob("v*"):
             if old.name not in keep:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _on_rank0(act: Callable[[int], None] | None, step: int) -> None:
+    """Rank 0's part of a hand-over (``act``, None on the other ranks), then, with more ranks, the meeting of all of
+    them, where a refusal (``TrainerFenced``: a newer trainer of the run started) reaches every rank: all of them stop,
+    none waits in the step's collectives for a rank that left."""
+    refusal: list[TrainerFenced | None] = [None]
+    if act is not None:
+        try:
+            act(step)
+        except TrainerFenced as exc:
+            refusal[0] = exc
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise refusal[0]
 
 
 def held_bytes(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> int:

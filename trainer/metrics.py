@@ -10,12 +10,15 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from buffer.keys import TRAINER_FINISHED_FIELDS, Keys
+
+if TYPE_CHECKING:
+    from buffer.replay import ReplayBuffer
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 _GAUGES = {
@@ -36,6 +39,12 @@ _CRITIC_GAUGES = {  # trainer.advantage=gae only
 }
 _HANDOVER = {"wait": "device_wait_s", "onload": "onload_s", "offload": "offload_s"}  # stage: step record key
 _FROM_STEP = {"masked_token_fraction": "masked_fraction", "tokens_per_second": "tokens_per_s"}
+# KEYS: trainer hash, steps stream. ARGV: the step's record (JSON), the stream's cap, how many status fields and values
+# follow, then those. Run fenced by the trainer (ReplayBuffer.fenced_script: its epoch's key and value after these).
+_PUBLISH = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 4, 3 + tonumber(ARGV[3])))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'metrics', ARGV[1])
+"""
 
 
 class TrainerMetrics:
@@ -145,10 +154,16 @@ class RedisStatus:
     and one ``steps`` stream entry (the record as JSON under ``metrics``, capped at ``max_steps``); and the
     trainer's end (``TRAINER_FINISHED_FIELDS``), so the API can say which train jobs will not be trained."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, max_steps: int = 10_000) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, max_steps: int = 10_000,
+                 fence: ReplayBuffer | None = None) -> None:
+        """``fence``: the trainer's buffer; each step is published only while this trainer is the run's newest (one
+        call, check and writes: no round trip more than before), else refused (``TrainerFenced``): a fenced trainer
+        used to write its steps over the newer trainer's."""
         self.redis = client
         self.keys = keys
         self.max_steps = max_steps
+        self._publish = (client.register_script(_PUBLISH) if fence is None
+                         else fence.fenced_script(_PUBLISH, "a step in the run's status"))
 
     def publish_metrics_address(self, address: str) -> None:
         """Where rank 0 serves its Prometheus metrics, as bound (``trainer.metrics_port=0`` picks any)."""
@@ -165,10 +180,8 @@ class RedisStatus:
             "tokens_per_s": record["tokens_per_s"],
             "heartbeat": time.time(),
         }
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self.keys.trainer, mapping=status)
-        pipe.xadd(self.keys.steps, {"metrics": json.dumps(record)}, maxlen=self.max_steps, approximate=True)
-        pipe.execute()
+        fields = [x for pair in status.items() for x in pair]
+        self._publish([self.keys.trainer, self.keys.steps], [json.dumps(record), self.max_steps, len(fields), *fields])
 
     def started(self) -> None:
         """A trainer starts: the end an earlier one recorded no longer holds (it trains the run's jobs again)."""

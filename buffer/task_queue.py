@@ -38,22 +38,26 @@ IDEMPOTENCY_TTL_S = 24 * 3600
 
 # KEYS: task stream, job hash, jobs index, then the idempotency key's key when the submit has one. ARGV: job, kind,
 # spec ('' but in the first chunk), now, submit id, chunk index, the spec's fingerprint ('' without a key), the key's
-# TTL in seconds, the spec's summary (``summarize_spec``: stored with the spec, so never one without the other), (task
-# id, task)... Returns the job seq of the submit's first task, or {job, same spec (1 or 0)} when the idempotency key
-# names another job (nothing added: every chunk of the MULTI finds it so). The first chunk under a key claims it for
-# this job (``<job>:<fingerprint>``, expiring after the TTL); being checked and claimed in the call that adds the tasks,
-# two submits under one key cannot both add theirs. Each chunk marks the job's ``submit`` field ``<submit
+# TTL in seconds, the spec's summary (``summarize_spec``: stored with the spec, so never one without the other), the
+# job hashes' key prefix, (task id, task)... Returns the job seq of the submit's first task, or {job, same spec (1 or
+# 0)} when the idempotency key names another job (nothing added: every chunk of the MULTI finds it so). The first chunk
+# under a key claims it for this job (``<job>:<fingerprint>``, expiring after the TTL) and keeps the key's fingerprint
+# (the last part of its key) in the job's ``idempotency`` field, so deleting the job frees the key; a claim naming a
+# job that no longer exists (deleted) is void, and taken over. Being checked and claimed in the call that adds the
+# tasks, two submits under one key cannot both add theirs. Each chunk marks the job's ``submit`` field ``<submit
 # id>:<chunk>:<first seq>``: a MULTI that runs again (the client retrying after a lost reply) finds its own chunks
 # marked and adds nothing.
 _SUBMIT = """
-local n, chunk = (#ARGV - 9) / 2, tonumber(ARGV[6])
+local n, chunk = (#ARGV - 10) / 2, tonumber(ARGV[6])
 if KEYS[4] then
   local claim = redis.call('GET', KEYS[4])
-  if not claim then
+  local job, fingerprint
+  if claim then job, fingerprint = string.match(claim, '^([^:]*):(.*)$') end
+  if not claim or (job ~= ARGV[1] and redis.call('EXISTS', ARGV[10] .. (job or '')) == 0) then
     redis.call('SET', KEYS[4], ARGV[1] .. ':' .. ARGV[7], 'EX', ARGV[8])
-  else
-    local job, fingerprint = string.match(claim, '^([^:]*):(.*)$')
-    if job ~= ARGV[1] then return {job, fingerprint == ARGV[7] and 1 or 0} end
+    redis.call('HSET', KEYS[2], 'idempotency', string.match(KEYS[4], '[^:]*$'))
+  elseif job ~= ARGV[1] then
+    return {job, fingerprint == ARGV[7] and 1 or 0}
   end
 end
 local mark = redis.call('HGET', KEYS[2], 'submit')
@@ -75,8 +79,8 @@ end
 if redis.call('HGET', KEYS[2], 'state') ~= 'cancelled' then redis.call('HSET', KEYS[2], 'state', 'running') end
 redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[4])
 for i = 0, n - 1 do
-  local gid = ARGV[1] .. ':' .. (base + i) .. ':' .. ARGV[10 + 2 * i]
-  redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task', ARGV[11 + 2 * i])
+  local gid = ARGV[1] .. ':' .. (base + i) .. ':' .. ARGV[11 + 2 * i]
+  redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task', ARGV[12 + 2 * i])
 end
 return first
 """
@@ -135,6 +139,35 @@ redis.call('HSET', KEYS[1], 'state', 'cancelled')
 return 'cancelled'
 """
 
+# Delete a finished job (KEYS: job hash, jobs index, trajectories stream, eval results stream; ARGV: job id, the
+# idempotency keys' prefix, TRAIN_ENDS): one with nothing of it left anywhere, every task ended (an eval job's
+# completed, dead-lettered or cancelled) and a train job's every group ended too (TRAIN_ENDS), so no rollout server or
+# trainer holds a task or group of it whose counter could land on it after. Checked and deleted in one step, with the
+# claim of its submit's idempotency key while the key still names it. Returns {kind, how many tasks or groups are
+# left}: nothing deleted unless 0; false for an unknown job.
+_DELETE_JOB = """
+local h = redis.call('HMGET', KEYS[1], 'kind', 'submitted', 'idempotency')
+if not h[1] then return false end
+local ends = h[1] == 'train' and {unpack(ARGV, 3)} or {'completed', 'dead_lettered', 'cancelled'}
+local left = tonumber(h[2]) or 0
+for _, n in ipairs(redis.call('HMGET', KEYS[1], unpack(ends))) do left = left - (tonumber(n) or 0) end
+if left > 0 then return {h[1], left} end
+redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if h[3] then
+  local claim = redis.call('GET', ARGV[2] .. h[3])
+  if claim and string.sub(claim, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then redis.call('DEL', ARGV[2] .. h[3]) end
+end
+return {h[1], 0}
+"""
+
+# Keep a job's spec summary (KEYS: job hash; ARGV: the summary) only while the job has its spec: a job deleted since
+# its spec was read gets no hash back.
+_KEEP_SUMMARY = """
+if redis.call('HEXISTS', KEYS[1], 'spec') == 1 then return redis.call('HSETNX', KEYS[1], 'spec_summary', ARGV[1]) end
+return 0
+"""
+
 # Put a pending task back at the tail as a new entry carrying its attempt count (ARGV: ..., gid, job, kind, task,
 # attempts, error). Admission is kept (a hand-back), or released when KEYS[2] and KEYS[3] (admitted, admitted ids)
 # are given (a failed attempt: its retry waits at the tail behind the backlog, so its slot goes to the next task;
@@ -189,6 +222,8 @@ class TaskQueue:
         self._dead_letter = client.register_script(_DEAD_LETTER)
         self._cancel = client.register_script(_CANCEL)
         self._cancel_job = client.register_script(_CANCEL_JOB)
+        self._delete_job = client.register_script(_DELETE_JOB)
+        self._keep_summary = client.register_script(_KEEP_SUMMARY)
         self._requeue = client.register_script(_REQUEUE)
         self._renew = client.register_script(RENEW_LUA)
         self._reclaimers: dict[tuple[str, str], Reclaimer] = {}
@@ -245,7 +280,7 @@ class TaskQueue:
             chunk = args[start : start + 2 * SUBMIT_CHUNK]
             head = (spec or "", summary) if i == 0 else ("", "")  # sent once: an inline spec is as big as its tasks
             self._submit(keys, [job_id, kind, head[0], now, submit_id, i, fingerprint, IDEMPOTENCY_TTL_S, head[1],
-                                *chunk], client=pipe)
+                                self.keys.job_prefix, *chunk], client=pipe)
         first = pipe.execute()[0]
         if isinstance(first, list):
             raise IdempotencyKeyUsed(first[0].decode(), first[1] == 1)
@@ -258,7 +293,8 @@ class TaskQueue:
         claim = self.redis.get(self._idempotency_key(idempotency_key))
         if claim is not None:
             job_id, _, fingerprint = claim.decode().partition(":")
-            raise IdempotencyKeyUsed(job_id, fingerprint == _fingerprint(spec))
+            if self.redis.exists(self.keys.job(job_id)):  # a claim naming a deleted job is void
+                raise IdempotencyKeyUsed(job_id, fingerprint == _fingerprint(spec))
 
     def _idempotency_key(self, idempotency_key: str) -> str:
         """The Redis key of a client's idempotency key: hashed, so a key of any length or bytes names one of ours."""
@@ -284,6 +320,18 @@ class TaskQueue:
         for an unknown job."""
         state = self._cancel_job([self.keys.job(job_id)], list(TRAIN_ENDS))
         return None if state is None else state.decode()
+
+    def delete_job(self, job_id: str) -> tuple[str, int] | None:
+        """Delete a finished job: its hash, its id in the index, its trajectories and eval results, and its submit's
+        idempotency claim, all in one step, once nothing of it is left to roll out or train (``_DELETE_JOB``).
+        Returns its kind and how many of its tasks (eval) or groups (train) are left: deleted only when 0; None for
+        an unknown job (a second delete finds it so)."""
+        keys = [self.keys.job(job_id), self.keys.jobs, self.keys.trajectories(job_id), self.keys.eval(job_id)]
+        found = self._delete_job(keys, [job_id, self.keys.idempotency(""), *TRAIN_ENDS])
+        if found is None:
+            return None
+        kind, left = found
+        return kind.decode(), int(left)
 
     def job_summaries(self, job_ids: Sequence[str]) -> list[dict[str, str]]:
         """``job`` of each id ({} for an unknown one) as a listing shows it, in one round trip: its ``spec`` is the
@@ -314,8 +362,9 @@ class TaskQueue:
         for job_id in job_ids:
             pipe.hget(self.keys.job(job_id), "spec")
         for job_id, job, spec in zip(job_ids, jobs, pipe.execute(), strict=True):
-            job["spec_summary"] = summarize_spec(spec.decode())
-            pipe.hsetnx(self.keys.job(job_id), "spec_summary", job["spec_summary"])
+            if spec is not None:  # None: deleted since the listing read it
+                job["spec_summary"] = summarize_spec(spec.decode())
+                self._keep_summary([self.keys.job(job_id)], [job["spec_summary"]], client=pipe)
         pipe.execute()
         log.info("stored the spec summaries of %d job(s) written without one: %s", len(job_ids), ", ".join(job_ids))
 

@@ -54,6 +54,14 @@ ADMISSION_POLL_MS = 50  # how long a read waits while only admission keeps train
 MAX_CACHED_LOOPS = 64
 REDIS_GONE = (redis.ConnectionError, redis.TimeoutError)  # what a stopping worker does not wait out
 TRAJECTORY_LOG_LEN = 20_000  # per job, for inspection through the API
+# KEYS: job hash, its trajectories stream; ARGV: the stream's bound, then the samples' records. Logged only while the
+# job exists: a put that lands after the job was done and deleted (a late duplicate of its group) must not bring back
+# a stream of it. Returns -1 when the job is gone, else how many were logged.
+_LOG_TRAJECTORIES = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+for i = 2, #ARGV do redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'sample', ARGV[i]) end
+return #ARGV - 1
+"""
 
 
 def default_server_id() -> str:
@@ -91,6 +99,7 @@ class RolloutWorker:
         self.replay = ReplayBuffer(client, self.keys, buffer, metrics=self.buffer_metrics)
         self.staleness = StalenessControl(client, self.keys, buffer, self.buffer_metrics)
         self.servers = ServerRegistry(client, self.keys, ttl_s=3 * rollout.heartbeat_s)
+        self._log_samples = client.register_script(_LOG_TRAJECTORIES)
         self.consumer = rollout.server_id or default_server_id()
         self.info = ServerInfo(self.consumer, engine_url=engines[0].base_url)
         self.episodes = EpisodeStore(tokenizer, rollout.openai_model, self.metrics)
@@ -281,8 +290,8 @@ class RolloutWorker:
 
     async def _put(self, group: Any, entry: TaskEntry) -> None:
         """Write the group and ack its task, then log its samples for reading back through the API (not those of
-        a group the buffer refused because another worker ended its task meanwhile). Rides out a Redis restart
-        (the put is idempotent)."""
+        a group the buffer refused because another worker ended its task meanwhile, nor of a job deleted since).
+        Rides out a Redis restart (the put is idempotent)."""
         delay = 0.5
         while True:
             try:
@@ -297,18 +306,16 @@ class RolloutWorker:
                 delay = min(2 * delay, 5.0)
 
     def _log_trajectories(self, group: Any) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        for sample in group.samples:
-            record = {
-                "group_id": group.group_id, "sample_index": sample.sample_index, "reward": sample.reward,
-                "reward_info": sample.reward_info, "finish_reason": sample.finish_reason,
-                "num_turns": sample.num_turns, "messages": sample.messages,
-                "tool_calls": [vars(t) for t in sample.tool_calls], "num_tokens": int(sample.token_ids.size),
-                "num_generated": sample.num_generated,
-            }
-            pipe.xadd(self.keys.trajectories(group.job_id), {"sample": json.dumps(record, default=str)},
-                      maxlen=TRAJECTORY_LOG_LEN, approximate=True)
-        pipe.execute()
+        records = [json.dumps({
+            "group_id": group.group_id, "sample_index": sample.sample_index, "reward": sample.reward,
+            "reward_info": sample.reward_info, "finish_reason": sample.finish_reason,
+            "num_turns": sample.num_turns, "messages": sample.messages,
+            "tool_calls": [vars(t) for t in sample.tool_calls], "num_tokens": int(sample.token_ids.size),
+            "num_generated": sample.num_generated,
+        }, default=str) for sample in group.samples]
+        keys = [self.keys.job(group.job_id), self.keys.trajectories(group.job_id)]
+        if self._log_samples(keys, [TRAJECTORY_LOG_LEN, *records]) == -1:
+            log.info("group %s: job %s is deleted; its samples are not logged", group.group_id, group.job_id)
 
     async def _job_spec(self, job_id: str) -> JobSpec | None:
         """The job's spec, read and validated once per job (a job's spec never changes once stored): an inline job's

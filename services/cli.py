@@ -144,9 +144,13 @@ def _config_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-5")
 
 
-def _api_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api", default=os.environ.get("ROLLWAVE_API", DEFAULT_API), help="API base URL (env ROLLWAVE_API)")
-    p.add_argument("--token-file", help="file holding the API's bearer token (default: env ROLLWAVE_API_TOKEN)")
+def _api_args(p: argparse.ArgumentParser, parent_has_them: bool = False) -> None:
+    """``--api`` and ``--token-file``; in an action of a command that has them too (``parent_has_them``) with no
+    default of their own, which would override the command's (``rollwave jobs --api URL delete JOB``)."""
+    api_default = argparse.SUPPRESS if parent_has_them else os.environ.get("ROLLWAVE_API", DEFAULT_API)
+    p.add_argument("--api", default=api_default, help="API base URL (env ROLLWAVE_API)")
+    p.add_argument("--token-file", default=argparse.SUPPRESS if parent_has_them else None,
+                   help="file holding the API's bearer token (default: env ROLLWAVE_API_TOKEN)")
 
 
 def _command(sub, name: str, summary: str, example: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -277,11 +281,22 @@ def build_parser() -> argparse.ArgumentParser:
     _api_args(p)
     p.set_defaults(func=_handler("services.client_cmd:status"))
 
-    p = _command(sub, "jobs", "list jobs with their progress, reward and accuracy", "rollwave jobs --api http://head:8000")
+    p = _command(sub, "jobs", "list jobs with their progress, reward and accuracy; `jobs delete JOB` deletes one",
+                 "rollwave jobs --api http://head:8000")
     p.add_argument("--limit", type=int, default=50, help="jobs per page, newest first")
     p.add_argument("--all", action="store_true", help="follow every page")
     _api_args(p)
     p.set_defaults(func=_handler("services.client_cmd:jobs"))
+    jsub = p.add_subparsers(dest="jobs_command", metavar="ACTION")
+    j = _command(jsub, "delete", "delete a finished job and all the run keeps of it (its trajectories, eval results)",
+                 "rollwave jobs delete 3f2a9c1b7d4e",
+                 description="Delete a finished job and all the run keeps of it: its trajectories, its eval results,\n"
+                 "its submit's idempotency key. A job is finished once every task of it is rolled out (and, for a\n"
+                 "train job, every group trained or dropped); the API refuses (409) one that is not, saying why:\n"
+                 "cancel it first (POST /v1/jobs/JOB/cancel). A lost reply or a 503 is sent again, as a submit is.")
+    j.add_argument("job", help="job id, as `rollwave submit` or `rollwave jobs` print it")
+    _api_args(j, parent_has_them=True)
+    j.set_defaults(func=_handler("services.client_cmd:delete_job"))
 
     p = _command(sub, "trajectories", "print a job's trajectories (conversations and rewards) page by page",
                  "rollwave trajectories 3f2a9c1b7d4e --all --json")

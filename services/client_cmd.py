@@ -1,4 +1,4 @@
-"""``rollwave submit | status | jobs | trajectories``: the API from a terminal."""
+"""``rollwave submit | status | jobs [delete] | trajectories``: the API from a terminal."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ REDIS_OUTAGE_S = 60.0  # how long a wait rides out the API's 503s (its Redis res
 # how long a wait gives a crashed trainer to be restarted and train again: Kubernetes' longest crash back-off
 # (LocalStack and the Ray actors restart one after RestartBackoff's delay; the model load and resume come on top)
 RESTART_WAIT_S = 300.0
-# the failures after which a submit is sent again: its reply lost (a reset, a timeout), or the API not answering a
-# while; a refused connection is only retried after an earlier try failed (before: no API is there, said at once)
+# the failures after which a submit or a delete is sent again: its reply lost (a reset, a timeout), or the API not
+# answering a while; a refused connection is only retried after an earlier try failed (before: no API is there, said
+# at once)
 RESUBMIT_ON = (httpx.NetworkError, httpx.TimeoutException, httpx.RemoteProtocolError)
 
 
@@ -146,17 +147,25 @@ def post_job(client: httpx.Client, body: dict[str, Any], where: Callable[[list[A
     reply is lost (a connection reset, a timeout) or the API answers 503 (its Redis restarting), for up to
     ``outage_s`` after the first failure: a try the API did take is answered with its job, never made twice."""
     headers = {"Idempotency-Key": uuid.uuid4().hex}
+    reply, _ = _sent_again(lambda: client.post("/v1/jobs", json=body, headers=headers), outage_s, retry_s)
+    return _json(reply, where)
+
+
+def _sent_again(send: Callable[[], httpx.Response], outage_s: float, retry_s: float) -> tuple[httpx.Response, bool]:
+    """``send()``'s reply, sent again every ``retry_s`` while its reply is lost (a connection reset, a timeout) or the
+    API answers 503, for up to ``outage_s`` after the first failure; and whether it was sent more than once (an
+    earlier try may have done what it asked)."""
     failing_since: float | None = None
     while True:
         expired = failing_since is not None and time.monotonic() - failing_since >= outage_s
         try:
-            reply = client.post("/v1/jobs", json=body, headers=headers)
+            reply = send()
         except RESUBMIT_ON as exc:
             if expired or (failing_since is None and isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)):
                 raise
         else:
             if reply.status_code != 503 or expired:
-                return _json(reply, where)
+                return reply, failing_since is not None
         failing_since = failing_since or time.monotonic()
         time.sleep(retry_s)
 
@@ -236,6 +245,21 @@ def jobs(args: argparse.Namespace) -> int:
         print("\n".join(_job_rows(listed)))
         if page["next"]:
             print(f"(more: rollwave jobs --all, or --limit above {args.limit})")
+    return 0
+
+
+def delete_job(args: argparse.Namespace) -> int:
+    """``DELETE /v1/jobs/{job}``, sent again while its reply is lost or the API answers 503, as a submit is: a 404 to
+    a try sent again means that an earlier one, whose answer never came, deleted the job (said so); to the first,
+    that there is no such job (exit 2)."""
+    with _client(args) as client:
+        path = f"/v1/jobs/{quote(args.job, safe='')}"
+        reply, retried = _sent_again(lambda: client.delete(path), REDIS_OUTAGE_S, 1.0)
+        if retried and reply.status_code == 404:
+            print(f"job {args.job} deleted (by an earlier try, whose reply was lost or a 503: this one found it gone)")
+            return 0
+        deleted = _json(reply)
+        print(f"job {deleted['job_id']} ({deleted['kind']}) deleted")
     return 0
 
 

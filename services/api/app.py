@@ -8,7 +8,8 @@ have no token, and a page may POST to it); jobs read files only under ``api.data
 ``api.max_job_tasks`` tasks, name reward functions, agents and tools the run allows, set nothing this run cannot
 honour (``_inapplicable``), and give each tool a task gets the create kwargs it requires; a train job submitted
 once the run's trainer finished gets 409 (nothing would train it; once it crashed one is taken: its restart trains
-it), and so does the cancel of a job that is done. A submit may carry an ``Idempotency-Key`` header: a retry with the
+it), and so do the cancel of a job that is done and the delete of one that is not (``DELETE /v1/jobs/{id}`` removes
+a finished job and all the run keeps of it). A submit may carry an ``Idempotency-Key`` header: a retry with the
 same key and spec is answered with the job the first one made (200, ``Idempotent-Replayed: true``, no new tasks,
 counted), the key with another spec gets 422 naming the header. Each refusal is logged and counted. While Redis is
 away or stuck a request is answered 503 naming it within about ``redis.timeout_s``: the API does not ride out the
@@ -50,7 +51,7 @@ from core.net import is_loopback
 from core.rewards import BUILTIN as BUILTIN_REWARDS
 from core.tasks import Task
 from rollout_server.tools.registry import ToolConfigError, tool_requirements
-from services.api.cluster import ClusterView, InvalidCursor, NotCancellable, NotFound
+from services.api.cluster import ClusterView, InvalidCursor, NotCancellable, NotDeletable, NotFound
 from services.api.sampler import MetricsSampler
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -134,6 +135,9 @@ class ApiState:
             "rollwave_api_jobs_submitted_total", "Jobs accepted", ["kind"], registry=self.registry
         )
         self.jobs_rejected = Counter("rollwave_api_jobs_rejected_total", "Jobs rejected", registry=self.registry)
+        self.jobs_deleted = Counter(
+            "rollwave_api_jobs_deleted_total", "Finished jobs deleted", ["kind"], registry=self.registry
+        )
         self.jobs_replayed = Counter("rollwave_api_jobs_replayed_total", "Job submits answered with the job an "
                                      "earlier submit with their Idempotency-Key made", registry=self.registry)
 
@@ -278,7 +282,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     refused = Counter(
         "rollwave_api_requests_refused_total",
         "Requests refused (auth, host, origin, body_size, validation, cursor, not_found, trainer_finished, "
-        "not_cancellable, idempotency_key, redis)", ["reason"],
+        "not_cancellable, not_deletable, idempotency_key, redis)", ["reason"],
         registry=registry,
     )
     refuse = _refused(refused)
@@ -316,6 +320,11 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     @app.exception_handler(NotCancellable)
     async def not_cancellable(request: Request, exc: NotCancellable) -> JSONResponse:
         refuse("not_cancellable", request.scope, str(exc))
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    @app.exception_handler(NotDeletable)
+    async def not_deletable(request: Request, exc: NotDeletable) -> JSONResponse:
+        refuse("not_deletable", request.scope, str(exc))
         return JSONResponse({"detail": str(exc)}, status_code=409)
 
     @app.exception_handler(InvalidCursor)
@@ -382,12 +391,20 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
             msg = (f"{used}: a key names one job, for {IDEMPOTENCY_TTL_S} s; send a new key for a new job, the same "
                    "spec to retry that one")
             raise HTTPException(422, [{"loc": ["header", IDEMPOTENCY_KEY], "msg": msg, "type": "value_error"}])
+        try:
+            job = api.cluster.job(used.job_id)
+        except NotFound:  # deleted since the key was found naming it: the key is free now
+            msg = (f"the {IDEMPOTENCY_KEY} named job {used.job_id}, which was deleted while this submit ran; send it "
+                   "again: the key is free now")
+            api.jobs_rejected.inc()
+            refuse("idempotency_key", request.scope, msg)
+            raise HTTPException(409, msg) from None
         api.jobs_replayed.inc()
         log.info("POST /v1/jobs: its %s was used for job %s with the same spec: answered with that job, nothing added",
                  IDEMPOTENCY_KEY, used.job_id)
         response.status_code = 200
         response.headers["Idempotent-Replayed"] = "true"
-        return api.cluster.job(used.job_id)
+        return job
 
     @app.post("/v1/jobs", status_code=201, tags=["jobs"])
     def create_job(
@@ -482,6 +499,16 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"])
     def cancel_job(job_id: str, api: State) -> dict[str, Any]:
         return api.cluster.cancel(job_id)
+
+    @app.delete("/v1/jobs/{job_id}", tags=["jobs"])
+    def delete_job(job_id: str, api: State) -> dict[str, Any]:
+        """Delete a finished job (every task rolled out, a train job's every group trained or dropped; 409 until then)
+        with its trajectories, eval results and its submit's Idempotency-Key: a long-lived run's Redis keeps only what
+        it is asked to. A second delete gets 404."""
+        deleted = api.cluster.delete(job_id)
+        api.jobs_deleted.labels(kind=deleted["kind"]).inc()
+        log.info("job %s (%s) deleted", _one_line(job_id), deleted["kind"])
+        return deleted
 
     @app.get("/v1/jobs/{job_id}/trajectories", tags=["jobs"])
     def trajectories(

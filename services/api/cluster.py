@@ -25,6 +25,11 @@ class NotCancellable(ValueError):
     job trained or dropped."""
 
 
+class NotDeletable(ValueError):
+    """A delete of a job that is not finished: a task of it not yet rolled out, or a group of a train job not yet
+    trained or dropped (a rollout server or the trainer may still hold it, and count it on the job)."""
+
+
 class InvalidCursor(ValueError):
     """A page cursor that names nothing: a trajectories cursor that is no Redis stream id (each part must fit
     in 64 bits), a jobs cursor that is no job of the run."""
@@ -136,6 +141,30 @@ class ClusterView:
             raise NotCancellable(f"job {job_id} is done: every task of it is rolled out and scored, or its groups "
                                  "trained or dropped, or dead-lettered; nothing is left to cancel")
         return self.job(job_id)
+
+    def delete(self, job_id: str) -> dict[str, Any]:
+        """Delete a finished job and everything the run keeps of it (``TaskQueue.delete_job``: checked and deleted
+        in one step). ``NotDeletable`` while a task or group of it is left, saying what to do; ``NotFound`` for a
+        job unknown or deleted already, which is what a delete sent again after its reply was lost finds."""
+        found = self.queue.delete_job(job_id)
+        if found is None:
+            raise NotFound(f"job {job_id!r} not found: never submitted, or deleted already (a DELETE sent again after "
+                           "its reply was lost finds it so)")
+        kind, left = found
+        if not left:
+            return {"job_id": job_id, "kind": kind, "deleted": True}
+        job = self.job(job_id)
+        what = (f"{left} of its {job['progress']['submitted']} "
+                + ("tasks are not rolled out yet" if kind == "eval" else
+                   "groups are not trained yet (tasks not rolled out, or groups waiting in the buffer)"))
+        if job["state"] != "cancelled":
+            why = f": {job['reason']}" if job["reason"] else ""
+            raise NotDeletable(f"job {job_id} is {job['state']}{why}; {what}. Only a finished job is deleted: cancel "
+                               f"it first (POST /v1/jobs/{job_id}/cancel), then delete it once they are acked away")
+        waits = f"; {end}: they wait for a trainer to run" if kind == "train" and (end := self.trainer_end()) else ""
+        raise NotDeletable(f"job {job_id} is cancelled, but {what}: the rollout servers ack its tasks away as they "
+                           f"read them, the trainer its groups as it takes them{waits}; delete it once they are "
+                           "(progress.cancelled counts them)")
 
     def trajectories(self, job_id: str, cursor: str, limit: int) -> dict[str, Any]:
         self.job(job_id)

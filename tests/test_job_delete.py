@@ -1,0 +1,360 @@
+"""``DELETE /v1/jobs/{id}`` and ``rollwave jobs delete`` over real HTTP against a real Redis: a finished job goes with
+every key the run kept of it, in one step; one not finished is refused (409) saying what is left; late writes of a
+rollout server or the trainer bring nothing of it back; its submit's idempotency key is free again."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from transformers import AutoTokenizer
+
+from buffer.keys import Keys
+from buffer.redis_server import EmbeddedRedis
+from buffer.replay import ReplayBuffer
+from buffer.task_queue import TaskEntry, TaskQueue
+from core.config import BufferConfig, RolloutConfig
+from rollout_server.engine_client import EngineClient
+from rollout_server.tools import ToolRegistry
+from rollout_server.worker import RolloutWorker
+from services.cli import build_parser, main
+from tests.buffer_helpers import make_group
+from tests.http_harness import serve_app
+from tests.test_api import TOKEN, _metric, _refused, serve
+from tests.test_cli_submit_retry import LostReply
+from trainer.metrics import RedisStatus
+
+EVAL = {"kind": "eval", "source": {"kind": "arith", "limit": 2}}
+TRAIN = {"kind": "train", "source": {"kind": "arith", "limit": 2}}
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+class Run:
+    """One run's API and the parts around it: a rollout server (a real ``RolloutWorker``, whose puts write the
+    groups and log their samples; its engine is never called) and the trainer's side of the buffer."""
+
+    def __init__(self, redis_url: str, api: httpx.Client, tokenizer: Any) -> None:
+        self.api = api
+        self.keys = Keys(api.run)  # type: ignore[attr-defined]
+        self.redis = redis.Redis.from_url(redis_url)
+        self.queue = TaskQueue(self.redis, self.keys, BufferConfig())
+        self.worker = RolloutWorker(redis.Redis.from_url(redis_url), self.keys.run, RolloutConfig(server_id="srv"),
+                                    BufferConfig(), [EngineClient("http://127.0.0.1:9")], tokenizer,
+                                    ToolRegistry.from_file(None))
+        self.trainer = ReplayBuffer(self.redis, self.keys, BufferConfig(), consumer="trainer")
+        self.trainer.ensure_group()
+
+    def submit(self, body: dict[str, Any], key: str | None = None) -> str:
+        reply = self.api.post("/v1/jobs", json=body, headers={"Idempotency-Key": key} if key else {})
+        assert reply.status_code == 201, reply.text
+        return reply.json()["job_id"]
+
+    def read(self, n: int) -> list[TaskEntry]:
+        return self.queue.read("srv", n)
+
+    def put(self, entry: TaskEntry) -> None:
+        """What the rollout server does with a finished group: write it and ack its task, then log its samples."""
+        group = make_group(entry.job_id, entry.group_id, run=self.keys.run, kind=entry.kind)
+        asyncio.run(self.worker._put(group, entry))
+
+    def roll_out(self, n: int) -> list[TaskEntry]:
+        entries = self.read(n)
+        for entry in entries:
+            self.put(entry)
+        return entries
+
+    def keys_of(self, job_id: str) -> set[bytes]:
+        """The run's keys named after the job, and the idempotency claims naming it."""
+        named = {k for k in self.redis.keys(f"{self.keys.prefix}*") if job_id.encode() in k}
+        claims = {k for k in self.redis.keys(self.keys.idempotency("*"))
+                  if (self.redis.get(k) or b"").startswith(f"{job_id}:".encode())}
+        return named | claims
+
+    def listed(self) -> list[str]:
+        return [j["job_id"] for j in self.api.get("/v1/jobs").json()["jobs"]]
+
+    def close(self) -> None:
+        self.worker._pool.shutdown()
+
+
+@pytest.fixture
+def run(redis_url: str, tokenizer: Any, request: pytest.FixtureRequest) -> Iterator[Run]:
+    with serve(redis_url, f"del-{request.node.name}"[:60]) as api:
+        parts = Run(redis_url, api, tokenizer)
+        yield parts
+        parts.close()
+
+
+def test_a_finished_eval_job_goes_with_every_key_of_it_and_a_second_delete_is_a_404(run: Run) -> None:
+    """Its hash, its id in the index, its trajectories, its eval results and its idempotency claim: all gone in one
+    delete, and nothing of another job touched. Then it is not found, not listed, and a second delete is a 404 that
+    says a delete sent again finds it so."""
+    job_id = run.submit(EVAL, key="eval-1")
+    other = run.submit(EVAL)
+    run.roll_out(1)
+    assert run.api.delete(f"/v1/jobs/{job_id}").status_code == 409  # a task of it left
+    run.roll_out(1)
+    assert run.api.get(f"/v1/jobs/{job_id}").json()["state"] == "done"
+    fingerprint = hashlib.sha256(b"eval-1").hexdigest()
+    assert run.keys_of(job_id) == {run.keys.job(job_id).encode(), run.keys.trajectories(job_id).encode(),
+                                   run.keys.eval(job_id).encode(), run.keys.idempotency(fingerprint).encode()}
+    assert len(run.api.get(f"/v1/jobs/{job_id}/trajectories").json()["items"]) == 4
+    kept = run.keys_of(other)
+
+    reply = run.api.delete(f"/v1/jobs/{job_id}")
+    assert reply.status_code == 200 and reply.json() == {"job_id": job_id, "kind": "eval", "deleted": True}, reply.text
+    assert run.keys_of(job_id) == set()
+    assert not run.redis.hexists(run.keys.jobs, job_id)
+    assert run.keys_of(other) == kept and run.listed() == [other]
+    assert run.api.get(f"/v1/jobs/{job_id}").status_code == 404
+    again = run.api.delete(f"/v1/jobs/{job_id}")
+    assert again.status_code == 404 and "deleted already" in again.json()["detail"], again.text
+    assert _metric(run.api, 'rollwave_api_jobs_deleted_total{kind="eval"}') == 1
+    assert _refused(run.api, "not_found") == 2
+
+
+def test_a_train_job_is_deleted_once_every_group_is_trained_or_dropped(
+        run: Run, caplog: pytest.LogCaptureFixture) -> None:
+    """Every task rolled out is not enough: while its groups wait in the buffer the delete is a 409 naming how many
+    are not trained (logged and counted); once the trainer acked them (one trained, one dropped stale) it goes."""
+    job_id = run.submit(TRAIN)
+    run.roll_out(2)
+    reply = run.api.delete(f"/v1/jobs/{job_id}")
+    assert reply.status_code == 409, reply.text
+    detail = reply.json()["detail"]
+    assert "2 of its 2 groups are not trained yet" in detail and f"POST /v1/jobs/{job_id}/cancel" in detail, detail
+    assert _refused(run.api, "not_deletable") == 1
+    assert [r.getMessage() for r in caplog.records if "not_deletable" in r.getMessage()] == [
+        f"refused DELETE /v1/jobs/{job_id} from 127.0.0.1: not_deletable: {detail}"]
+
+    taken = run.trainer.take(2, 5.0)
+    stale = taken[1][1].group_id
+    assert run.trainer.ack([e for e, _ in taken], [g.group_id for _, g in taken], stale_group_ids=[stale]) == 2
+    assert run.api.delete(f"/v1/jobs/{job_id}").status_code == 200
+    assert run.keys_of(job_id) == set() and run.listed() == []
+    assert not run.redis.keys(f"{run.keys.prefix}payload:*")
+
+
+def test_a_running_or_cancelled_job_is_refused_saying_what_is_left(run: Run) -> None:
+    """Running: cancel it first. Cancelled: wait until the servers have acked its tasks away (they do as they read
+    them), then it goes; a cancelled train job's groups wait for a trainer, which the refusal says once it finished."""
+    job_id = run.submit({**EVAL, "source": {"kind": "arith", "limit": 3}})
+    running = run.api.delete(f"/v1/jobs/{job_id}").json()["detail"]
+    assert running.startswith(f"job {job_id} is running; 3 of its 3 tasks are not rolled out yet") and \
+        "cancel it first" in running, running
+    assert run.api.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+    cancelled = run.api.delete(f"/v1/jobs/{job_id}").json()["detail"]
+    assert cancelled.startswith(f"job {job_id} is cancelled, but 3 of its 3 tasks are not rolled out yet: the "
+                                "rollout servers ack its tasks away"), cancelled
+    for entry in run.read(3):  # as a rollout server does with the tasks of a cancelled job
+        assert run.queue.cancel(entry)
+    assert run.api.delete(f"/v1/jobs/{job_id}").status_code == 200
+    assert run.keys_of(job_id) == set()
+
+    train = run.submit(TRAIN)
+    run.roll_out(2)
+    RedisStatus(run.redis, run.keys).finished(4, "trainer.total_steps", 0, 0)
+    stalled = run.api.delete(f"/v1/jobs/{train}").json()["detail"]
+    assert stalled.startswith(f"job {train} is stalled: the trainer finished at step 4"), stalled
+    run.api.post(f"/v1/jobs/{train}/cancel")
+    waits = run.api.delete(f"/v1/jobs/{train}").json()["detail"]
+    assert "the trainer finished at step 4 (trainer.total_steps): they wait for a trainer to run" in waits, waits
+    assert _refused(run.api, "not_deletable") == 4
+    assert run.listed() == [train]
+
+
+def test_late_writes_of_a_server_or_the_trainer_bring_nothing_of_a_deleted_job_back(run: Run) -> None:
+    """A server's put sent again after the job was deleted (its reply lost, or a frozen server's copy of a group
+    another wrote) is a duplicate: it writes no counter and, no longer, logs no samples into a new ``traj:<job>``
+    (it did: the stream of a deleted job came back, forever). Its fail, dead letter or cancel of the task ends
+    nothing; the trainer's ack sent again acks nothing. No key of either job comes back, and neither is found."""
+    eval_job = run.submit({**EVAL, "source": {"kind": "arith", "limit": 1}})
+    [entry] = run.roll_out(1)
+    assert run.api.delete(f"/v1/jobs/{eval_job}").status_code == 200
+    run.put(entry)
+    assert not run.queue.fail(entry, "late") and not run.queue.dead_letter(entry, "late")
+    assert not run.queue.cancel(entry)
+    assert run.keys_of(eval_job) == set()
+    assert run.api.get(f"/v1/jobs/{eval_job}").status_code == 404
+
+    train_job = run.submit({**TRAIN, "source": {"kind": "arith", "limit": 1}})
+    [entry] = run.roll_out(1)
+    [(entry_id, group)] = run.trainer.take(1, 5.0)
+    assert run.trainer.ack([entry_id], [group.group_id]) == 1
+    assert run.api.delete(f"/v1/jobs/{train_job}").status_code == 200
+    assert run.trainer.ack([entry_id], [group.group_id]) == 0
+    run.put(entry)
+    assert run.keys_of(train_job) == set() and run.listed() == []
+
+
+class DeletesBefore(redis.Redis):
+    """A Redis client that runs ``delete`` once, right before the first command (or pipeline) that ``when`` picks:
+    another API replica deletes the job just then."""
+
+    delete: Callable[[], object] | None = None
+    when: Callable[[tuple[Any, ...]], bool] = staticmethod(lambda _args: False)
+
+    def _maybe_delete(self, commands: list[tuple[Any, ...]]) -> None:
+        if self.delete is not None and any(self.when(args) for args in commands):
+            delete, self.delete = self.delete, None
+            delete()
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        self._maybe_delete([args])
+        return super().execute_command(*args, **options)
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        pipe = super().pipeline(transaction, shard_hint)
+        execute = pipe.execute
+
+        def deleting_first(raise_on_error: bool = True) -> Any:
+            self._maybe_delete([args for args, _options in pipe.command_stack])
+            return execute(raise_on_error)
+
+        pipe.execute = deleting_first
+        return pipe
+
+
+@pytest.fixture
+def racing(redis_url: str, tokenizer: Any, request: pytest.FixtureRequest) -> Iterator[tuple[Run, DeletesBefore]]:
+    client = DeletesBefore.from_url(redis_url)
+    with serve(redis_url, f"del-{request.node.name}"[:60], client=client) as api:
+        parts = Run(redis_url, api, tokenizer)
+        yield parts, client
+        parts.close()
+
+
+def test_the_idempotency_key_of_a_deleted_job_makes_a_new_job(racing: tuple[Run, DeletesBefore]) -> None:
+    """The delete frees the key: a submit under it makes a new job (201), and one after that is answered with that
+    one. A claim left naming a deleted job (an API from before kept no ``idempotency`` field) is void and taken over.
+    A submit whose key's job is deleted between the API's check of the key and its answer gets a 409 saying to send
+    it again, which then makes the job."""
+    run, client = racing
+    first = run.submit(EVAL, key="k")
+    run.roll_out(2)
+    assert run.api.delete(f"/v1/jobs/{first}").status_code == 200
+    assert not run.redis.keys(run.keys.idempotency("*"))
+    second = run.submit(EVAL, key="k")
+    assert second != first
+    replayed = run.api.post("/v1/jobs", json=EVAL, headers={"Idempotency-Key": "k"})
+    assert replayed.status_code == 200 and replayed.json()["job_id"] == second, replayed.text
+
+    run.roll_out(2)
+    run.redis.hdel(run.keys.job(second), "idempotency")  # as an API from before stored it
+    assert run.api.delete(f"/v1/jobs/{second}").status_code == 200
+    [claim] = run.redis.keys(run.keys.idempotency("*"))
+    assert run.redis.get(claim).startswith(f"{second}:".encode())  # left behind, naming the deleted job
+    third = run.submit(EVAL, key="k")
+    assert third not in (first, second) and run.redis.get(claim).startswith(f"{third}:".encode())
+
+    run.roll_out(2)
+    client.when = lambda args: args[0] == "HGETALL" and args[1] == run.keys.job(third)  # the API reads the job
+    client.delete = lambda: run.queue.delete_job(third)
+    raced = run.api.post("/v1/jobs", json=EVAL, headers={"Idempotency-Key": "k"})
+    assert client.delete is None and raced.status_code == 409, raced.text
+    assert raced.json()["detail"].startswith(f"the Idempotency-Key named job {third}, which was deleted while"), raced
+    assert _refused(run.api, "idempotency_key") == 1
+    fourth = run.submit(EVAL, key="k")
+    assert run.listed() == [fourth]
+
+
+def test_a_listing_that_summarizes_a_job_deleted_meanwhile_brings_no_hash_back(
+        racing: tuple[Run, DeletesBefore]) -> None:
+    """A job stored without a spec summary (by an older API) gets one at its first listing, read then written: deleted
+    in between, it got back a hash of that summary alone (a half job, never deleted again)."""
+    run, client = racing
+    job_id = run.submit(EVAL)
+    run.roll_out(2)
+    run.redis.hdel(run.keys.job(job_id), "spec_summary")
+    client.when = lambda args: args[0] in ("HSETNX", "EVALSHA") and run.keys.job(job_id) in args
+    client.delete = lambda: run.queue.delete_job(job_id)
+    assert run.api.get("/v1/jobs").status_code == 200
+    assert client.delete is None
+    assert run.keys_of(job_id) == set()
+    assert run.listed() == []
+
+
+class LosesFirstDelete:
+    """A front to the API for DELETE /v1/jobs/{id}: each delete is passed on, but the first reply is lost."""
+
+    def __init__(self, api_url: str) -> None:
+        self.api_url = api_url
+        self.deletes = 0
+        self.app = Starlette(routes=[Route("/v1/jobs/{job_id}", self.delete, methods=["DELETE"])])
+
+    async def delete(self, request: Request) -> Response:
+        self.deletes += 1
+        async with httpx.AsyncClient(base_url=self.api_url, timeout=30) as api:
+            reply = await api.delete(request.url.path, headers={"authorization": request.headers["authorization"]})
+        if self.deletes == 1:
+            return LostReply()
+        return Response(reply.content, reply.status_code, media_type="application/json")
+
+
+def test_rollwave_jobs_delete(run: Run, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deletes a finished job; a job not finished, or not there, is one error line naming why (exit 2); a delete whose
+    reply was lost is sent again, and its 404 then said to mean that the first one deleted the job."""
+    monkeypatch.setenv("ROLLWAVE_API_TOKEN", TOKEN)
+    url = str(run.api.base_url)
+    job_id = run.submit(EVAL)
+    assert main(["jobs", "delete", job_id, "--api", url]) == 2
+    assert "cancel it first" in capsys.readouterr().err
+    run.roll_out(2)
+    assert main(["jobs", "--api", url, "delete", job_id]) == 0
+    assert capsys.readouterr().out == f"job {job_id} (eval) deleted\n"
+    assert main(["jobs", "delete", job_id, "--api", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: DELETE {url}/v1/jobs/{job_id}: the API answered HTTP 404: job '{job_id}' not "
+                          "found") and err.count("\n") == 1, err
+
+    job_id = run.submit(EVAL)
+    run.roll_out(2)
+    front = LosesFirstDelete(url)
+    with serve_app(front.app) as front_url:
+        assert main(["jobs", "delete", job_id, "--api", front_url]) == 0
+    assert front.deletes == 2
+    assert capsys.readouterr().out.startswith(f"job {job_id} deleted (by an earlier try, whose reply was lost")
+    assert run.keys_of(job_id) == set()
+    assert main(["jobs", "--api", url]) == 0 and capsys.readouterr().out.count("\n") == 1  # the header alone
+
+
+def test_jobs_delete_help_has_an_example_that_parses(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["jobs", "delete", "--help"])
+    assert exit_.value.code == 0
+    example = capsys.readouterr().out.split("example:\n", 1)[1].split()
+    args = build_parser().parse_args(example[1:])
+    assert (args.command, args.jobs_command, args.job) == ("jobs", "delete", "3f2a9c1b7d4e")
+
+
+def test_a_delete_is_a_write_guarded_as_the_others(run: Run) -> None:
+    """Without the token: 401; from a page of another origin: 403 (a loopback API may have no token). Both counted,
+    and the job stays."""
+    job_id = run.submit(EVAL)
+    run.roll_out(2)
+    url = f"{run.api.base_url}/v1/jobs/{job_id}"
+    assert httpx.delete(url).status_code == 401
+    foreign = run.api.delete(f"/v1/jobs/{job_id}", headers={"Origin": "http://evil.example"})
+    assert foreign.status_code == 403, foreign.text
+    assert (_refused(run.api, "auth"), _refused(run.api, "origin")) == (1, 1)
+    assert run.listed() == [job_id]

@@ -64,8 +64,8 @@ class BufferMetrics:
         self.fenced_refusals = Counter(
             "rollwave_buffer_fenced_refusals_total",
             "writes refused to a trainer because a newer trainer of the run started (a take, an ack, a checkpoint, a "
-            "push's commit, a published version or push result, a step, start or end in the run's status, a device turn; "
-            "the log says which)", registry=r,
+            "push's commit, a published version or push result, a step, start or end in the run's status, a device "
+            "turn; the log says which)", registry=r,
         )
         self.task_gone_dropped = Counter(
             "rollwave_buffer_task_gone_dropped_total", "groups not written because their task was no longer pending "

@@ -42,6 +42,7 @@ from trainer.__main__ import RunRecord, _connect
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.colocation import LocalPusher
+from trainer.metrics import RedisStatus
 from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed
 from trainer.worker import Trainer
 
@@ -157,12 +158,25 @@ def _fenced_ranks(rank: int, world: int, port: int, redis_url: str, model_dir: P
         if rank == 0:
             old = _buffer(redis_url, "fenced-ranks")
             old.fence()
-            _buffer(redis_url, "fenced-ranks").fence()  # the newer trainer
+            if where == "status":  # groups for a step, and the newer trainer only once it is trained
+                for group in synthetic_groups(0, GPS, run="fenced-ranks"):
+                    old.put(group)
+            else:
+                _buffer(redis_url, "fenced-ranks").fence()  # the newer trainer
             fence = old.check_fence
-        trainer = Trainer(TrainerConfig(**TRAINER), model_dir, run_dir, fence=fence).start(ctx=ctx)
+        trainer = Trainer(TrainerConfig(**TRAINER), model_dir, run_dir, BufferConfig(groups_per_step=GPS),
+                          fence=fence).start(ctx=ctx)
+
+        def published(record: dict) -> None:  # as python -m trainer's: rank 0 publishes each step's status
+            if rank == 0:
+                _buffer(redis_url, "fenced-ranks").fence()  # the newer trainer, as the step ends
+                RedisStatus(old.redis, old.keys, fence=old).publish(record, 1, 0)
+
         try:
             if where == "take":  # rank 0's take is refused; the others wait in its broadcast
                 trainer.next_batch(old)
+            elif where == "status":  # rank 0's step status is refused; every rank stops at the next take
+                trainer.run(old, published)
             else:
                 trainer.train(synthetic_groups(0, GPS))  # every rank trains the batch rank 0 shares
         except TrainerFenced as exc:
@@ -175,17 +189,20 @@ def _fenced_ranks(rank: int, world: int, port: int, redis_url: str, model_dir: P
     exit_rank()
 
 
-@pytest.mark.parametrize("where", ["checkpoint", "take"])
+@pytest.mark.parametrize("where", ["checkpoint", "take", "status"])
 def test_every_rank_of_a_fenced_trainer_stops_together(redis_server: EmbeddedRedis, tiny_model_dir: Path,
                                                        tmp_path: Path, where: str) -> None:
-    """Rank 0 alone reads the fence (before the checkpoint, or in its take); the other ranks stop with it, before the
-    checkpoint's collectives or out of the read's broadcast, rather than waiting in them for a rank that left."""
+    """Rank 0 alone reads the fence (before the checkpoint, in its take, or publishing a step's status); the other ranks
+    stop with it, before the checkpoint's collectives or out of the read's broadcast, rather than waiting in them for a
+    rank that left (a refused status used to end rank 0's run while the others waited in its next take)."""
     args = (2, free_port_outside_ephemeral(), redis_server.url, tiny_model_dir, tmp_path, where)
     mp.spawn(_fenced_ranks, args=args, nprocs=2, join=True)
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}").read_text().startswith(
             "fenced: rw:fenced-ranks:trainer:epoch is 2: a newer trainer of run fenced-ranks started"), rank
-    assert Checkpointer(tmp_path / "checkpoints", 1).list() == []
+    # the step whose status was refused was checkpointed before the newer trainer started; none after it
+    assert [p.name for p in Checkpointer(tmp_path / "checkpoints", 1).list()] == (
+        ["step_00000001"] if where == "status" else [])
 
 
 def test_a_fenced_trainer_records_neither_its_start_nor_its_end(redis_server: EmbeddedRedis) -> None:

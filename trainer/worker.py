@@ -446,7 +446,8 @@ class Trainer:
 
     def run(self, source: GroupSource | None, after_step: Callable[[dict[str, Any]], None] | None = None) -> str:
         """Train until ``total_steps`` or (``stop_when_drained``) the data runs out, calling ``after_step`` with each
-        step's record, then ``finish`` (every rank; rank 0 reads ``source``). Returns why it stopped, as the config
+        step's record (rank 0's, refused by the fence, stops every rank at the next take), then ``finish`` (every rank;
+        rank 0 reads ``source``). Returns why it stopped, as the config
         key that stopped it (``trainer.total_steps`` or ``trainer.stop_when_drained``), for the run's status."""
         while not self.done:
             groups, waited = self.next_batch(source)
@@ -454,7 +455,10 @@ class Trainer:
                 break
             record = self.train(groups, waited)
             if after_step is not None:
-                after_step(record)
+                try:
+                    after_step(record)
+                except TrainerFenced:  # rank 0's status refused (logged, counted): its next take or the last
+                    continue  # checkpoint stops every rank together, where raising here left the others in a broadcast
         self.finish(source)
         return "trainer.total_steps" if self.step >= self.cfg.total_steps else "trainer.stop_when_drained"
 

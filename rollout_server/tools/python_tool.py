@@ -10,8 +10,9 @@ The boundary is the kernel's, set up by bubblewrap (``bwrap``, Debian package ``
   ``max_file_mb`` and ``max_files`` files (inodes: directories, links and empty files too, which no byte limit
   counts) each, gone when the snippet ends; the rest of ``/dev`` is minimal and read-only. bwrap can bound a tmpfs's
   bytes only (``--size``): the bootstrap mounts these three itself, with ``nr_inodes``, in a mount namespace of its
-  own (the sandbox's user namespace owns it, so ``CAP_SYS_ADMIN`` there is enough), and drops that capability
-  before the snippet exists. A snippet that fails with one of them full of files is reported as past
+  own (the sandbox's user namespace owns it, so ``CAP_SYS_ADMIN`` there is enough), binds again inside them what
+  bwrap bound there (an interpreter under ``/tmp``, still read-only), and drops that capability before the snippet
+  exists. A snippet that fails with one of them full of files is reported as past
   ``max_files``.
 - **User**: a separate uid (``sandbox_uid``, 65534) in a user namespace in which no further user namespace
   can be made. Run as any other user, bwrap makes it (``--disable-userns``) and maps the uid to that user.
@@ -81,12 +82,22 @@ if _libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
     sys.exit(f"prctl(PR_SET_DUMPABLE): {os.strerror(ctypes.get_errno())}")
 if _libc.syscall(_keyctl, 1, None) < 0 and ctypes.get_errno() not in (errno.ENOSYS, errno.EPERM):  # JOIN_SESSION
     sys.exit(f"keyctl(KEYCTL_JOIN_SESSION_KEYRING): {os.strerror(ctypes.get_errno())}")
+_mounted = [_line.split()[4].replace("\\040", " ") for _line in open("/proc/self/mountinfo")]
 if _libc.unshare(0x20000) != 0:  # CLONE_NEWNS
     sys.exit(f"unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}")
 for _path, _mode in _tmpfs:
+    _under = sorted(_m for _m in _mounted if _m.startswith(_path + "/"))  # bwrap's binds in it (a venv under /tmp)
+    _under = [_m for _m in _under if not any(_m.startswith(_o + "/") for _o in _under)]
+    _old = os.open(_path, os.O_PATH)  # they stay reachable through it once the tmpfs covers them
     _options = f"mode={_mode},size={_fsize},nr_inodes={_files}".encode()
     if _libc.mount(b"tmpfs", _path.encode(), b"tmpfs", 6, _options) != 0:  # MS_NOSUID | MS_NODEV
         sys.exit(f"mount tmpfs on {_path}: {os.strerror(ctypes.get_errno())}")
+    for _m in _under:  # bound again in the new tmpfs, read-only as bwrap locked them
+        os.makedirs(_m, 0o755)
+        _bound = f"/proc/self/fd/{_old}/{os.path.relpath(_m, _path)}".encode()
+        if _libc.mount(_bound, _m.encode(), None, 0x5000, None) != 0:  # MS_BIND | MS_REC
+            sys.exit(f"bind {_m} again over the tmpfs: {os.strerror(ctypes.get_errno())}")
+    os.close(_old)
 os.chdir(os.getcwd())  # the new tmpfs, not the directory under it that bwrap entered
 _header, _caps = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # capability sets, version 3
 if _libc.capget(_header, _caps) != 0:

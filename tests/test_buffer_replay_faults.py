@@ -16,6 +16,7 @@ import redis
 import yaml
 from buffer_helpers import client, make_group
 from test_buffer_queue_faults import LoseExecReply
+from trainer_helpers import reaped
 
 from buffer.keys import TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis, client_for
@@ -136,17 +137,13 @@ def test_a_fenced_trainer_process_leaves_the_runs_end_and_budget_to_the_newer_on
                             stderr=subprocess.PIPE, text=True)
     r = client(redis_server)
     st = StalenessControl(r, keys, BufferConfig(groups_per_step=2))
-    try:
+    with reaped(proc):
         deadline = time.monotonic() + 120
         while st.budget() is None and proc.poll() is None and time.monotonic() < deadline:  # past its start
             time.sleep(0.1)
         assert st.budget() == 8
         ReplayBuffer(r, keys, BufferConfig()).fence()  # the newer trainer
         _out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == CONFIG_ERROR_EXIT, err[-3000:]
     assert f"{keys.trainer_epoch} is 2: a newer trainer of run fenced started" in err
     assert st.budget() == 8 and r.hget(keys.trainer, "finished_reason") is None

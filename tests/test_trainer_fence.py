@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 from test_checkpoint_faults import config, eventually, model_of, push
 from test_engine_client import serve, sglang_056_stub
-from trainer_helpers import synthetic_groups
+from trainer_helpers import reaped, synthetic_groups
 from transformers import AutoModelForCausalLM
 
 from buffer.colocation import DeviceTurns
@@ -410,12 +410,8 @@ def test_a_trainer_that_crashes_making_its_pusher_records_its_end(redis_server: 
     key = tmp_path / "key.pem"
     key.write_text("not PEM\n")
     proc = _trainer_with_bad_tls(redis_server.url, keys.run, tiny_model_dir, tmp_path, key)
-    try:
+    with reaped(proc):
         _out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 1 and "SSLError" in err, err[-3000:]
     r = redis.Redis.from_url(redis_server.url)
     status = {k.decode(): v.decode() for k, v in r.hgetall(keys.trainer).items()}
@@ -436,7 +432,7 @@ def test_a_trainer_fenced_before_it_crashed_leaves_the_run_s_end_to_the_newer_on
     os.mkfifo(key)
     r = redis.Redis.from_url(redis_server.url)
     proc = _trainer_with_bad_tls(redis_server.url, keys.run, tiny_model_dir, tmp_path, key)
-    try:
+    with reaped(proc):
         deadline = time.monotonic() + 120
         while r.get(keys.trainer_epoch) != b"1":  # past its fence: it waits for the key
             assert proc.poll() is None and time.monotonic() < deadline, f"trainer never fenced: {proc.poll()}"
@@ -453,10 +449,6 @@ def test_a_trainer_fenced_before_it_crashed_leaves_the_run_s_end_to_the_newer_on
         os.write(fd, b"not PEM\n")
         os.close(fd)
         _out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == CONFIG_ERROR_EXIT, err[-3000:]
     assert "SSLError" in err and "refused: its end in the run's status" in err, err[-3000:]
     assert f"{keys.trainer_epoch} is 2: a newer trainer of run fenced-crash started" in err

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+from collections.abc import Iterator
+
 import numpy as np
 
 from buffer.schema import Sample, TrajectoryGroup
@@ -38,3 +42,12 @@ def synthetic_groups(
     return groups
 
 
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """``proc`` (a ``python -m trainer`` a test started), killed and reaped if the test leaves before it ended."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

@@ -104,6 +104,17 @@ if redis.call('HDEL', KEYS[5], ARGV[4]) == 1 then redis.call('DECR', KEYS[4]) en
 return 1
 """
 
+# Move an entry that cannot be parsed (KEYS: task stream, malformed stream, then its job's hash when its job id could
+# be read; ARGV: group, entry id, consumer, then the malformed entry's fields and values) aside, once: its job, if it
+# still exists, counts it ``dead_lettered`` (a task that will never be rolled out, so the job can end), as no other
+# counter ends a task that has no group.
+_MALFORMED = _ACK_OWN + """
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+redis.call('XDEL', KEYS[1], ARGV[2])
+if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1) end
+return 1
+"""
+
 # Ack one delivery of a cancelled job's task (ARGV: ..., gid): counted ``cancelled``, admission released.
 _CANCEL = _ACK_OWN + """
 redis.call('XDEL', KEYS[1], ARGV[2])
@@ -220,6 +231,7 @@ class TaskQueue:
         self.metrics = metrics or BufferMetrics()
         self._submit = client.register_script(_SUBMIT)
         self._dead_letter = client.register_script(_DEAD_LETTER)
+        self._malformed = client.register_script(_MALFORMED)
         self._cancel = client.register_script(_CANCEL)
         self._cancel_job = client.register_script(_CANCEL_JOB)
         self._delete_job = client.register_script(_DELETE_JOB)
@@ -438,7 +450,7 @@ class TaskQueue:
                 last_error=text.get("error", ""),
             )
         except (UnicodeDecodeError, ValueError) as exc:
-            self.move_malformed(stream, entry_id, fields, f"task entry {entry_id}: {exc}")
+            self._move_malformed(stream, entry_id, fields, consumer, f"task entry {entry_id}: {exc}")
             return None
         if entry.deliveries > self.config.max_attempts:
             last = f"; last error: {entry.last_error}" if entry.last_error else ""
@@ -446,16 +458,21 @@ class TaskQueue:
             return None
         return entry
 
-    def move_malformed(self, stream: str, entry_id: str, fields: Mapping[bytes, bytes], error: str) -> None:
-        """Move an unparseable entry to the malformed stream with the error and its raw fields."""
-        log.warning("%s: moved to %s: %s", stream, self.keys.tasks_malformed, error)
-        raw = {b"f." + k: v for k, v in fields.items()}
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.keys.tasks_malformed, {"stream": stream, "entry_id": entry_id, "error": error, **raw})
-        pipe.xack(stream, ROLLOUT_GROUP, entry_id)
-        pipe.xdel(stream, entry_id)
-        pipe.execute()
-        self.metrics.malformed.labels(stream="tasks").inc()
+    def _move_malformed(
+        self, stream: str, entry_id: str, fields: Mapping[bytes, bytes], consumer: str, error: str
+    ) -> None:
+        """Move an unparseable entry to the malformed stream with the error and its raw fields (``_MALFORMED``),
+        unless another consumer took it over meanwhile."""
+        raw = [x for k, v in fields.items() for x in (b"f." + k, v)]
+        keys = [stream, self.keys.tasks_malformed]
+        try:
+            keys.append(self.keys.job(fields[b"job_id"].decode()))
+        except (KeyError, UnicodeDecodeError):
+            pass  # no job to count it on
+        if self._malformed(keys, [ROLLOUT_GROUP, entry_id, consumer, "stream", stream, "entry_id", entry_id,
+                                  "error", error, *raw]):
+            log.warning("%s: moved to %s: %s", stream, self.keys.tasks_malformed, error)
+            self.metrics.malformed.labels(stream="tasks").inc()
 
     def _entry_args(self, entry: TaskEntry) -> list[Any]:
         return [ROLLOUT_GROUP, entry.entry_id, entry.consumer, entry.group_id, entry.job_id, entry.kind,

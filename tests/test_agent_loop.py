@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 from net_helpers import refused_port
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from buffer.schema import TrajectoryGroup, decode_group, encode_group
 from core.config import RolloutConfig
@@ -51,11 +51,6 @@ CHECK = '<tool_call>\n{{"name": "check_answer", "arguments": {{"answer": "{}"}}}
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
     with EngineProcess(tiny_model_dir, max_batch_size=16, max_context=1024, threads=1) as engine:
         yield engine.url
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

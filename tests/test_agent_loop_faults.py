@@ -10,17 +10,11 @@ from typing import Any
 
 import pytest
 from test_agent_loop import HANG, ScriptedEngine, _config, _group, _loop, _task
-from transformers import AutoTokenizer
 
 from core.rewards import RewardComputer, RewardError
 from core.tasks import Task
 from rollout_server.agent_loop import AgentLoop
 from rollout_server.tools import Tool, ToolRegistry, ToolResult
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Any) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 async def nan_reward(task: Task, messages: list[dict], final_text: str, tool_rewards: list[float]) -> float:

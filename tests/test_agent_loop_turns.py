@@ -7,17 +7,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
 from test_agent_loop import CALC, ScriptedEngine, _decoded_spans, _group, _loop, _task
-from transformers import AutoTokenizer
 
 from rollout_server.tools import Tool, ToolResult
 from rollout_server.tools.calculator import CalculatorTool
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Any) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def test_a_turn_ended_by_the_models_other_stop_token_runs_its_tool_call(tokenizer: Any) -> None:

@@ -216,6 +216,26 @@ def test_malformed_entries_are_moved_aside_never_crash_the_consumer(redis_server
     assert q.metrics.malformed.labels(stream="tasks")._value.get() == 6
 
 
+def test_a_malformed_task_ends_for_its_job_which_then_ends_and_can_be_deleted(redis_server: EmbeddedRedis) -> None:
+    """A task entry of a job that cannot be parsed (written damaged) counts ``dead_lettered`` on its job as it moves
+    aside, once, so the job reads done and can be deleted; one naming a job that is gone brings no hash back."""
+    q = queue(redis_server)
+    r = client(redis_server)
+    stream = KEYS.tasks("eval")
+    q.submit("job", tasks(2), "eval")
+    first, second = r.xrange(stream)
+    r.xdel(stream, second[0])
+    r.xadd(stream, {**second[1], b"task": b"{not json"})
+    r.xadd(stream, {"job_id": "gone", "kind": "eval", "gid": "gone:0:q0", "task": "[]"})
+    [entry] = q.read("c", 10)
+    assert entry.entry_id == first[0].decode() and r.xlen(KEYS.tasks_malformed) == 2
+    assert q.job("job")["dead_lettered"] == "1" and not r.exists(KEYS.job("gone"))
+    assert q.delete_job("job") == ("eval", 1)
+    q.dead_letter(entry, "fails every time")
+    assert q.job("job")["state"] == "done"
+    assert q.delete_job("job") == ("eval", 0)
+
+
 def test_tasks_deleted_while_pending_are_acked_away(redis_server: EmbeddedRedis) -> None:
     q = queue(redis_server)
     r = client(redis_server)

@@ -43,23 +43,10 @@ def model(tiny_model_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-
-
 def gen(url: str, input_ids: Any, params: dict | None = None, **extra: Any) -> Any:
     resp = post(url, "/generate", {"input_ids": input_ids, "sampling_params": params or {}, **extra})
     assert resp.status_code == 200, resp.text
     return resp.json()
-
-
-
-
-
-
 
 
 def test_single_reply_has_sglang_shape(engine: str) -> None:

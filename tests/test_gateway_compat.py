@@ -5,13 +5,11 @@ does not serve. Driven by the real ``openai`` client over HTTP on 127.0.0.1; ass
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from core.trajectory import ChatRenderer, masked_spans
 from rollout_server.openai_api import AgentEpisode, EpisodeStore
@@ -19,11 +17,6 @@ from tests.test_agent_loop import CALC, ScriptedEngine
 from tests.test_openai_api import MESSAGES, TOOLS, _run
 
 TWO_CALLS = "Sure. " + CALC.format("6*7") + "\n" + CALC.format("1+1")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 class StoppingEngine(ScriptedEngine):

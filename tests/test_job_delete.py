@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +16,6 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from transformers import AutoTokenizer
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
@@ -42,11 +40,6 @@ TRAIN = {"kind": "train", "source": {"kind": "arith", "limit": 2}}
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
         yield server.url
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 class Run:

@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import pytest
 from buffer_helpers import client
-from transformers import AutoTokenizer
 from worker_helpers import serve_until
 
 from buffer.keys import Keys
@@ -53,11 +52,6 @@ CALC = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\
 def engine_url(tiny_model_dir: Path) -> Iterator[str]:
     with EngineProcess(tiny_model_dir, threads=1) as engine:
         yield engine.url
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 class RecordingEngine(EngineClient):

@@ -11,13 +11,11 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from core.config import RolloutConfig
 from core.rewards import RewardComputer, RewardError
@@ -46,11 +44,6 @@ class RecordingEngine(EngineClient):
         reply = await super().generate(*args, **kwargs)
         self.replies.append(reply)
         return reply
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def _config(**overrides: Any) -> RolloutConfig:

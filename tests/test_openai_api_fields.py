@@ -19,11 +19,6 @@ from tests.test_agent_loop import CALC, ScriptedEngine
 from tests.test_openai_api import MESSAGES, TOOLS, RecordingEngine, _run
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 def _generated(sample: Any) -> list[int]:
     return [t for t, m in zip(sample.token_ids.tolist(), sample.loss_mask.tolist(), strict=True) if m]
 

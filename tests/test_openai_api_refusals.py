@@ -17,12 +17,6 @@ from rollout_server.openai_api import AgentEpisode, EpisodeStore
 from tests.test_agent_loop import ScriptedEngine
 from tests.test_openai_api import MESSAGES, _run
 
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 # (the request's extra arguments, the param and code of the 400): the job samples at temperature 0.7, top_k 5
 REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"temperature": 0}, "temperature", "unsupported_value"),

@@ -7,13 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from core.trajectory import ChatRenderer
 from rollout_server.openai_api import AgentEpisode, EpisodeStore
@@ -21,11 +19,6 @@ from tests.test_agent_loop import CALC, ScriptedEngine
 from tests.test_openai_api import MESSAGES, TOOLS, _run
 
 WAIT_S = 30.0  # the most a test waits for an event of its own making
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 class GatedEngine(ScriptedEngine):

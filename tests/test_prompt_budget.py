@@ -8,13 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from buffer_helpers import client
-from transformers import AutoTokenizer
 from worker_helpers import serve_until
 
 from buffer.keys import Keys
@@ -38,11 +36,6 @@ KEYS = Keys("pb")
 CALC_AGENT = "rollout_server.agents.calculator_agent:run"
 DEAD = "rollwave_rollout_tasks_dead_lettered_total"
 NORMAL = load_tasks("arith", split="train", limit=1)[0]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def padded(task_id: str, words: int) -> Task:

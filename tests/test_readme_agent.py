@@ -10,8 +10,6 @@ from types import ModuleType
 from typing import Any
 
 import openai
-import pytest
-from transformers import AutoTokenizer
 
 from rollout_server.agent_runner import agent_task
 from rollout_server.openai_api import AgentEpisode, EpisodeStore
@@ -19,11 +17,6 @@ from tests.test_agent_loop import CALC, ScriptedEngine
 from tests.test_openai_api import TASK, _run
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def readme_agent(tmp_path: Path) -> ModuleType:

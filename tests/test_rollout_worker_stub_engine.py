@@ -12,13 +12,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from buffer_helpers import client
-from transformers import AutoTokenizer
 
 from buffer.keys import ROLLOUT_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
@@ -99,11 +97,6 @@ def stub() -> Iterator[StubEngine]:
     engine = StubEngine()
     yield engine
     engine.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def make_worker(server: EmbeddedRedis, stub: StubEngine, tokenizer: Any, grace_s: float,

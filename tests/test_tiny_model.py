@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from core.config import ConfigError, load_config
 from core.tasks.arith import CALCULATOR_SCHEMA, demonstration, generate
@@ -23,11 +23,6 @@ ECHO_SCHEMA = {
         "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
     },
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ messages already recorded must come back unchanged; only the new ones (tool resu
 rendered, as a template delta after the recorded tokens. So the trainer sees exactly the tokens the
 engine saw. An agent that edited its history is still answered, but its episode is marked
 ``history_mismatch``, counted, and never trained. An engine abort is answered 503 ``engine_aborted`` and
-fails the episode (``abort``, never trained). A turn is cut off (``length``; ``max_total_tokens`` at the context
+fails the episode (``abort``, never trained); an unexpected failure is a 500 ``internal_error`` that fails it
+too. A turn is cut off (``length``; ``max_total_tokens`` at the context
 budget) only when it lacks its end token, and an episode whose next request no longer fits the context (400
 ``context_length_exceeded``) ends ``max_total_tokens``: both count as truncated. A first request that does not fit
 gets the same 400 but ends the episode ``prompt_too_long``: the worker dead-letters the task, as the built-in loop
@@ -572,21 +573,35 @@ class EpisodeStore:
                          ep.episode_id, retry or "not said", ep.last[1].id)
                 return self._respond(ep.last[1], req)
             try:
-                self._extend(ep, [m.model_dump(exclude_unset=True) for m in req.messages], tools, len(forced))
-            except (TemplateError, ValueError) as exc:  # the template refused them ("roles must alternate", ...)
-                raise APIError(400, f"messages: the chat template cannot render them: {exc}", "invalid_messages",
-                               param="messages") from exc
-            reply = await self._generate(ep, req, forced, stops)
-            message, finish = self._record(ep, reply, names, forced, req.stop_sequences())
-            ids = reply["output_ids"]
-            assert ep.builder is not None
-            usage = {"prompt_tokens": len(ep.builder) - len(ids), "completion_tokens": len(ids),
-                     "total_tokens": len(ep.builder)}
-            done = Completion("chatcmpl-" + uuid.uuid4().hex, int(time.time()), message, finish, usage,
-                              self._logprobs(ep, ids) if req.logprobs else None)
+                done = await self._turn(ep, req, tools, names, forced, stops)
+            except APIError:
+                raise
+            except Exception as exc:  # our bug, or an engine reply of a shape nothing checks: the episode may be
+                # half-updated, so it ends (never trained), and the agent gets a 500 it is told not to retry
+                log.exception("episode %s: the request failed", ep.episode_id)
+                self.fail(ep, "error", f"internal error: {type(exc).__name__}: {exc}")
+                raise APIError(500, f"internal error: {type(exc).__name__}: {exc}; the episode has ended",
+                               "internal_error", "server_error") from exc
             ep.last = (sent, done)
         self.metrics.openai_requests.labels(outcome="ok").inc()
         return self._respond(done, req)
+
+    async def _turn(self, ep: AgentEpisode, req: ChatRequest, tools: list[dict[str, Any]] | None, names: set[str],
+                    forced: list[int], stops: list[str]) -> Completion:
+        """One new turn: the request's new messages rendered onto the episode, then the engine's answer recorded."""
+        try:
+            self._extend(ep, [m.model_dump(exclude_unset=True) for m in req.messages], tools, len(forced))
+        except (TemplateError, ValueError) as exc:  # the template refused them ("roles must alternate", ...)
+            raise APIError(400, f"messages: the chat template cannot render them: {exc}", "invalid_messages",
+                           param="messages") from exc
+        reply = await self._generate(ep, req, forced, stops)
+        message, finish = self._record(ep, reply, names, forced, req.stop_sequences())
+        ids = reply["output_ids"]
+        assert ep.builder is not None
+        usage = {"prompt_tokens": len(ep.builder) - len(ids), "completion_tokens": len(ids),
+                 "total_tokens": len(ep.builder)}
+        return Completion("chatcmpl-" + uuid.uuid4().hex, int(time.time()), message, finish, usage,
+                          self._logprobs(ep, ids) if req.logprobs else None)
 
     def _respond(self, done: Completion, req: ChatRequest) -> Any:
         if req.stream:

@@ -257,3 +257,38 @@ def test_a_streamed_turn_of_calls_only_accumulates_to_the_plain_answer(tokenizer
         (None, ["calculator"]), (None, ["calculator"]), ("The answer is 42.", [])]
     assert (sample.num_turns, sample.reward) == (3, 1.0)
     assert store.metrics.total("rollwave_rollout_history_mismatches_total") == 0
+
+
+class UncheckedReplyEngine(ScriptedEngine):
+    """Replies whose ``finish_reason`` is a bare string (older servers' shape), which no check of ours reads: the
+    endpoint fails on it where nothing expects a failure."""
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
+                       rid: Any = None) -> Any:
+        reply = await super().generate(input_ids, sampling_params, return_logprob, rid)
+        reply["meta_info"]["finish_reason"] = "stop"
+        return reply
+
+
+def test_an_unexpected_failure_is_an_openai_shaped_500_that_ends_the_episode(tokenizer: Any) -> None:
+    """An exception nothing expects was Starlette's plain-text 500, which the openai client retries onto an episode
+    it may have half-updated. It is a 500 in OpenAI's shape naming the error, told not to be retried and counted;
+    the episode ends failed (never trained), so a later request gets 409."""
+    engine = UncheckedReplyEngine(tokenizer, [("The answer is 42.", "stop"), ("The answer is 42.", "stop")])
+    errors: list[openai.APIStatusError] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        for _ in range(2):
+            with pytest.raises(openai.APIStatusError) as info:
+                await client.chat.completions.create(model="rollwave", messages=MESSAGES)
+            errors.append(info.value)
+
+    sample, store = _run(tokenizer, engine, agent, max_new_tokens=64)
+    first, second = errors
+    assert (first.status_code, first.body["type"], first.body["code"]) == (500, "server_error", "internal_error")
+    assert first.body["message"].startswith("internal error: AttributeError: "), first.body["message"]
+    assert first.response.headers["x-should-retry"] == "false"
+    assert (second.status_code, second.body["code"]) == (409, "episode_closed")
+    assert len(engine.calls) == 1
+    assert store.metrics.total("rollwave_rollout_openai_requests_total", outcome="internal_error") == 1
+    assert sample.reward == 0.0 and sample.reward_info["error"].startswith("internal error: AttributeError")

@@ -338,7 +338,7 @@ class AgentLoop:
             log.warning("tool %s raised: %s: %s", call.name, type(exc).__name__, exc)
             result = ToolResult.failure(f"{call.name} failed: {type(exc).__name__}: {exc}")
         latency = time.perf_counter() - start
-        outcome = outcome or ("ok" if result.ok else "refused" if result.refused else "error")
+        outcome = outcome or ("ok" if result.ok else result.outcome or "error")
         self.metrics.tool_calls.labels(tool=call.name, outcome=outcome).inc()
         self.metrics.tool_latency.labels(tool=call.name).observe(latency)
         return result, ToolCallRecord(name=call.name, ok=result.ok, error=result.error, latency_s=latency)

@@ -28,8 +28,9 @@ class RolloutMetrics:
         self.inflight_requests = Gauge(_P + "inflight_requests", "Episodes in progress", registry=r)
         self.tool_calls = Counter(
             _P + "tool_calls",
-            "Tool calls by tool and outcome (ok, error, refused, timeout, parse_error); refused: the tool would not "
-            "run (the python tool: no sandbox here, or max_concurrent sandboxes busy past max_wait_s); a call the "
+            "Tool calls by tool and outcome (ok, error, refused, busy, timeout, parse_error); refused: the tool would "
+            "not run (the python tool: no sandbox here); busy: it was at its limit (the python tool: max_concurrent "
+            "sandboxes ran past max_wait_s); a call the "
             "parser could not read is tool invalid, one naming no configured tool is tool unknown",
             ["tool", "outcome"],
             registry=r,

@@ -560,7 +560,8 @@ def test_a_python_call_past_max_concurrent_is_refused_logged_and_counted(
     tokenizer: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Two python calls of one turn run at once; with max_concurrent 1 the second waits for the first's sandbox,
-    and past max_wait_s the model is told it was refused, the refusal logged and counted."""
+    and past max_wait_s the model is told it was refused, the refusal logged and counted as ``busy`` (apart from a
+    tool that cannot run here, ``refused``)."""
     calls = [json.dumps({"name": "python", "arguments": {"code": code}})
              for code in ("import time; time.sleep(60)", "print('ran')")]
     turn = "".join(f"<tool_call>\n{call}\n</tool_call>\n" for call in calls)
@@ -574,5 +575,6 @@ def test_a_python_call_past_max_concurrent_is_refused_logged_and_counted(
         "Error: timed out after 2s and was killed", f"Error: {busy}"]
     assert "python: refused a call of t-1/0/" in caplog.text and busy in caplog.text, caplog.text
     value = loop.metrics.registry.get_sample_value
-    assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "refused"}) == 1
+    assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "busy"}) == 1
+    assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "refused"}) is None
     assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "error"}) == 1

@@ -15,14 +15,15 @@ from typing import Any, ClassVar
 
 @dataclass
 class ToolResult:
-    """What one call returns: the text shown to the model, an optional reward, and the outcome; ``refused``:
-    the tool would not run at all (its sandbox cannot be set up here)."""
+    """What one call returns: the text shown to the model, an optional reward, and the outcome. ``outcome`` names
+    a call the tool would not run, as ``rollwave_rollout_tool_calls_total`` counts it: ``refused`` (it cannot run
+    here: no sandbox) or ``busy`` (at its limit of calls at once: it may run later)."""
 
     text: str
     reward: float | None = None
     ok: bool = True
     error: str | None = None
-    refused: bool = False
+    outcome: str | None = None
 
     @classmethod
     def failure(cls, error: str) -> ToolResult:

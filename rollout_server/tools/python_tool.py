@@ -31,10 +31,10 @@ The boundary is the kernel's, set up by bubblewrap (``bwrap``, Debian package ``
   ``--die-with-parent`` signal, which the snippet cannot clear), so every process of the sandbox.
 
 The snippet arrives on stdin, never in a file or argv. When the sandbox cannot be set up (no bwrap, no
-namespaces allowed here), every call is refused with an error saying why (``ToolResult.refused``, counted
-as ``outcome="refused"`` in ``rollwave_rollout_tool_calls_total``): code never runs outside the sandbox.
-At most ``max_concurrent`` sandboxes of a tool run at once; a call past that waits up to ``max_wait_s`` for one
-to end, then is refused (logged, and counted the same way), so a burst of calls cannot start hundreds of them.
+namespaces allowed here), every call is refused with an error saying why (counted as ``outcome="refused"`` in
+``rollwave_rollout_tool_calls_total``): code never runs outside the sandbox. At most ``max_concurrent`` sandboxes
+of a tool run at once; a call past that waits up to ``max_wait_s`` for one to end, then is refused (logged, and
+counted as ``outcome="busy"``), so a burst of calls cannot start hundreds of them.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ class PythonTool(Tool):
             return ToolResult.failure(f"{self.name}: code must be a string")
         if self.unavailable is not None:
             log.warning("%s: refused a call: %s", self.name, self.unavailable)
-            return ToolResult(f"Error: {self.unavailable}", ok=False, error=self.unavailable, refused=True)
+            return ToolResult(f"Error: {self.unavailable}", ok=False, error=self.unavailable, outcome="refused")
         try:
             async with asyncio.timeout(self.max_wait_s):
                 await self._sandboxes.acquire()
@@ -282,7 +282,7 @@ class PythonTool(Tool):
             busy = (f"busy: max_concurrent ({self.max_concurrent}) sandboxes ran for all of the {self.max_wait_s:g}s "
                     "this call waited (max_wait_s); try again later")
             log.warning("%s: refused a call of %s: %s", self.name, instance_id, busy)
-            return ToolResult(f"Error: {busy}", ok=False, error=busy, refused=True)
+            return ToolResult(f"Error: {busy}", ok=False, error=busy, outcome="busy")
         try:
             return await self._run(code.encode("utf-8", errors="surrogatepass"))
         finally:

@@ -644,10 +644,9 @@ class ApiConfig(Section):
 
 class LauncherConfig(Section):
     """How long the launchers (``LocalStack``, ``rollwave up``'s actors) go on restarting a component that keeps
-    failing. A death before the component has been up the launchers' ``stable_s`` (60 s) is one of a series, which
-    staying up that long ends; the death that would be restart ``max_restarts + 1`` of a series within
-    ``restart_window_s`` is the last: the launcher gives the component up and stops the run (a run without its trainer
-    or a rollout server is not the run asked for), as systemd's ``StartLimitBurst`` and Ray's ``max_restarts`` bound
+    failing: the death that would be restart ``max_restarts + 1`` within ``restart_window_s``, however long each run
+    stayed up, is the last: the launcher gives the component up and stops the run (a run without its trainer or a
+    rollout server is not the run asked for), as systemd's ``StartLimitBurst`` and Ray's ``max_restarts`` bound
     theirs."""
 
     max_restarts: int = Field(
@@ -655,9 +654,9 @@ class LauncherConfig(Section):
         "(0: restart it for ever)",
     )
     restart_window_s: float = Field(
-        900.0, gt=0, description="the window of max_restarts; the default holds ten of the slowest series (up just "
-        "under 60 s, then the 30 s backoff), so a component that fails every start is given up however slowly it "
-        "fails",
+        900.0, gt=0, description="the window of max_restarts; the default holds eleven deaths a minute up each (the "
+        "backoff starts again from 0.5 s after a run up 60 s), so a component that dies within a minute of every "
+        "start is given up however slowly it fails",
     )
 
 

@@ -148,7 +148,7 @@ def refusal(name: str, rc: int, log_dir: Path) -> str:
 
 
 class ComponentGivenUp(RuntimeError):
-    """A component failed at every start and the launcher gave it up, stopping the run (``RestartBackoff.gave_up``)."""
+    """A component kept failing and the launcher gave it up, stopping the run (``RestartBackoff.gave_up``)."""
 
 
 class RestartBackoff:
@@ -160,9 +160,10 @@ class RestartBackoff:
     restart that could not be made (``spawn`` failed: a process or file limit) waits the next delay. Each delay is
     logged, and ``restarts`` counts the restarts made.
 
-    Nor is one that fails at every start restarted for as long as the run lasts: the death that would be restart
-    ``max_restarts + 1`` within ``window_s``, none of those deaths after ``stable_s`` up, gives it up (``died``
-    returns None; ``launcher.max_restarts``, 0: never). A restart that could not be made does not count: the
+    Nor is one that keeps failing restarted for as long as the run lasts: the death that would be restart
+    ``max_restarts + 1`` within ``window_s`` gives it up (``died`` returns None; ``launcher.max_restarts``, 0:
+    never), however long each run stayed up (as systemd's ``StartLimitBurst`` counts), so one that dies a while
+    after each start, past ``stable_s``, is given up too. A restart that could not be made does not count: the
     launcher's host failed it, not the component.
     """
 
@@ -177,7 +178,7 @@ class RestartBackoff:
         self._starts = 0
         self._started = 0.0  # when it was last started (monotonic)
         self._next_s = min(max_backoff_s, backoff_s)  # the next delay: doubled, not 2**deaths (a float overflows)
-        self._deaths: deque[float] = deque()  # the series' deaths within window_s (monotonic)
+        self._deaths: deque[float] = deque()  # its deaths within window_s (monotonic)
 
     @property
     def restarts(self) -> int:
@@ -194,9 +195,8 @@ class RestartBackoff:
         when it is given up (``gave_up`` says so)."""
         now = time.monotonic()
         up_s = now - self._started
-        if up_s >= self.stable_s:  # it had settled: this death is not one of a series
+        if up_s >= self.stable_s:  # it had settled: its restart is not delayed by the deaths before
             self._next_s = min(self.max_backoff_s, self.backoff_s)
-            self._deaths.clear()
         self._deaths.append(now)
         while self._deaths[0] < now - self.window_s:
             self._deaths.popleft()
@@ -209,9 +209,9 @@ class RestartBackoff:
     def gave_up(self, rc: int, log_dir: Path) -> str:
         """Log (an error) the give-up ``died`` returned None for; returns what it logged, which names the component,
         its last exit code and its log. Not a metric: the run it stops serves none after, and exits failing."""
-        message = (f"{self.name} fails at every start and is given up: it died {len(self._deaths)} times within "
-                   f"{self.window_s:g} s, never up {self.stable_s:g} s (launcher.max_restarts={self.max_restarts}); "
-                   f"its last exit {rc}, its log {log_dir / f'{self.name}.log'}")
+        message = (f"{self.name} keeps failing and is given up: it died {len(self._deaths)} times within "
+                   f"{self.window_s:g} s (launcher.max_restarts={self.max_restarts}); its last exit {rc}, its log "
+                   f"{log_dir / f'{self.name}.log'}")
         log.error("%s; stopping the run", message)
         return message
 
@@ -240,7 +240,7 @@ class LocalStack:
         self.poll_s = poll_s
         self.backoff = {name: RestartBackoff(name, backoff_s, max_backoff_s, stable_s, spec.max_restarts,
                                              spec.restart_window_s) for name, spec in self.specs.items()}
-        self.given_up: str | None = None  # why the stack stopped itself: a component failed at every start
+        self.given_up: str | None = None  # why the stack stopped itself: a component kept failing
         self.procs: dict[str, subprocess.Popen] = {}
         self._due: dict[str, float] = {}  # died: when its restart is due (monotonic)
         self.refused: set[str] = set()  # exited on a config error: not restarted (it would only fail again)

@@ -37,7 +37,7 @@ def test_a_component_given_up_on_ray_stops_the_run(tmp_path: Path) -> None:
     assert "error" not in result, report
     assert result["lives_rc"] == -signal.SIGTERM and result["dies_restarts"] == 1, report
     assert result["starts_logged"] == 2, report  # the first start and the one restart, none after
-    message = (f"dies fails at every start and is given up: it died 2 times within 900 s, never up 60 s "
+    message = (f"dies keeps failing and is given up: it died 2 times within 900 s "
                f"(launcher.max_restarts=1); its last exit 3, its log {tmp_path / 'givenup' / 'logs' / 'dies.log'}")
     assert f"error: {message}; stopping the run" in proc.stderr, report
     assert result["stay_rc"] == 1 and "rollwave down: stopped lives, dies, the Ray head" in proc.stdout, report

@@ -10,6 +10,36 @@ from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 TASK_STREAMS = {"train": "tasks", "eval": "tasks_eval"}  # a task kind's ``stream`` label, as its depth's
 
 
+def stream_depths(client: redis.Redis, keys: Keys) -> dict[str, tuple[int, int | None]]:
+    """The length of each of the run's streams by its ``stream`` label, and how many of its entries its consumers
+    hold (None for a stream nobody consumes: dead letters, entries moved aside, groups kept for a newer trainer), in
+    one pipelined round trip: what the depth gauges and the API's status show."""
+    streams = {
+        **{label: (keys.tasks(kind), ROLLOUT_GROUP) for kind, label in TASK_STREAMS.items()},
+        "groups": (keys.groups, TRAINER_GROUP),
+        "tasks_dead": (keys.tasks_dead, None),
+        "tasks_malformed": (keys.tasks_malformed, None),
+        "groups_malformed": (keys.groups_malformed, None),
+        "groups_newer": (keys.groups_newer, None),
+    }
+    pipe = client.pipeline(transaction=False)
+    for key, group in streams.values():
+        pipe.xlen(key)
+        if group is not None:
+            pipe.xinfo_groups(key)
+    replies = iter(pipe.execute(raise_on_error=False))
+    out: dict[str, tuple[int, int | None]] = {}
+    for label, (_key, group) in streams.items():
+        length = next(replies)
+        pending = None
+        if group is not None:
+            infos = next(replies)
+            names = (group, group.encode())
+            pending = sum(int(i["pending"]) for i in infos if i["name"] in names) if isinstance(infos, list) else 0
+        out[label] = (length if isinstance(length, int) else 0, pending)
+    return out
+
+
 class BufferMetrics:
     """Counters shared by the task queue, the replay buffer and staleness control of one process."""
 
@@ -75,25 +105,7 @@ class BufferMetrics:
 
     def observe(self, client: redis.Redis, keys: Keys) -> None:
         """Refresh the depth and pending gauges of the run's streams (one pipelined round trip)."""
-        streams = {
-            **{label: (keys.tasks(kind), ROLLOUT_GROUP) for kind, label in TASK_STREAMS.items()},
-            "groups": (keys.groups, TRAINER_GROUP),
-            "tasks_dead": (keys.tasks_dead, None),
-            "groups_newer": (keys.groups_newer, None),
-        }
-        pipe = client.pipeline(transaction=False)
-        for key, group in streams.values():
-            pipe.xlen(key)
-            if group is not None:
-                pipe.xinfo_groups(key)
-        replies = iter(pipe.execute(raise_on_error=False))
-        for label, (_key, group) in streams.items():
-            length = next(replies)
-            self.depth.labels(stream=label).set(length if isinstance(length, int) else 0)
-            if group is None:
-                continue
-            infos = next(replies)
-            pending = 0
-            if isinstance(infos, list):
-                pending = sum(int(i["pending"]) for i in infos if i["name"] in (group, group.encode()))
-            self.pending.labels(stream=label).set(pending)
+        for label, (length, pending) in stream_depths(client, keys).items():
+            self.depth.labels(stream=label).set(length)
+            if pending is not None:
+                self.pending.labels(stream=label).set(pending)

@@ -308,13 +308,24 @@ class CountingRedis(redis.Redis):
         return super().pipeline(*args, **kwargs)
 
 
-def test_ops_endpoints(api: httpx.Client) -> None:
+def test_ops_endpoints(api: httpx.Client, redis_url: str) -> None:
+    """The status shows every stream of the run, those only an operator reads too: entries moved aside, groups kept
+    for a newer trainer."""
     assert api.get("/readyz").json() == {"status": "ready"}
     assert "rollwave_api_jobs_submitted_total" in api.get("/metrics").text
     assert api.get("/openapi.json").json()["info"]["title"] == "rollwave"
     assert api.get("/docs").status_code == 404  # its page loads a CDN's script: see test_api_pages
+    keys, r = Keys("api-test_ops_endpoints"), redis.Redis.from_url(redis_url)
+    r.xadd(keys.tasks_malformed, {"error": "damaged"})
+    for _ in range(2):
+        r.xadd(keys.groups_newer, {"v": "9"})
     status = api.get("/v1/status").json()
-    assert status["version"] == 0 and status["servers"] == [] and status["buffer"]["groups"]["length"] == 0
+    assert status["version"] == 0 and status["servers"] == []
+    assert status["buffer"] == {
+        "tasks": {"length": 0, "pending": 0}, "tasks_eval": {"length": 0, "pending": 0},
+        "groups": {"length": 0, "pending": 0}, "tasks_dead": {"length": 0, "pending": 0},
+        "tasks_malformed": {"length": 1, "pending": 0}, "groups_malformed": {"length": 0, "pending": 0},
+        "groups_newer": {"length": 2, "pending": 0}}
     summary = api.get("/v1/metrics/summary").json()
     assert set(summary["series"]) >= {"reward_mean", "policy_version", "buffer_depth_groups"}
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import redis
 
-from buffer.keys import ROLLOUT_GROUP, TRAINER_CRASHED, TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
+from buffer.keys import TRAINER_CRASHED, TRAINER_FINISHED_FIELDS, Keys
+from buffer.metrics import stream_depths
 from buffer.registry import ServerRegistry
 from buffer.task_queue import JOB_COUNTERS, TRAIN_ENDS, TaskQueue
 
@@ -180,24 +181,10 @@ class ClusterView:
         nxt = entries[-1][0].decode() if len(entries) == limit else None
         return {"items": items, "next": nxt}
 
-    def _pending(self, stream: str, group: str) -> int:
-        try:
-            return int(self.redis.xpending(stream, group)["pending"])
-        except redis.ResponseError:
-            return 0
-
     def buffer(self) -> dict[str, dict[str, int]]:
-        streams = {
-            "tasks": (self.keys.tasks("train"), ROLLOUT_GROUP),
-            "tasks_eval": (self.keys.tasks("eval"), ROLLOUT_GROUP),
-            "groups": (self.keys.groups, TRAINER_GROUP),
-        }
-        out = {
-            name: {"length": self.redis.xlen(key), "pending": self._pending(key, group)}
-            for name, (key, group) in streams.items()
-        }
-        out["dead_letters"] = {"length": self.redis.xlen(self.keys.tasks_dead), "pending": 0}
-        return out
+        """Each of the run's streams (``stream_depths``): its length, and how many of its entries are pending."""
+        return {label: {"length": length, "pending": pending or 0}
+                for label, (length, pending) in stream_depths(self.redis, self.keys).items()}
 
     def status(self) -> dict[str, Any]:
         """The run at a glance. ``version`` is the published one (a quorum of servers committed it); each

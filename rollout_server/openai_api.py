@@ -16,24 +16,27 @@ budget) only when it lacks its end token, and an episode whose next request no l
 gets the same 400 but ends the episode ``prompt_too_long``: the worker dead-letters the task, as the built-in loop
 does with a prompt that leaves no room to generate.
 
-Sampling (temperature, top_p, top_k, the max_new_tokens cap) is the job's, so behaviour logprobs match what
-the trainer assumes: a request asking for other values, penalties, a ``seed``, ``logit_bias`` or a constrained
-``response_format`` is refused (400 naming the field), neither sampled nor silently ignored; ``max_tokens`` below
-the cap lowers it. A message the chat template refuses is a 400 too. ``stop`` sequences end the turn (the tokens
-through the match are recorded; the content ends before it, as OpenAI's). ``logprobs=true`` returns the recorded
-behaviour logprobs (``top_logprobs`` is refused: the engines give none). ``tool_choice``: ``auto`` parses the calls
-the model writes; ``none`` parses none (a call the model writes anyway is content, verbatim); ``required`` and a
-named function are honoured by prefilling the call opening the chat template writes (``<tool_call>\\n``, through
-``"arguments":`` for a named one) after the assistant header. Those tokens are recorded as template tokens
-(loss_mask 0, no behaviour logprob; prompt tokens in ``usage``, none in ``logprobs``): the policy did not sample
-them, and what it samples after them is conditioned on them exactly as the engine saw. The call's body is the
-model's: one that does not parse comes back as content, as under ``auto``. A template that writes calls otherwise
-makes them a 400. ``parallel_tool_calls=false`` adds the call's closing tag (``</tool_call>``) to the stop strings:
-the turn ends after the first call, whose tokens are the policy's; the end token that follows is a template token.
-The legacy ``functions``/``function_call``, audio output and ``web_search_options`` are refused (400 naming the
-field); other fields the endpoint does not act on (``user``, ``metadata``, ``store``, ...) are ignored, and a null
-is taken as the field's absence, as OpenAI takes it. Streaming sends the finished turn as OpenAI-shaped chunks (the
-engine client has no token stream).
+Sampling (temperature, top_p, top_k, the max_new_tokens cap) is the job's, so behaviour logprobs match what the
+trainer assumes: a request asking for other values, penalties, ``min_tokens``, a ``seed``, ``logit_bias`` or
+constrained generation (a ``response_format`` other than text; vLLM's and SGLang's ``guided_*``,
+``structured_outputs``, ``regex``, ``ebnf``) is refused (400 naming the field), neither sampled nor silently
+ignored; ``max_tokens`` below the cap lowers it. A message the chat template refuses is a 400 too. ``stop``
+sequences end the turn (the tokens through the match are recorded; the content ends before it, as OpenAI's).
+``logprobs=true`` returns the recorded behaviour logprobs (``top_logprobs`` is refused: the engines give none).
+``tool_choice``: ``auto`` parses the calls the model writes; ``none`` parses none (a call the model writes anyway is
+content, verbatim); ``required`` and a named function are honoured by prefilling the call opening the chat template
+writes (``<tool_call>\\n``, through ``"arguments":`` for a named one) after the assistant header. Those tokens are
+recorded as template tokens (loss_mask 0, no behaviour logprob; prompt tokens in ``usage``, none in ``logprobs``):
+the policy did not sample them, and what it samples after them is conditioned on them exactly as the engine saw. The
+call's body is the model's: one that does not parse comes back as content, as under ``auto``. A template that writes
+calls otherwise makes them a 400. ``parallel_tool_calls=false`` adds the call's closing tag (``</tool_call>``) to
+the stop strings: the turn ends after the first call, whose tokens are the policy's; the end token that follows is a
+template token. The legacy ``functions``/``function_call``, audio output, ``web_search_options``, ``moderation``,
+``reasoning_effort``, ``verbosity``, ``ignore_eos`` and the agent's own ``chat_template`` or
+``chat_template_kwargs`` are refused (400 naming the field); other fields the endpoint does not act on, which change
+nothing the agent gets (``user``, ``metadata``, ``store``, ``prediction``, ``service_tier``, ...), are ignored, and
+a null is taken as the field's absence, as OpenAI takes it (a tool's ``parameters`` too). Streaming sends the
+finished turn as OpenAI-shaped chunks (the engine client has no token stream).
 
 A retried request is idempotent: a request equal (messages and parameters) to the episode's last answered one gets
 that answer again, same id, without generating or touching the episode (``outcome="replayed"``). The openai client
@@ -120,6 +123,12 @@ class FunctionDef(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
     strict: bool | None = None
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _null_parameters(cls, value: Any) -> Any:
+        """``null`` is taken as absent, as elsewhere: a function without parameters, rendered as one left out."""
+        return {} if value is None else value
 
 
 class ToolDef(BaseModel):
@@ -208,15 +217,24 @@ _EXPECTED = {
     "tool_choice": 'expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
     "stop": "expected a string, a list of strings or null",
 }
-# OpenAI fields asking for output this endpoint cannot give: ignored, the agent would get something else than it asked
-# for (a call written as content, no audio, no search), so each is refused naming it; (asked?, why)
+# Fields asking for output this endpoint cannot give: ignored, the agent would get something else than it asked for (a
+# call written as content, no audio, no search, the default reasoning, unconstrained text), so each is refused naming
+# it; (asked?, why)
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (bool, "it is the legacy function-calling API (send tools)"),
     "function_call": (lambda v: v is not None, "it is the legacy function-calling API (send tool_choice)"),
     "modalities": (lambda v: v not in (None, [], ["text"]), "only text is generated"),
     "audio": (lambda v: v is not None, "only text is generated"),
     "web_search_options": (lambda v: v is not None, "the model does not search the web"),
-}
+    "moderation": (lambda v: v is not None, "no moderation is run"),
+    "reasoning_effort": (lambda v: v is not None, "the policy reasons as it samples; it has no effort setting"),
+    "verbosity": (lambda v: v is not None, "the policy answers at the length it samples"),
+    # vLLM's and SGLang's extensions, which agents send as extra_body: another prompt, or constrained generation
+    "chat_template": (bool, "the job's chat template renders the episode"),
+    "chat_template_kwargs": (bool, "the job's chat template renders the episode, without arguments"),
+    "ignore_eos": (bool, "the turn ends at the model's end token"),
+} | {name: (bool, "generation is not constrained") for name in (
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "regex", "ebnf")}
 
 
 class StreamOptions(BaseModel):
@@ -615,12 +633,14 @@ class EpisodeStore:
     def _refuse_sampling(cfg: RolloutConfig, req: ChatRequest) -> None:
         """Refuse (400 naming the field) what would sample otherwise than the job does: the trainer assumes the
         job's distribution, so honouring another would train off-policy and ignoring it would answer the agent
-        with something it did not ask for. ``top_k``, ``min_p`` and ``repetition_penalty`` are SGLang's and
-        vLLM's names, which agents send as ``extra_body``. Output this endpoint cannot give is refused too."""
+        with something it did not ask for. ``top_k``, ``min_p``, ``repetition_penalty`` and ``min_tokens`` are
+        SGLang's and vLLM's names, which agents send as ``extra_body``. Output this endpoint cannot give is refused
+        too."""
         job = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
-        engine = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+        engine = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                  "min_tokens": 0}
         for name, allowed in (job | engine).items():
-            asked = getattr(req, name, None)  # top_k, min_p, repetition_penalty: extra fields
+            asked = getattr(req, name, None)  # top_k, min_p, repetition_penalty, min_tokens: extra fields
             if asked is not None and asked != allowed:
                 why = (f"this job samples at {name}={allowed} (rollout.{name} or the job's override), as the trainer "
                        "assumes" if name in job else "the rollout engine samples without it")

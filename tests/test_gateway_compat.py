@@ -37,20 +37,25 @@ class StoppingEngine(ScriptedEngine):
 
 def test_a_null_optional_field_is_taken_as_absent(tokenizer: Any) -> None:
     """OpenAI takes ``null`` for every optional field (the openai client sends ``n=None`` as ``"n": null``, as do
-    frameworks that pass their settings through): ``n``, ``stream`` and the rest answer as if left out."""
+    frameworks that pass their settings through): ``n``, ``stream`` and the rest answer as if left out, a tool's
+    ``parameters`` too (it was a 400): the prompt is that of a function without parameters."""
     engine = ScriptedEngine(tokenizer, [("The answer is 42.", "stop")])
     got: list[Any] = []
+    tool = {"type": "function", "function": {"name": "calculator", "description": None, "parameters": None,
+                                             "strict": None}}
 
     async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
         got.append(await client.chat.completions.create(
             model="rollwave", messages=MESSAGES, n=None, stream=None, stream_options=None, stop=None, max_tokens=None,
             logprobs=None, top_logprobs=None, temperature=None, seed=None, tool_choice=None,
-            parallel_tool_calls=None))  # type: ignore[arg-type]
+            parallel_tool_calls=None, tools=[tool], reasoning_effort=None))  # type: ignore[arg-type,list-item]
 
     sample, _ = _run(tokenizer, engine, agent, max_new_tokens=64)
     choice = got[0].choices[0]
     assert (choice.finish_reason, choice.message.content) == ("stop", "The answer is 42.")
     assert (sample.num_turns, sample.reward) == (1, 1.0)
+    no_parameters = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    assert engine.calls[0]["input_ids"] == ChatRenderer(tokenizer).prompt_ids(MESSAGES, no_parameters)
 
 
 def test_a_malformed_field_is_a_400_naming_it_not_a_crash(tokenizer: Any) -> None:
@@ -81,29 +86,48 @@ def test_a_malformed_field_is_a_400_naming_it_not_a_crash(tokenizer: Any) -> Non
     assert (sample.num_turns, sample.reward) == (1, 1.0)
 
 
+# vLLM's and SGLang's extensions an agent written for them sends as extra_body: another prompt, a turn past its end
+# token, constrained generation
+EXTENSIONS: list[dict[str, Any]] = [
+    {"chat_template": "{{ messages }}"}, {"chat_template_kwargs": {"enable_thinking": False}}, {"ignore_eos": True},
+    {"guided_json": {"type": "object"}}, {"guided_regex": "[0-9]+"}, {"guided_choice": ["a", "b"]},
+    {"guided_grammar": "root ::= 'a'"}, {"structured_outputs": {"json": {"type": "object"}}}, {"regex": "[0-9]+"},
+    {"ebnf": "root ::= 'a'"}]
+
+
 def test_a_request_for_output_the_endpoint_cannot_give_is_refused_naming_the_field(tokenizer: Any) -> None:
-    """The legacy ``functions``/``function_call``, audio output and ``web_search_options`` were ignored: the agent got
-    a call written as content (finish ``stop``), no audio, no search. Each is now a 400 naming it, counted, with
-    nothing generated; ``modalities=["text"]`` is what is given, so it is answered."""
+    """The legacy ``functions``/``function_call``, audio output, ``web_search_options``, ``moderation``,
+    ``reasoning_effort``, ``verbosity`` and the engines' extensions that change the prompt or constrain generation
+    were ignored: the agent got a call written as content (finish ``stop``), no audio, no search, no moderation, the
+    default reasoning, unconstrained text. Each is now a 400 naming it, counted, with nothing generated, as is
+    ``min_tokens`` (a sampling value). ``modalities=["text"]``, the extensions' defaults and the fields that change
+    nothing the agent gets (``prediction``, ``service_tier``, ``store``, ...) are answered."""
     engine = ScriptedEngine(tokenizer, [("The answer is 42.", "stop")])
     refused: list[openai.BadRequestError] = []
     asks: list[dict[str, Any]] = [
         {"functions": [TOOLS[0]["function"]]}, {"function_call": "auto"}, {"modalities": ["text", "audio"]},
-        {"modalities": 5}, {"audio": {"voice": "alloy", "format": "wav"}}, {"web_search_options": {}}]
+        {"modalities": 5}, {"audio": {"voice": "alloy", "format": "wav"}}, {"web_search_options": {}},
+        {"moderation": {"model": "omni-moderation-latest"}}, {"reasoning_effort": "low"}, {"verbosity": "low"},
+        *({"extra_body": ask} for ask in EXTENSIONS)]
 
     async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
-        for ask in asks:
+        for ask in [*asks, {"extra_body": {"min_tokens": 5}}]:
             with pytest.raises(openai.BadRequestError) as info:
                 await client.chat.completions.create(model="rollwave", messages=MESSAGES, **ask)
             refused.append(info.value)
         assert ep.builder is None and engine.calls == []
-        await client.chat.completions.create(model="rollwave", messages=MESSAGES, modalities=["text"])
+        await client.chat.completions.create(
+            model="rollwave", messages=MESSAGES, modalities=["text"], response_format={"type": "text"},
+            prediction={"type": "content", "content": "42"}, service_tier="auto", store=True, metadata={"k": "v"},
+            user="u", extra_body={"chat_template_kwargs": {}, "ignore_eos": False, "min_tokens": 0})
 
     sample, store = _run(tokenizer, engine, agent, max_new_tokens=64)
-    for ask, error in zip(asks, refused, strict=True):
-        name = next(iter(ask))
+    *unsupported, min_tokens = refused
+    for ask, error in zip(asks, unsupported, strict=True):
+        name = next(iter(ask.get("extra_body", ask)))
         assert (error.status_code, error.code, error.body["param"]) == (400, "unsupported_parameter", name)
         assert error.body["message"].startswith(f"{name} is not supported: "), error.body["message"]
+    assert (min_tokens.code, min_tokens.body["param"]) == ("unsupported_value", "min_tokens")
     assert store.metrics.total("rollwave_rollout_openai_requests_total", outcome="unsupported_parameter") == len(asks)
     assert (sample.num_turns, sample.reward) == (1, 1.0)
 

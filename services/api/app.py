@@ -13,7 +13,9 @@ a finished job and all the run keeps of it). A submit may carry an ``Idempotency
 same key and spec is answered with the job the first one made (200, ``Idempotent-Replayed: true``, no new tasks,
 counted), the key with another spec gets 422 naming the header. Each refusal is logged and counted. While Redis is
 away or stuck a request is answered 503 naming it within about ``redis.timeout_s``: the API does not ride out the
-outage the other components do.
+outage the other components do. A ``/v1`` route refuses a query parameter it does not take, or one given twice (422
+naming it), a submit refuses a body not sent as JSON (415 naming the Content-Type), and a URL or method the API does
+not serve is a JSON 404 or 405 naming the request.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from urllib.parse import urlsplit
 import pydantic_core
 import redis
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -39,6 +42,7 @@ from pydantic import SecretStr
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from buffer.keys import Keys
@@ -59,6 +63,9 @@ OPS_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 IDEMPOTENCY_KEY = "Idempotency-Key"
 _CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
+# objects and lists within each other in a field of an inline task: the stored spec holds the field 4 levels down, and
+# the rollout servers read that spec with pydantic's JSON parser, which stops at 200 levels (its serializer at 255)
+MAX_TASK_NESTING = 100
 log = logging.getLogger(__name__)
 
 
@@ -100,6 +107,45 @@ def _unmet_create_kwargs(spec: JobSpec, tasks: list[Task], requires: dict[str, t
             if missing := [key for key in requires.get(name) or () if key not in given]:
                 return f"{at}: tool {name} needs create_kwargs {', '.join(missing)} ({label}){replaced}"
     return None
+
+
+def _nesting(value: Any) -> int:
+    """How many objects and lists ``value`` holds within each other (a scalar: 0); counted without recursion, as a
+    body may nest as deep as Python's JSON parser goes."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _too_deep(spec: JobSpec) -> str | None:
+    """Why an inline task cannot be stored, or None: a field nested deeper than ``MAX_TASK_NESTING``. The spec
+    could not be written (a 500) or, stored, not be read back by the rollout servers (every task failed)."""
+    for i, task in enumerate(spec.source.tasks or ()):
+        for name in ("messages", "tools_kwargs", "reward", "meta"):
+            if (depth := _nesting(getattr(task, name))) > MAX_TASK_NESTING:
+                return (f"field 'source.tasks[{i}].{name}' holds objects and lists {depth} levels within each other; "
+                        f"at most {MAX_TASK_NESTING}")
+    return None
+
+
+def _named_twice(names: list[str]) -> str | None:
+    """Why a job's ``tools`` cannot replace its tasks' own, or None: an episode makes one instance of each tool
+    named, and a second of one name would never be released (a task's own list is refused so too)."""
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in first:
+            return f"field 'tools[{i}]': tool {name!r} is named twice (first at tools[{first[name]}])"
+        first[name] = i
+    return None
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    """The query parameters a route (its endpoint and dependencies) declares."""
+    return {field.alias for field in dependant.query_params}.union(*map(_query_names, dependant.dependencies))
 
 
 def _inapplicable(spec: JobSpec, cfg: Config) -> tuple[str, str] | None:
@@ -164,11 +210,9 @@ def _refused(counter: Counter) -> Refuse:
 
 def _validation_body(exc: RequestValidationError) -> bytes:
     """FastAPI's 422 body, also where an input cannot go into JSON as it is: NaN and infinities (which Python's JSON
-    parser takes) are written as strings, a body that is not UTF-8 with replacement characters. FastAPI's own
-    handler raised on both, and the client got a 500."""
-    errors = [{**e, "input": e["input"].decode(errors="replace")} if isinstance(e.get("input"), bytes) else e
-              for e in exc.errors()]
-    return pydantic_core.to_json({"detail": errors}, inf_nan_mode="strings", fallback=str)
+    parser takes) are written as strings. FastAPI's own handler raised on them, and the client got a 500. (A body
+    that is not JSON, whose bytes it could not write either, is refused before it is validated: ``json_body``.)"""
+    return pydantic_core.to_json({"detail": exc.errors()}, inf_nan_mode="strings", fallback=str)
 
 
 class HostGuard:
@@ -281,8 +325,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     registry = CollectorRegistry()
     refused = Counter(
         "rollwave_api_requests_refused_total",
-        "Requests refused (auth, host, origin, body_size, validation, cursor, not_found, trainer_finished, "
-        "not_cancellable, not_deletable, idempotency_key, redis)", ["reason"],
+        "Requests refused (auth, host, origin, body_size, content_type, validation, cursor, not_found, route, method, "
+        "trainer_finished, not_cancellable, not_deletable, idempotency_key, redis)", ["reason"],
         registry=registry,
     )
     refuse = _refused(refused)
@@ -353,11 +397,26 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         """FastAPI answers a body it cannot parse at all (nested deeper than Python's parser goes, bytes that are not
         UTF-8, an integer of over 4300 digits) with a bare 400 that says neither why nor is counted: it is a 422
-        naming the cause, as a body that is not JSON is."""
+        naming the cause, as a body that is not JSON is. A URL or a method the API does not serve got a bare "Not
+        Found" or "Method Not Allowed", not counted, whose Allow header named the methods of one route of the path
+        only (``POST`` for ``/v1/jobs``, which GET lists): they name the request, and the 405 every method served."""
         if exc.status_code == 400 and (cause := exc.__cause__) is not None:
             why = f"the body is not JSON this API can read ({type(cause).__name__}: {cause})"
             error = {"type": "json_invalid", "loc": ("body",), "msg": why, "input": {}}
             return await invalid_request(request, RequestValidationError([error]))
+        path = request.scope["path"]  # as sent: request.url reads //x as a host
+        asked = f"{request.method} {path}"
+        if exc.status_code == 404:
+            refuse("route", request.scope)
+            return JSONResponse({"detail": f"nothing is served at {asked} (GET /openapi.json lists the API's "
+                                           "routes)"}, status_code=404)
+        if exc.status_code == 405:
+            served = sorted({method for route in request.app.router.routes
+                             if route.matches(request.scope)[0] is not Match.NONE
+                             for method in getattr(route, "methods", None) or ()})
+            refuse("method", request.scope)
+            return JSONResponse({"detail": f"{asked}: {path} serves {', '.join(served)} only"},
+                                status_code=405, headers={"Allow": ", ".join(served)})
         return await http_exception_handler(request, exc)
 
     @app.get("/healthz", tags=["ops"])
@@ -376,11 +435,41 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     def metrics(api: State) -> Response:
         return Response(generate_latest(api.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def reject(api: ApiState, field: str, msg: str) -> HTTPException:
-        """A 422 naming the dotted ``field`` of the job, logged and counted."""
+    def reject(api: ApiState, request: Request, field: str, msg: str) -> HTTPException:
+        """A 422 naming the dotted ``field`` of the job, logged and counted: a rejected job, and a request refused
+        for its validation as one the schema refuses is."""
         api.jobs_rejected.inc()
-        log.warning("job rejected: %s: %s", field, _one_line(msg))
+        refuse("validation", request.scope, f"{field}: {msg}")
         return HTTPException(422, [{"loc": ["body", *field.split(".")], "msg": msg, "type": "value_error"}])
+
+    def known_query(request: Request) -> None:
+        """A 422 naming a query parameter the route does not take, or one given twice: FastAPI ignores the one (``POST
+        /v1/jobs?dry_run=1`` made a job) and takes the last of the other, so either was answered as if not sent."""
+        route = request.scope["route"]
+        takes = _query_names(route.dependant)
+        for name in request.query_params:
+            given = request.query_params.getlist(name)
+            if name not in takes:
+                why = f"{route.path} takes no query parameter {name!r}; it takes {', '.join(sorted(takes)) or 'none'}"
+            elif len(given) > 1:
+                why = f"query parameter {name!r} is given {len(given)} times; give it once"
+            else:
+                continue
+            raise RequestValidationError([{"type": "value_error", "loc": ("query", name), "msg": why, "input": given}])
+
+    def json_body(api: State, request: Request) -> None:
+        """415 naming the header for a job not sent as JSON (no Content-Type, or ``curl -d``'s form type): FastAPI
+        validated its bytes as the spec and answered that a JSON object was no valid dictionary."""
+        given = request.headers.get("content-type")
+        media = (given or "").partition(";")[0].strip().lower()
+        if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+            return
+        api.jobs_rejected.inc()
+        refuse("content_type", request.scope, f"Content-Type {given!r}")
+        msg = f"a job is a JSON object sent with Content-Type: application/json, not {given or 'no Content-Type'}"
+        raise HTTPException(415, [{"loc": ["header", "Content-Type"], "msg": msg, "type": "value_error"}])
+
+    v1 = [Depends(known_query)]  # every /v1 route's
 
     def key_used(api: ApiState, request: Request, response: Response, used: IdempotencyKeyUsed) -> dict[str, Any]:
         """The answer to a submit whose Idempotency-Key names a job already: that job (200), when it has the same spec
@@ -406,7 +495,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         response.headers["Idempotent-Replayed"] = "true"
         return job
 
-    @app.post("/v1/jobs", status_code=201, tags=["jobs"])
+    @app.post("/v1/jobs", status_code=201, tags=["jobs"], dependencies=[*v1, Depends(json_body)],
+              responses={415: {"description": "the body is not sent as JSON"}})
     def create_job(
         spec: JobSpec,
         api: State,
@@ -418,6 +508,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
                         f"and spec within {IDEMPOTENCY_TTL_S} s are answered with the job the first made (200)",
         )] = None,
     ) -> dict[str, Any]:
+        if (too_deep := _too_deep(spec)) is not None:  # before the spec is written as JSON, which it cannot be
+            raise reject(api, request, "source", too_deep)
         spec_json = spec.model_dump_json()
         if idempotency_key is not None:  # a retry is answered before the checks a new job needs, which may now fail
             try:
@@ -433,32 +525,40 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         allowed = {*BUILTIN_REWARDS, *cfg.rollout.reward_allowlist}
         if spec.reward is not None and spec.reward not in allowed:
             names = ", ".join(sorted(allowed))
-            raise reject(api, "reward", f"reward {spec.reward!r} is not one this run allows: {names}")
+            raise reject(api, request, "reward", f"reward {spec.reward!r} is not one this run allows: {names}")
         if spec.agent is not None and spec.agent not in cfg.rollout.agent_allowlist:
             names = ", ".join(cfg.rollout.agent_allowlist) or "none"
-            raise reject(api, "agent", f"agent {spec.agent!r} is not in this run's rollout.agent_allowlist: {names}")
+            raise reject(api, request, "agent",
+                         f"agent {spec.agent!r} is not in this run's rollout.agent_allowlist: {names}")
+        if spec.tools is not None and (twice := _named_twice(spec.tools)) is not None:
+            raise reject(api, request, "tools", twice)
         if (inapplicable := _inapplicable(spec, cfg)) is not None:
-            raise reject(api, *inapplicable)
+            raise reject(api, request, *inapplicable)
         cap = cfg.api.max_job_tasks
         if spec.source.limit is not None and spec.source.limit > cap:  # refused before a task is made or read
-            raise reject(api, "source.limit", f"{spec.source.limit} tasks; a job may hold at most "
-                                              f"api.max_job_tasks={cap}")
+            raise reject(api, request, "source.limit", f"{spec.source.limit} tasks; a job may hold at most "
+                                                       f"api.max_job_tasks={cap}")
+        # a source without a limit is read one task past the cap, no further: a file of millions of rows was read
+        # and checked whole, for seconds, before the job was refused
+        bounded = spec if spec.source.limit is not None else \
+            spec.model_copy(update={"source": spec.source.model_copy(update={"limit": cap + 1})})
         try:
-            tasks = spec.load_tasks(cfg.api.data_root, cfg.rollout.reward)
+            tasks = bounded.load_tasks(cfg.api.data_root, cfg.rollout.reward)
         except (ValueError, OSError) as exc:
-            raise reject(api, "source", str(exc)) from None
+            raise reject(api, request, "source", str(exc)) from None
         if not tasks:
-            raise reject(api, "source", "no tasks")
+            raise reject(api, request, "source", "no tasks")
         asked = {name for t in tasks for name in (spec.tools if spec.tools is not None else t.tools)}
         if tools is not None and (unknown := sorted(asked - set(tools))):
             field = "tools" if spec.tools is not None else "source"
-            raise reject(api, field, f"unknown tool(s) {', '.join(unknown)}; this run's tools (rollout.tools): "
-                                     f"{', '.join(tools) or 'none'}")
+            raise reject(api, request, field, f"unknown tool(s) {', '.join(unknown)}; this run's tools "
+                                              f"(rollout.tools): {', '.join(tools) or 'none'}")
         # an agent job's agent calls its tools itself: the registry's tools are never created for it
         if tools is not None and spec.agent is None and (unmet := _unmet_create_kwargs(spec, tasks, tools)):
-            raise reject(api, "tools" if spec.tools is not None else "source", unmet)
+            raise reject(api, request, "tools" if spec.tools is not None else "source", unmet)
         if len(tasks) > cap:
-            raise reject(api, "source", f"{len(tasks)} tasks; a job may hold at most api.max_job_tasks={cap}")
+            raise reject(api, request, "source", f"over {cap} tasks; a job may hold at most api.max_job_tasks={cap} "
+                                                 "(source.limit picks that many)")
         job_id = secrets.token_hex(6)
         try:  # all or nothing (TaskQueue.submit): a failed submit leaves no job behind
             api.queue.submit(job_id, [t.model_dump() for t in tasks], spec.kind, spec_json, idempotency_key)
@@ -466,7 +566,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
             return key_used(api, request, response, used)
         except redis.RedisError as exc:
             api.jobs_rejected.inc()
-            log.warning("job %s rejected: Redis did not take its %d tasks: %s", job_id, len(tasks), exc)
+            refuse("redis", request.scope, f"job {job_id}: Redis did not take its {len(tasks)} tasks: {exc}")
             why = str(exc).rpartition("of pipeline caused error: ")[2]  # not the command redis-py quotes
             retry = f"; sending it again with the same {IDEMPOTENCY_KEY} makes no second job" if idempotency_key else ""
             raise HTTPException(503, f"Redis did not take the job's {len(tasks)} tasks ({type(exc).__name__}: "
@@ -475,7 +575,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         api.jobs_submitted.labels(kind=spec.kind).inc()
         return api.cluster.job(job_id)
 
-    @app.get("/v1/jobs", tags=["jobs"])
+    @app.get("/v1/jobs", tags=["jobs"], dependencies=v1)
     def list_jobs(
         api: State,
         cursor: Annotated[
@@ -491,16 +591,16 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         counts those). So a page stays small whatever its jobs hold; ``GET /v1/jobs/{job_id}`` has the tasks."""
         return api.cluster.jobs(cursor, limit)
 
-    @app.get("/v1/jobs/{job_id}", tags=["jobs"])
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"], dependencies=v1)
     def get_job(job_id: str, api: State) -> dict[str, Any]:
         """The job with its whole spec, an inline source's tasks included."""
         return api.cluster.job(job_id)
 
-    @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"])
+    @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"], dependencies=v1)
     def cancel_job(job_id: str, api: State) -> dict[str, Any]:
         return api.cluster.cancel(job_id)
 
-    @app.delete("/v1/jobs/{job_id}", tags=["jobs"])
+    @app.delete("/v1/jobs/{job_id}", tags=["jobs"], dependencies=v1)
     def delete_job(job_id: str, api: State) -> dict[str, Any]:
         """Delete a finished job (every task rolled out, a train job's every group trained or dropped; 409 until then)
         with its trajectories, eval results and its submit's Idempotency-Key: a long-lived run's Redis keeps only what
@@ -510,7 +610,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         log.info("job %s (%s) deleted", _one_line(job_id), deleted["kind"])
         return deleted
 
-    @app.get("/v1/jobs/{job_id}/trajectories", tags=["jobs"])
+    @app.get("/v1/jobs/{job_id}/trajectories", tags=["jobs"], dependencies=v1)
     def trajectories(
         job_id: str,
         api: State,
@@ -521,11 +621,11 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     ) -> dict[str, Any]:
         return api.cluster.trajectories(job_id, cursor, limit)
 
-    @app.get("/v1/status", tags=["cluster"])
+    @app.get("/v1/status", tags=["cluster"], dependencies=v1)
     def status(api: State) -> dict[str, Any]:
         return api.cluster.status()
 
-    @app.get("/v1/metrics/summary", tags=["cluster"])
+    @app.get("/v1/metrics/summary", tags=["cluster"], dependencies=v1)
     def metrics_summary(api: State) -> dict[str, Any]:
         return api.sampler.summary()
 

@@ -16,7 +16,7 @@ import torch
 from buffer_helpers import client
 from engine_helpers import greedy_request
 from prometheus_harness import load_dashboard, panel_queries
-from test_rollout_worker_stub_engine import KEYS, StubEngine, held, make_worker, running, stub, tokenizer, until
+from test_rollout_worker_stub_engine import KEYS, StubEngine, held, make_worker, running, stub, until
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -40,7 +40,7 @@ COMPONENTS = (RolloutMetrics, CheckpointMetrics, EngineMetrics, BufferMetrics, T
 # a label holding one of these takes a new value per server, process, request, task or peer: a series without bound
 UNBOUNDED = {"server", "server_id", "consumer", "instance_id", "host", "peer", "url", "path", "id", "rid", "job_id",
              "group_id", "task_id", "error", "message"}
-__all__ = ["stub", "tokenizer"]  # the stub engine's fixtures, used by name
+__all__ = ["stub"]  # the stub engine's fixture, used by name
 SCRAPE_LABELS = {"instance", "job", "profile", "engine", "le"}  # added by Prometheus (prometheus.yml) or a histogram
 
 

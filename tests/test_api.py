@@ -27,6 +27,7 @@ from core.tasks.gsm8k import BUNDLED
 from rollout_server.checkpoint_receiver import CheckpointMetrics
 from rollout_server.metrics import RolloutMetrics
 from services.api import create_app
+from services.api.app import LOGGED_DETAIL_CHARS
 from services.api.cluster import ClusterView
 from services.api.sampler import MetricsSampler
 from tests.buffer_helpers import make_group
@@ -163,6 +164,10 @@ def test_a_refusal_is_logged_on_one_line_whatever_the_client_sent(api: httpx.Cli
     assert len(warned) == 3 and all(forged in message for message in warned), warned
     assert not [message for message in warned if "\n" in message or "\x1b" in message], warned
     assert "\\x0a" + forged in warned[0] and "\\x1b[2J" in warned[0], warned[0]
+    caplog.clear()  # what the client sent is quoted up to a bound: a name of the body's size was logged whole
+    assert api.post("/v1/jobs", json={**body, "reward": "r" * 100_000}).status_code == 422
+    [message] = [r.getMessage() for r in caplog.records if r.name == "services.api.app"]
+    assert len(message) < LOGGED_DETAIL_CHARS + 200 and message.endswith(" more characters)"), message[-300:]
 
 
 def test_a_non_loopback_api_needs_a_token(redis_url: str) -> None:

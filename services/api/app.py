@@ -63,6 +63,9 @@ OPS_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 IDEMPOTENCY_KEY = "Idempotency-Key"
 _CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
+# characters of a refusal's detail that are logged: it may quote what the client sent (a name, every error of 10,000
+# inline tasks), up to the whole body
+LOGGED_DETAIL_CHARS = 2000
 # objects and lists within each other in a field of an inline task: the stored spec holds the field 4 levels down, and
 # the rollout servers read that spec with pydantic's JSON parser, which stops at 200 levels (its serializer at 255)
 MAX_TASK_NESTING = 100
@@ -201,6 +204,8 @@ def _one_line(text: str) -> str:
 def _refused(counter: Counter) -> Refuse:
     def refuse(reason: str, scope: Scope, detail: str = "") -> None:
         client = scope.get("client") or ("?", 0)
+        if len(detail) > LOGGED_DETAIL_CHARS:
+            detail = f"{detail[:LOGGED_DETAIL_CHARS]}... ({len(detail) - LOGGED_DETAIL_CHARS} more characters)"
         log.warning("refused %s %s from %s: %s%s", scope.get("method"), _one_line(scope.get("path", "")), client[0],
                     reason, f": {_one_line(detail)}" if detail else "")
         counter.labels(reason=reason).inc()

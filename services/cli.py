@@ -13,6 +13,7 @@ import argparse
 import errno
 import functools
 import importlib
+import math
 import os
 import sys
 import traceback
@@ -109,6 +110,9 @@ def _explain(exc: BaseException, args: argparse.Namespace) -> tuple[str, int]:
                "stuck? see runs/<run>/logs", 1
     if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL) and api is not None:
         return f"--api {api}: {exc} (e.g. --api {DEFAULT_API})", 2
+    if isinstance(exc, httpx.TransportError) and api is not None:  # a reset, a close, a reply that is no HTTP
+        return f"the API at {api} broke off {failed_request(exc)}: {exc} ({type(exc).__name__}); is --api the " \
+               "rollwave API? see runs/<run>/logs", 1
     if isinstance(exc, OSError) and exc.filename is not None:
         hint = _PATH_HINTS.get(exc.errno or 0)
         where = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else exc.filename
@@ -126,13 +130,17 @@ def _one_line(message: str) -> str:
     return out
 
 
-def _above_zero(convert: Callable[[str], Any]) -> Callable[[str], Any]:
-    """An argparse type: ``convert``'s value, refused unless it is above 0 (named by argparse, exit 2). It keeps
-    ``convert``'s name, which argparse's error for a value that is no number names ("invalid int value")."""
+def _number(convert: Callable[[str], Any], above_zero: bool = False) -> Callable[[str], Any]:
+    """An argparse type: ``convert``'s value, refused (named by argparse, exit 2) unless it is finite (``float`` reads
+    "nan", which no comparison passes and JSON cannot carry, and "inf", which ``time.sleep`` refuses) and, with
+    ``above_zero``, above 0. It keeps ``convert``'s name, which argparse's error for a value that is no number names
+    ("invalid int value")."""
     @functools.wraps(convert)
     def parse(text: str) -> Any:
         value = convert(text)
-        if value <= 0:
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number{' above 0' if above_zero else ''}, got {text}")
+        if above_zero and value <= 0:
             raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
         return value
 
@@ -231,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path", help="task file or directory (gsm8k, jsonl)")
     p.add_argument("--split", default="test")
     p.add_argument("--index", type=int, default=0, help="which task of the source")
-    p.add_argument("--n", type=_above_zero(int), default=4, help="samples in the group")
+    p.add_argument("--n", type=_number(int, above_zero=True), default=4, help="samples in the group")
     p.add_argument("--model", help="HF model directory (default: the config's model.path)")
     p.add_argument("--engine-url", help="use a running engine instead of starting the embedded one")
     _config_args(p)
@@ -239,9 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "up", "start the service (Redis, rollout servers, trainer, API) as Ray actors",
                  "rollwave up -c configs/demo.yaml --rollout-servers 2")
-    p.add_argument("--rollout-servers", type=_above_zero(int), default=1, metavar="R",
+    p.add_argument("--rollout-servers", type=_number(int, above_zero=True), default=1, metavar="R",
                    help="rollout servers, each with its engine (default 1)")
-    p.add_argument("--trainer-ranks", type=_above_zero(int), default=1, metavar="W",
+    p.add_argument("--trainer-ranks", type=_number(int, above_zero=True), default=1, metavar="W",
                    help="trainer ranks, on one node (default 1)")
     p.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops everything")
     _config_args(p, required=True)
@@ -261,22 +269,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--n", type=int, help="samples per task")
-    p.add_argument("--temperature", type=float)
+    p.add_argument("--temperature", type=_number(float))
     p.add_argument("--max-turns", type=int)
     p.add_argument("--tools", type=lambda names: names.split(","), help="comma-separated tool names")
     p.add_argument("--reward", help="a built-in (gsm8k, tool, tool_last) or a rollout.reward_allowlist name")
     p.add_argument("--wait", action="store_true", help="show progress until the job is done (exit 1 at once if "
                    "it is stalled: the trainer finished with groups of it left; after a trainer crash, once no "
                    "restart took it up within 300 s)")
-    p.add_argument("--timeout", type=_above_zero(float), metavar="S", help="with --wait: fail (exit 1) if the job "
-                   "is not done after S seconds (default: wait as long as it runs)")
+    p.add_argument("--timeout", type=_number(float, above_zero=True), metavar="S", help="with --wait: fail (exit 1) "
+                   "if the job is not done after S seconds (default: wait as long as it runs)")
     _api_args(p)
     p.set_defaults(func=_handler("services.client_cmd:submit"))
 
     p = _command(sub, "status", "show the service: rollout servers, policy versions, trainer step, buffer depths",
                  "rollwave status --watch")
     p.add_argument("--watch", action="store_true", help="refresh as a live table")
-    p.add_argument("--interval", type=_above_zero(float), default=2.0,
+    p.add_argument("--interval", type=_number(float, above_zero=True), default=2.0,
                    help="with --watch: seconds between refreshes")
     _api_args(p)
     p.set_defaults(func=_handler("services.client_cmd:status"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -22,6 +23,7 @@ from core.text_files import TextFileError, line_of, read_text, yaml_key_lines
 from services.cli import CliError
 
 TOKEN_ENV = SECRETS["api.token"]
+API_TIMEOUT_S = 60.0  # how long one request waits for the API: to connect, and then between bytes of its reply
 REDIS_OUTAGE_S = 60.0  # how long a wait rides out the API's 503s (its Redis restarting), as the components do
 # how long a wait gives a crashed trainer to be restarted and train again: Kubernetes' longest crash back-off
 # (LocalStack and the Ray actors restart one after RestartBackoff's delay; the model load and resume come on top)
@@ -33,46 +35,78 @@ RESUBMIT_ON = (httpx.NetworkError, httpx.TimeoutException, httpx.RemoteProtocolE
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    """The API token from ``--token-file``, else the environment: never from the command line, which others can read."""
+    """The API token from ``--token-file``, else the environment: never from the command line, which others can read.
+    One that an HTTP header cannot carry (two lines, a non-ASCII character) is refused naming where it came from, never
+    its value (httpx's own error would print it)."""
+    where = f"--token-file {args.token_file}" if args.token_file else TOKEN_ENV
     if args.token_file:
         try:
-            return read_text(args.token_file).strip()
+            token = read_text(args.token_file).strip()
         except TextFileError as exc:
             raise CliError(f"--token-file {exc}") from None
-    return os.environ.get(TOKEN_ENV) or None
+    else:
+        token = os.environ.get(TOKEN_ENV, "")
+    if not all(" " <= c <= "~" for c in token):
+        raise CliError(f"{where}: the token holds a line break, a control or a non-ASCII character, which an HTTP "
+                       "header cannot carry: give the run's api.token alone, on one line")
+    return token or None
 
 
 def _client(args: argparse.Namespace) -> httpx.Client:
     token = _token(args)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=args.api, headers=headers, timeout=60)
+    return httpx.Client(base_url=args.api, headers=headers, timeout=API_TIMEOUT_S)
 
 
-def _get(client: httpx.Client, path: str, **params: Any) -> Any:
-    return _json(client.get(path, params=params))
+# the keys of the API's replies that the commands read: a reply without one is not the rollwave API's
+STATUS_KEYS = ("run", "version", "trainer", "servers", "buffer")
+JOB_KEYS = ("job_id", "kind", "state", "reason", "progress", "reward_mean", "accuracy")
+JOBS_PAGE_KEYS, TRAJECTORIES_PAGE_KEYS, DELETED_KEYS = ("jobs", "next"), ("items", "next"), ("job_id", "kind")
 
 
-def _json(reply: httpx.Response, where: Callable[[list[Any]], str] = lambda _loc: "") -> Any:
+def _get(client: httpx.Client, path: str, keys: tuple[str, ...], **params: Any) -> Any:
+    return _json(client.get(path, params=params), keys=keys)
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _refused_field(error: Any, where: Callable[[list[Any]], str]) -> str:
+    """One entry of a 422's ``detail``: ``field: msg`` for FastAPI's shape (``loc`` starts with where the field was:
+    body, query), any other entry as it is."""
+    if not isinstance(error, dict):
+        return str(error)
+    loc = error["loc"][1:] if isinstance(error.get("loc"), list) else []
+    return f"{where(loc)}{'.'.join(str(p) for p in loc) or 'body'}: {error.get('msg', error)}"
+
+
+def _json(
+    reply: httpx.Response, where: Callable[[list[Any]], str] = lambda _loc: "", keys: tuple[str, ...] = ()
+) -> Any:
     """The reply's body, or a CliError naming the call (its whole URL: which API answered) and what the API refused
-    (exit 2 for 4xx, 1 for 5xx), or that a success carried no JSON (exit 2: --api is some other server); ``where``
-    gives the ``file:line: `` of a refused field's location in the body (a job file's)."""
+    (exit 2 for 4xx, 1 for 5xx), or that a success carried no JSON object with the ``keys`` the command reads (exit 2:
+    --api is some other server); ``where`` gives the ``file:line: `` of a refused field's location in the body (a job
+    file's)."""
     status, what = reply.status_code, f"{reply.request.method} {reply.request.url}"
     if status < 400:
         try:
-            return reply.json()
+            body = reply.json()
         except ValueError:
             kind = reply.headers.get("content-type", "no content type")
             raise CliError(f"{what}: HTTP {status} with no JSON ({kind}): is --api the rollwave API?") from None
+        if missing := [key for key in keys if not isinstance(body, dict) or key not in body]:
+            raise CliError(f"{what}: HTTP {status}, but its JSON has no {', '.join(missing)} (got "
+                           f"{_clip(reply.text, 100)}): is --api the rollwave API, of this version?")
+        return body
     try:
         body = reply.json()
     except ValueError:  # not the rollwave API, or a proxy in front of it
         body = None
-    detail = body.get("detail", reply.text) if isinstance(body, dict) else reply.text[:200] or reply.reason_phrase
+    detail = body.get("detail") if isinstance(body, dict) else None
     if isinstance(detail, list):  # FastAPI's validation errors: name each field
-        detail = "; ".join(
-            f"{where(e.get('loc', [])[1:])}{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'body'}: {e.get('msg')}"
-            for e in detail
-        )
+        detail = "; ".join(_refused_field(e, where) for e in detail)
+    detail = _clip(str(detail), 1000) if detail is not None else _clip(reply.text, 200) or reply.reason_phrase
     hint = {
         401: f" (give the run's api.token in {TOKEN_ENV} or --token-file)",
         404: " (`rollwave jobs` lists the jobs; is --api the rollwave API?)",
@@ -96,10 +130,13 @@ def job_from_args(args: argparse.Namespace) -> dict[str, Any]:
             raise CliError(f"{args.file}: a job file must be a mapping (the body of POST /v1/jobs)")
         for key in ("source", "sampling"):  # mappings in the body, which the flags below set keys in
             if key in loaded and not isinstance(loaded[key], dict):
-                got = repr(loaded[key])
-                got = got if len(got) <= 60 else got[:57] + "..."
                 line = line_of(yaml_key_lines(args.file), [key])
-                raise CliError(f"{args.file}:{line}: {key} must be a mapping, got {got}")
+                raise CliError(f"{args.file}:{line}: {key} must be a mapping, got {_clip(repr(loaded[key]), 60)}")
+        if (unsent := _not_json(loaded)) is not None:
+            loc, value = unsent
+            line = line_of(yaml_key_lines(args.file), loc)
+            raise CliError(f"{args.file}:{line}: {'.'.join(loc)}: YAML reads {_clip(str(value), 60)} as a "
+                           f"{type(value).__name__}, which JSON cannot carry (quote it to send it as text)")
         body = loaded
     body.setdefault("source", {})
     for flag, key in JOB_FLAGS:
@@ -110,6 +147,20 @@ def job_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 target = target.setdefault(part, {})
             target[leaf] = value
     return body
+
+
+def _not_json(value: Any, loc: tuple[str, ...] = ()) -> tuple[tuple[str, ...], Any] | None:
+    """Where in a job file's content the first value (or key) is that JSON cannot carry, and that value; else None."""
+    if isinstance(value, list):
+        value = dict(enumerate(value))
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if found := _not_json(key, (*loc, str(key))) or _not_json(item, (*loc, str(key))):
+                return found
+        return None
+    if value is None or isinstance(value, str | int) or isinstance(value, float) and math.isfinite(value):
+        return None
+    return loc, value
 
 
 def _job_file_lines(args: argparse.Namespace) -> Callable[[list[Any]], str]:
@@ -148,7 +199,7 @@ def post_job(client: httpx.Client, body: dict[str, Any], where: Callable[[list[A
     ``outage_s`` after the first failure: a try the API did take is answered with its job, never made twice."""
     headers = {"Idempotency-Key": uuid.uuid4().hex}
     reply, _ = _sent_again(lambda: client.post("/v1/jobs", json=body, headers=headers), outage_s, retry_s)
-    return _json(reply, where)
+    return _json(reply, where, JOB_KEYS)
 
 
 def _sent_again(send: Callable[[], httpx.Response], outage_s: float, retry_s: float) -> tuple[httpx.Response, bool]:
@@ -156,23 +207,27 @@ def _sent_again(send: Callable[[], httpx.Response], outage_s: float, retry_s: fl
     API answers 503, for up to ``outage_s`` after the first failure; and whether it was sent more than once (an
     earlier try may have done what it asked)."""
     failing_since: float | None = None
+    sent_again = False
     while True:
-        expired = failing_since is not None and time.monotonic() - failing_since >= outage_s
         try:
             reply = send()
         except RESUBMIT_ON as exc:
-            if expired or (failing_since is None and isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)):
+            if failing_since is None and isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
                 raise
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since >= outage_s:  # judged as the try ends: one that began in time and
+                raise  # waited out its timeout is the last, not followed by one more (a timeout's worth over)
         else:
-            if reply.status_code != 503 or expired:
-                return reply, failing_since is not None
-        failing_since = failing_since or time.monotonic()
+            failing_since = failing_since or time.monotonic()
+            if reply.status_code != 503 or time.monotonic() - failing_since >= outage_s:
+                return reply, sent_again
         time.sleep(retry_s)
+        sent_again = True
 
 
 def _trainer_crashed(client: httpx.Client) -> bool:
     """The run's trainer crashed (its end says so) rather than ended."""
-    trainer = _get(client, "/v1/status")["trainer"] or {}
+    trainer = _get(client, "/v1/status", STATUS_KEYS)["trainer"] or {}
     return str(trainer.get("finished_reason", "")).startswith(TRAINER_CRASHED)
 
 
@@ -186,7 +241,7 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = No
     Redis is away (a restart): polls keep the last progress through ``outage_s`` of those."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     path = f"/v1/jobs/{job_id}"
-    job = _get(client, path)
+    job = _get(client, path, JOB_KEYS)
     outage_since: float | None = None
     crashed_since: float | None = None
     with tqdm(total=job["progress"]["submitted"], desc=f"job {job_id}", unit="task") as bar:
@@ -217,7 +272,7 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = No
                 if time.monotonic() - outage_since < outage_s:
                     continue
             outage_since = None
-            job = _json(reply)
+            job = _json(reply, keys=JOB_KEYS)
 
 
 def _job_rows(jobs: list[dict[str, Any]]) -> list[str]:
@@ -237,10 +292,10 @@ def _job_rows(jobs: list[dict[str, Any]]) -> list[str]:
 def jobs(args: argparse.Namespace) -> int:
     """A page of jobs, newest first; ``--all`` follows the pages to the oldest."""
     with _client(args) as client:
-        page = _get(client, "/v1/jobs", limit=args.limit)
+        page = _get(client, "/v1/jobs", JOBS_PAGE_KEYS, limit=args.limit)
         listed = page["jobs"]
         while args.all and page["next"]:
-            page = _get(client, "/v1/jobs", cursor=page["next"], limit=args.limit)
+            page = _get(client, "/v1/jobs", JOBS_PAGE_KEYS, cursor=page["next"], limit=args.limit)
             listed += page["jobs"]
         print("\n".join(_job_rows(listed)))
         if page["next"]:
@@ -258,7 +313,7 @@ def delete_job(args: argparse.Namespace) -> int:
         if retried and reply.status_code == 404:
             print(f"job {args.job} deleted (by an earlier try, whose reply was lost or a 503: this one found it gone)")
             return 0
-        deleted = _json(reply)
+        deleted = _json(reply, keys=DELETED_KEYS)
         print(f"job {deleted['job_id']} ({deleted['kind']}) deleted")
     return 0
 
@@ -294,26 +349,28 @@ def _status_table(status: dict[str, Any]) -> str:
 
 
 def status(args: argparse.Namespace) -> int:
-    """One table, or with ``--watch`` a table redrawn until Ctrl-C (the way to leave it, so exit 0)."""
+    """One table, or with ``--watch`` a table redrawn until Ctrl-C (the way to leave it, so exit 0, whether it comes
+    between refreshes or during one)."""
     with _client(args) as client:
-        while True:
-            table = _status_table(_get(client, "/v1/status"))
-            if not args.watch:
-                print(table)
-                return 0
-            sys.stdout.write("\x1b[2J\x1b[H" + table + "\n")
-            sys.stdout.flush()
-            try:
+        if not args.watch:
+            print(_status_table(_get(client, "/v1/status", STATUS_KEYS)))
+            return 0
+        try:
+            while True:
+                table = _status_table(_get(client, "/v1/status", STATUS_KEYS))
+                sys.stdout.write("\x1b[2J\x1b[H" + table + "\n")
+                sys.stdout.flush()
                 time.sleep(args.interval)
-            except KeyboardInterrupt:
-                return 0
+        except KeyboardInterrupt:
+            return 0
 
 
 def trajectories(args: argparse.Namespace) -> int:
     with _client(args) as client:
         cursor = ""
         while True:
-            page = _get(client, f"/v1/jobs/{quote(args.job, safe='')}/trajectories", cursor=cursor, limit=args.limit)
+            page = _get(client, f"/v1/jobs/{quote(args.job, safe='')}/trajectories", TRAJECTORIES_PAGE_KEYS,
+                        cursor=cursor, limit=args.limit)
             for item in page["items"]:
                 print(json.dumps(item) if args.json else _format_trajectory(item))
             cursor = page["next"]

@@ -110,7 +110,9 @@ async def _rollout(
 
 
 def _task(args: argparse.Namespace, cfg: Config) -> Task:
-    """The task to roll out, read before anything starts, so a wrong --task or --path fails at once."""
+    """The task to roll out, read before anything starts, so a wrong --task, --path or --index fails at once."""
+    if args.index < 0:  # named as the user gave it (load_tasks would name its offset)
+        raise ConfigError(f"--index must be 0 or more, got {args.index}")
     tasks = load_tasks(args.task, path=args.path, split=args.split, limit=1, seed=cfg.run.seed, offset=args.index,
                        reward=cfg.rollout.reward)
     if not tasks:

@@ -244,25 +244,33 @@ class EngineClient:
 
     async def health(self) -> bool:
         """One probe, no retries: True when ``/health`` answers 200."""
+        return await self._unhealthy(30.0) is None
+
+    async def _unhealthy(self, timeout_s: float) -> str | None:
+        """One probe of ``/health`` bounded by ``timeout_s``: None when it answers 200, else why not."""
         try:
             async with self._session().get(self.base_url + "/health",
-                                           timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+                                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return None if resp.status == 200 else f"HTTP {resp.status}"
+        except TimeoutError:
+            return f"no answer within {timeout_s:.3g}s"
+        except aiohttp.ClientError as exc:
+            return f"{type(exc).__name__}: {exc}"
 
     async def wait_ready(self, timeout_s: float = 3600.0, log_every_s: float = 30.0) -> None:
         """Poll ``/health`` until it answers 200, logging every ``log_every_s`` that it still waits (a big model
-        takes minutes to load); raises EngineError after ``timeout_s``."""
+        takes minutes to load); raises EngineError after ``timeout_s``, saying what the last probe got. No probe
+        outlasts the time left: an engine that accepts and never answers used to hold one for 30 s past it."""
         start = time.monotonic()
         next_log = start + log_every_s
-        while not await self.health():
+        while (why := await self._unhealthy(max(0.1, min(30.0, start + timeout_s - time.monotonic())))) is not None:
             now = time.monotonic()
-            if now > start + timeout_s:
-                raise EngineError(None, f"not healthy after {timeout_s:.0f}s", self.base_url + "/health")
+            if now >= start + timeout_s:
+                raise EngineError(None, f"not healthy after {timeout_s:.0f}s (last probe: {why})",
+                                  self.base_url + "/health")
             if now >= next_log:
-                log.info("waiting for the engine at %s to be healthy: %.0f s of %.0f s", self.base_url,
-                         now - start, timeout_s)
+                log.info("waiting for the engine at %s to be healthy: %.0f s of %.0f s (%s)", self.base_url,
+                         now - start, timeout_s, why)
                 next_log += log_every_s
             await asyncio.sleep(0.1)
 

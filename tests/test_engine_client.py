@@ -8,6 +8,7 @@ import re
 import secrets
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -309,7 +310,26 @@ def test_wait_ready_logs_its_progress(caplog: pytest.LogCaptureFixture) -> None:
                         pytest.raises(EngineError) as exc:
                     await client.wait_ready(1.0, log_every_s=0.3)
         assert "not healthy after 1s" in str(exc.value) and url in str(exc.value)
+        assert "(last probe: ClientConnectorError: " in str(exc.value), exc.value
         assert sum(f"waiting for the engine at {url} to be healthy" in r.getMessage() for r in caplog.records) >= 2
+
+    asyncio.run(run())
+
+
+def test_wait_ready_on_an_engine_that_never_answers_ends_in_its_time() -> None:
+    """An engine that accepts and never answers (a hung process) held each probe 30 s: ``wait_ready(1)`` took 31 s
+    and said only "not healthy". No probe outlasts the time left, and the error says the last one got no answer."""
+    async def run() -> None:
+        with bound_socket() as sock:
+            sock.listen()  # the kernel accepts; nobody answers
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            async with EngineClient(url, retries=0) as client:
+                start = time.monotonic()
+                with pytest.raises(EngineError) as exc:
+                    await client.wait_ready(1.0)
+                took = time.monotonic() - start
+        assert took < 20, took  # each probe held 30 s
+        assert "not healthy after 1s (last probe: no answer within " in str(exc.value), exc.value
 
     asyncio.run(run())
 

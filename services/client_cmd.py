@@ -238,7 +238,8 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = No
     is ``stalled`` by a trainer that finished with groups of this train job left (waiting longer cannot help), or
     once it has been stalled ``restart_wait_s`` by a trainer that crashed (a supervisor restarts that one, and the
     job runs on once the restart trains: meanwhile the wait says why it waits). The API answers 503 while its
-    Redis is away (a restart): polls keep the last progress through ``outage_s`` of those."""
+    Redis is away (a restart): polls keep the last progress through ``outage_s`` of those, and of polls that get
+    no reply (the API itself restarting, a reply lost). No poll waits past ``timeout_s``."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     path = f"/v1/jobs/{job_id}"
     job = _get(client, path, JOB_KEYS)
@@ -266,7 +267,15 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = No
                                    f"{bar.n} of {p['submitted']} tasks finished (is a rollout server up? see "
                                    "rollwave status)")
             time.sleep(poll_s)
-            reply = client.get(path)
+            left = API_TIMEOUT_S if deadline is None else max(0.1, min(API_TIMEOUT_S, deadline - time.monotonic()))
+            try:
+                reply = client.get(path, timeout=left)  # no poll outlasts the deadline
+            except RESUBMIT_ON:  # a lost reply, the API restarting: ridden out as its 503s are
+                outage_since = outage_since or time.monotonic()
+                if time.monotonic() - outage_since < outage_s or deadline is not None and \
+                        time.monotonic() >= deadline:  # the deadline's own error says more
+                    continue
+                raise
             if reply.status_code == 503:
                 outage_since = outage_since or time.monotonic()
                 if time.monotonic() - outage_since < outage_s:

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from core.net import listen_socket
 
@@ -30,3 +32,16 @@ def serve_app(app, host: str = "127.0.0.1") -> Iterator[str]:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+class LostReply(Response):
+    """The start of a reply (``status``) and part of its body, then the connection closed: the client never gets the
+    answer."""
+
+    def __init__(self, status: int = 200) -> None:
+        super().__init__(status_code=status)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]})
+        await send({"type": "http.response.body", "body": b"{", "more_body": True})

@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from services import client_cmd
 from services.cli import main
-from tests.http_harness import serve_app
+from tests.http_harness import LostReply, serve_app
 from tests.test_cli_errors import dead_api
 
 __all__ = ["dead_api"]  # the fixture, used here by name
@@ -202,3 +202,21 @@ def test_an_api_that_never_answers_or_breaks_off_is_named_with_the_call(
         one_error(capsys, ["status", "--api", url], 1, f"the API at {url} broke off GET {url}/v1/status: Server "
                   "disconnected without sending a response. (RemoteProtocolError)")
         closer.join()
+
+
+def test_a_wait_rides_out_a_poll_that_gets_no_reply(capsys: pytest.CaptureFixture) -> None:
+    """A poll whose reply is lost (the API restarting, a proxy closing the connection) is ridden out as the API's
+    503s are: it ended an hours-long ``submit --wait`` with an error while the job ran on."""
+    polls: list[int] = []
+
+    async def job(request: Request) -> Response:
+        polls.append(1)
+        if len(polls) == 2:
+            return LostReply()
+        state = "running" if len(polls) == 1 else "done"
+        return Response(json.dumps({**JOB, "state": state}), 200, media_type="application/json")
+
+    app = Starlette(routes=[Route("/v1/jobs/a1", job)])
+    with serve_app(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        assert client_cmd.wait_for_job(client, "a1", timeout_s=60, poll_s=0.05)["state"] == "done"
+    assert len(polls) == 3

@@ -13,21 +13,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
-from tests.http_harness import serve_app
+from tests.http_harness import LostReply, serve_app
 from tests.test_cli_errors import TOKEN, live_api, rollwave
 
 __all__ = ["live_api"]  # the fixture, used here by name
-
-
-class LostReply(Response):
-    """The start of a reply and part of its body, then the connection closed: the client never gets the answer."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 201,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]})
-        await send({"type": "http.response.body", "body": b"{", "more_body": True})
 
 
 class FlakyFront:
@@ -48,7 +38,7 @@ class FlakyFront:
             reply = await api.post("/v1/jobs", content=await request.body(),
                                    headers={**headers, "content-type": "application/json"})
         if len(self.keys) == 1:
-            return LostReply()
+            return LostReply(201)
         return Response(reply.content, reply.status_code, media_type="application/json")
 
 

@@ -294,9 +294,19 @@ def test_jobs_are_listed_a_page_at_a_time_in_two_round_trips(redis_url: str) -> 
             listed += [j["job_id"] for j in page["jobs"]]
         assert listed == newest_first
         assert [j["job_id"] for j in api.get("/v1/jobs").json()["jobs"]] == newest_first
-        assert api.get("/v1/jobs", params={"cursor": "nosuchjob"}).status_code == 422
+        for bad in ("nosuchjob", "nan:abc", "12.5:"):
+            assert api.get("/v1/jobs", params={"cursor": bad}).status_code == 422
         assert api.get("/v1/jobs", params={"limit": 201}).status_code == 422
-        assert (_refused(api, "cursor"), _refused(api, "validation")) == (1, 1)
+        assert (_refused(api, "cursor"), _refused(api, "validation")) == (3, 1)
+
+        # a job that ends a page is deleted before the next page is asked for: the next page goes on after it
+        first = api.get("/v1/jobs", params={"limit": 10}).json()
+        queue = TaskQueue(client, Keys("api-pages"), BufferConfig())
+        [entry] = [e for e in queue.read("server-1", 25) if e.job_id == newest_first[9]]
+        queue.dead_letter(entry, "fails every time")
+        assert api.delete(f"/v1/jobs/{newest_first[9]}").status_code == 200
+        after = api.get("/v1/jobs", params={"limit": 10, "cursor": first["next"]}).json()
+        assert [j["job_id"] for j in after["jobs"]] == newest_first[10:20]
 
 
 class CountingRedis(redis.Redis):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -33,7 +35,7 @@ class NotDeletable(ValueError):
 
 class InvalidCursor(ValueError):
     """A page cursor that names nothing: a trajectories cursor that is no Redis stream id (each part must fit
-    in 64 bits), a jobs cursor that is no job of the run."""
+    in 64 bits), a jobs cursor that is no ``next`` of a jobs page."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,20 @@ def _job_view(job_id: str, h: dict[str, str], end: TrainerEnd | None) -> dict[st
     }
 
 
+def _after(cursor: str) -> tuple[float, str]:
+    """Where a jobs page's ``next`` (``<created>:<job id>``, its last job's) falls in the newest-first order: a
+    position, so the next page starts after it even if that job was deleted since (a cursor that was the job's id
+    alone broke every listing that a delete overtook)."""
+    created, _, job_id = cursor.partition(":")
+    try:
+        key = (-float(created), job_id)
+    except ValueError:
+        key = (math.nan, "")
+    if not job_id or not math.isfinite(key[0]):
+        raise InvalidCursor(f"cursor {cursor!r} is no `next` of a jobs page (<created>:<job id>)")
+    return key
+
+
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in h.items()}
 
@@ -118,18 +134,13 @@ class ClusterView:
         pipe.hgetall(self.keys.jobs)
         pipe.hmget(self.keys.trainer, *TRAINER_FINISHED_FIELDS)
         index, end_fields = pipe.execute()
-        ids = sorted(index.items(), key=lambda kv: (-float(kv[1]), kv[0]))
-        order = [job_id.decode() for job_id, _created in ids]
-        start = 0
-        if cursor:
-            try:
-                start = order.index(cursor) + 1
-            except ValueError:
-                raise InvalidCursor(f"cursor {cursor!r} is no job of this run") from None
-        page = order[start : start + limit]
+        order = sorted((-float(created), job_id.decode()) for job_id, created in index.items())
+        start = bisect.bisect_right(order, _after(cursor)) if cursor else 0
+        page = [job_id for _, job_id in order[start : start + limit]]
         end = self.trainer_end(end_fields)
         jobs = [_job_view(job_id, h, end) for job_id, h in zip(page, self.queue.job_summaries(page), strict=True) if h]
-        return {"jobs": jobs, "next": page[-1] if start + limit < len(order) else None}
+        last = order[start + limit - 1] if start + limit < len(order) else None
+        return {"jobs": jobs, "next": None if last is None else f"{-last[0]!r}:{last[1]}"}
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Mark a running or ``stalled`` job cancelled (checked and set in one step: a job done meanwhile stays

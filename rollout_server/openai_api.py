@@ -360,6 +360,14 @@ def _text(content: Any) -> str:
     return str(content)
 
 
+def recorded(message: dict[str, Any]) -> dict[str, Any]:
+    """A client message as the episode keeps it: content parts as their text, so the sample's messages (which a
+    reward function reads) hold text content, as the built-in loop's do."""
+    if isinstance(message.get("content"), list):
+        return {**message, "content": _text(message["content"])}
+    return dict(message)
+
+
 def _arguments(raw: Any) -> Any:
     if isinstance(raw, str):
         try:
@@ -718,7 +726,7 @@ class EpisodeStore:
             except APIError:  # the prompt leaves no room: the task fails, as in the built-in loop (never retried)
                 self.fail(ep, "prompt_too_long", str(PromptTooLong.of(ep.task.task_id, len(ids), limit)))
                 raise
-            ep.builder, ep.messages, ep.tools = TrajectoryBuilder(ids), [dict(m) for m in messages], tools
+            ep.builder, ep.messages, ep.tools = TrajectoryBuilder(ids), [recorded(m) for m in messages], tools
             return
         n = len(ep.messages)
         same = tools == ep.tools and [canonical(m) for m in messages[:n]] == [canonical(m) for m in ep.messages]
@@ -732,7 +740,7 @@ class EpisodeStore:
                 ep.last_reason = "max_total_tokens"  # the context cut the episode off, as in the built-in loop
                 raise
             ep.builder.add_template(ids)
-            ep.messages += [dict(m) for m in new]
+            ep.messages += [recorded(m) for m in new]
             return
         if ep.failure is None:
             self.metrics.history_mismatches.inc()
@@ -741,7 +749,7 @@ class EpisodeStore:
             self.fail(ep, "history_mismatch", "the agent edited its history; the recorded tokens no longer apply")
         ids = self.renderer.prompt_ids([template_message(m) for m in messages], tools)
         self._check_context(len(ids) + forced, limit)
-        ep.builder, ep.messages, ep.tools = TrajectoryBuilder(ids), [dict(m) for m in messages], tools
+        ep.builder, ep.messages, ep.tools = TrajectoryBuilder(ids), [recorded(m) for m in messages], tools
 
     @staticmethod
     def _check_context(n: int, limit: int) -> None:

@@ -434,4 +434,5 @@ def test_malformed_messages_are_refused_naming_the_field_and_record_nothing(toke
     assert len(engine.calls) == 2 and sample.num_turns == 2 and sample.finish_reason == "stop"
     assert store.metrics.total("rollwave_rollout_history_mismatches_total") == 0
     assert [m["role"] for m in sample.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert sample.messages[3]["content"] == "42"  # content parts kept as their text, as the built-in loop's messages
     assert sample.reward == 1.0 and [t.name for t in sample.tool_calls] == ["calculator"]

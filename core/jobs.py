@@ -25,7 +25,10 @@ _READS = {"arith": ("split", "seed"), "gsm8k": ("path", "split"), "jsonl": ("pat
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown keys refused, and values of another type: pydantic's lax mode took ``"limit": true`` as 1 and
+    ``"n_samples": "4"`` as 4 (an int is still taken for a float: JSON writes 1.0 as 1)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TaskSource(Strict):

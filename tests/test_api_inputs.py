@@ -159,3 +159,15 @@ def test_a_file_without_a_limit_is_read_no_further_than_the_cap(redis_url: str, 
         assert error["msg"] == "over 3 tasks; a job may hold at most api.max_job_tasks=3 (source.limit picks that many)"
         reply = api.post("/v1/jobs", json={"source": {"kind": "jsonl", "path": "big.jsonl", "limit": 3}})
         assert reply.status_code == 201 and reply.json()["progress"]["submitted"] == 3, reply.text
+
+
+def test_a_value_of_another_type_is_refused_not_converted(redis_url: str) -> None:
+    """Pydantic's lax mode took ``"limit": true`` as 1 and ``"n_samples": "4"`` as 4: a client's mistake made a job
+    other than the one it wrote. Each is a 422 naming the field; an int where a float goes is taken."""
+    with serve(redis_url, "inputs-types") as api:
+        for body, loc in (({"source": {"kind": "arith", "limit": True}}, ["body", "source", "limit"]),
+                          ({**ARITH, "n_samples": "4"}, ["body", "n_samples"]),
+                          ({**ARITH, "max_turns": 2.0}, ["body", "max_turns"])):
+            assert _error(api.post("/v1/jobs", json=body))["loc"] == loc, body
+        reply = api.post("/v1/jobs", json={**ARITH, "sampling": {"temperature": 1}})
+        assert reply.status_code == 201 and reply.json()["spec"]["sampling"]["temperature"] == 1.0, reply.text

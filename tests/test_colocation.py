@@ -3,8 +3,9 @@ trainer's ``LocalPusher``. The test plays the trainer's loop (take the device, w
 while requests keep arriving at the engine, and checks the order of the engine calls, that nothing is generated
 while the engine is released, that the weights served are the ones written, and the memory held while training;
 with the one-step overlap, that the engine keeps its memory and generates while the trainer trains. Restarts:
-a trainer that takes a step again waits for a new release and numbers its weights above what was published, and
-a restarted server recovers engines left released or paused.
+a trainer that takes a step again waits for a new release and numbers its weights above what was published, a
+trainer fenced by a newer one neither writes over nor prunes the newer one's weights, and a restarted server
+recovers engines left released or paused.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from buffer.colocation import DeviceTurns, Turn
 from buffer.keys import Keys
 from buffer.metrics import BufferMetrics
 from buffer.registry import ServerInfo, ServerRegistry
+from buffer.replay import ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
 from core.config import BufferConfig, Config, TrainerConfig, load_config
 from core.net import free_port_outside_ephemeral
@@ -184,7 +186,8 @@ def test_turns_release_and_resume_in_order_and_nothing_generates_while_training(
     model.eval()
     got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
     assert (got - teacher_forced(model, PROMPT, out["output_ids"], 1.0)).abs().max() <= 1e-4  # the trained weights
-    assert sorted(p.name for p in (tmp_path / "push").iterdir()) == [f"v{STEPS - 1}", f"v{STEPS}"]  # older pruned
+    kept = sorted(p.name for p in (tmp_path / "push").iterdir())
+    assert kept == [pusher.directory(STEPS - 1).name, pusher.directory(STEPS).name]  # older pruned
 
     if overlap:
         assert seen["training"] > 0  # the engine kept its weights and KV
@@ -301,7 +304,7 @@ def test_a_resumed_trainer_hands_over_its_weights_above_the_published_version(
             next(model.parameters()).add_(1.0)  # a training step
         dead.push_model(model, unacked=step)
         dead.give_device(step)
-    v2 = load_file(root / "v2" / "model.safetensors")
+    v2 = load_file(dead.directory(2) / "model.safetensors")
     assert (turns.turn().version, staleness.version()) == (2, 2)
 
     checkpoint = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)  # older weights
@@ -310,9 +313,100 @@ def test_a_resumed_trainer_hands_over_its_weights_above_the_published_version(
     resumed.push_model(checkpoint, unacked=1)
     resumed.give_device(1)
     turn = turns.turn()
-    assert turn is not None and (turn.version, turn.path) == (3, str(root / "v3")) and staleness.version() == 3
-    kept = load_file(root / "v2" / "model.safetensors")
+    assert turn is not None and (turn.version, turn.path) == (3, str(resumed.directory(3))) and staleness.version() == 3
+    kept = load_file(dead.directory(2) / "model.safetensors")
     assert all(torch.equal(kept[name], t) for name, t in v2.items())
+
+
+def fenced_start(client: redis.Redis, root: Path, model_dir: Path, registry: ServerRegistry,
+                 overlap: bool = False) -> tuple[LocalPusher, StalenessControl]:
+    """A trainer start's pusher and admission as ``_connect`` makes them: the start fences the run's older trainers,
+    and its turns and versions are refused once a newer start fences it."""
+    buffer = ReplayBuffer(client, KEYS, BufferConfig(), consumer="trainer")
+    buffer.ensure_group()
+    buffer.fence()
+    staleness = StalenessControl(client, KEYS, BufferConfig(max_staleness=int(overlap)), fence=buffer)
+    pusher = LocalPusher(root, model_dir, DeviceTurns(client, KEYS, fence=buffer), registry, staleness,
+                         overlap=overlap)
+    pusher.published = staleness.version()
+    return pusher, staleness
+
+
+def files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def test_a_fenced_trainer_writing_a_version_the_newer_one_wrote_leaves_the_newer_one_s_weights_alone(
+    redis_server, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The older trainer holds the device for step 2 when the newer one starts (from the step-1 checkpoint) and hands
+    over versions 2 and 3. The older one then writes its step as version 2 too, and is refused the hand-over: it used to
+    write over the newer one's version 2 and prune its version 3, the one the turn names. Now its write lies beside
+    them and its prune leaves them; the newer start's next prune removes it."""
+    client, turns, registry, _staleness = run_parts(redis_server.url)  # no server: the device is taken at once
+    root = tmp_path / "push"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    older, _ = fenced_start(client, root, tiny_model_dir, registry)
+    older.push_model(model)
+    older.give_device(0)
+    older.take_device(1)
+    older.push_model(model, unacked=1)
+    older.give_device(1)
+    older.take_device(2)
+    newer, _ = fenced_start(client, root, tiny_model_dir, registry)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # the newer trainer's weights
+    for step in (1, 2):
+        if step > 1:
+            newer.take_device(step)
+        newer.push_model(model, unacked=step)
+        newer.give_device(step)
+    turn = turns.turn()
+    assert turn is not None and (turn.version, turn.path) == (3, str(newer.directory(3)))
+    written = {v: files(newer.directory(v)) for v in (2, 3)}
+
+    with torch.no_grad():
+        next(model.parameters()).sub_(2.0)  # the older trainer's step
+    older.push_model(model, unacked=2)
+    assert older.written is not None and older.written[0] == 2
+    with pytest.raises(TrainerFenced):
+        older.give_device(2)
+    assert {v: files(newer.directory(v)) for v in (2, 3)} == written
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [older.directory(2).name, newer.directory(2).name, newer.directory(3).name])
+
+
+def test_a_trainer_start_prunes_the_older_starts_weights_only_once_it_handed_its_own_over(
+    redis_server, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With the one-step overlap (the turn names the weights to serve while the trainer trains), the older trainer
+    wrote version 2, published it and died before it handed it over: the turn still names its version 1, which a
+    server that restarts loads. The newer start writes version 3 and keeps that directory until its own hand-over (it
+    used to prune all but versions 2 and 3 at once); its next write removes every directory of the older start."""
+    client, turns, registry, _staleness = run_parts(redis_server.url)
+    root = tmp_path / "push"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    older, published = fenced_start(client, root, tiny_model_dir, registry, overlap=True)
+    older.push_model(model)
+    older.give_device(0)
+    for step in (1, 2):
+        older.take_device(step)
+        older.push_model(model, unacked=step)
+        if step == 1:
+            older.give_device(step)
+    assert older.written is not None
+    published.set_version(*older.written)  # its hand-over's first half, and it dies
+
+    newer, _ = fenced_start(client, root, tiny_model_dir, registry, overlap=True)
+    newer.push_model(model, unacked=2)
+    turn = turns.turn()
+    assert turn is not None and (turn.version, turn.path) == (1, str(older.directory(1)))
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [older.directory(1).name, older.directory(2).name, newer.directory(3).name])
+    newer.give_device(2)
+    newer.take_device(3)
+    newer.push_model(model, unacked=3)
+    assert sorted(p.name for p in root.iterdir()) == [newer.directory(3).name, newer.directory(4).name]
 
 
 @pytest.mark.parametrize("died", ["in_training", "after_release", "after_load", "overlap_after_load"])
@@ -506,11 +600,11 @@ def _ranks(rank: int, world: int, port: int, model_dir: Path, root: Path) -> Non
 def test_two_ranks_write_the_full_weights_once(tiny_model_dir: Path, tmp_path: Path) -> None:
     mp.spawn(_ranks, args=(2, free_port_outside_ephemeral(), tiny_model_dir, tmp_path), nprocs=2, join=True)
     full = torch.load(tmp_path / "full.pt")
-    written = load_file(tmp_path / "v2" / "model.safetensors")
-    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v1", "v2"]  # v0 at start, one per step, two kept
+    written = load_file(tmp_path / "v2-e0" / "model.safetensors")  # epoch 0: no turns
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v1-e0", "v2-e0"]  # v0 at start, one per step, two kept
     assert written.keys() == full.keys()
     assert all(torch.equal(written[name], full[name]) for name in full)
-    assert (tmp_path / "v2" / "config.json").exists()
+    assert (tmp_path / "v2-e0" / "config.json").exists()
 
 
 @pytest.mark.slow

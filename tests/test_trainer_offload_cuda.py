@@ -77,7 +77,7 @@ def train(offload: str, model_dir: Path, root: Path, ctx) -> tuple[list[int], li
     trainer.close()
     assert trainer.offload.kind == offload
     del trainer
-    return kept, records, load_file(root / "push" / f"v{STEPS}" / "model.safetensors")
+    return kept, records, load_file(share.directory(STEPS) / "model.safetensors")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,9 @@ back with the newest weights written, which the servers load before they generat
 published when it is handed over, so admission opens the next batch only for the weights that will serve it.
 Each start takes a new turn epoch, so a step it takes again after a restart is released for anew, and numbers
 its first write above every published version (a fresh run's is version 0, which the servers already serve), so
-the servers load what a resumed trainer hands over and versions never go back in age.
+the servers load what a resumed trainer hands over and versions never go back in age. Its directories are named by
+its epoch too (``root/v<version>-e<epoch>/``): an older trainer still running, fenced by a newer one and numbering a
+version the same, writes beside the newer one's weights, never over them, and its pruning leaves them alone.
 With the one-step overlap (``placement.colocated_staleness=1``) the trainer does not take the device: the
 engines keep generating on the previous weights while it trains, and load each new version when it is given.
 Once a newer trainer of the run started, the turns and the version are refused (``TrainerFenced``; ``DeviceTurns``
@@ -17,6 +19,7 @@ and ``StalenessControl`` made with the trainer's buffer as their fence), on ever
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -39,10 +42,12 @@ from trainer.parallel import iter_full_params
 log = logging.getLogger(__name__)
 
 KEEP_VERSIONS = 2  # the one the servers load or serve, and the newest
+_WRITTEN = re.compile(r"\.?v(\d+)-e(\d+)(?:\.partial)?")  # a version's directory, or one being written: version, epoch
 
 
 class LocalPusher:
-    """Writes each version to ``root/v<version>/`` and hands the device over (rank 0; other ranks only gather)."""
+    """Writes each version to ``root/v<version>-e<epoch>/`` and hands the device over (rank 0; other ranks only
+    gather)."""
 
     def __init__(
         self,
@@ -64,7 +69,8 @@ class LocalPusher:
         self.epoch = turns.new_epoch() if turns is not None else 0  # this trainer start's
         self.published = 0
         self.last_pushed = 0
-        self.written: tuple[int, int] | None = None  # version (in root/v<version>), groups trained on
+        self.written: tuple[int, int] | None = None  # version (in directory(version)), groups trained on
+        self.handed_over = False  # a version of this start's: the turn no longer names an older start's directory
 
     # ---- Pusher -------------------------------------------------------------------------------
 
@@ -81,8 +87,8 @@ class LocalPusher:
         trained = groups_trained(self._staleness, unacked)
         fresh = self.written is None and self.published == 0 and trained == 0
         version = 0 if fresh else max(self.last_pushed, self.published) + 1
-        out = self.root / f"v{version}"
-        partial = self.root / f".v{version}.partial"
+        out = self.directory(version)
+        partial = out.with_name(f".{out.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in params}
@@ -90,11 +96,15 @@ class LocalPusher:
         config = self.model_path / "config.json"
         if config.exists():  # SGLang reads the directory as a model
             shutil.copy(config, partial / "config.json")
-        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)  # only a dead start's of this epoch: one without turns (epoch 0)
         partial.rename(out)
         self.written, self.last_pushed = (version, trained), version
         self._prune()
         return PushRound(version, [], time.perf_counter() - start, trained)
+
+    def directory(self, version: int) -> Path:
+        """Where this start writes ``version``, named by its epoch: no other start writes or removes it."""
+        return self.root / f"v{version}-e{self.epoch}"
 
     def take_results(self) -> list[PushResult]:
         return []
@@ -130,14 +140,23 @@ class LocalPusher:
         version, trained = self.written
         if self._staleness is not None:  # first: a version handed over is published (a newer trainer numbers above)
             self._staleness.set_version(version, trained)
-        self.turns.give(self.epoch, step, version, str(self.root / f"v{version}"))
+        self.turns.give(self.epoch, step, version, str(self.directory(version)))
         self.published = max(self.published, version)
+        self.handed_over = True
 
     def _prune(self) -> None:
-        keep = {f"v{v}" for v in range(self.last_pushed - KEEP_VERSIONS + 1, self.last_pushed + 1)}
-        for old in self.root.glob("v*"):
-            if old.name not in keep:
-                shutil.rmtree(old, ignore_errors=True)
+        """Remove this start's versions before its last ``KEEP_VERSIONS`` and, once it handed one over (until then the
+        turn may name an older start's), every directory of the starts before it, partial ones too. A newer start's
+        are never touched: this start may be one it fenced, still writing, whose turns are refused."""
+        for path in self.root.iterdir():
+            written = _WRITTEN.fullmatch(path.name)
+            if written is None:
+                continue
+            version, epoch = int(written[1]), int(written[2])
+            if (epoch == self.epoch and version <= self.last_pushed - KEEP_VERSIONS) or (
+                epoch < self.epoch and self.handed_over
+            ):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _on_rank0(act: Callable[[int], None] | None, step: int) -> None:

@@ -154,8 +154,9 @@ def check_redis_url(url: str) -> str:
 
 def check_engine_url(url: str) -> str:
     """An engine base URL, ``http(s)://host[:port]``, without credentials: a URL lands on command lines, in logs
-    and in dumped configs, which ``engine.api_key`` never does. One without a scheme would be polled until
-    ``engine.ready_timeout_s`` (an hour by default), then blamed on that key."""
+    and in dumped configs, which ``engine.api_key`` never does. One without a scheme, or with a path (the OpenAI API's
+    ``/v1``: the engine's routes are at its root), would be polled until ``engine.ready_timeout_s`` (an hour by
+    default), then blamed on that key."""
     parts = urlsplit(url)
     if parts.username is not None or parts.password is not None:  # not echoed: it would show them
         raise ValueError("an engine URL carries credentials: give the engine's key in engine.api_key (env "
@@ -164,9 +165,17 @@ def check_engine_url(url: str) -> str:
         port_ok = parts.port is None or parts.port > 0
     except ValueError:
         port_ok = False
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
-        raise ValueError(f"{url} is not an engine URL: want http(s)://host:port, e.g. http://127.0.0.1:30000")
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or parts.path not in ("", "/") \
+            or parts.query or parts.fragment or any(c.isspace() for c in url):
+        raise ValueError(f"{url} is not an engine URL: want http(s)://host:port, e.g. http://127.0.0.1:30000 (no "
+                         "path: the engine's routes are at its root)")
     return url
+
+
+def _engine_address(url: str) -> tuple[str, str, int]:
+    """What names one engine: its scheme, host and port (the default one when the URL gives none)."""
+    parts = urlsplit(url)
+    return parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
 
 
 class RedisConfig(Section):
@@ -232,7 +241,12 @@ class EngineConfig(Section):
     @field_validator("urls")
     @classmethod
     def _engine_urls(cls, urls: list[str]) -> list[str]:
-        return [check_engine_url(url) for url in urls]
+        """Each engine once: a second URL of it would take a second share of the requests and of every weight push."""
+        first: dict[tuple[str, str, int], int] = {}
+        for i, url in enumerate(urls):
+            if (j := first.setdefault(_engine_address(check_engine_url(url)), i)) != i:
+                raise ValueError(f"{urls[j]!r} and {url!r} are one engine: list each engine once")
+        return urls
 
 
 class RolloutConfig(Section):
@@ -791,6 +805,8 @@ def read_yaml(path: Path, what: str) -> Any:
         return load_yaml(path)
     except FileNotFoundError as exc:
         raise ConfigError(f"{what} {path} does not exist") from exc
+    except OSError as exc:  # a directory, a file it may not read
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
     except TextFileError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -17,7 +17,6 @@ jobs and tasks name a function, they never give an import path.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import math
@@ -27,6 +26,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from core.deadline import Overdue, within
+from core.imports import import_object
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
 
 RewardFn = Callable[..., Awaitable[float | tuple[float, dict[str, Any]]]]
 REWARD_TIMEOUT_S = 60.0  # rollout.reward_timeout_s's default
+REWARD_ARGS = ("task", "messages", "final_text", "tool_rewards")  # what a reward function is called with
 
 
 def normalize_number(raw: str) -> Decimal | None:
@@ -145,13 +146,18 @@ def load_reward_fn(name: str, allowlist: Mapping[str, str] | None = None) -> Rew
     path = (allowlist or {}).get(name)
     if path is None:
         raise ValueError(f"reward {name!r}: not a built-in ({', '.join(BUILTIN)}) nor in rollout.reward_allowlist")
-    module_name, _, attr = path.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+        fn = import_object(path)
+    except ImportError as exc:
         raise ValueError(f"reward {name!r} ({path}): cannot import: {exc}") from exc
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"reward {name!r} ({path}): must be an async function")
+    signature = inspect.signature(fn)
+    try:  # called so for every episode: a function that takes other arguments would fail them all
+        signature.bind(*REWARD_ARGS)
+    except TypeError as exc:
+        raise ValueError(f"reward {name!r} ({path}): takes {signature} ({exc}); a reward function is called as "
+                         f"fn({', '.join(REWARD_ARGS)})") from None
     return fn
 
 

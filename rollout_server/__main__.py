@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import logging
+import os
 import secrets
 import signal
 import sys
@@ -41,12 +41,13 @@ from core.config import (
     require_secret,
 )
 from core.metrics import serve_metrics
-from core.net import is_loopback
+from core.net import is_loopback, listen_socket
 from core.placement import check_cpus, pin
 from core.process import die_with_parent, forget_environment, prepare_component
 from core.rewards import load_reward_fn
 from core.tiny_model import ensure_model
 from rollout_server.agent_loop import parse_version
+from rollout_server.agent_runner import check_entrypoints
 from rollout_server.checkpoint_receiver import CheckpointMetrics, ReceiverThread
 from rollout_server.colocation import EngineTurns
 from rollout_server.engine.process import EngineProcess
@@ -57,9 +58,8 @@ from rollout_server.worker import RolloutWorker
 
 log = logging.getLogger("rollout_server")
 
-
-
 ENGINE_METRICS_TIMEOUT_S = 10.0
+HIDDEN_FROM_AGENTS = (*SECRETS.values(), "REDIS_URL")  # this server's secrets and Redis's address
 
 
 def check_engines(cfg: EngineConfig) -> None:
@@ -183,17 +183,37 @@ def name_adapter(engines: list[EngineClient], name: str | None) -> None:
         engine.lora_path = name
 
 
-def _start(cfg: Config) -> None:
-    """What a rollout server needs before it starts: the checkpoint token, usable engines, its CPUs (which the
-    embedded engine it starts inherits, with one torch thread per CPU unless ``engine.threads`` says) and its
-    agents' (checked while it may still use them all), and the
-    code its config names, so a typo stops it here rather than failing every task later."""
+def _start(cfg: Config) -> ToolRegistry:
+    """What a rollout server needs before it starts: the checkpoint token, usable engines, addresses to listen on, its
+    CPUs (which the embedded engine it starts inherits, with one torch thread per CPU unless ``engine.threads`` says)
+    and its agents' (checked while it may still use them all), the code its config names and its tools, so a typo
+    stops it here, as a config its launcher hears refused, rather than failing every task later."""
     if cfg.placement.mode == "decoupled":
         require_secret(cfg, "checkpoint.token")
     check_engines(cfg.engine)
+    check_hosts(cfg)
     check_cpus(cfg.placement.agent_cpus, "placement.agent_cpus")  # the agents pin themselves: checked before this
     cfg.engine.threads = pin(cfg.placement.rollout_cpus, "placement.rollout_cpus", cfg.engine.threads)
     check_code(cfg.rollout)
+    return load_tools(cfg.rollout)
+
+
+def check_hosts(cfg: Config) -> None:
+    """Each address this server (and the embedded engine it starts) listens on is one of this host's: a typo stopped
+    it only once it bound, with a traceback, and its supervisor started it again, to fail again."""
+    hosts = {"rollout.openai_host": cfg.rollout.openai_host}
+    if cfg.rollout.metrics_port is not None:
+        hosts["rollout.metrics_host"] = cfg.rollout.metrics_host
+    if cfg.placement.mode == "decoupled":  # the checkpoint receiver
+        hosts["rollout.grpc_host"] = cfg.rollout.grpc_host
+    if not cfg.engine.urls:
+        hosts["engine.host"] = cfg.engine.host
+    for key, host in hosts.items():
+        try:
+            listen_socket(host, 0, key).close()  # as the servers bind it, on any free port
+        except OSError as exc:
+            raise ConfigError(f"{key}: cannot listen on {host!r}: {exc.strerror or exc} (give an address of this "
+                              "host: 127.0.0.1, or 0.0.0.0 for all of them)") from None
 
 
 def load_tools(cfg: RolloutConfig) -> ToolRegistry:
@@ -206,21 +226,23 @@ def load_tools(cfg: RolloutConfig) -> ToolRegistry:
 
 
 def check_code(cfg: RolloutConfig) -> None:
-    """Every reward function of ``rollout.reward_allowlist`` imports (the worker imports them here too), and the
-    module of every ``rollout.agent_allowlist`` entry exists (agents are imported only in their own processes)."""
+    """Every reward function of ``rollout.reward_allowlist`` imports (the worker imports them here too), and every
+    ``rollout.agent_allowlist`` entry is a function an agent's process can call (checked in a process of its own,
+    without this server's secrets: agents are imported only outside it)."""
     for name in cfg.reward_allowlist:
         try:
             load_reward_fn(name, cfg.reward_allowlist)
         except ValueError as exc:
             raise ConfigError(f"rollout.reward_allowlist.{name}: {exc}") from None
-    for entry in cfg.agent_allowlist:
-        module = entry.partition(":")[0]
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise ConfigError(f"rollout.agent_allowlist: {entry}: no module {module!r} on this server's path")
+    if not cfg.agent_allowlist:
+        return
+    env = {name: value for name, value in os.environ.items() if name not in HIDDEN_FROM_AGENTS}
+    try:
+        refused = check_entrypoints(cfg.agent_allowlist, cfg.agent_timeout_s, env)
+    except ValueError as exc:
+        raise ConfigError(f"rollout.agent_allowlist: {exc}") from None
+    if refused:
+        raise ConfigError("rollout.agent_allowlist: " + "; ".join(f"{entry}: {why}" for entry, why in refused.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,12 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for name in ("httpx", "httpx2"):  # an INFO line per request otherwise (metrics proxy, the agents' openai client)
         logging.getLogger(name).setLevel(logging.WARNING)
-    cfg = load_config_or_exit(args.config, args.overrides, check=_start)
+    started: list[ToolRegistry] = []  # the start check builds the tools: a bad tool config is a config refused
+    cfg = load_config_or_exit(args.config, args.overrides, check=lambda cfg: started.append(_start(cfg)))
     try:
-        tools = load_tools(cfg.rollout)
         cfg.redis.url = configured_url(cfg.redis)  # read now: the agents run by this server must not inherit
-        forget_environment([*SECRETS.values(), "REDIS_URL"])  # its secrets or Redis's address
-        uvloop.run(serve(cfg, tools))  # an engine round trip costs half the client CPU (bench/http_loop.py)
+        forget_environment(HIDDEN_FROM_AGENTS)  # its secrets or Redis's address
+        uvloop.run(serve(cfg, started[0]))  # an engine round trip costs half the client CPU (bench/http_loop.py)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import importlib
 import inspect
+import json
 import logging
 import math
 import multiprocessing
@@ -37,11 +38,14 @@ import reprlib
 import resource
 import select
 import signal
+import subprocess
 import sys
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
+
+from core.imports import import_object
 
 ERROR_TAIL = 2000
 OUTPUT_TAIL = 16 << 10  # bytes of what an agent printed that are kept and logged: the last ones
@@ -49,6 +53,10 @@ KILL_WAIT_S = 10.0
 PR_SET_CHILD_SUBREAPER = 36
 _FORK_SERVER = multiprocessing.get_context("forkserver")
 log = logging.getLogger(__name__)
+AGENT_ARGS = ("task", "base_url", "api_key")  # what an agent is called with
+_CHECK = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+          "from rollout_server.agent_runner import entrypoint_error; "
+          "print('\\n' + json.dumps({e: entrypoint_error(e) for e in sys.argv[2:]}))")
 
 
 @dataclass
@@ -91,6 +99,48 @@ class _Output:
 
 def agent_task(task: Any) -> dict[str, Any]:
     return {"task_id": task.task_id, "messages": task.messages, "tools": task.tools}
+
+
+def entrypoint_error(entrypoint: str) -> str | None:
+    """Why ``entrypoint`` cannot run as an agent, or None. Imports its module, the operator's code: call it in a
+    process of its own (``check_entrypoints``)."""
+    try:
+        fn = import_object(entrypoint)
+    except ModuleNotFoundError:
+        return f"no module {entrypoint.partition(':')[0]!r} on this server's path"
+    except ImportError as exc:
+        return str(exc)
+    if not callable(fn):
+        return f"{reprlib.repr(fn)} is not callable; an agent is a function"
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        return "is a generator function; an agent returns its reward (a float or None)"
+    try:
+        signature = inspect.signature(fn)
+    except ValueError:  # none to read (a builtin): the call will tell
+        return None
+    try:
+        signature.bind(*AGENT_ARGS)
+    except TypeError as exc:
+        return f"takes {signature} ({exc}); an agent is called as fn({', '.join(AGENT_ARGS)})"
+    return None
+
+
+def check_entrypoints(entrypoints: list[str], timeout_s: float, env: dict[str, str]) -> dict[str, str]:
+    """Why each of ``entrypoints`` that cannot run as an agent cannot (``entrypoint_error``), found in a process of
+    its own with ``env``, the agents' environment: their modules are the operator's code, and one that raised as the
+    fork server imported it would end that server, and every agent run with it. ValueError when that process takes
+    over ``timeout_s`` or dies."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHECK, json.dumps(sys.path), *entrypoints], env=env,
+                              capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"importing the agents' modules took over {timeout_s:g}s (rollout.agent_timeout_s)") from None
+    printed = proc.stdout.strip().splitlines()  # the last line: what a module printed as it was imported comes first
+    # (on lines of its own: the verdict starts a line, even after a print that ended none)
+    if proc.returncode != 0 or not printed:
+        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        raise ValueError(f"importing the agents' modules ended the process that checked them: {last}")
+    return {entry: why for entry, why in json.loads(printed[-1]).items() if why is not None}
 
 
 async def start_fork_server(entrypoints: list[str]) -> None:

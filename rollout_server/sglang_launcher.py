@@ -40,6 +40,19 @@ DEFAULT_TOOL_CALL_PARSER = "qwen"
 # the key holds ``REDACTED`` instead (a plain LogRecord still, with its message formatted; SGLang runs in its own
 # environment, which need not have rollwave: hence inline).
 REDACTED = "<engine api key>"
+# SGLang's flags this command sets, each with what to do instead: one among the extra arguments overrode it (SGLang
+# takes the last), so a --host there bound SGLang off loopback without the key that --host requires, an --api-key
+# showed the key in the command line, and a --weight-version could be one rollwave cannot number
+_OWN_FLAGS = {
+    "--model-path": "give --model", "--host": "give --host", "--port": "give --port",
+    "--weight-version": "give --weight-version", "--tp-size": "give --tp", "--tensor-parallel-size": "give --tp",
+    "--mem-fraction-static": "give --mem-fraction", "--enable-memory-saver": "give --colocate",
+    "--enable-lora": "give --lora-rank", "--max-lora-rank": "give --lora-rank",
+    "--lora-target-modules": "give --lora-target-modules",
+    "--api-key": f"give the key in --api-key-file or {ENGINE_KEY_ENV}, never in the command line (every local user "
+                 "can read it)",
+    "--skip-tokenizer-init": "the tokenizer stays on: stop strings such as </tool_call> need it",
+}
 LAUNCH_WITH_KEY_FROM_ENV = f"""import logging, os, runpy, sys
 key = os.environ.pop({ENGINE_KEY_ENV!r})
 sys.argv[1:1] = ['--api-key', key]
@@ -82,6 +95,10 @@ def build_command(
         raise ValueError(f"--tp must be at least 1, got {tp}")
     if mem_fraction is not None and not 0 < mem_fraction < 1:
         raise ValueError(f"--mem-fraction must be in (0, 1), got {mem_fraction}")
+    if lora_targets and lora_rank is None:
+        raise ValueError("--lora-target-modules needs --lora-rank (model.lora.rank), which turns SGLang's LoRA on: "
+                         "without it the modules would be ignored")
+    _check_extra(extra or [])
     cmd = [
         python,
         *(["-c", LAUNCH_WITH_KEY_FROM_ENV] if key_from_env else ["-m", "sglang.launch_server"]),
@@ -108,6 +125,18 @@ def build_command(
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
         cmd += ["--lora-target-modules", *lora_targets] if lora_targets else []
     return cmd + list(extra or [])
+
+
+def _check_extra(extra: list[str]) -> None:
+    """ValueError for an argument after ``--`` that sets one of SGLang's flags this command sets (``_OWN_FLAGS``),
+    naming what to give instead; an abbreviation too (SGLang's argparse takes a unique prefix of a flag)."""
+    for arg in extra:
+        name = arg.partition("=")[0]  # never the value: it may be a key
+        if name.startswith("--") and len(name) > 2:
+            own = name if name in _OWN_FLAGS else next((flag for flag in _OWN_FLAGS if flag.startswith(name)), None)
+            if own is not None:
+                raise ValueError(f"{name} (after --) would override SGLang's {own} as this command sets it; "
+                                 f"{_OWN_FLAGS[own]}")
 
 
 def sglang_version(python: str, timeout_s: float = 120.0) -> str:

@@ -187,7 +187,8 @@ def test_a_tool_the_api_host_cannot_import_keeps_its_name_checked(tmp_path: Path
     cfg = tmp_path / "tools.yaml"
     cfg.write_text("- name: calculator\n- name: judge\n  class: needs_gpu_tool:Judge\n")
     assert tool_requirements(cfg) == {"calculator": (), "judge": None}
-    assert "tools[1] (judge): cannot import it here (no GPU here)" in caplog.text
+    assert "tools[1] (judge): cannot import class 'needs_gpu_tool:Judge': importing needs_gpu_tool raised " \
+        "RuntimeError: no GPU here" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ A custom tool is any ``Tool`` subclass named by import path. Errors name the fil
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from core.imports import import_object
 from core.text_files import TextFileError, line_of, load_yaml, yaml_key_lines
 from rollout_server.tools.base import Tool
 
@@ -63,16 +63,6 @@ class _ToolSchema(_Open):
     function: _Function
 
 
-def import_class(path: str) -> type:
-    """``pkg.mod:Class`` or ``pkg.mod.Class``."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ImportError(f"{path!r} is not an import path (module:Class)")
-    return getattr(importlib.import_module(module_name), attr)
-
-
 class ToolRegistry:
     """The tools a rollout server offers, by name; a task picks a subset through ``task.tools``."""
 
@@ -92,12 +82,7 @@ class ToolRegistry:
         """Tools of a YAML config, or the built-in ones when ``path`` is None."""
         if path is None:
             return cls.builtin()
-        path = Path(path)
-        tools = _each_entry(path, _build)
-        try:
-            return cls(tools)
-        except ToolConfigError as exc:
-            raise ToolConfigError(f"{path}: {exc}") from None
+        return cls(_each_entry(Path(path), _build))
 
     def get(self, name: str) -> Tool:
         if name not in self.tools:
@@ -120,8 +105,8 @@ def tool_requirements(path: str | Path | None) -> dict[str, tuple[str, ...] | No
         name, class_path, where = _locate(entry, where)
         try:
             return name, _import_tool(class_path, where).create_requires
-        except Exception as exc:  # the operator's module, importing anything: the rollout servers will say
-            log.warning("%s: cannot import it here (%s); jobs are checked for its name only", where, exc)
+        except ToolConfigError as exc:  # the operator's module, importing anything: the rollout servers will say
+            log.warning("%s; it cannot be imported here: jobs are checked for its name only", exc)
             return name, None
 
     if path is None:
@@ -130,12 +115,18 @@ def tool_requirements(path: str | Path | None) -> dict[str, tuple[str, ...] | No
 
 
 def _each_entry(path: Path, make: Callable[[Any, str], T]) -> list[T]:
-    """``make(entry, "tools[i]")`` for each entry of the file; a ToolConfigError is prefixed by the file and line."""
+    """``make(entry, "tools[i]")`` for each entry of the file; a ToolConfigError (a name given twice too) is prefixed
+    by the file and line."""
     entries, under = _entries(path)
-    made = []
+    made: list[T] = []
+    first: dict[str, int] = {}
     for i, entry in enumerate(entries):
         try:
             made.append(make(entry, f"tools[{i}]"))
+            if (j := first.setdefault(entry["name"], i)) != i:  # ``make`` checked the name
+                line = line_of(yaml_key_lines(path), (*under, j))
+                raise ToolConfigError(f"tools[{i}]: two tools are named {entry['name']!r} (the other is tools[{j}], "
+                                      f"line {line}); each tool needs a name of its own")
         except ToolConfigError as exc:  # the file's lines are looked up only for an error
             raise ToolConfigError(f"{path}:{line_of(yaml_key_lines(path), (*under, i))}: {exc}") from None
     return made
@@ -147,6 +138,8 @@ def _entries(path: Path) -> tuple[list[Any], tuple[str, ...]]:
         data = load_yaml(path)
     except FileNotFoundError:
         raise ToolConfigError(f"tool config {path} does not exist") from None
+    except OSError as exc:  # a directory, a file it may not read
+        raise ToolConfigError(f"tool config {path}: {exc.strerror or exc}") from None
     except TextFileError as exc:  # not UTF-8, not YAML, a key twice: names the file and the line
         raise ToolConfigError(str(exc)) from None
     entries = data.get("tools") if isinstance(data, dict) else data
@@ -177,8 +170,8 @@ def _locate(entry: Any, where: str) -> tuple[str, str, str]:
 
 def _import_tool(class_path: str, where: str) -> type[Tool]:
     try:
-        tool_cls = import_class(class_path)
-    except (ImportError, AttributeError) as exc:
+        tool_cls = import_object(class_path)
+    except ImportError as exc:
         raise ToolConfigError(f"{where}: cannot import class {class_path!r}: {exc}") from None
     if not (isinstance(tool_cls, type) and issubclass(tool_cls, Tool)):
         raise ToolConfigError(f"{where}: {class_path} is not a subclass of rollout_server.tools.base.Tool")
@@ -206,5 +199,5 @@ def _build(entry: Any, where: str) -> Tool:
         raise ToolConfigError(f"{where}: 'kwargs' must be a mapping")
     try:
         return tool_cls(name=name, schema=schema, **kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ToolConfigError(f"{where}: cannot construct {class_path}: {exc}") from None
+    except Exception as exc:  # the operator's constructor, doing anything (a probe, a connection): a config error
+        raise ToolConfigError(f"{where}: cannot construct {class_path}: {type(exc).__name__}: {exc}") from None

@@ -115,7 +115,9 @@ async def serve(cfg: Config, tools: ToolRegistry) -> None:
             try:
                 await engine.wait_ready(cfg.engine.ready_timeout_s)
             except EngineError as exc:
-                raise ConfigError(f"engine.ready_timeout_s: {exc}") from None
+                key = {401: "engine.api_key", 403: "engine.api_key", 404: "engine.urls"}.get(exc.status or 0,
+                                                                                           "engine.ready_timeout_s")
+                raise ConfigError(f"{key}: {exc}") from None
             try:
                 parse_version(await engine.weight_version())
             except (EngineError, ValueError) as exc:

@@ -42,6 +42,14 @@ DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 KEEPALIVE_EXPIRY_S = 2.0
 
 
+# /health answers that waiting cannot change (a starting engine answers 503, or refuses the connection), with why
+FINAL_HEALTH = {
+    401: "the engine refused this server's key (engine.api_key)",
+    403: "the engine refused this server's key (engine.api_key)",
+    404: "no /health here: is this the base URL of an SGLang engine (no path)?",
+}
+
+
 class EngineError(RuntimeError):
     """A failed engine call: ``status`` is the HTTP status (None when the server was unreachable)."""
 
@@ -244,13 +252,19 @@ class EngineClient:
 
     async def health(self) -> bool:
         """One probe, no retries: True when ``/health`` answers 200."""
-        return await self._unhealthy(30.0) is None
+        try:
+            return await self._unhealthy(30.0) is None
+        except EngineError:  # refused, or no engine there: not healthy either
+            return False
 
     async def _unhealthy(self, timeout_s: float) -> str | None:
-        """One probe of ``/health`` bounded by ``timeout_s``: None when it answers 200, else why not."""
+        """One probe of ``/health`` bounded by ``timeout_s``: None when it answers 200, else why not. EngineError for
+        an answer no wait can change: the key refused (401, 403), no such route (404: not an engine's URL)."""
         try:
             async with self._session().get(self.base_url + "/health",
                                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status in FINAL_HEALTH:
+                    raise EngineError(resp.status, FINAL_HEALTH[resp.status], self.base_url + "/health")
                 return None if resp.status == 200 else f"HTTP {resp.status}"
         except TimeoutError:
             return f"no answer within {timeout_s:.3g}s"
@@ -259,8 +273,9 @@ class EngineClient:
 
     async def wait_ready(self, timeout_s: float = 3600.0, log_every_s: float = 30.0) -> None:
         """Poll ``/health`` until it answers 200, logging every ``log_every_s`` that it still waits (a big model
-        takes minutes to load); raises EngineError after ``timeout_s``, saying what the last probe got. No probe
-        outlasts the time left: an engine that accepts and never answers used to hold one for 30 s past it."""
+        takes minutes to load); raises EngineError after ``timeout_s``, saying what the last probe got, and at once
+        for an answer waiting cannot change (``FINAL_HEALTH``: a wrong key waited out the hour). No probe outlasts
+        the time left: an engine that accepts and never answers used to hold one for 30 s past it."""
         start = time.monotonic()
         next_log = start + log_every_s
         while (why := await self._unhealthy(max(0.1, min(30.0, start + timeout_s - time.monotonic())))) is not None:

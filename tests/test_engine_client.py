@@ -334,6 +334,32 @@ def test_wait_ready_on_an_engine_that_never_answers_ends_in_its_time() -> None:
     asyncio.run(run())
 
 
+def test_wait_ready_ends_at_once_on_an_answer_waiting_cannot_change() -> None:
+    """A wrong key (401) or a URL that is no engine's (404, e.g. one ending /v1) was polled for all of
+    ``engine.ready_timeout_s``, an hour by default, then said "not healthy". Each is an error at the first probe,
+    naming the key or the URL; a 503 (an engine still starting) is waited through."""
+    app = FastAPI()
+    answers = iter([503, 503, 401])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({}, status_code=next(answers))
+
+    async def run() -> None:
+        async with serve(app) as url:
+            async with EngineClient(url, retries=0) as client:
+                with pytest.raises(EngineError) as refused:
+                    await client.wait_ready(3600)
+            async with EngineClient(url + "/v1", retries=0) as client:
+                with pytest.raises(EngineError) as missing:
+                    await client.wait_ready(3600)
+                assert not await client.health()
+        assert refused.value.status == 401 and "engine.api_key" in str(refused.value), refused.value
+        assert missing.value.status == 404 and "no /health here" in str(missing.value), missing.value
+
+    asyncio.run(run())
+
+
 def test_connection_errors_are_retried_then_reported() -> None:
     async def run() -> None:
         sock = bound_socket()

@@ -30,7 +30,7 @@ from buffer.redis_server import connect
 from buffer.registry import PushRecord, ServerRegistry
 from buffer.replay import ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
-from core.config import CONFIG_ERROR_EXIT, BufferConfig, Config, load_config_or_exit, require_secret
+from core.config import CONFIG_ERROR_EXIT, BufferConfig, Config, ConfigError, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
 from core.placement import pin
 from core.process import die_with_parent, prepare_component
@@ -199,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     connected to Redis and took its fence: a bad TLS file, a model that fails to load, a checkpoint that fails to
     resume) or its training loop (then re-raised: the process fails); LocalStack and Ray restart a crashed trainer,
     and the restart clears that end once it trains again, so ``rollwave submit --wait`` waits a while for it
-    (``client_cmd.wait_for_job``), then ends with the reason. A ``CheckpointMismatch`` is recorded the same way but
-    exits ``CONFIG_ERROR_EXIT``, which no launcher restarts (it would only fail again). A trainer fenced by a newer one
+    (``client_cmd.wait_for_job``), then ends with the reason. A ``CheckpointMismatch`` (a checkpoint that does not fit
+    the run, or is damaged) or a ``ConfigError`` out of the start (a model directory whose weights do not fit its
+    config.json, a LoRA target the engines cannot serve) is recorded the same way but exits ``CONFIG_ERROR_EXIT``,
+    which no launcher restarts (it would only fail again). A trainer fenced by a newer one
     of its run (``TrainerFenced``) records nothing, its start, its end and a crash included (``RunRecord``): the run's
     end and budget are the newer one's; it exits ``CONFIG_ERROR_EXIT`` too (a restart would fence the newer one)."""
     prepare_component()
@@ -270,7 +272,7 @@ def _train(cfg: Config, resume: bool) -> int:
             reason = trainer.run(source, published if status is not None else None)
         except TrainerFenced:  # no crash: main says why it stops (the run's end is the newer trainer's)
             raise
-        except CheckpointMismatch as exc:  # starting again cannot help: recorded, and no launcher restarts it
+        except (CheckpointMismatch, ConfigError) as exc:  # starting again cannot help: recorded, not restarted
             if run_record is not None:
                 run_record.crashed(exc, trainer.step, *versions())
             print(f"error: {exc}", file=sys.stderr)

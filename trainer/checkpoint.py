@@ -14,15 +14,21 @@ With a critic (``trainer.advantage=gae``) its model and optimizer are in the sam
 ``critic_optim``) and its HF config in ``critic_config/``, so the export can rebuild it.
 An optimizer written with one parameter group (before the matrices and the 1-D parameters had a group each, for
 ``trainer.weight_decay``) resumes into the run's groups; another count of groups is refused, naming the checkpoint.
+The state file records each file's size and CRC-32 (``files``; DCP's files carry no checksum, so a shard damaged past
+its headers loaded as other numbers): a resume or an export refuses a checkpoint whose files differ, naming the file
+and the way out. A save that fails names the checkpoint and the room left on its file system.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import shutil
-from collections.abc import Callable, Mapping
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -54,6 +61,9 @@ log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
 CRITIC_CONFIG = "critic_config"
 _PREFIX = "step_"
+_NAME = re.compile(rf"{_PREFIX}(\d+)")  # a checkpoint's directory; a copy beside it (step_00000004.bak) is none
+_METADATA = ".metadata"  # DCP's index of the shards
+_CHUNK = 1 << 24
 Critic = tuple[nn.Module, torch.optim.Optimizer]  # the value model and its optimizer
 
 
@@ -126,6 +136,133 @@ def _load_rng(path: Path, step: int) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _step(path: Path) -> int | None:
+    """The step of checkpoint directory ``path``; None for a name that is none."""
+    match = _NAME.fullmatch(path.name)
+    return int(match[1]) if match else None
+
+
+def _complete(root: Path) -> list[Path]:
+    """The complete checkpoints under ``root`` (their state file written last), oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _step(p) is not None and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix(_PREFIX)))
+
+
+def _cause(exc: BaseException) -> str:
+    """What went wrong, in one line: of DCP's CheckpointException (every rank's tracebacks), the first failure's."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _damaged(path: Path, problem: str) -> CheckpointMismatch:
+    """The refusal of checkpoint ``path``, which does not hold what was written (``problem``), with the way out: no
+    resume falls back to an earlier checkpoint by itself, since the groups trained after that one were acked."""
+    listed = _complete(path.parent)
+    earlier = listed[: listed.index(path)] if path in listed else []
+    then = f"resume from {earlier[-1].name}" if earlier else "start from model.path"
+    return CheckpointMismatch(f"{problem}: checkpoint {path.name} is damaged: restore it from a copy, or move it out "
+                              f"of {path.parent} to {then} (the groups trained since were acked: they are not "
+                              "trained again)")
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    """The state file of checkpoint ``path``; one cut short or edited into no state is refused, naming it."""
+    file = path / STATE_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: not a complete checkpoint ({STATE_FILE} missing)")
+    try:
+        record = json.loads(file.read_text())
+    except ValueError as exc:  # JSONDecodeError names the line and column; UnicodeDecodeError the byte
+        raise _damaged(path, f"{file}: {exc}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "scheduler" not in record:
+        raise _damaged(path, f"{file}: holds no step and scheduler state")
+    return record
+
+
+def _digest(file: Path) -> list[int]:
+    """[bytes, CRC-32] of ``file``, as the state file records it."""
+    size = crc = 0
+    with file.open("rb") as stream:
+        while chunk := stream.read(_CHUNK):
+            size += len(chunk)
+            crc = zlib.crc32(chunk, crc)
+    return [size, crc]
+
+
+def _gathered(local: list[Any]) -> list[Any]:
+    """Every rank's ``local`` items, in rank order (a collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return [item for part in parts for item in part]
+
+
+def _share(names: Iterable[str]) -> list[str]:
+    """This rank's share of ``names`` (every world-th), so that the ranks read a checkpoint's files in parallel."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return sorted(names)[_rank()::world]
+
+
+def _data_files(metadata: Metadata) -> list[str]:
+    """What ``dcp.save`` and ``_save_rng`` wrote: every rank's shards, DCP's index and every rank's RNG state."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    shards = {info.relative_path for info in metadata.storage_data.values()}
+    return sorted(shards | {_METADATA} | {_rng_file(Path(), rank).name for rank in range(world)})
+
+
+def _difference(file: Path, size: int, crc: int) -> str | None:
+    """How ``file`` differs from the ``size`` and ``crc`` it was written with; None where it does not."""
+    if not file.is_file():
+        return "missing"
+    got_size, got_crc = _digest(file)
+    if got_size != size:
+        return f"{got_size} bytes, {size} were written"
+    return None if got_crc == crc else "its bytes differ from those written (CRC-32)"
+
+
+def _check_files(path: Path, record: Mapping[str, Any]) -> None:
+    """Refuse checkpoint ``path`` where a file differs from what its state file records, naming the first (every rank
+    reads its share, and all refuse alike). One written before the record is read as it is."""
+    files = record.get("files")
+    if files is None:
+        return
+    found = _gathered([(name, _difference(path / name, *files[name])) for name in _share(files)])
+    if damaged := sorted((name, why) for name, why in found if why is not None):
+        name, why = damaged[0]
+        raise _damaged(path, f"{path / name}: {why}")
+
+
+def _read_metadata(path: Path) -> Metadata:
+    """DCP's index of checkpoint ``path``; missing or unreadable, refused naming it."""
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # missing, or cut short: unpickling raises whatever the bytes make it
+        raise _damaged(path, f"{path / _METADATA}: unreadable ({_cause(exc)})") from None
+
+
+def _free(path: Path) -> str:
+    """The room left on the file system of ``path`` (of its nearest existing parent: it may not exist yet)."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    return f"{shutil.disk_usage(existing).free / 2**30:.1f} GiB"
+
+
+@contextlib.contextmanager
+def _writing(staging: Path) -> Iterator[None]:
+    """An error writing checkpoint ``staging`` as one naming it, its cause and the room left on its file system (DCP's
+    names neither, and is a BaseException, which the trainer's crash record let through). What was staged goes at the
+    next save; the last complete checkpoint stays the one a resume starts from."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:
+        raise OSError(f"{staging}: cannot write the checkpoint: {_cause(exc)} ({_free(staging)} free on its file "
+                      "system); a resume starts from the last complete one") from exc
+
+
 def _check_settings(path: Path, saved: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
     """Refuse a resume under settings other than those the checkpoint was written with, naming the key (within a
     section such as ``model.lora``, the field)."""
@@ -141,21 +278,25 @@ def _check_settings(path: Path, saved: Mapping[str, Any], settings: Mapping[str,
                                  "new run directory")
 
 
-def _check_model(path: Path, metadata: Mapping[str, Any], model: Mapping[str, Any]) -> None:
-    """Refuse a checkpoint whose model tensors are not the run's model's (another model, or LoRA settings a
-    checkpoint without them was written under), naming the first tensor, before DCP fails on it deep inside."""
-    saved = {key.removeprefix("model."): meta for key, meta in metadata.items()
-             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+_SOURCES = {"model": "model.path", "critic": "trainer.critic.path"}  # where the run's tensors of each come from
+
+
+def _check_model(path: Path, metadata: Mapping[str, Any], key: str, model: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose ``key`` tensors (``model``: the policy's, or the ``critic``'s) are not the run's
+    (another model, or LoRA settings a checkpoint without them was written under), naming the first tensor, before
+    DCP fails on it deep inside or, for a tensor the checkpoint has and the run's lacks, loads the rest silently."""
+    saved = {name.removeprefix(f"{key}."): meta for name, meta in metadata.items()
+             if name.startswith(f"{key}.") and isinstance(meta, TensorStorageMetadata)}
     for name in sorted(saved.keys() | model.keys()):
         if name not in model:
-            problem = f"it has {name}, this run's model does not"
+            problem = f"it has {name}, this run's {key} does not"
         elif name not in saved:
-            problem = f"it lacks {name}, which this run's model has"
+            problem = f"it lacks {name}, which this run's {key} has"
         elif tuple(saved[name].size) != tuple(model[name].shape):
             problem = f"its {name} has shape {list(saved[name].size)}, this run's {list(model[name].shape)}"
         else:
             continue
-        raise CheckpointMismatch(f"{path}: written for another model (model.path): {problem}")
+        raise CheckpointMismatch(f"{path}: written for another {key} ({_SOURCES[key]}): {problem}")
 
 
 def _saved_groups(path: Path, metadata: Mapping[str, Any], key: str, own: list[dict[str, Any]]
@@ -199,10 +340,7 @@ class Checkpointer:
 
     def list(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.iterdir() if p.name.startswith(_PREFIX) and (p / STATE_FILE).is_file()]
-        return sorted(found, key=lambda p: int(p.name.removeprefix(_PREFIX)))
+        return _complete(self.root)
 
     def latest(self) -> Path | None:
         found = self.list()
@@ -229,28 +367,35 @@ class Checkpointer:
         if fence is not None:
             fence()
         if _is_main():
-            for left in self.root.glob(f".{_PREFIX}*"):
-                shutil.rmtree(left)
-            staging.mkdir(parents=True)
+            with _writing(staging):
+                for left in self.root.glob(f".{_PREFIX}*"):
+                    shutil.rmtree(left)
+                staging.mkdir(parents=True)
         _barrier()
-        dcp.save(_shards(model, optimizer, critic), checkpoint_id=str(staging))  # DCP flushes its files
-        _save_rng(staging)
+        shards = _shards(model, optimizer, critic)
+        with _writing(staging):
+            metadata = dcp.save(shards, checkpoint_id=str(staging))  # DCP flushes its files
+            _save_rng(staging)
         _barrier()
+        with _writing(staging):  # each rank reads back its share of what they all wrote
+            files = dict(_gathered([(name, _digest(staging / name)) for name in _share(_data_files(metadata))]))
         if fence is not None:
             fence()
         if _is_main():
-            if critic is not None:
-                critic[0].config.save_pretrained(staging / CRITIC_CONFIG)
-                for file in (staging / CRITIC_CONFIG).iterdir():
-                    _fsync(file)
-                _fsync(staging / CRITIC_CONFIG)
-            record = {"step": step, "scheduler": scheduler.state_dict(), **state}
-            (staging / STATE_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-            _fsync(staging / STATE_FILE)
-            _fsync(staging)
-            shutil.rmtree(final, ignore_errors=True)
-            staging.rename(final)
-            _fsync(self.root)
+            with _writing(staging):
+                if critic is not None:
+                    critic[0].config.save_pretrained(staging / CRITIC_CONFIG)
+                    for file in (staging / CRITIC_CONFIG).iterdir():
+                        _fsync(file)
+                        files[f"{CRITIC_CONFIG}/{file.name}"] = _digest(file)
+                    _fsync(staging / CRITIC_CONFIG)
+                record = {"step": step, "scheduler": scheduler.state_dict(), **state, "files": files}
+                (staging / STATE_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+                _fsync(staging / STATE_FILE)
+                _fsync(staging)
+                shutil.rmtree(final, ignore_errors=True)
+                staging.rename(final)
+                _fsync(self.root)
             for old in self.list()[: -self.keep]:
                 doomed = old.rename(self.root / f".{old.name}.pruned")  # never listed half deleted
                 shutil.rmtree(doomed)
@@ -269,21 +414,27 @@ class Checkpointer:
         """Restore model, optimizer, scheduler, critic and this rank's RNG in place; return the saved trainer state.
         ``settings`` (what ``save`` recorded as ``state["settings"]``) must match what the checkpoint recorded."""
         path = Path(path)
-        state_file = path / STATE_FILE
-        if not state_file.is_file():
-            raise FileNotFoundError(f"{path}: not a complete checkpoint ({STATE_FILE} missing)")
+        record = _read_state(path)
         if critic is not None and not (path / CRITIC_CONFIG).is_dir():
             raise CheckpointMismatch(f"{path}: has no critic to resume trainer.advantage=gae from (written without "
                                      "one)")
-        record = json.loads(state_file.read_text())
+        if critic is None and (path / CRITIC_CONFIG).is_dir():
+            log.warning("%s: its critic is not resumed (trainer.advantage is not gae now), and the next checkpoints "
+                        "hold none", path)
         _check_settings(path, record.get("settings", {}), settings or {})
+        _check_files(path, record)
         shards = _shards(model, optimizer, critic)
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        _check_model(path, metadata, shards["model"])
+        metadata = _read_metadata(path).state_dict_metadata
+        for key in ("model", "critic"):
+            if key in shards:
+                _check_model(path, metadata, key, shards[key])
         own = {key: shards[key]["param_groups"] for key in ("optim", "critic_optim") if key in shards}
         for key, groups in own.items():
             shards[key]["param_groups"] = _saved_groups(path, metadata, key, groups)
-        dcp.load(shards, checkpoint_id=str(path))
+        try:
+            dcp.load(shards, checkpoint_id=str(path))
+        except CheckpointException as exc:  # a BaseException, which the trainer's crash record let through
+            raise RuntimeError(f"{path}: DCP cannot load it: {_cause(exc)}") from exc
         for key, groups in own.items():
             shards[key]["param_groups"] = _regroup(shards[key]["param_groups"], groups)
         set_model_state_dict(model, shards["model"])
@@ -305,8 +456,7 @@ def export_hf(checkpoint: Path, base_model: Path, out_dir: Path, lora: LoraConfi
     A checkpoint with a critic also gets it, as an HF token-classification model (one label: the value), in
     ``out_dir/critic``. One process, no process group needed."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if not (checkpoint / STATE_FILE).is_file():
-        raise FileNotFoundError(f"{checkpoint}: not a complete checkpoint ({STATE_FILE} missing)")
+    _check_files(checkpoint, _read_state(checkpoint))
     config = AutoConfig.from_pretrained(base_model, local_files_only=True)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if lora is not None:

@@ -17,21 +17,19 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import AutoModelForTokenClassification
 
-from core.config import TrainerConfig
+from core.config import ConfigError, TrainerConfig
 from trainer import losses
 from trainer.batching import Batch, MicroBatch
 from trainer.optim import apply_gradients, param_groups, step_grad_norm
-from trainer.parallel import DistContext, shard_model
+from trainer.parallel import DistContext, from_pretrained, shard_model
 
 
 def load_critic(path: Path | str, ctx: DistContext) -> nn.Module:
     """The value model from the HF directory ``path``, in fp32 and sharded like the policy (dropout off)."""
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"trainer.critic.path {path}: not a directory (an HF model directory is expected)")
-    model, info = AutoModelForTokenClassification.from_pretrained(
-        path, num_labels=1, dtype=torch.float32, local_files_only=True, output_loading_info=True
-    )
-    missing = set(info["missing_keys"])
+    model, missing = from_pretrained(AutoModelForTokenClassification, path, "trainer.critic.path", num_labels=1)
+    if body := sorted(name for name in missing if name.startswith(f"{model.base_model_prefix}.")):
+        raise ConfigError(f"trainer.critic.path: {path}: its weights lack {body[0]}, which its config.json's model "
+                          "has: it would train from random numbers there (the value head alone starts at zero)")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name in missing:

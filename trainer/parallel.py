@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedModel
 
 from core.config import ConfigError
 from core.net import is_loopback, listen_socket
@@ -185,14 +185,35 @@ def load_model(path: Path | str, ctx: DistContext,
     sharded (``trainer.lora`` adds the adapter there). Each rank reads the full checkpoint once before sharding;
     fine up to a few billion parameters per host.
     """
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"model path {path}: not a directory (an HF model directory is expected)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    model, missing = from_pretrained(AutoModelForCausalLM, path, "model.path")
+    if missing:
+        raise ConfigError(f"model.path: {path}: its weights lack {sorted(missing)[0]}, which its config.json's model "
+                          "has: it would train from random numbers there; give the weights of that model")
     if prepare is not None:
         model = prepare(model)
     model.to(ctx.device)
     model.eval()
     return shard_model(model, ctx)
+
+
+def from_pretrained(cls: type[AutoModelForCausalLM] | type[AutoModelForTokenClassification], path: Path | str,
+                    key: str, **kwargs: Any) -> tuple[PreTrainedModel, set[str]]:
+    """``cls.from_pretrained(path)`` in fp32 and the names of the tensors its weights lack (transformers starts them
+    at random), for the caller to refuse or fill. A directory that holds no model (no config.json, no weights) or
+    weights of another shape than its config.json says is a ConfigError naming ``key``, the directory and the tensor
+    (transformers' own error names neither, and the trainer exits 2 on it: no restart can help)."""
+    if not Path(path).is_dir():
+        raise ConfigError(f"{key}: {path} is not a directory (an HF model directory is expected)")
+    try:
+        model, info = cls.from_pretrained(path, dtype=torch.float32, local_files_only=True, output_loading_info=True,
+                                          ignore_mismatched_sizes=True, **kwargs)
+    except OSError as exc:  # transformers': no config.json, no weights file, a config that is not JSON
+        raise ConfigError(f"{key}: {exc}") from None
+    if info["mismatched_keys"]:
+        name, saved, wanted = sorted(info["mismatched_keys"])[0]
+        raise ConfigError(f"{key}: {path}: its weights' {name} has shape {list(saved)}, its config.json makes it "
+                          f"{list(wanted)}: the weights and config.json are not of one model")
+    return model, set(info["missing_keys"])
 
 
 def shard_model(model: PreTrainedModel, ctx: DistContext) -> PreTrainedModel:

@@ -146,8 +146,18 @@ def test_api_replies_of_unexpected_shapes_are_one_line_naming_the_call(
         assert len(line) < 1200, line  # a long detail is cut
 
 
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt, as in a shell: a pytest-xdist worker ignores it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_ctrl_c_ends_a_wait_with_130_and_a_watch_with_0(
-    fake_api: tuple[FakeApi, str], capsys: pytest.CaptureFixture
+    fake_api: tuple[FakeApi, str], capsys: pytest.CaptureFixture, ctrl_c_raises: None
 ) -> None:
     """Ctrl-C while ``submit --wait`` waits is exit 130 in one line; ``status --watch`` is left with Ctrl-C, exit 0,
     even when it comes while a refresh waits for the API."""
@@ -155,7 +165,7 @@ def test_ctrl_c_ends_a_wait_with_130_and_a_watch_with_0(
     fake, url = fake_api
     fake.set("/v1/jobs", 201, JOB)
     fake.set("/v1/jobs/a1", 200, JOB, interrupt=True)
-    code, err = cli(capsys, "submit", "--limit", "2", "--wait", "--api", url)
+    code, err = cli(capsys, "submit", "--limit", "2", "--wait", "--timeout", "60", "--api", url)
     assert code == 130 and "Traceback" not in err and err.splitlines()[-1] == "error: interrupted", err
     fake.set("/v1/status", 200, STATUS, interrupt=True)
     code, err = cli(capsys, "status", "--watch", "--api", url)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import importlib
 import inspect
 import json
 import logging
@@ -297,8 +296,7 @@ def _agent(payload: dict[str, Any], result: Connection) -> int:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     sys.stdout = sys.stderr  # line-buffered, flushed as the process exits, and in order with the rest
     try:
-        module_name, _, attr = payload["entrypoint"].partition(":")
-        fn = getattr(importlib.import_module(module_name), attr)
+        fn = import_object(payload["entrypoint"])
         reward = fn(payload["task"], payload["base_url"], payload["api_key"])
         if inspect.isawaitable(reward):
             reward = asyncio.run(reward)

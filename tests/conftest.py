@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,18 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # variable as torch loads, so it is set before any test module imports torch.
 assert "torch" not in sys.modules, "torch was imported before tests/conftest.py could set OMP_WAIT_POLICY"
 os.environ.update(idle_threads_env([]))
+
+
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt, as in a shell, here and in the processes a test starts: a
+    pytest-xdist worker ignores it, and so does a pytest started in the background (``&``), and its children
+    inherit that."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session")

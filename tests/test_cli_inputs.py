@@ -146,16 +146,6 @@ def test_api_replies_of_unexpected_shapes_are_one_line_naming_the_call(
         assert len(line) < 1200, line  # a long detail is cut
 
 
-@pytest.fixture
-def ctrl_c_raises() -> Iterator[None]:
-    """Ctrl-C (SIGINT) raises KeyboardInterrupt, as in a shell: a pytest-xdist worker ignores it."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def test_ctrl_c_ends_a_wait_with_130_and_a_watch_with_0(
     fake_api: tuple[FakeApi, str], capsys: pytest.CaptureFixture, ctrl_c_raises: None
 ) -> None:

@@ -394,7 +394,9 @@ def _gone(head: dict[str, Any]) -> list[str]:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_up_claims_its_run_and_leaves_no_head_that_down_cannot_stop(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_up_claims_its_run_and_leaves_no_head_that_down_cannot_stop(
+    tmp_path: Path, tiny_model_dir: Path, ctrl_c_raises: None
+) -> None:
     """On a real local Ray head, in a loopback-only namespace: ``up`` records the head in ``ray.json`` as soon as it
     starts it; a second ``up`` of the run meanwhile fails at once naming the first and starts nothing; Ctrl-C while
     the head starts stops it; an ``up`` SIGKILLed there leaves a head that the next ``up`` names (and refuses to

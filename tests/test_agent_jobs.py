@@ -98,7 +98,7 @@ def test_calculator_agent_job(redis_server: EmbeddedRedis, workers, tiny_model_d
 def test_agent_faults_fail_the_task(redis_server: EmbeddedRedis, workers) -> None:
     """Also: the agents run on ``placement.agent_cpus``, not on the rollout server's CPUs."""
     server_cpu, agent_cpu = USABLE[0], USABLE[-1]
-    w = workers("srv-faults", f"rollout.agent_allowlist={json.dumps(ALLOW[2:])}", "rollout.agent_timeout_s=15",
+    w = workers("srv-faults", f"rollout.agent_allowlist={json.dumps(ALLOW[2:])}", "rollout.agent_timeout_s=8",
                 "rollout.agent_memory_mb=300", "buffer.max_attempts=1", f"placement.rollout_cpus=[{server_cpu}]",
                 f"placement.agent_cpus=[{agent_cpu}]")
     for job in ("crash", "sleep", "hog", "environment", "warmed", "cpus"):
@@ -111,7 +111,7 @@ def test_agent_faults_fail_the_task(redis_server: EmbeddedRedis, workers) -> Non
     assert "the agent crashed" in errors["crash"]
     assert "visible: []" in errors["environment"]  # the worker got a checkpoint token; its agents do not
     assert "warmed: True" in errors["warmed"]  # forked from the fork server after its openai warm-up
-    assert "ran past 15s" in errors["sleep"]
+    assert "ran past 8s" in errors["sleep"]
     assert "MemoryError" in errors["hog"]
     assert "not in this server's rollout.agent_allowlist" in errors["unlisted"]
     assert client(redis_server).xlen(KEYS.groups) == 0

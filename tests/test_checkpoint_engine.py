@@ -549,7 +549,8 @@ def test_quorum_publishes_without_an_unreachable_server(
     fleet: Fleet, base_model: PreTrainedModel, quorum: str | int, published: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Two live servers and one nobody answers at: the version is published once the quorum committed;
-    otherwise the error names every server that failed, with its stage and reason."""
+    otherwise the error names every server that failed, with its stage and reason (here why the channel to it
+    never came up)."""
     version = fleet.version() + 1
     with refused_port() as port:
         dead = f"127.0.0.1:{port}"
@@ -560,13 +561,14 @@ def test_quorum_publishes_without_an_unreachable_server(
         pushed.wait(WAIT_S)
         pusher.close()
     by_address = {s.address: s for s in pushed.servers}
-    assert (by_address[dead].stage, by_address[dead].reason) == ("connect", "timeout")
-    assert f"server {dead} ({dead}): connect: no answer within its 1 s deadline" in by_address[dead].error
+    assert (by_address[dead].stage, by_address[dead].reason) == ("connect", "unavailable")
+    why = f"server {dead} ({dead}): connect: not connected within its 1 s deadline: failed to connect"
+    assert why in by_address[dead].error and "Connection refused" in by_address[dead].error, by_address[dead].error
     assert all(by_address[a].ok and by_address[a].stage_attempts == 1 for a in fleet.addresses)
     assert fleet.version() == version
     assert pushed.published == published and pusher.published == (version if published else 0)
     failures = pusher.metrics.registry.get_sample_value(
-        "rollwave_trainer_push_failures_total", {"stage": "connect", "reason": "timeout"})
+        "rollwave_trainer_push_failures_total", {"stage": "connect", "reason": "unavailable"})
     assert failures == 1
     unpublished = pusher.metrics.registry.get_sample_value("rollwave_trainer_push_unpublished_total")
     assert unpublished == (0 if published else 1)
@@ -1200,15 +1202,23 @@ def test_checkpoint_plane_over_mutual_tls(tiny_model_dir: Path, base_model: PreT
             read_to_close(plaintext)
         wait_for(lambda: received(tls, 0, "rollwave_rollout_checkpoint_refused_total", reason="tls") == 1,
                  "the plaintext connection to be counted (the failed handshake closes it first)")
+        handshake_fails = {"connect_timeout_s": 1.0}  # the handshake never completes: the connect times out
         refused = [
-            push(2, tls_cert=None, tls_key=None, tls_ca=None),  # plaintext
-            push(2, tls_cert=other.client_cert, tls_key=other.client_key, tls_ca=pki.ca),  # a stranger's certificate
-            push(2, tls_cert=pki.client_cert, tls_key=pki.client_key, tls_ca=other.ca),  # does not trust the server
+            push(2, tls_cert=None, tls_key=None, tls_ca=None, **handshake_fails),  # plaintext
+            push(2, tls_cert=other.client_cert, tls_key=other.client_key, tls_ca=pki.ca,  # a stranger's certificate
+                 **handshake_fails),
+            push(2, tls_cert=pki.client_cert, tls_key=pki.client_key, tls_ca=other.ca,  # does not trust the server
+                 **handshake_fails),
             push(2, tls_cert=pki.server_cert, tls_key=pki.server_key, tls_ca=pki.ca),  # not named tls_client_name
         ]
         for pushed in refused:
             [result] = pushed.servers
             assert not result.ok and result.stage == "connect", result
+        for pushed in refused[:3]:  # why the channel never came up, not "no answer"
+            [result] = pushed.servers
+            assert "connect: not connected within its 1 s deadline: failed to connect" in result.error, result
+        [distrusted] = refused[2].servers  # the pusher's own check of the server's certificate
+        assert distrusted.reason == "tls" and "CERTIFICATE_VERIFY_FAILED" in distrusted.error, distrusted
         assert "refused by checkpoint.tls_client_name: its certificate names 127.0.0.1, rollwave-server, " \
                "not trainer" in refused[-1].servers[0].error
         assert receiver.metrics.registry.get_sample_value("rollwave_rollout_checkpoint_refused_total",
@@ -1237,13 +1247,13 @@ def test_tls_server_name_is_checked_instead_of_the_dialled_host(
         [address], [receiver] = fleet.addresses, fleet.receivers
         client = {"tls_cert": pki.client_cert, "tls_key": pki.client_key, "tls_ca": pki.ca}
 
-        def push(version: int, name: str | None) -> PushRound:
-            config = fleet.config.model_copy(update={**client, "tls_server_name": name})
+        def push(version: int, name: str | None, **config: Any) -> PushRound:
+            config = fleet.config.model_copy(update={**client, "tls_server_name": name, **config})
             return push_once(config, [address], base_model, version)
 
-        for name in (None, "other-name"):
-            [result] = push(1, name).servers
-            assert not result.ok and result.stage == "connect", result
+        for name in (None, "other-name"):  # the handshake never completes: the connect times out
+            [result] = push(1, name, connect_timeout_s=1.0).servers
+            assert (result.ok, result.stage, result.reason) == (False, "connect", "tls"), result.error
         assert receiver.version == 0
         assert push(1, "rollwave-receiver").ok and receiver.version == 1
     finally:

@@ -39,11 +39,11 @@ def test_failures_of_restarted_servers_share_one_series_and_keep_their_ids_in_th
             pusher.close()
     registry = pusher.metrics.registry
     assert registry.get_sample_value("rollwave_trainer_push_failures_total",
-                                     {"stage": "connect", "reason": "timeout"}) == 2
+                                     {"stage": "connect", "reason": "unavailable"}) == 2
     families = {m.name: m for m in registry.collect()}
     assert {frozenset(s.labels) for s in families["rollwave_trainer_push_failures"].samples} == {
         frozenset({"stage", "reason"})}
     assert set(recorded) == {"rollout-host-101", "rollout-host-202"}
-    assert all((r.ok, r.stage, r.reason) == (False, "connect", "timeout") for r in recorded.values())
+    assert all((r.ok, r.stage, r.reason) == (False, "connect", "unavailable") for r in recorded.values())
     for target in targets:
         assert f"server {target.server_id} ({target.address}): connect" in caplog.text

@@ -85,6 +85,8 @@ _STAGE_METHOD = f"/{SERVICE}/Stage"
 WATCH_S = 1.0  # how often the watcher lists the live servers and re-offers the newest version
 BACKOFF_S = (1.0, 30.0)  # a server's back-off after a failed push: first, longest (doubling)
 RETRY_PAUSE_S = (0.2, 5.0)  # the pause before a Stage's or a Commit's next try: first, longest (doubling)
+NOT_CONNECTED_PROBE_S = 1.0  # the call that asks a channel that never came up why
+TLS_WORDS = ("handshake", "verification", "certificate")  # in gRPC's reason: the connection failed on TLS
 REFUSAL_WAIT_S = 1.0  # after the stage port failed, how long to wait for the Stage call to say why
 # Failures that another try of the same version cannot fix: the server refused it, or it timed out
 # (a straggler waits for its back-off and then gets the newest version instead).
@@ -335,6 +337,10 @@ class _Link:
         try:
             reply = self._stub.Prove(pb.ProveRequest(nonce=nonce), timeout=timeout, wait_for_ready=True)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (why := self._not_connected(nonce)):
+                reason = "tls" if any(word in why.lower() for word in TLS_WORDS) else "unavailable"
+                raise _Failed("connect", reason, f"connect: not connected within its {timeout:.3g} s deadline: "
+                                                 f"{why}") from None
             raise _failure("connect", exc, timeout) from None  # not reached, or frozen: nothing proven wrong
         target = self.target
         if target.named and reply.server_id != target.server_id:
@@ -344,6 +350,16 @@ class _Link:
         if not hmac.compare_digest(reply.proof, expected):
             raise _Failed("prove", "unproven", "prove: the server could not prove it holds the checkpoint token; "
                                                "sent it no token and no weights")
+
+    def _not_connected(self, nonce: bytes) -> str | None:
+        """Why the channel is down (the port refused, the TLS handshake failed: a certificate), from one more
+        challenge that does not wait for it to come up; None when it is up (the server is there but does not
+        answer)."""
+        try:
+            self._stub.Prove(pb.ProveRequest(nonce=nonce), timeout=NOT_CONNECTED_PROBE_S, wait_for_ready=False)
+        except grpc.RpcError as exc:
+            return exc.details() if exc.code() == grpc.StatusCode.UNAVAILABLE else None
+        return None
 
     def _stage_version(self, snapshot: Snapshot, dtypes: dict[str, torch.dtype], stage_port: int,
                        result: PushResult) -> None:

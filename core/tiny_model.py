@@ -23,7 +23,6 @@ import torch
 from tokenizers import AddedToken, pre_tokenizers, trainers
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-from core.config import ConfigError, ModelConfig
 from core.tasks import arith
 
 RECIPE = 1  # bump when anything below changes what a build writes
@@ -250,25 +249,3 @@ def cli_init(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny model (seed {args.seed}) in {out}: {params:,} parameters, vocab {model.config.vocab_size}")
     return 0
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-def missing_tokenizer(model_dir: Path) -> str | None:
-    """Why ``model_dir`` has no tokenizer, or None. Without one, transformers falls back to a one-token
-    vocabulary that encodes every prompt as nothing, and a run would train on empty episodes."""
-    if any((Path(model_dir) / name).exists() for name in TOKENIZER_FILES):
-        return None
-    return f"{model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
-
-
-def ensure_model(cfg: ModelConfig) -> Path:
-    """The model directory of a run config, built (the tiny model) when missing and ``init_if_missing``."""
-    if not (cfg.path / "config.json").exists():
-        if not cfg.init_if_missing:
-            raise ConfigError(f"model.path: {cfg.path} holds no model (config.json) and init_if_missing is off")
-        build_tiny_model(cfg.path, seed=cfg.seed)
-    if (why := missing_tokenizer(cfg.path)) is not None:
-        raise ConfigError(f"model.path: {why}")
-    return cfg.path

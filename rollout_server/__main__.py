@@ -41,11 +41,11 @@ from core.config import (
     require_secret,
 )
 from core.metrics import serve_metrics
+from core.model_dir import ensure_model
 from core.net import is_loopback, listen_socket
 from core.placement import check_cpus, pin
 from core.process import die_with_parent, forget_environment, prepare_component
 from core.rewards import load_reward_fn
-from core.tiny_model import ensure_model
 from rollout_server.agent_loop import parse_version
 from rollout_server.agent_runner import check_entrypoints
 from rollout_server.checkpoint_receiver import CheckpointMetrics, ReceiverThread

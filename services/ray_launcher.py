@@ -58,9 +58,9 @@ from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis, client_for, configured_url
 from core.checkpoint_pki import RECEIVER_NAME, ensure_checkpoint_pki
 from core.config import CONFIG_ACCEPTED_FD_ENV, CONFIG_ERROR_EXIT, Config, dump_config, load_config
+from core.model_dir import ensure_model
 from core.net import free_port_outside_ephemeral, is_loopback
 from core.process import kill_group, stop_process
-from core.tiny_model import ensure_model
 from services.api.app import check_api_config
 from services.cli import CliError
 from services.launcher import (

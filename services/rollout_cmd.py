@@ -16,6 +16,7 @@ from typing import Any
 
 from buffer.schema import Sample, TrajectoryGroup
 from core.config import Config, ConfigError, check_engine_url, load_config
+from core.model_dir import ensure_model
 from core.tasks import Task, load_tasks
 from core.trajectory import masked_spans
 from rollout_server.tools import ToolRegistry
@@ -27,8 +28,6 @@ _DIM, _GREEN, _RESET = "\033[2m", "\033[32m", "\033[0m"
 def _model_dir(cfg: Config, model: str | None) -> Path:
     """``--model`` as given (it must exist), else the config's model, built when missing."""
     if model is None:
-        from core.tiny_model import ensure_model  # torch and transformers: only once the input checks out
-
         return ensure_model(cfg.model)
     if not Path(model).exists():
         raise ConfigError(f"--model: {model} does not exist")

@@ -18,7 +18,7 @@ from core.config import (
     require_secret,
 )
 from core.jobs import JobSpec
-from core.tiny_model import ensure_model
+from core.model_dir import ensure_model
 from rollout_server.engine.sampling import BatchSampler, SamplingParams
 from services.api.app import check_api_config
 from services.cli import main

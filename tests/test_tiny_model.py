@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,9 +13,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from core.config import ConfigError, load_config
+from core.model_dir import ensure_model
 from core.tasks.arith import CALCULATOR_SCHEMA, demonstration, generate
-from core.tiny_model import MARKER, build_tiny_model, ensure_model
+from core.tiny_model import MARKER, build_tiny_model
 from services.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ECHO_SCHEMA = {
     "type": "function",
@@ -200,3 +205,14 @@ def test_a_model_path_without_a_tokenizer_is_a_config_error(tiny_model_dir: Path
         (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
     with pytest.raises(ConfigError, match=rf"^model.path: {tmp_path} has no tokenizer \(none of tokenizer.json"):
         ensure_model(load_config(None, [f"model.path={tmp_path}"], env={}).model)
+
+
+def test_checking_a_model_that_is_there_imports_no_torch(tiny_model_dir: Path) -> None:
+    """A rollout server and ``rollwave up`` check their model directory at start; the builder's torch and
+    transformers (seconds of every start) are imported only to build the tiny model."""
+    check = ("import sys; from core.config import load_config; from core.model_dir import ensure_model; "
+             f"ensure_model(load_config(None, ['model.path={tiny_model_dir}'], env={{}}).model); "
+             "import services.ray_launcher; print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    assert out.strip() == "[]", out

@@ -32,9 +32,9 @@ from buffer.replay import ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
 from core.config import CONFIG_ERROR_EXIT, BufferConfig, Config, ConfigError, load_config_or_exit, require_secret
 from core.metrics import serve_metrics
+from core.model_dir import ensure_model
 from core.placement import pin
 from core.process import die_with_parent, prepare_component
-from core.tiny_model import ensure_model
 from trainer.checkpoint import Checkpointer, CheckpointMismatch, export_hf
 from trainer.checkpoint_pusher import CheckpointPusher, registered_servers
 from trainer.colocation import LocalPusher

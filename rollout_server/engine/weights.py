@@ -24,7 +24,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from core.tiny_model import missing_tokenizer
+from core.model_dir import missing_tokenizer
 
 
 class WeightError(ValueError):

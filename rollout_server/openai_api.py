@@ -90,6 +90,7 @@ from rollout_server.agent_loop import EngineReplyError, PromptTooLong, ends_turn
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.tool_parser import BOT_TOKEN, EOT_TOKEN, parse_tool_calls
+from rollout_server.tools.base import FUNCTION_NAME
 
 log = logging.getLogger(__name__)
 FIRST_ATTEMPT = "0"  # x-stainless-retry-count of the openai client's first try at a request
@@ -119,7 +120,7 @@ class _Server(uvicorn.Server):
 
 
 class FunctionDef(BaseModel):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
     strict: bool | None = None

@@ -200,6 +200,10 @@ def test_a_tool_the_api_host_cannot_import_keeps_its_name_checked(tmp_path: Path
          r"bad\.yaml:4: tools\[1\] \(w\): .*not a subclass"),
         ("- name: z\n", r"tools\[0\] \(z\): 'class' .* is required"),
         ("- name: calculator\n  colour: red\n", r"tools\[0\]: unknown key\(s\) colour"),
+        ("- name: my tool\n  class: rollout_server.tools.calculator:CalculatorTool\n",
+         r"tools\[0\]: 'name' must be an OpenAI function name, 1-64 letters, digits, _ or -, got 'my tool'"),
+        (f"- name: {'t' * 65}\n  class: rollout_server.tools.calculator:CalculatorTool\n", "an OpenAI function name"),
+        ("- name: 7\n", r"tools\[0\]: 'name' must be an OpenAI function name, .* got 7$"),
         (
             "- name: py\n  class: rollout_server.tools.python_tool:PythonTool\n  kwargs: {speed: 1}\n",
             "cannot construct",

@@ -12,6 +12,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name: what a model is given to call
+
 
 @dataclass
 class ToolResult:

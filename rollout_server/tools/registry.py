@@ -2,7 +2,7 @@
 
 The file is a list (or ``{tools: [...]}``) of entries::
 
-    - name: calculator                                     # the name the model calls
+    - name: calculator                                     # the name the model calls (an OpenAI function name)
       class: rollout_server.tools.calculator:CalculatorTool  # ``module:Class`` or ``module.Class``
       schema: {type: function, function: {...}}             # optional: replaces the default schema
       kwargs: {timeout_s: 5}                                # optional: passed to the constructor
@@ -13,6 +13,7 @@ A custom tool is any ``Tool`` subclass named by import path. Errors name the fil
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.imports import import_object
 from core.text_files import TextFileError, line_of, load_yaml, yaml_key_lines
-from rollout_server.tools.base import Tool
+from rollout_server.tools.base import FUNCTION_NAME, Tool
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +158,9 @@ def _locate(entry: Any, where: str) -> tuple[str, str, str]:
         valid = ", ".join(sorted(_ENTRY_KEYS))
         raise ToolConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {valid}")
     name = entry.get("name")
-    if not isinstance(name, str) or not name:
-        raise ToolConfigError(f"{where}: 'name' must be a non-empty string")
+    if not isinstance(name, str) or not re.fullmatch(FUNCTION_NAME, name):
+        raise ToolConfigError(f"{where}: 'name' must be an OpenAI function name, 1-64 letters, digits, _ or -, "
+                              f"got {name!r}")
     where = f"{where} ({name})"
     class_path = entry.get("class", BUILTIN_TOOLS.get(name))
     if not isinstance(class_path, str):

@@ -32,6 +32,7 @@ from buffer.staleness import StalenessControl
 from core.config import BufferConfig, CheckpointConfig, TrainerConfig
 from core.net import free_port_outside_ephemeral
 from core.process import stop_process
+from core.tiny_model import save_random_qwen2
 from trainer.checkpoint import CheckpointMismatch
 from trainer.checkpoint_pusher import CheckpointPusher
 from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, iter_full_params
@@ -154,7 +155,8 @@ def test_stale_groups_are_dropped_and_acked(ctx: DistContext, tiny_model_dir: Pa
     assert buffer.redis.xlen(Keys("stale").groups) == 0
 
 
-def _cli(config: Path, *extra: str) -> None:
+def _cli(config: Path, *extra: str, code: int = 0) -> str:
+    """The trainer's CLI, which must exit ``code``; its stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
     env.pop("REDIS_URL", None)
     proc = subprocess.run(
@@ -164,7 +166,8 @@ def _cli(config: Path, *extra: str) -> None:
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stderr
 
 
 def test_cli_resume_and_hf_export(tiny_model_dir: Path, redis_url: str, tmp_path: Path, uninterrupted: dict) -> None:
@@ -202,6 +205,14 @@ def test_cli_resume_and_hf_export(tiny_model_dir: Path, redis_url: str, tmp_path
     for name, value in exported.named_parameters():
         torch.testing.assert_close(value, uninterrupted["params"][name], rtol=0, atol=0)
     assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    foreign = tmp_path / "foreign"  # the checkpoint of a model of another shape
+    save_random_qwen2(foreign, layers=1, hidden=64, intermediate=128, heads=2, kv_heads=1)
+    latest = sorted((tmp_path / "cli" / "checkpoints").glob("step_*"))[-1]
+    err = _cli(config, "--export-hf", str(tmp_path / "no"), f"model.path={foreign}", code=2)
+    last = err.splitlines()[-1]  # after torch's warning that DCP loads in one process
+    assert last.startswith(f"error: --export-hf: {latest}: its model does not load into the model of {foreign}: "
+                           "ValueError: Size mismatch"), err
+    assert "Traceback" not in err and not (tmp_path / "no").exists(), err
 
 
 def test_a_fresh_run_pushes_nothing_at_start_and_a_later_start_pushes_its_weights(

@@ -4,7 +4,8 @@ Under torchrun every process is one rank (RANK / WORLD_SIZE / MASTER_ADDR / MAST
 a pool of one. Rank 0 reads the run's Redis buffer (``REDIS_URL`` or ``redis.url``; with neither it
 starts the embedded server) and pushes each new version to the live rollout servers; all ranks train.
 ``--export-hf OUT`` writes the latest checkpoint (or ``--checkpoint DIR``) as an HF model and exits (a LoRA
-run's as its adapter; with ``--merge-lora`` as the merged model, the adapter in ``OUT/adapter``).
+run's as its adapter; with ``--merge-lora`` as the merged model, the adapter in ``OUT/adapter``); one that cannot
+(no checkpoint, a damaged one, one of another model, an OUT it cannot write) says why in one line, exit 2.
 """
 
 from __future__ import annotations
@@ -211,11 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config_or_exit(args.config, args.overrides, check=partial(_start, trains=args.export_hf is None))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.export_hf is not None:
-        checkpoints = Checkpointer(cfg.run.path / "checkpoints", cfg.trainer.keep_checkpoints)
-        ckpt = args.checkpoint or checkpoints.latest()
-        if ckpt is None:
-            raise FileNotFoundError(f"no checkpoint under {cfg.run.path / 'checkpoints'}")
-        print(export_hf(ckpt, cfg.model.path, args.export_hf, cfg.model.lora, merge=args.merge_lora))
+        try:
+            print(_export(cfg, args))
+        except (CheckpointMismatch, OSError) as exc:  # no checkpoint, a damaged or foreign one, an unwritable OUT
+            print(f"error: --export-hf: {exc}", file=sys.stderr)
+            return CONFIG_ERROR_EXIT
         return 0
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
@@ -224,6 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     except TrainerFenced as exc:  # the newer trainer owns the run's end and budget: record neither
         print(f"error: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
+
+
+def _export(cfg: Config, args: argparse.Namespace) -> Path:
+    """``--export-hf``: the checkpoint given, else the run's latest, written as an HF model (``export_hf``)."""
+    checkpoints = cfg.run.path / "checkpoints"
+    ckpt = args.checkpoint or Checkpointer(checkpoints, cfg.trainer.keep_checkpoints).latest()
+    if ckpt is None:
+        raise CheckpointMismatch(f"no checkpoint under {checkpoints}: train first, or name one with --checkpoint")
+    return export_hf(ckpt, cfg.model.path, args.export_hf, cfg.model.lora, merge=args.merge_lora)
 
 
 def _train(cfg: Config, resume: bool) -> int:

@@ -447,6 +447,18 @@ class Checkpointer:
         return record
 
 
+def _load_for_export(module: torch.nn.Module, key: str, checkpoint: Path, config: Path) -> None:
+    """``module``'s weights from ``checkpoint``'s ``key``; a checkpoint of another shape (not written from
+    ``config``'s model) is refused naming both."""
+    weights = {key: module.state_dict()}
+    try:
+        dcp.load(weights, checkpoint_id=str(checkpoint), no_dist=True)
+        module.load_state_dict(weights[key])
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointMismatch(f"{checkpoint}: its {key} does not load into the model of {config}: "
+                                 f"{_cause(exc)}") from None
+
+
 def export_hf(checkpoint: Path, base_model: Path, out_dir: Path, lora: LoraConfig | None = None,
               merge: bool = False) -> Path:
     """Write checkpoint ``checkpoint`` as an HF model directory (``save_pretrained``) with the tokenizer of
@@ -461,9 +473,7 @@ def export_hf(checkpoint: Path, base_model: Path, out_dir: Path, lora: LoraConfi
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if lora is not None:
         model = add_adapter(model, lora, base_model=str(base_model))
-    weights = {"model": model.state_dict()}
-    dcp.load(weights, checkpoint_id=str(checkpoint), no_dist=True)
-    model.load_state_dict(weights["model"])
+    _load_for_export(model, "model", checkpoint, base_model)
     if lora is not None:
         model.save_pretrained(out_dir / "adapter" if merge else out_dir)
         model = model.merge_and_unload() if merge else None
@@ -476,9 +486,7 @@ def export_hf(checkpoint: Path, base_model: Path, out_dir: Path, lora: LoraConfi
     if (checkpoint / CRITIC_CONFIG).is_dir():
         critic_config = AutoConfig.from_pretrained(checkpoint / CRITIC_CONFIG, local_files_only=True)
         critic = AutoModelForTokenClassification.from_config(critic_config, dtype=torch.float32)
-        weights = {"critic": critic.state_dict()}
-        dcp.load(weights, checkpoint_id=str(checkpoint), no_dist=True)
-        critic.load_state_dict(weights["critic"])
+        _load_for_export(critic, "critic", checkpoint, checkpoint / CRITIC_CONFIG)
         critic.save_pretrained(out_dir / "critic")
         tokenizer.save_pretrained(out_dir / "critic")
     return out_dir

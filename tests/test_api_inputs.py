@@ -17,6 +17,7 @@ import redis
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from core.jobs import JobSpec
+from core.tasks.base import MAX_TASK_ID_CHARS
 from services.api.app import MAX_TASK_NESTING
 from tests.test_api import serve
 
@@ -87,8 +88,12 @@ def test_urls_methods_and_query_parameters_not_served_are_refused_naming_them(re
         error = _error(api.get("/v1/jobs", params=[("limit", "1"), ("limit", "200")]))
         assert error["loc"] == ["query", "limit"] and "given 2 times" in error["msg"], error
         assert [job["job_id"] for job in api.get("/v1/jobs", params={"limit": 1}).json()["jobs"]] == [job_id]
-        assert (_refused(api, "validation"), _refused(api, "auth")) == (9, 8)
-        assert _counted(api, "rollwave_api_jobs_rejected_total") == 1
+        twice = api.post("/v1/jobs", json=ARITH, headers=[("Idempotency-Key", "a"), ("Idempotency-Key", "b")])
+        error = _error(twice)
+        assert error["loc"] == ["header", "Idempotency-Key"] and "is given 2 times; give it once" in error["msg"]
+        assert [job["job_id"] for job in api.get("/v1/jobs").json()["jobs"]] == [job_id]  # no job made
+        assert (_refused(api, "validation"), _refused(api, "auth")) == (10, 8)
+        assert _counted(api, "rollwave_api_jobs_rejected_total") == 2  # the dry run's and the key's
 
 
 def test_a_job_not_sent_as_json_gets_415_naming_the_content_type(redis_url: str) -> None:
@@ -146,6 +151,9 @@ def test_job_refusals_name_the_path_and_each_counts_as_a_refused_request(redis_u
         assert reply.status_code == 201, reply.text
         stored = r.hget(keys.job(reply.json()["job_id"]), "spec")
         assert JobSpec.model_validate_json(stored).source.tasks[0].meta == deepest["meta"]  # as the servers read it
+        error = _error(api.post("/v1/jobs", json={"source": {"kind": "inline", "tasks": [
+            TASK, {**TASK, "task_id": "x" * (MAX_TASK_ID_CHARS + 1)}]}}))
+        assert error["loc"] == ["body", "source", "tasks", 1, "task_id"] and "at most 512 characters" in error["msg"]
 
 
 def test_a_file_without_a_limit_is_read_no_further_than_the_cap(redis_url: str, tmp_path: Path) -> None:

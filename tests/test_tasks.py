@@ -227,6 +227,7 @@ def test_jsonl_reports_bad_rows_with_file_line_and_field(tmp_path: Path) -> None
             "'extra_info.tools_kwargs.calculator'",
         ),
         "id": ({**ok, "id": True}, "field 'id' must be a non-empty string or an integer"),
+        "long id": ({**ok, "id": "x" * 513}, "field 'id' is 513 characters long; at most 512"),
     }
     for i, (row, message) in enumerate(bad_rows.values()):
         path = _write(tmp_path / f"bad{i}.jsonl", [ok | {"id": "a"}, row])

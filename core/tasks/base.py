@@ -25,6 +25,8 @@ T = TypeVar("T")
 
 # A split names the file ``{split}.jsonl`` in a source's directory: no separator, and not ``.`` or ``..``.
 _SPLIT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", re.ASCII)
+# A task id is in every group, sample and log line of its task, and in Redis keys: an id, not a payload.
+MAX_TASK_ID_CHARS = 512
 
 
 class Task(BaseModel):
@@ -37,7 +39,7 @@ class Task(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    task_id: str = Field(min_length=1)
+    task_id: str = Field(min_length=1, max_length=MAX_TASK_ID_CHARS)
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[str] = Field(default_factory=list)
     tools_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from core.tasks.base import Task, field, read_window, split_file
+from core.tasks.base import MAX_TASK_ID_CHARS, Task, field, read_window, split_file
 from core.tasks.check import check_task
 
 
@@ -70,6 +70,8 @@ def _task(row: dict[str, Any], file: Path, line: int, where: str, reward: str | 
         if isinstance(raw, bool) or not isinstance(raw, str | int) or raw == "":
             raise ValueError(f"{where}: field 'id' must be a non-empty string or an integer")
         task_id = str(raw)
+        if len(task_id) > MAX_TASK_ID_CHARS:
+            raise ValueError(f"{where}: field 'id' is {len(task_id)} characters long; at most {MAX_TASK_ID_CHARS}")
     elif "index" in extra:
         task_id = f"jsonl-{file.stem}-{field(extra, 'index', int, where, label='extra_info.index')}"
     else:

@@ -513,6 +513,10 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
                         f"and spec within {IDEMPOTENCY_TTL_S} s are answered with the job the first made (200)",
         )] = None,
     ) -> dict[str, Any]:
+        if len(keys := request.headers.getlist(IDEMPOTENCY_KEY)) > 1:  # FastAPI takes one: which retry is this?
+            raise RequestValidationError([{"type": "value_error", "loc": ("header", IDEMPOTENCY_KEY), "input": keys,
+                                           "msg": f"header {IDEMPOTENCY_KEY} is given {len(keys)} times; give it "
+                                                  "once"}])
         if (too_deep := _too_deep(spec)) is not None:  # before the spec is written as JSON, which it cannot be
             raise reject(api, request, "source", too_deep)
         spec_json = spec.model_dump_json()

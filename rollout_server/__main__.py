@@ -63,7 +63,10 @@ HIDDEN_FROM_AGENTS = (*SECRETS.values(), "REDIS_URL")  # this server's secrets a
 
 
 def check_engines(cfg: EngineConfig) -> None:
-    """An engine reached over the network must want a key: refuse ``engine.urls`` off loopback without one."""
+    """Engines to use, not start, are named: ``engine.backend=sglang`` needs ``engine.urls``. An engine reached over
+    the network must want a key: refuse ``engine.urls`` off loopback without one."""
+    if cfg.backend != "embedded" and not cfg.urls:
+        raise ConfigError(f"engine.urls: engine.backend={cfg.backend} needs the URLs of running servers")
     remote = [url for url in cfg.urls if not is_loopback(urlsplit(url).hostname or "")]
     if remote and cfg.api_key is None:
         raise ConfigError(f"engine.urls: {', '.join(remote)} is not loopback: set engine.api_key "
@@ -76,8 +79,6 @@ async def engine_urls(cfg: EngineConfig, model: Path, stack: AsyncExitStack) -> 
     key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
     if cfg.urls:
         return cfg.urls, key
-    if cfg.backend != "embedded":
-        raise ConfigError(f"engine.urls: engine.backend={cfg.backend} needs the URLs of running servers")
     engine = EngineProcess.from_config(model, cfg, key or secrets.token_urlsafe(32)).launch()  # on the loop's thread
     stack.callback(engine.close)
     await asyncio.to_thread(engine.wait_ready, cfg.ready_timeout_s)

@@ -31,7 +31,7 @@ from buffer_helpers import client
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerRegistry
-from core.config import ConfigError, EngineConfig
+from core.config import EngineConfig
 from core.net import free_port_outside_ephemeral
 from core.process import stop_process
 from proto import checkpoint_pb2 as pb
@@ -159,15 +159,6 @@ def test_engine_host_port_and_max_context_are_the_embedded_engines(tiny_model_di
                 assert taken.json()["meta_info"]["prompt_tokens"] == len(prompt)
 
     asyncio.run(run())
-
-
-def test_an_sglang_backend_without_urls_is_refused(tiny_model_dir: Path) -> None:
-    async def run() -> None:
-        async with AsyncExitStack() as stack:
-            await engine_urls(EngineConfig(backend="sglang"), tiny_model_dir, stack)
-
-    with pytest.raises(ConfigError, match=r"^engine\.urls: engine\.backend=sglang needs the URLs of running servers"):
-        asyncio.run(run())
 
 
 @pytest.mark.parametrize("serve_metrics", [True, False], ids=["metrics", "metrics_port_null"])

@@ -124,7 +124,8 @@ def test_code_the_allowlists_name_that_cannot_run_is_refused_naming_each_entry(c
 def test_the_start_check_builds_the_tools_and_refuses_addresses_not_of_this_host(code: Path) -> None:
     """The tools are built by the start check, so a bad tool config is a config the launcher hears refused (it was
     built after the server had told its launcher the config was good); an address to listen on that is not this
-    host's is a ConfigError naming the key (it was a traceback once bound, and a restart, to fail again)."""
+    host's is a ConfigError naming the key (it was a traceback once bound, and a restart, to fail again); so is an
+    SGLang backend without the URLs of its servers."""
     env = {"ROLLWAVE_CHECKPOINT_TOKEN": TOKEN}
     assert sorted(_start(load_config(None, [], env=env)).tools) == ["calculator", "check_answer", "python"]
     with pytest.raises(ConfigError, match=rf"^rollout\.tools: tool config {code}: Is a directory$"):
@@ -133,6 +134,8 @@ def test_the_start_check_builds_the_tools_and_refuses_addresses_not_of_this_host
         with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: cannot listen on '{NOT_HERE}': "):
             _start(load_config(None, [f"{key}={NOT_HERE}"], env=env))
     _start(load_config(None, [f"engine.host={NOT_HERE}", "engine.urls=[http://127.0.0.1:30000]"], env=env))
+    with pytest.raises(ConfigError, match=r"^engine\.urls: engine\.backend=sglang needs the URLs of running servers"):
+        _start(load_config(None, ["engine.backend=sglang"], env=env))  # was refused once Redis was up
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

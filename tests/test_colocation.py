@@ -382,7 +382,8 @@ def test_a_trainer_start_prunes_the_older_starts_weights_only_once_it_handed_its
     """With the one-step overlap (the turn names the weights to serve while the trainer trains), the older trainer
     wrote version 2, published it and died before it handed it over: the turn still names its version 1, which a
     server that restarts loads. The newer start writes version 3 and keeps that directory until its own hand-over (it
-    used to prune all but versions 2 and 3 at once); its next write removes every directory of the older start."""
+    used to prune all but versions 2 and 3 at once); its next write removes every directory of the older start, and
+    those written before starts had epochs."""
     client, turns, registry, _staleness = run_parts(redis_server.url)
     root = tmp_path / "push"
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -396,13 +397,16 @@ def test_a_trainer_start_prunes_the_older_starts_weights_only_once_it_handed_its
             older.give_device(step)
     assert older.written is not None
     published.set_version(*older.written)  # its hand-over's first half, and it dies
+    legacy = ["v7", ".v8.partial"]  # written before starts had epochs
+    for name in legacy:
+        (root / name).mkdir()
 
     newer, _ = fenced_start(client, root, tiny_model_dir, registry, overlap=True)
     newer.push_model(model, unacked=2)
     turn = turns.turn()
     assert turn is not None and (turn.version, turn.path) == (1, str(older.directory(1)))
     assert sorted(p.name for p in root.iterdir()) == sorted(
-        [older.directory(1).name, older.directory(2).name, newer.directory(3).name])
+        [older.directory(1).name, older.directory(2).name, newer.directory(3).name, *legacy])
     newer.give_device(2)
     newer.take_device(3)
     newer.push_model(model, unacked=3)

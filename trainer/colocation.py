@@ -42,7 +42,8 @@ from trainer.parallel import iter_full_params
 log = logging.getLogger(__name__)
 
 KEEP_VERSIONS = 2  # the one the servers load or serve, and the newest
-_WRITTEN = re.compile(r"\.?v(\d+)-e(\d+)(?:\.partial)?")  # a version's directory, or one being written: version, epoch
+# A version's directory, or one being written: version, epoch (none: written before epochs, older than any start).
+_WRITTEN = re.compile(r"\.?v(\d+)(?:-e(\d+))?(?:\.partial)?")
 
 
 class LocalPusher:
@@ -152,7 +153,7 @@ class LocalPusher:
             written = _WRITTEN.fullmatch(path.name)
             if written is None:
                 continue
-            version, epoch = int(written[1]), int(written[2])
+            version, epoch = int(written[1]), int(written[2] or 0)
             if (epoch == self.epoch and version <= self.last_pushed - KEEP_VERSIONS) or (
                 epoch < self.epoch and self.handed_over
             ):

@@ -57,7 +57,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis, client_for, configured_url
 from core.checkpoint_pki import RECEIVER_NAME, ensure_checkpoint_pki
-from core.config import CONFIG_ACCEPTED_FD_ENV, CONFIG_ERROR_EXIT, Config, dump_config, load_config
+from core.config import CONFIG_ACCEPTED_FD_ENV, CONFIG_ERROR_EXIT, Config, ConfigError, dump_config, load_config
 from core.model_dir import ensure_model
 from core.net import free_port_outside_ephemeral, is_loopback
 from core.process import kill_group, stop_process
@@ -213,14 +213,15 @@ class RedisActor:
     port it had (recorded in the data directory), waiting for it if it is busy (``EmbeddedRedis``).
     """
 
-    def __init__(self, data_dir: str, port: int, aof: bool, password: str | None) -> None:
+    def __init__(self, data_dir: str, port: int, aof: bool, appendfsync: str, password: str | None) -> None:
         record = Path(data_dir) / "port"
         if ray.get_runtime_context().was_current_actor_reconstructed:
             port = int(record.read_text())
         host = ray.util.get_node_ip_address()
         if password is None and not is_loopback(host):
             raise RuntimeError(f"the embedded Redis would listen on {host} without a password")
-        self.server = EmbeddedRedis(Path(data_dir), aof=aof, port=port, host=host, password=password).start()
+        self.server = EmbeddedRedis(Path(data_dir), aof=aof, port=port, host=host, password=password,
+                                    appendfsync=appendfsync).start()
         record.write_text(str(self.server.port))
 
     def url(self) -> str:
@@ -425,7 +426,7 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
             name=REDIS_ACTOR, lifetime="detached", num_cpus=1,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(
-            str(cfg.redis.data_dir or run_dir / "redis"), cfg.redis.port, cfg.redis.aof,
+            str(cfg.redis.data_dir or run_dir / "redis"), cfg.redis.port, cfg.redis.aof, cfg.redis.appendfsync,
             cfg.redis.password.get_secret_value() if cfg.redis.password is not None else None,
         )
         try:
@@ -518,6 +519,9 @@ def up(args: argparse.Namespace) -> int:
             if path.exists():
                 _refuse_started(path, args)
             check_api_config(cfg)
+            if cfg.redis.unix_socket and not configured_url(cfg.redis):
+                raise ConfigError("redis.unix_socket: `rollwave up` runs the embedded Redis in a Ray actor, which the "
+                                  "components reach over TCP from any node; unset it, or give redis.url")
             ensure_checkpoint_token(cfg)
             trainer_overrides = _checkpoint_tls(cfg, run_dir)
             ensure_model(cfg.model)  # once here, not raced by every component

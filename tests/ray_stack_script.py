@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 import httpx
+import redis
 
 from core.config import Config, load_config
 from services.launcher import SECRET_VARS
@@ -306,6 +307,8 @@ def main() -> int:
         if result["up"]["rc"] == 0:
             state = json.loads((cfg.run.path / "ray.json").read_text())
             result["head"] = {k: state.get(k) for k in ("head_pid", "temp_dir", "address")}
+            with redis.Redis.from_url(re.search(r"redis (\S+?);", result["up"]["out"])[1]) as client:
+                result["redis_appendfsync"] = client.config_get("appendfsync")["appendfsync"]
             with httpx.Client(base_url=f"http://{cfg.api.host}:{cfg.api.port}", headers=headers, timeout=30) as api:
                 exercise(cfg, api, result)
     except Exception:  # reported in the JSON with the component logs; the test fails on it

@@ -71,6 +71,8 @@ BAD_INPUT = [  # (argv, what the error line must name); {tmp} is the test's dire
     (["up", "-c", "{tmp}/missing.yaml"], "config file {tmp}/missing.yaml does not exist"),
     (["up", "-c", "{demo}", "--rollout-servers", "two"], "argument --rollout-servers: invalid int value"),
     (["down", "-c", "{demo}", "redis.port=70000"], "redis.port: Input should be less than or equal to 65535"),
+    (["up", "-c", "{demo}", "redis.unix_socket=true"],
+     "redis.unix_socket: `rollwave up` runs the embedded Redis in a Ray actor, which the components reach over TCP"),
     # a secret on the command line is refused by every command that takes overrides, before it reads its config
     (["up", "-c", "{demo}", "api.token=" + "t" * 40], "api.token: never on the command line"),
     (["down", "-c", "{demo}", "redis.password=" + "p" * 40], "redis.password: never on the command line"),

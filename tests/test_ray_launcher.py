@@ -48,6 +48,7 @@ def _config(tmp_path: Path, model: Path) -> Path:
         # more steps than the job feeds: the trainer stays up (waiting for data) until `rollwave down`
         "trainer": {"total_steps": 1000, "device": "cpu", "checkpoint_every": 1},
         "checkpoint": {"stage_dir": str(tmp_path / "stage")},
+        "redis": {"appendfsync": "always"},  # the Redis actor is started with it
     }
     path = tmp_path / "ray.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -83,6 +84,7 @@ def test_up_jobs_restart_down_in_a_loopback_namespace(tmp_path: Path, tiny_model
     assert result["up"]["rc"] == 0 and "error" not in result, report
     assert "API http://127.0.0.1:8000;" in result["up"]["out"], report  # the address the API published
     assert result["submitted"] == [201, 201], report
+    assert result["redis_appendfsync"] == "always", report
     assert result["eval"]["accuracy"] is not None and result["eval"]["progress"]["completed"] == 4, report
     assert int(result["trainer"]["step"]) >= 1, report
     # the trainer rank in a group of its own on one node, the rollout server and the API packed; one node here

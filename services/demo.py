@@ -8,6 +8,7 @@ summary, learning curve and the final HF checkpoint in ``runs/<id>/``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import secrets
@@ -15,6 +16,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ import httpx
 from tqdm import tqdm
 
 from buffer.keys import Keys
-from buffer.redis_server import EmbeddedRedis, client_for
+from buffer.redis_server import client_for, configured_url, connect
 from core.config import CONFIG_ERROR_EXIT, Config, ConfigError, dump_config, load_config_or_exit
 from core.process import refuse_inspection
 from core.tasks import load_tasks
@@ -73,6 +75,19 @@ def _sft(cfg: Config, run_dir: Path, steps: int) -> Path:
             bar.set_postfix(loss=f"{loss:.3f}")
 
         return warm_start(base, run_dir / "sft", tasks, steps=steps, seed=cfg.run.seed, progress=progress)
+
+
+@contextlib.contextmanager
+def run_redis(cfg: Config, run_dir: Path) -> Iterator[str]:
+    """The run's Redis URL: ``REDIS_URL`` or ``redis.url``, else an embedded server's, started as every component
+    starts one (``connect``: the ``redis.*`` keys, data dir, fsync, socket, port) and stopped after."""
+    client, server = connect(cfg.redis, run_dir)
+    client.close()  # the stack's components and the demo's own client connect by the URL
+    try:
+        yield server.url if server is not None else str(configured_url(cfg.redis))
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def _evaluate(api: httpx.Client, n: int, seed: int, label: str, agent: str | None,
@@ -162,12 +177,11 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
     config_path = run_dir / "config.yaml"
     config_path.write_text(dump_config(cfg))  # secrets masked: the components get theirs in the environment
     auth = {"Authorization": f"Bearer {cfg.api.token.get_secret_value()}"}
-    password = cfg.redis.password.get_secret_value() if cfg.redis.password is not None else None
     try:
-        with EmbeddedRedis(run_dir / "redis", aof=cfg.redis.aof, password=password) as redis_server:
-            specs = components(cfg, config_path, redis_server.url, trainer_args=())
+        with run_redis(cfg, run_dir) as redis_url:
+            specs = components(cfg, config_path, redis_url, trainer_args=())
             with LocalStack(specs, run_dir / "logs") as stack, \
-                    client_for(redis_server.url, cfg.redis) as client, \
+                    client_for(redis_url, cfg.redis) as client, \
                     httpx.Client(base_url=published_api_url(client, Keys(cfg.run.name)), headers=auth,
                                  timeout=30) as api:
                 _wait_ready(api, stack)

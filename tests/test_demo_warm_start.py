@@ -6,9 +6,11 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
+from buffer.redis_server import EmbeddedRedis
 from core.config import load_config
-from services.demo import _parser, main, policy
+from services.demo import _parser, main, policy, run_redis
 
 
 def test_warm_start_dir_is_the_policy_and_no_sft_runs(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -36,3 +38,20 @@ def test_a_component_that_refuses_its_config_ends_the_demo_at_once_naming_it(
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: rollout-0 refused its config (exit 2; "), err
     assert "placement.rollout_cpus" in err and "4095" in err, err
+
+
+def test_the_demo_starts_its_redis_with_the_redis_keys_or_uses_the_one_given(
+    tmp_path: Path, redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo started its embedded Redis with AOF and the password only: ``redis.appendfsync=always`` (nothing
+    acknowledged lost) was everysec, and ``redis.url`` / ``REDIS_URL`` were ignored for a Redis of its own."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    cfg = load_config(None, [f"run.dir={tmp_path}", "redis.appendfsync=always"], env={})
+    with run_redis(cfg, tmp_path / "run") as url, redis.Redis.from_url(url) as client:
+        assert client.config_get("appendfsync")["appendfsync"] == "always"
+        assert Path(client.config_get("dir")["dir"]) == tmp_path / "run" / "redis"
+    with pytest.raises(redis.ConnectionError), redis.Redis.from_url(url, socket_connect_timeout=1) as gone:
+        gone.ping()  # stopped with the demo
+    given = load_config(None, [f"run.dir={tmp_path}", f"redis.url={redis_server.url}"], env={})
+    with run_redis(given, tmp_path / "other") as url:
+        assert url == redis_server.url and not (tmp_path / "other").exists()

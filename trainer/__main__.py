@@ -232,7 +232,7 @@ def _export(cfg: Config, args: argparse.Namespace) -> Path:
     checkpoints = cfg.run.path / "checkpoints"
     ckpt = args.checkpoint or Checkpointer(checkpoints, cfg.trainer.keep_checkpoints).latest()
     if ckpt is None:
-        raise CheckpointMismatch(f"no checkpoint under {checkpoints}: train first, or name one with --checkpoint")
+        raise FileNotFoundError(f"no checkpoint under {checkpoints}: train first, or name one with --checkpoint")
     return export_hf(ckpt, cfg.model.path, args.export_hf, cfg.model.lora, merge=args.merge_lora)
 
 

@@ -35,6 +35,16 @@ if TYPE_CHECKING:
 
 POLL_S = 0.02
 _SET_TURN = "redis.call('SET', KEYS[1], ARGV[1])"  # KEYS: the turn. ARGV: its JSON. Run fenced (fenced_script).
+# KEYS: the epoch counter. ARGV: an epoch the new one must exceed. The counter's next value, raised past ARGV[1].
+_NEW_EPOCH = """
+local epoch = redis.call('INCR', KEYS[1])
+local floor = tonumber(ARGV[1])
+if epoch <= floor then
+  epoch = floor + 1
+  redis.call('SET', KEYS[1], epoch)
+end
+return epoch
+"""
 
 
 @dataclass(frozen=True)
@@ -63,14 +73,17 @@ class DeviceTurns:
         self.redis = client
         self.keys = keys
         self._fenced_set = None if fence is None else fence.fenced_script(_SET_TURN, "a device turn")
+        self._new_epoch = client.register_script(_NEW_EPOCH)
 
     def turn(self) -> Turn | None:
         raw = self.redis.get(self.keys.device_turn)
         return None if raw is None else Turn(**json.loads(raw))
 
-    def new_epoch(self) -> int:
-        """A trainer start's epoch, above every earlier start's."""
-        return int(self.redis.incr(self.keys.device_epoch))
+    def new_epoch(self, above: int = 0) -> int:
+        """A trainer start's epoch, above every earlier start's: those Redis counted, and ``above`` (the highest
+        the start finds written: Redis may have lost its count, and a repeated epoch names another start's
+        weights as its own)."""
+        return int(self._new_epoch(keys=[self.keys.device_epoch], args=[above]))
 
     def take(self, epoch: int, step: int) -> Turn:
         """The trainer asks for the device to train ``step``."""

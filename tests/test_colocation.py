@@ -376,6 +376,29 @@ def test_a_fenced_trainer_writing_a_version_the_newer_one_wrote_leaves_the_newer
         [older.directory(2).name, newer.directory(2).name, newer.directory(3).name])
 
 
+def test_a_start_numbers_its_epoch_above_the_written_ones_when_redis_lost_the_count(
+    redis_server, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Redis lost ``device:epoch`` (a new Redis, a restore without it) while the stage directory kept the earlier
+    starts' weights: the next start numbers its epoch above every one written. It took epoch 1 again, named another
+    start's weights as its own, and left the ones of epoch 2 unpruned for good, as a newer start's."""
+    client, _turns, registry, _staleness = run_parts(redis_server.url)  # no server: the device is taken at once
+    root = tmp_path / "push"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    first, _ = fenced_start(client, root, tiny_model_dir, registry)
+    second, _ = fenced_start(client, root, tiny_model_dir, registry)
+    second.push_model(model)
+    assert (first.epoch, second.epoch) == (1, 2)
+    client.delete(KEYS.device_epoch)
+    third, _ = fenced_start(client, root, tiny_model_dir, registry)
+    assert third.epoch == 3
+    third.push_model(model)
+    third.give_device(0)
+    third.take_device(1)
+    third.push_model(model, unacked=1)
+    assert sorted(p.name for p in root.iterdir()) == [third.directory(0).name, third.directory(1).name]
+
+
 def test_a_trainer_start_prunes_the_older_starts_weights_only_once_it_handed_its_own_over(
     redis_server, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -67,7 +67,7 @@ class LocalPusher:
         self._staleness = staleness
         self.timeout_s = timeout_s
         self.overlap = overlap
-        self.epoch = turns.new_epoch() if turns is not None else 0  # this trainer start's
+        self.epoch = turns.new_epoch(self._highest_epoch()) if turns is not None else 0  # this trainer start's
         self.published = 0
         self.last_pushed = 0
         self.written: tuple[int, int] | None = None  # version (in directory(version)), groups trained on
@@ -102,6 +102,11 @@ class LocalPusher:
         self.written, self.last_pushed = (version, trained), version
         self._prune()
         return PushRound(version, [], time.perf_counter() - start, trained)
+
+    def _highest_epoch(self) -> int:
+        """The highest epoch of the directories written under ``root`` (0: none)."""
+        found = (_WRITTEN.fullmatch(p.name) for p in self.root.iterdir()) if self.root.is_dir() else ()
+        return max((int(w[2] or 0) for w in found if w is not None), default=0)
 
     def directory(self, version: int) -> Path:
         """Where this start writes ``version``, named by its epoch: no other start writes or removes it."""

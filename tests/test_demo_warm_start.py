@@ -40,6 +40,16 @@ def test_a_component_that_refuses_its_config_ends_the_demo_at_once_naming_it(
     assert "placement.rollout_cpus" in err and "4095" in err, err
 
 
+def test_a_model_path_given_to_the_demo_is_refused_naming_what_it_starts_from(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo sets the model it trains itself (its SFT warm start, or ``--warm-start``): a ``model.path`` given to
+    it was dropped without a word, and the run trained the tiny model."""
+    assert main([f"run.dir={tmp_path}", "model.path=/models/mine"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: model.path: the demo starts RL from an SFT warm start") and "--warm-start" in err
+    assert not any(tmp_path.iterdir())  # nothing started
+
+
 def test_the_demo_starts_its_redis_with_the_redis_keys_or_uses_the_one_given(
     tmp_path: Path, redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,7 +22,7 @@ import logging
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -105,8 +105,7 @@ class LocalPusher:
 
     def _highest_epoch(self) -> int:
         """The highest epoch of the directories written under ``root`` (0: none)."""
-        found = (_WRITTEN.fullmatch(p.name) for p in self.root.iterdir()) if self.root.is_dir() else ()
-        return max((int(w[2] or 0) for w in found if w is not None), default=0)
+        return max((epoch for _, _, epoch in _written_under(self.root)), default=0)
 
     def directory(self, version: int) -> Path:
         """Where this start writes ``version``, named by its epoch: no other start writes or removes it."""
@@ -154,15 +153,19 @@ class LocalPusher:
         """Remove this start's versions before its last ``KEEP_VERSIONS`` and, once it handed one over (until then the
         turn may name an older start's), every directory of the starts before it, partial ones too. A newer start's
         are never touched: this start may be one it fenced, still writing, whose turns are refused."""
-        for path in self.root.iterdir():
-            written = _WRITTEN.fullmatch(path.name)
-            if written is None:
-                continue
-            version, epoch = int(written[1]), int(written[2] or 0)
+        for path, version, epoch in _written_under(self.root):
             if (epoch == self.epoch and version <= self.last_pushed - KEEP_VERSIONS) or (
                 epoch < self.epoch and self.handed_over
             ):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _written_under(root: Path) -> Iterator[tuple[Path, int, int]]:
+    """Each version directory under ``root``, written or being written: its path, version and epoch."""
+    for path in root.iterdir() if root.is_dir() else ():
+        written = _WRITTEN.fullmatch(path.name)
+        if written is not None:
+            yield path, int(written[1]), int(written[2] or 0)
 
 
 def _on_rank0(act: Callable[[int], None] | None, step: int) -> None:

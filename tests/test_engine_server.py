@@ -21,7 +21,7 @@ from engine_helpers import metric, post, teacher_forced, until
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.config import EngineConfig
+from core.config import ConfigError, EngineConfig
 from rollout_server.engine.process import EngineProcess
 from rollout_server.engine.protocol import ContractError, GenerateSpec, build_requests
 from rollout_server.engine.routes import generate, info, weights
@@ -402,14 +402,16 @@ def test_a_model_without_a_tokenizer_is_refused_and_the_engine_says_why(
     tiny_model_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Without tokenizer files transformers would give a one-token vocabulary that encodes every prompt as
-    nothing; the engine refuses the directory, and its error reaches its parent's log (no log file given)."""
+    nothing; the engine refuses the directory as a start it cannot make (exit 2, a ConfigError to its owner, which is
+    not started again), and its error reaches its parent's log (no log file given)."""
     bare = tmp_path / "bare"
     bare.mkdir()
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         (bare / name).write_bytes((tiny_model_dir / name).read_bytes())
-    with pytest.raises(RuntimeError, match="engine exited with code 1"):
+    with pytest.raises(ConfigError, match=r"engine: the embedded engine refused to start \(its error is above"):
         EngineProcess(bare, threads=1).start(60)
-    assert f"{bare} has no tokenizer (none of tokenizer.json, tokenizer_config.json" in capfd.readouterr().out
+    said = capfd.readouterr().out
+    assert f"error: --model {bare}: {bare} has no tokenizer (none of tokenizer.json, tokenizer_config.json" in said
 
 
 def test_an_engine_its_owner_started_leaves_a_ctrl_c_to_the_owner(tiny_model_dir: Path) -> None:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -420,6 +421,23 @@ def test_startup_refuses_an_unready_engine_or_a_non_integer_version(
                               text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert f"error: engine.urls: {engine.url}: weight version 'default' is not an integer" in proc.stderr
+
+
+def test_an_embedded_engine_refusing_its_model_stops_the_server_as_a_config_refused(
+    redis_server: EmbeddedRedis, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A model whose weights file is cut short: the embedded engine refuses it (exit 2, naming the file's error), and
+    so does the server (exit 2, which launchers do not restart), rather than exit 1 to be started again and again."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").write_bytes((tiny_model_dir / "model.safetensors").read_bytes()[:1000])
+    proc = subprocess.run([sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp_path}",
+                           f"redis.url={redis_server.url}", f"model.path={broken}"], cwd=ROOT,
+                          env={**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": CHECKPOINT_TOKEN}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"error: --model {broken}: Error while deserializing header" in proc.stdout  # the engine's output
+    assert "error: engine: the embedded engine refused to start (its error is above)" in proc.stderr
 
 
 def test_busy_time_is_reported_while_groups_overlap_without_a_gap() -> None:

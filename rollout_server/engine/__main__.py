@@ -18,6 +18,7 @@ from types import FrameType
 
 import torch
 import uvicorn
+from safetensors import SafetensorError
 
 from core.config import CONFIG_ERROR_EXIT, MIN_SECRET_CHARS, EngineConfig
 from core.net import is_loopback, listen_socket
@@ -80,7 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper())
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    model, tokenizer, eos_ids = load_model(args.model, args.dtype)
+    try:
+        model, tokenizer, eos_ids = load_model(args.model, args.dtype)
+    except (OSError, ValueError, SafetensorError) as exc:  # the model's files: starting again cannot help
+        print(f"error: --model {args.model}: {exc}", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR_EXIT) from None
     max_context = min(args.max_context, model.config.max_position_embeddings)
     engine = Scheduler(
         model,

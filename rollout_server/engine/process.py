@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from core.config import EngineConfig
+from core.config import CONFIG_ERROR_EXIT, ConfigError, EngineConfig
 from core.net import listen_socket
 from core.process import PARENT_PID_ENV, stop_process
 from rollout_server.engine import ENGINE_KEY_ENV
@@ -132,7 +132,7 @@ class EngineProcess:
                          timeout_s)
                 next_log += PROGRESS_EVERY_S
             if self._proc.poll() is not None:
-                raise RuntimeError(f"engine exited with code {self._proc.returncode}: {' '.join(self._cmd)}")
+                self._exited()
             try:
                 if httpx.get(self.url + "/health", headers=headers, timeout=5.0).status_code == 200:
                     return self
@@ -141,6 +141,16 @@ class EngineProcess:
             time.sleep(0.1)
         self.close()
         raise RuntimeError(f"engine at {self.url} not healthy after {timeout_s:.0f}s")
+
+    def _exited(self) -> None:
+        """Raise for an engine that exited before it was healthy: ``ConfigError`` for one that refused its start
+        (``CONFIG_ERROR_EXIT``: its model or settings; starting it again cannot help), RuntimeError otherwise."""
+        code = self._proc.returncode if self._proc is not None else None
+        where = f"in {self._log_path}" if self._log_path else "above"
+        if code == CONFIG_ERROR_EXIT:
+            raise ConfigError(f"engine: the embedded engine refused to start (its error is {where}): "
+                              f"{' '.join(self._cmd)}")
+        raise RuntimeError(f"engine exited with code {code} (its error is {where}): {' '.join(self._cmd)}")
 
     def close(self, timeout_s: float = 30.0) -> None:
         """SIGTERM (uvicorn shuts down gracefully), SIGKILL if it lingers."""

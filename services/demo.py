@@ -214,14 +214,17 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if any(o.partition("=")[0].strip() == "model.path" for o in args.overrides):  # run() sets it: never taken
-        print("error: model.path: the demo starts RL from an SFT warm start of the tiny model it makes, or from "
-              "--warm-start DIR (an HF model); a run on a model of yours is `rollwave up -c run.yaml`", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
     refuse_inspection()  # it holds every secret of the run, the ones it makes included
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the stack and Redis
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config_or_exit(args.config, [f"run.name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides])
+    if "path" in cfg.model.model_fields_set:  # run() sets it: never taken, from the file or an override
+        overridden = any(o.partition("=")[0].strip() == "model.path" for o in args.overrides)
+        where = "" if overridden or not args.config else f"{args.config}: "
+        print(f"error: {where}model.path: the demo starts RL from an SFT warm start of the tiny model it makes, or "
+              "from --warm-start DIR (an HF model); a run on a model of yours is `rollwave up -c run.yaml`",
+              file=sys.stderr)
+        return CONFIG_ERROR_EXIT
     try:
         summary = run(cfg, args.sft_steps, args.eval_tasks, args.timeout_min * 60, args.warm_start, args.agent)
     except ConfigError as exc:  # a component refused its config (the stack is down by now)

@@ -48,6 +48,11 @@ def test_a_model_path_given_to_the_demo_is_refused_naming_what_it_starts_from(
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: model.path: the demo starts RL from an SFT warm start") and "--warm-start" in err
     assert not any(tmp_path.iterdir())  # nothing started
+    run_yaml = tmp_path.parent / f"{tmp_path.name}.yaml"  # the file's model.path was dropped the same way
+    run_yaml.write_text("model:\n  path: /models/mine\n")
+    assert main(["-c", str(run_yaml), f"run.dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {run_yaml}: model.path: the demo starts RL from")
+    assert not any(tmp_path.iterdir())
 
 
 def test_the_demo_starts_its_redis_with_the_redis_keys_or_uses_the_one_given(

@@ -653,6 +653,9 @@ class ApiConfig(Section):
     )
     data_root: Path = Field(Path("data"), description="source.path of a job must lie under this directory")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="larger request bodies are refused (413)")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="a request body not all received this long after it is first read is refused (408)"
+    )
     max_job_tasks: int = Field(100_000, ge=1, description="tasks in one job, inline or loaded")
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -236,6 +237,24 @@ def test_request_bodies_are_bounded(redis_url: str) -> None:
         reply = api.post("/v1/jobs", content=chunks(), headers={"Content-Type": "application/json"})
         assert reply.status_code == 413
         assert _refused(api, "body_size") == 2
+        assert len(api.get("/v1/jobs").json()["jobs"]) == 1
+
+
+def test_a_body_that_stalls_is_refused_at_its_deadline_and_the_api_serves_on(redis_url: str) -> None:
+    """A client that sends its headers and part of the body, then nothing (or trickles it), held its connection and
+    the handler's task for ever: ``api.body_timeout_s`` after the body's first read it gets 408, counted."""
+    job = {"kind": "train", "source": {"kind": "arith", "limit": 2}, "name": ""}
+    with serve(redis_url, "api-body-slow", "api.body_timeout_s=0.5") as api:
+        url = httpx.URL(str(api.base_url))
+        head = (f"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 200\r\n\r\n")
+        with socket.create_connection((url.host, url.port), timeout=30) as sock:
+            sock.sendall(head.encode() + b'{"kind": "train", "na')
+            reply = sock.makefile("rb").read()  # the API answers and closes: read to the end
+        assert reply.startswith(b"HTTP/1.1 408 "), reply
+        assert b"request body not received in 0.5 s (api.body_timeout_s): 21 bytes came" in reply
+        assert _refused(api, "body_timeout") == 1
+        assert api.post("/v1/jobs", json=job).status_code == 201  # a body sent at once is in time
         assert len(api.get("/v1/jobs").json()["jobs"]) == 1
 
 

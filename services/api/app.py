@@ -277,11 +277,14 @@ class TokenGuard:
 
 
 class BodyLimit:
-    """413 for a request body over ``max_bytes``: by its Content-Length up front, or counted as it streams in."""
+    """413 for a request body over ``max_bytes``: by its Content-Length up front, or counted as it streams in; 408 for
+    one not all in ``timeout_s`` after the app first reads it (a client that stalls or trickles it, each byte within
+    any idle timeout, held a connection and its task for ever)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, refuse: Refuse) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, refuse: Refuse) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
         self.refuse = refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -293,11 +296,22 @@ class BodyLimit:
             self.refuse("body_size", scope)
             await JSONResponse({"detail": self._detail}, status_code=413)(scope, receive, send)
             return
-        received = 0
+        received, deadline, whole = 0, None, False
 
         async def counted() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, deadline, whole
+            if whole:  # then only the disconnect is awaited, for as long as a response streams
+                return await receive()
+            loop = asyncio.get_running_loop()
+            deadline = deadline or loop.time() + self.timeout_s
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                self.refuse("body_timeout", scope)
+                raise HTTPException(408, f"request body not received in {self.timeout_s:g} s "
+                                         f"(api.body_timeout_s): {received} bytes came") from None
+            whole = message["type"] != "http.request" or not message.get("more_body", False)
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:  # FastAPI passes an HTTPException from the body read through
@@ -330,8 +344,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     registry = CollectorRegistry()
     refused = Counter(
         "rollwave_api_requests_refused_total",
-        "Requests refused (auth, host, origin, body_size, content_type, validation, cursor, not_found, route, method, "
-        "trainer_finished, not_cancellable, not_deletable, idempotency_key, redis)", ["reason"],
+        "Requests refused (auth, host, origin, body_size, body_timeout, content_type, validation, cursor, not_found, "
+        "route, method, trainer_finished, not_cancellable, not_deletable, idempotency_key, redis)", ["reason"],
         registry=registry,
     )
     refuse = _refused(refused)
@@ -643,7 +657,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         return FileResponse(STATIC / "index.html")
 
     app.mount("/static", StaticFiles(directory=STATIC, check_dir=False), name="static")
-    app.add_middleware(BodyLimit, max_bytes=cfg.api.max_body_bytes, refuse=refuse)
+    app.add_middleware(BodyLimit, max_bytes=cfg.api.max_body_bytes, timeout_s=cfg.api.body_timeout_s, refuse=refuse)
     app.add_middleware(TokenGuard, token=cfg.api.token, refuse=refuse)
     app.add_middleware(HostGuard, allowed_hosts=cfg.api.allowed_hosts, refuse=refuse)
     return app

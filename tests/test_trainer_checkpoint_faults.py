@@ -22,12 +22,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from trainer_helpers import synthetic_groups
 
 from core.config import ConfigError, TrainerConfig
-from trainer.checkpoint import STATE_FILE, CheckpointMismatch, export_hf
-from trainer.parallel import DistContext
+from trainer.checkpoint import FORMAT, STATE_FILE, CheckpointMismatch, export_hf
+from trainer.parallel import DistContext, iter_full_params
 from trainer.worker import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +113,54 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_way_out(
     with pytest.raises(RuntimeError, match=rf"^{re.escape(str(latest))}: DCP cannot load it: RuntimeError: "
                                            "PytorchStreamReader"):
         trainer.restore(latest)
+    trainer.close()
+
+
+def _edit_state(checkpoint: Path, **changes: object) -> None:
+    """Set ``changes`` in ``checkpoint``'s state file; a value of None removes the key."""
+    record = json.loads((checkpoint / STATE_FILE).read_text())
+    record.update(changes)
+    (checkpoint / STATE_FILE).write_text(json.dumps({k: v for k, v in record.items() if v is not None}))
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_naming_both(
+    ctx: DistContext, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A resume or an export refuses, as exit 2 does, a checkpoint written by a rollwave whose format this one does not
+    know, rather than load what it may lay out otherwise; a format that is no number is a damaged state file."""
+    trainer = _trained(ctx, tiny_model_dir, tmp_path / "run", steps=1)
+    latest = trainer.checkpointer.root / "step_00000001"
+    assert json.loads((latest / STATE_FILE).read_text())["format"] == FORMAT == 1
+    _edit_state(latest, format=FORMAT + 1)
+    refusal = re.escape(f"{latest / STATE_FILE}: checkpoint format 2, written by a newer rollwave; this rollwave "
+                        "writes format 1 and reads none newer: resume it with the rollwave that wrote it, or start in "
+                        "a new run directory")
+    with pytest.raises(CheckpointMismatch, match=f"^{refusal}$"):
+        trainer.restore(latest)
+    with pytest.raises(CheckpointMismatch, match=f"^{refusal}$"):
+        export_hf(latest, tiny_model_dir, tmp_path / "hf")
+    _edit_state(latest, format="1")
+    with pytest.raises(CheckpointMismatch, match=rf"^{re.escape(str(latest / STATE_FILE))}: its format \"1\" is not a "
+                                                 "number: checkpoint step_00000001 is damaged"):
+        trainer.restore(latest)
+    trainer.close()
+
+
+def test_a_checkpoint_written_before_the_format_resumes_as_format_0(
+    ctx: DistContext, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A state file with no ``format`` (written before it, with ``files`` or before that without) is format 0, which
+    this rollwave reads as it did: the weights, step and version come back."""
+    trainer = _trained(ctx, tiny_model_dir, tmp_path / "run", steps=1)
+    saved = {name: t.clone() for name, t in iter_full_params(trainer.model) if t is not None}
+    trainer.train(synthetic_groups(trainer.step, 2))
+    first = trainer.checkpointer.root / "step_00000001"
+    for dropped in (("format",), ("format", "files")):
+        _edit_state(first, **dict.fromkeys(dropped))
+        assert trainer.restore(first) and (trainer.step, trainer.version) == (1, 1), dropped
+        restored = {name: t for name, t in iter_full_params(trainer.model) if t is not None}
+        assert restored.keys() == saved.keys() and all(torch.equal(restored[n], saved[n]) for n in saved), dropped
+        trainer.train(synthetic_groups(trainer.step, 2))
     trainer.close()
 
 

@@ -16,7 +16,11 @@ An optimizer written with one parameter group (before the matrices and the 1-D p
 ``trainer.weight_decay``) resumes into the run's groups; another count of groups is refused, naming the checkpoint.
 The state file records each file's size and CRC-32 (``files``; DCP's files carry no checksum, so a shard damaged past
 its headers loaded as other numbers): a resume or an export refuses a checkpoint whose files differ, naming the file
-and the way out. A save that fails names the checkpoint and the room left on its file system.
+and the way out. A save that fails names the checkpoint and the room left on its file system; where rank 0's part of
+it fails (its staging, the state file, the rename, the prune), every other rank raises at once naming the cause, rather
+than wait in the next collective until the process group's timeout.
+The state file records its ``format`` (``FORMAT``; one without is format 0, written before the field, and loads as
+before): a checkpoint of a newer format than this code's is refused, naming both.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from trainer.lora import add_adapter
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+FORMAT = 1  # what ``format`` in the state file says this code writes; a higher one is refused at load
 CRITIC_CONFIG = "critic_config"
 _PREFIX = "step_"
 _NAME = re.compile(rf"{_PREFIX}(\d+)")  # a checkpoint's directory; a copy beside it (step_00000004.bak) is none
@@ -180,6 +185,13 @@ def _read_state(path: Path) -> dict[str, Any]:
         raise _damaged(path, f"{file}: {exc}") from None
     if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "scheduler" not in record:
         raise _damaged(path, f"{file}: holds no step and scheduler state")
+    written = record.get("format", 0)
+    if not isinstance(written, int):
+        raise _damaged(path, f"{file}: its format {json.dumps(written)} is not a number")
+    if written > FORMAT:
+        raise CheckpointMismatch(f"{file}: checkpoint format {written}, written by a newer rollwave; this rollwave "
+                                 f"writes format {FORMAT} and reads none newer: resume it with the rollwave that wrote "
+                                 "it, or start in a new run directory")
     return record
 
 
@@ -261,6 +273,26 @@ def _writing(staging: Path) -> Iterator[None]:
     except (Exception, CheckpointException) as exc:
         raise OSError(f"{staging}: cannot write the checkpoint: {_cause(exc)} ({_free(staging)} free on its file "
                       "system); a resume starts from the last complete one") from exc
+
+
+def _on_main(act: Callable[[], None], step: int, path: Path) -> None:
+    """Rank 0's part of saving checkpoint ``step`` at ``path`` (``act``, run there alone), then the meeting of every
+    rank, where rank 0's failure reaches them all at once (as ``colocation._on_rank0``'s refusal does): rank 0 raises
+    its own exception, the others one naming it, instead of waiting in the next collective until the group's timeout.
+    The meeting also holds the other ranks until ``act`` is done."""
+    failure: list[str | None] = [None]
+    error: Exception | None = None
+    if _is_main():
+        try:
+            act()
+        except Exception as exc:
+            error, failure[0] = exc, _cause(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(failure, src=0)
+    if error is not None:
+        raise error
+    if failure[0] is not None:
+        raise RuntimeError(f"checkpoint of step {step} ({path}): rank 0 failed: {failure[0]}")
 
 
 def _check_settings(path: Path, saved: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
@@ -366,12 +398,14 @@ class Checkpointer:
         staging = self.root / f".{final.name}.partial"
         if fence is not None:
             fence()
-        if _is_main():
+
+        def stage() -> None:
             with _writing(staging):
                 for left in self.root.glob(f".{_PREFIX}*"):
                     shutil.rmtree(left)
                 staging.mkdir(parents=True)
-        _barrier()
+
+        _on_main(stage, step, final)
         shards = _shards(model, optimizer, critic)
         with _writing(staging):
             metadata = dcp.save(shards, checkpoint_id=str(staging))  # DCP flushes its files
@@ -381,7 +415,8 @@ class Checkpointer:
             files = dict(_gathered([(name, _digest(staging / name)) for name in _share(_data_files(metadata))]))
         if fence is not None:
             fence()
-        if _is_main():
+
+        def commit() -> None:
             with _writing(staging):
                 if critic is not None:
                     critic[0].config.save_pretrained(staging / CRITIC_CONFIG)
@@ -389,7 +424,7 @@ class Checkpointer:
                         _fsync(file)
                         files[f"{CRITIC_CONFIG}/{file.name}"] = _digest(file)
                     _fsync(staging / CRITIC_CONFIG)
-                record = {"step": step, "scheduler": scheduler.state_dict(), **state, "files": files}
+                record = {"step": step, "scheduler": scheduler.state_dict(), **state, "files": files, "format": FORMAT}
                 (staging / STATE_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
                 _fsync(staging / STATE_FILE)
                 _fsync(staging)
@@ -399,7 +434,8 @@ class Checkpointer:
             for old in self.list()[: -self.keep]:
                 doomed = old.rename(self.root / f".{old.name}.pruned")  # never listed half deleted
                 shutil.rmtree(doomed)
-        _barrier()
+
+        _on_main(commit, step, final)
         return final
 
     def load(

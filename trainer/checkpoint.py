@@ -16,9 +16,9 @@ An optimizer written with one parameter group (before the matrices and the 1-D p
 ``trainer.weight_decay``) resumes into the run's groups; another count of groups is refused, naming the checkpoint.
 The state file records each file's size and CRC-32 (``files``; DCP's files carry no checksum, so a shard damaged past
 its headers loaded as other numbers): a resume or an export refuses a checkpoint whose files differ, naming the file
-and the way out. A save that fails names the checkpoint and the room left on its file system; where rank 0's part of
-it fails (its staging, the state file, the rename, the prune), every other rank raises at once naming the cause, rather
-than wait in the next collective until the process group's timeout.
+and the way out. A save that fails names the checkpoint and the room left on its file system; where one rank's part of
+it fails (rank 0's staging, state file, rename and prune; any rank's shards, RNG state or read back), every other rank
+raises at once naming that rank and the cause, rather than wait in the next collective until the group's timeout.
 The state file records its ``format`` (``FORMAT``; one without is format 0, written before the field, and loads as
 before): a checkpoint of a newer format than this code's is refused, naming both.
 """
@@ -34,7 +34,7 @@ import shutil
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -79,11 +79,6 @@ def _is_main() -> bool:
 class CheckpointMismatch(ValueError):
     """The run directory's checkpoints are not ones this run can start from (or over): starting again cannot
     help, so a component exits as for a config it refuses."""
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _rank() -> int:
@@ -275,24 +270,28 @@ def _writing(staging: Path) -> Iterator[None]:
                       "system); a resume starts from the last complete one") from exc
 
 
-def _on_main(act: Callable[[], None], step: int, path: Path) -> None:
-    """Rank 0's part of saving checkpoint ``step`` at ``path`` (``act``, run there alone), then the meeting of every
-    rank, where rank 0's failure reaches them all at once (as ``colocation._on_rank0``'s refusal does): rank 0 raises
-    its own exception, the others one naming it, instead of waiting in the next collective until the group's timeout.
-    The meeting also holds the other ranks until ``act`` is done."""
-    failure: list[str | None] = [None]
-    error: Exception | None = None
-    if _is_main():
+T = TypeVar("T")
+
+
+def _meet(act: Callable[[], T], step: int, path: Path, main_only: bool = False) -> T | None:
+    """A part of saving checkpoint ``step`` at ``path``: ``act`` on every rank (rank 0 alone with ``main_only``;
+    the others get None), then the meeting of every rank, where any rank's failure reaches them all at once: a rank
+    that failed raises its own exception, the others one naming the first rank that failed and why, instead of
+    waiting in the next collective until the group's timeout. The meeting also holds every rank until ``act`` is done
+    on all of them."""
+    result, failure, error = None, None, None
+    if not main_only or _is_main():
         try:
-            act()
+            result = act()
         except Exception as exc:
-            error, failure[0] = exc, _cause(exc)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(failure, src=0)
+            error, failure = exc, _cause(exc)
+    failures = _gathered([failure])
     if error is not None:
         raise error
-    if failure[0] is not None:
-        raise RuntimeError(f"checkpoint of step {step} ({path}): rank 0 failed: {failure[0]}")
+    for rank, cause in enumerate(failures):
+        if cause is not None:
+            raise RuntimeError(f"checkpoint of step {step} ({path}): rank {rank} failed: {cause}")
+    return result
 
 
 def _check_settings(path: Path, saved: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
@@ -405,14 +404,22 @@ class Checkpointer:
                     shutil.rmtree(left)
                 staging.mkdir(parents=True)
 
-        _on_main(stage, step, final)
+        _meet(stage, step, final, main_only=True)
         shards = _shards(model, optimizer, critic)
-        with _writing(staging):
-            metadata = dcp.save(shards, checkpoint_id=str(staging))  # DCP flushes its files
-            _save_rng(staging)
-        _barrier()
-        with _writing(staging):  # each rank reads back its share of what they all wrote
-            files = dict(_gathered([(name, _digest(staging / name)) for name in _share(_data_files(metadata))]))
+
+        def write() -> Metadata:
+            with _writing(staging):
+                metadata = dcp.save(shards, checkpoint_id=str(staging))  # DCP flushes its files
+                _save_rng(staging)
+            return metadata
+
+        metadata = _meet(write, step, final)
+
+        def read_back() -> list[tuple[str, list[int]]]:  # this rank's share of what they all wrote
+            with _writing(staging):
+                return [(name, _digest(staging / name)) for name in _share(_data_files(metadata))]
+
+        files = dict(_gathered(_meet(read_back, step, final)))
         if fence is not None:
             fence()
 
@@ -435,7 +442,7 @@ class Checkpointer:
                 doomed = old.rename(self.root / f".{old.name}.pruned")  # never listed half deleted
                 shutil.rmtree(doomed)
 
-        _on_main(commit, step, final)
+        _meet(commit, step, final, main_only=True)
         return final
 
     def load(

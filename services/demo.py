@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from buffer.keys import Keys
 from buffer.redis_server import client_for, configured_url, connect
-from core.config import CONFIG_ERROR_EXIT, Config, ConfigError, dump_config, load_config_or_exit
+from core.config import CONFIG_ERROR_EXIT, Config, ConfigError, dump_config, load_config, load_config_or_exit
 from core.process import refuse_inspection
 from core.tasks import load_tasks
 from core.tiny_model import build_tiny_model
@@ -36,12 +36,13 @@ from services.report import histogram_totals, learning_curve, summarize
 from trainer.sft import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
+DEMO_CONFIG = ROOT / "configs/demo.yaml"
 log = logging.getLogger("demo")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.demo", description=__doc__.splitlines()[0])
-    p.add_argument("-c", "--config", default=str(ROOT / "configs/demo.yaml"))
+    p.add_argument("-c", "--config", default=str(DEMO_CONFIG))
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--sft-steps", type=int, default=700)
     p.add_argument("--warm-start", type=Path, metavar="DIR",
@@ -218,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the stack and Redis
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config_or_exit(args.config, [f"run.name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides])
-    if "path" in cfg.model.model_fields_set:  # run() sets it: never taken, from the file or an override
-        overridden = any(o.partition("=")[0].strip() == "model.path" for o in args.overrides)
-        where = "" if overridden or not args.config else f"{args.config}: "
+    if "path" in cfg.model.model_fields_set and cfg.model.path != load_config(DEMO_CONFIG, []).model.path:
+        overridden = any(o.partition("=")[0].strip() == "model.path" for o in args.overrides)  # run() sets its own:
+        where = "" if overridden else f"{args.config}: "  # one given (not the demo config's, or a copy's) is refused
         print(f"error: {where}model.path: the demo starts RL from an SFT warm start of the tiny model it makes, or "
               "from --warm-start DIR (an HF model); a run on a model of yours is `rollwave up -c run.yaml`",
               file=sys.stderr)

@@ -10,7 +10,7 @@ import redis
 
 from buffer.redis_server import EmbeddedRedis
 from core.config import load_config
-from services.demo import _parser, main, policy, run_redis
+from services.demo import DEMO_CONFIG, _parser, main, policy, run_redis
 
 
 def test_warm_start_dir_is_the_policy_and_no_sft_runs(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -53,6 +53,10 @@ def test_a_model_path_given_to_the_demo_is_refused_naming_what_it_starts_from(
     assert main(["-c", str(run_yaml), f"run.dir={tmp_path}"]) == 2
     assert capsys.readouterr().err.strip().startswith(f"error: {run_yaml}: model.path: the demo starts RL from")
     assert not any(tmp_path.iterdir())
+    copy = tmp_path.parent / f"{tmp_path.name}-copy.yaml"  # the demo config's own model.path, as a copy keeps it
+    copy.write_text(DEMO_CONFIG.read_text().replace("lr:", "lr: 2.0e-4 #"))
+    with pytest.raises(SystemExit, match="no HF model there"):  # past the check: the run's first step refuses
+        main(["-c", str(copy), f"run.dir={tmp_path}", "--warm-start", str(tmp_path / "none")])
 
 
 def test_the_demo_starts_its_redis_with_the_redis_keys_or_uses_the_one_given(

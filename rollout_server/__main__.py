@@ -60,6 +60,7 @@ log = logging.getLogger("rollout_server")
 
 ENGINE_METRICS_TIMEOUT_S = 10.0
 HIDDEN_FROM_AGENTS = (*SECRETS.values(), "REDIS_URL")  # this server's secrets and Redis's address
+REFUSAL_KEYS = {401: "engine.api_key", 403: "engine.api_key", 404: "engine.urls"}  # the key an engine's refusal names
 
 
 def check_engines(cfg: EngineConfig) -> None:
@@ -116,12 +117,13 @@ async def serve(cfg: Config, tools: ToolRegistry) -> None:
             try:
                 await engine.wait_ready(cfg.engine.ready_timeout_s)
             except EngineError as exc:
-                key = {401: "engine.api_key", 403: "engine.api_key", 404: "engine.urls"}.get(exc.status or 0,
-                                                                                           "engine.ready_timeout_s")
-                raise ConfigError(f"{key}: {exc}") from None
+                raise ConfigError(f"{REFUSAL_KEYS.get(exc.status or 0, 'engine.ready_timeout_s')}: {exc}") from None
             try:
                 parse_version(await engine.weight_version())
-            except (EngineError, ValueError) as exc:
+            except EngineError as exc:  # SGLang answers /health without the key: a wrong one shows here
+                raise ConfigError(f"{REFUSAL_KEYS.get(exc.status or 0, 'engine.urls')}: {engine.base_url}: {exc}"
+                                  ) from None
+            except ValueError as exc:
                 raise ConfigError(f"engine.urls: {engine.base_url}: {exc}") from None
         from transformers import AutoTokenizer
 

@@ -21,6 +21,9 @@ import grpc
 import httpx
 import pytest
 from buffer_helpers import client
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from http_harness import serve_app
 from net_helpers import bound_socket, refused_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from worker_helpers import serve_until
@@ -421,6 +424,33 @@ def test_startup_refuses_an_unready_engine_or_a_non_integer_version(
                               text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert f"error: engine.urls: {engine.url}: weight version 'default' is not an integer" in proc.stderr
+
+
+def test_a_wrong_engine_key_is_named_where_the_engine_answers_health_without_one(
+    redis_server: EmbeddedRedis, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """SGLang's ``--api-key`` exempts ``/health``: a wrong ``engine.api_key`` passes the wait and is refused at the
+    first call that needs it (``/model_info``), which named ``engine.urls`` and sent the operator to the URL."""
+    sglang = FastAPI()  # SGLang's key check as it behaves: every route but /health needs the key
+
+    @sglang.middleware("http")
+    async def key_check(request: Request, call_next: Callable) -> Response:
+        if request.url.path != "/health" and request.headers.get("authorization") != f"Bearer {'k' * 40}":
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return await call_next(request)
+
+    @sglang.get("/health")
+    async def health() -> Response:
+        return Response()
+
+    with serve_app(sglang) as url:
+        proc = subprocess.run([sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp_path}",
+                               f"redis.url={redis_server.url}", f"model.path={tiny_model_dir}", f"engine.urls=[{url}]",
+                               "engine.backend=sglang"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "ROLLWAVE_CHECKPOINT_TOKEN": CHECKPOINT_TOKEN,
+                                   "ROLLWAVE_ENGINE_API_KEY": "w" * 40})
+    assert proc.returncode == 2, proc.stderr
+    assert f"error: engine.api_key: {url}: /model_info: HTTP 401: Unauthorized" in proc.stderr, proc.stderr
 
 
 def test_an_embedded_engine_refusing_its_model_stops_the_server_as_a_config_refused(

@@ -37,7 +37,7 @@ from buffer.replay import TrainerFenced
 from buffer.staleness import StalenessControl
 from core.checkpoint_format import MODEL_WEIGHTS
 from trainer.checkpoint_pusher import PushResult, PushRound, groups_trained
-from trainer.parallel import iter_full_params
+from trainer.parallel import from_rank0, iter_full_params
 
 log = logging.getLogger(__name__)
 
@@ -169,19 +169,11 @@ def _written_under(root: Path) -> Iterator[tuple[Path, int, int]]:
 
 
 def _on_rank0(act: Callable[[int], None] | None, step: int) -> None:
-    """Rank 0's part of a hand-over (``act``, None on the other ranks), then, with more ranks, the meeting of all of
-    them, where a refusal (``TrainerFenced``: a newer trainer of the run started) reaches every rank: all of them stop,
-    none waits in the step's collectives for a rank that left."""
-    refusal: list[TrainerFenced | None] = [None]
-    if act is not None:
-        try:
-            act(step)
-        except TrainerFenced as exc:
-            refusal[0] = exc
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(refusal, src=0)
-    if refusal[0] is not None:
-        raise refusal[0]
+    """Rank 0's part of a hand-over (``act``; None: nothing to do), then, with more ranks, the meeting of all of
+    them, where a refusal (``TrainerFenced``: a newer trainer of the run started) or a failure (servers that did not
+    release the device) reaches every rank: all of them stop, none waits in the step's collectives for one that left."""
+    from_rank0(lambda: act(step) if act is not None else None, f"the device's hand-over at step {step}",
+               (TrainerFenced,))
 
 
 def held_bytes(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from core.config import ConfigError
 from core.net import is_loopback, listen_socket
 
+T = TypeVar("T")
 CLOSED_KEY = "rollwave/ranks_closed"  # in the rendezvous store: ranks that have destroyed their group
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
@@ -150,6 +151,34 @@ def close_distributed(timeout_s: float = 120.0) -> None:
                                f"left it within {timeout_s:g} s")
         time.sleep(0.01)
         left = store.add(CLOSED_KEY, 0)
+
+
+def from_rank0(act: Callable[[], T], what: str, kept: tuple[type[Exception], ...] = ()) -> T:
+    """``act()`` on rank 0 (the other ranks never call it), its result given to every rank. What it raises reaches
+    every rank at once, so none waits in the next collective for a rank that left: rank 0 raises its own exception,
+    the others one of ``kept``'s types as itself (its message kept: ``TrainerFenced``), any other as a RuntimeError
+    naming ``what`` and rank 0's cause."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return act()
+    box: list[Any] = [None]
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (act(), None)
+        except Exception as exc:
+            error = exc
+            kind = next((i for i, t in enumerate(kept) if isinstance(exc, t)), None)
+            box[0] = (None, (kind, str(exc), f"{type(exc).__name__}: {exc}"))
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    result, failure = box[0]
+    if failure is None:
+        return result
+    kind, message, cause = failure
+    if kind is not None:
+        raise kept[kind](message)
+    raise RuntimeError(f"{what}: rank 0 failed: {cause}")
 
 
 def exit_rank(code: int = 0) -> NoReturn:

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 from torch import nn
 
@@ -45,7 +44,7 @@ from trainer.lora import add_adapter
 from trainer.metrics import MetricsLog, TrainerMetrics
 from trainer.offload import device_offload
 from trainer.optim import apply_settings, build_optimizer, build_scheduler
-from trainer.parallel import DistContext, init_distributed, load_model
+from trainer.parallel import DistContext, from_rank0, init_distributed, load_model
 from trainer.shaping import is_degenerate
 from trainer.step import TrainStep
 
@@ -204,11 +203,9 @@ class Trainer:
             self._log = MetricsLog(self.run_dir / "metrics.jsonl").start()
             self.metrics.step.set(self.step)
             self.metrics.version.set(self.version)
-        if self.pusher is not None:
-            published = [max(self.pusher.published, self.version)]  # rank 0 read it from Redis: every rank decides
-            if self.ctx.world_size > 1:
-                dist.broadcast_object_list(published, src=0)
-            self.pusher.published = published[0]
+        if self.pusher is not None:  # rank 0 read it from Redis: every rank decides by it
+            pusher = self.pusher
+            pusher.published = from_rank0(lambda: max(pusher.published, self.version), "the version published")
             # A fresh run's servers already serve the weights it starts from, as version 0: pushing them again
             # would be a whole push for nothing. A colocated run writes them all the same (its local push numbers
             # them 0 then), and the device is handed over with them. Any other start pushes what it resumed from,
@@ -262,24 +259,16 @@ class Trainer:
         Rank 0 reads ``source`` (ignored elsewhere) and drops stale groups. After every read, full batch
         or not, it broadcasts, so the other ranks never sit in one collective longer than a read
         (``take_timeout_s``) however long the buffer stays empty (NCCL would time out). A read refused because a
-        newer trainer started (``TrainerFenced``) is broadcast too: every rank stops, none waits for rank 0.
+        newer trainer started (``TrainerFenced``), or one that failed, is broadcast too (``from_rank0``): every rank
+        stops, none waits for rank 0.
         """
         if self.ctx.is_main and source is None:
             raise ValueError("rank 0 needs a GroupSource to read batches from")
         start = time.perf_counter()
         while True:
-            payload: list[Any] = [None]
-            if self.ctx.is_main:
-                try:
-                    payload[0] = self._read(source)
-                except TrainerFenced as exc:
-                    payload[0] = exc
-            if self.ctx.world_size > 1:
-                dist.broadcast_object_list(payload, src=0)
-            if isinstance(payload[0], TrainerFenced):
-                raise payload[0]
-            if payload[0] is not None:
-                groups, self._drained, self.version = payload[0]
+            read = from_rank0(lambda: self._read(source), "the buffer read", (TrainerFenced,))
+            if read is not None:
+                groups, self._drained, self.version = read
                 return groups, time.perf_counter() - start
 
     def _read(self, source: GroupSource) -> tuple[list[TrajectoryGroup], bool, int] | None:
@@ -395,16 +384,8 @@ class Trainer:
         """Raise ``TrainerFenced`` on every rank once a newer trainer of the run started: rank 0 asks (``fence``, one
         round trip) and tells the others, so all of them stop before the same collective (a push's gathers, a
         checkpoint's writes) instead of waiting in it for a rank that left."""
-        refusal: list[str | None] = [None]
-        if self.fence is not None:
-            try:
-                self.fence()
-            except TrainerFenced as exc:
-                refusal[0] = str(exc)
-        if self.ctx.world_size > 1:
-            dist.broadcast_object_list(refusal, src=0)
-        if refusal[0] is not None:
-            raise TrainerFenced(refusal[0])
+        fence = self.fence
+        from_rank0(lambda: fence() if fence is not None else None, "the fence check", (TrainerFenced,))
 
     def _push(self) -> dict[str, Any]:
         """Hand the new weights to the pusher (every rank), unless a newer trainer of the run started (``fence``);

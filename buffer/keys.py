@@ -74,6 +74,14 @@ class Keys:
         """List of consumed group ids, oldest first: ``groups:state`` keeps the last ``buffer.dedup_window``."""
         return self.prefix + "groups:consumed"
 
+    def entries(self, job_id: str) -> str:
+        """Set of a job's entries in the run-wide streams, so a delete finds them without reading a stream whole:
+        ``t<id>`` its task in its kind's task stream, ``d<id>`` its dead letter in ``tasks:dead``, ``g<id>`` its group
+        moved to ``groups:malformed``. The calls that add, move and end an entry keep it (a dead letter or requeued
+        task takes the place of an indexed task only: nothing adds to the entries of a deleted job); it is deleted
+        with its job. Its own prefix, like ``traj:`` and ``eval:``: no job id names another job's key."""
+        return f"{self.prefix}entries:{job_id}"
+
     def eval(self, job_id: str) -> str:
         """Results of an eval job, one entry per group (id, reward sum, samples), never trained on."""
         return f"{self.prefix}eval:{job_id}"

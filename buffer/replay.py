@@ -53,8 +53,9 @@ READ_BLOCK_MS = 1000  # below the client's socket timeout; take() loops until it
 WRITTEN, DUPLICATE, FULL, TASK_GONE = 1, 0, -1, -2  # what a put did (try_put, put_many)
 
 # KEYS: target stream (groups, or eval:<job>), group state, job hash, task stream, admitted ids, consumed ids list,
-# payload key (none for an eval group, whose entry holds its results only: an ACL that confines the user to the
-# run's keys refuses a script naming any other, '' included).
+# the job's entries (``Keys.entries``: the task acked leaves them), payload key (none for an eval group, whose entry
+# holds its results only: an ACL that confines the user to the run's keys refuses a script naming any other, ''
+# included).
 # ARGV: gid, job_id, backlog bound (0: none), task entry id ('' none), reward sum, sample count, dedup window.
 # Runs in the MULTI that SET the payload key: a written train group's entry names it (so does its groups:state
 # value, which a retried MULTI finds); otherwise it is deleted. A group is written only while its task is pending
@@ -66,7 +67,7 @@ WRITTEN, DUPLICATE, FULL, TASK_GONE = 1, 0, -1, -2  # what a put did (try_put, p
 # Returns 1 written, 0 duplicate (already written; its task is acked all the same), -1 full, -2 task no longer
 # pending (nothing done for these three).
 _PUT = """
-local gid, bound, task, payload = ARGV[1], tonumber(ARGV[3]), ARGV[4], KEYS[7] or ''
+local gid, bound, task, payload = ARGV[1], tonumber(ARGV[3]), ARGV[4], KEYS[8] or ''
 local written = redis.call('HGET', KEYS[2], gid)
 if written then
   if payload ~= '' and written ~= payload then redis.call('DEL', payload) end  -- not this very put, retried
@@ -101,6 +102,7 @@ end
 if task ~= '' and redis.call('XACK', KEYS[4], '""" + ROLLOUT_GROUP + """', task) == 1 then
   redis.call('XDEL', KEYS[4], task)
   redis.call('HDEL', KEYS[5], gid)
+  redis.call('SREM', KEYS[7], 't' .. task)
 end
 return written and 0 or 1
 """
@@ -119,12 +121,15 @@ if current < mine then redis.call('SET', {key}, mine) end
 # KEYS: trainer epoch. ARGV: this trainer's epoch. Returns -1 when fenced, else 0.
 _FENCE = _fence_lua("KEYS[1]", "ARGV[1]") + "return 0"
 
-# KEYS: groups stream, malformed stream, trainer epoch. ARGV: entry id, this trainer's epoch, then the dead letter's
-# field/value pairs. Written only while the entry is pending (the ack runs after it in the same MULTI), so a MULTI
-# the client runs again after a lost reply writes no second dead letter. Returns -1 fenced, 1 written, 0 not.
+# KEYS: groups stream, malformed stream, trainer epoch, then its job's hash and entries when the entry names a job.
+# ARGV: entry id, this trainer's epoch, then the dead letter's field/value pairs. Written only while the entry is
+# pending (the ack runs after it in the same MULTI), so a MULTI the client runs again after a lost reply writes no
+# second dead letter; the job's entries index it while the job exists (it goes with the job). Returns -1 fenced, 1
+# written, 0 not.
 _MOVE_ASIDE = _fence_lua("KEYS[3]", "ARGV[2]") + """
 if not redis.call('XPENDING', KEYS[1], '""" + TRAINER_GROUP + """', ARGV[1], ARGV[1], 1)[1] then return 0 end
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+local moved = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then redis.call('SADD', KEYS[5], 'g' .. moved) end
 return 1
 """
 
@@ -377,6 +382,7 @@ class ReplayBuffer:
             task.stream if task else self.keys.tasks(group.kind),
             self.keys.admitted_ids,
             self.keys.groups_consumed,
+            self.keys.entries(group.job_id),
         ]
         if train:
             keys.append(self.keys.payload(group.group_id, secrets.token_hex(8)))
@@ -584,9 +590,11 @@ class ReplayBuffer:
         if payload is not None and b"p" in fields:
             raw[b"payload"] = payload
         letter = {"stream": self.keys.groups, "entry_id": entry_id, "error": error, **raw}
+        keys = [self.keys.groups, self.keys.groups_malformed, self.keys.trainer_epoch]
+        if job := fields.get(b"job", b"").decode(errors="replace"):
+            keys += [self.keys.job(job), self.keys.entries(job)]
         pipe = self.redis.pipeline(transaction=True)
-        self._move_aside([self.keys.groups, self.keys.groups_malformed, self.keys.trainer_epoch],
-                         [entry_id, self.fence(), *(x for pair in letter.items() for x in pair)], client=pipe)
+        self._move_aside(keys, [entry_id, self.fence(), *(x for pair in letter.items() for x in pair)], client=pipe)
         item = (entry_id, fields.get(b"gid", b""), "malformed", fields.get(b"job", b""), fields.get(b"p", b""),
                 fields.get(b"s", b""))
         self._ack(*self._ack_script_args([item]), client=pipe)

@@ -10,6 +10,9 @@ Each task gets a run-unique group id ``<job>:<seq>:<task_id>`` at submit time, s
 twice (two jobs, two epochs) makes two groups. A submit may carry an idempotency key (the API's ``Idempotency-Key``):
 the first submit under a key claims it for its job, in the same Lua call that adds the tasks, and a later one under
 it adds nothing (``IdempotencyKeyUsed``) for ``IDEMPOTENCY_TTL_S``.
+
+Each job keeps an index of its entries in the run-wide streams (``Keys.entries``), written in the calls that add and
+remove them, so deleting a cancelled job finds its tasks without reading the whole task stream.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 import redis
 
-from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, Keys
+from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
 from buffer.metrics import TASK_STREAMS, BufferMetrics
 from buffer.streams import RENEW_LUA, Reclaimer
 from core.config import BufferConfig
@@ -36,26 +39,26 @@ SUBMIT_CHUNK = 1000
 # how long an idempotency key names its job: a client's retries come within minutes; Stripe keeps its keys a day
 IDEMPOTENCY_TTL_S = 24 * 3600
 
-# KEYS: task stream, job hash, jobs index, then the idempotency key's key when the submit has one. ARGV: job, kind,
-# spec ('' but in the first chunk), now, submit id, chunk index, the spec's fingerprint ('' without a key), the key's
-# TTL in seconds, the spec's summary (``summarize_spec``: stored with the spec, so never one without the other), the
-# job hashes' key prefix, (task id, task)... Returns the job seq of the submit's first task, or {job, same spec (1 or
-# 0)} when the idempotency key names another job (nothing added: every chunk of the MULTI finds it so). The first chunk
-# under a key claims it for this job (``<job>:<fingerprint>``, expiring after the TTL) and keeps the key's fingerprint
-# (the last part of its key) in the job's ``idempotency`` field, so deleting the job frees the key; a claim naming a
-# job that no longer exists (deleted) is void, and taken over. Being checked and claimed in the call that adds the
-# tasks, two submits under one key cannot both add theirs. Each chunk marks the job's ``submit`` field ``<submit
-# id>:<chunk>:<first seq>``: a MULTI that runs again (the client retrying after a lost reply) finds its own chunks
-# marked and adds nothing.
+# KEYS: task stream, job hash, jobs index, the job's entries (``Keys.entries``: each task added goes in), then the
+# idempotency key's key when the submit has one. ARGV: job, kind, spec ('' but in the first chunk), now, submit id,
+# chunk index, the spec's fingerprint ('' without a key), the key's TTL in seconds, the spec's summary
+# (``summarize_spec``: stored with the spec, so never one without the other), the job hashes' key prefix, (task id,
+# task)... Returns the job seq of the submit's first task, or {job, same spec (1 or 0)} when the idempotency key names
+# another job (nothing added: every chunk of the MULTI finds it so). The first chunk under a key claims it for this
+# job (``<job>:<fingerprint>``, expiring after the TTL) and keeps the key's fingerprint (the last part of its key) in
+# the job's ``idempotency`` field, so deleting the job frees the key; a claim naming a job that no longer exists
+# (deleted) is void, and taken over. Being checked and claimed in the call that adds the tasks, two submits under one
+# key cannot both add theirs. Each chunk marks the job's ``submit`` field ``<submit id>:<chunk>:<first seq>``: a MULTI
+# that runs again (the client retrying after a lost reply) finds its own chunks marked and adds nothing.
 _SUBMIT = """
 local n, chunk = (#ARGV - 10) / 2, tonumber(ARGV[6])
-if KEYS[4] then
-  local claim = redis.call('GET', KEYS[4])
+if KEYS[5] then
+  local claim = redis.call('GET', KEYS[5])
   local job, fingerprint
   if claim then job, fingerprint = string.match(claim, '^([^:]*):(.*)$') end
   if not claim or (job ~= ARGV[1] and redis.call('EXISTS', ARGV[10] .. (job or '')) == 0) then
-    redis.call('SET', KEYS[4], ARGV[1] .. ':' .. ARGV[7], 'EX', ARGV[8])
-    redis.call('HSET', KEYS[2], 'idempotency', string.match(KEYS[4], '[^:]*$'))
+    redis.call('SET', KEYS[5], ARGV[1] .. ':' .. ARGV[7], 'EX', ARGV[8])
+    redis.call('HSET', KEYS[2], 'idempotency', string.match(KEYS[5], '[^:]*$'))
   elseif job ~= ARGV[1] then
     return {job, fingerprint == ARGV[7] and 1 or 0}
   end
@@ -78,10 +81,13 @@ if ARGV[3] ~= '' and redis.call('HSETNX', KEYS[2], 'spec', ARGV[3]) == 1 then
 end
 if redis.call('HGET', KEYS[2], 'state') ~= 'cancelled' then redis.call('HSET', KEYS[2], 'state', 'running') end
 redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[4])
+local added = {}
 for i = 0, n - 1 do
   local gid = ARGV[1] .. ':' .. (base + i) .. ':' .. ARGV[11 + 2 * i]
-  redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task', ARGV[12 + 2 * i])
+  added[i + 1] = 't' .. redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task',
+    ARGV[12 + 2 * i])
 end
+redis.call('SADD', KEYS[4], unpack(added))
 return first
 """
 
@@ -94,11 +100,15 @@ if not held or held[2] ~= ARGV[3] then return 0 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 """
 
-# Dead-letter one delivery (ARGV: ..., gid, job, kind, task, deliveries, error).
+# Dead-letter one delivery (KEYS: task stream, dead letters, job hash, admitted, admitted ids, the job's entries; ARGV:
+# ..., gid, job, kind, task, deliveries, error). The dead letter takes the task's place in the job's entries (one the
+# job's entries did not hold, written by an older API, stays out of them: so nothing adds to the entries of a deleted
+# job).
 _DEAD_LETTER = _ACK_OWN + """
-redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[5], 'kind', ARGV[6], 'gid', ARGV[4], 'task', ARGV[7],
+local dead = redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[5], 'kind', ARGV[6], 'gid', ARGV[4], 'task', ARGV[7],
   'deliveries', ARGV[8], 'error', ARGV[9], 'entry_id', ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
+if redis.call('SREM', KEYS[6], 't' .. ARGV[2]) == 1 then redis.call('SADD', KEYS[6], 'd' .. dead) end
 redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1)
 if redis.call('HDEL', KEYS[5], ARGV[4]) == 1 then redis.call('DECR', KEYS[4]) end
 return 1
@@ -115,9 +125,11 @@ if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then redis.call('HINCRBY', KEY
 return 1
 """
 
-# Ack one delivery of a cancelled job's task (ARGV: ..., gid): counted ``cancelled``, admission released.
+# Ack one delivery of a cancelled job's task (KEYS: task stream, job hash, admitted, admitted ids, the job's entries;
+# ARGV: ..., gid): counted ``cancelled``, admission released.
 _CANCEL = _ACK_OWN + """
 redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('SREM', KEYS[5], 't' .. ARGV[2])
 redis.call('HINCRBY', KEYS[2], 'cancelled', 1)
 if redis.call('HDEL', KEYS[4], ARGV[4]) == 1 then redis.call('DECR', KEYS[3]) end
 return 1
@@ -150,26 +162,118 @@ redis.call('HSET', KEYS[1], 'state', 'cancelled')
 return 'cancelled'
 """
 
-# Delete a finished job (KEYS: job hash, jobs index, trajectories stream, eval results stream; ARGV: job id, the
-# idempotency keys' prefix, TRAIN_ENDS): one with nothing of it left anywhere, every task ended (an eval job's
-# completed, dead-lettered or cancelled) and a train job's every group ended too (TRAIN_ENDS), so no rollout server or
-# trainer holds a task or group of it whose counter could land on it after. Checked and deleted in one step, with the
-# claim of its submit's idempotency key while the key still names it. Returns {kind, how many tasks or groups are
-# left}: nothing deleted unless 0; false for an unknown job.
+# Delete a job, in one step (KEYS: job hash, jobs index, trajectories stream, eval results stream, the job's entries,
+# train and eval task streams, dead letters, groups, malformed groups, newer groups, group state, consumed ids list,
+# admitted, admitted ids, trainer hash; ARGV: job id, the idempotency keys' prefix, buffer.claim_idle_ms, the dedup
+# window, TRAIN_ENDS). A finished one (every task ended: an eval job's completed, dead-lettered or cancelled; a train
+# job's every group ended too, TRAIN_ENDS) goes at once. A cancelled one goes with what is left of it: its tasks in
+# the task stream (found through the job's entries, never by reading the stream whole) and its groups in ``groups``
+# and ``groups:newer`` (read whole: buffer.max_groups bounds what is undelivered, admission what is parked), each
+# ended as an ack would end it (a group's payload key deleted and its id consumed, admission slots given back, pending
+# deliveries acked). A task pending for a consumer that has not renewed it for claim_idle_ms is no one's (a live
+# server renews what it holds; any other would take it over), nor is a group pending for a trainer that stopped (its
+# end in the trainer hash, as ``ClusterView.trainer_end`` reads it). While a live consumer holds a task or group of
+# it, or something its counters say is left is in none of these places (an older API's tasks, which it did not index),
+# nothing is done. So once it is deleted no entry of it is pending or queued anywhere, and every script that writes to
+# a job's keys does so only for an entry still pending (put, dead letter, cancel, requeue) or still in its stream (the
+# trainer's ack): no late write brings any of them back. Its dead letters and malformed groups (indexed in its
+# entries) go too, with its submit's idempotency claim while the claim still names it. Returns {kind, 0, tasks
+# removed, groups removed} once deleted; {kind, left} for a job neither finished nor cancelled; {kind, left, tasks
+# held by live consumers, groups held by a running trainer, left in no place found, the holding consumers...} for a
+# cancelled one refused; false for an unknown job.
 _DELETE_JOB = """
-local h = redis.call('HMGET', KEYS[1], 'kind', 'submitted', 'idempotency')
+local function field(fields, name)
+  for j = 1, #fields, 2 do
+    if fields[j] == name then return fields[j + 1] end
+  end
+end
+local function holder(stream, group, id)  -- {id, consumer, idle ms, deliveries} of a pending entry, else nil
+  local held = redis.pcall('XPENDING', stream, group, id, id, 1)
+  if held.err then return nil end  -- no such consumer group: nothing was delivered from the stream
+  return held[1]
+end
+local h = redis.call('HMGET', KEYS[1], 'kind', 'submitted', 'idempotency', 'state')
 if not h[1] then return false end
-local ends = h[1] == 'train' and {unpack(ARGV, 3)} or {'completed', 'dead_lettered', 'cancelled'}
+local train = h[1] == 'train'
+local ends = train and {unpack(ARGV, 5)} or {'completed', 'dead_lettered', 'cancelled'}
 local left = tonumber(h[2]) or 0
 for _, n in ipairs(redis.call('HMGET', KEYS[1], unpack(ends))) do left = left - (tonumber(n) or 0) end
-if left > 0 then return {h[1], left} end
-redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
+if left > 0 and h[4] ~= 'cancelled' then return {h[1], left} end
+local entries = redis.call('SMEMBERS', KEYS[5])
+local stream = train and KEYS[6] or KEYS[7]
+local tasks, groups, rolling, holders, training = {}, {}, 0, {}, 0
+if left > 0 then
+  for _, m in ipairs(entries) do
+    local id = string.sub(m, 2)
+    local e = string.sub(m, 1, 1) == 't' and redis.call('XRANGE', stream, id, id)[1]
+    if e then
+      local held = holder(stream, '""" + ROLLOUT_GROUP + """', id)
+      if held and held[3] < tonumber(ARGV[3]) then
+        rolling = rolling + 1
+        holders[held[2]] = true
+      else
+        tasks[#tasks + 1] = {id, field(e[2], 'gid'), held}
+      end
+    end
+  end
+  if train then
+    local finished = redis.call('HMGET', KEYS[16], '""" + "', '".join(TRAINER_FINISHED_FIELDS[:2]) + """')
+    local stopped = finished[1] and finished[2]
+    for _, e in ipairs(redis.call('XRANGE', KEYS[9], '-', '+')) do
+      if field(e[2], 'job') == ARGV[1] then
+        local held = holder(KEYS[9], '""" + TRAINER_GROUP + """', e[1])
+        if held and not stopped then
+          training = training + 1
+        else
+          groups[#groups + 1] = {KEYS[9], e[1], e[2], '', held}
+        end
+      end
+    end
+    for _, e in ipairs(redis.call('XRANGE', KEYS[11], '-', '+')) do
+      if field(e[2], 'f.job') == ARGV[1] then groups[#groups + 1] = {KEYS[11], e[1], e[2], 'f.'} end
+    end
+  end
+  local unfound = left - rolling - training - #tasks - #groups
+  if rolling + training > 0 or unfound > 0 then
+    local refused = {h[1], left, rolling, training, math.max(unfound, 0)}
+    for consumer in pairs(holders) do refused[#refused + 1] = consumer end
+    return refused
+  end
+end
+for _, t in ipairs(tasks) do
+  if t[3] then redis.call('XACK', stream, '""" + ROLLOUT_GROUP + """', t[1]) end
+  redis.call('XDEL', stream, t[1])
+  if t[2] and redis.call('HDEL', KEYS[15], t[2]) == 1 then redis.call('DECR', KEYS[14]) end
+end
+for _, g in ipairs(groups) do
+  local key, id, fields, prefix = g[1], g[2], g[3], g[4]
+  if g[5] then redis.call('XACK', key, '""" + TRAINER_GROUP + """', id) end
+  local payload, gid = field(fields, prefix .. 'p'), field(fields, prefix .. 'gid')
+  if payload then redis.call('DEL', payload) end
+  redis.call('XDEL', key, id)
+  if gid then
+    redis.call('HSET', KEYS[12], gid, 't')
+    redis.call('RPUSH', KEYS[13], gid)
+  end
+  if field(fields, prefix .. 's') ~= '0' and tonumber(redis.call('GET', KEYS[14]) or '0') > 0 then
+    redis.call('DECR', KEYS[14])
+  end
+end
+for _ = 1, redis.call('LLEN', KEYS[13]) - tonumber(ARGV[4]) do
+  redis.call('HDEL', KEYS[12], redis.call('LPOP', KEYS[13]))
+end
+local aside = {d = KEYS[8], g = KEYS[10]}
+for _, m in ipairs(entries) do
+  local key = aside[string.sub(m, 1, 1)]
+  if key then redis.call('XDEL', key, string.sub(m, 2)) end
+end
+redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5])
 redis.call('HDEL', KEYS[2], ARGV[1])
 if h[3] then
   local claim = redis.call('GET', ARGV[2] .. h[3])
   if claim and string.sub(claim, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then redis.call('DEL', ARGV[2] .. h[3]) end
 end
-return {h[1], 0}
+return {h[1], 0, #tasks, #groups}
 """
 
 # Keep a job's spec summary (KEYS: job hash; ARGV: the summary) only while the job has its spec: a job deleted since
@@ -179,17 +283,33 @@ if redis.call('HEXISTS', KEYS[1], 'spec') == 1 then return redis.call('HSETNX', 
 return 0
 """
 
-# Put a pending task back at the tail as a new entry carrying its attempt count (ARGV: ..., gid, job, kind, task,
-# attempts, error). Admission is kept (a hand-back), or released when KEYS[2] and KEYS[3] (admitted, admitted ids)
-# are given (a failed attempt: its retry waits at the tail behind the backlog, so its slot goes to the next task;
-# with max_staleness 0 a kept slot would leave no room for any task, the retry included, and the run would stall).
+# Put a pending task back at the tail as a new entry carrying its attempt count (KEYS: task stream, the job's entries,
+# where the new entry takes the old one's place; ARGV: ..., gid, job, kind, task, attempts, error). Admission is kept (a
+# hand-back), or released when KEYS[3] and KEYS[4] (admitted, admitted ids) are given (a failed attempt: its retry
+# waits at the tail behind the backlog, so its slot goes to the next task; with max_staleness 0 a kept slot would leave
+# no room for any task, the retry included, and the run would stall).
 _REQUEUE = _ACK_OWN + """
-redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[5], 'kind', ARGV[6], 'gid', ARGV[4], 'task', ARGV[7],
+local again = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[5], 'kind', ARGV[6], 'gid', ARGV[4], 'task', ARGV[7],
   'attempts', ARGV[8], 'error', ARGV[9])
 redis.call('XDEL', KEYS[1], ARGV[2])
-if #KEYS == 3 and redis.call('HDEL', KEYS[3], ARGV[4]) == 1 then redis.call('DECR', KEYS[2]) end
+if redis.call('SREM', KEYS[2], 't' .. ARGV[2]) == 1 then redis.call('SADD', KEYS[2], 't' .. again) end
+if #KEYS == 4 and redis.call('HDEL', KEYS[4], ARGV[4]) == 1 then redis.call('DECR', KEYS[3]) end
 return 1
 """
+
+
+@dataclass(frozen=True)
+class Deletion:
+    """What ``TaskQueue.delete_job`` did with a job: deleted it (``left`` 0), or refused, saying what holds it."""
+
+    kind: str
+    left: int  # its tasks (eval) or groups (train) its counters say are not ended; 0: deleted
+    removed_tasks: int = 0  # deleted: a cancelled job's tasks still queued, removed with it
+    removed_groups: int = 0  # deleted: a cancelled train job's groups still in the buffer, removed with it
+    rolling_out: int = 0  # refused: its tasks held by live rollout servers (``servers``)
+    training: int = 0  # refused: its groups held by a trainer that has not stopped
+    unfound: int = 0  # refused: what its counters say is left but the delete finds nowhere (an older API's tasks)
+    servers: tuple[str, ...] = ()
 
 
 class IdempotencyKeyUsed(Exception):
@@ -282,7 +402,7 @@ class TaskQueue:
             return []
         summary = "" if spec is None else summarize_spec(spec)
         now, submit_id = f"{time.time():.3f}", secrets.token_hex(8)
-        keys = [stream, self.keys.job(job_id), self.keys.jobs]
+        keys = [stream, self.keys.job(job_id), self.keys.jobs, self.keys.entries(job_id)]
         fingerprint = ""
         if idempotency_key is not None:
             keys.append(self._idempotency_key(idempotency_key))
@@ -333,17 +453,32 @@ class TaskQueue:
         state = self._cancel_job([self.keys.job(job_id)], list(TRAIN_ENDS))
         return None if state is None else state.decode()
 
-    def delete_job(self, job_id: str) -> tuple[str, int] | None:
-        """Delete a finished job: its hash, its id in the index, its trajectories and eval results, and its submit's
-        idempotency claim, all in one step, once nothing of it is left to roll out or train (``_DELETE_JOB``).
-        Returns its kind and how many of its tasks (eval) or groups (train) are left: deleted only when 0; None for
-        an unknown job (a second delete finds it so)."""
-        keys = [self.keys.job(job_id), self.keys.jobs, self.keys.trajectories(job_id), self.keys.eval(job_id)]
-        found = self._delete_job(keys, [job_id, self.keys.idempotency(""), *TRAIN_ENDS])
+    def delete_job(self, job_id: str) -> Deletion | None:
+        """Delete a finished or cancelled job: its hash, its id in the index, its trajectories and eval results, its
+        entries index with its dead letters and malformed groups, and its submit's idempotency claim, all in one step
+        (``_DELETE_JOB``). A cancelled job goes with its tasks and groups that no rollout server or trainer holds,
+        removed as if acked away, whether or not any server or trainer runs; one a live consumer holds keeps it (and a
+        job neither finished nor cancelled is kept). None for an unknown job (a second delete finds it so)."""
+        k = self.keys
+        keys = [k.job(job_id), k.jobs, k.trajectories(job_id), k.eval(job_id), k.entries(job_id), k.tasks("train"),
+                k.tasks("eval"), k.tasks_dead, k.groups, k.groups_malformed, k.groups_newer,
+                k.group_state, k.groups_consumed, k.admitted, k.admitted_ids, k.trainer]
+        found = self._delete_job(keys, [job_id, k.idempotency(""), self.config.claim_idle_ms, self.config.dedup_window,
+                                        *TRAIN_ENDS])
         if found is None:
             return None
-        kind, left = found
-        return kind.decode(), int(left)
+        kind, left, *counts = found
+        if not left:
+            tasks, groups = counts
+            if tasks or groups:
+                log.info("job %s deleted with what was left of it: %d task(s) and %d group(s) no one held, removed",
+                         job_id, tasks, groups)
+            return Deletion(kind.decode(), 0, removed_tasks=tasks, removed_groups=groups)
+        if not counts:
+            return Deletion(kind.decode(), left)
+        rolling_out, training, unfound, *servers = counts
+        return Deletion(kind.decode(), left, rolling_out=rolling_out, training=training, unfound=unfound,
+                        servers=tuple(sorted(s.decode() for s in servers)))
 
     def job_summaries(self, job_ids: Sequence[str]) -> list[dict[str, str]]:
         """``job`` of each id ({} for an unknown one) as a listing shows it, in one round trip: its ``spec`` is the
@@ -482,7 +617,7 @@ class TaskQueue:
         """Move a task to the dead-letter stream and release its admission; False if it was no longer pending for
         its consumer."""
         keys = [entry.stream, self.keys.tasks_dead, self.keys.job(entry.job_id), self.keys.admitted,
-                self.keys.admitted_ids]
+                self.keys.admitted_ids, self.keys.entries(entry.job_id)]
         moved = self._pending(entry, "dead-lettered",
                               self._dead_letter(keys, [*self._entry_args(entry), entry.deliveries, error]))
         if moved:
@@ -493,7 +628,8 @@ class TaskQueue:
     def cancel(self, entry: TaskEntry) -> bool:
         """Ack a task of a cancelled job without rolling it out: the job counts it ``cancelled`` (not a dead
         letter: dead letters are failures). False if it was no longer pending for its consumer."""
-        keys = [entry.stream, self.keys.job(entry.job_id), self.keys.admitted, self.keys.admitted_ids]
+        keys = [entry.stream, self.keys.job(entry.job_id), self.keys.admitted, self.keys.admitted_ids,
+                self.keys.entries(entry.job_id)]
         done = self._pending(entry, "cancelled", self._cancel(keys, self._entry_args(entry)))
         if done:
             self.metrics.cancelled.labels(stream="tasks").inc()
@@ -507,15 +643,16 @@ class TaskQueue:
         Returns True if the task was dead-lettered."""
         if entry.deliveries >= self.config.max_attempts:
             return self.dead_letter(entry, error)
-        self._pending(entry, "requeued", self._requeue([entry.stream, self.keys.admitted, self.keys.admitted_ids],
-                                                       [*self._entry_args(entry), entry.deliveries, error]))
+        keys = [entry.stream, self.keys.entries(entry.job_id), self.keys.admitted, self.keys.admitted_ids]
+        self._pending(entry, "requeued", self._requeue(keys, [*self._entry_args(entry), entry.deliveries, error]))
         return False
 
     def hand_back(self, entry: TaskEntry) -> bool:
         """Give a task back unprocessed (shutdown, or read one too many): requeued, this delivery not counted.
         False if it was no longer pending for its consumer."""
         return self._pending(entry, "handed back", self._requeue(
-            [entry.stream], [*self._entry_args(entry), entry.deliveries - 1, entry.last_error]))
+            [entry.stream, self.keys.entries(entry.job_id)],
+            [*self._entry_args(entry), entry.deliveries - 1, entry.last_error]))
 
     @staticmethod
     def _pending(entry: TaskEntry, action: str, done: int) -> bool:

@@ -16,7 +16,7 @@ from buffer.keys import ROLLOUT_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.replay import TASK_GONE, ReplayBuffer
 from buffer.staleness import StalenessControl
-from buffer.task_queue import TaskQueue
+from buffer.task_queue import Deletion, TaskQueue
 from core.config import BufferConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,10 +230,33 @@ def test_a_malformed_task_ends_for_its_job_which_then_ends_and_can_be_deleted(re
     [entry] = q.read("c", 10)
     assert entry.entry_id == first[0].decode() and r.xlen(KEYS.tasks_malformed) == 2
     assert q.job("job")["dead_lettered"] == "1" and not r.exists(KEYS.job("gone"))
-    assert q.delete_job("job") == ("eval", 1)
+    assert q.delete_job("job") == Deletion("eval", 1)
     q.dead_letter(entry, "fails every time")
     assert q.job("job")["state"] == "done"
-    assert q.delete_job("job") == ("eval", 0)
+    assert q.delete_job("job") == Deletion("eval", 0)
+
+
+def test_a_deleted_jobs_dead_letters_and_malformed_groups_go_with_it(redis_server: EmbeddedRedis) -> None:
+    """``tasks:dead`` and ``groups:malformed`` are the run's: a job's entries there are found through its index of
+    entries (no stream is read whole) and deleted with it, another job's stay; the index goes too."""
+    q = queue(redis_server)
+    r = client(redis_server)
+    q.submit("job", tasks(3), "train")
+    q.submit("other", tasks(2, "o"), "train")
+    first, second, third, other_first, other_second = q.read("c", 5)
+    assert q.dead_letter(first, "fails every time") and q.dead_letter(other_first, "fails every time")
+    finish(redis_server, [second, other_second])
+    trainer = ReplayBuffer(client(redis_server), KEYS, BufferConfig())
+    for entry_id, _ in trainer.take(2, 5.0):
+        trainer.reject(entry_id, "its model cannot train on it")
+    assert q.cancel_job("job") == "cancelled" and q.cancel(third)
+    assert r.xlen(KEYS.tasks_dead) == 2 and r.xlen(KEYS.groups_malformed) == 2
+
+    assert q.delete_job("job") == Deletion("train", 0)
+    assert [f[b"job_id"] for _, f in r.xrange(KEYS.tasks_dead)] == [b"other"]
+    assert [f[b"f.job"] for _, f in r.xrange(KEYS.groups_malformed)] == [b"other"]
+    assert not r.exists(KEYS.job("job"), KEYS.entries("job"))
+    assert r.scard(KEYS.entries("other")) == 2
 
 
 def test_tasks_deleted_while_pending_are_acked_away(redis_server: EmbeddedRedis) -> None:

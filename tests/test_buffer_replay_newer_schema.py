@@ -20,7 +20,7 @@ from buffer.keys import TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.replay import WRITTEN, ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
-from buffer.task_queue import TRAIN_ENDS, TaskQueue
+from buffer.task_queue import TRAIN_ENDS, Deletion, TaskQueue
 from core.config import BufferConfig
 
 KEYS = Keys("t")
@@ -240,3 +240,26 @@ def test_a_take_redis_lost_after_a_restore_it_kept_trains_nothing_twice(
     resumed = ReplayBuffer(r, KEYS, CONFIG)
     assert resumed.ack([e for e, _ in covered], [g.group_id for _, g in covered]) == 2
     assert_trained_once(r, queue, gids)
+
+
+def test_a_deleted_cancelled_jobs_groups_parked_for_a_newer_trainer_go_with_it(
+    redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups an older trainer parked in ``groups:newer`` are left of their job, and no trainer holds them: deleting
+    the cancelled job removes them with their payload keys and admission slots, so the upgraded trainer, starting,
+    has nothing of the job to move back, train, or count on a job hash it would bring back."""
+    r = client(redis_server)
+    queue, staleness, producer = run_parts(r)
+    gids = produce(queue, staleness, producer, 2)
+    older_trainer(monkeypatch)
+    assert ReplayBuffer(r, KEYS, CONFIG).take(5, 0.3) == []
+    assert r.xlen(KEYS.groups_newer) == 2 and staleness.admitted() == 2
+    assert queue.cancel_job("job") == "cancelled"
+
+    assert queue.delete_job("job") == Deletion("train", 0, removed_groups=2)
+    assert r.xlen(KEYS.groups_newer) == 0 and not r.keys(KEYS.payload("*", "*"))
+    assert staleness.admitted() == 0
+    assert r.hmget(KEYS.group_state, gids) == [b"t", b"t"]
+    monkeypatch.undo()
+    assert ReplayBuffer(r, KEYS, CONFIG).take(5, 0.3) == []
+    assert not r.exists(KEYS.job("job")) and r.xlen(KEYS.groups) == 0

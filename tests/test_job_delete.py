@@ -1,6 +1,7 @@
 """``DELETE /v1/jobs/{id}`` and ``rollwave jobs delete`` over real HTTP against a real Redis: a finished job goes with
-every key the run kept of it, in one step; one not finished is refused (409) saying what is left; late writes of a
-rollout server or the trainer bring nothing of it back; its submit's idempotency key is free again."""
+every key the run kept of it, in one step, and a cancelled one with its tasks and groups that no live rollout server
+or trainer holds; a running one, or one a live consumer holds some of, is refused (409) saying what is left; late
+writes of a rollout server or the trainer bring nothing of it back; its submit's idempotency key is free again."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from buffer.keys import Keys
+from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
+from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskEntry, TaskQueue
 from core.config import BufferConfig, RolloutConfig
 from rollout_server.engine_client import EngineClient
@@ -86,6 +88,19 @@ class Run:
     def listed(self) -> list[str]:
         return [j["job_id"] for j in self.api.get("/v1/jobs").json()["jobs"]]
 
+    def held_by_a_dead_server(self, entry: TaskEntry) -> None:
+        """The server holding ``entry`` stopped renewing it long ago (it crashed): its idle time is set past
+        ``buffer.claim_idle_ms`` (XCLAIM's IDLE, to the same consumer), so any live server would take it over."""
+        self.redis.xclaim(entry.stream, ROLLOUT_GROUP, entry.consumer, 0, [entry.entry_id],
+                          idle=10 * BufferConfig().claim_idle_ms, justid=True)
+
+    def trainer_finished(self) -> None:
+        RedisStatus(self.redis, self.keys).finished(4, "trainer.total_steps", 0, 0)
+
+    def depths(self) -> dict[str, dict[str, int]]:
+        """The run's streams as ``GET /v1/status`` counts them."""
+        return self.api.get("/v1/status").json()["buffer"]
+
     def close(self) -> None:
         self.worker._pool.shutdown()
 
@@ -148,32 +163,110 @@ def test_a_train_job_is_deleted_once_every_group_is_trained_or_dropped(
     assert not run.redis.keys(f"{run.keys.prefix}payload:*")
 
 
-def test_a_running_or_cancelled_job_is_refused_saying_what_is_left(run: Run) -> None:
-    """Running: cancel it first. Cancelled: wait until the servers have acked its tasks away (they do as they read
-    them), then it goes; a cancelled train job's groups wait for a trainer, which the refusal says once it finished."""
+def test_a_running_job_is_refused_and_a_cancelled_one_goes_with_what_is_left_of_it(run: Run) -> None:
+    """Running (or ``stalled``: the trainer finished): cancel it first. Cancelled: it goes at once with its tasks not
+    rolled out and its groups not trained, which no server or trainer would ever ack away once none runs (a 409
+    forever); another job keeps its own."""
     job_id = run.submit({**EVAL, "source": {"kind": "arith", "limit": 3}})
+    other = run.submit(EVAL)
     running = run.api.delete(f"/v1/jobs/{job_id}").json()["detail"]
     assert running.startswith(f"job {job_id} is running; 3 of its 3 tasks are not rolled out yet") and \
         "cancel it first" in running, running
     assert run.api.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
-    cancelled = run.api.delete(f"/v1/jobs/{job_id}").json()["detail"]
-    assert cancelled.startswith(f"job {job_id} is cancelled, but 3 of its 3 tasks are not rolled out yet: the "
-                                "rollout servers ack its tasks away"), cancelled
-    for entry in run.read(3):  # as a rollout server does with the tasks of a cancelled job
-        assert run.queue.cancel(entry)
     assert run.api.delete(f"/v1/jobs/{job_id}").status_code == 200
     assert run.keys_of(job_id) == set()
+    assert {f[b"job_id"].decode() for _, f in run.redis.xrange(run.keys.tasks("eval"))} == {other}
 
     train = run.submit(TRAIN)
     run.roll_out(2)
-    RedisStatus(run.redis, run.keys).finished(4, "trainer.total_steps", 0, 0)
+    run.trainer_finished()
     stalled = run.api.delete(f"/v1/jobs/{train}").json()["detail"]
     assert stalled.startswith(f"job {train} is stalled: the trainer finished at step 4"), stalled
     run.api.post(f"/v1/jobs/{train}/cancel")
-    waits = run.api.delete(f"/v1/jobs/{train}").json()["detail"]
-    assert "the trainer finished at step 4 (trainer.total_steps): they wait for a trainer to run" in waits, waits
-    assert _refused(run.api, "not_deletable") == 4
-    assert run.listed() == [train]
+    assert run.api.delete(f"/v1/jobs/{train}").status_code == 200
+    assert run.keys_of(train) == set() and run.redis.xlen(run.keys.groups) == 0
+    assert _refused(run.api, "not_deletable") == 2
+    assert run.listed() == [other]
+
+
+def test_a_cancelled_train_job_goes_with_its_groups_and_tasks_though_no_trainer_or_server_runs(run: Run) -> None:
+    """The trainer finished and the server that held a task died: nothing would ack the cancelled job's leftovers away.
+    The delete removes them in its step: its task handed back (queued, holding its admission slot), its task held by
+    the dead server, its groups waiting in the buffer and the one the trainer held when it stopped. Their admission
+    slots and payload keys go, their group ids are consumed, and the status counts what is left: the other job's
+    task."""
+    job_id = run.submit({**TRAIN, "source": {"kind": "arith", "limit": 5}})
+    other = run.submit({**TRAIN, "source": {"kind": "arith", "limit": 1}})
+    staleness = StalenessControl(run.redis, run.keys, BufferConfig())
+    entries = run.read(5)
+    assert {e.job_id for e in entries} == {job_id}
+    for entry in entries:
+        assert staleness.try_admit(entry.group_id)
+    for entry in entries[:3]:
+        run.put(entry)
+    [(taken, _)] = run.trainer.take(1, 5.0)
+    assert run.queue.hand_back(entries[3])
+    run.held_by_a_dead_server(entries[4])
+    run.trainer_finished()
+    assert run.api.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+    assert run.depths()["groups"] == {"length": 3, "pending": 1}
+    assert run.depths()["tasks"] == {"length": 3, "pending": 1}  # handed back, held by the dead server, the other's
+
+    reply = run.api.delete(f"/v1/jobs/{job_id}")
+    assert reply.status_code == 200 and reply.json() == {"job_id": job_id, "kind": "train", "deleted": True}, reply.text
+    assert run.keys_of(job_id) == set() and run.listed() == [other]
+    assert run.depths()["groups"] == {"length": 0, "pending": 0}
+    assert run.depths()["tasks"] == {"length": 1, "pending": 0}
+    assert [f[b"job_id"].decode() for _, f in run.redis.xrange(run.keys.tasks("train"))] == [other]
+    assert staleness.admitted() == 0 and run.redis.hlen(run.keys.admitted_ids) == 0
+    assert run.redis.hmget(run.keys.group_state, [e.group_id for e in entries[:3]]) == [b"t"] * 3
+    assert run.trainer.ack([taken], [entries[0].group_id]) == 0  # the stopped trainer's ack finds it gone
+    assert run.keys_of(job_id) == set()
+
+
+def test_a_cancelled_job_whose_task_or_group_a_live_consumer_holds_is_refused_saying_so(run: Run) -> None:
+    """A server rolling a task of it out and a running trainer holding a group of it for its step keep them: the
+    delete is a 409 naming both (nothing removed, nothing counted), and goes once they have acked them."""
+    job_id = run.submit(TRAIN)
+    first, second = run.read(2)
+    run.put(first)
+    [(entry_id, group)] = run.trainer.take(1, 5.0)
+    run.api.post(f"/v1/jobs/{job_id}/cancel")
+    before = run.api.get(f"/v1/jobs/{job_id}").json()
+
+    reply = run.api.delete(f"/v1/jobs/{job_id}")
+    assert reply.status_code == 409, reply.text
+    assert reply.json()["detail"] == (
+        f"job {job_id} is cancelled, but 1 of its tasks are being rolled out by srv, which ack them away as they "
+        "finish (a server that stops renewing a task for 30 s, buffer.claim_idle_ms, is taken for dead, and the delete "
+        "removes it); 1 of its groups are held by the trainer for its current step, which acks them (once the trainer "
+        "stopped, the delete removes them); delete it once they are (progress.cancelled counts them)")
+    assert run.api.get(f"/v1/jobs/{job_id}").json() == before
+    assert run.redis.xpending(run.keys.tasks("train"), ROLLOUT_GROUP)["pending"] == 1
+    assert run.redis.xpending(run.keys.groups, TRAINER_GROUP)["pending"] == 1
+    assert _refused(run.api, "not_deletable") == 1
+
+    assert run.queue.cancel(second)  # as the server does with a task of a cancelled job
+    assert run.trainer.ack([entry_id], [group.group_id]) == 1
+    assert run.api.delete(f"/v1/jobs/{job_id}").status_code == 200
+    assert run.keys_of(job_id) == set()
+
+
+def test_a_cancelled_job_an_older_api_submitted_waits_for_its_tasks_to_be_acked_away(run: Run) -> None:
+    """An API from before the jobs' index of entries wrote none: its tasks cannot be found without reading the whole
+    task stream, so the delete refuses, saying so, until the servers have acked them away."""
+    job_id = run.submit(EVAL)
+    run.redis.delete(run.keys.entries(job_id))  # as an older API submitted it
+    run.api.post(f"/v1/jobs/{job_id}/cancel")
+    detail = run.api.delete(f"/v1/jobs/{job_id}").json()["detail"]
+    assert detail == (f"job {job_id} is cancelled, but 2 of what is left of it are in no place the delete finds them "
+                      "(tasks an API from before the jobs' index of entries submitted): the rollout servers ack them "
+                      "away as they read them; delete it once they are (progress.cancelled counts them)"), detail
+    assert run.redis.xlen(run.keys.tasks("eval")) == 2
+    for entry in run.read(2):
+        assert run.queue.cancel(entry)
+    assert run.api.delete(f"/v1/jobs/{job_id}").status_code == 200
+    assert run.keys_of(job_id) == set()
 
 
 def test_late_writes_of_a_server_or_the_trainer_bring_nothing_of_a_deleted_job_back(run: Run) -> None:
@@ -198,6 +291,33 @@ def test_late_writes_of_a_server_or_the_trainer_bring_nothing_of_a_deleted_job_b
     assert run.trainer.ack([entry_id], [group.group_id]) == 0
     run.put(entry)
     assert run.keys_of(train_job) == set() and run.listed() == []
+
+
+def test_late_writes_of_a_dead_server_or_a_stopped_trainer_bring_nothing_of_a_deleted_cancelled_job_back(
+        run: Run) -> None:
+    """The delete took a dead server's tasks and a stopped trainer's group away from them: if either comes back after
+    all (frozen, not dead), its put is refused (its task is no longer pending), its fail, dead letter, cancel and hand
+    back end nothing, and its ack acks nothing, so no key of either job comes back and nothing is left in a stream."""
+    eval_job = run.submit({**EVAL, "source": {"kind": "arith", "limit": 1}})
+    train_job = run.submit(TRAIN)
+    evaluated, first, second = run.read(3)
+    run.put(first)
+    [(entry_id, group)] = run.trainer.take(1, 5.0)
+    for entry in (evaluated, second):
+        run.held_by_a_dead_server(entry)
+    run.trainer_finished()
+    for job_id in (eval_job, train_job):
+        run.api.post(f"/v1/jobs/{job_id}/cancel")
+        assert run.api.delete(f"/v1/jobs/{job_id}").status_code == 200
+
+    for entry in (evaluated, second):
+        run.put(entry)
+        assert not run.queue.fail(entry, "late") and not run.queue.dead_letter(entry, "late")
+        assert not run.queue.cancel(entry) and not run.queue.hand_back(entry)
+    assert run.trainer.ack([entry_id], [group.group_id]) == 0
+    assert run.keys_of(eval_job) == set() and run.keys_of(train_job) == set() and run.listed() == []
+    streams = (run.keys.tasks("train"), run.keys.tasks("eval"), run.keys.groups, run.keys.tasks_dead)
+    assert [run.redis.xlen(key) for key in streams] == [0, 0, 0, 0]
 
 
 class DeletesBefore(redis.Redis):
@@ -285,6 +405,19 @@ def test_a_listing_that_summarizes_a_job_deleted_meanwhile_brings_no_hash_back(
     assert client.delete is None
     assert run.keys_of(job_id) == set()
     assert run.listed() == []
+
+
+def test_a_job_cancelled_while_its_delete_runs_goes(racing: tuple[Run, DeletesBefore]) -> None:
+    """The delete found the job running, and another client cancelled it before the API read it back to say what is
+    left: the API deletes it then, as it would have had the cancel come first, and does not refuse it as cancelled
+    with nothing held."""
+    run, client = racing
+    job_id = run.submit(EVAL)
+    client.when = lambda args: args[0] == "HGETALL" and args[1] == run.keys.job(job_id)  # the API reads the job back
+    client.delete = lambda: run.queue.cancel_job(job_id)
+    reply = run.api.delete(f"/v1/jobs/{job_id}")
+    assert client.delete is None and reply.status_code == 200, reply.text
+    assert run.keys_of(job_id) == set() and run.redis.xlen(run.keys.tasks("eval")) == 0
 
 
 class LosesFirstDelete:

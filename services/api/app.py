@@ -625,9 +625,10 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
 
     @app.delete("/v1/jobs/{job_id}", tags=["jobs"], dependencies=v1)
     def delete_job(job_id: str, api: State) -> dict[str, Any]:
-        """Delete a finished job (every task rolled out, a train job's every group trained or dropped; 409 until then)
-        with its trajectories, eval results and its submit's Idempotency-Key: a long-lived run's Redis keeps only what
-        it is asked to. A second delete gets 404."""
+        """Delete a finished job (every task rolled out, a train job's every group trained or dropped) or a cancelled
+        one, with what is left of it that no live consumer holds (409 while one does, or for a running job), its
+        trajectories, eval results and its submit's Idempotency-Key: a long-lived run's Redis keeps only what it is
+        asked to. A second delete gets 404."""
         deleted = api.cluster.delete(job_id)
         api.jobs_deleted.labels(kind=deleted["kind"]).inc()
         log.info("job %s (%s) deleted", _one_line(job_id), deleted["kind"])

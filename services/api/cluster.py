@@ -29,8 +29,9 @@ class NotCancellable(ValueError):
 
 
 class NotDeletable(ValueError):
-    """A delete of a job that is not finished: a task of it not yet rolled out, or a group of a train job not yet
-    trained or dropped (a rollout server or the trainer may still hold it, and count it on the job)."""
+    """A delete of a job that is neither finished nor cancelled (a task of it not yet rolled out, or a group of a train
+    job not yet trained or dropped), or of a cancelled one whose task or group a live rollout server or a running
+    trainer holds (it would count it on the job)."""
 
 
 class InvalidCursor(ValueError):
@@ -155,28 +156,42 @@ class ClusterView:
         return self.job(job_id)
 
     def delete(self, job_id: str) -> dict[str, Any]:
-        """Delete a finished job and everything the run keeps of it (``TaskQueue.delete_job``: checked and deleted
-        in one step). ``NotDeletable`` while a task or group of it is left, saying what to do; ``NotFound`` for a
-        job unknown or deleted already, which is what a delete sent again after its reply was lost finds."""
+        """Delete a finished or cancelled job and everything the run keeps of it, a cancelled job's tasks and groups
+        that no one holds included (``TaskQueue.delete_job``: checked and deleted in one step, whether or not a
+        rollout server or trainer runs). ``NotDeletable`` for a job neither finished nor cancelled, or one of whose
+        tasks or groups a live consumer holds, saying what to do; ``NotFound`` for a job unknown or deleted already,
+        which is what a delete sent again after its reply was lost finds."""
         found = self.queue.delete_job(job_id)
         if found is None:
             raise NotFound(f"job {job_id!r} not found: never submitted, or deleted already (a DELETE sent again after "
                            "its reply was lost finds it so)")
-        kind, left = found
-        if not left:
-            return {"job_id": job_id, "kind": kind, "deleted": True}
+        if not found.left:
+            return {"job_id": job_id, "kind": found.kind, "deleted": True}
+        held = []
+        if found.rolling_out:
+            idle_s = self.queue.config.claim_idle_ms / 1000
+            held.append(f"{found.rolling_out} of its tasks are being rolled out by {', '.join(found.servers)}, which "
+                        f"ack them away as they finish (a server that stops renewing a task for {idle_s:g} s, "
+                        "buffer.claim_idle_ms, is taken for dead, and the delete removes it)")
+        if found.training:
+            held.append(f"{found.training} of its groups are held by the trainer for its current step, which acks them "
+                        "(once the trainer stopped, the delete removes them)")
+        if found.unfound:
+            held.append(f"{found.unfound} of what is left of it are in no place the delete finds them (tasks an API "
+                        "from before the jobs' index of entries submitted): the rollout servers ack them away as they "
+                        "read them")
+        if held:
+            raise NotDeletable(f"job {job_id} is cancelled, but {'; '.join(held)}; delete it once they are "
+                               "(progress.cancelled counts them)")
         job = self.job(job_id)
-        what = (f"{left} of its {job['progress']['submitted']} "
-                + ("tasks are not rolled out yet" if kind == "eval" else
+        if job["state"] == "cancelled":  # cancelled since the delete read it: it goes now, or says what holds it
+            return self.delete(job_id)
+        what = (f"{found.left} of its {job['progress']['submitted']} "
+                + ("tasks are not rolled out yet" if found.kind == "eval" else
                    "groups are not trained yet (tasks not rolled out, or groups waiting in the buffer)"))
-        if job["state"] != "cancelled":
-            why = f": {job['reason']}" if job["reason"] else ""
-            raise NotDeletable(f"job {job_id} is {job['state']}{why}; {what}. Only a finished job is deleted: cancel "
-                               f"it first (POST /v1/jobs/{job_id}/cancel), then delete it once they are acked away")
-        waits = f"; {end}: they wait for a trainer to run" if kind == "train" and (end := self.trainer_end()) else ""
-        raise NotDeletable(f"job {job_id} is cancelled, but {what}: the rollout servers ack its tasks away as they "
-                           f"read them, the trainer its groups as it takes them{waits}; delete it once they are "
-                           "(progress.cancelled counts them)")
+        why = f": {job['reason']}" if job["reason"] else ""
+        raise NotDeletable(f"job {job_id} is {job['state']}{why}; {what}. Only a finished or cancelled job is "
+                           f"deleted: cancel it first (POST /v1/jobs/{job_id}/cancel), then delete it")
 
     def trajectories(self, job_id: str, cursor: str, limit: int) -> dict[str, Any]:
         self.job(job_id)

@@ -8,8 +8,9 @@ import base64
 import io
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,6 +24,8 @@ from rollout_server.engine.process import EngineProcess
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
 LONG = {"max_new_tokens": 800, "temperature": 0.8, "ignore_eos": True}
+TOKENS = "rollwave_engine_generated_tokens_total"
+ATTEMPTS = 5  # a request that finished before the pause (or load) it was meant for: started again
 
 
 @pytest.fixture(scope="module")
@@ -63,23 +66,46 @@ def kept_kv(old: torch.nn.Module, new: torch.nn.Module, prompt: list[int], outpu
     return lp.gather(1, torch.tensor(output[k:])[:, None]).squeeze(1)
 
 
+async def pause_in_flight(
+    client: httpx.AsyncClient, url: str, body: dict, mode: str,
+    before_pause: Callable[[], Awaitable[Any]] | None = None,
+) -> tuple[asyncio.Task, Any]:
+    """Start ``body`` (one request that ignores EOS), run ``before_pause`` once it has sampled 20 tokens, then pause
+    in ``mode``: the request's task, caught by the pause with tokens still to sample, and what ``before_pause``
+    returned. The tiny model samples a thousand tokens a second or more, so a test process that stalls for half a
+    second after seeing the 20 lets an 800-token request finish before its pause lands (a load then finds nothing
+    in flight). The tokens sampled are read while paused, when nothing samples: a request that had none left was
+    not caught, so it is let go and another started."""
+    n = body["sampling_params"]["max_new_tokens"]
+    for _ in range(ATTEMPTS):
+        start = metric(url, TOKENS)
+        task = asyncio.create_task(client.post("/generate", json=body))
+        await until(url, TOKENS, start + 20)
+        got = None if before_pause is None else await before_pause()
+        await client.post("/pause_generation", json={"mode": mode})
+        if metric(url, TOKENS) < start + n:
+            return task, got
+        await client.post("/continue_generation", json={})
+        await task
+    raise AssertionError(f"the request finished before its pause in each of {ATTEMPTS} attempts")
+
+
 def span_across_update(url: str, mode: str, new_dir: Path, ahead: bool = False) -> dict:
     """Start a long request, pause in ``mode`` once it has produced tokens, load ``new_dir`` as v1, continue;
     ``ahead``: prepare ``new_dir`` first, with the running request's KV computed under it."""
 
     async def run() -> dict:
         async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
-            task = asyncio.create_task(
-                client.post("/generate", json={"input_ids": PROMPT, "sampling_params": LONG, "return_logprob": True})
-            )
-            start = metric(url, "rollwave_engine_generated_tokens_total")
-            await until(url, "rollwave_engine_generated_tokens_total", start + 20)
-            if ahead:
-                prepared = await client.post("/prepare_weights_from_disk",
-                                             json={"model_path": str(new_dir), "prefill_running": True})
+
+            async def prepare() -> httpx.Response:
+                return await client.post("/prepare_weights_from_disk",
+                                         json={"model_path": str(new_dir), "prefill_running": True})
+
+            body = {"input_ids": PROMPT, "sampling_params": LONG, "return_logprob": True}
+            task, prepared = await pause_in_flight(client, url, body, mode, prepare if ahead else None)
+            if ahead:  # the request ran through the prepare: its KV was computed
                 computed = int(prepared.json()["message"].split("KV of ")[1].split()[0])
                 assert computed >= len(PROMPT) + 20, prepared.text
-            await client.post("/pause_generation", json={"mode": mode})
             reply = await client.post(
                 "/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": "v1"}
             )
@@ -134,20 +160,28 @@ def test_request_spanning_an_update_records_versions_and_right_logprobs(
 
 
 def test_update_when_not_paused_waits_for_requests_in_flight(engine: str, tiny_model_dir: Path, new_dir: Path) -> None:
-    load(engine, tiny_model_dir, "v0")
+    """As in ``pause_in_flight``, the first request may finish before the load is queued (then nothing waits): the
+    attempt is let go and made again from v0."""
 
     async def run() -> tuple[dict, dict, dict]:
         async with httpx.AsyncClient(base_url=engine, timeout=120.0) as client:
-            first = asyncio.create_task(
-                client.post("/generate", json={"input_ids": PROMPT, "sampling_params": LONG | {"max_new_tokens": 300}})
-            )
-            await until(engine, "rollwave_engine_running_requests", 1)
-            update = asyncio.create_task(
-                client.post("/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": "v1"})
-            )
-            await until(engine, "rollwave_engine_pending_weight_updates", 1)
-            later = await client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}})
-            return (await first).json(), (await update).json(), later.json()
+            for _ in range(ATTEMPTS):
+                load(engine, tiny_model_dir, "v0")
+                start = metric(engine, TOKENS)
+                first = asyncio.create_task(client.post(
+                    "/generate", json={"input_ids": PROMPT, "sampling_params": LONG | {"max_new_tokens": 300}}))
+                await until(engine, TOKENS, start + 1)
+                update = asyncio.create_task(
+                    client.post("/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": "v1"})
+                )
+                while metric(engine, "rollwave_engine_pending_weight_updates") < 1 and not update.done():
+                    await asyncio.sleep(0.005)
+                if not update.done():  # the load waits for the first request, the later one for the load
+                    later = await client.post(
+                        "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}})
+                    return (await first).json(), (await update).json(), later.json()
+                await asyncio.gather(first, update)
+            raise AssertionError(f"the first request finished before the load in each of {ATTEMPTS} attempts")
 
     first, update, later = asyncio.run(run())
     assert update["success"] and update["num_paused_requests"] == 0
@@ -162,18 +196,8 @@ def test_pause_in_place_without_update_continues_on_the_same_weights(
 
     async def run() -> dict:
         async with httpx.AsyncClient(base_url=engine, timeout=120.0) as client:
-            task = asyncio.create_task(
-                client.post(
-                    "/generate",
-                    json={
-                        "input_ids": PROMPT,
-                        "sampling_params": LONG | {"max_new_tokens": 200},
-                        "return_logprob": True,
-                    },
-                )
-            )
-            await until(engine, "rollwave_engine_running_requests", 1)
-            await client.post("/pause_generation", json={"mode": "in_place"})
+            body = {"input_ids": PROMPT, "sampling_params": LONG | {"max_new_tokens": 200}, "return_logprob": True}
+            task, _ = await pause_in_flight(client, engine, body, "in_place")
             assert (await client.post("/flush_cache")).status_code == 400  # requests hold KV in place
             await asyncio.sleep(0.05)
             await client.post("/continue_generation", json={})
@@ -275,11 +299,8 @@ def test_update_weight_version_and_flush_while_retracted(engine: str) -> None:
 
     async def run() -> tuple[int, dict]:
         async with httpx.AsyncClient(base_url=engine, timeout=120.0) as client:
-            task = asyncio.create_task(
-                client.post("/generate", json={"input_ids": PROMPT, "sampling_params": LONG | {"max_new_tokens": 200}})
-            )
-            await until(engine, "rollwave_engine_running_requests", 1)
-            await client.post("/pause_generation", json={"mode": "retract"})
+            body = {"input_ids": PROMPT, "sampling_params": LONG | {"max_new_tokens": 200}}
+            task, _ = await pause_in_flight(client, engine, body, "retract")
             flushed = (await client.post("/flush_cache")).status_code  # queued requests do not count while paused
             await client.post("/continue_generation", json={})
             return flushed, (await task).json()

@@ -205,6 +205,23 @@ def test_critic_path(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> 
     assert not torch.equal(critic["model.embed_tokens.weight"], mine.model.embed_tokens.weight)
 
 
+def test_a_critic_path_with_a_classifier_head_gets_a_value_head_at_zero(
+    ctx: DistContext, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``trainer.critic.path`` whose head has another number of outputs (a two-label classifier) is a body to start
+    from, with a value head at zero: it was refused as weights that do not fit their own config.json."""
+    classifier = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=2, local_files_only=True)
+    classifier.save_pretrained(tmp_path / "classifier")
+    trainer = Trainer(TrainerConfig(**GAE, critic={"path": str(tmp_path / "classifier")}), tiny_model_dir,
+                      tmp_path / "run").start(ctx=ctx)
+    critic = _params(trainer.critic[0])
+    trainer.close()
+    assert not critic["score.weight"].any() and critic["score.weight"].shape[0] == 1
+    torch.testing.assert_close(critic["model.embed_tokens.weight"], classifier.model.embed_tokens.weight, rtol=0,
+                               atol=0)
+    assert "trainer.critic.path" in caplog.text and "its weights' score.weight has shape [2, " in caplog.text
+
+
 def test_checkpoint_resume_and_export_carry_the_critic(ctx: DistContext, tiny_model_dir: Path, tmp_path: Path) -> None:
     straight = Trainer(TrainerConfig(**GAE), tiny_model_dir, tmp_path / "straight").start(ctx=ctx)
     want = [straight.train(synthetic_groups(seed, 2)) for seed in range(3)]

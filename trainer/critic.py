@@ -26,7 +26,8 @@ from trainer.parallel import DistContext, from_pretrained, shard_model
 
 def load_critic(path: Path | str, ctx: DistContext) -> nn.Module:
     """The value model from the HF directory ``path``, in fp32 and sharded like the policy (dropout off)."""
-    model, missing = from_pretrained(AutoModelForTokenClassification, path, "trainer.critic.path", num_labels=1)
+    model, missing = from_pretrained(AutoModelForTokenClassification, path, "trainer.critic.path", own_head=True,
+                                     num_labels=1)
     if body := sorted(name for name in missing if name.startswith(f"{model.base_model_prefix}.")):
         raise ConfigError(f"trainer.critic.path: {path}: its weights lack {body[0]}, which its config.json's model "
                           "has: it would train from random numbers there (the value head alone starts at zero)")

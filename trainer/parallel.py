@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from core.config import ConfigError
 from core.net import is_loopback, listen_socket
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 CLOSED_KEY = "rollwave/ranks_closed"  # in the rendezvous store: ranks that have destroyed their group
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
@@ -226,11 +227,13 @@ def load_model(path: Path | str, ctx: DistContext,
 
 
 def from_pretrained(cls: type[AutoModelForCausalLM] | type[AutoModelForTokenClassification], path: Path | str,
-                    key: str, **kwargs: Any) -> tuple[PreTrainedModel, set[str]]:
+                    key: str, own_head: bool = False, **kwargs: Any) -> tuple[PreTrainedModel, set[str]]:
     """``cls.from_pretrained(path)`` in fp32 and the names of the tensors its weights lack (transformers starts them
     at random), for the caller to refuse or fill. A directory that holds no model (no config.json, no weights) or
     weights of another shape than its config.json says is a ConfigError naming ``key``, the directory and the tensor
-    (transformers' own error names neither, and the trainer exits 2 on it: no restart can help)."""
+    (transformers' own error names neither, and the trainer exits 2 on it: no restart can help). ``own_head``: the
+    tensors outside the base model are the caller's shape (a value head's one output, ``num_labels=1``), so saved
+    ones of another shape (a classifier's head) count as lacking, not as a mismatch."""
     if not Path(path).is_dir():
         raise ConfigError(f"{key}: {path} is not a directory (an HF model directory is expected)")
     try:
@@ -238,11 +241,19 @@ def from_pretrained(cls: type[AutoModelForCausalLM] | type[AutoModelForTokenClas
                                           ignore_mismatched_sizes=True, **kwargs)
     except OSError as exc:  # transformers': no config.json, no weights file, a config that is not JSON
         raise ConfigError(f"{key}: {exc}") from None
-    if info["mismatched_keys"]:
-        name, saved, wanted = sorted(info["mismatched_keys"])[0]
+    missing, mismatched = set(info["missing_keys"]), sorted(info["mismatched_keys"])
+    if own_head:
+        head = [m for m in mismatched if not m[0].startswith(f"{model.base_model_prefix}.")]
+        for name, saved, wanted in head:
+            log.warning("%s: %s: its weights' %s has shape %s, this model's is %s: it is not loaded", key, path, name,
+                        list(saved), list(wanted))
+        missing |= {m[0] for m in head}
+        mismatched = [m for m in mismatched if m not in head]
+    if mismatched:
+        name, saved, wanted = mismatched[0]
         raise ConfigError(f"{key}: {path}: its weights' {name} has shape {list(saved)}, its config.json makes it "
                           f"{list(wanted)}: the weights and config.json are not of one model")
-    return model, set(info["missing_keys"])
+    return model, missing
 
 
 def shard_model(model: PreTrainedModel, ctx: DistContext) -> PreTrainedModel:

@@ -161,12 +161,12 @@ def _cause(exc: BaseException) -> str:
 def _damaged(path: Path, problem: str) -> CheckpointMismatch:
     """The refusal of checkpoint ``path``, which does not hold what was written (``problem``), with the way out: no
     resume falls back to an earlier checkpoint by itself, since the groups trained after that one were acked."""
-    listed = _complete(path.parent)
-    earlier = listed[: listed.index(path)] if path in listed else []
+    listed = [p.resolve() for p in _complete(path.parent)]
+    earlier = listed[: listed.index(path.resolve())] if path.resolve() in listed else []
     then = f"resume from {earlier[-1].name}" if earlier else "start from model.path"
     return CheckpointMismatch(f"{problem}: checkpoint {path.name} is damaged: restore it from a copy, or move it out "
                               f"of {path.parent} to {then} (the groups trained since were acked: they are not "
-                              "trained again)")
+                              "trained again); an export can take another checkpoint (--checkpoint DIR)")
 
 
 def _read_state(path: Path) -> dict[str, Any]:

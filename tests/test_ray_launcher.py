@@ -364,16 +364,18 @@ def loopback_namespace() -> Iterator[tuple[list[str], str]]:
 
 
 def _heads_in(netns: str) -> set[int]:
-    """The Ray heads (``ray start``) running in the network namespace ``netns``."""
-    found = set()
+    """The Ray heads (``ray start``) running in the network namespace ``netns``. A head's child between its fork and
+    its exec (the head starting the GCS or a raylet) still shows the head's command line: it is not another head."""
+    found: dict[int, int] = {}  # pid: parent pid
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if (os.readlink(f"/proc/{pid}/ns/net") == netns
                     and b"ray.scripts.scripts\0start" in Path(f"/proc/{pid}/cmdline").read_bytes()):
-                found.add(int(pid))
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                found[int(pid)] = int(stat[stat.rindex(")") + 2 :].split()[1])  # after "(comm) state"
         except (FileNotFoundError, ProcessLookupError, PermissionError):  # gone, or not ours
             continue
-    return found
+    return {pid for pid, parent in found.items() if parent not in found}
 
 
 def _recorded(state: Path, key: str, up: subprocess.Popen, log: Path) -> dict[str, Any]:

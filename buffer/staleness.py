@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 # KEYS: admitted, version, admitted ids, version's trained groups, group state, budget. ARGV: group id, max_staleness,
 # groups per version, served version ('' if unknown). A group already written (its task done by another server that
 # reclaimed it) takes no slot: it is in flight nowhere, and its duplicate is dropped at the put. No budget: no cap.
+GIVE_UP_CHECK_S = 5.0  # how often a wait for admission asks whether to go on (one Redis read per waiting task)
 _ADMIT = """
 if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[5], ARGV[1]) == 1 then return 1 end
 local version = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -187,13 +188,15 @@ class StalenessControl:
         return bool(self._admit(keys, args))
 
     def admit(self, group_id: str, stop: threading.Event | None = None, timeout_s: float | None = None,
-              served: Callable[[], int] | None = None) -> bool:
-        """Wait (polling with backoff) until the group is admitted; False if ``stop`` is set or time runs out.
+              served: Callable[[], int] | None = None, give_up: Callable[[], bool] | None = None) -> bool:
+        """Wait (polling with backoff) until the group is admitted; False if ``stop`` is set, time runs out or
+        ``give_up()`` (asked every ``GIVE_UP_CHECK_S`` of waiting: its job cancelled meanwhile) is true.
         ``served()`` is read at every try: a lagging server is admitted as soon as a push catches it up."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay = 0.01
         stop = stop or threading.Event()
         waited = False
+        next_check = time.monotonic() + GIVE_UP_CHECK_S
         while not self.try_admit(group_id, None if served is None else served()):
             if not waited:
                 self.metrics.admission_waits.inc()
@@ -202,6 +205,10 @@ class StalenessControl:
                 return False
             if stop.wait(delay):
                 return False
+            if give_up is not None and time.monotonic() >= next_check:
+                if give_up():
+                    return False
+                next_check = time.monotonic() + GIVE_UP_CHECK_S
             delay = min(delay * 2, 1.0)
         return True
 

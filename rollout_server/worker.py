@@ -206,11 +206,15 @@ class RolloutWorker:
                 self._check_agent(spec.agent)
             if entry.kind == "train":
                 admitted = await self._call(self.staleness.admit, entry.group_id, self._stopping, None,
-                                            lambda: self.info.version)
+                                            lambda: self.info.version,
+                                            lambda: self.tasks.job_state(entry.job_id) == "cancelled")
                 self._unadmitted.discard(entry.group_id)
-                if not admitted:  # admit gives up only when the server stops
+                if not admitted and self._stopping.is_set():
                     await self._hand_back(entry, "stopped_awaiting_admission", "the server stopped while it waited "
                                           "for staleness admission")
+                    return
+                if not admitted:  # its job was cancelled while it waited (once a run's trainer finished, for good)
+                    await self._call(self.tasks.cancel, entry)
                     return
             with self.metrics.generating():
                 if spec is not None and spec.agent is not None:

@@ -18,6 +18,7 @@ import pytest
 import redis
 from buffer_helpers import client
 
+from buffer import staleness as staleness_module
 from buffer.keys import ROLLOUT_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.registry import ServerRegistry
@@ -237,3 +238,33 @@ def test_a_task_stopped_while_waiting_for_admission_is_handed_back_logged_and_co
     assert worker.metrics.total(HANDED_BACK, reason="stopped_awaiting_admission") == 1
     assert f"group {gid}: the server stopped while it waited for staleness admission" in caplog.text
     assert held(r, "train") == [] and r.xlen(KEYS.tasks("train")) == 1 and not r.hexists(KEYS.admitted_ids, gid)
+
+
+def test_a_task_waiting_for_admission_whose_job_is_cancelled_is_acked_away(
+    redis_server: EmbeddedRedis, stub: StubEngine, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A train task waiting for admission checked its job only before the wait: cancelled meanwhile, it stayed held
+    (its lease renewed) for as long as admission stayed shut, for good once the run's trainer finished, and the
+    job could never be deleted. The wait now asks after the job (every ``GIVE_UP_CHECK_S``): the task is acked away
+    as cancelled, and the job deleted."""
+    monkeypatch.setattr(staleness_module, "GIVE_UP_CHECK_S", 0.2)
+    r = client(redis_server)
+    cfg = BufferConfig(claim_idle_ms=5000, max_staleness=0, groups_per_step=1)  # a window of one group
+    staleness = StalenessControl(r, KEYS, cfg)
+    assert staleness.try_admit("other:0:taken") and staleness.capacity() == 0
+    gid = submit(redis_server, "train")
+    worker = make_worker(redis_server, stub, tokenizer, grace_s=60, buffer=cfg)
+    worker.staleness.capacity = lambda served=None: 1  # the hint that was true a moment before
+    queue = TaskQueue(r, KEYS, cfg)
+
+    async def scenario() -> None:
+        async with running(worker) as serving:
+            await until(lambda: len(held(r, "train")) == 1, serving, "the worker took the task")
+            assert queue.cancel_job("job") == "cancelled"
+            await until(lambda: held(r, "train") == [], serving, "the task acked away")
+
+    asyncio.run(scenario())
+    assert queue.job("job")["cancelled"] == "1" and r.xlen(KEYS.tasks("train")) == 0
+    assert not r.hexists(KEYS.admitted_ids, gid) and staleness.admitted() == 1  # the other group's slot alone
+    deleted = queue.delete_job("job")
+    assert deleted is not None and deleted.left == 0 and not r.exists(KEYS.job("job"))

@@ -36,6 +36,9 @@ from core.config import BufferConfig
 log = logging.getLogger(__name__)
 
 SUBMIT_CHUNK = 1000
+# a cancelled job's tasks one Lua call of a delete removes at most (``_CANCEL_QUEUED``): about 10 ms of Redis's one
+# thread (six to ten commands a task), where a job of api.max_job_tasks in one call held it for 13-16 s (Redis 6.2)
+CANCEL_BATCH = 1000
 # how long an idempotency key names its job: a client's retries come within minutes; Stripe keeps its keys a day
 IDEMPOTENCY_TTL_S = 24 * 3600
 
@@ -162,26 +165,18 @@ redis.call('HSET', KEYS[1], 'state', 'cancelled')
 return 'cancelled'
 """
 
-# Delete a job, in one step (KEYS: job hash, jobs index, trajectories stream, eval results stream, the job's entries,
-# train and eval task streams, dead letters, groups, malformed groups, newer groups, group state, consumed ids list,
-# admitted, admitted ids, trainer hash; ARGV: job id, the idempotency keys' prefix, buffer.claim_idle_ms, the dedup
-# window, TRAIN_ENDS). A finished one (every task ended: an eval job's completed, dead-lettered or cancelled; a train
-# job's every group ended too, TRAIN_ENDS) goes at once. A cancelled one goes with what is left of it: its tasks in
-# the task stream (found through the job's entries, never by reading the stream whole) and its groups in ``groups``
-# and ``groups:newer`` (read whole: buffer.max_groups bounds what is undelivered, admission what is parked), each
-# ended as an ack would end it (a group's payload key deleted and its id consumed, admission slots given back, pending
-# deliveries acked). A task pending for a consumer that has not renewed it for claim_idle_ms is no one's (a live
-# server renews what it holds; any other would take it over), nor is a group pending for a trainer that stopped (its
-# end in the trainer hash, as ``ClusterView.trainer_end`` reads it). While a live consumer holds a task or group of
-# it, or something its counters say is left is in none of these places (an older API's tasks, which it did not index),
-# nothing is done. So once it is deleted no entry of it is pending or queued anywhere, and every script that writes to
-# a job's keys does so only for an entry still pending (put, dead letter, cancel, requeue) or still in its stream (the
-# trainer's ack): no late write brings any of them back. Its dead letters and malformed groups (indexed in its
-# entries) go too, with its submit's idempotency claim while the claim still names it. Returns {kind, 0, tasks
-# removed, groups removed} once deleted; {kind, left} for a job neither finished nor cancelled; {kind, left, tasks
-# held by live consumers, groups held by a running trainer, left in no place found, the holding consumers...} for a
-# cancelled one refused; false for an unknown job.
-_DELETE_JOB = """
+# Lua shared by the scripts that remove a cancelled job's tasks (``_CANCEL_QUEUED``, then ``_DELETE_JOB``), whose KEYS
+# they read: KEYS as ``_DELETE_JOB``'s. ``task_at``: the job's task at ``id`` in ``stream``, nil once it is no longer
+# there, else {id, its group id, its pending delivery (nil when queued), whether a live consumer holds it (pending, and
+# renewed within ``idle`` ms, buffer.claim_idle_ms: a live server renews what it holds, and any other would take one
+# idle longer over)}. ``remove_task``: end such a task that no live consumer holds as a rollout server's ``_CANCEL``
+# ends it (acked if pending, deleted, out of the job's entries, counted ``cancelled``, its admission slot given back); a
+# train task that was pending also has its group id consumed in ``groups:state``, so the server that held it, frozen
+# rather than dead, finds it so when it wakes: its ``try_admit`` admits it at no cost (it took a slot that nothing gave
+# back before) and its put is a duplicate that writes nothing. Only those: consuming every removed task's id would push
+# the ids of groups still to come out of the dedup window (an eval task takes no slot, and its late put writes nothing
+# either way). ``trim_consumed``: keep the last ``window`` consumed ids.
+_TASK_REMOVAL = """
 local function field(fields, name)
   for j = 1, #fields, 2 do
     if fields[j] == name then return fields[j + 1] end
@@ -192,6 +187,75 @@ local function holder(stream, group, id)  -- {id, consumer, idle ms, deliveries}
   if held.err then return nil end  -- no such consumer group: nothing was delivered from the stream
   return held[1]
 end
+local function task_at(stream, id, idle)
+  local e = redis.call('XRANGE', stream, id, id)[1]
+  if not e then return nil end
+  local held = holder(stream, '""" + ROLLOUT_GROUP + """', id)
+  return {id, field(e[2], 'gid'), held, held ~= nil and held[3] < idle}
+end
+local function remove_task(stream, t)
+  local id, gid, held = t[1], t[2], t[3]
+  if held then redis.call('XACK', stream, '""" + ROLLOUT_GROUP + """', id) end
+  redis.call('XDEL', stream, id)
+  redis.call('SREM', KEYS[5], 't' .. id)
+  redis.call('HINCRBY', KEYS[1], 'cancelled', 1)
+  if gid and redis.call('HDEL', KEYS[15], gid) == 1 then redis.call('DECR', KEYS[14]) end
+  if held and gid and stream == KEYS[6] then
+    redis.call('HSET', KEYS[12], gid, 't')
+    redis.call('RPUSH', KEYS[13], gid)
+  end
+end
+local function trim_consumed(window)
+  for _ = 1, redis.call('LLEN', KEYS[13]) - window do
+    redis.call('HDEL', KEYS[12], redis.call('LPOP', KEYS[13]))
+  end
+end
+"""
+
+# Remove one batch of a cancelled job's tasks that no live consumer holds (KEYS as ``_DELETE_JOB``'s; ARGV:
+# buffer.claim_idle_ms, the dedup window, then up to ``CANCEL_BATCH`` of the task members ``t<id>`` of its entries),
+# each as ``_TASK_REMOVAL``'s ``remove_task`` ends it; a member whose entry is no longer in its stream leaves the
+# entries. Only while the job is cancelled (checked in each call: one deleted, or never cancelled, is left alone).
+# Returns how many it removed, or -1 for a job not cancelled.
+_CANCEL_QUEUED = _TASK_REMOVAL + """
+local h = redis.call('HMGET', KEYS[1], 'state', 'kind')
+if h[1] ~= 'cancelled' then return -1 end
+local stream = h[2] == 'train' and KEYS[6] or KEYS[7]
+local removed = 0
+for i = 3, #ARGV do
+  local t = task_at(stream, string.sub(ARGV[i], 2), tonumber(ARGV[1]))
+  if not t then
+    redis.call('SREM', KEYS[5], ARGV[i])
+  elseif not t[4] then
+    remove_task(stream, t)
+    removed = removed + 1
+  end
+end
+trim_consumed(tonumber(ARGV[2]))
+return removed
+"""
+
+# Delete a job, in one step (KEYS: job hash, jobs index, trajectories stream, eval results stream, the job's entries,
+# train and eval task streams, dead letters, groups, malformed groups, newer groups, group state, consumed ids list,
+# admitted, admitted ids, trainer hash; ARGV: job id, the idempotency keys' prefix, buffer.claim_idle_ms, the dedup
+# window, TRAIN_ENDS). A finished one (every task ended: an eval job's completed, dead-lettered or cancelled; a train
+# job's every group ended too, TRAIN_ENDS) goes at once. A cancelled one goes with what is left of it: its tasks in the
+# task stream (found through the job's entries, never by reading the stream whole; ``delete_job`` removed those no one
+# held in batches of ``_CANCEL_QUEUED`` before, so few are left but what a live consumer holds) and its groups in
+# ``groups`` and ``groups:newer`` (read whole: buffer.max_groups bounds what is undelivered, admission what is parked),
+# each ended as an ack would end it (a task as ``_TASK_REMOVAL``'s ``remove_task`` ends it; a group's payload key
+# deleted and its id consumed, admission slots given back, pending deliveries acked). A task pending for a consumer that
+# has not renewed it for claim_idle_ms is no one's (a live server renews what it holds; any other would take it over),
+# nor is a group pending for a trainer that stopped (its end in the trainer hash, as ``ClusterView.trainer_end`` reads
+# it). While a live consumer holds a task or group of it, or something its counters say is left is in none of these
+# places (an older API's tasks, which it did not index), nothing is done. So once it is deleted no entry of it is
+# pending or queued anywhere, and every script that writes to a job's keys does so only for an entry still pending (put,
+# dead letter, cancel, requeue) or still in its stream (the trainer's ack): no late write brings any of them back. Its
+# dead letters and malformed groups (indexed in its entries) go too, with its submit's idempotency claim while the claim
+# still names it. Returns {kind, 0, tasks removed, groups removed} once deleted; {kind, left} for a job neither finished
+# nor cancelled; {kind, left, tasks held by live consumers, groups held by a running trainer, left in no place found,
+# the holding consumers...} for a cancelled one refused; false for an unknown job.
+_DELETE_JOB = _TASK_REMOVAL + """
 local h = redis.call('HMGET', KEYS[1], 'kind', 'submitted', 'idempotency', 'state')
 if not h[1] then return false end
 local train = h[1] == 'train'
@@ -204,16 +268,12 @@ local stream = train and KEYS[6] or KEYS[7]
 local tasks, groups, rolling, holders, training = {}, {}, 0, {}, 0
 if left > 0 then
   for _, m in ipairs(entries) do
-    local id = string.sub(m, 2)
-    local e = string.sub(m, 1, 1) == 't' and redis.call('XRANGE', stream, id, id)[1]
-    if e then
-      local held = holder(stream, '""" + ROLLOUT_GROUP + """', id)
-      if held and held[3] < tonumber(ARGV[3]) then
-        rolling = rolling + 1
-        holders[held[2]] = true
-      else
-        tasks[#tasks + 1] = {id, field(e[2], 'gid'), held}
-      end
+    local t = string.sub(m, 1, 1) == 't' and task_at(stream, string.sub(m, 2), tonumber(ARGV[3]))
+    if t and t[4] then
+      rolling = rolling + 1
+      holders[t[3][2]] = true
+    elseif t then
+      tasks[#tasks + 1] = t
     end
   end
   if train then
@@ -240,11 +300,7 @@ if left > 0 then
     return refused
   end
 end
-for _, t in ipairs(tasks) do
-  if t[3] then redis.call('XACK', stream, '""" + ROLLOUT_GROUP + """', t[1]) end
-  redis.call('XDEL', stream, t[1])
-  if t[2] and redis.call('HDEL', KEYS[15], t[2]) == 1 then redis.call('DECR', KEYS[14]) end
-end
+for _, t in ipairs(tasks) do remove_task(stream, t) end
 for _, g in ipairs(groups) do
   local key, id, fields, prefix = g[1], g[2], g[3], g[4]
   if g[5] then redis.call('XACK', key, '""" + TRAINER_GROUP + """', id) end
@@ -259,9 +315,7 @@ for _, g in ipairs(groups) do
     redis.call('DECR', KEYS[14])
   end
 end
-for _ = 1, redis.call('LLEN', KEYS[13]) - tonumber(ARGV[4]) do
-  redis.call('HDEL', KEYS[12], redis.call('LPOP', KEYS[13]))
-end
+trim_consumed(tonumber(ARGV[4]))
 local aside = {d = KEYS[8], g = KEYS[10]}
 for _, m in ipairs(entries) do
   local key = aside[string.sub(m, 1, 1)]
@@ -304,7 +358,7 @@ class Deletion:
 
     kind: str
     left: int  # its tasks (eval) or groups (train) its counters say are not ended; 0: deleted
-    removed_tasks: int = 0  # deleted: a cancelled job's tasks still queued, removed with it
+    removed_tasks: int = 0  # a cancelled job's tasks no one held, removed (before a refusal too, as a server would)
     removed_groups: int = 0  # deleted: a cancelled train job's groups still in the buffer, removed with it
     rolling_out: int = 0  # refused: its tasks held by live rollout servers (``servers``)
     training: int = 0  # refused: its groups held by a trainer that has not stopped
@@ -354,6 +408,7 @@ class TaskQueue:
         self._malformed = client.register_script(_MALFORMED)
         self._cancel = client.register_script(_CANCEL)
         self._cancel_job = client.register_script(_CANCEL_JOB)
+        self._cancel_queued = client.register_script(_CANCEL_QUEUED)
         self._delete_job = client.register_script(_DELETE_JOB)
         self._keep_summary = client.register_script(_KEEP_SUMMARY)
         self._requeue = client.register_script(_REQUEUE)
@@ -458,11 +513,13 @@ class TaskQueue:
         entries index with its dead letters and malformed groups, and its submit's idempotency claim, all in one step
         (``_DELETE_JOB``). A cancelled job goes with its tasks and groups that no rollout server or trainer holds,
         removed as if acked away, whether or not any server or trainer runs; one a live consumer holds keeps it (and a
-        job neither finished nor cancelled is kept). None for an unknown job (a second delete finds it so)."""
+        job neither finished nor cancelled is kept). Its tasks go first, in batches (``_remove_queued``), so that
+        step finds few left. None for an unknown job (a second delete finds it so)."""
         k = self.keys
         keys = [k.job(job_id), k.jobs, k.trajectories(job_id), k.eval(job_id), k.entries(job_id), k.tasks("train"),
                 k.tasks("eval"), k.tasks_dead, k.groups, k.groups_malformed, k.groups_newer,
                 k.group_state, k.groups_consumed, k.admitted, k.admitted_ids, k.trainer]
+        queued = self._remove_queued(keys) if self.job_state(job_id) == "cancelled" else 0
         found = self._delete_job(keys, [job_id, k.idempotency(""), self.config.claim_idle_ms, self.config.dedup_window,
                                         *TRAIN_ENDS])
         if found is None:
@@ -470,15 +527,34 @@ class TaskQueue:
         kind, left, *counts = found
         if not left:
             tasks, groups = counts
-            if tasks or groups:
+            if tasks or groups or queued:
                 log.info("job %s deleted with what was left of it: %d task(s) and %d group(s) no one held, removed",
-                         job_id, tasks, groups)
-            return Deletion(kind.decode(), 0, removed_tasks=tasks, removed_groups=groups)
+                         job_id, queued + tasks, groups)
+            return Deletion(kind.decode(), 0, removed_tasks=queued + tasks, removed_groups=groups)
+        if queued:
+            log.info("job %s: %d task(s) of it no one held removed; the job is kept (%d left)", job_id, queued, left)
         if not counts:
-            return Deletion(kind.decode(), left)
+            return Deletion(kind.decode(), left, removed_tasks=queued)
         rolling_out, training, unfound, *servers = counts
-        return Deletion(kind.decode(), left, rolling_out=rolling_out, training=training, unfound=unfound,
-                        servers=tuple(sorted(s.decode() for s in servers)))
+        return Deletion(kind.decode(), left, removed_tasks=queued, rolling_out=rolling_out, training=training,
+                        unfound=unfound, servers=tuple(sorted(s.decode() for s in servers)))
+
+    def _remove_queued(self, keys: list[str]) -> int:
+        """Remove a cancelled job's tasks that no live consumer holds (``_CANCEL_QUEUED``), ``CANCEL_BATCH`` of its
+        entries a Lua call, walking them with SSCAN: one call for a job of ``api.max_job_tasks`` held Redis for
+        seconds, every other client of the run answered BUSY. Stops once the job is no longer cancelled (deleted
+        meanwhile). ``keys``: ``_DELETE_JOB``'s. Returns how many it removed."""
+        removed, cursor = 0, 0
+        while True:
+            cursor, members = self.redis.sscan(keys[4], cursor, match="t*", count=CANCEL_BATCH)
+            for start in range(0, len(members), CANCEL_BATCH):
+                done = self._cancel_queued(keys, [self.config.claim_idle_ms, self.config.dedup_window,
+                                                  *members[start : start + CANCEL_BATCH]])
+                if done < 0:
+                    return removed
+                removed += done
+            if not cursor:
+                return removed
 
     def job_summaries(self, job_ids: Sequence[str]) -> list[dict[str, str]]:
         """``job`` of each id ({} for an unknown one) as a listing shows it, in one round trip: its ``spec`` is the

@@ -18,11 +18,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from buffer import task_queue
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
-from buffer.task_queue import TaskEntry, TaskQueue
+from buffer.task_queue import Deletion, TaskEntry, TaskQueue
 from core.config import BufferConfig, RolloutConfig
 from rollout_server.engine_client import EngineClient
 from rollout_server.tools import ToolRegistry
@@ -318,6 +319,85 @@ def test_late_writes_of_a_dead_server_or_a_stopped_trainer_bring_nothing_of_a_de
     assert run.keys_of(eval_job) == set() and run.keys_of(train_job) == set() and run.listed() == []
     streams = (run.keys.tasks("train"), run.keys.tasks("eval"), run.keys.groups, run.keys.tasks_dead)
     assert [run.redis.xlen(key) for key in streams] == [0, 0, 0, 0]
+
+
+class CountsTaskRemovals(redis.Redis):
+    """A Redis client that records, for each Lua call it sends, how many entries the task stream ``stream`` lost in
+    that call."""
+
+    stream = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.removed: list[int] = []
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        if args[0] != "EVALSHA":
+            return super().execute_command(*args, **options)
+        before = super().execute_command("XLEN", self.stream)
+        reply = super().execute_command(*args, **options)
+        self.removed.append(before - super().execute_command("XLEN", self.stream))
+        return reply
+
+
+def test_a_cancelled_jobs_tasks_are_removed_a_batch_a_lua_call(
+        run: Run, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job may hold api.max_job_tasks (100,000) tasks: removed in the delete's one Lua call, they held Redis for
+    seconds (every other client of the run answered BUSY). Those no one holds go first, ``CANCEL_BATCH`` a call, each
+    counted ``cancelled`` with its admission slot given back, as a server's cancel would: also when the delete is then
+    refused for the one a live server holds. Once that one is acked away, the job goes with nothing left of it."""
+    monkeypatch.setattr(task_queue, "CANCEL_BATCH", 3)
+    job_id = run.submit({**TRAIN, "source": {"kind": "arith", "limit": 11}})
+    staleness = StalenessControl(run.redis, run.keys, BufferConfig())
+    live, handed, other_handed, dead = run.read(4)
+    for entry in (live, handed, other_handed, dead):
+        assert staleness.try_admit(entry.group_id)
+    assert run.queue.hand_back(handed) and run.queue.hand_back(other_handed)  # queued, holding their slots
+    run.held_by_a_dead_server(dead)
+    run.api.post(f"/v1/jobs/{job_id}/cancel")
+    client = CountsTaskRemovals.from_url(redis_url)
+    client.stream = run.keys.tasks("train")
+    queue = TaskQueue(client, run.keys, BufferConfig())
+
+    refused = queue.delete_job(job_id)
+    assert refused is not None and (refused.left, refused.rolling_out, refused.servers) == (1, 1, ("srv",))
+    assert refused.removed_tasks == 10 and sum(client.removed) == 10
+    assert max(client.removed) <= 3, client.removed
+    assert run.api.get(f"/v1/jobs/{job_id}").json()["progress"]["cancelled"] == 10
+    assert staleness.admitted() == 1 and run.redis.hkeys(run.keys.admitted_ids) == [live.group_id.encode()]
+    assert [e for e, _ in run.redis.xrange(run.keys.tasks("train"))] == [live.entry_id.encode()]
+    assert run.redis.smembers(run.keys.entries(job_id)) == {f"t{live.entry_id}".encode()}
+
+    assert run.queue.cancel(live)
+    client.removed.clear()
+    assert queue.delete_job(job_id) == Deletion("train", 0)
+    assert client.removed == [0]
+    assert run.keys_of(job_id) == set() and run.redis.xlen(run.keys.tasks("train")) == 0
+    assert staleness.admitted() == 0 and run.redis.hlen(run.keys.admitted_ids) == 0
+
+
+def test_a_frozen_servers_task_the_delete_removed_takes_no_admission_slot_when_it_wakes(run: Run) -> None:
+    """A server frozen past buffer.claim_idle_ms (not dead) holds a task of a job that is cancelled and deleted
+    meanwhile; the delete removes the task as a dead server's. When the server wakes, it asks admission for the task:
+    its group id, consumed by the delete, is admitted at no cost (before, it took a slot that nothing ever gave back:
+    admission shrank for good), and its put is a duplicate that writes nothing. The task no one had read leaves its id
+    unconsumed: only the held ones are marked, so the dedup window is not flooded."""
+    job_id = run.submit(TRAIN)
+    staleness = StalenessControl(run.redis, run.keys, BufferConfig())
+    [frozen] = run.read(1)
+    [(_, fields)] = [e for e in run.redis.xrange(run.keys.tasks("train")) if e[0].decode() != frozen.entry_id]
+    run.held_by_a_dead_server(frozen)
+    run.api.post(f"/v1/jobs/{job_id}/cancel")
+    assert run.api.delete(f"/v1/jobs/{job_id}").status_code == 200
+    admitted = staleness.admitted()
+
+    assert staleness.try_admit(frozen.group_id)
+    assert staleness.admitted() == admitted and not run.redis.hexists(run.keys.admitted_ids, frozen.group_id)
+    run.put(frozen)
+    assert run.redis.xlen(run.keys.groups) == 0 and not run.redis.keys(f"{run.keys.prefix}payload:*")
+    assert run.keys_of(job_id) == set()
+    assert run.redis.hget(run.keys.group_state, frozen.group_id) == b"t"
+    assert not run.redis.hexists(run.keys.group_state, fields[b"gid"])
 
 
 class DeletesBefore(redis.Redis):

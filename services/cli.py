@@ -68,10 +68,16 @@ def _handler(path: str, env: Callable[[], dict[str, str]] = dict):
     return run
 
 
-def _local_ray_auth() -> dict[str, str]:
-    """The head `up` starts without RAY_ADDRESS requires a token; Ray reads the mode when it is imported, so it is
-    set before (the token's file, made with the head, is named when connecting)."""
-    return {} if os.environ.get("RAY_ADDRESS") else {"RAY_AUTH_MODE": "token"}
+# On Linux Ray replaces a node address of 127.0.0.1 by the host's routable one (``resolve_ip_for_localhost``): the
+# head `up` starts, its workers and the driver then listened beyond loopback, and `up` refused to run without an API
+# token. Ray's switch for one-machine clusters (meant for Windows and macOS) keeps them all on loopback.
+LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _local_ray_env() -> dict[str, str]:
+    """The head `up` starts without RAY_ADDRESS requires a token and stays on loopback; Ray reads both settings when
+    it is imported, so they are set before (the token's file, made with the head, is named when connecting)."""
+    return {} if os.environ.get("RAY_ADDRESS") else {"RAY_AUTH_MODE": "token", **LOOPBACK_RAY_ENV}
 
 
 def _weight_version(text: str) -> int:
@@ -253,11 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trainer ranks, on one node (default 1)")
     p.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops everything")
     _config_args(p, required=True)
-    p.set_defaults(func=_handler("services.ray_launcher:up", _local_ray_auth))
+    p.set_defaults(func=_handler("services.ray_launcher:up", _local_ray_env))
 
     p = _command(sub, "down", "stop everything `rollwave up` started for a run", "rollwave down -c configs/demo.yaml")
     _config_args(p, required=True)
-    p.set_defaults(func=_handler("services.ray_launcher:down", _local_ray_auth))
+    p.set_defaults(func=_handler("services.ray_launcher:down", _local_ray_env))
 
     p = _command(sub, "submit", "give the service a training or evaluation job (from flags or a YAML file)",
                  "rollwave submit --kind eval --source arith --split test --limit 100 --wait")
@@ -289,19 +295,29 @@ def build_parser() -> argparse.ArgumentParser:
     _api_args(p)
     p.set_defaults(func=_handler("services.client_cmd:status"))
 
-    p = _command(sub, "jobs", "list jobs with their progress, reward and accuracy; `jobs delete JOB` deletes one",
+    p = _command(sub, "jobs", "list jobs with their progress, reward and accuracy; `jobs cancel JOB` cancels one, "
+                 "`jobs delete JOB` deletes one",
                  "rollwave jobs --api http://head:8000")
     p.add_argument("--limit", type=int, default=50, help="jobs per page, newest first")
     p.add_argument("--all", action="store_true", help="follow every page")
     _api_args(p)
     p.set_defaults(func=_handler("services.client_cmd:jobs"))
     jsub = p.add_subparsers(dest="jobs_command", metavar="ACTION")
-    j = _command(jsub, "delete", "delete a finished job and all the run keeps of it (its trajectories, eval results)",
+    j = _command(jsub, "cancel", "cancel a running job: what is left of it is acked away untrained",
+                 "rollwave jobs cancel 3f2a9c1b7d4e",
+                 description="Cancel a running (or stalled) job: the rollout servers ack its tasks not rolled out yet\n"
+                 "away, the trainer its groups not trained yet; a job that is done is refused (409). Then\n"
+                 "`rollwave jobs delete JOB` deletes it. A lost reply or a 503 is sent again, as a submit is.")
+    j.add_argument("job", help="job id, as `rollwave submit` or `rollwave jobs` print it")
+    _api_args(j, parent_has_them=True)
+    j.set_defaults(func=_handler("services.client_cmd:cancel_job"))
+    j = _command(jsub, "delete", "delete a finished or cancelled job and all the run keeps of it",
                  "rollwave jobs delete 3f2a9c1b7d4e",
-                 description="Delete a finished job and all the run keeps of it: its trajectories, its eval results,\n"
-                 "its submit's idempotency key. A job is finished once every task of it is rolled out (and, for a\n"
-                 "train job, every group trained or dropped); the API refuses (409) one that is not, saying why:\n"
-                 "cancel it first (POST /v1/jobs/JOB/cancel). A lost reply or a 503 is sent again, as a submit is.")
+                 description="Delete a finished or cancelled job and all the run keeps of it: its trajectories, its\n"
+                 "eval results, its dead letters, its submit's idempotency key, and a cancelled job's tasks and\n"
+                 "groups still queued. A job is finished once every task of it is rolled out (and, for a train job,\n"
+                 "every group trained or dropped); the API refuses (409) one that is neither, saying why: cancel it\n"
+                 "first (`rollwave jobs cancel JOB`). A lost reply or a 503 is sent again, as a submit is.")
     j.add_argument("job", help="job id, as `rollwave submit` or `rollwave jobs` print it")
     _api_args(j, parent_has_them=True)
     j.set_defaults(func=_handler("services.client_cmd:delete_job"))

@@ -62,7 +62,7 @@ from core.model_dir import ensure_model
 from core.net import free_port_outside_ephemeral, is_loopback
 from core.process import kill_group, stop_process
 from services.api.app import check_api_config
-from services.cli import CliError
+from services.cli import LOOPBACK_RAY_ENV, CliError
 from services.launcher import (
     ComponentSpec,
     RestartBackoff,
@@ -302,7 +302,7 @@ def start_head(num_cpus: int, log_path: Path, started: Callable[[dict[str, Any]]
     with open(log_path, "ab") as out:
         ours = out.tell()  # the log may hold an earlier head's lines: this one's start here
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **ray_auth_env(str(token))},
+                                env={**os.environ, **ray_auth_env(str(token)), **LOOPBACK_RAY_ENV},
                                 start_new_session=True)
     head = {"address": f"{HOST}:{port}", "head_pid": proc.pid, "temp_dir": temp_dir, "auth_token": str(token)}
     try:

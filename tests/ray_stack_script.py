@@ -26,6 +26,7 @@ import httpx
 import redis
 
 from core.config import Config, load_config
+from services.cli import LOOPBACK_RAY_ENV
 from services.launcher import SECRET_VARS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,7 +299,8 @@ def main() -> int:
     if sys.argv[1] == "--two-nodes":
         print(json.dumps(two_nodes(str(Path(sys.argv[2]).absolute()))))
         return 0
-    os.environ["RAY_AUTH_MODE"] = "token"  # the head `up` starts requires its token; Ray reads this on import
+    # the head `up` starts requires its token and stays on loopback, as `rollwave up` sets; Ray reads both on import
+    os.environ.update({"RAY_AUTH_MODE": "token", **LOOPBACK_RAY_ENV})
     cfg = load_config(sys.argv[1])
     config = str(Path(sys.argv[1]).absolute())
     result: dict[str, Any] = {"up": rollwave("up", "-c", config, "--rollout-servers", "1", "--trainer-ranks", "1")}

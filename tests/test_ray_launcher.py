@@ -67,11 +67,18 @@ def _kill_leftovers(run_dir: Path) -> None:
                 pass
 
 
+# The Ray tests' network namespace: loopback, and a host's interface (a routable address and a default route) on a
+# veth pair whose both ends are in the namespace, so nothing leaves it. On a host Ray takes that address for a node
+# asked to be 127.0.0.1 (``resolve_ip_for_localhost``); with loopback alone the tests could not see it.
+ISOLATED_NET = ("ip link set lo up && ip link add rw0 type veth peer name rw1 && ip addr add 192.0.2.77/24 dev rw0 "
+                "&& ip link set rw0 up && ip link set rw1 up && ip route add default dev rw0")
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_up_jobs_restart_down_in_a_loopback_namespace(tmp_path: Path, tiny_model_dir: Path) -> None:
     config = _config(tmp_path, tiny_model_dir)
-    script = f"ip link set lo up && exec {sys.executable} {ROOT / 'tests/ray_stack_script.py'} {config}"
+    script = f"{ISOLATED_NET} && exec {sys.executable} {ROOT / 'tests/ray_stack_script.py'} {config}"
     try:
         proc = subprocess.run(["unshare", "-n", "bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
                               timeout=400)
@@ -351,9 +358,10 @@ def test_up_spreads_the_stack_over_two_nodes(tmp_path: Path, tiny_model_dir: Pat
 
 @contextlib.contextmanager
 def loopback_namespace() -> Iterator[tuple[list[str], str]]:
-    """A network namespace with only loopback, held by a sleeping process; yields the prefix that runs a command in
-    it (``nsenter`` execs the command: the pid it is started under is the command's) and the namespace's id."""
-    holder = subprocess.Popen(["unshare", "-n", "bash", "-c", "ip link set lo up && echo up && exec sleep 900"],
+    """A network namespace set up as ``ISOLATED_NET``, held by a sleeping process; yields the prefix that runs a
+    command in it (``nsenter`` execs the command: the pid it is started under is the command's) and the namespace's
+    id."""
+    holder = subprocess.Popen(["unshare", "-n", "bash", "-c", f"{ISOLATED_NET} && echo up && exec sleep 900"],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "up"

@@ -327,6 +327,17 @@ def delete_job(args: argparse.Namespace) -> int:
     return 0
 
 
+def cancel_job(args: argparse.Namespace) -> int:
+    """``POST /v1/jobs/{job}/cancel``, sent again while its reply is lost or the API answers 503 (a cancelled job
+    reads as it is: a cancel sent again cancels nothing twice); then what is left of it, and how to delete it."""
+    with _client(args) as client:
+        path = f"/v1/jobs/{quote(args.job, safe='')}/cancel"
+        job = _json(_sent_again(lambda: client.post(path), REDIS_OUTAGE_S, 1.0)[0], keys=JOB_KEYS)
+        print(f"job {job['job_id']} ({job['kind']}) {job['state']}: its tasks not rolled out yet and groups not "
+              f"trained are acked away untrained; `rollwave jobs delete {job['job_id']}` deletes it")
+    return 0
+
+
 def _last_push(push: dict[str, Any] | None) -> str:
     if push is None:
         return "-"

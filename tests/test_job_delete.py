@@ -544,6 +544,23 @@ def test_rollwave_jobs_delete(run: Run, capsys: pytest.CaptureFixture, monkeypat
     assert main(["jobs", "--api", url]) == 0 and capsys.readouterr().out.count("\n") == 1  # the header alone
 
 
+def test_rollwave_jobs_cancel_then_delete(run: Run, capsys: pytest.CaptureFixture,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rollwave jobs cancel`` cancels a running job (the README sent users to curl for it), a cancel sent again
+    finds it cancelled, and the delete then goes; a job that is done is refused naming why (exit 2)."""
+    monkeypatch.setenv("ROLLWAVE_API_TOKEN", TOKEN)
+    url = str(run.api.base_url)
+    job_id = run.submit(EVAL)
+    for _ in range(2):
+        assert main(["jobs", "cancel", job_id, "--api", url]) == 0
+        assert capsys.readouterr().out.startswith(f"job {job_id} (eval) cancelled: its tasks not rolled out yet")
+    assert main(["jobs", "delete", job_id, "--api", url]) == 0 and run.keys_of(job_id) == set()
+    done = run.submit(EVAL)
+    run.roll_out(2)
+    assert main(["jobs", "cancel", done, "--api", url]) == 2
+    assert f"the API answered HTTP 409: job {done} is done" in capsys.readouterr().err
+
+
 def test_jobs_delete_help_has_an_example_that_parses(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["jobs", "delete", "--help"])

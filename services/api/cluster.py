@@ -191,7 +191,8 @@ class ClusterView:
                    "groups are not trained yet (tasks not rolled out, or groups waiting in the buffer)"))
         why = f": {job['reason']}" if job["reason"] else ""
         raise NotDeletable(f"job {job_id} is {job['state']}{why}; {what}. Only a finished or cancelled job is "
-                           f"deleted: cancel it first (POST /v1/jobs/{job_id}/cancel), then delete it")
+                           f"deleted: cancel it first (POST /v1/jobs/{job_id}/cancel, `rollwave jobs cancel "
+                           f"{job_id}`), then delete it")
 
     def trajectories(self, job_id: str, cursor: str, limit: int) -> dict[str, Any]:
         self.job(job_id)

@@ -25,7 +25,9 @@ def ensure_model(cfg: ModelConfig) -> Path:
     """The model directory of a run config, built (the tiny model) when missing and ``init_if_missing``."""
     if not (cfg.path / "config.json").exists():
         if not cfg.init_if_missing:
-            raise ConfigError(f"model.path: {cfg.path} holds no model (config.json) and init_if_missing is off")
+            raise ConfigError(f"model.path: {cfg.path} holds no model (config.json) and init_if_missing is off: "
+                              f"point it at an HF model directory, or build the tiny model there (`rollwave model "
+                              f"init --out {cfg.path}`)")
         from core.tiny_model import build_tiny_model  # torch and transformers: only to build one
 
         build_tiny_model(cfg.path, seed=cfg.seed)

@@ -123,7 +123,8 @@ def test_cli_config_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 def test_a_missing_model_is_an_error_naming_model_path(tmp_path: Path) -> None:
     cfg = load_config(None, [f"model.path={tmp_path / 'none'}"])
-    with pytest.raises(ConfigError, match=f"model.path: {tmp_path / 'none'} holds no model"):
+    with pytest.raises(ConfigError, match=f"model.path: {tmp_path / 'none'} holds no model .* build the tiny model "
+                                          f"there \\(`rollwave model init --out {tmp_path / 'none'}`\\)"):
         ensure_model(cfg.model)
     assert not (tmp_path / "none").exists()
     built = ensure_model(load_config(None, [f"model.path={tmp_path / 'tiny'}", "model.init_if_missing=true"]).model)

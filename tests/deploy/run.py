@@ -16,8 +16,8 @@ Steps, each with a deadline that names it when it passes:
 5. Through the API: a train job and an eval job; the trainer trains steps and a weight version is
    published and served, over mutual TLS (the receiver presents the deployment CA's certificate and refuses
    plaintext); every task of the eval job completes and is scored (as the run's ACL user, like everything
-   else). Redis refuses its default user. Prometheus scrapes every
-   target of its config and they are all up.
+   else); a job on the bundled GSM8K (no path) is taken: the image carries it. Redis refuses its default
+   user. Prometheus scrapes every target of its config and they are all up.
 6. ``docker-compose down -v``, the index server and (if started here) dockerd are stopped.
 The outcome goes to .deploy-test/last.log too; a failure that starts with ``docker:`` means no Docker
 daemon could run here (exit status 3), which .ci/run reports instead of failing.
@@ -410,6 +410,12 @@ def check_stack(env: dict[str, str]) -> None:
                               f"accuracy {job.get('accuracy')}: "
                               "every task should complete and be scored")
         api.post(f"/v1/jobs/{train.json()['job_id']}/cancel").raise_for_status()
+        bundled = api.post("/v1/jobs", json={"kind": "eval", "name": "deploy-gsm8k",  # the image carries GSM8K
+                                             "source": {"kind": "gsm8k", "split": "test", "limit": 1}})
+        if bundled.status_code != 201:
+            raise DeployError(f"a job on the bundled GSM8K (--source gsm8k): HTTP {bundled.status_code}: "
+                              f"{bundled.text[:500]}")
+        log(f"a job on the bundled GSM8K was taken: {bundled.json()['job_id']}")
     anonymous = redis.Redis(host="127.0.0.1", port=int(env["DEPLOY_REDIS_PORT"]), socket_timeout=10)
     try:
         anonymous.ping()

@@ -303,24 +303,22 @@ def build_parser() -> argparse.ArgumentParser:
     _api_args(p)
     p.set_defaults(func=_handler("services.client_cmd:jobs"))
     jsub = p.add_subparsers(dest="jobs_command", metavar="ACTION")
-    j = _command(jsub, "cancel", "cancel a running job: what is left of it is acked away untrained",
-                 "rollwave jobs cancel 3f2a9c1b7d4e",
-                 description="Cancel a running (or stalled) job: the rollout servers ack its tasks not rolled out yet\n"
-                 "away, the trainer its groups not trained yet; a job that is done is refused (409). Then\n"
-                 "`rollwave jobs delete JOB` deletes it. A lost reply or a 503 is sent again, as a submit is.")
-    j.add_argument("job", help="job id, as `rollwave submit` or `rollwave jobs` print it")
-    _api_args(j, parent_has_them=True)
-    j.set_defaults(func=_handler("services.client_cmd:cancel_job"))
-    j = _command(jsub, "delete", "delete a finished or cancelled job and all the run keeps of it",
-                 "rollwave jobs delete 3f2a9c1b7d4e",
-                 description="Delete a finished or cancelled job and all the run keeps of it: its trajectories, its\n"
-                 "eval results, its dead letters, its submit's idempotency key, and a cancelled job's tasks and\n"
-                 "groups still queued. A job is finished once every task of it is rolled out (and, for a train job,\n"
-                 "every group trained or dropped); the API refuses (409) one that is neither, saying why: cancel it\n"
-                 "first (`rollwave jobs cancel JOB`). A lost reply or a 503 is sent again, as a submit is.")
-    j.add_argument("job", help="job id, as `rollwave submit` or `rollwave jobs` print it")
-    _api_args(j, parent_has_them=True)
-    j.set_defaults(func=_handler("services.client_cmd:delete_job"))
+    for action, summary, description in (
+        ("cancel", "cancel a running job: what is left of it is acked away untrained",
+         "Cancel a running (or stalled) job: the rollout servers ack its tasks not rolled out yet\n"
+         "away, the trainer its groups not trained yet; a job that is done is refused (409). Then\n"
+         "`rollwave jobs delete JOB` deletes it. A lost reply or a 503 is sent again, as a submit is."),
+        ("delete", "delete a finished or cancelled job and all the run keeps of it",
+         "Delete a finished or cancelled job and all the run keeps of it: its trajectories, its\n"
+         "eval results, its dead letters, its submit's idempotency key, and a cancelled job's tasks and\n"
+         "groups still queued. A job is finished once every task of it is rolled out (and, for a train job,\n"
+         "every group trained or dropped); the API refuses (409) one that is neither, saying why: cancel it\n"
+         "first (`rollwave jobs cancel JOB`). A lost reply or a 503 is sent again, as a submit is."),
+    ):
+        j = _command(jsub, action, summary, f"rollwave jobs {action} 3f2a9c1b7d4e", description=description)
+        j.add_argument("job", help="job id, as `rollwave submit` or `rollwave jobs` print it")
+        _api_args(j, parent_has_them=True)
+        j.set_defaults(func=_handler(f"services.client_cmd:{action}_job"))
 
     p = _command(sub, "trajectories", "print a job's trajectories (conversations and rewards) page by page",
                  "rollwave trajectories 3f2a9c1b7d4e --all --json")

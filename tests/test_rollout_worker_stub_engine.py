@@ -215,19 +215,27 @@ def test_a_group_that_failed_while_the_server_stopped_is_handed_back_logged_and_
     assert r.xlen(KEYS.tasks_dead) == 0
 
 
+def admission_shut(redis_server: EmbeddedRedis, stub: StubEngine, tokenizer: Any
+                   ) -> tuple[redis.Redis, StalenessControl, str, RolloutWorker]:
+    """A train task submitted, and a worker that reads it on a hint of room (``capacity``) whose atomic admission then
+    finds none (another group took the last slot of a window of one): the task waits for admission."""
+    r = client(redis_server)
+    cfg = BufferConfig(claim_idle_ms=5000, max_staleness=0, groups_per_step=1)
+    staleness = StalenessControl(r, KEYS, cfg)
+    assert staleness.try_admit("other:0:taken") and staleness.capacity() == 0
+    gid = submit(redis_server, "train")
+    worker = make_worker(redis_server, stub, tokenizer, grace_s=60, buffer=cfg)
+    worker.staleness.capacity = lambda served=None: 1  # the hint that was true a moment before
+    return r, staleness, gid, worker
+
+
 def test_a_task_stopped_while_waiting_for_admission_is_handed_back_logged_and_counted(
     redis_server: EmbeddedRedis, stub: StubEngine, tokenizer: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A train task read on a hint of room (``capacity``) whose atomic admission then finds none (another group
     took the last slot) waits for admission; the server stops meanwhile: the task is handed back, logged and
     counted."""
-    r = client(redis_server)
-    cfg = BufferConfig(claim_idle_ms=5000, max_staleness=0, groups_per_step=1)  # a window of one group
-    staleness = StalenessControl(r, KEYS, cfg)
-    assert staleness.try_admit("other:0:taken") and staleness.capacity() == 0
-    gid = submit(redis_server, "train")
-    worker = make_worker(redis_server, stub, tokenizer, grace_s=60, buffer=cfg)
-    worker.staleness.capacity = lambda served=None: 1  # the hint that was true a moment before
+    r, staleness, gid, worker = admission_shut(redis_server, stub, tokenizer)
 
     async def scenario() -> None:
         async with running(worker) as serving:
@@ -248,14 +256,8 @@ def test_a_task_waiting_for_admission_whose_job_is_cancelled_is_acked_away(
     job could never be deleted. The wait now asks after the job (every ``GIVE_UP_CHECK_S``): the task is acked away
     as cancelled, and the job deleted."""
     monkeypatch.setattr(staleness_module, "GIVE_UP_CHECK_S", 0.2)
-    r = client(redis_server)
-    cfg = BufferConfig(claim_idle_ms=5000, max_staleness=0, groups_per_step=1)  # a window of one group
-    staleness = StalenessControl(r, KEYS, cfg)
-    assert staleness.try_admit("other:0:taken") and staleness.capacity() == 0
-    gid = submit(redis_server, "train")
-    worker = make_worker(redis_server, stub, tokenizer, grace_s=60, buffer=cfg)
-    worker.staleness.capacity = lambda served=None: 1  # the hint that was true a moment before
-    queue = TaskQueue(r, KEYS, cfg)
+    r, staleness, gid, worker = admission_shut(redis_server, stub, tokenizer)
+    queue = worker.tasks
 
     async def scenario() -> None:
         async with running(worker) as serving:

@@ -128,13 +128,22 @@ if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then redis.call('HINCRBY', KEY
 return 1
 """
 
+# End a cancelled job's task, acked or never delivered (its stream, entry id and group id; the keys of its job hash,
+# its job's entries, admitted, admitted ids): deleted, out of the job's entries, counted ``cancelled``, its admission
+# slot given back. A rollout server's ``_CANCEL`` and a delete's ``remove_task`` (``_TASK_REMOVAL``) both end one so.
+_END_CANCELLED = """
+local function end_cancelled(stream, id, gid, job, entries, admitted, admitted_ids)
+  redis.call('XDEL', stream, id)
+  redis.call('SREM', entries, 't' .. id)
+  redis.call('HINCRBY', job, 'cancelled', 1)
+  if gid and redis.call('HDEL', admitted_ids, gid) == 1 then redis.call('DECR', admitted) end
+end
+"""
+
 # Ack one delivery of a cancelled job's task (KEYS: task stream, job hash, admitted, admitted ids, the job's entries;
-# ARGV: ..., gid): counted ``cancelled``, admission released.
-_CANCEL = _ACK_OWN + """
-redis.call('XDEL', KEYS[1], ARGV[2])
-redis.call('SREM', KEYS[5], 't' .. ARGV[2])
-redis.call('HINCRBY', KEYS[2], 'cancelled', 1)
-if redis.call('HDEL', KEYS[4], ARGV[4]) == 1 then redis.call('DECR', KEYS[3]) end
+# ARGV: ..., gid) and end it (``_END_CANCELLED``).
+_CANCEL = _ACK_OWN + _END_CANCELLED + """
+end_cancelled(KEYS[1], ARGV[2], ARGV[4], KEYS[2], KEYS[5], KEYS[3], KEYS[4])
 return 1
 """
 
@@ -170,13 +179,13 @@ return 'cancelled'
 # there, else {id, its group id, its pending delivery (nil when queued), whether a live consumer holds it (pending, and
 # renewed within ``idle`` ms, buffer.claim_idle_ms: a live server renews what it holds, and any other would take one
 # idle longer over)}. ``remove_task``: end such a task that no live consumer holds as a rollout server's ``_CANCEL``
-# ends it (acked if pending, deleted, out of the job's entries, counted ``cancelled``, its admission slot given back); a
-# train task that was pending also has its group id consumed in ``groups:state``, so the server that held it, frozen
-# rather than dead, finds it so when it wakes: its ``try_admit`` admits it at no cost (it took a slot that nothing gave
-# back before) and its put is a duplicate that writes nothing. Only those: consuming every removed task's id would push
-# the ids of groups still to come out of the dedup window (an eval task takes no slot, and its late put writes nothing
-# either way). ``trim_consumed``: keep the last ``window`` consumed ids.
-_TASK_REMOVAL = """
+# ends it (acked if pending, then ``_END_CANCELLED``); a train task that was pending also has its group id consumed in
+# ``groups:state``, so the server that held it, frozen rather than dead, finds it so when it wakes: its ``try_admit``
+# admits it at no cost (it took a slot that nothing gave back before) and its put is a duplicate that writes nothing.
+# Only those: consuming every removed task's id would push the ids of groups still to come out of the dedup window (an
+# eval task takes no slot, and its late put writes nothing either way). ``trim_consumed``: keep the last ``window``
+# consumed ids.
+_TASK_REMOVAL = _END_CANCELLED + """
 local function field(fields, name)
   for j = 1, #fields, 2 do
     if fields[j] == name then return fields[j + 1] end
@@ -196,10 +205,7 @@ end
 local function remove_task(stream, t)
   local id, gid, held = t[1], t[2], t[3]
   if held then redis.call('XACK', stream, '""" + ROLLOUT_GROUP + """', id) end
-  redis.call('XDEL', stream, id)
-  redis.call('SREM', KEYS[5], 't' .. id)
-  redis.call('HINCRBY', KEYS[1], 'cancelled', 1)
-  if gid and redis.call('HDEL', KEYS[15], gid) == 1 then redis.call('DECR', KEYS[14]) end
+  end_cancelled(stream, id, gid, KEYS[1], KEYS[5], KEYS[14], KEYS[15])
   if held and gid and stream == KEYS[6] then
     redis.call('HSET', KEYS[12], gid, 't')
     redis.call('RPUSH', KEYS[13], gid)

@@ -8,6 +8,7 @@ it is busy, for a bounded time, then fails naming the component and the port.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import ipaddress
 import logging
@@ -16,6 +17,8 @@ import socket
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,6 +92,46 @@ def listen_socket(host: str, port: int, component: str, timeout_s: float = BIND_
         return sock
 
     return bind_retrying(bind, component, host, port, timeout_s)
+
+
+MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers, as a server of ours reads them (nginx's default: 32 KiB)
+
+
+def guarded_http(on_refused: Callable[[tuple[str, int] | None, str, str], None],
+                 max_head_bytes: int = MAX_HEAD_BYTES) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol that refuses, before the app sees them, a request whose line and headers run past
+    ``max_head_bytes`` (httptools sets no limit: one endless header held its bytes until the server ran out of
+    memory, before any token was checked) and calls ``on_refused(client, reason, detail)`` for it (``header_size``)
+    and for each request uvicorn answers with its own bare 400 (``bad_http``: bytes that are not HTTP, a bad request
+    line, a header it cannot parse; it logs "Invalid HTTP request received." on ``uvicorn.error``), so the server
+    counts those as refusals. Both get uvicorn's 400, and the connection is closed. Pass it as uvicorn's ``http=``;
+    a class of its own per server, so each server counts only its own."""
+
+    class GuardedHTTP(HttpToolsProtocol):
+        head_bytes: int | None = 0  # of the request head being read; None while its body is
+
+        def data_received(self, data: bytes) -> None:
+            if self.head_bytes is not None:
+                self.head_bytes += len(data)
+                if self.head_bytes > max_head_bytes:
+                    on_refused(self.client, "header_size", f"a request line and headers over {max_head_bytes} bytes")
+                    super().send_400_response(f"Request line and headers over {max_head_bytes} bytes.")
+                    return
+            super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            self.head_bytes = None
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self.head_bytes = 0
+            super().on_message_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            on_refused(self.client, "bad_http", "not valid HTTP, answered 400 by uvicorn")
+            super().send_400_response(msg)
+
+    return GuardedHTTP
 
 
 def free_port_outside_ephemeral(host: str = "127.0.0.1", low: int = 20_000, high: int = 32_000) -> int:

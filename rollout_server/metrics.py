@@ -70,7 +70,10 @@ class RolloutMetrics:
             _P + "busy_seconds", "Time with at least one admitted group generating", registry=r
         )
         self.openai_requests = Counter(
-            _P + "openai_requests", "OpenAI-compatible endpoint requests by outcome", ["outcome"], registry=r
+            _P + "openai_requests", "OpenAI-compatible endpoint requests by outcome (ok, replayed, a refusal's error "
+            "code; bad_http: not valid HTTP, header_size: a request head over 64 KiB, both answered 400 before the "
+            "endpoint saw them)", ["outcome"],
+            registry=r,
         )
         self.history_mismatches = Counter(
             _P + "history_mismatches",

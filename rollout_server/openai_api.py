@@ -83,7 +83,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from buffer.schema import Sample, ToolCallRecord
 from core.config import RolloutConfig
-from core.net import http_url
+from core.net import guarded_http, http_url
 from core.rewards import RewardComputer
 from core.trajectory import ChatRenderer, TrajectoryBuilder
 from rollout_server.agent_loop import EngineReplyError, PromptTooLong, ends_turn, turn_from_reply
@@ -412,7 +412,8 @@ class EpisodeStore:
     @contextlib.asynccontextmanager
     async def serving(self, host: str, port: int, timeout_s: float = 30.0) -> AsyncIterator[str]:
         """Serve the endpoint on ``host:port`` (0: any free port) in this event loop; yields its URL."""
-        server = _Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off"))
+        server = _Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off",
+                                        http=guarded_http(self._refused_http)))
         task = asyncio.create_task(server.serve())
         deadline = time.monotonic() + timeout_s
         while not server.started:
@@ -427,6 +428,11 @@ class EpisodeStore:
         finally:
             server.should_exit = True
             await task
+
+    def _refused_http(self, client: tuple[str, int] | None, reason: str, detail: str) -> None:
+        """A request uvicorn refuses before the endpoint sees it (``guarded_http``): counted and logged."""
+        self.metrics.openai_requests.labels(outcome=reason).inc()
+        log.warning("refused a request from %s (400 %s): %s", client[0] if client else "?", reason, detail)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 

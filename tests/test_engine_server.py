@@ -26,6 +26,7 @@ from rollout_server.engine.process import EngineProcess
 from rollout_server.engine.protocol import ContractError, GenerateSpec, build_requests
 from rollout_server.engine.routes import generate, info, weights
 from rollout_server.engine_client import EngineClient
+from tests.test_bad_http import NOT_HTTP, TOO_BIG_HEAD, counted, send_raw
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
 LONG = {"max_new_tokens": 900, "temperature": 1.0, "ignore_eos": True}
@@ -425,3 +426,13 @@ def test_an_engine_its_owner_started_leaves_a_ctrl_c_to_the_owner(tiny_model_dir
         assert running.result(timeout=120).status_code == 200
         time.sleep(0.5)
         assert httpx.get(proc.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_request_that_is_not_http_is_counted_as_refused(engine: str) -> None:
+    """Bytes that are not HTTP, and a request head over 64 KiB, get a 400 before the engine's app sees them: still
+    counted in ``rollwave_engine_http_refused_total{status="400"}``."""
+    name, labels = "rollwave_engine_http_refused_total", {"status": "400"}
+    before = counted(engine + "/metrics", name, **labels)
+    assert send_raw(engine, NOT_HTTP["garbage"]).startswith(b"HTTP/1.1 400 ")
+    assert send_raw(engine, TOO_BIG_HEAD).startswith(b"HTTP/1.1 400 ")
+    assert counted(engine + "/metrics", name, **labels) == before + 2

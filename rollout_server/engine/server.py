@@ -20,7 +20,7 @@ from prometheus_client import Counter
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from core.net import LOOPBACK_NAMES
+from core.net import LOOPBACK_NAMES, guarded_http
 from rollout_server.engine.protocol import GenerateSpec
 from rollout_server.engine.routes import generate, info, lora, memory, object_error, weights
 from rollout_server.engine.scheduler import EngineFailure, Scheduler
@@ -109,4 +109,11 @@ def create_app(engine: Scheduler, spec: GenerateSpec, api_key: str | None = None
     else:  # keyless, so on loopback: a web page that rebinds its own name to 127.0.0.1 gets 400, not the routes
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=LOOPBACK_HOSTS)
     app.add_middleware(RefusalLog, counter=engine.metrics.http_refused)  # outermost: it sees BearerAuth's 401s too
+
+    def refused(client: tuple[str, int] | None, reason: str, detail: str) -> None:
+        engine.metrics.http_refused.labels(status="400").inc()
+        log.warning("refused a request from %s (400 %s): %s", client[0] if client else "?", reason, detail)
+
+    # uvicorn's ``http=`` for this app: what it refuses before the app sees it (``guarded_http``) is counted here
+    app.state.http_protocol = guarded_http(refused)
     return app

@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     sock = listen_socket(cfg.api.host, cfg.api.port, "api")
     url = http_url(cfg.api.host, sock.getsockname()[1])
     logging.getLogger("services.api").info("serving on %s", url)
-    uvicorn.Server(uvicorn.Config(create_app(cfg, url=url), log_level="warning")).run(sockets=[sock])
+    app = create_app(cfg, url=url)
+    uvicorn.Server(uvicorn.Config(app, http=app.state.http_protocol, log_level="warning")).run(sockets=[sock])
     return 0
 
 

@@ -51,7 +51,7 @@ from buffer.registry import ServerRegistry
 from buffer.task_queue import IDEMPOTENCY_TTL_S, IdempotencyKeyUsed, TaskQueue
 from core.config import Config, ConfigError, require_secret
 from core.jobs import JobSpec
-from core.net import is_loopback
+from core.net import guarded_http, is_loopback
 from core.rewards import BUILTIN as BUILTIN_REWARDS
 from core.tasks import Task
 from rollout_server.tools.registry import ToolConfigError, tool_requirements
@@ -345,7 +345,9 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     refused = Counter(
         "rollwave_api_requests_refused_total",
         "Requests refused (auth, host, origin, body_size, body_timeout, content_type, validation, cursor, not_found, "
-        "route, method, trainer_finished, not_cancellable, not_deletable, idempotency_key, redis)", ["reason"],
+        "route, method, trainer_finished, not_cancellable, not_deletable, idempotency_key, redis, bad_http, "
+        "header_size)",
+        ["reason"],
         registry=registry,
     )
     refuse = _refused(refused)
@@ -661,4 +663,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     app.add_middleware(BodyLimit, max_bytes=cfg.api.max_body_bytes, timeout_s=cfg.api.body_timeout_s, refuse=refuse)
     app.add_middleware(TokenGuard, token=cfg.api.token, refuse=refuse)
     app.add_middleware(HostGuard, allowed_hosts=cfg.api.allowed_hosts, refuse=refuse)
+    # uvicorn's ``http=`` for this app: what it refuses before the app sees it (``guarded_http``) is counted here
+    app.state.http_protocol = guarded_http(lambda client, reason, detail: refuse(
+        reason, {"method": "-", "path": "-", "client": client}, detail))
     return app

@@ -98,8 +98,9 @@ class BufferMetrics:
             "turn; the log says which)", registry=r,
         )
         self.task_gone_dropped = Counter(
-            "rollwave_buffer_task_gone_dropped_total", "groups not written because their task was no longer pending "
-            "(the worker lost its lease, and another failed, dead-lettered, cancelled or handed back the task)",
+            "rollwave_buffer_task_gone_dropped_total", "groups not admitted or not written because their task was no "
+            "longer pending for their worker (it lost its lease, and another took the task over, or failed, "
+            "dead-lettered, cancelled or handed it back)",
             registry=r,
         )
 

@@ -14,10 +14,13 @@ stale, and starts again once a push catches it up. Counting trained groups, not 
 exact when versions and steps part: a resumed trainer publishes the weights it resumed from as a new version,
 trained on no more groups than before. Checked and incremented in one Lua call, so concurrent servers never
 overshoot. An admitted group id is remembered until its task is done, so a redelivered task is not admitted
-twice, and a group already written is not admitted again (a server resumed from a freeze still holds tasks
-that another server reclaimed and finished meanwhile: each would otherwise take a slot for good); a group that
-never reaches training (dead-lettered task, dropped as stale) gives its slot back, so the bound counts groups in
-flight or trained, as AReaL's ``StalenessManager`` does.
+twice, and a group already written is not admitted again. A server admits a task only while it holds it (pending for
+it, in the same Lua call): one resumed from a freeze past its lease (SIGSTOP, a GC pause) may hold tasks that another
+server reclaimed and finished, cancelled or dead-lettered meanwhile, and a slot it took for one would be given back by
+nothing (its put and its ack are refused), so admission would shrink for good. A slot taken while the server held the
+task is its group id's, which the server that takes the task over is admitted on, and whose ending gives it back or
+hands it to the group written. A group that never reaches training (dead-lettered task, dropped as stale) gives its
+slot back, so the bound counts groups in flight or trained, as AReaL's ``StalenessManager`` does.
 
 Budget: the trainer publishes how many groups it trains in all (``total_steps × groups_per_step``), and
 ``admitted`` never passes it, so the rollout generates nothing for steps that never come (without it, in one
@@ -38,21 +41,29 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from buffer.keys import Keys
+from buffer.keys import ROLLOUT_GROUP, Keys
 from buffer.metrics import BufferMetrics
 from buffer.schema import TrajectoryGroup
 from core.config import BufferConfig
 
 if TYPE_CHECKING:
     from buffer.replay import ReplayBuffer
+    from buffer.task_queue import TaskEntry
 
 log = logging.getLogger(__name__)
 
-# KEYS: admitted, version, admitted ids, version's trained groups, group state, budget. ARGV: group id, max_staleness,
-# groups per version, served version ('' if unknown). A group already written (its task done by another server that
-# reclaimed it) takes no slot: it is in flight nowhere, and its duplicate is dropped at the put. No budget: no cap.
+# KEYS: admitted, version, admitted ids, version's trained groups, group state, budget, then the task stream when the
+# group's task is given. ARGV: group id, max_staleness, groups per version, served version ('' if unknown), then the
+# task's entry id and consumer. Returns -1 (nothing done) when the task is no longer pending for that consumer: it lost
+# its lease, and another server took the task over or ended it. A group already written (its task done by another
+# server that reclaimed it) takes no slot: it is in flight nowhere, and its duplicate is dropped at the put. No budget:
+# no cap.
 GIVE_UP_CHECK_S = 5.0  # how often a wait for admission asks whether to go on (one Redis read per waiting task)
 _ADMIT = """
+if KEYS[7] then
+  local held = redis.call('XPENDING', KEYS[7], '""" + ROLLOUT_GROUP + """', ARGV[5], ARGV[5], 1)[1]
+  if not held or held[2] ~= ARGV[6] then return -1 end
+end
 if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[5], ARGV[1]) == 1 then return 1 end
 local version = tonumber(redis.call('GET', KEYS[2]) or '0')
 local lag = 0
@@ -89,6 +100,11 @@ if new >= current then
 end
 return current
 """
+
+
+class LeaseLost(RuntimeError):
+    """A server asked admission for a task it no longer holds: frozen past ``buffer.claim_idle_ms``, it lost its lease,
+    and another server took the task over (or ended it). Not admitted: the task is that server's."""
 
 
 def is_stale(group: TrajectoryGroup, version: int, max_staleness: int) -> bool:
@@ -179,25 +195,38 @@ class StalenessControl:
                      "(trained or in flight); another is admitted only for one given back", budget)
         return room
 
-    def try_admit(self, group_id: str, served: int | None = None) -> bool:
+    def try_admit(self, group_id: str, served: int | None = None, task: TaskEntry | None = None) -> bool:
         """Admit one group if the bound allows (for a server serving ``served``; None: unknown); a group id
-        admitted before is admitted again at no cost."""
+        admitted before is admitted again at no cost. With the ``task`` the group is made for, only while its consumer
+        holds it: else ``LeaseLost`` (logged and counted), no slot taken, as nothing would give it back."""
         keys = [self.keys.admitted, self.keys.version, self.keys.admitted_ids, self.keys.version_trained,
                 self.keys.group_state, self.keys.budget]
         args = [group_id, self.max_staleness, self.groups_per_version, "" if served is None else int(served)]
-        return bool(self._admit(keys, args))
+        if task is None:
+            return bool(self._admit(keys, args))
+        admitted = int(self._admit([*keys, task.stream], [*args, task.entry_id, task.consumer]))
+        if admitted < 0:
+            self.metrics.task_gone_dropped.inc()
+            error = (f"group {group_id}: not admitted: its task {task.entry_id} is no longer held by {task.consumer} "
+                     "(frozen past buffer.claim_idle_ms, it lost its lease; another server took the task over, or "
+                     "ended it)")
+            log.warning("%s; left to that server", error)
+            raise LeaseLost(error)
+        return bool(admitted)
 
     def admit(self, group_id: str, stop: threading.Event | None = None, timeout_s: float | None = None,
-              served: Callable[[], int] | None = None, give_up: Callable[[], bool] | None = None) -> bool:
+              served: Callable[[], int] | None = None, give_up: Callable[[], bool] | None = None,
+              task: TaskEntry | None = None) -> bool:
         """Wait (polling with backoff) until the group is admitted; False if ``stop`` is set, time runs out or
         ``give_up()`` (asked every ``GIVE_UP_CHECK_S`` of waiting: its job cancelled meanwhile) is true.
-        ``served()`` is read at every try: a lagging server is admitted as soon as a push catches it up."""
+        ``served()`` is read at every try: a lagging server is admitted as soon as a push catches it up. With its
+        ``task``, raises ``LeaseLost`` once the task is no longer this consumer's (``try_admit``)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay = 0.01
         stop = stop or threading.Event()
         waited = False
         next_check = time.monotonic() + GIVE_UP_CHECK_S
-        while not self.try_admit(group_id, None if served is None else served()):
+        while not self.try_admit(group_id, None if served is None else served(), task):
             if not waited:
                 self.metrics.admission_waits.inc()
                 waited = True

@@ -180,8 +180,9 @@ return 'cancelled'
 # renewed within ``idle`` ms, buffer.claim_idle_ms: a live server renews what it holds, and any other would take one
 # idle longer over)}. ``remove_task``: end such a task that no live consumer holds as a rollout server's ``_CANCEL``
 # ends it (acked if pending, then ``_END_CANCELLED``); a train task that was pending also has its group id consumed in
-# ``groups:state``, so the server that held it, frozen rather than dead, finds it so when it wakes: its ``try_admit``
-# admits it at no cost (it took a slot that nothing gave back before) and its put is a duplicate that writes nothing.
+# ``groups:state``, so the server that held it, frozen rather than dead, finds it so when it wakes: a server of this
+# version is refused admission for a task it no longer holds (``LeaseLost``), and an older one's ``try_admit`` (or one
+# without the task) admits it at no cost, taking no slot that nothing gives back; its put is a duplicate either way.
 # Only those: consuming every removed task's id would push the ids of groups still to come out of the dedup window (an
 # eval task takes no slot, and its late put writes nothing either way). ``trim_consumed``: keep the last ``window``
 # consumed ids.

@@ -34,7 +34,7 @@ from buffer.redis_server import end_outage_retries
 from buffer.registry import ServerInfo, ServerRegistry
 from buffer.replay import BufferClosed, ReplayBuffer
 from buffer.schema import TrajectoryGroup
-from buffer.staleness import StalenessControl
+from buffer.staleness import LeaseLost, StalenessControl
 from buffer.task_queue import TaskEntry, TaskQueue
 from core.config import BufferConfig, RolloutConfig
 from core.jobs import JobSpec, rollout_settings
@@ -191,8 +191,9 @@ class RolloutWorker:
                  len(self.engines))
 
     async def _handle(self, entry: TaskEntry) -> None:
-        """One task -> one group written (or the task handed back, failed or dead-lettered, never lost). A group
-        with a failed episode is not written: the task fails and is rolled out again (``buffer.max_attempts``)."""
+        """One task -> one group written (or the task handed back, failed or dead-lettered, never lost; or left to the
+        server that took it over while this one was frozen past its lease). A group with a failed episode is not
+        written: the task fails and is rolled out again (``buffer.max_attempts``)."""
         try:
             if await self._call(self.tasks.job_state, entry.job_id) == "cancelled":  # acked and counted, not
                 await self._call(self.tasks.cancel, entry)  # dead-lettered: it did not fail
@@ -207,7 +208,7 @@ class RolloutWorker:
             if entry.kind == "train":
                 admitted = await self._call(self.staleness.admit, entry.group_id, self._stopping, None,
                                             lambda: self.info.version,
-                                            lambda: self.tasks.job_state(entry.job_id) == "cancelled")
+                                            lambda: self.tasks.job_state(entry.job_id) == "cancelled", entry)
                 self._unadmitted.discard(entry.group_id)
                 if not admitted and self._stopping.is_set():
                     await self._hand_back(entry, "stopped_awaiting_admission", "the server stopped while it waited "
@@ -245,6 +246,8 @@ class RolloutWorker:
             await self._dead_letter(entry, "agent_not_allowed", str(exc))
         except PromptTooLong as exc:  # nor a prompt that does not fit the context
             await self._dead_letter(entry, "prompt_too_long", str(exc))
+        except LeaseLost:  # not admitted: another server took the task over, or ended it (logged and counted)
+            pass
         except BufferClosed as exc:
             await self._hand_back(entry, "buffer_closed", str(exc))
         except asyncio.CancelledError:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from pydantic import ValidationError
 
 from core.config import (
@@ -436,3 +437,24 @@ def test_an_agent_allowlist_entry_that_is_no_entrypoint_is_refused(entry: str) -
     with pytest.raises(ConfigError, match=refused):
         load_config(None, [f"rollout.agent_allowlist=[{entry!r}]"])
     assert load_config(None, ["rollout.agent_allowlist=['my_agents:run']"]).rollout.agent_allowlist == ["my_agents:run"]
+
+
+def test_config_check_shows_the_redis_url_the_components_use(capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``REDIS_URL`` wins over ``redis.url`` in every component: ``config check`` shows it as ``redis.url``, and says so
+    on stderr when it replaces a ``redis.url`` given (an override seemed to be ignored, the check showing the
+    override or null)."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    check = ["config", "check", "-c", str(ROOT / "configs/demo.yaml")]
+    assert main([*check, "redis.url=redis://127.0.0.1:7000/0"]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["redis"]["url"] == "redis://127.0.0.1:7000/0" and err == ""
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6379/1")
+    assert main(check) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["redis"]["url"] == "redis://127.0.0.1:6379/1" and err == ""
+    assert main([*check, "redis.url=redis://127.0.0.1:7000/0"]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["redis"]["url"] == "redis://127.0.0.1:6379/1"
+    assert err == ("note: redis.url: REDIS_URL in the environment (redis://127.0.0.1:6379/1) wins over "
+                   "redis://127.0.0.1:7000/0\n")

@@ -17,8 +17,9 @@ An optimizer written with one parameter group (before the matrices and the 1-D p
 The state file records each file's size and CRC-32 (``files``; DCP's files carry no checksum, so a shard damaged past
 its headers loaded as other numbers): a resume or an export refuses a checkpoint whose files differ, naming the file
 and the way out. A save that fails names the checkpoint and the room left on its file system; where one rank's part of
-it fails (rank 0's staging, state file, rename and prune; any rank's shards, RNG state or read back), every other rank
-raises at once naming that rank and the cause, rather than wait in the next collective until the group's timeout.
+it fails (rank 0's staging, state file, rename and prune; any rank's shards, RNG state or read back), or is interrupted
+(KeyboardInterrupt, SystemExit), every other rank raises at once naming that rank and the cause, rather than wait in
+the next collective until the group's timeout.
 The state file records its ``format`` (``FORMAT``; one without is format 0, written before the field, and loads as
 before): a checkpoint of a newer format than this code's is refused, naming both.
 """
@@ -59,6 +60,7 @@ from transformers import (
 
 from core.config import LoraConfig
 from trainer.lora import add_adapter
+from trainer.parallel import ended
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +157,7 @@ def _cause(exc: BaseException) -> str:
     if isinstance(exc, CheckpointException) and exc.failures:
         exc = next(iter(exc.failures.values()))[0]
     lines = str(exc).splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _damaged(path: Path, problem: str) -> CheckpointMismatch:
@@ -276,21 +278,21 @@ T = TypeVar("T")
 def _meet(act: Callable[[], T], step: int, path: Path, main_only: bool = False) -> T | None:
     """A part of saving checkpoint ``step`` at ``path``: ``act`` on every rank (rank 0 alone with ``main_only``;
     the others get None), then the meeting of every rank, where any rank's failure reaches them all at once: a rank
-    that failed raises its own exception, the others one naming the first rank that failed and why, instead of
-    waiting in the next collective until the group's timeout. The meeting also holds every rank until ``act`` is done
-    on all of them."""
+    that failed raises its own exception (a KeyboardInterrupt or SystemExit too), the others one naming the first rank
+    that failed or was interrupted and why, instead of waiting in the next collective until the group's timeout. The
+    meeting also holds every rank until ``act`` is done on all of them."""
     result, failure, error = None, None, None
     if not main_only or _is_main():
         try:
             result = act()
-        except Exception as exc:
-            error, failure = exc, _cause(exc)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, once the other ranks know
+            error, failure = exc, ended(exc, _cause(exc))
     failures = _gathered([failure])
     if error is not None:
         raise error
-    for rank, cause in enumerate(failures):
-        if cause is not None:
-            raise RuntimeError(f"checkpoint of step {step} ({path}): rank {rank} failed: {cause}")
+    for rank, how in enumerate(failures):
+        if how is not None:
+            raise RuntimeError(f"checkpoint of step {step} ({path}): rank {rank} {how}")
     return result
 
 

@@ -1,7 +1,8 @@
 """Trainer metrics: Prometheus series in a registry this object owns, ``metrics.jsonl`` in the run dir,
 and the run's Redis status (``rw:<run>:trainer`` hash, ``rw:<run>:steps`` stream) that the API reads.
 
-Only rank 0 records (the step's figures are already reduced over ranks).
+Only rank 0 records and serves (the step's figures are already reduced over ranks); each rank's own step time and
+peak memory reach it in the step's reduce, as series labelled ``rank``, so one port shows a slow or memory-hungry rank.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ _CRITIC_GAUGES = {  # trainer.advantage=gae only
 }
 _HANDOVER = {"wait": "device_wait_s", "onload": "onload_s", "offload": "offload_s"}  # stage: step record key
 _FROM_STEP = {"masked_token_fraction": "masked_fraction", "tokens_per_second": "tokens_per_s"}
+_RANK_GAUGES = {  # per rank: step record key -> (series, help)
+    "rank_compute_s": ("rank_compute_seconds", "seconds the rank spent in the last step before the step's closing "
+                       "reduction, which waits for the slowest rank (FSDP's collectives within it wait too)"),
+    "rank_peak_memory_bytes": ("rank_peak_memory_bytes", "the rank's peak memory by the end of the last step: on "
+                               "CUDA the most torch allocated during it, on the CPU the process's peak resident set"),
+}
 # KEYS: trainer hash, steps stream. ARGV: the step's record (JSON), the stream's cap, how many status fields and values
 # follow, then those. Run fenced by the trainer (ReplayBuffer.fenced_script: its epoch's key and value after these).
 _PUBLISH = """
@@ -70,6 +77,8 @@ class TrainerMetrics:
         )
         self.gauges = {n: Gauge(f"rollwave_trainer_{n}", doc, registry=r) for n, doc in _GAUGES.items()}
         self.critic_gauges = {n: Gauge(f"rollwave_trainer_{n}", doc, registry=r) for n, doc in _CRITIC_GAUGES.items()}
+        self.rank_gauges = {key: Gauge(f"rollwave_trainer_{name}", doc, ["rank"], registry=r)
+                            for key, (name, doc) in _RANK_GAUGES.items()}
         self.handover = Histogram(
             "rollwave_trainer_device_handover_seconds",
             "placement.mode=colocated: per step, waiting for the engines to release the device (wait), taking the "
@@ -124,6 +133,9 @@ class TrainerMetrics:
         for name, gauge in self.critic_gauges.items():
             if name in record and math.isfinite(record[name]):
                 gauge.set(record[name])
+        for key, gauge in self.rank_gauges.items():
+            for rank, value in enumerate(record[key]):
+                gauge.labels(rank=str(rank)).set(value)
 
 
 class MetricsLog:

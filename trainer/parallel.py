@@ -154,32 +154,39 @@ def close_distributed(timeout_s: float = 120.0) -> None:
         left = store.add(CLOSED_KEY, 0)
 
 
+def ended(exc: BaseException, cause: str) -> str:
+    """How a rank's part ended, for the other ranks' error: ``cause`` interrupted it (a KeyboardInterrupt or
+    SystemExit: a signal, a launcher stopping the pool) or failed it."""
+    return f"{'was interrupted' if isinstance(exc, (KeyboardInterrupt, SystemExit)) else 'failed'}: {cause}"
+
+
 def from_rank0(act: Callable[[], T], what: str, kept: tuple[type[Exception], ...] = ()) -> T:
     """``act()`` on rank 0 (the other ranks never call it), its result given to every rank. What it raises reaches
-    every rank at once, so none waits in the next collective for a rank that left: rank 0 raises its own exception,
-    the others one of ``kept``'s types as itself (its message kept: ``TrainerFenced``), any other as a RuntimeError
-    naming ``what`` and rank 0's cause."""
+    every rank at once, so none waits in the next collective for a rank that left: rank 0 raises its own exception
+    (a KeyboardInterrupt or SystemExit too, after telling the others), the others one of ``kept``'s types as itself
+    (its message kept: ``TrainerFenced``), any other as a RuntimeError naming ``what`` and rank 0's cause."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return act()
     box: list[Any] = [None]
-    error: Exception | None = None
+    error: BaseException | None = None
     if dist.get_rank() == 0:
         try:
             box[0] = (act(), None)
-        except Exception as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, once the other ranks know
             error = exc
             kind = next((i for i, t in enumerate(kept) if isinstance(exc, t)), None)
-            box[0] = (None, (kind, str(exc), f"{type(exc).__name__}: {exc}"))
+            cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            box[0] = (None, (kind, str(exc), ended(exc, cause)))
     dist.broadcast_object_list(box, src=0)
     if error is not None:
         raise error
     result, failure = box[0]
     if failure is None:
         return result
-    kind, message, cause = failure
+    kind, message, how = failure
     if kind is not None:
         raise kept[kind](message)
-    raise RuntimeError(f"{what}: rank 0 failed: {cause}")
+    raise RuntimeError(f"{what}: rank 0 {how}")
 
 
 def exit_rank(code: int = 0) -> NoReturn:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import resource
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _MEAN_KEYS = ("is_ratio_mean", "clip_fraction", "masked_fraction", "logprob_gap", "entropy", "kl")
 _SUM_KEYS = ("loss", "pg_loss")
+_RANK_KEYS = ("rank_compute_s", "rank_peak_memory_bytes")  # each rank's own figures, a list in rank order
 
 
 class _Accumulator:
@@ -60,16 +62,34 @@ class _Accumulator:
         self.sums += torch.stack([*values, count])
         self.max = torch.maximum(self.max, is_max.double().reshape(1))
 
-    def reduce(self, updates: int) -> dict[str, float]:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(self.sums, op=dist.ReduceOp.SUM)
+    def reduce(self, updates: int, own: dict[str, float]) -> dict[str, Any]:
+        """The step's figures over every rank, and each rank's ``own`` ones (``_RANK_KEYS``) as lists in rank
+        order: they ride in the sums' all-reduce (each rank fills its own row, zeros elsewhere), so that rank 0
+        can serve every rank's without a collective of their own."""
+        several = dist.is_initialized() and dist.get_world_size() > 1
+        world, rank = (dist.get_world_size(), dist.get_rank()) if several else (1, 0)
+        ranks = torch.zeros(world, len(_RANK_KEYS), dtype=torch.float64, device=self.device)
+        ranks[rank] = torch.tensor([own[k] for k in _RANK_KEYS], dtype=torch.float64, device=self.device)
+        sums = torch.cat([self.sums, ranks.flatten()])
+        if several:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
             dist.all_reduce(self.max, op=dist.ReduceOp.MAX)
-        sums = self.sums.tolist()
-        tokens = max(sums[-1], 1.0)
-        out = {k: sums[i] / tokens for i, k in enumerate(_MEAN_KEYS)}
-        out.update({k: sums[len(_MEAN_KEYS) + i] / updates for i, k in enumerate(_SUM_KEYS)})
+        values = sums.tolist()
+        tokens = max(values[len(self.sums) - 1], 1.0)
+        out: dict[str, Any] = {k: values[i] / tokens for i, k in enumerate(_MEAN_KEYS)}
+        out.update({k: values[len(_MEAN_KEYS) + i] / updates for i, k in enumerate(_SUM_KEYS)})
         out["is_ratio_max"] = float(self.max.item())
+        per_rank = values[len(self.sums):]
+        out.update({k: per_rank[i::len(_RANK_KEYS)] for i, k in enumerate(_RANK_KEYS)})
         return out
+
+
+def _peak_memory_bytes(device: torch.device) -> float:
+    """This rank's peak memory: on CUDA the most torch allocated since the step reset the count, on the CPU the
+    process's peak resident set (since it started: the CPU keeps no count a step could reset)."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
 
 
 def batch_stats(groups: list[TrajectoryGroup], batch: Batch, policy_version: int) -> dict[str, Any]:
@@ -132,6 +152,8 @@ class TrainStep:
     def __call__(self, groups: list[TrajectoryGroup], policy_version: int, step: int = 0) -> dict[str, Any]:
         """Train on ``groups`` as step ``step`` (0-based; it decides the critic warm-up)."""
         start = time.perf_counter()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.ctx.device)
         cfg = self.cfg
         batch, shaping = shape_batch(collate(groups, self.pad_id, self.vocab_size, self.temperature), groups,
                                      cfg.overlong)
@@ -159,7 +181,9 @@ class TrainStep:
             self.scheduler.step()
         if self.critic is not None:
             critic_out = self.critic.train(batch, old_values, returns, minibatches, plans)
-        out = batch_stats(groups, batch, policy_version) | shaping | acc.reduce(updates) | critic_out
+        own = {"rank_compute_s": time.perf_counter() - start,  # up to the reduce, which waits for the slowest rank
+               "rank_peak_memory_bytes": _peak_memory_bytes(self.ctx.device)}
+        out = batch_stats(groups, batch, policy_version) | shaping | acc.reduce(updates, own) | critic_out
         elapsed = time.perf_counter() - start
         out.update(lr=lr, grad_norm=step_grad_norm(norms), step_time_s=elapsed, tokens_per_s=out["tokens"] / elapsed)
         out["skipped_updates"] = sum(not math.isfinite(n) for n in norms)

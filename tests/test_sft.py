@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import random
+import re
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core.config import ConfigError
 from core.tasks import load_tasks
 from core.tasks.arith import CALCULATOR_SCHEMA, demonstration
 from core.trajectory import ChatRenderer, masked_spans
@@ -88,3 +92,15 @@ def test_a_save_that_fails_leaves_the_model_before_it(tiny_model_dir: Path, tmp_
         _save(model, DiskFull(), out, steps=2, seconds=1.0)
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sft"]
+
+
+def test_a_model_whose_weights_lack_a_tensor_is_refused_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SFT loads its model as the trainer does: weights that lack a tensor of their config.json's model are a
+    ConfigError naming ``model.path`` and the tensor (transformers started it at random, and SFT trained from there)."""
+    partial = tmp_path / "partial"
+    shutil.copytree(tiny_model_dir, partial)
+    weights = load_file(partial / "model.safetensors")
+    name = next(n for n in weights if n.endswith("mlp.down_proj.weight"))
+    save_file({n: t for n, t in weights.items() if n != name}, partial / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ConfigError, match=rf"^model.path: {partial}: its weights lack {re.escape(name)}, "):
+        warm_start(partial, tmp_path / "sft", load_tasks("arith", split="train", limit=4), steps=1)

@@ -222,15 +222,22 @@ def load_model(path: Path | str, ctx: DistContext,
     sharded (``trainer.lora`` adds the adapter there). Each rank reads the full checkpoint once before sharding;
     fine up to a few billion parameters per host.
     """
-    model, missing = from_pretrained(AutoModelForCausalLM, path, "model.path")
-    if missing:
-        raise ConfigError(f"model.path: {path}: its weights lack {sorted(missing)[0]}, which its config.json's model "
-                          "has: it would train from random numbers there; give the weights of that model")
+    model = causal_lm(path)
     if prepare is not None:
         model = prepare(model)
     model.to(ctx.device)
     model.eval()
     return shard_model(model, ctx)
+
+
+def causal_lm(path: Path | str, key: str = "model.path") -> PreTrainedModel:
+    """The HF causal LM at ``path`` in fp32 on the CPU (``from_pretrained``); a ConfigError naming ``key`` for weights
+    that lack a tensor of the model their config.json makes, which would be trained from random numbers."""
+    model, missing = from_pretrained(AutoModelForCausalLM, path, key)
+    if missing:
+        raise ConfigError(f"{key}: {path}: its weights lack {sorted(missing)[0]}, which its config.json's model "
+                          "has: it would train from random numbers there; give the weights of that model")
+    return model
 
 
 def from_pretrained(cls: type[AutoModelForCausalLM] | type[AutoModelForTokenClassification], path: Path | str,

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from core.tasks import Task
 from core.tasks.arith import CALCULATOR_SCHEMA, demonstration
 from core.trajectory import ChatRenderer, TrajectoryBuilder, Turn
+from trainer.parallel import causal_lm
 
 
 def demonstration_ids(renderer: ChatRenderer, messages: list[dict[str, Any]], tools: list[dict]) -> TrajectoryBuilder:
@@ -85,8 +86,8 @@ def warm_start(
     order), so one run scores SFT at several budgets."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = causal_lm(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     renderer = ChatRenderer(tokenizer)
     tools = [CALCULATOR_SCHEMA]
     examples = [

@@ -82,6 +82,12 @@ class Keys:
         with its job. Its own prefix, like ``traj:`` and ``eval:``: no job id names another job's key."""
         return f"{self.prefix}entries:{job_id}"
 
+    def entries_aside(self, job_id: str) -> str:
+        """Set of a job's dead letters and malformed groups set aside from its entries by a delete's walk (members as
+        ``entries``'s): they stay indexed there while the job exists, and are removed in batches once it is gone. Under
+        the job's entries key: a job id holds no ':', so it names no other job's key."""
+        return f"{self.prefix}entries:{job_id}:aside"
+
     def eval(self, job_id: str) -> str:
         """Results of an eval job, one entry per group (id, reward sum, samples), never trained on."""
         return f"{self.prefix}eval:{job_id}"

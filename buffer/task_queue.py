@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.commands.core import Script
 
 from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
 from buffer.metrics import TASK_STREAMS, BufferMetrics
@@ -174,6 +175,21 @@ redis.call('HSET', KEYS[1], 'state', 'cancelled')
 return 'cancelled'
 """
 
+# Lua shared by the scripts that walk a job's entries and delete it (``_CANCEL_QUEUED``, ``_DELETE_JOB``,
+# ``_DROP_ASIDE``), whose KEYS they read: KEYS as ``_DELETE_JOB``'s. ``set_aside``: move a member of the job's entries
+# that names a dead letter (``d<id>``, in ``tasks:dead``) or a malformed group (``g<id>``, in ``groups:malformed``) into
+# the job's set aside (``Keys.entries_aside``), the rest of the index of its entries: true for such a member. Only
+# moved, never deleted, so a delete that is then refused loses nothing, and the entries the delete's own call reads
+# whole are few (``_DELETE_JOB``).
+_ASIDE = """
+local aside = {d = KEYS[8], g = KEYS[10]}
+local function set_aside(m)
+  if not aside[string.sub(m, 1, 1)] then return false end
+  redis.call('SMOVE', KEYS[5], KEYS[17], m)
+  return true
+end
+"""
+
 # Lua shared by the scripts that remove a cancelled job's tasks (``_CANCEL_QUEUED``, then ``_DELETE_JOB``), whose KEYS
 # they read: KEYS as ``_DELETE_JOB``'s. ``task_at``: the job's task at ``id`` in ``stream``, nil once it is no longer
 # there, else {id, its group id, its pending delivery (nil when queued), whether a live consumer holds it (pending, and
@@ -219,23 +235,26 @@ local function trim_consumed(window)
 end
 """
 
-# Remove one batch of a cancelled job's tasks that no live consumer holds (KEYS as ``_DELETE_JOB``'s; ARGV:
-# buffer.claim_idle_ms, the dedup window, then up to ``CANCEL_BATCH`` of the task members ``t<id>`` of its entries),
-# each as ``_TASK_REMOVAL``'s ``remove_task`` ends it; a member whose entry is no longer in its stream leaves the
-# entries. Only while the job is cancelled (checked in each call: one deleted, or never cancelled, is left alone).
-# Returns how many it removed, or -1 for a job not cancelled.
-_CANCEL_QUEUED = _TASK_REMOVAL + """
-local h = redis.call('HMGET', KEYS[1], 'state', 'kind')
-if h[1] ~= 'cancelled' then return -1 end
-local stream = h[2] == 'train' and KEYS[6] or KEYS[7]
+# Walk one batch of a job's entries before its delete (KEYS as ``_DELETE_JOB``'s; ARGV: buffer.claim_idle_ms, the dedup
+# window, then up to ``CANCEL_BATCH`` members of its entries). A dead letter or malformed group is set aside
+# (``set_aside``), whatever the job's state. A task member ``t<id>`` of a cancelled job that no live consumer holds is
+# removed as ``_TASK_REMOVAL``'s ``remove_task`` ends it, and one whose entry is no longer in its stream leaves the
+# entries; a task of a job not cancelled is left alone (checked in each call). Returns how many tasks it removed, or -1
+# for a job no longer there (deleted meanwhile: the walk stops).
+_CANCEL_QUEUED = _TASK_REMOVAL + _ASIDE + """
+local h = redis.call('HMGET', KEYS[1], 'kind', 'state')
+if not h[1] then return -1 end
+local stream = h[1] == 'train' and KEYS[6] or KEYS[7]
 local removed = 0
 for i = 3, #ARGV do
-  local t = task_at(stream, string.sub(ARGV[i], 2), tonumber(ARGV[1]))
-  if not t then
-    redis.call('SREM', KEYS[5], ARGV[i])
-  elseif not t[4] then
-    remove_task(stream, t)
-    removed = removed + 1
+  if not set_aside(ARGV[i]) and h[2] == 'cancelled' then
+    local t = task_at(stream, string.sub(ARGV[i], 2), tonumber(ARGV[1]))
+    if not t then
+      redis.call('SREM', KEYS[5], ARGV[i])
+    elseif not t[4] then
+      remove_task(stream, t)
+      removed = removed + 1
+    end
   end
 end
 trim_consumed(tonumber(ARGV[2]))
@@ -244,25 +263,30 @@ return removed
 
 # Delete a job, in one step (KEYS: job hash, jobs index, trajectories stream, eval results stream, the job's entries,
 # train and eval task streams, dead letters, groups, malformed groups, newer groups, group state, consumed ids list,
-# admitted, admitted ids, trainer hash; ARGV: job id, the idempotency keys' prefix, buffer.claim_idle_ms, the dedup
-# window, TRAIN_ENDS). A finished one (every task ended: an eval job's completed, dead-lettered or cancelled; a train
-# job's every group ended too, TRAIN_ENDS) goes at once. A cancelled one goes with what is left of it: its tasks in the
-# task stream (found through the job's entries, never by reading the stream whole; ``delete_job`` removed those no one
-# held in batches of ``_CANCEL_QUEUED`` before, so few are left but what a live consumer holds) and its groups in
-# ``groups`` and ``groups:newer`` (read whole: buffer.max_groups bounds what is undelivered, admission what is parked),
-# each ended as an ack would end it (a task as ``_TASK_REMOVAL``'s ``remove_task`` ends it; a group's payload key
-# deleted and its id consumed, admission slots given back, pending deliveries acked). A task pending for a consumer that
-# has not renewed it for claim_idle_ms is no one's (a live server renews what it holds; any other would take it over),
-# nor is a group pending for a trainer that stopped (its end in the trainer hash, as ``ClusterView.trainer_end`` reads
-# it). While a live consumer holds a task or group of it, or something its counters say is left is in none of these
-# places (an older API's tasks, which it did not index), nothing is done. So once it is deleted no entry of it is
-# pending or queued anywhere, and every script that writes to a job's keys does so only for an entry still pending (put,
-# dead letter, cancel, requeue) or still in its stream (the trainer's ack): no late write brings any of them back. Its
-# dead letters and malformed groups (indexed in its entries) go too, with its submit's idempotency claim while the claim
-# still names it. Returns {kind, 0, tasks removed, groups removed} once deleted; {kind, left} for a job neither finished
-# nor cancelled; {kind, left, tasks held by live consumers, groups held by a running trainer, left in no place found,
-# the holding consumers...} for a cancelled one refused; false for an unknown job.
-_DELETE_JOB = _TASK_REMOVAL + """
+# admitted, admitted ids, trainer hash, the job's set aside (``Keys.entries_aside``); ARGV: job id, the idempotency
+# keys' prefix, buffer.claim_idle_ms, the dedup window, TRAIN_ENDS). A finished one (every task ended: an eval job's
+# completed, dead-lettered or cancelled; a train job's every group ended too, TRAIN_ENDS) goes at once. A cancelled one
+# goes with what is left of it: its tasks in the task stream (found through the job's entries, never by reading the
+# stream whole; ``delete_job`` removed those no one held in batches of ``_CANCEL_QUEUED`` before, so few are left but
+# what a live consumer holds) and its groups in ``groups`` and ``groups:newer`` (read whole: buffer.max_groups bounds
+# what is undelivered, admission what is parked), each ended as an ack would end it (a task as ``_TASK_REMOVAL``'s
+# ``remove_task`` ends it; a group's payload key deleted and its id consumed, admission slots given back, pending
+# deliveries acked). A task pending for a consumer that has not renewed it for claim_idle_ms is no one's (a live server
+# renews what it holds; any other would take it over), nor is a group pending for a trainer that stopped (its end in the
+# trainer hash, as ``ClusterView.trainer_end`` reads it). While a live consumer holds a task or group of it, or
+# something its counters say is left is in none of these places (an older API's tasks, which it did not index), nothing
+# is done. So once it is deleted no entry of it is pending or queued anywhere, and every script that writes to a job's
+# keys does so only for an entry still pending (put, dead letter, cancel, requeue) or still in its stream (the trainer's
+# ack): no late write brings any of them back. Its submit's idempotency claim goes too while the claim still names it.
+# Its dead letters and malformed groups do not go in this call: ``delete_job``'s walk set them aside before
+# (``set_aside``), so the entries this call reads whole are few (the tasks live consumers hold, and what was
+# dead-lettered, moved aside or requeued since the walk); it sets aside those few, and the set aside, which outlives the
+# job hash, is removed in batches after it (``_DROP_ASIDE``): a job's 100,000 dead letters XDEL'd in this call held
+# Redis 6.2 for a third of a second, every other client waiting (about 5 ms the longest call in batches,
+# ``bench/job_delete.py --dead-letters``). Returns {kind, 0, tasks removed, groups removed} once deleted; {kind, left}
+# for a job neither finished nor cancelled; {kind, left, tasks held by live consumers, groups held by a running trainer,
+# left in no place found, the holding consumers...} for a cancelled one refused; false for an unknown job.
+_DELETE_JOB = _TASK_REMOVAL + _ASIDE + """
 local h = redis.call('HMGET', KEYS[1], 'kind', 'submitted', 'idempotency', 'state')
 if not h[1] then return false end
 local train = h[1] == 'train'
@@ -323,11 +347,7 @@ for _, g in ipairs(groups) do
   end
 end
 trim_consumed(tonumber(ARGV[4]))
-local aside = {d = KEYS[8], g = KEYS[10]}
-for _, m in ipairs(entries) do
-  local key = aside[string.sub(m, 1, 1)]
-  if key then redis.call('XDEL', key, string.sub(m, 2)) end
-end
+for _, m in ipairs(entries) do set_aside(m) end
 redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5])
 redis.call('HDEL', KEYS[2], ARGV[1])
 if h[3] then
@@ -335,6 +355,20 @@ if h[3] then
   if claim and string.sub(claim, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then redis.call('DEL', ARGV[2] .. h[3]) end
 end
 return {h[1], 0, #tasks, #groups}
+"""
+
+# Remove one batch of a deleted job's dead letters and malformed groups (KEYS as ``_DELETE_JOB``'s; ARGV: up to
+# ``CANCEL_BATCH`` members of its set aside): each out of its stream and out of the set. Only once the job is gone
+# (checked in each call): a job's set aside holds its dead letters while it exists, also after a refused delete, and a
+# job submitted again under a deleted one's id (the API never reuses one) keeps what it holds until it is deleted
+# too. Returns how many it removed, or -1 for a job that exists.
+_DROP_ASIDE = _ASIDE + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+for i = 1, #ARGV do
+  redis.call('XDEL', aside[string.sub(ARGV[i], 1, 1)], string.sub(ARGV[i], 2))
+  redis.call('SREM', KEYS[17], ARGV[i])
+end
+return #ARGV
 """
 
 # Keep a job's spec summary (KEYS: job hash; ARGV: the summary) only while the job has its spec: a job deleted since
@@ -417,6 +451,7 @@ class TaskQueue:
         self._cancel_job = client.register_script(_CANCEL_JOB)
         self._cancel_queued = client.register_script(_CANCEL_QUEUED)
         self._delete_job = client.register_script(_DELETE_JOB)
+        self._drop_aside = client.register_script(_DROP_ASIDE)
         self._keep_summary = client.register_script(_KEEP_SUMMARY)
         self._requeue = client.register_script(_REQUEUE)
         self._renew = client.register_script(RENEW_LUA)
@@ -517,18 +552,25 @@ class TaskQueue:
 
     def delete_job(self, job_id: str) -> Deletion | None:
         """Delete a finished or cancelled job: its hash, its id in the index, its trajectories and eval results, its
-        entries index with its dead letters and malformed groups, and its submit's idempotency claim, all in one step
-        (``_DELETE_JOB``). A cancelled job goes with its tasks and groups that no rollout server or trainer holds,
+        entries index, and its submit's idempotency claim, all in one step (``_DELETE_JOB``), then its dead letters and
+        malformed groups. A cancelled job goes with its tasks and groups that no rollout server or trainer holds,
         removed as if acked away, whether or not any server or trainer runs; one a live consumer holds keeps it (and a
-        job neither finished nor cancelled is kept). Its tasks go first, in batches (``_remove_queued``), so that
-        step finds few left. None for an unknown job (a second delete finds it so)."""
+        job neither finished nor cancelled is kept, with its dead letters). Before that step its entries are walked in
+        batches (``_walk_entries``): its tasks no one holds removed, its dead letters and malformed groups set aside, so
+        that step finds few; after it, what it set aside is removed in batches (``_drop_aside``), also by a delete
+        that finds the job gone (the API died between: the client's retry finishes it). None for an unknown job (a
+        second delete finds it so)."""
         k = self.keys
         keys = [k.job(job_id), k.jobs, k.trajectories(job_id), k.eval(job_id), k.entries(job_id), k.tasks("train"),
                 k.tasks("eval"), k.tasks_dead, k.groups, k.groups_malformed, k.groups_newer,
-                k.group_state, k.groups_consumed, k.admitted, k.admitted_ids, k.trainer]
-        queued = self._remove_queued(keys) if self.job_state(job_id) == "cancelled" else 0
+                k.group_state, k.groups_consumed, k.admitted, k.admitted_ids, k.trainer, k.entries_aside(job_id)]
+        queued = self._walk_entries(keys, cancelled=self.job_state(job_id) == "cancelled")
         found = self._delete_job(keys, [job_id, k.idempotency(""), self.config.claim_idle_ms, self.config.dedup_window,
                                         *TRAIN_ENDS])
+        if found is None or not found[1]:
+            dropped = self._in_batches(keys[16], self._drop_aside, keys, [])
+            if dropped:
+                log.info("job %s: %d of its dead letters and malformed groups removed", job_id, dropped)
         if found is None:
             return None
         kind, left, *counts = found
@@ -546,22 +588,29 @@ class TaskQueue:
         return Deletion(kind.decode(), left, removed_tasks=queued, rolling_out=rolling_out, training=training,
                         unfound=unfound, servers=tuple(sorted(s.decode() for s in servers)))
 
-    def _remove_queued(self, keys: list[str]) -> int:
-        """Remove a cancelled job's tasks that no live consumer holds (``_CANCEL_QUEUED``), ``CANCEL_BATCH`` of its
-        entries a Lua call, walking them with SSCAN: one call for a job of ``api.max_job_tasks`` held Redis for
-        seconds, every other client of the run answered BUSY. Stops once the job is no longer cancelled (deleted
-        meanwhile). ``keys``: ``_DELETE_JOB``'s. Returns how many it removed."""
-        removed, cursor = 0, 0
+    def _walk_entries(self, keys: list[str], cancelled: bool) -> int:
+        """Before a delete's step, walk the job's entries (``_CANCEL_QUEUED``): a cancelled job's tasks that no live
+        consumer holds removed, and any job's dead letters and malformed groups set aside (moved, not deleted: a
+        delete then refused loses none). A job read as not cancelled has its tasks skipped by the scan. ``keys``:
+        ``_DELETE_JOB``'s. Returns how many tasks it removed."""
+        return self._in_batches(keys[4], self._cancel_queued, keys,
+                                [self.config.claim_idle_ms, self.config.dedup_window], None if cancelled else "[dg]*")
+
+    def _in_batches(self, key: str, script: Script, keys: list[str], args: list[Any], match: str | None = None) -> int:
+        """Hand the members of the set ``key`` to ``script`` (``keys``; ``args``, then the members), ``CANCEL_BATCH``
+        a Lua call, walking it with SSCAN: one call for the entries of a job of ``api.max_job_tasks`` held Redis for
+        seconds, every other client of the run answered BUSY. Stops at a call that returns -1 (the job is not what
+        the script works on any more). Returns the sum of what the calls returned."""
+        total, cursor = 0, 0
         while True:
-            cursor, members = self.redis.sscan(keys[4], cursor, match="t*", count=CANCEL_BATCH)
+            cursor, members = self.redis.sscan(key, cursor, match=match, count=CANCEL_BATCH)
             for start in range(0, len(members), CANCEL_BATCH):
-                done = self._cancel_queued(keys, [self.config.claim_idle_ms, self.config.dedup_window,
-                                                  *members[start : start + CANCEL_BATCH]])
+                done = script(keys, [*args, *members[start : start + CANCEL_BATCH]])
                 if done < 0:
-                    return removed
-                removed += done
+                    return total
+                total += done
             if not cursor:
-                return removed
+                return total
 
     def job_summaries(self, job_ids: Sequence[str]) -> list[dict[str, str]]:
         """``job`` of each id ({} for an unknown one) as a listing shows it, in one round trip: its ``spec`` is the

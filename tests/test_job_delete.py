@@ -321,22 +321,28 @@ def test_late_writes_of_a_dead_server_or_a_stopped_trainer_bring_nothing_of_a_de
     assert [run.redis.xlen(key) for key in streams] == [0, 0, 0, 0]
 
 
-class CountsTaskRemovals(redis.Redis):
-    """A Redis client that records, for each Lua call it sends, how many entries the task stream ``stream`` lost in
-    that call."""
+class CountsRemovals(redis.Redis):
+    """A Redis client that records, for each Lua call it sends, how many entries the streams ``streams`` lost in that
+    call (``removed``), and the script's SHA with the size of the set ``entries`` as the call began (``calls``)."""
 
-    stream = ""
+    streams: tuple[str, ...] = ()
+    entries = ""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.removed: list[int] = []
+        self.calls: list[tuple[str, int]] = []
+
+    def _length(self) -> int:
+        return sum(super(CountsRemovals, self).execute_command("XLEN", stream) for stream in self.streams)
 
     def execute_command(self, *args: Any, **options: Any) -> Any:
         if args[0] != "EVALSHA":
             return super().execute_command(*args, **options)
-        before = super().execute_command("XLEN", self.stream)
+        before = self._length()
+        self.calls.append((args[1], super().execute_command("SCARD", self.entries) if self.entries else 0))
         reply = super().execute_command(*args, **options)
-        self.removed.append(before - super().execute_command("XLEN", self.stream))
+        self.removed.append(before - self._length())
         return reply
 
 
@@ -355,8 +361,8 @@ def test_a_cancelled_jobs_tasks_are_removed_a_batch_a_lua_call(
     assert run.queue.hand_back(handed) and run.queue.hand_back(other_handed)  # queued, holding their slots
     run.held_by_a_dead_server(dead)
     run.api.post(f"/v1/jobs/{job_id}/cancel")
-    client = CountsTaskRemovals.from_url(redis_url)
-    client.stream = run.keys.tasks("train")
+    client = CountsRemovals.from_url(redis_url)
+    client.streams = (run.keys.tasks("train"),)
     queue = TaskQueue(client, run.keys, BufferConfig())
 
     refused = queue.delete_job(job_id)
@@ -374,6 +380,103 @@ def test_a_cancelled_jobs_tasks_are_removed_a_batch_a_lua_call(
     assert client.removed == [0]
     assert run.keys_of(job_id) == set() and run.redis.xlen(run.keys.tasks("train")) == 0
     assert staleness.admitted() == 0 and run.redis.hlen(run.keys.admitted_ids) == 0
+
+
+def test_a_jobs_dead_letters_and_malformed_groups_go_a_batch_a_lua_call_once_it_is_deleted(
+        run: Run, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job of api.max_job_tasks (100,000) tasks that all dead-lettered (a bad reward function, a prompt too long for
+    every task) has as many dead letters: XDEL'd in the delete's one Lua call, with its whole index of entries read,
+    they held Redis for a third of a second, every other client waiting. A delete refused (the job running, then
+    cancelled but a task of it held by a live server) keeps every one of them, in its stream; the delete's own call
+    reads the few entries left in the index (the held task), not the dead letters; once the job goes, they and its
+    malformed group go ``CANCEL_BATCH`` a call, and another job's dead letter stays."""
+    monkeypatch.setattr(task_queue, "CANCEL_BATCH", 3)
+    job_id = run.submit({**TRAIN, "source": {"kind": "arith", "limit": 9}})
+    entries = run.read(9)
+    for entry in entries[:7]:
+        assert run.queue.dead_letter(entry, "the reward function raised")
+    run.put(entries[7])
+    [(malformed, _)] = run.trainer.take(1, 5.0)
+    run.trainer.reject(malformed, "its model cannot train on it")
+    other = run.submit({**EVAL, "source": {"kind": "arith", "limit": 1}})
+    [other_entry] = run.read(1)
+    assert run.queue.dead_letter(other_entry, "the reward function raised")
+    aside = {run.keys.tasks_dead: run.redis.xrange(run.keys.tasks_dead),
+             run.keys.groups_malformed: run.redis.xrange(run.keys.groups_malformed)}
+    assert [len(kept) for kept in aside.values()] == [8, 1]
+    client = CountsRemovals.from_url(redis_url)
+    client.streams, client.entries = tuple(aside), run.keys.entries(job_id)
+    queue = TaskQueue(client, run.keys, BufferConfig())
+
+    assert queue.delete_job(job_id) == Deletion("train", 1)  # running: a task of it is left
+    assert run.api.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+    client.calls.clear()
+    refused = queue.delete_job(job_id)
+    assert refused is not None and (refused.left, refused.rolling_out, refused.servers) == (1, 1, ("srv",))
+    assert [size for sha, size in client.calls if sha == queue._delete_job.sha] == [1]
+    assert {key: run.redis.xrange(key) for key in aside} == aside and set(client.removed) == {0}
+    assert run.api.get(f"/v1/jobs/{job_id}").json()["progress"]["dead_lettered"] == 7
+
+    assert run.queue.cancel(entries[8])
+    client.removed.clear()
+    assert queue.delete_job(job_id) == Deletion("train", 0)
+    assert sum(client.removed) == 8 and max(client.removed) <= 3, client.removed
+    assert [f[b"job_id"].decode() for _, f in run.redis.xrange(run.keys.tasks_dead)] == [other]
+    assert run.redis.xlen(run.keys.groups_malformed) == 0 and run.keys_of(job_id) == set()
+
+
+def test_a_delete_refused_by_a_submit_after_its_walk_keeps_the_jobs_dead_letters(
+        run: Run, redis_url: str) -> None:
+    """A finished job's delete sets its dead letters aside before its one call decides: tasks submitted under its id
+    in between (``TaskQueue.submit`` adds to a job that exists) make it running, and that call refuses it. Its dead
+    letters are all still there, and go with it once it is finished again and deleted."""
+    job_id = run.submit({**EVAL, "source": {"kind": "arith", "limit": 2}})
+    for entry in run.read(2):
+        assert run.queue.dead_letter(entry, "the prompt is too long")
+    dead = run.redis.xrange(run.keys.tasks_dead)
+    client = DeletesBefore.from_url(redis_url)
+    queue = TaskQueue(client, run.keys, BufferConfig())
+    client.when = lambda args: args[0] == "EVALSHA" and args[1] == queue._delete_job.sha
+    client.delete = lambda: run.queue.submit(job_id, [{"task_id": "late", "prompt": "1+1"}], "eval")
+
+    assert queue.delete_job(job_id) == Deletion("eval", 1)
+    assert client.delete is None and run.redis.xrange(run.keys.tasks_dead) == dead
+    run.roll_out(1)
+    assert queue.delete_job(job_id) == Deletion("eval", 0)
+    assert run.redis.xlen(run.keys.tasks_dead) == 0 and run.keys_of(job_id) == set()
+
+
+class FailsOnce(redis.Redis):
+    """A Redis client whose first call of the Lua script ``sha`` is lost on the way (the API died, or its connection
+    dropped), before Redis ran it."""
+
+    sha = ""
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        if args[0] == "EVALSHA" and args[1] == self.sha:
+            self.sha = ""
+            raise redis.ConnectionError("lost on the way")
+        return super().execute_command(*args, **options)
+
+
+def test_a_delete_sent_again_removes_the_dead_letters_an_interrupted_one_left(run: Run, redis_url: str) -> None:
+    """The job went in the delete's one call, and its dead letters are removed after it: a delete interrupted between
+    leaves them, set aside under the job's id. The client sends the delete again (it had no reply); that finds the job
+    gone (404) and removes them."""
+    job_id = run.submit(EVAL)
+    for entry in run.read(2):
+        assert run.queue.dead_letter(entry, "the prompt is too long")
+    client = FailsOnce.from_url(redis_url)
+    queue = TaskQueue(client, run.keys, BufferConfig())
+    client.sha = queue._drop_aside.sha
+    with pytest.raises(redis.ConnectionError):
+        queue.delete_job(job_id)
+    assert run.api.get(f"/v1/jobs/{job_id}").status_code == 404
+    assert run.keys_of(job_id) == {run.keys.entries_aside(job_id).encode()}
+    assert run.redis.xlen(run.keys.tasks_dead) == 2
+
+    assert run.api.delete(f"/v1/jobs/{job_id}").status_code == 404
+    assert run.redis.xlen(run.keys.tasks_dead) == 0 and run.keys_of(job_id) == set()
 
 
 def test_a_frozen_servers_task_the_delete_removed_takes_no_admission_slot_when_it_wakes(run: Run) -> None:

@@ -100,12 +100,13 @@ MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers, as a server of ours 
 def guarded_http(on_refused: Callable[[tuple[str, int] | None, str, str], None],
                  max_head_bytes: int = MAX_HEAD_BYTES) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol that refuses, before the app sees them, a request whose line and headers run past
-    ``max_head_bytes`` (httptools sets no limit: one endless header held its bytes until the server ran out of
-    memory, before any token was checked) and calls ``on_refused(client, reason, detail)`` for it (``header_size``)
-    and for each request uvicorn answers with its own bare 400 (``bad_http``: bytes that are not HTTP, a bad request
-    line, a header it cannot parse; it logs "Invalid HTTP request received." on ``uvicorn.error``), so the server
-    counts those as refusals. Both get uvicorn's 400, and the connection is closed. Pass it as uvicorn's ``http=``;
-    a class of its own per server, so each server counts only its own."""
+    ``max_head_bytes``, judged once each read is parsed, so at most one read more is held (httptools sets no limit:
+    one endless header held its bytes until the server ran out of memory, before any token was checked) and calls
+    ``on_refused(client, reason, detail)`` for it (``header_size``) and for each request uvicorn answers with its own
+    bare 400 (``bad_http``: bytes that are not HTTP, a bad request line, a header it cannot parse; it logs "Invalid
+    HTTP request received." on ``uvicorn.error``), so the server counts those as refusals. Both get uvicorn's 400,
+    and the connection is closed. Pass it as uvicorn's ``http=``; a class of its own per server, so each server
+    counts only its own."""
 
     class GuardedHTTP(HttpToolsProtocol):
         head_bytes: int | None = 0  # of the request head being read; None while its body is
@@ -113,11 +114,10 @@ def guarded_http(on_refused: Callable[[tuple[str, int] | None, str, str], None],
         def data_received(self, data: bytes) -> None:
             if self.head_bytes is not None:
                 self.head_bytes += len(data)
-                if self.head_bytes > max_head_bytes:
-                    on_refused(self.client, "header_size", f"a request line and headers over {max_head_bytes} bytes")
-                    super().send_400_response(f"Request line and headers over {max_head_bytes} bytes.")
-                    return
-            super().data_received(data)
+            super().data_received(data)  # a head that ends in ``data`` sets None: its body's bytes never count
+            if self.head_bytes is not None and self.head_bytes > max_head_bytes and not self.transport.is_closing():
+                on_refused(self.client, "header_size", f"a request line and headers over {max_head_bytes} bytes")
+                super().send_400_response(f"Request line and headers over {max_head_bytes} bytes.")
 
         def on_headers_complete(self) -> None:
             self.head_bytes = None

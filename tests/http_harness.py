@@ -18,7 +18,8 @@ from core.net import listen_socket
 def serve_app(app, host: str = "127.0.0.1") -> Iterator[str]:
     """Yield the base URL while the server runs; shut it down (lifespan included) on exit."""
     sock = listen_socket(host, 0, "test server")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",  # as the app's own server does
+                                           http=getattr(app.state, "http_protocol", "auto")))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

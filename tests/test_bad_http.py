@@ -6,6 +6,7 @@ server's episode endpoint and the embedded engine still log and count them as re
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 from pathlib import Path
@@ -45,6 +46,16 @@ def counted(metrics_url: str, name: str, **labels: str) -> float:
                if sample.name == name and sample.labels == labels)
 
 
+def job_in_one_write(body_bytes: int) -> bytes:
+    """A POST of an inline job whose body is about ``body_bytes`` (one task's long prompt), head and body together, as
+    one write: the server reads them in one piece, and only the head counts against the head's limit."""
+    task = {"task_id": "long", "messages": [{"role": "user", "content": "q" * body_bytes}],
+            "reward": {"ground_truth": "1"}}
+    body = json.dumps({"source": {"kind": "inline", "tasks": [task]}}).encode()
+    return (b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
 def send_raw(url: str, data: bytes) -> bytes:
     """``data`` as it is over a new connection to ``url`` (http://host:port); the whole reply, until the server
     closes."""
@@ -72,8 +83,9 @@ def test_the_api_counts_what_it_refuses_before_its_app(tmp_path: Path, redis_ser
     """``python -m services.api``: each request uvicorn cannot parse (bytes that are not HTTP, a bad request line, an
     invalid header name or value) gets uvicorn's 400 and adds exactly 1 to
     ``rollwave_api_requests_refused_total{reason="bad_http"}``; uvicorn's warning and the API's refusal line, naming
-    the client, are both in the log. A head of 63 KiB is served; one over 64 KiB (unbounded before: the API held
-    every byte of an endless header) is a 400 counted ``header_size``."""
+    the client, are both in the log. A head of 63 KiB is served, and so is a job of 100 KB whose head and body come in
+    one read; a head over 64 KiB (unbounded before: the API held every byte of an endless header) is a 400 counted
+    ``header_size``."""
     log = tmp_path / "api.log"
     overrides = [f"run.name={RUN}", f"run.dir={tmp_path}", f"redis.url={redis_server.url}", "api.port=0"]
     r = client(redis_server)
@@ -90,6 +102,8 @@ def test_the_api_counts_what_it_refuses_before_its_app(tmp_path: Path, redis_ser
         assert counted(f"{url}/metrics", name, **labels) == len(NOT_HTTP)
         big = {"X-Big": "a" * (MAX_HEAD_BYTES - 1024)}  # a head under the limit is served
         assert httpx.get(f"{url}/healthz", headers=big, timeout=IO_TIMEOUT_S).status_code == 200
+        reply = send_raw(url, job_in_one_write(100_000))  # a small head and a big body in one read: served
+        assert reply.startswith(b"HTTP/1.1 201 "), reply[:300]
         reply = send_raw(url, TOO_BIG_HEAD)
         assert reply.startswith(b"HTTP/1.1 400 ") and b"over 65536 bytes" in reply, reply
         assert counted(f"{url}/metrics", name, reason="header_size") == 1

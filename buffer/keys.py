@@ -185,6 +185,15 @@ class Keys:
         return self.prefix + "trainer:epoch"
 
     @property
+    def trainer_alive(self) -> str:
+        """The trainer's lease: a key with a TTL (``buffer.claim_idle_ms``) naming the trainer that holds it (pid, host
+        and trainer epoch), which rank 0 renews from a thread of its own while it runs, only while it is the run's
+        newest trainer, and deletes as it exits (``trainer.metrics.TrainerLease``). A trainer killed without recording
+        its end (SIGKILL, the OOM killer, a lost node) lets it lapse: a job's delete then takes the groups pending for
+        the trainer as no one's."""
+        return self.prefix + "trainer:alive"
+
+    @property
     def trainer(self) -> str:
         """Hash: the trainer's step, version, heartbeat and metrics address (written by rank 0); once it stopped,
         where and why (``TRAINER_FINISHED_FIELDS``)."""

@@ -263,29 +263,33 @@ return removed
 
 # Delete a job, in one step (KEYS: job hash, jobs index, trajectories stream, eval results stream, the job's entries,
 # train and eval task streams, dead letters, groups, malformed groups, newer groups, group state, consumed ids list,
-# admitted, admitted ids, trainer hash, the job's set aside (``Keys.entries_aside``); ARGV: job id, the idempotency
-# keys' prefix, buffer.claim_idle_ms, the dedup window, TRAIN_ENDS). A finished one (every task ended: an eval job's
-# completed, dead-lettered or cancelled; a train job's every group ended too, TRAIN_ENDS) goes at once. A cancelled one
-# goes with what is left of it: its tasks in the task stream (found through the job's entries, never by reading the
-# stream whole; ``delete_job`` removed those no one held in batches of ``_CANCEL_QUEUED`` before, so few are left but
-# what a live consumer holds) and its groups in ``groups`` and ``groups:newer`` (read whole: buffer.max_groups bounds
-# what is undelivered, admission what is parked), each ended as an ack would end it (a task as ``_TASK_REMOVAL``'s
-# ``remove_task`` ends it; a group's payload key deleted and its id consumed, admission slots given back, pending
-# deliveries acked). A task pending for a consumer that has not renewed it for claim_idle_ms is no one's (a live server
-# renews what it holds; any other would take it over), nor is a group pending for a trainer that stopped (its end in the
-# trainer hash, as ``ClusterView.trainer_end`` reads it). While a live consumer holds a task or group of it, or
-# something its counters say is left is in none of these places (an older API's tasks, which it did not index), nothing
-# is done. So once it is deleted no entry of it is pending or queued anywhere, and every script that writes to a job's
-# keys does so only for an entry still pending (put, dead letter, cancel, requeue) or still in its stream (the trainer's
-# ack): no late write brings any of them back. Its submit's idempotency claim goes too while the claim still names it.
-# Its dead letters and malformed groups do not go in this call: ``delete_job``'s walk set them aside before
-# (``set_aside``), so the entries this call reads whole are few (the tasks live consumers hold, and what was
-# dead-lettered, moved aside or requeued since the walk); it sets aside those few, and the set aside, which outlives the
-# job hash, is removed in batches after it (``_DROP_ASIDE``): a job's 100,000 dead letters XDEL'd in this call held
-# Redis 6.2 for a third of a second, every other client waiting (about 5 ms the longest call in batches,
-# ``bench/job_delete.py --dead-letters``). Returns {kind, 0, tasks removed, groups removed} once deleted; {kind, left}
-# for a job neither finished nor cancelled; {kind, left, tasks held by live consumers, groups held by a running trainer,
-# left in no place found, the holding consumers...} for a cancelled one refused; false for an unknown job.
+# admitted, admitted ids, trainer hash, the job's set aside (``Keys.entries_aside``), the trainer's lease
+# (``Keys.trainer_alive``); ARGV: job id, the idempotency keys' prefix, buffer.claim_idle_ms, the dedup window,
+# TRAIN_ENDS). A finished one (every task ended: an eval job's completed, dead-lettered or cancelled; a train job's
+# every group ended too, TRAIN_ENDS) goes at once. A cancelled one goes with what is left of it: its tasks in the task
+# stream (found through the job's entries, never by reading the stream whole; ``delete_job`` removed those no one held
+# in batches of ``_CANCEL_QUEUED`` before, so few are left but what a live consumer holds) and its groups in ``groups``
+# and ``groups:newer`` (read whole: buffer.max_groups bounds what is undelivered, admission what is parked), each ended
+# as an ack would end it (a task as ``_TASK_REMOVAL``'s ``remove_task`` ends it; a group's payload key deleted and its
+# id consumed, admission slots given back, pending deliveries acked). A task pending for a consumer that has not renewed
+# it for claim_idle_ms is no one's (a live server renews what it holds; any other would take it over), nor is a group
+# pending for a trainer that stopped (its end in the trainer hash, as ``ClusterView.trainer_end`` reads it) or whose
+# lease (``Keys.trainer_alive``) is gone: it lapsed (the trainer was killed without recording its end; or it was frozen,
+# or cut off from Redis, past the lease's TTL, and its ack of a group this call removed then finds the group's id
+# consumed and acks and counts nothing), or the trainer is one from before the lease, which keeps none (the same for its
+# acks). While a live consumer holds a task or group of it, or something its counters say is left is in none of these
+# places (an older API's tasks, which it did not index), nothing is done. So once it is deleted no entry of it is
+# pending or queued anywhere, and every script that writes to a job's keys does so only for an entry still pending (put,
+# dead letter, cancel, requeue) or still in its stream (the trainer's ack): no late write brings any of them back. Its
+# submit's idempotency claim goes too while the claim still names it. Its dead letters and malformed groups do not go in
+# this call: ``delete_job``'s walk set them aside before (``set_aside``), so the entries this call reads whole are few
+# (the tasks live consumers hold, and what was dead-lettered, moved aside or requeued since the walk); it sets aside
+# those few, and the set aside, which outlives the job hash, is removed in batches after it (``_DROP_ASIDE``): a job's
+# 100,000 dead letters XDEL'd in this call held Redis 6.2 for a third of a second, every other client waiting (about 5
+# ms the longest call in batches, ``bench/job_delete.py --dead-letters``). Returns {kind, 0, tasks removed, groups
+# removed} once deleted; {kind, left} for a job neither finished nor cancelled; {kind, left, tasks held by live
+# consumers, groups held by a running trainer, left in no place found, the lease of that trainer ('' when none holds
+# any), the holding consumers...} for a cancelled one refused; false for an unknown job.
 _DELETE_JOB = _TASK_REMOVAL + _ASIDE + """
 local h = redis.call('HMGET', KEYS[1], 'kind', 'submitted', 'idempotency', 'state')
 if not h[1] then return false end
@@ -296,7 +300,7 @@ for _, n in ipairs(redis.call('HMGET', KEYS[1], unpack(ends))) do left = left - 
 if left > 0 and h[4] ~= 'cancelled' then return {h[1], left} end
 local entries = redis.call('SMEMBERS', KEYS[5])
 local stream = train and KEYS[6] or KEYS[7]
-local tasks, groups, rolling, holders, training = {}, {}, 0, {}, 0
+local tasks, groups, rolling, holders, training, lease = {}, {}, 0, {}, 0, false
 if left > 0 then
   for _, m in ipairs(entries) do
     local t = string.sub(m, 1, 1) == 't' and task_at(stream, string.sub(m, 2), tonumber(ARGV[3]))
@@ -309,11 +313,12 @@ if left > 0 then
   end
   if train then
     local finished = redis.call('HMGET', KEYS[16], '""" + "', '".join(TRAINER_FINISHED_FIELDS[:2]) + """')
-    local stopped = finished[1] and finished[2]
+    lease = redis.call('GET', KEYS[18])
+    local running = lease and not (finished[1] and finished[2])
     for _, e in ipairs(redis.call('XRANGE', KEYS[9], '-', '+')) do
       if field(e[2], 'job') == ARGV[1] then
         local held = holder(KEYS[9], '""" + TRAINER_GROUP + """', e[1])
-        if held and not stopped then
+        if held and running then
           training = training + 1
         else
           groups[#groups + 1] = {KEYS[9], e[1], e[2], '', held}
@@ -326,7 +331,7 @@ if left > 0 then
   end
   local unfound = left - rolling - training - #tasks - #groups
   if rolling + training > 0 or unfound > 0 then
-    local refused = {h[1], left, rolling, training, math.max(unfound, 0)}
+    local refused = {h[1], left, rolling, training, math.max(unfound, 0), training > 0 and lease or ''}
     for consumer in pairs(holders) do refused[#refused + 1] = consumer end
     return refused
   end
@@ -402,9 +407,10 @@ class Deletion:
     removed_tasks: int = 0  # a cancelled job's tasks no one held, removed (before a refusal too, as a server would)
     removed_groups: int = 0  # deleted: a cancelled train job's groups still in the buffer, removed with it
     rolling_out: int = 0  # refused: its tasks held by live rollout servers (``servers``)
-    training: int = 0  # refused: its groups held by a trainer that has not stopped
+    training: int = 0  # refused: its groups held by a trainer that has not stopped and whose lease holds
     unfound: int = 0  # refused: what its counters say is left but the delete finds nowhere (an older API's tasks)
     servers: tuple[str, ...] = ()
+    trainer: str = ""  # refused for ``training``: that trainer's lease (``Keys.trainer_alive``: pid, host, epoch)
 
 
 class IdempotencyKeyUsed(Exception):
@@ -554,8 +560,9 @@ class TaskQueue:
         """Delete a finished or cancelled job: its hash, its id in the index, its trajectories and eval results, its
         entries index, and its submit's idempotency claim, all in one step (``_DELETE_JOB``), then its dead letters and
         malformed groups. A cancelled job goes with its tasks and groups that no rollout server or trainer holds,
-        removed as if acked away, whether or not any server or trainer runs; one a live consumer holds keeps it (and a
-        job neither finished nor cancelled is kept, with its dead letters). Before that step its entries are walked in
+        removed as if acked away, whether or not any server or trainer runs; one a live consumer holds keeps it (a
+        trainer is live while its lease, ``Keys.trainer_alive``, holds and it has not recorded its end), and a job
+        neither finished nor cancelled is kept, with its dead letters. Before that step its entries are walked in
         batches (``_walk_entries``): its tasks no one holds removed, its dead letters and malformed groups set aside, so
         that step finds few; after it, what it set aside is removed in batches (``_drop_aside``), also by a delete
         that finds the job gone (the API died between: the client's retry finishes it). None for an unknown job (a
@@ -563,7 +570,8 @@ class TaskQueue:
         k = self.keys
         keys = [k.job(job_id), k.jobs, k.trajectories(job_id), k.eval(job_id), k.entries(job_id), k.tasks("train"),
                 k.tasks("eval"), k.tasks_dead, k.groups, k.groups_malformed, k.groups_newer,
-                k.group_state, k.groups_consumed, k.admitted, k.admitted_ids, k.trainer, k.entries_aside(job_id)]
+                k.group_state, k.groups_consumed, k.admitted, k.admitted_ids, k.trainer, k.entries_aside(job_id),
+                k.trainer_alive]
         queued = self._walk_entries(keys, cancelled=self.job_state(job_id) == "cancelled")
         found = self._delete_job(keys, [job_id, k.idempotency(""), self.config.claim_idle_ms, self.config.dedup_window,
                                         *TRAIN_ENDS])
@@ -584,9 +592,9 @@ class TaskQueue:
             log.info("job %s: %d task(s) of it no one held removed; the job is kept (%d left)", job_id, queued, left)
         if not counts:
             return Deletion(kind.decode(), left, removed_tasks=queued)
-        rolling_out, training, unfound, *servers = counts
+        rolling_out, training, unfound, trainer, *servers = counts
         return Deletion(kind.decode(), left, removed_tasks=queued, rolling_out=rolling_out, training=training,
-                        unfound=unfound, servers=tuple(sorted(s.decode() for s in servers)))
+                        unfound=unfound, servers=tuple(sorted(s.decode() for s in servers)), trainer=trainer.decode())
 
     def _walk_entries(self, keys: list[str], cancelled: bool) -> int:
         """Before a delete's step, walk the job's entries (``_CANCEL_QUEUED``): a cancelled job's tasks that no live

@@ -359,7 +359,8 @@ class BufferConfig(Section):
         1, ge=1, description="trainer steps per policy version: the trainer pushes every k steps, so a version "
         "spans push_every × groups_per_step groups (the unit of staleness admission)"
     )
-    claim_idle_ms: int = Field(30_000, ge=100, description="pending entries idle this long are reclaimed")
+    claim_idle_ms: int = Field(30_000, ge=100, description="pending entries idle this long are reclaimed; also the "
+                               "TTL of the trainer's lease (a job's delete takes a lapsed trainer's groups)")
     max_attempts: int = Field(3, ge=1, description="deliveries of a task before it is dead-lettered")
     filter_degenerate_groups: bool = Field(
         False, description="DAPO dynamic sampling, for the group-relative estimators (trainer.advantage grpo, rloo, "

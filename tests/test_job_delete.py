@@ -33,7 +33,7 @@ from tests.buffer_helpers import make_group
 from tests.http_harness import serve_app
 from tests.test_api import TOKEN, _metric, _refused, serve
 from tests.test_cli_submit_retry import LostReply
-from trainer.metrics import RedisStatus
+from trainer.metrics import RedisStatus, TrainerLease
 
 EVAL = {"kind": "eval", "source": {"kind": "arith", "limit": 2}}
 TRAIN = {"kind": "train", "source": {"kind": "arith", "limit": 2}}
@@ -59,6 +59,7 @@ class Run:
                                     ToolRegistry.from_file(None))
         self.trainer = ReplayBuffer(self.redis, self.keys, BufferConfig(), consumer="trainer")
         self.trainer.ensure_group()
+        self.leases: list[TrainerLease] = []
 
     def submit(self, body: dict[str, Any], key: str | None = None) -> str:
         reply = self.api.post("/v1/jobs", json=body, headers={"Idempotency-Key": key} if key else {})
@@ -95,6 +96,12 @@ class Run:
         self.redis.xclaim(entry.stream, ROLLOUT_GROUP, entry.consumer, 0, [entry.entry_id],
                           idle=10 * BufferConfig().claim_idle_ms, justid=True)
 
+    def trainer_alive(self) -> TrainerLease:
+        """The trainer's lease, kept as ``python -m trainer`` keeps it (renewed by its thread until ``close``)."""
+        lease = TrainerLease(self.redis, self.keys, self.trainer, BufferConfig().claim_idle_ms).start()
+        self.leases.append(lease)
+        return lease
+
     def trainer_finished(self) -> None:
         RedisStatus(self.redis, self.keys).finished(4, "trainer.total_steps", 0, 0)
 
@@ -103,6 +110,8 @@ class Run:
         return self.api.get("/v1/status").json()["buffer"]
 
     def close(self) -> None:
+        for lease in self.leases:
+            lease.stop()
         self.worker._pool.shutdown()
 
 
@@ -226,11 +235,12 @@ def test_a_cancelled_train_job_goes_with_its_groups_and_tasks_though_no_trainer_
 
 
 def test_a_cancelled_job_whose_task_or_group_a_live_consumer_holds_is_refused_saying_so(run: Run) -> None:
-    """A server rolling a task of it out and a running trainer holding a group of it for its step keep them: the
-    delete is a 409 naming both (nothing removed, nothing counted), and goes once they have acked them."""
+    """A server rolling a task of it out and a running trainer (its lease held) holding a group of it for its step keep
+    them: the delete is a 409 naming both (nothing removed, nothing counted), and goes once they have acked them."""
     job_id = run.submit(TRAIN)
     first, second = run.read(2)
     run.put(first)
+    lease = run.trainer_alive()
     [(entry_id, group)] = run.trainer.take(1, 5.0)
     run.api.post(f"/v1/jobs/{job_id}/cancel")
     before = run.api.get(f"/v1/jobs/{job_id}").json()
@@ -240,8 +250,10 @@ def test_a_cancelled_job_whose_task_or_group_a_live_consumer_holds_is_refused_sa
     assert reply.json()["detail"] == (
         f"job {job_id} is cancelled, but 1 of its tasks are being rolled out by srv, which ack them away as they "
         "finish (a server that stops renewing a task for 30 s, buffer.claim_idle_ms, is taken for dead, and the delete "
-        "removes it); 1 of its groups are held by the trainer for its current step, which acks them (once the trainer "
-        "stopped, the delete removes them); delete it once they are (progress.cancelled counts them)")
+        f"removes it); 1 of its groups are held by the trainer ({lease.value}) for its current step, which acks them "
+        "(once the trainer stopped, or its lease lapsed, the delete removes them: a trainer killed without recording "
+        "its end renews its lease no more, and it lapses within 30 s, buffer.claim_idle_ms); delete it once they are "
+        "(progress.cancelled counts them)")
     assert run.api.get(f"/v1/jobs/{job_id}").json() == before
     assert run.redis.xpending(run.keys.tasks("train"), ROLLOUT_GROUP)["pending"] == 1
     assert run.redis.xpending(run.keys.groups, TRAINER_GROUP)["pending"] == 1
@@ -251,6 +263,36 @@ def test_a_cancelled_job_whose_task_or_group_a_live_consumer_holds_is_refused_sa
     assert run.trainer.ack([entry_id], [group.group_id]) == 1
     assert run.api.delete(f"/v1/jobs/{job_id}").status_code == 200
     assert run.keys_of(job_id) == set()
+
+
+def test_a_trainer_without_a_lease_has_the_groups_of_a_cancelled_job_it_holds_deleted_and_its_ack_counts_nothing(
+        run: Run) -> None:
+    """A trainer that keeps no lease (one from before it: a rolling upgrade that upgraded the API first; or one whose
+    lease lapsed while it lived, frozen or cut off from Redis) is taken for stopped: the delete removes the cancelled
+    job's group it holds, as a stopped trainer's. The ack of its step then acks and counts only the other job's group:
+    the removed one's id is consumed, so no key of the deleted job comes back, ``trained`` counts the group acked, and
+    each admission slot was given back (the removed group's) or kept by a trained group (the other's), once."""
+    cancelled = run.submit({**TRAIN, "source": {"kind": "arith", "limit": 1}})
+    other = run.submit({**TRAIN, "source": {"kind": "arith", "limit": 1}})
+    staleness = StalenessControl(run.redis, run.keys, BufferConfig())
+    for entry in run.read(2):
+        assert staleness.try_admit(entry.group_id)
+        run.put(entry)
+    taken = run.trainer.take(2, 5.0)
+    assert sorted(g.job_id for _, g in taken) == sorted([cancelled, other])
+    run.api.post(f"/v1/jobs/{cancelled}/cancel")
+    assert run.api.get("/v1/status").json()["trainer"] is None  # no trainer recorded anything, none keeps a lease
+
+    reply = run.api.delete(f"/v1/jobs/{cancelled}")
+    assert reply.status_code == 200, reply.text
+    assert staleness.admitted() == 1 and run.depths()["groups"] == {"length": 1, "pending": 1}
+    assert run.trainer.ack([e for e, _ in taken], [g.group_id for _, g in taken]) == 1
+    assert run.redis.get(run.keys.trained) == b"1" and staleness.admitted() == 1
+    job = run.api.get(f"/v1/jobs/{other}").json()
+    assert (job["state"], job["progress"]["trained"], job["progress"]["cancelled"]) == ("done", 1, 0), job
+    assert run.keys_of(cancelled) == set() and run.listed() == [other]
+    assert run.depths()["groups"] == {"length": 0, "pending": 0}
+    assert not run.redis.keys(f"{run.keys.prefix}payload:*")
 
 
 def test_a_cancelled_job_an_older_api_submitted_waits_for_its_tasks_to_be_acked_away(run: Run) -> None:

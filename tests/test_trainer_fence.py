@@ -247,7 +247,10 @@ def test_a_fenced_colocated_trainer_neither_hands_the_device_over_nor_publishes_
     version), write its step over the newer trainer's status, and take the device for another step, which the engines
     released for while the newer trainer waited for the groups they no longer generated. Each is refused now (logged,
     counted): the turn, the version and the status stay as they were."""
-    cfg = _run_config(redis_server.url, "fenced-colocated", tiny_model_dir, tmp_path, "placement.mode=colocated")
+    # a lease renewed every 200 s: none falls between the newer trainer's start and the stack's close (a fenced
+    # renewal is refused and counted too)
+    cfg = _run_config(redis_server.url, "fenced-colocated", tiny_model_dir, tmp_path, "placement.mode=colocated",
+                      "buffer.claim_idle_ms=600000")
     keys, r = Keys(cfg.run.name), redis.Redis.from_url(redis_server.url)
     metrics = CollectorRegistry()
     model = model_of(tiny_model_dir)

@@ -39,7 +39,7 @@ from core.process import die_with_parent, prepare_component
 from trainer.checkpoint import Checkpointer, CheckpointMismatch, export_hf
 from trainer.checkpoint_pusher import CheckpointPusher, registered_servers
 from trainer.colocation import LocalPusher
-from trainer.metrics import RedisStatus
+from trainer.metrics import RedisStatus, TrainerLease
 from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, resolve_device
 from trainer.worker import Trainer
 
@@ -133,9 +133,9 @@ def _connect(
     """Rank 0: the replay buffer, a pusher to the live servers (recording each push in the registry; colocated:
     a local pusher that also hands the device over), the status sink for the API and the record of the trainer's
     start and end (the run's budget among them), each writing to the run only while this trainer is its newest (the
-    buffer's fence); other ranks: a pusher that only takes part in the gathers. Rank 0 records a crash past its fence
-    as the run's end, as one later in its start-up (a bad TLS file: a launcher restarts it, and a train job would read
-    ``running`` meanwhile)."""
+    buffer's fence), and the trainer's lease (``TrainerLease``, kept until the stack unwinds); other ranks: a pusher
+    that only takes part in the gathers. Rank 0 records a crash past its fence as the run's end, as one later in its
+    start-up (a bad TLS file: a launcher restarts it, and a train job would read ``running`` meanwhile)."""
     colocated = cfg.placement.mode == "colocated"
     local_root = cfg.checkpoint.stage_dir / cfg.run.name / "local_push"
     if not ctx.is_main:
@@ -154,6 +154,9 @@ def _connect(
     buffer.ensure_group()
     buffer.fence()  # at once: a trainer of the run still running stops taking groups this one will not see
     stack.callback(buffer.close)
+    # deleted as the stack unwinds, the end recorded before; a trainer killed lets it lapse (a delete then takes the
+    # cancelled jobs' groups it held)
+    stack.callback(TrainerLease(client, keys, buffer, cfg.buffer.claim_idle_ms, metrics).start().stop)
     record = RunRecord(buffer, cfg.buffer)
     staleness = record.staleness
     status = RedisStatus(client, keys, fence=buffer)

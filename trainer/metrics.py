@@ -8,18 +8,22 @@ peak memory reach it in the step's reduce, as series labelled ``rank``, so one p
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import socket
+import threading
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from buffer.keys import TRAINER_FINISHED_FIELDS, Keys
+from buffer.replay import ReplayBuffer, TrainerFenced
 
-if TYPE_CHECKING:
-    from buffer.replay import ReplayBuffer
+log = logging.getLogger(__name__)
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 _GAUGES = {
@@ -51,6 +55,18 @@ _RANK_GAUGES = {  # per rank: step record key -> (series, help)
 _PUBLISH = """
 redis.call('HSET', KEYS[1], unpack(ARGV, 4, 3 + tonumber(ARGV[3])))
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'metrics', ARGV[1])
+"""
+
+# KEYS: the trainer's lease. ARGV: what names this trainer, the lease's TTL in ms. Run fenced by the trainer
+# (ReplayBuffer.fenced_script), so a fenced trainer's lease lapses.
+_RENEW_LEASE = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 0
+"""
+# KEYS: the trainer's lease. ARGV: what names this trainer. Deletes the lease only while it is this trainer's.
+_RELEASE_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 
@@ -208,3 +224,71 @@ class RedisStatus:
             "version": version, "pushed_version": pushed, "heartbeat": now,
             "finished_step": step, "finished_reason": reason, "finished_at": now,
         })
+
+
+class TrainerLease:
+    """Rank 0's lease on the run (``Keys.trainer_alive``): a key naming this trainer (pid, host and trainer epoch) that
+    expires ``ttl_ms`` (``buffer.claim_idle_ms``) after its last renewal. A thread of its own renews it every third of
+    that, so a long step does not let it lapse; only while this trainer is the run's newest (a fenced trainer's renewal
+    is refused, logged and counted, and its lease lapses); ``stop`` deletes it (while it is still this trainer's). A
+    trainer killed without recording its end (SIGKILL, the OOM killer, a lost node) stops renewing it, so a job's delete
+    takes the groups pending for the trainer as no one's once it lapsed, where it used to wait for a trainer to start
+    again and take them back. One frozen or cut off from Redis past the TTL is taken so too: its ack of a group the
+    delete removed then finds the group's id consumed, and acks and counts nothing."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, fence: ReplayBuffer, ttl_ms: int,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.key = keys.trainer_alive
+        self.ttl_ms = ttl_ms
+        self.value = f"pid {os.getpid()} on {socket.gethostname()}, epoch {fence.fence()}"
+        self._renew = fence.fenced_script(_RENEW_LEASE, "its lease")
+        self._release = client.register_script(_RELEASE_LEASE)
+        self.renew_failures = Counter(
+            "rollwave_trainer_lease_renew_failures_total",
+            "renewals of the trainer's lease (rw:<run>:trainer:alive) that failed (Redis did not answer): past "
+            "buffer.claim_idle_ms without one it lapses, and a job's delete takes the groups the trainer holds",
+            registry=registry if registry is not None else CollectorRegistry(),
+        )
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._keep, name="trainer-lease", daemon=True)
+
+    def start(self) -> TrainerLease:
+        """Take the lease (raises ``TrainerFenced`` when a newer trainer of the run started), and keep renewing it."""
+        self.renew()
+        self._thread.start()
+        return self
+
+    def renew(self) -> None:
+        """Set the lease to expire ``ttl_ms`` from now, only while this trainer is the run's newest."""
+        self._renew([self.key], [self.value, self.ttl_ms])
+
+    def _keep(self) -> None:
+        failing = False
+        while not self._stopped.wait(self.ttl_ms / 3000):
+            try:
+                self.renew()
+            except TrainerFenced:  # logged and counted: this trainer stops at its next take; its lease lapses
+                return
+            except redis.RedisError as exc:
+                self.renew_failures.inc()
+                if not failing:
+                    log.warning("%s: renewing the trainer's lease failed (%s): it lapses %g s after the last renewal, "
+                                "and a job's delete then takes the groups this trainer holds", self.key, exc,
+                                self.ttl_ms / 1000)
+                failing = True
+            else:
+                if failing:
+                    log.info("%s: the trainer's lease is renewed again", self.key)
+                failing = False
+
+    def stop(self) -> None:
+        """Stop renewing and delete the lease, if it is still this trainer's (a newer trainer's is left alone). A
+        renewal still in flight (Redis slow to answer) past a wait of one TTL may write it once more: it then lapses."""
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(self.ttl_ms / 1000)
+        try:
+            self._release([self.key], [self.value])
+        except redis.RedisError as exc:
+            log.warning("%s: could not delete the trainer's lease (%s): it lapses within %g s", self.key, exc,
+                        self.ttl_ms / 1000)

@@ -31,7 +31,7 @@ class NotCancellable(ValueError):
 class NotDeletable(ValueError):
     """A delete of a job that is neither finished nor cancelled (a task of it not yet rolled out, or a group of a train
     job not yet trained or dropped), or of a cancelled one whose task or group a live rollout server or a running
-    trainer holds (it would count it on the job)."""
+    trainer (its lease held, its end not recorded) holds (it would count it on the job)."""
 
 
 class InvalidCursor(ValueError):
@@ -167,15 +167,16 @@ class ClusterView:
                            "its reply was lost finds it so)")
         if not found.left:
             return {"job_id": job_id, "kind": found.kind, "deleted": True}
-        held = []
+        held, idle_s = [], self.queue.config.claim_idle_ms / 1000
         if found.rolling_out:
-            idle_s = self.queue.config.claim_idle_ms / 1000
             held.append(f"{found.rolling_out} of its tasks are being rolled out by {', '.join(found.servers)}, which "
                         f"ack them away as they finish (a server that stops renewing a task for {idle_s:g} s, "
                         "buffer.claim_idle_ms, is taken for dead, and the delete removes it)")
         if found.training:
-            held.append(f"{found.training} of its groups are held by the trainer for its current step, which acks them "
-                        "(once the trainer stopped, the delete removes them)")
+            held.append(f"{found.training} of its groups are held by the trainer ({found.trainer}) for its current "
+                        "step, which acks them (once the trainer stopped, or its lease lapsed, the delete removes "
+                        "them: a trainer killed without recording its end renews its lease no more, and it lapses "
+                        f"within {idle_s:g} s, buffer.claim_idle_ms)")
         if found.unfound:
             held.append(f"{found.unfound} of what is left of it are in no place the delete finds them (tasks an API "
                         "from before the jobs' index of entries submitted): the rollout servers ack them away as they "
@@ -216,7 +217,9 @@ class ClusterView:
     def status(self) -> dict[str, Any]:
         """The run at a glance. ``version`` is the published one (a quorum of servers committed it); each
         server carries its ``last_push`` (None before the trainer pushed to it) and ``straggler`` (its last
-        push failed: ``last_push`` says at which stage, why, and the version it serves)."""
+        push failed: ``last_push`` says at which stage, why, and the version it serves). The ``trainer`` (its hash, None
+        before any trainer started) carries ``alive``: whether a trainer holds its lease (``Keys.trainer_alive``), which
+        a trainer killed without recording its end lets lapse."""
         now = time.time()
         pushes = self.servers.pushes()
         servers = []
@@ -225,13 +228,17 @@ class ClusterView:
             servers.append({**asdict(info), "alive": alive, "heartbeat_age_s": round(now - info.heartbeat, 3),
                             "straggler": push is not None and push.straggler,
                             "last_push": asdict(push) if push is not None else None})
-        trainer = _decode(self.redis.hgetall(self.keys.trainer))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.trainer)
+        pipe.exists(self.keys.trainer_alive)
+        fields, alive = pipe.execute()
+        trainer = {**_decode(fields), "alive": bool(alive)} if fields or alive else None
         return {
             "run": self.keys.run,
             "version": int(self.redis.get(self.keys.version) or 0),
             "servers": servers,
             "stragglers": [s["server_id"] for s in servers if s["straggler"]],
-            "trainer": trainer or None,
+            "trainer": trainer,
             "buffer": self.buffer(),
         }
 

@@ -1,0 +1,255 @@
+"""The trainer's lease (``Keys.trainer_alive``, ``trainer.metrics.TrainerLease``): a cancelled job whose group a trainer
+holds is refused its delete while the trainer lives, and goes once a trainer killed without recording its end (SIGKILL:
+the OOM killer, a lost node) let its lease lapse, where it used to wait for a trainer to start again (a 409 meanwhile,
+for a trainer long dead). A trainer that lived on past its lapsed lease (frozen) acks its step after the delete
+without counting anything twice or bringing the job back. Real Redis, the real API over HTTP, the real
+``python -m trainer``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+import yaml
+from net_helpers import LoopbackProxy
+from prometheus_client import CollectorRegistry
+
+from buffer.keys import TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
+from buffer.redis_server import EmbeddedRedis, client_for
+from buffer.replay import ReplayBuffer, TrainerFenced
+from buffer.staleness import StalenessControl
+from core.config import BufferConfig, RedisConfig
+from core.process import stop_process
+from tests.test_api import serve
+from tests.test_job_delete import TRAIN, Run
+from trainer.metrics import TrainerLease
+
+LEASE_MS = 3000  # the trainer's buffer.claim_idle_ms: its lease's TTL (30 s by default), renewed every second
+ONE = {**TRAIN, "source": {"kind": "arith", "limit": 1}}
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
+        yield server.url
+
+
+@pytest.fixture
+def run(redis_url: str, tokenizer: Any, request: pytest.FixtureRequest) -> Iterator[Run]:
+    with serve(redis_url, f"lease-{request.node.name}"[:60]) as api:
+        parts = Run(redis_url, api, tokenizer)
+        yield parts
+        parts.close()
+
+
+class Partition(LoopbackProxy):
+    """A proxy in front of Redis that drops every connection while ``cut`` is set: a network partition."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.cut = threading.Event()
+        super().__init__(("127.0.0.1", urlsplit(redis_url).port or 6379), wait_s=10)
+        self.url = f"redis://{self.address}/0"
+
+    def passes(self, pair: tuple[socket.socket, socket.socket], to_upstream: bool, data: bytes) -> bool:
+        return not self.cut.is_set()
+
+
+def _trainer(run: Run, redis_url: str, model: Path, tmp_path: Path) -> subprocess.Popen:
+    """``python -m trainer`` of the run: steps of 2 groups, one step in all, its lease's TTL ``LEASE_MS``."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"name": run.keys.run, "dir": str(tmp_path)},
+        "model": {"path": str(model), "init_if_missing": False},
+        "redis": {"url": redis_url},
+        "buffer": {"groups_per_step": 2, "claim_idle_ms": LEASE_MS},
+        "trainer": {"micro_batch_tokens": 128, "take_timeout_s": 0.5, "device": "cpu", "total_steps": 1},
+    }))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
+    env.pop("REDIS_URL", None)
+    with open(tmp_path / "trainer.log", "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "trainer", "-c", str(config)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+def _until(done: Callable[[], bool], what: str, timeout_s: float, proc: subprocess.Popen | None = None,
+           log: Path | None = None) -> None:
+    """Poll ``done`` until it holds; fails naming ``what`` after ``timeout_s``, or once ``proc`` exited."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        tail = log.read_text(errors="replace")[-3000:] if log is not None else ""
+        assert proc is None or proc.poll() is None, f"the trainer exited {proc.returncode} before {what}: {tail}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s: {tail}"
+        time.sleep(0.1)
+
+
+def _holding(run: Run, redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    """A trainer that holds the one group in the buffer (pending for it) while it waits for the second of its step;
+    returns it and its lease (pid, host and epoch)."""
+    proc = _trainer(run, redis_url, tiny_model_dir, tmp_path)
+    mine = f"pid {proc.pid} on {socket.gethostname()}, epoch "
+
+    def holds() -> bool:
+        lease = run.redis.get(run.keys.trainer_alive)
+        pending = run.redis.xpending(run.keys.groups, TRAINER_GROUP)["pending"]
+        return lease is not None and lease.decode().startswith(mine) and pending == 1
+
+    _until(holds, "group held by the trainer under its lease", 240, proc, tmp_path / "trainer.log")
+    return proc, run.redis.get(run.keys.trainer_alive).decode()
+
+
+def test_a_killed_trainers_group_of_a_cancelled_job_is_deleted_once_its_lease_lapsed(
+        run: Run, redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """While the trainer lives (its lease renewed, TTL ``buffer.claim_idle_ms``) the delete is a 409 naming it, and the
+    status says it is alive. SIGKILLed, it records no end: the delete used to be refused until a trainer started again;
+    now it goes once the lease lapsed, with the group, its payload key and its admission slot."""
+    job_id = run.submit(ONE)
+    staleness = StalenessControl(run.redis, run.keys, BufferConfig())
+    [entry] = run.read(1)
+    assert staleness.try_admit(entry.group_id)
+    run.put(entry)
+    proc, lease = _holding(run, redis_url, tiny_model_dir, tmp_path)
+    try:
+        assert 0 < run.redis.pttl(run.keys.trainer_alive) <= LEASE_MS  # the trainer's claim_idle_ms, not 30 s
+        assert run.api.get("/v1/status").json()["trainer"]["alive"] is True
+        assert run.api.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+        reply = run.api.delete(f"/v1/jobs/{job_id}")
+        assert reply.status_code == 409, reply.text
+        assert f"1 of its groups are held by the trainer ({lease}) for its current step" in reply.json()["detail"]
+        assert run.depths()["groups"] == {"length": 1, "pending": 1}
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert run.redis.hmget(run.keys.trainer, *TRAINER_FINISHED_FIELDS) == [None] * 3  # killed: no end recorded
+
+    _until(lambda: not run.redis.exists(run.keys.trainer_alive), "lapse of the killed trainer's lease", 30)
+    assert run.api.get("/v1/status").json()["trainer"]["alive"] is False
+    reply = run.api.delete(f"/v1/jobs/{job_id}")
+    assert reply.status_code == 200, reply.text
+    assert run.keys_of(job_id) == set() and run.depths()["groups"] == {"length": 0, "pending": 0}
+    assert staleness.admitted() == 0 and not run.redis.keys(f"{run.keys.prefix}payload:*")
+    assert run.redis.hget(run.keys.group_state, entry.group_id) == b"t"
+
+
+def test_a_trainer_frozen_past_its_lease_acks_its_step_after_the_delete_counting_nothing_twice(
+        run: Run, redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The trainer holds a group of a job and is frozen (SIGSTOP: as a long pause, or a trainer cut off from Redis, its
+    lease lapses while it lives); the job is cancelled and deleted, its group with it. Woken, the trainer takes another
+    job's group, trains its step on both (it holds the removed one in memory), checkpoints and acks: the ack acks and
+    counts the other group alone (the removed one's id is consumed), so ``trained`` is 1, the admission slots add up
+    (the removed group's given back once, the trained one's kept), and no key of the deleted job comes back. The
+    trainer ends as usual, its end recorded and its lease deleted."""
+    cancelled, other = run.submit(ONE), run.submit(ONE)
+    staleness = StalenessControl(run.redis, run.keys, BufferConfig())
+    first, second = run.read(2)
+    assert (first.job_id, second.job_id) == (cancelled, other)
+    for entry in (first, second):
+        assert staleness.try_admit(entry.group_id)
+    run.put(first)
+    proc, _ = _holding(run, redis_url, tiny_model_dir, tmp_path)
+    log = tmp_path / "trainer.log"
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        run.api.post(f"/v1/jobs/{cancelled}/cancel")
+        _until(lambda: not run.redis.exists(run.keys.trainer_alive), "lapse of the frozen trainer's lease", 30)
+        reply = run.api.delete(f"/v1/jobs/{cancelled}")
+        assert reply.status_code == 200, reply.text
+        assert staleness.admitted() == 1 and run.depths()["groups"] == {"length": 0, "pending": 0}
+        run.put(second)
+        proc.send_signal(signal.SIGCONT)
+        assert proc.wait(240) == 0, log.read_text(errors="replace")[-3000:]
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        stop_process(proc, 30, name="trainer")
+    status = run.api.get("/v1/status").json()["trainer"]
+    assert (status["step"], status["finished_reason"], status["alive"]) == ("1", "trainer.total_steps", False), status
+    assert run.redis.get(run.keys.trained) == b"1" and staleness.admitted() == 1
+    job = run.api.get(f"/v1/jobs/{other}").json()
+    assert (job["state"], job["progress"]["trained"]) == ("done", 1), job
+    assert run.keys_of(cancelled) == set() and run.listed() == [other]
+    assert run.depths()["groups"] == {"length": 0, "pending": 0}
+    assert not run.redis.keys(f"{run.keys.prefix}payload:*")
+    assert run.redis.hmget(run.keys.group_state, [first.group_id, second.group_id]) == [b"t", b"t"]
+
+
+def test_a_fenced_trainers_lease_is_not_renewed_and_its_stop_leaves_the_newer_ones(redis_url: str) -> None:
+    """Once a newer trainer of the run started, the older one's renewal is refused (logged and counted as the fence's
+    refusals are), so its lease no longer keeps the newer trainer's groups (same consumer) from a delete after the newer
+    one died; and its stop deletes nothing of the newer trainer's lease."""
+    client, keys = redis.Redis.from_url(redis_url), Keys("lease-fenced")
+    old, newer = (ReplayBuffer(client, keys, BufferConfig()) for _ in range(2))
+    old_lease = TrainerLease(client, keys, old, 60_000).start()
+    newer_lease = TrainerLease(client, keys, newer, 60_000).start()
+    try:
+        assert client.get(keys.trainer_alive).decode() == newer_lease.value != old_lease.value
+        with pytest.raises(TrainerFenced, match="a newer trainer of run lease-fenced started"):
+            old_lease.renew()
+        assert old.metrics.registry.get_sample_value("rollwave_buffer_fenced_refusals_total") == 1
+        old_lease.stop()
+        assert client.get(keys.trainer_alive).decode() == newer_lease.value
+    finally:
+        old_lease.stop()
+        newer_lease.stop()
+    assert not client.exists(keys.trainer_alive)
+
+
+def test_a_trainer_cut_off_from_redis_past_its_lease_loses_the_cancelled_jobs_group_and_its_ack_counts_nothing(
+        run: Run, redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The trainer holds a group of each of two jobs for its step, its lease renewed over its own connection (the
+    production client, retrying for its outage time). The network between it and Redis goes: its renewals fail (logged
+    once, counted) and the lease lapses while it lives, so the cancelled job's delete, refused before, removes the
+    group it holds. The network back, the lease is renewed again, and the trainer's ack of its step acks and counts the
+    other job's group alone: ``trained`` is 1, each admission slot was given back (the removed group's, by the delete)
+    or kept by the trained group once, and no key of the deleted job comes back."""
+    caplog.set_level(logging.INFO, logger="trainer.metrics")
+    cancelled, other = run.submit(ONE), run.submit(ONE)
+    staleness = StalenessControl(run.redis, run.keys, BufferConfig())
+    for entry in run.read(2):
+        assert staleness.try_admit(entry.group_id)
+        run.put(entry)
+    proxy = Partition(redis_url)
+    client = client_for(proxy.url, RedisConfig(), outage_s=1)
+    trainer = ReplayBuffer(client, run.keys, BufferConfig(), consumer="trainer")
+    registry = CollectorRegistry()
+    lease = TrainerLease(client, run.keys, trainer, 2000, registry).start()
+    failures = "rollwave_trainer_lease_renew_failures_total"
+    try:
+        taken = trainer.take(2, 5.0)
+        assert sorted(g.job_id for _, g in taken) == sorted([cancelled, other])
+        run.api.post(f"/v1/jobs/{cancelled}/cancel")
+        assert run.api.delete(f"/v1/jobs/{cancelled}").status_code == 409
+        proxy.cut.set()
+        _until(lambda: not run.redis.exists(run.keys.trainer_alive) and registry.get_sample_value(failures) > 0,
+               "failed renewal and lapse of the lease", 30)
+        reply = run.api.delete(f"/v1/jobs/{cancelled}")
+        assert reply.status_code == 200, reply.text
+        assert run.api.get("/v1/status").json()["trainer"] is None
+        proxy.cut.clear()
+        _until(lambda: run.redis.get(run.keys.trainer_alive) == lease.value.encode(), "renewed lease", 30)
+        assert run.api.get("/v1/status").json()["trainer"] == {"alive": True}
+        assert trainer.ack([e for e, _ in taken], [g.group_id for _, g in taken]) == 1
+    finally:
+        lease.stop()
+        client.close()
+        proxy.close()
+    assert run.redis.get(run.keys.trained) == b"1" and staleness.admitted() == 1
+    job = run.api.get(f"/v1/jobs/{other}").json()
+    assert (job["state"], job["progress"]["trained"]) == ("done", 1), job
+    assert run.keys_of(cancelled) == set() and run.listed() == [other]
+    assert run.depths()["groups"] == {"length": 0, "pending": 0}
+    assert not run.redis.keys(f"{run.keys.prefix}payload:*")
+    logged = [r.getMessage() for r in caplog.records if r.name == "trainer.metrics"]
+    assert sum("renewing the trainer's lease failed" in m for m in logged) == 1, logged
+    assert any("renewed again" in m for m in logged), logged

@@ -196,7 +196,8 @@ class Keys:
     @property
     def trainer(self) -> str:
         """Hash: the trainer's step, version, heartbeat and metrics address (written by rank 0); once it stopped,
-        where and why (``TRAINER_FINISHED_FIELDS``)."""
+        where and why (``TRAINER_FINISHED_FIELDS``); ``leased`` once a trainer that keeps a lease (``trainer_alive``)
+        started, so a lapsed one reads as its death."""
         return self.prefix + "trainer"
 
     @property

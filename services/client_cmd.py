@@ -351,6 +351,8 @@ def _status_table(status: dict[str, Any]) -> str:
     trainer = status["trainer"] or {}
     finished = f"  finished at step {trainer['finished_step']} ({trainer['finished_reason']})" \
         if "finished_step" in trainer else ""
+    if not finished and trainer.get("leased") and not trainer.get("alive"):
+        finished = "  NOT RUNNING: its lease lapsed with no end recorded (killed?)"
     lines.append(f"trainer: step {trainer.get('step', '-')}  version {trainer.get('version', '-')}  "
                  f"pushed {trainer.get('pushed_version', '-')}{finished}")
     lines.append(f"{'SERVER':14} {'ALIVE':6} {'VERSION':>8} {'BEAT AGE':>9}  {'LAST PUSH':28} ENGINE")

@@ -33,6 +33,7 @@ from buffer.replay import ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
 from core.config import BufferConfig, RedisConfig
 from core.process import stop_process
+from services.client_cmd import _status_table
 from tests.test_api import serve
 from tests.test_job_delete import TRAIN, Run
 from trainer.metrics import TrainerLease
@@ -114,14 +115,18 @@ def test_a_killed_trainers_group_of_a_cancelled_job_is_deleted_once_its_lease_la
         run: Run, redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     """While the trainer lives (its lease renewed, TTL ``buffer.claim_idle_ms``) the delete is a 409 naming it, and the
     status says it is alive. SIGKILLed, it records no end: the delete used to be refused until a trainer started again;
-    now it goes once the lease lapsed, with the group, its payload key and its admission slot."""
+    now it goes once the lease lapsed, with the group, its payload key and its admission slot. Another train job, left
+    to train, read ``running`` for ever (a wait on it never ended): it reads ``stalled`` by a crashed trainer, and
+    ``rollwave status`` says the trainer is not running."""
     job_id = run.submit(ONE)
     staleness = StalenessControl(run.redis, run.keys, BufferConfig())
     [entry] = run.read(1)
     assert staleness.try_admit(entry.group_id)
     run.put(entry)
+    waiting = run.submit(ONE)
     proc, lease = _holding(run, redis_url, tiny_model_dir, tmp_path)
     try:
+        assert run.api.get(f"/v1/jobs/{waiting}").json()["state"] == "running"
         assert 0 < run.redis.pttl(run.keys.trainer_alive) <= LEASE_MS  # the trainer's claim_idle_ms, not 30 s
         assert run.api.get("/v1/status").json()["trainer"]["alive"] is True
         assert run.api.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
@@ -135,7 +140,13 @@ def test_a_killed_trainers_group_of_a_cancelled_job_is_deleted_once_its_lease_la
     assert run.redis.hmget(run.keys.trainer, *TRAINER_FINISHED_FIELDS) == [None] * 3  # killed: no end recorded
 
     _until(lambda: not run.redis.exists(run.keys.trainer_alive), "lapse of the killed trainer's lease", 30)
-    assert run.api.get("/v1/status").json()["trainer"]["alive"] is False
+    status = run.api.get("/v1/status").json()
+    assert status["trainer"]["alive"] is False
+    assert "  NOT RUNNING: its lease lapsed with no end recorded (killed?)" in _status_table(status).splitlines()[1]
+    job = run.api.get(f"/v1/jobs/{waiting}").json()
+    assert job["state"] == "stalled" and job["reason"].startswith(
+        "the trainer crashed at step 0 (its lease lapsed with no end recorded: killed by SIGKILL, the OOM killer or a "
+        "lost node, or cut off from Redis past buffer.claim_idle_ms); 1 of this job's 1 groups wait for a trainer"), job
     reply = run.api.delete(f"/v1/jobs/{job_id}")
     assert reply.status_code == 200, reply.text
     assert run.keys_of(job_id) == set() and run.depths()["groups"] == {"length": 0, "pending": 0}
@@ -235,10 +246,12 @@ def test_a_trainer_cut_off_from_redis_past_its_lease_loses_the_cancelled_jobs_gr
                "failed renewal and lapse of the lease", 30)
         reply = run.api.delete(f"/v1/jobs/{cancelled}")
         assert reply.status_code == 200, reply.text
-        assert run.api.get("/v1/status").json()["trainer"] is None
+        assert run.api.get("/v1/status").json()["trainer"] == {"leased": "1", "alive": False}
+        assert run.api.get(f"/v1/jobs/{other}").json()["state"] == "stalled"  # its trainer taken for dead meanwhile
         proxy.cut.clear()
         _until(lambda: run.redis.get(run.keys.trainer_alive) == lease.value.encode(), "renewed lease", 30)
-        assert run.api.get("/v1/status").json()["trainer"] == {"alive": True}
+        assert run.api.get("/v1/status").json()["trainer"] == {"leased": "1", "alive": True}
+        assert run.api.get(f"/v1/jobs/{other}").json()["state"] == "done"  # rolled out, and its trainer back
         assert trainer.ack([e for e, _ in taken], [g.group_id for _, g in taken]) == 1
     finally:
         lease.stop()

@@ -57,10 +57,12 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 4, 3 + tonumber(ARGV[3])))
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'metrics', ARGV[1])
 """
 
-# KEYS: the trainer's lease. ARGV: what names this trainer, the lease's TTL in ms. Run fenced by the trainer
-# (ReplayBuffer.fenced_script), so a fenced trainer's lease lapses.
+# KEYS: the trainer's lease, the trainer hash. ARGV: what names this trainer, the lease's TTL in ms. Run fenced by the
+# trainer (ReplayBuffer.fenced_script), so a fenced trainer's lease lapses. The hash's ``leased`` says the run's trainer
+# keeps a lease, so the API reads a lapsed one as its death (a trainer from before leases kept none).
 _RENEW_LEASE = """
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('HSET', KEYS[2], 'leased', '1')
 return 0
 """
 # KEYS: the trainer's lease. ARGV: what names this trainer. Deletes the lease only while it is this trainer's.
@@ -238,7 +240,7 @@ class TrainerLease:
 
     def __init__(self, client: redis.Redis, keys: Keys, fence: ReplayBuffer, ttl_ms: int,
                  registry: CollectorRegistry | None = None) -> None:
-        self.key = keys.trainer_alive
+        self.key, self.hash = keys.trainer_alive, keys.trainer
         self.ttl_ms = ttl_ms
         self.value = f"pid {os.getpid()} on {socket.gethostname()}, epoch {fence.fence()}"
         self._renew = fence.fenced_script(_RENEW_LEASE, "its lease")
@@ -260,7 +262,7 @@ class TrainerLease:
 
     def renew(self) -> None:
         """Set the lease to expire ``ttl_ms`` from now, only while this trainer is the run's newest."""
-        self._renew([self.key], [self.value, self.ttl_ms])
+        self._renew([self.key, self.hash], [self.value, self.ttl_ms])
 
     def _keep(self) -> None:
         failing = False

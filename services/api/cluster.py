@@ -39,6 +39,11 @@ class InvalidCursor(ValueError):
     in 64 bits), a jobs cursor that is no ``next`` of a jobs page."""
 
 
+# the end of a trainer whose lease lapsed with none recorded (``ClusterView.trainer_end``)
+LEASE_LAPSED = (f"{TRAINER_CRASHED}its lease lapsed with no end recorded: killed by SIGKILL, the OOM killer or a lost "
+                "node, or cut off from Redis past buffer.claim_idle_ms")
+
+
 @dataclass(frozen=True)
 class TrainerEnd:
     """Where and why the run's trainer stopped (``RedisStatus.finished`` wrote it)."""
@@ -115,11 +120,25 @@ class ClusterView:
         self.servers = registry
         self.queue = queue
 
-    def trainer_end(self, fields: list[bytes | None] | None = None) -> TrainerEnd | None:
-        """The run's trainer's end, once it stopped; None while it trains (or before one started). ``fields``:
-        ``TRAINER_FINISHED_FIELDS`` of the trainer hash, already read."""
-        step, reason, _at = fields or self.redis.hmget(self.keys.trainer, *TRAINER_FINISHED_FIELDS)
-        return None if step is None or reason is None else TrainerEnd(int(step), reason.decode())
+    def _read_end(self, pipe: redis.client.Pipeline) -> None:
+        """Queue on ``pipe`` what ``trainer_end`` reads."""
+        pipe.hmget(self.keys.trainer, *TRAINER_FINISHED_FIELDS[:2], "step", "leased")
+        pipe.exists(self.keys.trainer_alive)
+
+    def trainer_end(self, read: list[Any] | None = None) -> TrainerEnd | None:
+        """The run's trainer's end, once it stopped; None while it trains (or before one started). A trainer that kept
+        a lease (the hash's ``leased``) and let it lapse with no end recorded was killed (SIGKILL, the OOM killer, a
+        lost node), or is cut off from Redis past its TTL: it reads as crashed at its last step, so its train jobs read
+        ``stalled`` and a wait on them ends, where they read ``running`` for ever. ``read``: what ``_read_end`` queued,
+        already executed."""
+        if read is None:
+            pipe = self.redis.pipeline(transaction=False)
+            self._read_end(pipe)
+            read = pipe.execute()
+        (step, reason, last, leased), alive = read
+        if step is not None and reason is not None:
+            return TrainerEnd(int(step), reason.decode())
+        return TrainerEnd(int(last or 0), LEASE_LAPSED) if leased and not alive else None
 
     def job(self, job_id: str) -> dict[str, Any]:
         h = self.queue.job(job_id)  # its state reads ``done`` once every task is written or dead-lettered
@@ -133,12 +152,12 @@ class ClusterView:
         no inline tasks)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.jobs)
-        pipe.hmget(self.keys.trainer, *TRAINER_FINISHED_FIELDS)
-        index, end_fields = pipe.execute()
+        self._read_end(pipe)
+        index, *end_read = pipe.execute()
         order = sorted((-float(created), job_id.decode()) for job_id, created in index.items())
         start = bisect.bisect_right(order, _after(cursor)) if cursor else 0
         page = [job_id for _, job_id in order[start : start + limit]]
-        end = self.trainer_end(end_fields)
+        end = self.trainer_end(end_read)
         jobs = [_job_view(job_id, h, end) for job_id, h in zip(page, self.queue.job_summaries(page), strict=True) if h]
         last = order[start + limit - 1] if start + limit < len(order) else None
         return {"jobs": jobs, "next": None if last is None else f"{-last[0]!r}:{last[1]}"}

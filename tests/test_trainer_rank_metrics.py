@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 from pathlib import Path
 
 import torch
@@ -23,6 +22,13 @@ BALLAST = 384 << 20  # bytes rank 1 holds through the step
 SERIES = ("rollwave_trainer_rank_compute_seconds", "rollwave_trainer_rank_peak_memory_bytes")
 
 
+def _resident_peak() -> int:
+    """This process's peak resident set (bytes), as the kernel counts it for its own memory (``ru_maxrss`` carries the
+    peak of the process that started it: pytest's worker, through fork and exec)."""
+    status = Path("/proc/self/status").read_text()
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) * 1024
+
+
 def _ranks(rank: int, port: int, model_dir: Path, out: Path) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -31,7 +37,7 @@ def _ranks(rank: int, port: int, model_dir: Path, out: Path) -> None:
         trainer = Trainer(TrainerConfig(micro_batch_tokens=128, device="cpu"), model_dir, out / "run").start(ctx=ctx)
         ballast = torch.ones(BALLAST if rank == 1 else 0, dtype=torch.uint8)  # every page written: resident
         record = trainer.train(synthetic_groups(0, 2))
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        peak = _resident_peak()
         seen = {"step_time_s": record["step_time_s"], "peak_after_step": peak, "ballast": ballast.numel()}
         if rank == 0:
             value = trainer.metrics.registry.get_sample_value
@@ -44,6 +50,9 @@ def _ranks(rank: int, port: int, model_dir: Path, out: Path) -> None:
 
 
 def test_rank_0_serves_each_rank_s_step_time_and_peak_memory(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Rank 0 serves both ranks' figures; rank 1's peak is its own, not the peak of the process that spawned the ranks
+    (this test's, which holds a ballast too: ``ru_maxrss`` counted it in every rank)."""
+    parent_ballast = torch.ones(2 * BALLAST, dtype=torch.uint8)  # resident here, never in the ranks
     mp.spawn(_ranks, args=(free_port_outside_ephemeral(), tiny_model_dir, tmp_path), nprocs=2, join=True)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     compute, memory = (rank0["served"][name] for name in SERIES)
@@ -52,3 +61,4 @@ def test_rank_0_serves_each_rank_s_step_time_and_peak_memory(tiny_model_dir: Pat
         assert memory[rank] is not None and memory[rank] <= own["peak_after_step"], (rank, memory, own)
     assert rank1["ballast"] <= memory["1"]
     assert memory["1"] - memory["0"] > BALLAST // 2, memory  # rank 1's figure, not rank 0's
+    assert memory["0"] < parent_ballast.numel(), memory  # nor this process's

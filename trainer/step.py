@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import logging
 import math
-import resource
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,10 +87,12 @@ class _Accumulator:
 
 def _peak_memory_bytes(device: torch.device) -> float:
     """This rank's peak memory: on CUDA the most torch allocated since the step reset the count, on the CPU the
-    process's peak resident set (since it started: the CPU keeps no count a step could reset)."""
+    process's peak resident set since it started (``VmHWM``: the CPU keeps no count a step could reset;
+    ``getrusage``'s ``ru_maxrss`` carries the peak of whatever process started this one, through fork and exec)."""
     if device.type == "cuda":
         return float(torch.cuda.max_memory_allocated(device))
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+    status = Path("/proc/self/status").read_text()
+    return float(re.search(r"^VmHWM:\s+(\d+) kB$", status, re.M).group(1)) * 1024
 
 
 def batch_stats(groups: list[TrajectoryGroup], batch: Batch, policy_version: int) -> dict[str, Any]:

@@ -7,6 +7,7 @@ without counting anything twice or bringing the job back. Real Redis, the real A
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -28,15 +29,18 @@ from net_helpers import LoopbackProxy
 from prometheus_client import CollectorRegistry
 
 from buffer.keys import TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
+from buffer.metrics import BufferMetrics
 from buffer.redis_server import EmbeddedRedis, client_for
 from buffer.replay import ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
-from core.config import BufferConfig, RedisConfig
+from core.config import BufferConfig, RedisConfig, load_config
 from core.process import stop_process
 from services.client_cmd import _status_table
 from tests.test_api import serve
 from tests.test_job_delete import TRAIN, Run
+from trainer.__main__ import _connect
 from trainer.metrics import TrainerLease
+from trainer.parallel import DistContext
 
 LEASE_MS = 3000  # the trainer's buffer.claim_idle_ms: its lease's TTL (30 s by default), renewed every second
 ONE = {**TRAIN, "source": {"kind": "arith", "limit": 1}}
@@ -234,7 +238,7 @@ def test_a_trainer_cut_off_from_redis_past_its_lease_loses_the_cancelled_jobs_gr
     client = client_for(proxy.url, RedisConfig(), outage_s=1)
     trainer = ReplayBuffer(client, run.keys, BufferConfig(), consumer="trainer")
     registry = CollectorRegistry()
-    lease = TrainerLease(client, run.keys, trainer, 2000, registry).start()
+    lease = TrainerLease(client, run.keys, trainer, 6000, registry).start()  # renewed every 2 s
     failures = "rollwave_trainer_lease_renew_failures_total"
     try:
         taken = trainer.take(2, 5.0)
@@ -266,3 +270,46 @@ def test_a_trainer_cut_off_from_redis_past_its_lease_loses_the_cancelled_jobs_gr
     logged = [r.getMessage() for r in caplog.records if r.name == "trainer.metrics"]
     assert sum("renewing the trainer's lease failed" in m for m in logged) == 1, logged
     assert any("renewed again" in m for m in logged), logged
+
+
+def test_a_trainer_cut_off_from_redis_exits_without_waiting_for_its_lease(redis_url: str) -> None:
+    """The network to Redis goes while the trainer stops: a renewal in flight rides out the outage (the client retries
+    for its outage time, a minute by default), and the trainer's exit used to wait for it, then retry the release as
+    long: past a supervisor's grace period. Its stop now leaves the lease to lapse after ``STOP_WAIT_S``."""
+    proxy = Partition(redis_url)
+    client = client_for(proxy.url, RedisConfig(), outage_s=120)
+    keys = Keys("lease-exit")
+    registry = CollectorRegistry()
+    lease = TrainerLease(client, keys, ReplayBuffer(client, keys, BufferConfig()), 600, registry).start()
+    try:
+        proxy.cut.set()
+        direct = redis.Redis.from_url(redis_url)
+        _until(lambda: not direct.exists(keys.trainer_alive), "lapse of the lease, its renewal stuck", 30)
+        started = time.monotonic()
+        lease.stop()
+        assert time.monotonic() - started < 60  # not the client's outage time of 120 s
+    finally:
+        proxy.cut.clear()
+        client.close()
+        proxy.close()
+
+
+def test_a_lease_the_trainer_cannot_take_is_recorded_as_its_crash(
+        ctx: DistContext, redis_url: str, tiny_model_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis fails the lease's first renewal (an outage past the client's retries) as the trainer connects, past its
+    fence: the trainer fails, its crash recorded as the run's end (it was taken outside the start-up that records one,
+    and a train job read ``running`` while a launcher restarted the trainer)."""
+    def unreachable(self: TrainerLease) -> None:
+        raise redis.ConnectionError("Redis at 127.0.0.1:6379: connection refused (retried for 60 s)")
+
+    monkeypatch.setattr(TrainerLease, "renew", unreachable)
+    keys = Keys("lease-refused")
+    cfg = load_config(None, [f"run.name={keys.run}", f"redis.url={redis_url}", f"run.dir={tmp_path}",
+                             f"model.path={tiny_model_dir}", f"checkpoint.stage_dir={tmp_path}/stage"], env={})
+    metrics = CollectorRegistry()
+    with pytest.raises(redis.ConnectionError, match="connection refused"), contextlib.ExitStack() as stack:
+        _connect(cfg, ctx, stack, metrics, BufferMetrics(metrics))
+    status = redis.Redis.from_url(redis_url).hgetall(keys.trainer)
+    assert status[b"finished_reason"] == b"crashed: ConnectionError: Redis at 127.0.0.1:6379: connection refused " \
+        b"(retried for 60 s)", status

@@ -154,13 +154,13 @@ def _connect(
     buffer.ensure_group()
     buffer.fence()  # at once: a trainer of the run still running stops taking groups this one will not see
     stack.callback(buffer.close)
-    # deleted as the stack unwinds, the end recorded before; a trainer killed lets it lapse (a delete then takes the
-    # cancelled jobs' groups it held)
-    stack.callback(TrainerLease(client, keys, buffer, cfg.buffer.claim_idle_ms, metrics).start().stop)
     record = RunRecord(buffer, cfg.buffer)
     staleness = record.staleness
     status = RedisStatus(client, keys, fence=buffer)
     try:
+        # deleted as the stack unwinds, the end recorded before; a trainer killed lets it lapse (a delete then takes
+        # the cancelled jobs' groups it held, and the API reads the trainer as crashed)
+        stack.callback(TrainerLease(client, keys, buffer, cfg.buffer.claim_idle_ms, metrics).start().stop)
         registry = ServerRegistry(client, keys)
         if colocated:
             local = LocalPusher(local_root, cfg.model.path, DeviceTurns(client, keys, fence=buffer), registry,

@@ -228,6 +228,9 @@ class RedisStatus:
         })
 
 
+STOP_WAIT_S = 1.0  # how long a trainer's exit waits for a renewal of its lease in flight
+
+
 class TrainerLease:
     """Rank 0's lease on the run (``Keys.trainer_alive``): a key naming this trainer (pid, host and trainer epoch) that
     expires ``ttl_ms`` (``buffer.claim_idle_ms``) after its last renewal. A thread of its own renews it every third of
@@ -285,10 +288,14 @@ class TrainerLease:
 
     def stop(self) -> None:
         """Stop renewing and delete the lease, if it is still this trainer's (a newer trainer's is left alone). A
-        renewal still in flight (Redis slow to answer) past a wait of one TTL may write it once more: it then lapses."""
+        renewal still in flight after a second (Redis away: the client rides out an outage for a minute) leaves the
+        lease to lapse, rather than hold the trainer's exit that long (past a supervisor's grace period)."""
         self._stopped.set()
+        self._thread.join(STOP_WAIT_S)
         if self._thread.is_alive():
-            self._thread.join(self.ttl_ms / 1000)
+            log.warning("%s: a renewal of the trainer's lease is still waiting for Redis: the lease is left to lapse "
+                        "within %g s", self.key, self.ttl_ms / 1000)
+            return
         try:
             self._release([self.key], [self.value])
         except redis.RedisError as exc:

@@ -82,6 +82,13 @@ class Keys:
         with its job. Its own prefix, like ``traj:`` and ``eval:``: no job id names another job's key."""
         return f"{self.prefix}entries:{job_id}"
 
+    @property
+    def deleted_aside(self) -> str:
+        """Set: ids of deleted jobs whose set aside (``entries_aside``) is still to be removed, added in the delete's
+        own Lua call: a delete interrupted before it removed them (the API died, its reply lost, a client that did not
+        send it again) leaves them to the next delete of any job."""
+        return self.prefix + "deleted:aside"
+
     def entries_aside(self, job_id: str) -> str:
         """Set of a job's dead letters and malformed groups set aside from its entries by a delete's walk (members as
         ``entries``'s): they stay indexed there while the job exists, and are removed in batches once it is gone. Under

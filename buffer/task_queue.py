@@ -264,32 +264,33 @@ return removed
 # Delete a job, in one step (KEYS: job hash, jobs index, trajectories stream, eval results stream, the job's entries,
 # train and eval task streams, dead letters, groups, malformed groups, newer groups, group state, consumed ids list,
 # admitted, admitted ids, trainer hash, the job's set aside (``Keys.entries_aside``), the trainer's lease
-# (``Keys.trainer_alive``); ARGV: job id, the idempotency keys' prefix, buffer.claim_idle_ms, the dedup window,
-# TRAIN_ENDS). A finished one (every task ended: an eval job's completed, dead-lettered or cancelled; a train job's
-# every group ended too, TRAIN_ENDS) goes at once. A cancelled one goes with what is left of it: its tasks in the task
-# stream (found through the job's entries, never by reading the stream whole; ``delete_job`` removed those no one held
-# in batches of ``_CANCEL_QUEUED`` before, so few are left but what a live consumer holds) and its groups in ``groups``
-# and ``groups:newer`` (read whole: buffer.max_groups bounds what is undelivered, admission what is parked), each ended
-# as an ack would end it (a task as ``_TASK_REMOVAL``'s ``remove_task`` ends it; a group's payload key deleted and its
-# id consumed, admission slots given back, pending deliveries acked). A task pending for a consumer that has not renewed
-# it for claim_idle_ms is no one's (a live server renews what it holds; any other would take it over), nor is a group
-# pending for a trainer that stopped (its end in the trainer hash, as ``ClusterView.trainer_end`` reads it) or whose
-# lease (``Keys.trainer_alive``) is gone: it lapsed (the trainer was killed without recording its end; or it was frozen,
-# or cut off from Redis, past the lease's TTL, and its ack of a group this call removed then finds the group's id
-# consumed and acks and counts nothing), or the trainer is one from before the lease, which keeps none (the same for its
-# acks). While a live consumer holds a task or group of it, or something its counters say is left is in none of these
-# places (an older API's tasks, which it did not index), nothing is done. So once it is deleted no entry of it is
-# pending or queued anywhere, and every script that writes to a job's keys does so only for an entry still pending (put,
-# dead letter, cancel, requeue) or still in its stream (the trainer's ack): no late write brings any of them back. Its
-# submit's idempotency claim goes too while the claim still names it. Its dead letters and malformed groups do not go in
-# this call: ``delete_job``'s walk set them aside before (``set_aside``), so the entries this call reads whole are few
-# (the tasks live consumers hold, and what was dead-lettered, moved aside or requeued since the walk); it sets aside
-# those few, and the set aside, which outlives the job hash, is removed in batches after it (``_DROP_ASIDE``): a job's
-# 100,000 dead letters XDEL'd in this call held Redis 6.2 for a third of a second, every other client waiting (about 5
-# ms the longest call in batches, ``bench/job_delete.py --dead-letters``). Returns {kind, 0, tasks removed, groups
-# removed} once deleted; {kind, left} for a job neither finished nor cancelled; {kind, left, tasks held by live
-# consumers, groups held by a running trainer, left in no place found, the lease of that trainer ('' when none holds
-# any), the holding consumers...} for a cancelled one refused; false for an unknown job.
+# (``Keys.trainer_alive``), the deleted jobs whose set aside is left to remove (``Keys.deleted_aside``); ARGV: job id,
+# the idempotency keys' prefix, buffer.claim_idle_ms, the dedup window, TRAIN_ENDS). A finished one (every task ended:
+# an eval job's completed, dead-lettered or cancelled; a train job's every group ended too, TRAIN_ENDS) goes at once. A
+# cancelled one goes with what is left of it: its tasks in the task stream (found through the job's entries, never by
+# reading the stream whole; ``delete_job`` removed those no one held in batches of ``_CANCEL_QUEUED`` before, so few are
+# left but what a live consumer holds) and its groups in ``groups`` and ``groups:newer`` (read whole: buffer.max_groups
+# bounds what is undelivered, admission what is parked), each ended as an ack would end it (a task as
+# ``_TASK_REMOVAL``'s ``remove_task`` ends it; a group's payload key deleted and its id consumed, admission slots given
+# back, pending deliveries acked). A task pending for a consumer that has not renewed it for claim_idle_ms is no one's
+# (a live server renews what it holds; any other would take it over), nor is a group pending for a trainer that stopped
+# (its end in the trainer hash, as ``ClusterView.trainer_end`` reads it) or whose lease (``Keys.trainer_alive``) is
+# gone: it lapsed (the trainer was killed without recording its end; or it was frozen, or cut off from Redis, past the
+# lease's TTL, and its ack of a group this call removed then finds the group's id consumed and acks and counts nothing),
+# or the trainer is one from before the lease, which keeps none (the same for its acks). While a live consumer holds a
+# task or group of it, or something its counters say is left is in none of these places (an older API's tasks, which it
+# did not index), nothing is done. So once it is deleted no entry of it is pending or queued anywhere, and every script
+# that writes to a job's keys does so only for an entry still pending (put, dead letter, cancel, requeue) or still in
+# its stream (the trainer's ack): no late write brings any of them back. Its submit's idempotency claim goes too while
+# the claim still names it. Its dead letters and malformed groups do not go in this call: ``delete_job``'s walk set them
+# aside before (``set_aside``), so the entries this call reads whole are few (the tasks live consumers hold, and what
+# was dead-lettered, moved aside or requeued since the walk); it sets aside those few, and the set aside, which outlives
+# the job hash, is listed in ``Keys.deleted_aside`` and removed in batches after it (``_DROP_ASIDE``): a job's 100,000
+# dead letters XDEL'd in this call held Redis 6.2 for a third of a second, every other client waiting (about 5 ms the
+# longest call in batches, ``bench/job_delete.py --dead-letters``). Returns {kind, 0, tasks removed, groups removed}
+# once deleted; {kind, left} for a job neither finished nor cancelled; {kind, left, tasks held by live consumers, groups
+# held by a running trainer, left in no place found, the lease of that trainer ('' when none holds any), the holding
+# consumers...} for a cancelled one refused; false for an unknown job.
 _DELETE_JOB = _TASK_REMOVAL + _ASIDE + """
 local h = redis.call('HMGET', KEYS[1], 'kind', 'submitted', 'idempotency', 'state')
 if not h[1] then return false end
@@ -353,6 +354,7 @@ for _, g in ipairs(groups) do
 end
 trim_consumed(tonumber(ARGV[4]))
 for _, m in ipairs(entries) do set_aside(m) end
+if redis.call('EXISTS', KEYS[17]) == 1 then redis.call('SADD', KEYS[19], ARGV[1]) end
 redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5])
 redis.call('HDEL', KEYS[2], ARGV[1])
 if h[3] then
@@ -564,21 +566,13 @@ class TaskQueue:
         trainer is live while its lease, ``Keys.trainer_alive``, holds and it has not recorded its end), and a job
         neither finished nor cancelled is kept, with its dead letters. Before that step its entries are walked in
         batches (``_walk_entries``): its tasks no one holds removed, its dead letters and malformed groups set aside, so
-        that step finds few; after it, what it set aside is removed in batches (``_drop_aside``), also by a delete
-        that finds the job gone (the API died between: the client's retry finishes it). None for an unknown job (a
-        second delete finds it so)."""
-        k = self.keys
-        keys = [k.job(job_id), k.jobs, k.trajectories(job_id), k.eval(job_id), k.entries(job_id), k.tasks("train"),
-                k.tasks("eval"), k.tasks_dead, k.groups, k.groups_malformed, k.groups_newer,
-                k.group_state, k.groups_consumed, k.admitted, k.admitted_ids, k.trainer, k.entries_aside(job_id),
-                k.trainer_alive]
+        that step finds few; after it, what it set aside is removed in batches (``_drop_deleted_aside``), with what
+        an earlier delete interrupted before it left. None for an unknown job (a second delete finds it so)."""
+        keys = self._deletion_keys(job_id)
         queued = self._walk_entries(keys, cancelled=self.job_state(job_id) == "cancelled")
-        found = self._delete_job(keys, [job_id, k.idempotency(""), self.config.claim_idle_ms, self.config.dedup_window,
-                                        *TRAIN_ENDS])
-        if found is None or not found[1]:
-            dropped = self._in_batches(keys[16], self._drop_aside, keys, [])
-            if dropped:
-                log.info("job %s: %d of its dead letters and malformed groups removed", job_id, dropped)
+        found = self._delete_job(keys, [job_id, self.keys.idempotency(""), self.config.claim_idle_ms,
+                                        self.config.dedup_window, *TRAIN_ENDS])
+        self._drop_deleted_aside()
         if found is None:
             return None
         kind, left, *counts = found
@@ -595,6 +589,27 @@ class TaskQueue:
         rolling_out, training, unfound, trainer, *servers = counts
         return Deletion(kind.decode(), left, removed_tasks=queued, rolling_out=rolling_out, training=training,
                         unfound=unfound, servers=tuple(sorted(s.decode() for s in servers)), trainer=trainer.decode())
+
+    def _deletion_keys(self, job_id: str) -> list[str]:
+        """The KEYS of ``_DELETE_JOB`` and of the scripts sharing its Lua, for ``job_id``."""
+        k = self.keys
+        return [k.job(job_id), k.jobs, k.trajectories(job_id), k.eval(job_id), k.entries(job_id), k.tasks("train"),
+                k.tasks("eval"), k.tasks_dead, k.groups, k.groups_malformed, k.groups_newer,
+                k.group_state, k.groups_consumed, k.admitted, k.admitted_ids, k.trainer, k.entries_aside(job_id),
+                k.trainer_alive, k.deleted_aside]
+
+    def _drop_deleted_aside(self) -> None:
+        """Remove the sets aside of the deleted jobs ``Keys.deleted_aside`` lists (the one just deleted, and any a
+        delete interrupted before it removed them left), in batches (``_DROP_ASIDE``); a job listed that exists again
+        (submitted under a deleted one's id) keeps its set until it is deleted."""
+        for member in self.redis.smembers(self.keys.deleted_aside):
+            job_id = member.decode()
+            keys = self._deletion_keys(job_id)
+            dropped = self._in_batches(keys[16], self._drop_aside, keys, [])
+            if dropped:
+                log.info("job %s: %d of its dead letters and malformed groups removed", job_id, dropped)
+            if not self.redis.exists(keys[16]):
+                self.redis.srem(self.keys.deleted_aside, member)
 
     def _walk_entries(self, keys: list[str], cancelled: bool) -> int:
         """Before a delete's step, walk the job's entries (``_CANCEL_QUEUED``): a cancelled job's tasks that no live

@@ -501,10 +501,13 @@ class FailsOnce(redis.Redis):
         return super().execute_command(*args, **options)
 
 
-def test_a_delete_sent_again_removes_the_dead_letters_an_interrupted_one_left(run: Run, redis_url: str) -> None:
+@pytest.mark.parametrize("then", ["sent_again", "another_job_deleted"])
+def test_the_dead_letters_an_interrupted_delete_left_go_with_the_next_delete(run: Run, redis_url: str,
+                                                                             then: str) -> None:
     """The job went in the delete's one call, and its dead letters are removed after it: a delete interrupted between
-    leaves them, set aside under the job's id. The client sends the delete again (it had no reply); that finds the job
-    gone (404) and removes them."""
+    leaves them, set aside under the job's id and listed in ``deleted:aside`` by that call. The client sends the delete
+    again (it had no reply: 404, and they go), or it never does and the next delete of another job removes them (they
+    were left for good)."""
     job_id = run.submit(EVAL)
     for entry in run.read(2):
         assert run.queue.dead_letter(entry, "the prompt is too long")
@@ -516,9 +519,18 @@ def test_a_delete_sent_again_removes_the_dead_letters_an_interrupted_one_left(ru
     assert run.api.get(f"/v1/jobs/{job_id}").status_code == 404
     assert run.keys_of(job_id) == {run.keys.entries_aside(job_id).encode()}
     assert run.redis.xlen(run.keys.tasks_dead) == 2
+    assert run.redis.smembers(run.keys.deleted_aside) == {job_id.encode()}
 
-    assert run.api.delete(f"/v1/jobs/{job_id}").status_code == 404
+    if then == "sent_again":
+        assert run.api.delete(f"/v1/jobs/{job_id}").status_code == 404
+    else:
+        other = run.submit(EVAL)
+        for entry in run.read(2):
+            assert run.queue.dead_letter(entry, "the prompt is too long")
+        assert run.api.delete(f"/v1/jobs/{other}").status_code == 200
+        assert run.keys_of(other) == set()
     assert run.redis.xlen(run.keys.tasks_dead) == 0 and run.keys_of(job_id) == set()
+    assert not run.redis.exists(run.keys.deleted_aside)
 
 
 def test_a_frozen_servers_task_the_delete_removed_takes_no_admission_slot_when_it_wakes(run: Run) -> None:

@@ -115,6 +115,17 @@ def _holding(run: Run, redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> 
     return proc, run.redis.get(run.keys.trainer_alive).decode()
 
 
+def _only_the_other_job_trained(run: Run, staleness: StalenessControl, cancelled: str, other: str) -> None:
+    """The step trained a group of each job, ``cancelled``'s removed by its delete meanwhile: ``other``'s alone is
+    counted trained, its admission slot kept, and nothing of the deleted job, or of either group, is left."""
+    assert run.redis.get(run.keys.trained) == b"1" and staleness.admitted() == 1
+    job = run.api.get(f"/v1/jobs/{other}").json()
+    assert (job["state"], job["progress"]["trained"]) == ("done", 1), job
+    assert run.keys_of(cancelled) == set() and run.listed() == [other]
+    assert run.depths()["groups"] == {"length": 0, "pending": 0}
+    assert not run.redis.keys(f"{run.keys.prefix}payload:*")
+
+
 def test_a_killed_trainers_group_of_a_cancelled_job_is_deleted_once_its_lease_lapsed(
         run: Run, redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     """While the trainer lives (its lease renewed, TTL ``buffer.claim_idle_ms``) the delete is a 409 naming it, and the
@@ -190,12 +201,7 @@ def test_a_trainer_frozen_past_its_lease_acks_its_step_after_the_delete_counting
         stop_process(proc, 30, name="trainer")
     status = run.api.get("/v1/status").json()["trainer"]
     assert (status["step"], status["finished_reason"], status["alive"]) == ("1", "trainer.total_steps", False), status
-    assert run.redis.get(run.keys.trained) == b"1" and staleness.admitted() == 1
-    job = run.api.get(f"/v1/jobs/{other}").json()
-    assert (job["state"], job["progress"]["trained"]) == ("done", 1), job
-    assert run.keys_of(cancelled) == set() and run.listed() == [other]
-    assert run.depths()["groups"] == {"length": 0, "pending": 0}
-    assert not run.redis.keys(f"{run.keys.prefix}payload:*")
+    _only_the_other_job_trained(run, staleness, cancelled, other)
     assert run.redis.hmget(run.keys.group_state, [first.group_id, second.group_id]) == [b"t", b"t"]
 
 
@@ -261,12 +267,7 @@ def test_a_trainer_cut_off_from_redis_past_its_lease_loses_the_cancelled_jobs_gr
         lease.stop()
         client.close()
         proxy.close()
-    assert run.redis.get(run.keys.trained) == b"1" and staleness.admitted() == 1
-    job = run.api.get(f"/v1/jobs/{other}").json()
-    assert (job["state"], job["progress"]["trained"]) == ("done", 1), job
-    assert run.keys_of(cancelled) == set() and run.listed() == [other]
-    assert run.depths()["groups"] == {"length": 0, "pending": 0}
-    assert not run.redis.keys(f"{run.keys.prefix}payload:*")
+    _only_the_other_job_trained(run, staleness, cancelled, other)
     logged = [r.getMessage() for r in caplog.records if r.name == "trainer.metrics"]
     assert sum("renewing the trainer's lease failed" in m for m in logged) == 1, logged
     assert any("renewed again" in m for m in logged), logged

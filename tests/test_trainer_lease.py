@@ -314,3 +314,31 @@ def test_a_lease_the_trainer_cannot_take_is_recorded_as_its_crash(
     status = redis.Redis.from_url(redis_url).hgetall(keys.trainer)
     assert status[b"finished_reason"] == b"crashed: ConnectionError: Redis at 127.0.0.1:6379: connection refused " \
         b"(retried for 60 s)", status
+
+
+def test_a_renewal_failing_with_an_error_other_than_redis_is_counted_and_the_lease_renewed_after_it(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A renewal that raises something other than a Redis error (a bug, a client in a bad state) is logged with its
+    traceback and counted, and the thread goes on renewing: it used to end the thread, silently, and the lease to lapse
+    under a live trainer, whose cancelled jobs' groups a delete then took from it."""
+    client, keys = redis.Redis.from_url(redis_url), Keys("lease-odd-error")
+    registry = CollectorRegistry()
+    lease = TrainerLease(client, keys, ReplayBuffer(client, keys, BufferConfig()), 600, registry)
+    renew, calls = lease.renew, []
+
+    def odd_once() -> None:
+        calls.append(None)
+        if len(calls) == 2:  # the first renewal of the thread (the first call is start's)
+            raise RuntimeError("odd")
+        renew()
+
+    lease.renew = odd_once  # type: ignore[method-assign]
+    lease.start()
+    try:
+        _until(lambda: len(calls) >= 4, "renewals after the odd error", 30)
+        assert registry.get_sample_value("rollwave_trainer_lease_renew_failures_total") == 1
+        assert client.pttl(keys.trainer_alive) > 0
+    finally:
+        lease.stop()
+    failed = [r for r in caplog.records if "renewing the trainer's lease failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None, failed

@@ -250,8 +250,9 @@ class TrainerLease:
         self._release = client.register_script(_RELEASE_LEASE)
         self.renew_failures = Counter(
             "rollwave_trainer_lease_renew_failures_total",
-            "renewals of the trainer's lease (rw:<run>:trainer:alive) that failed (Redis did not answer): past "
-            "buffer.claim_idle_ms without one it lapses, and a job's delete takes the groups the trainer holds",
+            "renewals of the trainer's lease (rw:<run>:trainer:alive) that failed (Redis did not answer, or another "
+            "error, logged with its traceback): past buffer.claim_idle_ms without one it lapses, and a job's delete "
+            "takes the groups the trainer holds",
             registry=registry if registry is not None else CollectorRegistry(),
         )
         self._stopped = threading.Event()
@@ -274,12 +275,12 @@ class TrainerLease:
                 self.renew()
             except TrainerFenced:  # logged and counted: this trainer stops at its next take; its lease lapses
                 return
-            except redis.RedisError as exc:
+            except Exception as exc:  # Redis away, or anything else: the thread must live on to renew once it can
                 self.renew_failures.inc()
                 if not failing:
-                    log.warning("%s: renewing the trainer's lease failed (%s): it lapses %g s after the last renewal, "
+                    log.warning("%s: renewing the trainer's lease failed (%r): it lapses %g s after the last renewal, "
                                 "and a job's delete then takes the groups this trainer holds", self.key, exc,
-                                self.ttl_ms / 1000)
+                                self.ttl_ms / 1000, exc_info=not isinstance(exc, redis.RedisError))
                 failing = True
             else:
                 if failing:

@@ -6,6 +6,7 @@ writes of a rollout server or the trainer bring nothing of it back; its submit's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -114,13 +115,22 @@ class Run:
             lease.stop()
         self.worker._pool.shutdown()
 
+    @classmethod
+    @contextlib.contextmanager
+    def serving(cls, redis_url: str, tokenizer: Any, name: str) -> Iterator[Run]:
+        """A run named ``name`` (cut to a run name's length) with its API served, closed after."""
+        with serve(redis_url, name[:60]) as api:
+            parts = cls(redis_url, api, tokenizer)
+            try:
+                yield parts
+            finally:
+                parts.close()
+
 
 @pytest.fixture
 def run(redis_url: str, tokenizer: Any, request: pytest.FixtureRequest) -> Iterator[Run]:
-    with serve(redis_url, f"del-{request.node.name}"[:60]) as api:
-        parts = Run(redis_url, api, tokenizer)
+    with Run.serving(redis_url, tokenizer, f"del-{request.node.name}") as parts:
         yield parts
-        parts.close()
 
 
 def test_a_finished_eval_job_goes_with_every_key_of_it_and_a_second_delete_is_a_404(run: Run) -> None:

@@ -36,7 +36,6 @@ from buffer.staleness import StalenessControl
 from core.config import BufferConfig, RedisConfig, load_config
 from core.process import stop_process
 from services.client_cmd import _status_table
-from tests.test_api import serve
 from tests.test_job_delete import TRAIN, Run
 from trainer.__main__ import _connect
 from trainer.metrics import TrainerLease
@@ -54,10 +53,8 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 def run(redis_url: str, tokenizer: Any, request: pytest.FixtureRequest) -> Iterator[Run]:
-    with serve(redis_url, f"lease-{request.node.name}"[:60]) as api:
-        parts = Run(redis_url, api, tokenizer)
+    with Run.serving(redis_url, tokenizer, f"lease-{request.node.name}") as parts:
         yield parts
-        parts.close()
 
 
 class Partition(LoopbackProxy):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -55,6 +57,19 @@ def test_gsm8k_gold_answer_scores_one_and_a_changed_number_zero() -> None:
 def test_extraction_strict_and_flexible(text: str, strict: str | None, flexible: str | None) -> None:
     assert extract_answer(text, "strict") == strict
     assert extract_answer(text, "flexible") == flexible
+
+
+def test_a_long_run_of_spaces_after_answer_is_is_read_at_once() -> None:
+    """The flexible pattern split the spaces after ``answer is`` in quadratically many ways before failing on what
+    follows them: 16000 took 3 s of the rollout server's event loop (and a tool call can send such a text at each of
+    its turns), 200000 would take 20 min. It now reads them once; the gap with a colon still matches. (In a process
+    of its own: a match holds the GIL, so no thread could time it out.)"""
+    texts = ["answer is" + " " * 200_000 + "x", "The answer is \t : \n 42", "answer is :7", "answer is: 7"]
+    script = ("import json, sys; from core.rewards import extract_answer as e; "
+              "print(json.dumps([e(t) for t in json.load(sys.stdin)]))")
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(texts), capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert json.loads(done.stdout) == [None, "42", "7", "7"]
 
 
 def test_numbers_compare_as_values() -> None:

@@ -10,12 +10,14 @@ Each run is a fresh process forked from a multiprocessing fork server that has a
 sample starts in milliseconds instead of paying a Python start, those imports (about 1 s of CPU here) and the
 client's first call (``agent_warmup``). The child leads its own session, pins itself to
 ``placement.agent_cpus`` when set, and becomes a child subreaper: it forks the agent's process, which sets its own
-address-space limit (``RLIMIT_AS``) before calling the agent and sends its result back over a pipe. Every process
-the agent starts stays below the child, even one in a session of its own whose parent has exited (orphans come
-to the subreaper, not to init), so when the agent's process exits, or the parent closes its end of a second pipe
-(at the time limit, on cancellation, or because the rollout server died), the child SIGKILLs and reaps all of
-them, leaving neither a process nor a zombie. The parent SIGKILLs the child's process group if the child has not
-ended ``KILL_WAIT_S`` after that.
+address-space limit (``RLIMIT_AS``) before calling the agent and sends its result back over a pipe, as JSON: the
+rollout server never unpickles what the agent's process sends (a reward's ``__reduce__`` would run the agent's code
+in the server, which holds the secrets its config read, and a class the server cannot import would raise there).
+Every process the agent starts stays below the child, even one in a session of its own whose parent has exited
+(orphans come to the subreaper, not to init), so when the agent's process exits, or the parent closes its end of
+a second pipe (at the time limit, on cancellation, or because the rollout server died), the child SIGKILLs and
+reaps all of them, leaving neither a process nor a zombie. The parent SIGKILLs the child's process group if the
+child has not ended ``KILL_WAIT_S`` after that.
 What the agent and the processes it starts print (stdout and stderr) goes to a pipe the rollout server reads as it
 comes, keeping only the last ``OUTPUT_TAIL`` bytes, which it logs when the run ends with the number of bytes dropped
 before them: an agent printing in a loop costs neither the server's memory nor its log more than that.
@@ -47,6 +49,7 @@ from typing import Any
 from core.imports import import_object
 
 ERROR_TAIL = 2000
+RESULT_MAX_BYTES = 64 << 10  # a result's JSON, at most: the agent's process sends it before the parent reads (a pipe)
 OUTPUT_TAIL = 16 << 10  # bytes of what an agent printed that are kept and logged: the last ones
 KILL_WAIT_S = 10.0
 PR_SET_CHILD_SUBREAPER = 36
@@ -179,9 +182,7 @@ async def run_agent(entrypoint: str, task: Any, base_url: str, api_key: str, *, 
             await asyncio.wait_for(_exited(proc.sentinel), timeout_s)
         except TimeoutError:
             return AgentOutcome(failure="agent_timeout", error=f"agent {entrypoint} ran past {timeout_s:g}s")
-        result = receive.recv() if receive.poll() else {}
-    except EOFError:
-        result = {}
+        result = _received(receive)
     finally:
         keep.close()
         receive.close()
@@ -202,6 +203,36 @@ async def run_agent(entrypoint: str, task: Any, base_url: str, api_key: str, *, 
         return AgentOutcome(failure="agent_error", error=f"agent {entrypoint} exited {proc.exitcode} with no result")
     reward = result["reward"]
     return AgentOutcome(reward=None if reward is None else float(reward))
+
+
+def _received(receive: Connection) -> dict[str, Any]:
+    """The result the agent's process sent, read as JSON and checked (a message that is not one the runner sends is
+    an ``error``); ``{}`` when it sent none."""
+    if not receive.poll():
+        return {}
+    try:
+        message = json.loads(receive.recv_bytes(RESULT_MAX_BYTES))
+    except EOFError:
+        return {}
+    except (OSError, ValueError, RecursionError) as exc:  # past RESULT_MAX_BYTES, not JSON
+        return {"error": f"its process sent a result that cannot be read: {exc}"}
+    if isinstance(message, dict) and len(message) == 1:
+        [(key, value)] = message.items()
+        if (key == "reward" and _is_reward(value)) or (key in ("error", "invalid") and isinstance(value, str)):
+            return message
+    return {"error": f"its process sent {reprlib.repr(message)}, not a result"}
+
+
+def _is_reward(value: Any) -> bool:
+    """Whether ``value`` can be a sample's reward: None, or a finite int or float (not a bool)."""
+    if value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past a float's range
+        return False
 
 
 async def _exited(sentinel: int) -> None:
@@ -303,12 +334,9 @@ def _agent(payload: dict[str, Any], result: Connection) -> int:
         # checked here, so only a number or a short repr crosses the pipe: the parent reads it only once this
         # process has exited, so a result larger than the pipe's buffer would block it until the time limit;
         # a NaN or infinite reward would poison its group's advantages
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)
-                                   or not math.isfinite(reward)):
-            result.send({"invalid": reprlib.repr(reward)})
-        else:
-            result.send({"reward": reward})
+        message = {"reward": reward} if _is_reward(reward) else {"invalid": reprlib.repr(reward)}
     except BaseException as exc:  # noqa: BLE001 - whatever the agent raised is the sample's failure
-        result.send({"error": "".join(traceback.format_exception(exc))[-ERROR_TAIL:]})
+        result.send_bytes(json.dumps({"error": "".join(traceback.format_exception(exc))[-ERROR_TAIL:]}).encode())
         return 1
+    result.send_bytes(json.dumps(message).encode())  # a float or int subclass as the number it is
     return 0

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import types
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +107,63 @@ def test_what_an_agent_prints_is_kept_and_logged_only_as_its_last_16_kib(caplog:
     assert head == (f"agent tests.test_agent_runner_result:prints_a_lot, task t-1, printed {printed} bytes; the first "
                     f"{printed - OUTPUT_TAIL} bytes dropped:")
     assert kept == "x" * (OUTPUT_TAIL - len(tail)) + tail
+
+
+class _Planted(float):
+    """A reward whose pickle runs code where it is unpickled: it writes that process's pid to the task's file."""
+
+    path = ""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return exec, (f"import os; open({self.path!r}, 'w').write(str(os.getpid()))",)
+
+
+def planted_reward(task: dict[str, Any], base_url: str, api_key: str) -> float:
+    reward = _Planted(0.5)
+    reward.path = task["messages"][0]["content"]
+    return reward
+
+
+def test_a_reward_runs_no_code_in_the_rollout_server(tmp_path: Path) -> None:
+    """The agent's result was unpickled in the rollout server: a reward's ``__reduce__`` ran the agent's code there,
+    in the process that holds the secrets (which agent code must not reach); it crosses as JSON, the number it is."""
+    planted = tmp_path / "planted"
+    task = Task(task_id="t-1", messages=[{"role": "user", "content": str(planted)}], reward={})
+    outcome = asyncio.run(run_agent("tests.test_agent_runner_result:planted_reward", task, "http://127.0.0.1:9/v1",
+                                    "k", timeout_s=20, memory_mb=2048))
+    assert not planted.exists(), f"the reward's code ran in process {planted.read_text()} (the test's: {os.getpid()})"
+    assert (outcome.failure, outcome.reward) == (None, 0.5), outcome
+
+
+def reward_of_a_class_only_its_process_has(task: dict[str, Any], base_url: str, api_key: str) -> int:
+    """An int subclass of a module that exists only in the agent's process (an IntEnum of a module it made)."""
+    module = types.ModuleType("rollwave_agent_only")
+    module.Score = type("Score", (int,), {"__module__": module.__name__})
+    sys.modules[module.__name__] = module
+    return module.Score(1)
+
+
+def test_a_reward_of_a_class_the_rollout_server_cannot_import_is_the_number() -> None:
+    """Unpickling a reward whose class the rollout server cannot import raised out of ``run_agent`` (which never
+    raises for the agent's faults) and failed the whole group; it is the number it is."""
+    outcome = asyncio.run(run_agent("tests.test_agent_runner_result:reward_of_a_class_only_its_process_has", TASK,
+                                    "http://127.0.0.1:9/v1", "k", timeout_s=20, memory_mb=2048))
+    assert (outcome.failure, outcome.reward) == (None, 1.0), outcome
+    assert "rollwave_agent_only" not in sys.modules
+
+
+def sends_garbage(task: dict[str, Any], base_url: str, api_key: str) -> None:
+    """Writes bytes that are no result to the pipe its result goes back on, and exits before the runner sends one."""
+    [pipe] = [c for c in gc.get_objects() if isinstance(c, Connection) and not c.closed and c.writable]
+    pipe.send_bytes(b"\x80garbage")
+    os._exit(0)
+
+
+def test_garbage_on_the_result_pipe_is_an_agent_error() -> None:
+    """Bytes on the result pipe that are no result (unpickled, they raised out of ``run_agent`` and failed the group)
+    fail only the sample, as ``agent_error`` saying so."""
+    outcome = asyncio.run(run_agent("tests.test_agent_runner_result:sends_garbage", TASK, "http://127.0.0.1:9/v1",
+                                    "k", timeout_s=20, memory_mb=2048))
+    assert outcome.failure == "agent_error", outcome
+    assert outcome.error.startswith("agent tests.test_agent_runner_result:sends_garbage failed: its process sent a "
+                                    "result that cannot be read: "), outcome

@@ -5,8 +5,9 @@ reading /etc/passwd, the model dir or a host file, writing outside the working d
 Redis on 127.0.0.1, a fork bomb, a 4 GB allocation, an endless loop, 100 MB of output, reading the
 environment and /proc of its parent, killing its parent, a session-leading child started through
 ``_posixsubprocess.fork_exec`` that should outlive the timeout, ptracing the sandbox's pid 1 to run past the limits
-and the kill, filling /dev/shm, files made in a loop, a nested user namespace, and reading a key of the rollout
-server's session keyring. Where the tool's path as root and as another user differ, both run (``_py_as``).
+and the kill, filling /dev/shm, files made in a loop, a nested user namespace, reading a key of the rollout
+server's session keyring, and System V shared memory or memfds that hold memory past the limits. Where the tool's
+path as root and as another user differ, both run (``_py_as``).
 """
 
 from __future__ import annotations
@@ -595,6 +596,27 @@ def test_no_nested_user_namespace(who: str) -> None:
     assert calls == ["-1 No space left on device"] * 2, out.text
     if who == "root":  # the sandbox uid is itself on the host, not root
         assert ids == "65534 ['0', '0', '1', '65534', '65534', '1']", out.text
+
+
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_no_system_v_ipc_or_memfd_holds_memory_past_the_limits(who: str) -> None:
+    """Detached System V shared memory counts in no process's address space, and nothing bounds it in the sandbox's
+    ipc namespace: one snippet held 3 GiB past a memory_mb of 256 in 4 s (message queues and semaphore sets are
+    kernel memory the same way, a memfd is outside every tmpfs). None of them can be made."""
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "for name, args in (('shmget', (0, 1 << 20, 0o1600)), ('semget', (0, 1, 0o1600)), ('msgget', (0, 0o1600))):\n"
+        "    print(name, getattr(libc, name)(*args), os.strerror(ctypes.get_errno()))\n"
+        "try:\n"
+        "    os.memfd_create('held')\n"
+        "except OSError as exc:\n"
+        "    print('memfd_create', -1, exc.strerror)\n"
+    )
+    out = _py_as(who, code)
+    assert out.ok, out.text
+    names = ("shmget", "semget", "msgget", "memfd_create")
+    assert out.text.splitlines() == [f"{name} -1 Function not implemented" for name in names], out.text
 
 
 _WITH_A_KEY = """

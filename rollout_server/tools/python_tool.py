@@ -23,6 +23,14 @@ The boundary is the kernel's, set up by bubblewrap (``bwrap``, Debian package ``
   keyring it inherits: the bootstrap joins a new, empty session keyring before the snippet runs, so no key of the
   rollout server's session (a login's, a service manager's) reaches it. Where the number of the ``keyctl`` system
   call is not known (``KEYCTL_SYSCALLS``), the sandbox counts as unavailable.
+- **Memory outside the rlimits**: System V shared memory, message queues and semaphore sets (detached, they count
+  in no process's address space and, in the sandbox's new ipc namespace, the kernel's defaults bound them by nothing:
+  one snippet held 3 GiB of shared memory past a ``memory_mb`` of 256 in 4 s) and memfds (outside every tmpfs) cannot
+  be made: before the snippet exists the bootstrap installs a seccomp filter, which no process of the sandbox can
+  remove, under which ``shmget``, ``semget``, ``msgget`` and ``memfd_create`` fail with ENOSYS, as on a kernel without
+  them (and every system call of another ABI than the machine's, which could reach them by other numbers). Where
+  their numbers are not known (``DENIED_SYSCALLS``), or the filter cannot be installed, the sandbox counts as
+  unavailable.
 - **Processes**: the bootstrap is the sandbox's pid 1 (``--as-pid-1``: no init of bwrap's, which no rlimit
   would cover) and sets rlimits NPROC, AS (memory), CPU, FSIZE, NOFILE and CORE, which no process of the
   sandbox can raise, before it forks the snippet; it is not dumpable, so the snippet cannot ptrace it even as
@@ -60,15 +68,19 @@ LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64")
 PROBE_TIMEOUT_S = 30.0
 KILL_WAIT_S = 10.0
 KEYCTL_SYSCALLS = {"x86_64": 250, "aarch64": 219, "riscv64": 219}  # the system call's number, by machine
+# by machine: the ABI seccomp names (AUDIT_ARCH_*), and the numbers of shmget, semget, msgget and memfd_create
+DENIED_SYSCALLS = {"x86_64": (0xC000003E, (29, 64, 68, 319)), "aarch64": (0xC00000B7, (194, 190, 186, 279)),
+                   "riscv64": (0xC00000F3, (194, 190, 186, 279))}
 
 # Runs in the sandbox as its pid 1 (the docstring's Processes): limits, not dumpable, a session keyring of its own
 # (the docstring's Keys; ENOSYS or EPERM: the kernel has no keys, or a seccomp filter the snippet inherits forbids
-# them) and the private tmpfs (the docstring's Files; then CAP_SYS_ADMIN goes) before the snippet can run, it forks
-# the snippet and reaps until the snippet ends, then ends with its status (128 + a signal that killed it, as bwrap
-# reports one), or _files_exit if it failed with a tmpfs full of files.
+# them), the private tmpfs (the docstring's Files; then CAP_SYS_ADMIN goes) and a seccomp filter (the docstring's
+# Memory) before the snippet can run, it forks the snippet and reaps until the snippet ends, then ends with its status
+# (128 + a signal that killed it, as bwrap reports one), or _files_exit if it failed with a tmpfs full of files.
 _BOOTSTRAP = r"""
-import ctypes, errno, os, resource, sys, traceback
-_uid, _mem, _cpu, _fsize, _nproc, _nofile, _memory_exit, _keyctl, _files, _files_exit = (int(a) for a in sys.argv[1:11])
+import ctypes, errno, os, resource, struct, sys, traceback
+_uid, _mem, _cpu, _fsize, _nproc, _nofile, _memory_exit, _keyctl, _files, _files_exit, _arch = map(int, sys.argv[1:12])
+_denied = [int(_nr) for _nr in sys.argv[12].split(",")]
 _tmpfs = (("/tmp", "1777"), ("/dev/shm", "1777"), (os.getcwd(), "0777"))  # bwrap put it in the working directory
 for _limit, _value in ((resource.RLIMIT_AS, _mem), (resource.RLIMIT_FSIZE, _fsize), (resource.RLIMIT_NPROC, _nproc + 1),
                        (resource.RLIMIT_NOFILE, _nofile), (resource.RLIMIT_CORE, 0)):
@@ -99,6 +111,14 @@ for _path, _mode in _tmpfs:
             sys.exit(f"bind {_m} again over the tmpfs: {os.strerror(ctypes.get_errno())}")
     os.close(_old)
 os.chdir(os.getcwd())  # the new tmpfs, not the directory under it that bwrap entered
+# seccomp (the docstring's Memory): another ABI (x32's numbers too) and the denied numbers get ENOSYS, the rest runs
+_program = [(0x20, 0, 0, 4), (0x15, 0, len(_denied) + 3, _arch), (0x20, 0, 0, 0), (0x35, len(_denied) + 1, 0, 1 << 30)]
+_program += [(0x15, len(_denied) - _i, 0, _nr) for _i, _nr in enumerate(_denied)]  # (code, jump if, jump else, k)
+_program += [(0x06, 0, 0, 0x7FFF0000), (0x06, 0, 0, 0x50000 | errno.ENOSYS)]  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
+_filter = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *_op) for _op in _program))
+if (_libc.prctl(38, 1, 0, 0, 0) != 0  # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP SECCOMP_MODE_FILTER
+        or _libc.prctl(22, 2, struct.pack("HP", len(_program), ctypes.addressof(_filter)), 0, 0) != 0):
+    sys.exit(f"seccomp filter: {os.strerror(ctypes.get_errno())}")
 _header, _caps = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # capability sets, version 3
 if _libc.capget(_header, _caps) != 0:
     sys.exit(f"capget: {os.strerror(ctypes.get_errno())}")
@@ -223,7 +243,10 @@ class PythonTool(Tool):
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             raise FileNotFoundError("bwrap not found: install the Debian package bubblewrap")
-        keyctl = KEYCTL_SYSCALLS.get(platform.machine())
+        keyctl, denied = KEYCTL_SYSCALLS.get(platform.machine()), DENIED_SYSCALLS.get(platform.machine())
+        if denied is None:
+            raise OSError(f"the system calls the sandbox denies have no known numbers on {platform.machine()} "
+                          "(DENIED_SYSCALLS): the snippet could hold memory past every limit")
         if keyctl is None:
             raise OSError(f"the keyctl system call's number on {platform.machine()} is not known (KEYCTL_SYSCALLS): "
                           "the snippet would keep the rollout server's session keyring")
@@ -252,9 +275,9 @@ class PythonTool(Tool):
             if os.path.islink(link):
                 argv += ["--symlink", os.readlink(link), link]
         limits = (self.sandbox_uid, self.memory_bytes, self.cpu_s, self.max_file_bytes, self.max_processes,
-                  self.max_open_files, MEMORY_ERROR_EXIT, keyctl, self.max_files, FILE_LIMIT_EXIT)
+                  self.max_open_files, MEMORY_ERROR_EXIT, keyctl, self.max_files, FILE_LIMIT_EXIT, denied[0])
         return [*user_namespace, *argv, "--remount-ro", "/", "--chdir", WORKDIR, "--", sys.executable, "-I", "-B",
-                "-c", _BOOTSTRAP, *map(str, limits)]
+                "-c", _BOOTSTRAP, *map(str, limits), ",".join(map(str, denied[1]))]
 
     def _probe(self) -> str | None:
         """Why the sandbox cannot run here (None when a trivial snippet runs in it as the sandbox uid)."""

@@ -20,7 +20,8 @@ Sampling (temperature, top_p, top_k, the max_new_tokens cap) is the job's, so be
 trainer assumes: a request asking for other values, penalties, ``min_tokens``, a ``seed``, ``logit_bias`` or
 constrained generation (a ``response_format`` other than text; vLLM's and SGLang's ``guided_*``,
 ``structured_outputs``, ``regex``, ``ebnf``) is refused (400 naming the field), neither sampled nor silently
-ignored; ``max_tokens`` below the cap lowers it. A message the chat template refuses is a 400 too. ``stop``
+ignored; ``max_tokens`` below the cap lowers it. A message the chat template refuses is a 400 too, as is a string
+that is no Unicode text (a lone surrogate, which JSON's escapes allow), naming where it is. ``stop``
 sequences end the turn (the tokens through the match are recorded; the content ends before it, as OpenAI's).
 ``logprobs=true`` returns the recorded behaviour logprobs (``top_logprobs`` is refused: the engines give none).
 ``tool_choice``: ``auto`` parses the calls the model writes; ``none`` parses none (a call the model writes anyway is
@@ -211,6 +212,42 @@ def _param(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
     return out
+
+
+def _field_error(loc: tuple[int | str, ...], message: str) -> APIError:
+    """A 400 naming the field at ``loc`` (its path as ``param``), coded by the part of the body it is in; an empty
+    ``loc`` is the body itself."""
+    if not loc:
+        return APIError(400, f"the body: {message}", "invalid_request")
+    code = {"tools": "invalid_tools", "messages": "invalid_messages"}.get(str(loc[0]), "invalid_request")
+    where = _param(loc)
+    return APIError(400, f"{where}: {message}", code, param=where)
+
+
+def _lone_surrogate(value: Any, loc: tuple[int | str, ...] = ()) -> tuple[int | str, ...] | None:
+    """Where in a JSON value a string (a key too: its object's place) holds half a UTF-16 pair, which JSON's
+    ``\\ud800`` escapes allow: no UTF-8 text, so the tokenizer would fail on it (a 500 that ended the episode)."""
+    if isinstance(value, str):
+        return None if _encodes(value) else loc
+    if isinstance(value, dict):
+        if not all(_encodes(key) for key in value):
+            return loc
+        items: Any = value.items()
+    else:
+        items = enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(item, (*loc, key))
+        if found is not None:
+            return found
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 MAX_STOP = 32  # SGLang's limit (OpenAI documents 4; vLLM has none): more would fail the episode at the engine
@@ -505,7 +542,11 @@ class EpisodeStore:
 
         @app.exception_handler(StarletteHTTPException)
         async def _unknown_url(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-            """A path or method not served (``/v1/completions``, ``/v1/responses``, ...), in OpenAI's shape."""
+            """A path or method not served (``/v1/completions``, ``/v1/responses``, ...), in OpenAI's shape; FastAPI's
+            400 for a body its JSON parser cannot take (not UTF-8, nested past the recursion limit) is no such URL."""
+            if exc.status_code == 400:
+                return await _api_error(request, APIError(
+                    400, f"the body cannot be read: {exc.detail} (send it as UTF-8 JSON)", "invalid_request"))
             return await _api_error(request, APIError(
                 exc.status_code, f"Invalid URL ({request.method} {request.url.path}): {exc.detail}; this endpoint "
                 "serves POST .../v1/chat/completions and GET .../v1/models", "unknown_url"))
@@ -522,10 +563,7 @@ class EpisodeStore:
                 return await _api_error(_request, APIError(
                     400, f"the body must be a JSON object with model and messages: {first.get('msg', 'invalid')}",
                     "invalid_request"))
-            code = {"tools": "invalid_tools", "messages": "invalid_messages"}.get(loc[0], "invalid_request")
-            where = _param(loc)
-            return await _api_error(_request, APIError(400, f"{where}: {first.get('msg', 'invalid')}", code,
-                                                       param=where))
+            return await _api_error(_request, _field_error(tuple(loc), first.get("msg", "invalid")))
 
         # Dependencies, so the episode and its key are checked before the body is validated: a caller without
         # the key learns nothing of what a valid body looks like.
@@ -585,12 +623,18 @@ class EpisodeStore:
         if req.model != self.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist (this server serves "
                                 f"{self.model_name!r})", "model_not_found", param="model")
+        # python mode: the body is JSON data already; JSON mode fails (a 500) on a key holding a lone surrogate, and
+        # past 400 levels of nesting, which the JSON parser takes to near 1000
+        body = req.model_dump(exclude_unset=True)
+        unencodable = _lone_surrogate(body)
+        if unencodable is not None:
+            raise _field_error(unencodable, "not valid Unicode text (a lone UTF-16 surrogate, half of a pair)")
         self._refuse_sampling(ep.config, req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         names = self._tool_names(req, tools)
         forced = self._forced(req, tools)
         stops = req.engine_stops(names)
-        dumped = json.dumps(req.model_dump(mode="json", exclude_unset=True), sort_keys=True)
+        dumped = json.dumps(body, sort_keys=True)
         sent = hashlib.sha256(dumped.encode()).digest()  # kept per episode: a digest, not a copy of the history
         if ep.lock.locked():  # an agent awaits each answer: a retry whose first attempt is generating, or calls at once
             log.info("episode %s: a request waits for the one in flight (client retry %s)", ep.episode_id,
@@ -634,7 +678,7 @@ class EpisodeStore:
         usage = {"prompt_tokens": len(ep.builder) - len(ids), "completion_tokens": len(ids),
                  "total_tokens": len(ep.builder)}
         return Completion("chatcmpl-" + uuid.uuid4().hex, int(time.time()), message, finish, usage,
-                          self._logprobs(ep, ids) if req.logprobs else None)
+                          self._logprobs(ep, reply) if req.logprobs else None)
 
     def _respond(self, done: Completion, req: ChatRequest) -> Any:
         if req.stream:
@@ -673,13 +717,14 @@ class EpisodeStore:
             if asked:
                 raise APIError(400, f"{name} is not supported: {why}", "unsupported_parameter", param=name)
 
-    def _logprobs(self, ep: AgentEpisode, ids: list[int]) -> dict[str, Any]:
-        """OpenAI's ``logprobs``: the recorded behaviour logprob of each generated token, the closing end token
-        excepted (it is not in the content); no top logprobs (refused), no bytes (a byte-level token may be part
-        of a character)."""
+    def _logprobs(self, ep: AgentEpisode, reply: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's ``logprobs``: the recorded behaviour logprob of each generated token of ``reply``, the token that
+        closed the turn excepted (it is not in the content: the template's end token, or another of the model's,
+        ``ends_turn``); no top logprobs (refused), no bytes (a byte-level token may be part of a character)."""
         assert ep.builder is not None
+        ids = reply["output_ids"]
         recorded = ep.builder.logprobs[len(ep.builder) - len(ids):]
-        n = len(ids) - 1 if ids and ids[-1] == self.renderer.eos_id else len(ids)
+        n = len(ids) - 1 if ends_turn(ids, reply, self.renderer.eos_id) else len(ids)
         return {"content": [{"token": self.renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
                             for t, lp in zip(ids[:n], recorded[:n], strict=True)]}
 

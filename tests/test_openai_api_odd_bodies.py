@@ -1,6 +1,7 @@
-"""The episode endpoint's answers to odd requests: ``logprobs`` of a turn the model's other end token closed, a body that is not UTF-8, and text that no tokenizer takes (a lone surrogate, which JSON's ``\\ud800``
-escapes allow). Driven over HTTP on 127.0.0.1 by the real ``openai`` client, or by httpx where the body is one the
-client cannot send; assistant turns are scripted (``ScriptedEngine``)."""
+"""The episode endpoint's answers to odd requests: ``logprobs`` of a turn the model's other end token closed, a body
+that is not UTF-8, text that no tokenizer takes (a lone surrogate, which JSON's ``\\ud800`` escapes allow) and an
+ignored field nested deep. Driven over HTTP on 127.0.0.1 by the real ``openai`` client, or by httpx where the body is
+one the client cannot send; assistant turns are scripted (``ScriptedEngine``)."""
 
 from __future__ import annotations
 

@@ -133,3 +133,39 @@ def line_of(lines: dict[tuple[str, ...], int], loc: Iterable[object]) -> int | N
         if (line := lines.get(parts[:end])) is not None:
             return line
     return None
+
+
+def lone_surrogate_at(value: Any) -> tuple[int | str, ...] | None:
+    """Where in a JSON value a string, or a key (then its object's place), holds half a UTF-16 pair, or None. JSON's
+    ``"\\ud800"`` escapes read as one (Python's parser takes it), and no UTF-8 text can carry it: a tokenizer, or a
+    JSON writer, fails on it. Walked without recursion, in the order the value is written: a body may nest as deep
+    as the JSON parser goes."""
+    stack: list[tuple[Any, tuple[int | str, ...]]] = [(value, ())]
+    while stack:
+        item, loc = stack.pop()
+        if isinstance(item, str):
+            if not _encodes(item):
+                return loc
+        elif isinstance(item, dict):
+            if not all(_encodes(key) for key in item if isinstance(key, str)):
+                return loc
+            stack.extend(reversed([(child, (*loc, key)) for key, child in item.items()]))
+        elif isinstance(item, list):
+            stack.extend(reversed([(child, (*loc, i)) for i, child in enumerate(item)]))
+    return None
+
+
+def json_path(loc: Iterable[int | str]) -> str:
+    """A place in a JSON value as a user writes it: ``messages[1].tool_calls[0].function``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

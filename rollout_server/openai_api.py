@@ -86,6 +86,7 @@ from buffer.schema import Sample, ToolCallRecord
 from core.config import RolloutConfig
 from core.net import guarded_http, http_url
 from core.rewards import RewardComputer
+from core.text_files import json_path, lone_surrogate_at
 from core.trajectory import ChatRenderer, TrajectoryBuilder
 from rollout_server.agent_loop import EngineReplyError, PromptTooLong, ends_turn, turn_from_reply
 from rollout_server.engine_client import EngineClient, EngineError
@@ -206,48 +207,14 @@ def _closed(episode_id: str) -> APIError:
     return APIError(404, f"episode {episode_id!r} does not exist or is closed", "episode_not_found")
 
 
-def _param(loc: tuple[int | str, ...]) -> str:
-    """A pydantic error location as OpenAI's ``param``: ``messages[1].tool_calls[0].function``."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
-    return out
-
-
 def _field_error(loc: tuple[int | str, ...], message: str) -> APIError:
     """A 400 naming the field at ``loc`` (its path as ``param``), coded by the part of the body it is in; an empty
     ``loc`` is the body itself."""
     if not loc:
         return APIError(400, f"the body: {message}", "invalid_request")
     code = {"tools": "invalid_tools", "messages": "invalid_messages"}.get(str(loc[0]), "invalid_request")
-    where = _param(loc)
+    where = json_path(loc)
     return APIError(400, f"{where}: {message}", code, param=where)
-
-
-def _lone_surrogate(value: Any, loc: tuple[int | str, ...] = ()) -> tuple[int | str, ...] | None:
-    """Where in a JSON value a string (a key too: its object's place) holds half a UTF-16 pair, which JSON's
-    ``\\ud800`` escapes allow: no UTF-8 text, so the tokenizer would fail on it (a 500 that ended the episode)."""
-    if isinstance(value, str):
-        return None if _encodes(value) else loc
-    if isinstance(value, dict):
-        if not all(_encodes(key) for key in value):
-            return loc
-        items: Any = value.items()
-    else:
-        items = enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        found = _lone_surrogate(item, (*loc, key))
-        if found is not None:
-            return found
-    return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 MAX_STOP = 32  # SGLang's limit (OpenAI documents 4; vLLM has none): more would fail the episode at the engine
@@ -626,7 +593,7 @@ class EpisodeStore:
         # python mode: the body is JSON data already; JSON mode fails (a 500) on a key holding a lone surrogate, and
         # past 400 levels of nesting, which the JSON parser takes to near 1000
         body = req.model_dump(exclude_unset=True)
-        unencodable = _lone_surrogate(body)
+        unencodable = lone_surrogate_at(body)
         if unencodable is not None:
             raise _field_error(unencodable, "not valid Unicode text (a lone UTF-16 surrogate, half of a pair)")
         self._refuse_sampling(ep.config, req)

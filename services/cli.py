@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", help="a built-in (gsm8k, tool, tool_last) or a rollout.reward_allowlist name")
     p.add_argument("--wait", action="store_true", help="show progress until the job is done (exit 1 at once if "
                    "it is stalled: the trainer finished with groups of it left; after a trainer crash, once no "
-                   "restart took it up within 300 s)")
+                   "restart took it up within 300 s; exit 1 too once it is cancelled or deleted meanwhile)")
     p.add_argument("--timeout", type=_number(float, above_zero=True), metavar="S", help="with --wait: fail (exit 1) "
                    "if the job is not done after S seconds (default: wait as long as it runs)")
     _api_args(p)

@@ -189,6 +189,9 @@ def submit(args: argparse.Namespace) -> int:
         if args.wait:
             job = wait_for_job(client, job["job_id"], args.timeout)
             print(json.dumps({k: job[k] for k in ("job_id", "state", "progress", "reward_mean", "accuracy")}))
+            if job["state"] == "cancelled":  # not done: a script must not take its partial results for the job's
+                raise CliError(f"job {job['job_id']} was cancelled while --wait waited ({job['progress']['completed']} "
+                               f"of its {job['progress']['submitted']} tasks rolled out): its results are partial", 1)
     return 0
 
 
@@ -226,9 +229,12 @@ def _sent_again(send: Callable[[], httpx.Response], outage_s: float, retry_s: fl
 
 
 def _trainer_crashed(client: httpx.Client) -> bool:
-    """The run's trainer crashed (its end says so) rather than ended."""
+    """The run's trainer crashed (its end says so) rather than ended, or was killed without recording its end: it
+    kept a lease and let it lapse (the API reads that as a crash too, ``cluster.LEASE_LAPSED``)."""
     trainer = _get(client, "/v1/status", STATUS_KEYS)["trainer"] or {}
-    return str(trainer.get("finished_reason", "")).startswith(TRAINER_CRASHED)
+    if "finished_reason" in trainer:
+        return str(trainer["finished_reason"]).startswith(TRAINER_CRASHED)
+    return bool(trainer.get("leased")) and not trainer.get("alive")
 
 
 def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = None, poll_s: float = 1.0,
@@ -237,12 +243,14 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = No
     ``timeout_s`` passed (None: as long as the job runs); a ``CliError`` (exit 1) saying why as soon as the job
     is ``stalled`` by a trainer that finished with groups of this train job left (waiting longer cannot help), or
     once it has been stalled ``restart_wait_s`` by a trainer that crashed (a supervisor restarts that one, and the
-    job runs on once the restart trains: meanwhile the wait says why it waits). The API answers 503 while its
-    Redis is away (a restart): polls keep the last progress through ``outage_s`` of those, and of polls that get
-    no reply (the API itself restarting, a reply lost). No poll waits past ``timeout_s``."""
+    job runs on once the restart trains: meanwhile the wait says why it waits), or once the job is deleted. The API
+    answers 503 while its Redis is away (a restart): polls keep the last progress through ``outage_s`` of those (the
+    first poll waits them out), and of polls that get no reply (the API itself restarting, a reply lost). No poll
+    waits past ``timeout_s``."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     path = f"/v1/jobs/{job_id}"
-    job = _get(client, path, JOB_KEYS)
+    first_outage_s = outage_s if timeout_s is None else min(outage_s, timeout_s)  # the first poll's 503s too
+    job = _json(_sent_again(lambda: client.get(path), first_outage_s, poll_s)[0], keys=JOB_KEYS)
     outage_since: float | None = None
     crashed_since: float | None = None
     with tqdm(total=job["progress"]["submitted"], desc=f"job {job_id}", unit="task") as bar:
@@ -281,6 +289,9 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = No
                 if time.monotonic() - outage_since < outage_s:
                     continue
             outage_since = None
+            if reply.status_code == 404:  # it was there: no mistake in the input, and no hint to list the jobs
+                raise CliError(f"job {job_id} at {client.base_url} was deleted while the wait polled it (last seen "
+                               f"{job['state']}, {bar.n} of {p['submitted']} tasks finished)", 1)
             job = _json(reply, keys=JOB_KEYS)
 
 
@@ -312,12 +323,19 @@ def jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_path(job: str) -> str:
+    """``/v1/jobs/<job>``, the id one path segment as typed: escaped, and ``.`` and ``..`` too, which a URL reads as
+    "here" and "up" (``rollwave jobs cancel .`` asked about ``POST /v1/jobs/cancel``)."""
+    segment = quote(job, safe="")
+    return f"/v1/jobs/{segment.replace('.', '%2E') if segment in ('.', '..') else segment}"
+
+
 def delete_job(args: argparse.Namespace) -> int:
     """``DELETE /v1/jobs/{job}``, sent again while its reply is lost or the API answers 503, as a submit is: a 404 to
     a try sent again means that an earlier one, whose answer never came, deleted the job (said so); to the first,
     that there is no such job (exit 2)."""
     with _client(args) as client:
-        path = f"/v1/jobs/{quote(args.job, safe='')}"
+        path = _job_path(args.job)
         reply, retried = _sent_again(lambda: client.delete(path), REDIS_OUTAGE_S, 1.0)
         if retried and reply.status_code == 404:
             print(f"job {args.job} deleted (by an earlier try, whose reply was lost or a 503: this one found it gone)")
@@ -331,7 +349,7 @@ def cancel_job(args: argparse.Namespace) -> int:
     """``POST /v1/jobs/{job}/cancel``, sent again while its reply is lost or the API answers 503 (a cancelled job
     reads as it is: a cancel sent again cancels nothing twice); then what is left of it, and how to delete it."""
     with _client(args) as client:
-        path = f"/v1/jobs/{quote(args.job, safe='')}/cancel"
+        path = f"{_job_path(args.job)}/cancel"
         job = _json(_sent_again(lambda: client.post(path), REDIS_OUTAGE_S, 1.0)[0], keys=JOB_KEYS)
         print(f"job {job['job_id']} ({job['kind']}) {job['state']}: its tasks not rolled out yet and groups not "
               f"trained are acked away untrained; `rollwave jobs delete {job['job_id']}` deletes it")
@@ -391,13 +409,18 @@ def trajectories(args: argparse.Namespace) -> int:
     with _client(args) as client:
         cursor = ""
         while True:
-            page = _get(client, f"/v1/jobs/{quote(args.job, safe='')}/trajectories", TRAJECTORIES_PAGE_KEYS,
+            page = _get(client, f"{_job_path(args.job)}/trajectories", TRAJECTORIES_PAGE_KEYS,
                         cursor=cursor, limit=args.limit)
             for item in page["items"]:
                 print(json.dumps(item) if args.json else _format_trajectory(item))
             cursor = page["next"]
             if not cursor or not args.all:
                 return 0
+
+
+# the control characters but tab and line feed (C0, DEL and C1), each as its escape: a trajectory holds what the model
+# wrote and what a job's submitter sent, and an escape sequence among it drove the terminal of whoever read it
+TERMINAL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(9), *range(11, 32), *range(127, 160))}
 
 
 def _format_trajectory(item: dict[str, Any]) -> str:
@@ -407,4 +430,4 @@ def _format_trajectory(item: dict[str, Any]) -> str:
         calls = m.get("tool_calls") or []
         lines.append(f"  [{m['role']}] {content}".rstrip())
         lines += [f"    → {c['function']['name']}({json.dumps(c['function']['arguments'])})" for c in calls]
-    return "\n".join(lines)
+    return "\n".join(lines).translate(TERMINAL_ESCAPES)

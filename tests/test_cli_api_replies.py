@@ -30,7 +30,9 @@ def test_a_server_that_is_not_the_api_is_named_with_the_call(tmp_path: Path) -> 
 
 
 def test_a_job_id_is_one_path_segment_whatever_it_holds(live_api: str, tmp_path: Path) -> None:
-    """An id with ``?`` or ``#`` (a paste gone wrong) is asked about as typed, never cut into another call."""
-    for job in ("nosuchjob?x", "nosuchjob#"):
-        proc = rollwave("trajectories", job, "--api", live_api, cwd=tmp_path, env={"ROLLWAVE_API_TOKEN": TOKEN})
-        assert_one_error_line(proc, 2, f"HTTP 404: job {job!r} not found")
+    """An id with ``?`` or ``#`` (a paste gone wrong), or ``.`` or ``..`` (which a URL reads as "here" and "up": a
+    cancel of ``.`` asked about ``POST /v1/jobs/cancel``), is asked about as typed, never cut into another call."""
+    for command in (["trajectories"], ["jobs", "cancel"], ["jobs", "delete"]):
+        for job in ("nosuchjob?x", "nosuchjob#", ".", ".."):
+            proc = rollwave(*command, job, "--api", live_api, cwd=tmp_path, env={"ROLLWAVE_API_TOKEN": TOKEN})
+            assert_one_error_line(proc, 2, f"HTTP 404: job {job!r} not found")

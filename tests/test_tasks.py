@@ -228,6 +228,9 @@ def test_jsonl_reports_bad_rows_with_file_line_and_field(tmp_path: Path) -> None
         ),
         "id": ({**ok, "id": True}, "field 'id' must be a non-empty string or an integer"),
         "long id": ({**ok, "id": "x" * 513}, "field 'id' is 513 characters long; at most 512"),
+        "surrogate": ({**ok, "prompt": [{"role": "user", "content": "4\ud83d"}]},
+                      "field 'prompt[0].content' holds a lone UTF-16 surrogate"),
+        "surrogate key": ({**ok, "extra_info": {"note\udc00": 1}}, "field 'extra_info' holds a lone UTF-16 surrogate"),
     }
     for i, (row, message) in enumerate(bad_rows.values()):
         path = _write(tmp_path / f"bad{i}.jsonl", [ok | {"id": "a"}, row])

@@ -18,6 +18,7 @@ from typing import Any
 
 from core.tasks.base import MAX_TASK_ID_CHARS, Task, field, read_window, split_file
 from core.tasks.check import check_task
+from core.text_files import json_path, lone_surrogate_at
 
 
 def load(
@@ -51,6 +52,10 @@ def load(
 
 
 def _task(row: dict[str, Any], file: Path, line: int, where: str, reward: str | None) -> Task:
+    if (at := lone_surrogate_at(row)) is not None:  # JSON's "\ud800" escape: every rollout of the row would fail
+        place = json_path(at).encode("utf-8", "backslashreplace").decode() or "the row"
+        raise ValueError(f"{where}: field '{place}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape not "
+                         "paired), which is no character: no tokenizer takes it")
     key = "prompt" if "prompt" in row or "messages" not in row else "messages"
     messages = field(row, key, list, where)
     extra = field(row, "extra_info", dict, where) if "extra_info" in row else {}

@@ -54,6 +54,7 @@ from core.jobs import JobSpec
 from core.net import guarded_http, is_loopback
 from core.rewards import BUILTIN as BUILTIN_REWARDS
 from core.tasks import Task
+from core.text_files import json_path, lone_surrogate_at
 from rollout_server.tools.registry import ToolConfigError, tool_requirements
 from services.api.cluster import ClusterView, InvalidCursor, NotCancellable, NotDeletable, NotFound
 from services.api.sampler import MetricsSampler
@@ -215,9 +216,59 @@ def _refused(counter: Counter) -> Refuse:
 
 def _validation_body(exc: RequestValidationError) -> bytes:
     """FastAPI's 422 body, also where an input cannot go into JSON as it is: NaN and infinities (which Python's JSON
-    parser takes) are written as strings. FastAPI's own handler raised on them, and the client got a 500. (A body
-    that is not JSON, whose bytes it could not write either, is refused before it is validated: ``json_body``.)"""
-    return pydantic_core.to_json({"detail": exc.errors()}, inf_nan_mode="strings", fallback=str)
+    parser takes) are written as strings, lone surrogates as their escapes, and an input nested deeper than
+    ``MAX_TASK_NESTING`` (the serializer stops at 255 levels) is named, not echoed. FastAPI's own handler raised on
+    them, and the client got a 500. (A body that is not JSON, whose bytes it could not write either, is refused before
+    it is validated: ``json_body``.)"""
+    return b'{"detail":[' + b",".join(map(_error_json, exc.errors())) + b"]}"
+
+
+def _error_json(error: dict[str, Any]) -> bytes:
+    """One validation error as JSON (``_validation_body``)."""
+    try:
+        return pydantic_core.to_json(error, inf_nan_mode="strings", fallback=str)
+    except pydantic_core.PydanticSerializationError:  # a lone surrogate in it, or an input nested past the limit
+        error = _escaped(error)
+        if (depth := _nesting(error.get("input"))) > MAX_TASK_NESTING:
+            error["input"] = f"(not echoed: objects and lists {depth} levels within each other)"
+        return pydantic_core.to_json(error, inf_nan_mode="strings", fallback=lambda v: _escape(str(v)))
+
+
+def _escape(text: str) -> str:
+    """``text`` with each lone UTF-16 surrogate written as its escape (``\\ud800``): JSON's ``"\\ud800"`` reads as
+    one (Python's parser takes it), and no UTF-8 can carry it, so a reply or a stored spec holding it cannot be
+    written."""
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
+def _escaped(value: Any) -> Any:
+    """A copy of ``value`` with every string and key ``_escape``d; copied without recursion, as a body may nest as deep
+    as Python's JSON parser goes."""
+    root = [value]
+    stack: list[tuple[Any, Any, Any]] = [(root, 0, value)]
+    while stack:
+        parent, at, item = stack.pop()
+        if isinstance(item, str):
+            parent[at] = _escape(item)
+        elif isinstance(item, dict):
+            parent[at] = copy = {_escape(k) if isinstance(k, str) else k: v for k, v in item.items()}
+            stack.extend((copy, k, v) for k, v in copy.items())
+        elif isinstance(item, list | tuple):
+            parent[at] = copy = list(item)
+            stack.extend((copy, i, v) for i, v in enumerate(copy))
+    return root[0]
+
+
+def _lone_surrogate(spec: JobSpec) -> str | None:
+    """Why an inline task cannot be stored, or None: a string (or key) of a free-form field holds a lone UTF-16
+    surrogate (the typed fields refuse one), named by where it is. The spec could not be written as JSON (a 500)."""
+    for i, task in enumerate(spec.source.tasks or ()):
+        for name in ("messages", "tools_kwargs", "reward", "meta"):
+            if (at := lone_surrogate_at(getattr(task, name))) is not None:
+                where = _escape(json_path((f"source.tasks[{i}].{name}", *at)))
+                return (f"field '{where}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape not paired as JSON "
+                        "writes a character outside the BMP), which is no character: no UTF-8 text can hold it")
+    return None
 
 
 class HostGuard:
@@ -535,6 +586,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
                                                   "once"}])
         if (too_deep := _too_deep(spec)) is not None:  # before the spec is written as JSON, which it cannot be
             raise reject(api, request, "source", too_deep)
+        if (unwritable := _lone_surrogate(spec)) is not None:
+            raise reject(api, request, "source", unwritable)
         spec_json = spec.model_dump_json()
         if idempotency_key is not None:  # a retry is answered before the checks a new job needs, which may now fail
             try:
@@ -598,7 +651,12 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
                                      f"{why}); a job is written whole or not at all: GET /v1/jobs/{job_id} says "
                                      f"which (404: nothing was submitted){retry}") from None
         api.jobs_submitted.labels(kind=spec.kind).inc()
-        return api.cluster.job(job_id)
+        try:
+            return api.cluster.job(job_id)
+        except redis.RedisError as exc:  # it is written whole: a 503 ("try again") would have it made twice
+            log.warning("job %s: its %d tasks are submitted, but Redis failed as it was read back (%s: %s): answered "
+                        "with it as submitted", job_id, len(tasks), type(exc).__name__, exc)
+            return api.cluster.submitted(job_id, spec.kind, spec_json, len(tasks))
 
     @app.get("/v1/jobs", tags=["jobs"], dependencies=v1)
     def list_jobs(

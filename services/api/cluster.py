@@ -146,6 +146,13 @@ class ClusterView:
             raise NotFound(f"job {job_id!r} not found")
         return _job_view(job_id, h, self.trainer_end())
 
+    @staticmethod
+    def submitted(job_id: str, kind: str, spec: str, tasks: int) -> dict[str, Any]:
+        """A job just submitted with ``tasks`` tasks, as ``job`` reads it then (``created`` within milliseconds): the
+        answer to its submit where Redis failed as it was read back."""
+        return _job_view(job_id, {"kind": kind, "state": "running", "created": str(time.time()), "spec": spec,
+                                  "submitted": str(tasks)}, None)
+
     def jobs(self, cursor: str = "", limit: int = 50) -> dict[str, Any]:
         """A page of jobs, newest first, after the job ``cursor`` names; two round trips whatever the page size (two
         more, once, for jobs stored without summaries). Each job's ``spec`` is its summary (``TaskQueue.job_summaries``:

@@ -74,7 +74,10 @@ class MetricsSampler:
             await asyncio.sleep(self.interval_s)
 
     def summary(self) -> dict[str, Any]:
+        """The points so far. Read from a copy, taken in one step: the route runs in a worker thread while ``run``
+        appends in the event loop's, and iterating the deque it changed raised (a 500 now and then)."""
+        points = list(self.points)
         return {
-            "t": [round(t, 3) for t, _ in self.points],
-            "series": {name: [p.get(name) for _, p in self.points] for name in SERIES},
+            "t": [round(t, 3) for t, _ in points],
+            "series": {name: [p.get(name) for _, p in points] for name in SERIES},
         }

@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -297,8 +298,10 @@ def test_a_crashed_trainer_says_why_until_a_restart_trains_again(run, tiny_model
             assert time.monotonic() < deadline, f"the job is still stalled after 240 s: {log.read_text()[-3000:]}"
             time.sleep(0.2)
     finally:
-        stop_process(proc, 30, name="trainer")
-    assert client.hget(keys.trainer, "finished_step") is None  # a trainer stopped (SIGTERM) did not crash
+        stopped = stop_process(proc, 30, name="trainer")
+    assert stopped == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    assert client.hget(keys.trainer, "finished_reason").decode() == (  # stopped before its end: a restart takes it up
+        "crashed: stopped by SIGTERM before its end (a supervisor's or an operator's stop)")
 
 
 def test_a_trainer_that_crashes_in_its_start_up_says_why(run, tiny_model_dir: Path, redis_url: str,

@@ -166,6 +166,35 @@ def test_a_killed_trainers_group_of_a_cancelled_job_is_deleted_once_its_lease_la
     assert run.redis.hget(run.keys.group_state, entry.group_id) == b"t"
 
 
+def test_a_trainer_stopped_by_sigterm_records_the_stop_and_gives_up_its_lease_at_once(
+        run: Run, redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM (a supervisor's or an operator's stop) killed the trainer on the spot: nothing recorded, its lease left
+    to lapse, and the API then called it killed by SIGKILL or the OOM killer. It unwinds: exits 143, records the stop
+    as its end (a crash a restart clears: the waiting train job reads stalled, saying so), and deletes its lease, so
+    the cancelled job whose group it held is deleted at once."""
+    job_id = run.submit(ONE)
+    staleness = StalenessControl(run.redis, run.keys, BufferConfig())
+    [entry] = run.read(1)
+    assert staleness.try_admit(entry.group_id)
+    run.put(entry)
+    waiting = run.submit(ONE)
+    proc, _ = _holding(run, redis_url, tiny_model_dir, tmp_path)
+    try:
+        assert run.api.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM, (tmp_path / "trainer.log").read_text()[-3000:]
+    finally:
+        stop_process(proc, 30, name="trainer")
+    assert not run.redis.exists(run.keys.trainer_alive)  # deleted, not left to lapse
+    job = run.api.get(f"/v1/jobs/{waiting}").json()
+    assert job["state"] == "stalled" and job["reason"].startswith(
+        "the trainer crashed at step 0 (stopped by SIGTERM before its end (a supervisor's or an operator's stop)); "
+        "1 of this job's 1 groups wait for a trainer"), job
+    reply = run.api.delete(f"/v1/jobs/{job_id}")
+    assert reply.status_code == 200, reply.text
+    assert run.depths()["groups"] == {"length": 0, "pending": 0} and staleness.admitted() == 0
+
+
 def test_a_trainer_frozen_past_its_lease_acks_its_step_after_the_delete_counting_nothing_twice(
         run: Run, redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     """The trainer holds a group of a job and is frozen (SIGSTOP: as a long pause, or a trainer cut off from Redis, its

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 import textwrap
 from collections.abc import Callable
@@ -190,6 +191,25 @@ def _start(cfg: Config, trains: bool) -> None:
         ensure_model(cfg.model)
 
 
+class TrainerStopped(BaseException):
+    """SIGTERM, a supervisor's or an operator's stop (Kubernetes, LocalStack, Ray, ``kill``), raised in the main
+    thread: the stack unwinds (the lease deleted, the pushers and the process group closed) and rank 0 records the stop
+    as the run's end, as a crash (a restart clears it): it used to die on the spot, recording nothing, and its lapsed
+    lease then read as a trainer killed by SIGKILL or the OOM killer. A BaseException, as KeyboardInterrupt is, so no
+    handler of errors takes it for one of theirs."""
+
+
+def _stop_on_sigterm() -> None:
+    """Raise ``TrainerStopped`` in the main thread at a SIGTERM; a second one kills the process as before."""
+
+    def stop(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise TrainerStopped(f"stopped by {signal.Signals(signum).name} before its end (a supervisor's or an "
+                             "operator's stop)")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def crash_reason(exc: Exception) -> str:
     """The ``finished_reason`` of a trainer that crashed: ``crashed: <type>: <message>`` on one line, bounded, so the
     API can say why a train job is not trained without a log to read."""
@@ -208,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     config.json, a LoRA target the engines cannot serve) is recorded the same way but exits ``CONFIG_ERROR_EXIT``,
     which no launcher restarts (it would only fail again). A trainer fenced by a newer one
     of its run (``TrainerFenced``) records nothing, its start, its end and a crash included (``RunRecord``): the run's
-    end and budget are the newer one's; it exits ``CONFIG_ERROR_EXIT`` too (a restart would fence the newer one)."""
+    end and budget are the newer one's; it exits ``CONFIG_ERROR_EXIT`` too (a restart would fence the newer one). A
+    SIGTERM (``TrainerStopped``) is recorded as a crash and exits 143."""
     prepare_component()
     die_with_parent()
     args = _parser().parse_args(argv)
@@ -223,11 +244,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
+    _stop_on_sigterm()
     try:
         return _train(cfg, args.resume)
     except TrainerFenced as exc:  # the newer trainer owns the run's end and budget: record neither
         print(f"error: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
+    except TrainerStopped as exc:
+        log.warning("%s", exc)
+        return 128 + signal.SIGTERM
 
 
 def _export(cfg: Config, args: argparse.Namespace) -> Path:
@@ -293,6 +318,10 @@ def _train(cfg: Config, resume: bool) -> int:
         except Exception as exc:
             if run_record is not None:
                 run_record.crashed(exc, trainer.step, *versions())
+            raise
+        except TrainerStopped as exc:
+            if run_record is not None:
+                run_record.ended(trainer.step, f"{TRAINER_CRASHED}{exc}", *versions())
             raise
         if run_record is not None:
             run_record.ended(trainer.step, reason, *versions())

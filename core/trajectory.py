@@ -155,6 +155,22 @@ class TrajectoryBuilder:
         }
 
 
+def model_stop_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids an engine serving the tokenizer's model stops on, as SGLang and the embedded engine read them: the
+    tokenizer's eos and the eos ids of the model's config and generation config beside it (Qwen: ``<|endoftext|>``
+    as well as ``<|im_end|>``). The tokenizer's eos alone where those files cannot be read."""
+    from transformers import AutoConfig, GenerationConfig
+
+    ids = {tokenizer.eos_token_id}
+    for load in (AutoConfig.from_pretrained, GenerationConfig.from_pretrained):
+        try:
+            eos = load(tokenizer.name_or_path, local_files_only=True).eos_token_id  # never a download
+        except (OSError, ValueError):
+            continue
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
 def masked_spans(loss_mask: list[int] | np.ndarray) -> list[tuple[int, int, int]]:
     """Runs of equal mask values as ``(start, end, value)``, end exclusive (for printing and tests)."""
     spans: list[tuple[int, int, int]] = []

@@ -31,6 +31,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,7 @@ from buffer.schema import Sample, ToolCallRecord, TrajectoryGroup
 from core.config import RolloutConfig
 from core.deadline import Overdue, within
 from core.rewards import RewardComputer, RewardError
-from core.trajectory import ChatRenderer, TrajectoryBuilder, Turn
+from core.trajectory import ChatRenderer, TrajectoryBuilder, Turn, model_stop_ids
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.tool_parser import ToolCall, ToolCallError, parse_tool_calls
@@ -103,14 +104,16 @@ def turn_from_reply(reply: dict[str, Any]) -> Turn:
     return Turn(ids, [float(e[0]) for e in entries], versions, bool(meta.get("weight_versions_approximate")))
 
 
-def ends_turn(ids: list[int], reply: dict[str, Any], eos_id: int) -> bool:
+def ends_turn(ids: list[int], reply: dict[str, Any], eos_id: int, stop_ids: Collection[int] = ()) -> bool:
     """The turn's last token closes it: the chat template's end token, or another stop token of the model (Qwen's
-    ``<|endoftext|>``), which the engine names as the int it matched (a stop string is a str). Its text is then the
-    tokens before it."""
+    ``<|endoftext|>``), which the engine names as the int it matched (a stop string is a str), or which is one of
+    ``stop_ids`` (``model_stop_ids``) where it was the last token allowed and the engine says ``length``. Its text is
+    then the tokens before it."""
     if not ids:
         return False
     finish = reply.get("meta_info", {}).get("finish_reason") or {}
-    return ids[-1] == eos_id or (finish.get("type") == "stop" and finish.get("matched") == ids[-1])
+    return (ids[-1] == eos_id or ids[-1] in stop_ids
+            or (finish.get("type") == "stop" and finish.get("matched") == ids[-1]))
 
 
 def checked_result(result: Any) -> ToolResult:
@@ -169,6 +172,7 @@ class AgentLoop:
     ) -> None:
         self.engine = engine
         self.renderer = ChatRenderer(tokenizer)
+        self.stop_ids = model_stop_ids(tokenizer)
         self.tools = tools
         self.config = config
         self.metrics = metrics if metrics is not None else RolloutMetrics()
@@ -271,7 +275,7 @@ class AgentLoop:
         ep.num_turns += 1
         self.metrics.generated_tokens.inc(len(turn.output_ids))
         reason = (reply.get("meta_info", {}).get("finish_reason") or {}).get("type", "stop")
-        closed = ends_turn(turn.output_ids, reply, self.renderer.eos_id)
+        closed = ends_turn(turn.output_ids, reply, self.renderer.eos_id, self.stop_ids)
         text = self.renderer.decode(turn.output_ids[:-1] if closed else turn.output_ids)
         ep.final_text = text
         if reason == "abort":

@@ -87,7 +87,7 @@ from core.config import RolloutConfig
 from core.net import guarded_http, http_url
 from core.rewards import RewardComputer
 from core.text_files import json_path, lone_surrogate_at
-from core.trajectory import ChatRenderer, TrajectoryBuilder
+from core.trajectory import ChatRenderer, TrajectoryBuilder, model_stop_ids
 from rollout_server.agent_loop import EngineReplyError, PromptTooLong, ends_turn, turn_from_reply
 from rollout_server.engine_client import EngineClient, EngineError
 from rollout_server.metrics import RolloutMetrics
@@ -407,6 +407,7 @@ class EpisodeStore:
 
     def __init__(self, tokenizer: Any, model_name: str, metrics: RolloutMetrics | None = None) -> None:
         self.renderer = ChatRenderer(tokenizer)
+        self.stop_ids = model_stop_ids(tokenizer)
         self.model_name = model_name
         self.metrics = metrics if metrics is not None else RolloutMetrics()
         self.episodes: dict[str, AgentEpisode] = {}
@@ -691,7 +692,7 @@ class EpisodeStore:
         assert ep.builder is not None
         ids = reply["output_ids"]
         recorded = ep.builder.logprobs[len(ep.builder) - len(ids):]
-        n = len(ids) - 1 if ends_turn(ids, reply, self.renderer.eos_id) else len(ids)
+        n = len(ids) - 1 if ends_turn(ids, reply, self.renderer.eos_id, self.stop_ids) else len(ids)
         return {"content": [{"token": self.renderer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
                             for t, lp in zip(ids[:n], recorded[:n], strict=True)]}
 
@@ -809,7 +810,7 @@ class EpisodeStore:
         ids = reply["output_ids"]
         finish_reason = reply.get("meta_info", {}).get("finish_reason") or {}
         reason, matched = finish_reason.get("type", "stop"), finish_reason.get("matched")
-        closed = ends_turn(ids, reply, self.renderer.eos_id)
+        closed = ends_turn(ids, reply, self.renderer.eos_id, self.stop_ids)
         text = self.renderer.decode(ids[:-1] if closed else ids)
         if reason == "stop" and matched in trimmed and matched in text:  # OpenAI's content ends before it
             text = text[: text.index(matched)]

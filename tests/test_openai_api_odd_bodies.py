@@ -42,6 +42,28 @@ def test_logprobs_leave_out_the_models_other_end_token(tokenizer: Any) -> None:
     assert sample.finish_reason == "stop" and sample.num_turns == 2
 
 
+def test_a_turn_closed_by_the_models_other_end_token_at_the_limit_is_not_cut_off(tokenizer: Any) -> None:
+    """SGLang reports a turn whose end token is the last one allowed as ``length``. Closed by ``<|endoftext|>`` (in
+    the model's generation config), the gateway took it for cut off: finish ``length``, the end token's text in the
+    content, its tool call never parsed. It is closed, as one closed by the template's end token is."""
+    call = CALC.format("6*7")
+    limit = len(tokenizer.encode(call, add_special_tokens=False)) + 1
+    engine = ScriptedEngine(tokenizer, [(call, "endoftext")])
+    got: list[Any] = []
+
+    async def agent(client: openai.AsyncOpenAI, ep: AgentEpisode, store: EpisodeStore) -> None:
+        got.append((await client.chat.completions.create(model="rollwave", messages=MESSAGES, tools=TOOLS,
+                                                         max_tokens=limit)).choices[0])
+
+    sample, _ = _run(tokenizer, engine, agent, max_new_tokens=64)
+    [choice] = got
+    assert engine.calls[0]["sampling_params"]["max_new_tokens"] == limit
+    assert choice.finish_reason == "tool_calls", choice
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("calculator", {"expression": "6*7"})]
+    assert not sample.truncated
+
+
 def test_a_body_that_is_not_utf8_is_refused_as_such_not_as_an_unknown_url(tokenizer: Any) -> None:
     """A body in another encoding (Latin-1 here) is a 400 saying the body cannot be read, code ``invalid_request``,
     counted under it; it was answered ``Invalid URL`` with code ``unknown_url``, which sent the agent's author to

@@ -111,20 +111,19 @@ def collate(
 ) -> Batch:
     """Stack every sample of ``groups`` (in order) into one right-padded ``Batch``; each group must pass
     ``check_group``. ``temperature`` stands in for groups that do not record theirs (schema 1)."""
-    samples = [(g, s) for g in groups for s in g.samples]
+    # each group is told apart by its position, not its id: two groups with one id must not share a baseline
+    samples = [(i, g, s) for i, g in enumerate(groups) for s in g.samples]
     if not samples:
         raise ValueError("collate: the step has no samples")
     for g in groups:
         check_group(g, vocab_size, temperature)
-    temps = {g.group_id: temperature if g.temperature is None else g.temperature for g in groups}
-    length = max(max(len(s.token_ids) for _, s in samples), 2)
+    length = max(max(len(s.token_ids) for _, _, s in samples), 2)
     b = len(samples)
     ids = np.full((b, length), pad_id, dtype=np.int64)
     mask = np.zeros((b, length), dtype=bool)
     behav = np.zeros((b, length), dtype=np.float32)
     versions = np.full((b, length), -1, dtype=np.int64)
-    group_pos = {g.group_id: i for i, g in enumerate(groups)}
-    for row, (_, s) in enumerate(samples):
+    for row, (_, _, s) in enumerate(samples):
         n = len(s.token_ids)
         ids[row, :n] = s.token_ids
         mask[row, :n] = s.loss_mask.astype(bool)
@@ -135,10 +134,11 @@ def collate(
         loss_mask=torch.from_numpy(mask[:, 1:].copy()),
         behaviour_logprobs=torch.from_numpy(behav[:, 1:].copy()),
         token_versions=torch.from_numpy(versions[:, 1:].copy()),
-        rewards=torch.tensor([s.reward for _, s in samples], dtype=torch.float64),
-        group_index=torch.tensor([group_pos[g.group_id] for g, _ in samples], dtype=torch.long),
-        lengths=torch.tensor([len(s.token_ids) for _, s in samples], dtype=torch.long),
-        temperatures=torch.tensor([temps[g.group_id] for g, _ in samples], dtype=torch.float32),
+        rewards=torch.tensor([s.reward for _, _, s in samples], dtype=torch.float64),
+        group_index=torch.tensor([i for i, _, _ in samples], dtype=torch.long),
+        lengths=torch.tensor([len(s.token_ids) for _, _, s in samples], dtype=torch.long),
+        temperatures=torch.tensor([temperature if g.temperature is None else g.temperature for _, g, _ in samples],
+                                  dtype=torch.float32),
     )
 
 

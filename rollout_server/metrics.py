@@ -28,10 +28,12 @@ class RolloutMetrics:
         self.inflight_requests = Gauge(_P + "inflight_requests", "Episodes in progress", registry=r)
         self.tool_calls = Counter(
             _P + "tool_calls",
-            "Tool calls by tool and outcome (ok, error, refused, busy, timeout, parse_error); refused: the tool would "
-            "not run (the python tool: no sandbox here); busy: it was at its limit (the python tool: max_concurrent "
-            "sandboxes ran past max_wait_s); a call the "
-            "parser could not read is tool invalid, one naming no configured tool is tool unknown",
+            "Tool calls by tool and outcome (ok, error, refused, busy, timeout, sandbox_timeout, output_limit, "
+            "parse_error); refused: the tool would not run (the python tool: no sandbox here); busy: it was at its "
+            "limit (the python tool: max_concurrent sandboxes ran past max_wait_s); timeout: past "
+            "rollout.tool_timeout_s; sandbox_timeout and output_limit: the python tool stopped its snippet at its "
+            "timeout_s or max_output_bytes; a call the parser could not read is tool invalid, one naming no "
+            "configured tool is tool unknown",
             ["tool", "outcome"],
             registry=r,
         )

@@ -493,11 +493,14 @@ def test_each_limit_ends_the_episode_with_its_reason(
         assert [m["role"] for m in s.messages[2:]] == ["assistant", "tool", "assistant", "tool"]
 
 
-def test_a_turn_whose_end_token_is_the_last_allowed_one_is_answered(tokenizer: Any) -> None:
+@pytest.mark.parametrize("end", ["stop", "endoftext"])
+def test_a_turn_whose_end_token_is_the_last_allowed_one_is_answered(tokenizer: Any, end: str) -> None:
     """SGLang reports a turn whose end token is the last one allowed as ``length``: closed turns ending at
-    ``max_new_tokens`` (the tool call) and at the context budget (the answer) are answered, not truncated."""
+    ``max_new_tokens`` (the tool call) and at the context budget (the answer) are answered, not truncated. So are
+    turns ended so by the model's other stop token (``<|endoftext|>``, in its generation config), which used to end
+    the episode ``length``: the call never run, the sample counted truncated, the reward read off the call's JSON."""
     call, answer = f"Let me compute.\n{CALC.format('6*7')}", "The answer is 42."
-    script = [(call, "stop"), (answer, "stop")]
+    script = [(call, end), (answer, end)]
     task = _task(["calculator"])
     probe = ScriptedEngine(tokenizer, script)
     _group(_loop(probe, tokenizer), task)
@@ -577,4 +580,4 @@ def test_a_python_call_past_max_concurrent_is_refused_logged_and_counted(
     value = loop.metrics.registry.get_sample_value
     assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "busy"}) == 1
     assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "refused"}) is None
-    assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "error"}) == 1
+    assert value("rollwave_rollout_tool_calls_total", {"tool": "python", "outcome": "sandbox_timeout"}) == 1

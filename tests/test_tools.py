@@ -6,8 +6,9 @@ Redis on 127.0.0.1, a fork bomb, a 4 GB allocation, an endless loop, 100 MB of o
 environment and /proc of its parent, killing its parent, a session-leading child started through
 ``_posixsubprocess.fork_exec`` that should outlive the timeout, ptracing the sandbox's pid 1 to run past the limits
 and the kill, filling /dev/shm, files made in a loop, a nested user namespace, reading a key of the rollout
-server's session keyring, and System V shared memory or memfds that hold memory past the limits. Where the tool's
-path as root and as another user differ, both run (``_py_as``).
+server's session keyring, and System V shared memory or memfds that hold memory past the limits; and the snippet's own
+exit status or signal, which must never read as a limit. Where the tool's path as root and as another user differ,
+both run (``_py_as``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import platform
 import re
@@ -392,19 +394,30 @@ def test_allocating_4_gb_is_stopped() -> None:
     assert not out.ok and out.error == "memory limit of 256 MiB exceeded" and "allocated" not in out.text
 
 
-def test_an_endless_loop_is_stopped() -> None:
+def test_an_endless_loop_is_stopped(caplog: pytest.LogCaptureFixture) -> None:
+    """A timeout was counted as any error (``outcome="error"``) and not logged: it is logged, naming the limit, and
+    counted as ``sandbox_timeout`` (apart from the rollout's ``timeout``, rollout.tool_timeout_s)."""
     out = _py("while True:\n    pass", cpu_s=1, timeout_s=30)
-    assert not out.ok and out.error == "CPU limit of 1s exceeded and was killed"
-    out = _py("import time\nprint('start', flush=True)\ntime.sleep(60)", timeout_s=1.0)
+    assert not out.ok and out.error == "CPU limit of 1s exceeded and was killed" and out.outcome is None
+    with caplog.at_level(logging.WARNING, logger="rollout_server.tools.python_tool"):
+        out = _py("import time\nprint('start', flush=True)\ntime.sleep(60)", timeout_s=1.0)
     assert not out.ok and out.error == "timed out after 1s and was killed" and out.text.startswith("start\n")
+    assert out.outcome == "sandbox_timeout", out
+    assert "python: stopped a call of i at its timeout_s: timed out after 1s and was killed" in caplog.text
 
 
-def test_100_mb_of_output_is_cut_and_the_sandbox_stopped() -> None:
+def test_100_mb_of_output_is_cut_and_the_sandbox_stopped(caplog: pytest.LogCaptureFixture) -> None:
+    """Killed at the output cap, the call was counted as any error and not logged: it is logged, naming the limit,
+    and counted as ``output_limit``."""
     started = time.monotonic()
-    out = _py("print('x' * 100_000_000)", max_output_bytes=100, timeout_s=20)
+    with caplog.at_level(logging.WARNING, logger="rollout_server.tools.python_tool"):
+        out = _py("print('x' * 100_000_000)", max_output_bytes=100, timeout_s=20)
     assert time.monotonic() - started < 10
     assert not out.ok and out.error == "printed more than 100 bytes and was killed"
     assert out.text == "x" * 100 + f"\n[output truncated at 100 bytes]\nError: {out.error}"
+    assert out.outcome == "output_limit", out
+    assert "python: stopped a call of i at its max_output_bytes: printed more than 100 bytes and was killed" \
+        in caplog.text
 
 
 _AS_USER = """
@@ -434,6 +447,42 @@ def _kill(marker: str) -> None:
     for pid in _running(marker):
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_a_snippets_own_exit_status_is_not_read_as_a_limit(who: str) -> None:
+    """pid 1 said "memory limit" and "file limit" by exit statuses 97 and 96, which the snippet can exit with too
+    (and 137, SIGKILL's, read as the CPU limit): a snippet's own status is told as it is, and a limit only where pid 1
+    saw it hit."""
+    for code, error in (
+        ("import sys; sys.exit(97)", "exited with status 97"),
+        ("import os; os._exit(96)", "exited with status 96"),
+        ("raise SystemExit(137)", "exited with status 137"),
+        ("x = bytearray(4 * 1024 ** 3)", "memory limit of 256 MiB exceeded"),
+        ("import os\nif os.fork() == 0:\n    x = bytearray(4 * 1024 ** 3)\nos.wait()\nraise SystemExit(3)",
+         "memory limit of 256 MiB exceeded"),  # a process of the snippet's ended on the limit, then the snippet failed
+    ):
+        out = _py_as(who, code, memory_mb=256)
+        assert not out.ok and out.error == error, (code, out.text)
+
+
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_a_signal_the_snippet_sent_itself_is_not_read_as_the_cpu_limit(who: str) -> None:
+    """A snippet that killed itself with SIGKILL (or SIGSEGV) was told it hit the CPU (or memory) limit: the signal is
+    told as it is, and the CPU limit only where the snippet's CPU time reached it (SIGXCPU at cpu_s; SIGKILL a second
+    later, for one that ignores SIGXCPU)."""
+    burn = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 0.5:\n    pass\n"
+    for code, error in (
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "killed by signal 9 (Killed)"),
+        (burn + "import os, signal; os.kill(os.getpid(), signal.SIGXCPU)", "killed by signal 24 (CPU time limit "
+                                                                          "exceeded)"),
+        ("import ctypes; ctypes.string_at(0)", "killed by signal 11 (Segmentation fault)"),
+        ("while True:\n    pass", "CPU limit of 1s exceeded and was killed"),
+        ("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass",
+         "CPU limit of 1s exceeded and was killed"),
+    ):
+        out = _py_as(who, code, cpu_s=1, timeout_s=30)
+        assert not out.ok and out.error == error, (code, out.text)
 
 
 @pytest.mark.parametrize("who", ["root", "user"])

@@ -18,8 +18,9 @@ FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name:
 @dataclass
 class ToolResult:
     """What one call returns: the text shown to the model, an optional reward, and the outcome. ``outcome`` names
-    a call the tool would not run, as ``rollwave_rollout_tool_calls_total`` counts it: ``refused`` (it cannot run
-    here: no sandbox) or ``busy`` (at its limit of calls at once: it may run later)."""
+    a call the tool would not run, or stopped, as ``rollwave_rollout_tool_calls_total`` counts it: ``refused`` (it
+    cannot run here: no sandbox), ``busy`` (at its limit of calls at once: it may run later), ``sandbox_timeout`` and
+    ``output_limit`` (the python tool stopped the snippet at its ``timeout_s`` or ``max_output_bytes``)."""
 
     text: str
     reward: float | None = None

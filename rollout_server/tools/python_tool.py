@@ -36,7 +36,14 @@ The boundary is the kernel's, set up by bubblewrap (``bwrap``, Debian package ``
   sandbox can raise, before it forks the snippet; it is not dumpable, so the snippet cannot ptrace it even as
   the same uid. When the snippet ends, pid 1 ends and the kernel kills whatever is left in the pid namespace;
   a wall-clock timeout or output beyond ``max_output_bytes`` kills bwrap, and pid 1 with it (its
-  ``--die-with-parent`` signal, which the snippet cannot clear), so every process of the sandbox.
+  ``--die-with-parent`` signal, which the snippet cannot clear), so every process of the sandbox (logged, naming the
+  limit, and counted as ``outcome="sandbox_timeout"`` or ``outcome="output_limit"``).
+- **Status**: pid 1 reports how the snippet ended through a pipe the snippet does not inherit (it is closed in the
+  snippet before it runs, and pid 1's descriptors are out of its reach), so a status of the snippet's own reads as
+  what it is: its exit status, or the signal that killed it. A limit is named only where pid 1 saw it hit: killed by
+  SIGXCPU or SIGKILL with its CPU time (its ``CPUCLOCK_PROF``, what ``RLIMIT_CPU`` counts, read while it is a zombie)
+  at ``cpu_s``; failed after one of its processes ended on a MemoryError (the bootstrap's handler says so through a
+  pipe of its own, which claims no more than a ``raise MemoryError`` could); failed with a tmpfs full of files.
 
 The snippet arrives on stdin, never in a file or argv. When the sandbox cannot be set up (no bwrap, no
 namespaces allowed here), every call is refused with an error saying why (counted as ``outcome="refused"`` in
@@ -48,6 +55,7 @@ counted as ``outcome="busy"``), so a burst of calls cannot start hundreds of the
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 import platform
@@ -61,8 +69,6 @@ from typing import Any
 from rollout_server.tools.base import Tool, ToolResult, function_schema
 
 log = logging.getLogger(__name__)
-MEMORY_ERROR_EXIT = 97
-FILE_LIMIT_EXIT = 96
 WORKDIR = "/sandbox"
 LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64")
 PROBE_TIMEOUT_S = 30.0
@@ -75,12 +81,12 @@ DENIED_SYSCALLS = {"x86_64": (0xC000003E, (29, 64, 68, 319)), "aarch64": (0xC000
 # Runs in the sandbox as its pid 1 (the docstring's Processes): limits, not dumpable, a session keyring of its own
 # (the docstring's Keys; ENOSYS or EPERM: the kernel has no keys, or a seccomp filter the snippet inherits forbids
 # them), the private tmpfs (the docstring's Files; then CAP_SYS_ADMIN goes) and a seccomp filter (the docstring's
-# Memory) before the snippet can run, it forks the snippet and reaps until the snippet ends, then ends with its status
-# (128 + a signal that killed it, as bwrap reports one), or _files_exit if it failed with a tmpfs full of files.
+# Memory) before the snippet can run, it forks the snippet and reaps until the snippet ends, then reports (the
+# docstring's Status) and ends with the snippet's status (128 + a signal that killed it, as bwrap reports one).
 _BOOTSTRAP = r"""
-import ctypes, errno, os, resource, struct, sys, traceback
-_uid, _mem, _cpu, _fsize, _nproc, _nofile, _memory_exit, _keyctl, _files, _files_exit, _arch = map(int, sys.argv[1:12])
-_denied = [int(_nr) for _nr in sys.argv[12].split(",")]
+import ctypes, errno, os, resource, select, signal, struct, sys, time, traceback
+_uid, _mem, _cpu, _fsize, _nproc, _nofile, _report, _keyctl, _files, _arch = map(int, sys.argv[1:11])
+_denied = [int(_nr) for _nr in sys.argv[11].split(",")]
 _tmpfs = (("/tmp", "1777"), ("/dev/shm", "1777"), (os.getcwd(), "0777"))  # bwrap put it in the working directory
 for _limit, _value in ((resource.RLIMIT_AS, _mem), (resource.RLIMIT_FSIZE, _fsize), (resource.RLIMIT_NPROC, _nproc + 1),
                        (resource.RLIMIT_NOFILE, _nofile), (resource.RLIMIT_CORE, 0)):
@@ -126,14 +132,25 @@ for _set in range(3):  # effective, permitted, inheritable (ambient follows): CA
     _caps[_set] &= ~(1 << 21)
 if _libc.capset(_header, _caps) != 0:
     sys.exit(f"capset: {os.strerror(ctypes.get_errno())}")
+_said, _say = os.pipe()  # the snippet's processes say through it that they ended on a MemoryError (below)
 _snippet = os.fork()
-while _snippet:  # pid 1
-    _pid, _status = os.wait()
-    if _pid == _snippet:
-        _code = os.waitstatus_to_exitcode(_status)
-        if _code != 0 and any(os.statvfs(_path).f_ffree == 0 for _path, _ in _tmpfs):
-            os._exit(_files_exit)
-        os._exit(_code if _code >= 0 else 128 - _code)
+if _snippet:  # pid 1: reaps until the snippet ends, then reports how (the docstring's Status) through _report
+    os.close(_say)
+    while (_pid := os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT).si_pid) != _snippet:
+        os.waitpid(_pid, 0)  # an orphan of the snippet's
+    _used = time.clock_gettime(~_snippet << 3)  # while it is a zombie, its CPUCLOCK_PROF: what RLIMIT_CPU counts
+    _code = os.waitstatus_to_exitcode(os.waitpid(_snippet, 0)[1])
+    _limit = ""
+    if -_code in (signal.SIGXCPU, signal.SIGKILL) and _used >= _cpu:  # SIGXCPU at _cpu, SIGKILL a second later
+        _limit = "cpu"
+    elif _code != 0 and select.select([_said], [], [], 0)[0] and os.read(_said, 1):
+        _limit = "memory"
+    elif _code != 0 and any(os.statvfs(_path).f_ffree == 0 for _path, _ in _tmpfs):
+        _limit = "files"
+    os.write(_report, f"{_code} {_limit}".encode())
+    os._exit(_code if _code >= 0 else 128 - _code)
+os.close(_report)
+os.close(_said)
 if os.getuid() == 0:
     os.setgroups([])
     os.setgid(_uid)
@@ -144,7 +161,8 @@ try:
 except MemoryError:
     sys.stderr.write("MemoryError: the memory limit was exceeded\n")
     sys.stderr.flush()
-    os._exit(_memory_exit)
+    os.write(_say, b"m")
+    os._exit(1)
 except SystemExit:
     raise
 except BaseException as _exc:
@@ -238,8 +256,9 @@ class PythonTool(Tool):
         if self.unavailable is not None:
             log.warning("%s: refusing every call: %s", self.name, self.unavailable)
 
-    def command(self) -> list[str]:
-        """The command line (bwrap; as root, through _USER_NAMESPACE) that runs the bootstrap; the snippet is stdin."""
+    def command(self, report: int) -> list[str]:
+        """The command line (bwrap; as root, through _USER_NAMESPACE) that runs the bootstrap; the snippet is stdin, and
+        the bootstrap reports how it ended to the file descriptor ``report`` (the docstring's Status)."""
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             raise FileNotFoundError("bwrap not found: install the Debian package bubblewrap")
@@ -275,20 +294,28 @@ class PythonTool(Tool):
             if os.path.islink(link):
                 argv += ["--symlink", os.readlink(link), link]
         limits = (self.sandbox_uid, self.memory_bytes, self.cpu_s, self.max_file_bytes, self.max_processes,
-                  self.max_open_files, MEMORY_ERROR_EXIT, keyctl, self.max_files, FILE_LIMIT_EXIT, denied[0])
+                  self.max_open_files, report, keyctl, self.max_files, denied[0])
         return [*user_namespace, *argv, "--remount-ro", "/", "--chdir", WORKDIR, "--", sys.executable, "-I", "-B",
                 "-c", _BOOTSTRAP, *map(str, limits), ",".join(map(str, denied[1]))]
 
     def _probe(self) -> str | None:
-        """Why the sandbox cannot run here (None when a trivial snippet runs in it as the sandbox uid)."""
-        try:
-            done = subprocess.run(self.command(), input=b"import os; print(os.getuid())", capture_output=True,
-                                  env={}, timeout=PROBE_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"sandbox unavailable: {exc}"
+        """Why the sandbox cannot run here (None when a trivial snippet runs in it as the sandbox uid, and its pid 1
+        reports that it exited 0)."""
+        status, report = _status_pipe()
+        with status:
+            try:
+                done = subprocess.run(self.command(report), input=b"import os; print(os.getuid())",
+                                      capture_output=True, env={}, timeout=PROBE_TIMEOUT_S, pass_fds=(report,))
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                return f"sandbox unavailable: {exc}"
+            finally:
+                os.close(report)
+            reported = status.read()
         if done.returncode != 0 or done.stdout.strip() != str(self.sandbox_uid).encode():
             last = (done.stderr.decode(errors="replace").strip().splitlines() or [f"exit {done.returncode}"])[-1]
             return f"sandbox unavailable: {last}"
+        if reported != b"0 ":
+            return f"sandbox unavailable: its pid 1 reported {reported!r} for a snippet that exited 0, not b'0 '"
         return None
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
@@ -307,32 +334,42 @@ class PythonTool(Tool):
             log.warning("%s: refused a call of %s: %s", self.name, instance_id, busy)
             return ToolResult(f"Error: {busy}", ok=False, error=busy, outcome="busy")
         try:
-            return await self._run(code.encode("utf-8", errors="surrogatepass"))
+            return await self._run(instance_id, code.encode("utf-8", errors="surrogatepass"))
         finally:
             self._sandboxes.release()
 
-    async def _run(self, code: bytes) -> ToolResult:
-        proc = await asyncio.create_subprocess_exec(
-            *self.command(),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env={},
-            start_new_session=True,
-        )
-        output = bytearray()
-        stopped = None
-        try:
-            await asyncio.wait_for(self._talk(proc, code, output), timeout=self.timeout_s)
-            if len(output) > self.max_output_bytes:
-                stopped = f"printed more than {self.max_output_bytes} bytes and was killed"
-        except TimeoutError:
-            stopped = f"timed out after {self.timeout_s:g}s and was killed"
-        finally:
-            if proc.returncode is None:
-                _kill_group(proc.pid)  # bwrap goes, and with it (--die-with-parent) the sandbox's pid namespace
-            await self._drain(proc)
-        return self._result(proc.returncode, bytes(output), stopped)
+    async def _run(self, instance_id: str, code: bytes) -> ToolResult:
+        status, report = _status_pipe()
+        with status:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self.command(report),
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env={},
+                    start_new_session=True,
+                    pass_fds=(report,),
+                )
+            finally:
+                os.close(report)
+            output = bytearray()
+            stopped = None  # what the model is told, the outcome it is counted as, and the limit that stopped it
+            try:
+                await asyncio.wait_for(self._talk(proc, code, output), timeout=self.timeout_s)
+                if len(output) > self.max_output_bytes:
+                    stopped = (f"printed more than {self.max_output_bytes} bytes and was killed", "output_limit",
+                               "max_output_bytes")
+            except TimeoutError:
+                stopped = (f"timed out after {self.timeout_s:g}s and was killed", "sandbox_timeout", "timeout_s")
+            finally:
+                if proc.returncode is None:
+                    _kill_group(proc.pid)  # bwrap goes, and with it (--die-with-parent) the sandbox's pid namespace
+                await self._drain(proc)
+            reported = status.read()
+        if stopped is not None:
+            log.warning("%s: stopped a call of %s at its %s: %s", self.name, instance_id, stopped[2], stopped[0])
+        return self._result(proc.returncode, (reported or b"").decode(), bytes(output), stopped)
 
     async def _drain(self, proc: asyncio.subprocess.Process) -> None:
         """Read to EOF, which comes once no process of the sandbox holds its output; then reap bwrap."""
@@ -360,23 +397,40 @@ class PythonTool(Tool):
                 return
         await proc.wait()
 
-    def _result(self, returncode: int, raw: bytes, stopped: str | None) -> ToolResult:
+    def _result(self, returncode: int, reported: str, raw: bytes, stopped: tuple[str, str, str] | None) -> ToolResult:
+        """What the model is told: why the tool stopped the snippet, or how it ended and the limit it hit, as pid 1
+        reported them (``"<status> <limit>"``, the docstring's Status); bwrap's status where pid 1 reported nothing."""
         text = raw[: self.max_output_bytes].decode("utf-8", errors="replace")
         if len(raw) > self.max_output_bytes:
             text += f"\n[output truncated at {self.max_output_bytes} bytes]"
+        code, _, limit = reported.partition(" ")
+        status, outcome = int(code or 0), None
         if stopped is not None:
-            error = stopped
-        elif returncode in (MEMORY_ERROR_EXIT, 128 + signal.SIGSEGV):  # bwrap exits 128 + the signal that ended it
+            error, outcome, _ = stopped
+        elif not code:  # pid 1 ended before the snippet did: the sandbox failed, its output says how
+            error = f"the sandbox exited with status {returncode} before the snippet ended"
+        elif limit == "memory":
             error = f"memory limit of {self.memory_bytes >> 20} MiB exceeded"
-        elif returncode == FILE_LIMIT_EXIT:
+        elif limit == "files":
             error = f"file limit of {self.max_files} files (max_files) exceeded"
-        elif returncode in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
+        elif limit == "cpu":
             error = f"CPU limit of {self.cpu_s}s exceeded and was killed"
-        elif returncode != 0:
-            error = f"exited with status {returncode}"
+        elif status < 0:
+            error = f"killed by signal {-status} ({signal.strsignal(-status)})"
+        elif status > 0:
+            error = f"exited with status {status}"
         else:
             return ToolResult(text)
-        return ToolResult(f"{text}\nError: {error}" if text else f"Error: {error}", ok=False, error=error)
+        return ToolResult(f"{text}\nError: {error}" if text else f"Error: {error}", ok=False, error=error,
+                          outcome=outcome)
+
+
+def _status_pipe() -> tuple[io.FileIO, int]:
+    """A pipe for the sandbox's pid 1 to report through (the docstring's Status): its read end, which reads what pid 1
+    wrote (None while nothing is there: it does not block), and the write end's descriptor, for bwrap to inherit."""
+    said, report = os.pipe()
+    os.set_blocking(said, False)
+    return open(said, "rb", buffering=0), report
 
 
 def _kill_group(pid: int) -> None:

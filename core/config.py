@@ -14,6 +14,7 @@ needs the API token.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -50,21 +51,37 @@ TRAINER_CERT_NAME = "rollwave-trainer"  # the trainers' checkpoint certificate t
 GENERATE_HINT = "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
-def _long_enough(secret: SecretStr) -> SecretStr:
-    if len(secret.get_secret_value()) < MIN_SECRET_CHARS:
+def _usable_secret(secret: SecretStr) -> SecretStr:
+    """Long enough, and sendable: each secret travels in an HTTP header or gRPC metadata (a Redis password in the
+    ACL file's line), which no line break or control character can."""
+    value = secret.get_secret_value()
+    if len(value) < MIN_SECRET_CHARS:
         raise ValueError(f"must be at least {MIN_SECRET_CHARS} characters ({GENERATE_HINT})")
+    if any(c < " " or c == "\x7f" for c in value):
+        raise ValueError("holds a line break or a control character, which no HTTP header or gRPC metadata carries")
     return secret
 
 
-Secret = Annotated[SecretStr, AfterValidator(_long_enough)]
+Secret = Annotated[SecretStr, AfterValidator(_usable_secret)]
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the full dotted key."""
 
 
+class CrossKeyError(ValueError):
+    """A check across sections that is about one key, ``key`` (dotted): the error is put at that key, so that it
+    names the key's line of the file (a check of the whole config has no line of its own)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # no .inf or .nan: an infinite learning rate or coefficient poisons every weight, an infinite timeout overflows
+    # the socket's (redis.timeout_s) or gRPC's deadline at its first use, far from the key
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(Section):
@@ -415,6 +432,7 @@ class OverlongConfig(Section):
         return self
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]  # an AdamW moment decay (torch.optim.AdamW's own bounds)
 TrainerOffload = Literal["auto", "memory_saver", "cpu", "none"]  # trainer.offload; trainer/offload.py
 
 
@@ -424,7 +442,10 @@ class TrainerConfig(Section):
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = Field(
+        (0.9, 0.999), description="AdamW's β1, β2, each in [0, 1): torch refuses others at the trainer's start, and a "
+        "resume sets them on the restored optimizer unchecked (β2 >= 1 makes every update NaN)"
+    )
     grad_clip: float = Field(1.0, gt=0)
     loss: Literal["decoupled_ppo", "tis", "icepop", "ppo"] = Field(
         "decoupled_ppo", description="with ppo_minibatches=1 decoupled_ppo runs as IS-weighted REINFORCE (see README)"
@@ -640,6 +661,11 @@ class PlacementConfig(Section):
     )
 
 
+# an api.allowed_hosts entry: *, a host name or IPv4 address (*. for any subdomain), or an IPv6 address (a Ray node's
+# comes unbracketed)
+HOST_PATTERN = re.compile(r"\*|(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*|\[?[0-9A-Fa-f.]*(:[0-9A-Fa-f.]*){2,}]?")
+
+
 class ApiConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port (published in Redis)")
@@ -658,6 +684,18 @@ class ApiConfig(Section):
         30.0, gt=0, description="a request body not all received this long after it is first read is refused (408)"
     )
     max_job_tasks: int = Field(100_000, ge=1, description="tasks in one job, inline or loaded")
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_patterns(cls, hosts: list[str]) -> list[str]:
+        """Each entry as Starlette's TrustedHostMiddleware matches it (against the Host header's host, without its
+        port): an entry with a scheme, a port or a path never matched (every request 400), and a wildcard other
+        than a leading ``*.`` failed its assertion, which the API's guard meets on every request (500)."""
+        for host in hosts:
+            if not HOST_PATTERN.fullmatch(host):
+                raise ValueError(f"{host!r} cannot match a Host header: give a name or address without scheme, port or "
+                                 "path (rw.example.com, 10.0.0.5, [::1]), *.example.com for its subdomains, or *")
+        return hosts
 
 
 class LauncherConfig(Section):
@@ -710,13 +748,14 @@ class Config(Section):
         one step behind with the overlap: ``buffer.max_staleness`` is ``placement.colocated_staleness``."""
         if self.placement.mode == "colocated":
             if self.model.lora is not None:
-                raise ValueError("placement.mode=colocated: model.lora is not supported (the local push writes "
-                                 "full weights); use placement.mode=decoupled")
+                raise CrossKeyError("model.lora", "placement.mode=colocated: model.lora is not supported (the local "
+                                    "push writes full weights); use placement.mode=decoupled")
             self.buffer.max_staleness = self.placement.colocated_staleness
             if self.trainer.dist_timeout_s <= self.placement.colocated_timeout_s:
-                raise ValueError(f"trainer.dist_timeout_s ({self.trainer.dist_timeout_s:g}) must exceed "
-                                 f"placement.colocated_timeout_s ({self.placement.colocated_timeout_s:g}): the other "
-                                 "ranks wait at a barrier while rank 0 waits for the servers to release")
+                raise CrossKeyError(
+                    "trainer.dist_timeout_s", f"trainer.dist_timeout_s ({self.trainer.dist_timeout_s:g}) must exceed "
+                    f"placement.colocated_timeout_s ({self.placement.colocated_timeout_s:g}): the other ranks wait "
+                    "at a barrier while rank 0 waits for the servers to release")
         return self
 
     @model_validator(mode="after")
@@ -725,9 +764,10 @@ class Config(Section):
         allowed more would fail as an engine error (retried, then dead-lettered) instead of ending truncated."""
         if self.engine.backend == "embedded" and not self.engine.urls \
                 and self.rollout.max_total_tokens > self.engine.max_context:
-            raise ValueError(f"rollout.max_total_tokens ({self.rollout.max_total_tokens}) exceeds engine.max_context "
-                             f"({self.engine.max_context}): the engine refuses requests past its context, so long "
-                             "episodes would fail instead of ending max_total_tokens")
+            raise CrossKeyError(
+                "rollout.max_total_tokens", f"rollout.max_total_tokens ({self.rollout.max_total_tokens}) exceeds "
+                f"engine.max_context ({self.engine.max_context}): the engine refuses requests past its context, so "
+                "long episodes would fail instead of ending max_total_tokens")
         return self
 
     @model_validator(mode="after")
@@ -735,9 +775,10 @@ class Config(Section):
         """Dynamic sampling drops the groups a group-relative baseline gives zero advantage; GAE's baseline is the
         critic, so those groups still carry signal and dropping them would lose data silently."""
         if self.buffer.filter_degenerate_groups and self.trainer.advantage == "gae":
-            raise ValueError("buffer.filter_degenerate_groups needs a group-relative trainer.advantage (grpo, rloo, "
-                             "reinforce_pp), not gae: with the critic as baseline a group whose rewards are all "
-                             "equal still has nonzero advantages, and dropping it would lose its data")
+            raise CrossKeyError(
+                "buffer.filter_degenerate_groups", "buffer.filter_degenerate_groups needs a group-relative "
+                "trainer.advantage (grpo, rloo, reinforce_pp), not gae: with the critic as baseline a group whose "
+                "rewards are all equal still has nonzero advantages, and dropping it would lose its data")
         return self
 
     @model_validator(mode="after")
@@ -745,17 +786,22 @@ class Config(Section):
         """A group-relative baseline is the group's other samples: a group of one has advantage 0 (rloo divides by
         n - 1), so every train group would train on no reward. GAE's baseline is the critic."""
         if self.rollout.n_samples == 1 and self.trainer.advantage != "gae":
-            raise ValueError(f"rollout.n_samples=1 with trainer.advantage={self.trainer.advantage}: a group of 1 "
-                             "sample has advantage 0 under a group-relative baseline (the group's other samples), "
-                             "so training would learn nothing; give rollout.n_samples >= 2, or trainer.advantage=gae")
+            raise CrossKeyError(
+                "rollout.n_samples", f"rollout.n_samples=1 with trainer.advantage={self.trainer.advantage}: a group of "
+                "1 sample has advantage 0 under a group-relative baseline (the group's other samples), so training "
+                "would learn nothing; give rollout.n_samples >= 2, or trainer.advantage=gae")
         return self
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key`` in ``tree``; a null on the way is an empty section (``model.lora: null``, as a dumped config
+    writes it, is LoRA off: ``model.lora.rank=16`` turns it on)."""
     parts = key.split(".")
     node = tree
     for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
+        if node.get(part) is None:
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, cannot set {key}")
         node = child
@@ -783,7 +829,9 @@ def _format_validation_error(exc: ValidationError, path: Path | None, overridden
     lines = yaml_key_lines(path) if path is not None else {}
     out = []
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        cause = err.get("ctx", {}).get("error")
+        loc = (*err["loc"], *cause.key.split(".")) if isinstance(cause, CrossKeyError) else err["loc"]
+        key = ".".join(str(p) for p in loc) or "<root>"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -794,7 +842,12 @@ def _format_validation_error(exc: ValidationError, path: Path | None, overridden
         # a check of a whole section (or config) may be about an overridden key in it: then no line of the file
         from_override = any(f"{key}.".startswith(f"{o}.") or o.startswith(f"{key}.") or key == "<root>"
                             for o in overridden)
-        line = None if from_override else line_of(lines, err["loc"])
+        if from_override:
+            line = None
+        elif isinstance(cause, CrossKeyError):  # its key's own line: none where the key keeps its default
+            line = lines.get(tuple(map(str, loc)))
+        else:
+            line = line_of(lines, loc)
         if key in SECRETS and tuple(key.split(".")) not in lines:  # from its _file or its variable, not this file
             line, msg = None, f"{msg} (given in {key}_file or {SECRETS[key]})"
         out.append(f"{path}:{line}: {key}: {msg}{got}" if line is not None else f"{key}: {msg}{got}")
@@ -848,8 +901,8 @@ def _resolve_secrets(tree: dict[str, Any], env: Mapping[str, str]) -> frozenset[
                 raise ConfigError(f"{dotted}_file: cannot read {file}: {exc.strerror or exc}") from None
             except TextFileError as exc:
                 raise ConfigError(f"{dotted}_file: {exc}") from None
-        elif env.get(var):
-            value = env[var]
+        elif env.get(var, "").strip():  # stripped as a file's: a Kubernetes Secret made from a file keeps its newline
+            value = env[var].strip()
         elif value == MASK:  # a dumped config: unset here; a component that needs it says where to put it
             value = None
             masked.add(dotted)

@@ -407,10 +407,12 @@ def test_a_train_temperature_the_engines_sample_greedily_is_refused() -> None:
     """Below 1e-6 both engines sample greedily (SGLang's _SAMPLING_EPS, the embedded engine's rule), while the
     trainer divides the logits by the temperature: the run's rollout.temperature must be at least that."""
     assert SamplingParams(temperature=5e-7).greedy and not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
-    for value in ("5e-7", "0", ".nan"):
+    for value in ("5e-7", "0"):
         with pytest.raises(ConfigError, match=r"rollout\.temperature: .* cannot be trained on: below 1e-06 the "
                            r"engines sample greedily .* use >= 1e-06"):
             load_config(None, [f"rollout.temperature={value}"])
+    with pytest.raises(ConfigError, match=r"rollout\.temperature: Input should be a finite number"):
+        load_config(None, ["rollout.temperature=.nan"])
     assert load_config(None, ["rollout.temperature=1e-6"]).rollout.temperature == GREEDY_TEMPERATURE
 
 

@@ -201,7 +201,8 @@ def test_sglang_backend_puts_an_engine_with_gpus_beside_each_rollout_server(tmp_
 
 
 def test_trainer_pool_spans_nodes_with_gpus(tmp_path: Path) -> None:
-    docs = render({"trainer": {"nodes": 3, "ranksPerNode": 8, "gpusPerNode": 8}})
+    shared = {"existingClaim": "runs"}  # a checkpoint's ranks write one directory
+    docs = render({"trainer": {"nodes": 3, "ranksPerNode": 8, "gpusPerNode": 8, "persistence": shared}})
     trainer = find(docs, "StatefulSet", "-trainer")
     assert trainer["spec"]["replicas"] == 3
     container = containers(trainer)["trainer"]
@@ -306,7 +307,7 @@ def test_engines_listen_on_loopback_and_have_no_port_or_service(tmp_path: Path) 
 
 
 def test_the_rendezvous_port_stays_internal() -> None:
-    docs = render({"trainer": {"nodes": 2}})
+    docs = render({"trainer": {"nodes": 2, "persistence": {"existingClaim": "runs"}}})
     trainer = containers(find(docs, "StatefulSet", "-trainer"))["trainer"]
     assert "rendezvous" in {p["name"] for p in trainer["ports"]}
     services = [d for d in docs if d["kind"] == "Service"]

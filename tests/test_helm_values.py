@@ -64,7 +64,12 @@ def test_a_secret_in_run_config_is_refused_not_put_in_the_config_map(dotted: str
     ("model.path", "/models/other", "model.path"), ("engine.port", 31000, "engine.port"),
     ("run.dir", "/elsewhere", "trainer's volume"), ("checkpoint.stage_dir", "/tmp/stage", "rollout.stageSize"),
     ("checkpoint.tls_server_name", "other", "checkpointTLS.serverName"),
-    ("redis.url", "redis://other:6379/0", "redis.url"),
+    ("redis.url", "redis://other:6379/0", "redis.url"), ("redis.username", "other", "redis.auth.username"),
+    ("checkpoint.tls_cert", "/x.crt", "checkpointTLS"), ("checkpoint.tls_key", "/x.key", "checkpointTLS"),
+    ("checkpoint.tls_ca", "/ca.crt", "checkpointTLS"), ("trainer.device", "cpu", "trainer.gpusPerNode"),
+    ("api.data_root", "/elsewhere", "api.dataClaim"), ("api.host", "127.0.0.1", "0.0.0.0"),
+    ("api.port", 9000, "api.port"), ("engine.backend", "sglang", "engine.backend"),
+    ("rollout.server_id", "x", "pod's name"), ("rollout.grpc_host", "10.0.0.1", "pod's IP"),
 ])
 def test_run_config_cannot_move_what_the_chart_wires_from_its_values(dotted: str, value: Any, owner: str) -> None:
     """A key the chart derives from a value (a port its Service and NetworkPolicy name, a path a volume is mounted

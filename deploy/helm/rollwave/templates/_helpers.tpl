@@ -66,6 +66,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "rollwave.secretName" -}}
+{{- $keys := list .Values.secrets.apiTokenKey .Values.secrets.checkpointTokenKey .Values.secrets.redisPasswordKey -}}
+{{- if ne (len ($keys | uniq)) 3 -}}
+{{- fail (printf "secrets: apiTokenKey, checkpointTokenKey and redisPasswordKey (%s) must be three different keys: a shared key makes two secrets one (the API clients' token the checkpoint token, which pushes weights; the Redis password, which every container holds, the API token)" (join ", " $keys)) -}}
+{{- end -}}
 {{- if .Values.secrets.existingSecret -}}
 {{- .Values.secrets.existingSecret -}}
 {{- else -}}
@@ -100,17 +104,42 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "engine.port" "the chart sets it from engine.port, which the SGLang sidecar listens on: set that value"
   "model.path" "the chart sets it from model.path, which the SGLang sidecar loads: set that value"
   "redis.url" "the chart sets it from redis.url (also REDIS_URL, which wins): set that value"
+  "redis.username" "the chart sets it from redis.auth.username (the ACL user the bundled Redis lets in): set that value"
   "run.dir" "the chart sets /runs, the trainer's volume (elsewhere is the read-only root)"
   "checkpoint.stage_dir" "the chart sets the staging emptyDir's mount, sized by rollout.stageSize"
   "checkpoint.tls_server_name" "the chart sets it from checkpointTLS.serverName, which its certificates carry: set that value"
   "checkpoint.tls_client_name" "the chart sets it from checkpointTLS.clientName, which its certificates carry: set that value"
+  "checkpoint.tls_cert" "the chart sets the files of checkpointTLS, mounted at /tls (checkpointTLS.existingSecret brings your own)"
+  "checkpoint.tls_key" "the chart sets the files of checkpointTLS, mounted at /tls (checkpointTLS.existingSecret brings your own)"
+  "checkpoint.tls_ca" "the chart sets the files of checkpointTLS, mounted at /tls (checkpointTLS.existingSecret brings your own)"
+  "trainer.device" "the chart sets it from trainer.gpusPerNode (cuda above 0), which requests the GPUs: set that value"
+  "api.data_root" "the chart sets /data, where api.dataClaim is mounted"
+  "api.host" "the API's command line sets 0.0.0.0, for its Service: this would do nothing"
+  "api.port" "the API's command line sets it from api.port, which its Service and probes use: set that value"
+  "engine.backend" "the rollout servers' command line sets it from engine.backend, which adds the SGLang sidecar: set that value"
+  "rollout.server_id" "each rollout server's command line sets its pod's name: this would do nothing"
+  "rollout.grpc_host" "each rollout server's command line sets its pod's IP, which the trainer reaches: this would do nothing"
 }}
+{{- if eq .Values.engine.backend "sglang" }}
+{{- $_ := set $refused "engine.urls" "the rollout servers' command line sets the SGLang sidecar's: this would do nothing" }}
+{{- $_ := set $refused "engine.ready_timeout_s" "the rollout servers' command line sets it from engine.sglang.startupSeconds: set that value" }}
+{{- end }}
 {{- range $dotted, $why := $refused }}
 {{- $key := splitList "." $dotted }}
 {{- if hasKey (dig (first $key) dict $.Values.runConfig) (last $key) }}
 {{- fail (printf "runConfig.%s: %s" $dotted $why) }}
 {{- end }}
 {{- end -}}
+{{- /* The pods mount the model claim, or else an emptyDir the tiny model is built into, at /models. */}}
+{{- if .Values.model.existingClaim }}
+{{- if not (or (eq .Values.model.path "/models") (hasPrefix "/models/" .Values.model.path)) }}
+{{- fail (printf "model.path: %s is not under /models, where the pods mount model.existingClaim" .Values.model.path) }}
+{{- end }}
+{{- else if not .Values.model.initTiny }}
+{{- fail "model.existingClaim: empty, with model.initTiny false, leaves /models an empty emptyDir: give a claim that holds model.path" }}
+{{- else if ne .Values.model.path "/models/tiny" }}
+{{- fail (printf "model.path: %s is not in the pods' emptyDir, which holds only the tiny model (/models/tiny): give model.existingClaim, a claim that holds it" .Values.model.path) }}
+{{- end }}
 {{- $base := dict
   "run" (dict "name" .Values.run.name "dir" "/runs")
   "model" (dict "path" .Values.model.path "init_if_missing" false)

@@ -172,7 +172,8 @@ def tool_call_parser(version: str | None) -> str:
 def api_key(args: argparse.Namespace) -> str | None:
     """The engine's key from ``--api-key-file``, else the environment; ValueError for a non-loopback
     ``--host`` without one (anyone who reaches SGLang could replace its weights)."""
-    key = Path(args.api_key_file).read_text().strip() if args.api_key_file else os.environ.get(ENGINE_KEY_ENV)
+    # stripped, as the config strips it for the rollout servers: a Kubernetes Secret made from a file keeps a newline
+    key = (Path(args.api_key_file).read_text() if args.api_key_file else os.environ.get(ENGINE_KEY_ENV, "")).strip()
     if not key and not is_loopback(args.host):
         raise ValueError(f"--host {args.host} is not loopback: give SGLang an API key in {ENGINE_KEY_ENV} or "
                          "--api-key-file (and the rollout servers the same engine.api_key)")

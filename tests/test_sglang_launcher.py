@@ -169,6 +169,8 @@ def test_the_api_key_reaches_sglang_through_the_environment_not_argv(tmp_path: P
     key_file.write_text(key + "\n")
     proc = _sglang(tmp_path, "--host", "0.0.0.0", "--api-key-file", str(key_file), env={})
     assert proc.returncode == 0 and json.loads(proc.stdout)["argv"][:2] == ["--api-key", key], proc.stderr
+    with_newline = _sglang(tmp_path, "--host", "10.0.0.5", env={"ROLLWAVE_ENGINE_API_KEY": f"{key}\n"})
+    assert json.loads(with_newline.stdout)["argv"][:2] == ["--api-key", key], with_newline.stderr  # as the config's
     dry = _sglang(tmp_path, "--dry-run", env={"ROLLWAVE_ENGINE_API_KEY": key})
     assert dry.returncode == 0 and key not in dry.stdout and "--api-key" in dry.stdout
 

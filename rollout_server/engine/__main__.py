@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     if owned:  # until the server runs (loading the model), as OwnedServer then
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = parse_args(argv)
-    api_key = os.environ.get(ENGINE_KEY_ENV) or None
+    api_key = os.environ.get(ENGINE_KEY_ENV, "").strip() or None  # as the config strips it for the rollout servers
     if api_key is not None and len(api_key) < MIN_SECRET_CHARS:
         print(f"error: {ENGINE_KEY_ENV}: must be at least {MIN_SECRET_CHARS} characters", file=sys.stderr)
         raise SystemExit(CONFIG_ERROR_EXIT)

@@ -53,6 +53,15 @@ def tokenizer(tiny_model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server (the embedded one, no AOF) for the tests of one module, each on a run of its own."""
+    from buffer.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
+        yield server.url
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path):
     """A real redis-server (the embedded one) with AOF fsynced on every write; stopped after the test."""

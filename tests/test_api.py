@@ -38,12 +38,6 @@ from trainer.metrics import RedisStatus
 TOKEN = secrets.token_urlsafe(32)
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
-        yield server.url
-
-
 @contextmanager
 def serve(redis_url: str, run: str, *overrides: str, client: redis.Redis | None = None) -> Iterator[httpx.Client]:
     """The API of run ``run`` (token ``TOKEN`` unless overridden) and an authorized client of it."""

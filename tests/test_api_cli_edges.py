@@ -32,27 +32,14 @@ from services.cli import CliError
 from services.client_cmd import wait_for_job
 from tests.http_harness import serve_app
 from tests.test_cli_errors import rollwave
+from tests.test_job_stalled import TOKEN, served_run
 from trainer.metrics import TrainerLease
-
-TOKEN = secrets.token_urlsafe(32)
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
-        yield server.url
 
 
 @pytest.fixture
 def run(redis_url: str, request: pytest.FixtureRequest) -> Iterator[tuple[httpx.Client, redis.Redis, Keys]]:
-    """The API of a run of its own (named after the test), an authorized client, a Redis client and the keys."""
-    name = request.node.name.replace("_", "-")[:60]
-    cfg = load_config(None, [f"run.name={name}", f"redis.url={redis_url}", f"api.token={TOKEN}"], env={})
-    client = redis.Redis.from_url(redis_url)
-    with serve_app(create_app(cfg)) as url, \
-            httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as api:
-        yield api, client, Keys(name)
-    client.close()
+    with served_run(redis_url, request) as parts:
+        yield parts
 
 
 def _submit(api: httpx.Client, body: dict) -> str:

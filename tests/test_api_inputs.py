@@ -6,16 +6,13 @@ counted (``rollwave_api_requests_refused_total{reason}``; a refused submit also 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import redis
 
 from buffer.keys import Keys
-from buffer.redis_server import EmbeddedRedis
 from core.jobs import JobSpec
 from core.tasks.base import MAX_TASK_ID_CHARS
 from services.api.app import MAX_TASK_NESTING
@@ -23,12 +20,6 @@ from tests.test_api import serve
 
 TASK = {"task_id": "a", "messages": [{"role": "user", "content": "q"}], "reward": {"ground_truth": "1"}}
 ARITH = {"source": {"kind": "arith", "limit": 2}}
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
-        yield server.url
 
 
 def _counted(api: httpx.Client, name: str) -> float:

@@ -21,7 +21,6 @@ from starlette.routing import Route
 
 from buffer import task_queue
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
-from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import Deletion, TaskEntry, TaskQueue
@@ -38,12 +37,6 @@ from trainer.metrics import RedisStatus, TrainerLease
 
 EVAL = {"kind": "eval", "source": {"kind": "arith", "limit": 2}}
 TRAIN = {"kind": "train", "source": {"kind": "arith", "limit": 2}}
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
-        yield server.url
 
 
 class Run:

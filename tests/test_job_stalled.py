@@ -6,6 +6,7 @@ the installed CLI and headless Chromium."""
 
 from __future__ import annotations
 
+import contextlib
 import html
 import os
 import re
@@ -27,7 +28,6 @@ import yaml
 from trainer_helpers import synthetic_groups
 
 from buffer.keys import Keys
-from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
@@ -51,25 +51,27 @@ TOKEN = secrets.token_urlsafe(32)
 GPS = 2
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
-        yield server.url
-
-
-@pytest.fixture
-def run(redis_url: str, request: pytest.FixtureRequest) -> Iterator[tuple[httpx.Client, redis.Redis, Keys]]:
+@contextlib.contextmanager
+def served_run(redis_url: str, request: pytest.FixtureRequest) -> Iterator[tuple[httpx.Client, redis.Redis, Keys]]:
     """The API of a run of its own (named after the test), an authorized client, a Redis client and the keys."""
     name = request.node.name.replace("_", "-")[:60]
     cfg = load_config(None, [f"run.name={name}", f"redis.url={redis_url}", f"api.token={TOKEN}"], env={})
     client = redis.Redis.from_url(redis_url)
-    with serve_app(create_app(cfg)) as url:
-        # a connection a request each: the tests wait minutes between requests (a trainer's run), and a kept-alive
-        # connection the server closes for idleness just as the next request goes out is reset under load
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30,
-                          limits=httpx.Limits(max_keepalive_connections=0)) as api:
-            yield api, client, Keys(name)
-    client.close()
+    try:
+        with serve_app(create_app(cfg)) as url:
+            # a connection a request each: the tests wait minutes between requests (a trainer's run), and a kept-alive
+            # connection the server closes for idleness just as the next request goes out is reset under load
+            with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30,
+                              limits=httpx.Limits(max_keepalive_connections=0)) as api:
+                yield api, client, Keys(name)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def run(redis_url: str, request: pytest.FixtureRequest) -> Iterator[tuple[httpx.Client, redis.Redis, Keys]]:
+    with served_run(redis_url, request) as parts:
+        yield parts
 
 
 def _submit(api: httpx.Client, kind: str, limit: int) -> str:

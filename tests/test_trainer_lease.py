@@ -30,9 +30,10 @@ from prometheus_client import CollectorRegistry
 
 from buffer.keys import TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
 from buffer.metrics import BufferMetrics
-from buffer.redis_server import EmbeddedRedis, client_for
+from buffer.redis_server import client_for
 from buffer.replay import ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
+from buffer.task_queue import TaskEntry
 from core.config import BufferConfig, RedisConfig, load_config
 from core.process import stop_process
 from services.client_cmd import _status_table
@@ -43,12 +44,6 @@ from trainer.parallel import DistContext
 
 LEASE_MS = 3000  # the trainer's buffer.claim_idle_ms: its lease's TTL (30 s by default), renewed every second
 ONE = {**TRAIN, "source": {"kind": "arith", "limit": 1}}
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
-        yield server.url
 
 
 @pytest.fixture
@@ -112,6 +107,16 @@ def _holding(run: Run, redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> 
     return proc, run.redis.get(run.keys.trainer_alive).decode()
 
 
+def _one_group_written_and_a_job_waiting(run: Run) -> tuple[str, TaskEntry, str, StalenessControl]:
+    """A train job whose one group is admitted and written, its task's entry, and a second one waiting for it."""
+    job_id = run.submit(ONE)
+    staleness = StalenessControl(run.redis, run.keys, BufferConfig())
+    [entry] = run.read(1)
+    assert staleness.try_admit(entry.group_id)
+    run.put(entry)
+    return job_id, entry, run.submit(ONE), staleness
+
+
 def _only_the_other_job_trained(run: Run, staleness: StalenessControl, cancelled: str, other: str) -> None:
     """The step trained a group of each job, ``cancelled``'s removed by its delete meanwhile: ``other``'s alone is
     counted trained, its admission slot kept, and nothing of the deleted job, or of either group, is left."""
@@ -130,12 +135,7 @@ def test_a_killed_trainers_group_of_a_cancelled_job_is_deleted_once_its_lease_la
     now it goes once the lease lapsed, with the group, its payload key and its admission slot. Another train job, left
     to train, read ``running`` for ever (a wait on it never ended): it reads ``stalled`` by a crashed trainer, and
     ``rollwave status`` says the trainer is not running."""
-    job_id = run.submit(ONE)
-    staleness = StalenessControl(run.redis, run.keys, BufferConfig())
-    [entry] = run.read(1)
-    assert staleness.try_admit(entry.group_id)
-    run.put(entry)
-    waiting = run.submit(ONE)
+    job_id, entry, waiting, staleness = _one_group_written_and_a_job_waiting(run)
     proc, lease = _holding(run, redis_url, tiny_model_dir, tmp_path)
     try:
         assert run.api.get(f"/v1/jobs/{waiting}").json()["state"] == "running"
@@ -172,12 +172,7 @@ def test_a_trainer_stopped_by_sigterm_records_the_stop_and_gives_up_its_lease_at
     to lapse, and the API then called it killed by SIGKILL or the OOM killer. It unwinds: exits 143, records the stop
     as its end (a crash a restart clears: the waiting train job reads stalled, saying so), and deletes its lease, so
     the cancelled job whose group it held is deleted at once."""
-    job_id = run.submit(ONE)
-    staleness = StalenessControl(run.redis, run.keys, BufferConfig())
-    [entry] = run.read(1)
-    assert staleness.try_admit(entry.group_id)
-    run.put(entry)
-    waiting = run.submit(ONE)
+    job_id, _, waiting, staleness = _one_group_written_and_a_job_waiting(run)
     proc, _ = _holding(run, redis_url, tiny_model_dir, tmp_path)
     try:
         assert run.api.post(f"/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"

@@ -13,7 +13,6 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -26,7 +25,6 @@ from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM
 
 from buffer.keys import TRAINER_GROUP, Keys
-from buffer.redis_server import EmbeddedRedis
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from core.config import BufferConfig, CheckpointConfig, TrainerConfig
@@ -52,12 +50,6 @@ TRAINER = {
 }
 ETA = 10
 BUFFER = BufferConfig(max_staleness=ETA, groups_per_step=GPS)
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), aof=False) as server:
-        yield server.url
 
 
 def _filled_buffer(url: str, run: str, steps: int = 5) -> ReplayBuffer:

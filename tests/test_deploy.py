@@ -162,6 +162,17 @@ def test_compose_profiles_run_the_embedded_engine_on_cpu_and_sglang_on_gpu() -> 
     assert used == set(engines), "every SGLang server has a rollout server"
 
 
+def test_compose_restarts_a_trainer_that_failed_never_one_that_finished() -> None:
+    """A trainer that reached trainer.total_steps exits 0; unless-stopped restarted it, and it reloaded the model, found
+    its steps done and ended again, for ever. The long-running services stay unless-stopped."""
+    services = COMPOSE["services"]
+    for name, svc in services.items():
+        if name.startswith("trainer"):
+            assert svc["restart"] == "on-failure", name
+        elif name not in ("model-init", "checkpoint-tls"):
+            assert svc["restart"] == "unless-stopped", name
+
+
 def test_compose_commands_load_with_the_run_config() -> None:
     commands = _rollwave_commands()
     assert {"api", "trainer", "rollout-cpu-0", "rollout-gpu-0", "trainer-gpu"} <= set(commands)

@@ -5,7 +5,9 @@ Real API, real Redis, the installed CLI."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import secrets
 import signal
@@ -288,3 +290,33 @@ def test_a_wait_rides_out_503s_from_its_first_poll(tmp_path: Path) -> None:
                 timer.join(30)
                 os.kill(pid, signal.SIGCONT)
         assert job["state"] == "cancelled" and polls[0] == 503, (job, polls)
+
+
+def test_the_sampler_goes_on_past_a_value_it_cannot_read(run, caplog: pytest.LogCaptureFixture) -> None:
+    """A step whose metrics are not JSON (a writer's bug, a newer trainer) made a sample raise what is not a Redis
+    error: the sampler's loop ended, and the dashboard's charts stopped for good. It logs the failure once, with its
+    traceback, and samples again once the value is gone."""
+    _api, client, keys = run
+    sampler = MetricsSampler(ClusterView(client, keys, ServerRegistry(client, keys),
+                                         TaskQueue(client, keys, BufferConfig())), interval_s=0.05)
+    client.xadd(keys.steps, {"metrics": "not json"})
+
+    async def sample_through_it() -> None:
+        loop = asyncio.create_task(sampler.run())
+        try:
+            await asyncio.sleep(0.5)
+            assert not loop.done() and not sampler.points
+            client.delete(keys.steps)
+            for _ in range(200):
+                if sampler.points:
+                    break
+                await asyncio.sleep(0.05)
+            assert not loop.done() and sampler.points
+        finally:
+            loop.cancel()
+
+    with caplog.at_level(logging.INFO, logger="services.api.sampler"):
+        asyncio.run(sample_through_it())
+    failed = [r for r in caplog.records if "metrics sample failed (JSONDecodeError" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None, caplog.text
+    assert "metrics samples work again" in caplog.text

@@ -65,12 +65,23 @@ class MetricsSampler:
         return self._pause_ms
 
     async def run(self) -> None:
+        """Sample every ``interval_s`` for as long as the API runs. A failed sample (Redis away, or a value in it the
+        view cannot read: a step's metrics that are not JSON) is logged once, with its traceback when it is not
+        Redis's, until one works again: any error but Redis's ended the loop, and the charts stopped for good."""
+        failing = False
         while True:
             try:
                 raw = await asyncio.to_thread(self.cluster.sample)
                 self.record(time.time(), raw)
-            except redis.RedisError as exc:
-                log.warning("metrics sample failed: %s", exc)
+            except Exception as exc:
+                if not failing:
+                    log.warning("metrics sample failed (%s: %s): the dashboard's charts miss points until one works",
+                                type(exc).__name__, exc, exc_info=not isinstance(exc, redis.RedisError))
+                failing = True
+            else:
+                if failing:
+                    log.info("metrics samples work again")
+                failing = False
             await asyncio.sleep(self.interval_s)
 
     def summary(self) -> dict[str, Any]:

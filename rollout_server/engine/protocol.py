@@ -20,6 +20,8 @@ from core.config import check_sampling
 from rollout_server.engine.request import Request
 from rollout_server.engine.sampling import SamplingParams
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # the seeds torch.Generator.manual_seed takes
+
 
 class ContractError(ValueError):
     """The body breaks the schema of ``/generate`` (SGLang's ``api_contract`` gate)."""
@@ -230,6 +232,9 @@ def _sampling(raw: dict[str, Any]) -> SamplingParams:
     if not math.isfinite(body.temperature):  # JSON as Python reads it has Infinity and NaN; SGLang's verify refuses
         raise ValueError(f"sampling_params.temperature must be a finite number, got {body.temperature}")
     check_sampling(body.temperature, body.top_p, body.top_k, body.min_p, where="sampling_params.")
+    if body.sampling_seed is not None and not SEED_MIN <= body.sampling_seed <= SEED_MAX:
+        raise ValueError(f"sampling_params.sampling_seed must be in [{SEED_MIN}, {SEED_MAX}] (a torch.Generator's "
+                         f"seed), got {body.sampling_seed}")
     if body.max_new_tokens is not None and body.max_new_tokens < 0:
         raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {body.max_new_tokens}")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())

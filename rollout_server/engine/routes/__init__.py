@@ -36,17 +36,24 @@ async def on_engine(engine: Scheduler, fn: Callable[[], Any]) -> Any:
     return await engine_wait(engine, engine.call(fn))
 
 
-async def engine_wait(engine: Scheduler, fut: Future | asyncio.Future) -> Any:
+async def engine_wait(
+    engine: Scheduler, fut: Future | asyncio.Future, client: Request | None = None,
+    on_gone: Callable[[], object] | None = None,
+) -> Any:
     """Await what the scheduler thread settles (a request, a call): as long as that takes while the thread runs
     (a generation or a load waiting for one may take minutes, as in SGLang), an ``EngineFailure`` within
     ``ALIVE_CHECK_S`` once it has ended, since nothing would settle ``fut`` then. Cancelling the caller cancels
-    ``fut``."""
+    ``fut``. Once ``client`` has closed its connection (checked every ``ALIVE_CHECK_S``: uvicorn never cancels
+    the handler of a client that went away) ``on_gone`` runs, once, and the wait goes on."""
     waiter = asyncio.wrap_future(fut)
     try:
         while not (await asyncio.wait({waiter}, timeout=ALIVE_CHECK_S))[0]:
             if not engine.alive:
                 waiter.cancel()
                 raise EngineFailure("the engine's scheduler thread has ended; nothing it was given will finish")
+            if client is not None and on_gone is not None and await client.is_disconnected():
+                client = None
+                on_gone()
     except asyncio.CancelledError:
         waiter.cancel()
         raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +18,7 @@ FLUSH_TEXT = (
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -39,11 +41,20 @@ async def generate(request: Request, engine: EngineDep, spec: SpecDep) -> Respon
         return JSONResponse({"error": str(exc)}, status_code=400)
     except ValueError as exc:
         return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+    mine = set(reqs)  # by identity: a rid may be in flight again, from another client, once one of these ended
+
+    def abort() -> None:  # free their batch slots and KV: they end as aborted, with their partial output
+        engine.call(lambda: engine.abort_where(lambda r: r in mine))
+
+    def gone() -> None:
+        log.info("the client of /generate %s closed its connection: aborting it", [r.rid for r in reqs])
+        abort()
+
     try:
-        done = await engine_wait(engine, asyncio.gather(*(asyncio.wrap_future(r.future) for r in reqs)))
-    except asyncio.CancelledError:  # the client went away: free the batch slots
-        rids = {r.rid for r in reqs}
-        engine.call(lambda: engine.abort_where(lambda r: r.rid in rids))
+        done = await engine_wait(engine, asyncio.gather(*(asyncio.wrap_future(r.future) for r in reqs)),
+                                 request, gone)
+    except asyncio.CancelledError:  # the server shuts down
+        abort()
         raise
     except EngineFailure as exc:
         return object_error(f"engine failure: {exc}", 500)

@@ -501,13 +501,19 @@ class CheckpointService:
             # load works the engines serve no adapter, and the worker names none (a request naming it would fail).
             await self._drop_adapter()
             replies = await self.engine.load_lora_adapter(self.adapter_name, str(path))
-        await self.engine.update_weight_version(str(version))
         reported = {(r.get("checksums") or {}).get(self.adapter_name)
                     for r in (replies if isinstance(replies, list) else [replies])}
         if None in reported:
             reported.discard(None)
             reported.add(await asyncio.to_thread(lambda: adapter_checksum(load_file(path / ADAPTER_WEIGHTS))))
         self.adapter_checksum = ",".join(sorted(reported))
+        try:
+            await self.engine.update_weight_version(str(version))
+        except EngineError:
+            # The engines hold the new adapter under the old version's number: the worker names it no more (and the
+            # engines unload it), so no token is sampled from it and recorded under a version it is not.
+            await self._drop_adapter()
+            raise
         self.on_adapter(self.adapter_name)
         return self.adapter_checksum
 

@@ -179,12 +179,14 @@ def test_full_weights_after_an_adapter_unload_it(fleet: Fleet, tiny_model_dir: P
 class SGLangLike:
     """SGLang's LoRA behaviour at its HTTP boundary, for the one path the embedded engine never takes: loading a
     name that is loaded is refused, and the replies carry no checksum (the receiver checks the staged file).
-    ``failing_loads``: how many of the next loads of a name not loaded fail (as out of memory)."""
+    ``failing_loads``: how many of the next loads of a name not loaded fail (as out of memory); ``failing_versions``:
+    how many of the next version updates fail."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.loaded: set[str] = set()
         self.failing_loads = 0
+        self.failing_versions = 0
 
     async def pause(self, mode: str = "retract") -> None:
         self.calls.append("pause")
@@ -194,6 +196,9 @@ class SGLangLike:
 
     async def update_weight_version(self, version: str) -> None:
         self.calls.append(f"version {version}")
+        if self.failing_versions:
+            self.failing_versions -= 1
+            raise EngineError(503, "the engine is shutting down", "/update_weight_version")
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
         self.calls.append(f"load {lora_name}")
@@ -263,6 +268,31 @@ def test_a_failed_load_after_the_unload_says_no_adapter_serves(tiny_model_dir: P
         assert pusher.push_model(model, 3).wait(WAIT_S).ok
         assert status_of(address).adapter_checksum == checksum_of(model) and named == ["pol", None, "pol"]
     assert engine.calls[4:] == ["pause", "load pol", "unload pol", "load pol", "continue",
+                                "pause", "load pol", "version 3", "continue"]
+
+
+def test_an_adapter_loaded_under_a_version_update_that_fails_is_named_no_more(tiny_model_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """The adapter loads, then the engine's version update fails. The engine kept the new adapter under the old
+    version's number: SGLang (here) then refused every later load of the name as already loaded, while the receiver
+    believed none loaded, so no adapter push could commit again; an engine that replaces an adapter in place served
+    it to a worker still naming it, its tokens recorded under the old version. Now the adapter is unloaded and named
+    no more, Status reports none, the error says the base weights serve until the next push, and that push loads."""
+    engine, named = SGLangLike(), []
+    with sglang_receiver(engine, tiny_model_dir, tmp_path / "stage", named) as (address, pusher):
+        assert pusher.push_model(lora_model(tiny_model_dir, 8), 1).wait(WAIT_S).ok
+        engine.failing_versions = 1
+        [failed] = pusher.push_model(lora_model(tiny_model_dir, 9), 2).wait(WAIT_S).servers
+        assert (failed.stage, failed.reason) == ("commit", "load"), failed
+        assert "the engine now serves the base weights without the adapter until the next push" in failed.error
+        assert "the engine is shutting down" in failed.error
+        assert engine.loaded == set() and named == ["pol", None, None]
+        status = status_of(address)
+        assert (status.current_version, status.adapter_checksum) == (1, "")
+        model = lora_model(tiny_model_dir, 10)
+        assert pusher.push_model(model, 3).wait(WAIT_S).ok
+        assert status_of(address).adapter_checksum == checksum_of(model) and named == ["pol", None, None, "pol"]
+    assert engine.calls[4:] == ["pause", "load pol", "unload pol", "load pol", "version 2", "unload pol", "continue",
                                 "pause", "load pol", "version 3", "continue"]
 
 

@@ -72,7 +72,7 @@ from buffer.registry import PushRecord, ServerRegistry
 from buffer.replay import TrainerFenced
 from buffer.staleness import StalenessControl
 from core.checkpoint_auth import NONCE_BYTES, channel_credentials, open_channel, proof, ssl_context
-from core.checkpoint_format import DATA_RECEIVED, GRPC_OPTIONS, REASON_KEY, SERVICE, TICKET_BYTES
+from core.checkpoint_format import DATA_RECEIVED, DTYPES, GRPC_OPTIONS, REASON_KEY, SERVICE, TICKET_BYTES
 from core.config import CheckpointConfig
 from proto import checkpoint_pb2 as pb
 from proto import checkpoint_pb2_grpc as pb_grpc
@@ -147,7 +147,7 @@ class PushRound:
         self.targets = list(targets)
         self.snapshot_seconds = snapshot_seconds
         self.results: dict[str, PushResult] = {}
-        self.commits = 0  # by any server, catch-ups included
+        self.committed: set[str] = set()  # ids of the servers that committed it, catch-ups included
         self.published = False
         self.reported = False
         self._done = threading.Event()
@@ -166,8 +166,14 @@ class PushRound:
     def final(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def commits(self) -> int:
+        """Servers that committed the version: one that commits it again (caught up after a restart) counts once."""
+        return len(self.committed)
+
     def add(self, result: PushResult) -> None:
-        self.commits += result.ok
+        if result.ok:
+            self.committed.add(result.server_id)
         if any(t.server_id == result.server_id for t in self.targets):
             self.results.setdefault(result.server_id, result)
             if len(self.results) == len(self.targets):
@@ -214,6 +220,7 @@ class _Link:
         self.committed_to = target.started  # the incarnation that committed ``committed``
         self.retry_at = 0.0
         self.dtypes: dict[str, torch.dtype] | None = None  # by tensor name, from this server's last Status
+        self._sent: Snapshot | None = None  # the last snapshot this link began to stage
         self._backoff = BACKOFF_S[0]
         self._pusher = pusher
         self._config = pusher.config
@@ -303,8 +310,13 @@ class _Link:
         try:
             status = self._connect()
             result.serves = status.current_version
-            if result.serves != snapshot.version:  # equal: a commit that outlived its deadline landed
-                self.dtypes = {t.name: getattr(torch, t.dtype) for t in status.served}
+            # Served already: a Commit of this very snapshot that outlived its deadline landed, or an adapter, which is
+            # verified by its checksum. Full weights of another snapshot under that version (pushed again) are staged,
+            # and refused: the weights the server serves under it are not known to be these.
+            served = snapshot is self._sent or bool(snapshot.adapter_checksum)
+            if result.serves != snapshot.version or not served:
+                self.dtypes = _status_dtypes(status)
+                self._sent = snapshot
                 self._stage_version(snapshot, self.dtypes, status.stage_port, result)
                 self._commit(snapshot, result)
             elif snapshot.adapter_checksum:
@@ -492,6 +504,16 @@ class _Link:
             raise _Failed("verify", "mismatch", f"verify: version {snapshot.version}: the engine serves an adapter "
                                                 f"with checksum {served or '(none)'}, the trainer pushed "
                                                 f"{snapshot.adapter_checksum}")
+
+
+def _status_dtypes(status: pb.StatusReply) -> dict[str, torch.dtype]:
+    """The torch dtype of each tensor a server's Status lists; ``_Failed`` at stage ``connect`` naming a tensor whose
+    dtype pushes do not support (a server of another rollwave release, say), before anything is staged."""
+    for t in status.served:
+        if t.dtype not in DTYPES:
+            raise _Failed("connect", "dtype", f"connect: the server says it serves tensor {t.name} in dtype "
+                                              f"{t.dtype!r}, which pushes do not support ({', '.join(DTYPES)})")
+    return {t.name: getattr(torch, t.dtype) for t in status.served}
 
 
 def groups_trained(staleness: StalenessControl | None, unacked: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -142,6 +143,25 @@ def test_a_version_pushed_again_with_other_weights_is_refused_not_counted_as_ser
                 await rec.stop()
 
     asyncio.run(run())
+
+
+def test_a_version_pushed_again_while_its_round_runs_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Version 1 pushed while its first round still ran (its one server silent: a port that never answers the
+    handshake) replaced that round: a wait on the first never ended, and its push's result went to the second. The
+    second push is refused at once, naming the version; the first round ends on its own."""
+    cfg = CheckpointConfig(token=SecretStr(secrets.token_urlsafe(32)), stage_dir=tmp_path / "stage",
+                           connect_timeout_s=3.0, retries=0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never accepts: no handshake comes back
+        pusher = CheckpointPusher(cfg, [f"127.0.0.1:{silent.getsockname()[1]}"])
+        try:
+            first = pusher.push_model(model, 1)
+            with pytest.raises(ValueError, match="version 1 is being pushed already"):
+                pusher.push_model(model, 1)
+            [result] = first.wait(WAIT_S).servers
+            assert not result.ok, result
+        finally:
+            pusher.close()
 
 
 async def eventually(predicate: Callable[[], bool], what: str) -> None:

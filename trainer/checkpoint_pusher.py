@@ -605,6 +605,11 @@ class CheckpointPusher:
         targets = self._list_servers()
         if version is None:
             version = max([self.last_pushed, self.published, *(t.version for t in targets)]) + 1
+        with self._lock:
+            pending = self._rounds.get(version)
+        if pending is not None and not pending.final:  # its round would be replaced, and a wait on it never end
+            raise ValueError(f"version {version} is being pushed already: wait for its round to end before pushing "
+                             "it again")
         if not adapter_config:
             metas = cast_metas(metas, self._served_dtypes(targets))
         snapshot = take_snapshot(version, metas, tensors, self._pool, adapter_config)

@@ -35,6 +35,7 @@ from buffer.replay import ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskEntry
 from core.config import BufferConfig, RedisConfig, load_config
+from core.net import free_port_outside_ephemeral
 from core.process import stop_process
 from services.client_cmd import _status_table
 from tests.test_job_delete import TRAIN, Run
@@ -42,6 +43,7 @@ from trainer.__main__ import _connect
 from trainer.metrics import TrainerLease
 from trainer.parallel import DistContext
 
+TOKEN = secrets.token_urlsafe(32)  # the checkpoint token of every trainer the tests start
 LEASE_MS = 3000  # the trainer's buffer.claim_idle_ms: its lease's TTL (30 s by default), renewed every second
 ONE = {**TRAIN, "source": {"kind": "arith", "limit": 1}}
 
@@ -64,19 +66,23 @@ class Partition(LoopbackProxy):
         return not self.cut.is_set()
 
 
-def _trainer(run: Run, redis_url: str, model: Path, tmp_path: Path) -> subprocess.Popen:
-    """``python -m trainer`` of the run: steps of 2 groups, one step in all, its lease's TTL ``LEASE_MS``."""
+def _trainer(run: Run, redis_url: str, model: Path, tmp_path: Path, rank: int = 0,
+             pool: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m trainer`` of the run: steps of 2 groups, one step in all, its lease's TTL ``LEASE_MS``; rank
+    ``rank`` of the pool ``pool`` (its rendezvous variables) where one is given, logging to ``trainer<rank>.log``."""
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
         "run": {"name": run.keys.run, "dir": str(tmp_path)},
         "model": {"path": str(model), "init_if_missing": False},
         "redis": {"url": redis_url},
         "buffer": {"groups_per_step": 2, "claim_idle_ms": LEASE_MS},
-        "trainer": {"micro_batch_tokens": 128, "take_timeout_s": 0.5, "device": "cpu", "total_steps": 1},
+        "trainer": {"micro_batch_tokens": 128, "take_timeout_s": 0.5, "device": "cpu", "total_steps": 1,
+                    "dist_timeout_s": 600},
     }))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLWAVE_CHECKPOINT_TOKEN": TOKEN, **(pool or {}),
+           **({"RANK": str(rank), "LOCAL_RANK": str(rank)} if pool else {})}
     env.pop("REDIS_URL", None)
-    with open(tmp_path / "trainer.log", "wb") as out:
+    with open(tmp_path / ("trainer.log" if pool is None else f"trainer{rank}.log"), "wb") as out:
         return subprocess.Popen([sys.executable, "-m", "trainer", "-c", str(config)], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
 
@@ -188,6 +194,29 @@ def test_a_trainer_stopped_by_sigterm_records_the_stop_and_gives_up_its_lease_at
     reply = run.api.delete(f"/v1/jobs/{job_id}")
     assert reply.status_code == 200, reply.text
     assert run.depths()["groups"] == {"length": 0, "pending": 0} and staleness.admitted() == 0
+
+
+def test_a_rank_stopped_by_sigterm_leaves_its_pool_at_once(
+        run: Run, redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Rank 0 of a pool of 2 gets a SIGTERM (the other does not) while both wait for groups: it records the stop and
+    exits 143, and rank 1 ends too, well within trainer.dist_timeout_s (600 s here). (A rank stopped while the other
+    waits in a collective it never joins: ``test_trainer_interrupts``.)"""
+    port = free_port_outside_ephemeral("127.0.0.1")
+    pool = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    ranks = [_trainer(run, redis_url, tiny_model_dir, tmp_path, rank, pool) for rank in (0, 1)]
+    try:
+        log = tmp_path / "trainer0.log"
+        _until(lambda: "rank 0/2 training from step 0" in log.read_text(errors="replace"), "rank 0's training", 240,
+               ranks[0], log)
+        ranks[0].send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert ranks[0].wait(120) == 128 + signal.SIGTERM, log.read_text(errors="replace")[-3000:]
+        assert ranks[1].wait(120) != 0
+        assert time.monotonic() - started < 120  # not the 600 s of trainer.dist_timeout_s
+    finally:
+        for proc in ranks:
+            stop_process(proc, 30, name="trainer")
+    assert run.redis.hget(run.keys.trainer, "finished_reason").decode().startswith("crashed: stopped by SIGTERM")
 
 
 def test_a_trainer_frozen_past_its_lease_acks_its_step_after_the_delete_counting_nothing_twice(

@@ -210,6 +210,16 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+def _leave_pool(_type: object, exc: BaseException | None, _tb: object) -> bool:
+    """Leave the process group with the other ranks (``close_distributed``), but not after a SIGTERM
+    (``TrainerStopped``): the others may be in a collective this rank left, and its barrier would wait for them
+    ``trainer.dist_timeout_s`` (30 min by default), where they learn of its end as their collective fails once its
+    process is gone. Lets the exception go on."""
+    if not isinstance(exc, TrainerStopped):
+        close_distributed()
+    return False
+
+
 def crash_reason(exc: Exception) -> str:
     """The ``finished_reason`` of a trainer that crashed: ``crashed: <type>: <message>`` on one line, bounded, so the
     API can say why a train job is not trained without a log to read."""
@@ -268,7 +278,7 @@ def _train(cfg: Config, resume: bool) -> int:
     """Connect, start and train (``main``); raises ``TrainerFenced`` once a newer trainer of the run started."""
     ctx = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     with contextlib.ExitStack() as stack:
-        stack.callback(close_distributed)
+        stack.push(_leave_pool)
         metrics = CollectorRegistry()
         buffer_metrics = BufferMetrics(metrics)  # the reads' counters (redeliveries, malformed...) and the trainer's
         source, pusher, status, run_record = _connect(cfg, ctx, stack, metrics, buffer_metrics)

@@ -180,11 +180,11 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
     auth = {"Authorization": f"Bearer {cfg.api.token.get_secret_value()}"}
     try:
         with run_redis(cfg, run_dir) as redis_url:
-            specs = components(cfg, config_path, redis_url, trainer_args=())
+            specs = components(cfg, config_path, redis_url)  # a restarted trainer resumes from its checkpoint
             with LocalStack(specs, run_dir / "logs") as stack, \
                     client_for(redis_url, cfg.redis) as client, \
-                    httpx.Client(base_url=published_api_url(client, Keys(cfg.run.name)), headers=auth,
-                                 timeout=30) as api:
+                    httpx.Client(base_url=published_api_url(client, Keys(cfg.run.name), check=stack.check_refused),
+                                 headers=auth, timeout=30) as api:
                 _wait_ready(api, stack)
                 before, tools_before = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out before RL", agent,
                                                 timeout_s)

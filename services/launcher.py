@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +62,10 @@ class ComponentSpec:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     restart: bool = True
+    # exits 0 once its work is done (a trainer rank at its last step), and is left stopped then; any other component
+    # runs until it is stopped, so its exit 0 (a rollout server's at a SIGTERM the launcher did not send) is a failure
+    # to restart, as the trainer's 143 is
+    ends: bool = False
     max_restarts: int = LIMITS.max_restarts  # given up after this many restarts within restart_window_s (0: never)
     restart_window_s: float = LIMITS.restart_window_s
     # overrides given where it runs on Ray, ``{address}`` being its node's address: peers on other nodes reach it
@@ -95,7 +99,7 @@ def components(
         env = {**checkpoint_env, **pool, "RANK": str(rank), "LOCAL_RANK": str(rank),
                **idle_threads_env(cfg.placement.trainer_cpus)}
         argv = [py, "-m", "trainer", "-c", str(config_path), *trainer_args, *common]
-        specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu, one_node=True, **limits))
+        specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu, one_node=True, ends=True, **limits))
     # the servers share placement.rollout_cpus: unless engine.threads says, their engines split its CPUs, as the
     # trainer's ranks split theirs, rather than each running one thread per CPU of the set
     share = ([f"engine.threads={cpu_share(cfg.placement.rollout_cpus, rollout_servers)}"]
@@ -114,13 +118,18 @@ def components(
     return specs
 
 
-def published_api_url(client: redis.Redis, keys: Keys, timeout_s: float = 120.0) -> str:
+def published_api_url(client: redis.Redis, keys: Keys, timeout_s: float = 120.0,
+                      check: Callable[[], None] | None = None) -> str:
     """The URL the run's API published once it had bound its port (``api.port=0`` takes any free one).
 
-    A caller that starts the API on a run that had one before deletes ``keys.api`` first.
+    A caller that starts the API on a run that had one before deletes ``keys.api`` first. ``check`` is called at each
+    poll and raises to end the wait (``LocalStack.check_refused``: an API that refused its config or was given up
+    publishes nothing, and the wait used to last its whole timeout, then fail without naming why).
     """
     deadline = time.monotonic() + timeout_s
     while (url := client.hget(keys.api, "url")) is None:
+        if check is not None:
+            check()
         if time.monotonic() > deadline:
             raise TimeoutError(f"the API of run {keys.run} published no address within {timeout_s:.0f} s")
         time.sleep(0.2)
@@ -290,7 +299,7 @@ class LocalStack:
                     if rc is None:
                         continue
                     spec = self.specs[name]
-                    if rc == 0 or not spec.restart or name in self.refused:
+                    if (rc == 0 and spec.ends) or not spec.restart or name in self.refused:
                         continue
                     if rc == CONFIG_ERROR_EXIT:
                         log.error("%s; not restarting it", refusal(name, rc, self.log_dir))

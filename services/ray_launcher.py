@@ -82,10 +82,11 @@ START_TIMEOUT_S = 120.0  # how long an actor waits for its component's config ch
 
 class ComponentProcess:
     """Owns one component process (as ``ComponentActor``): when the process fails the actor starts it again after
-    ``RestartBackoff``'s delay, as ``LocalStack`` does; one that exited 0, or refused its config
-    (``CONFIG_ERROR_EXIT``: it would only refuse again, for ever), is left stopped, as ``LocalStack`` leaves it. One
-    that fails at every start is given up (the spec's ``max_restarts``, unless ``backoff`` says), and the actors of
-    ``peers`` (the run's other components) are stopped, as ``LocalStack`` stops the rest: ``given_up`` says why.
+    ``RestartBackoff``'s delay, as ``LocalStack`` does; one that ended (exit 0 where its spec ``ends``), or refused its
+    config (``CONFIG_ERROR_EXIT``: it would only refuse again, for ever), is left stopped, as ``LocalStack`` leaves
+    it. One that fails at every start is given up (the spec's ``max_restarts``, unless ``backoff`` says), and the
+    actors of ``peers`` (the run's other components) are stopped, as ``LocalStack`` stops the rest: ``given_up`` says
+    why.
 
     The constructor returns once the component got past its config check (every component's
     ``load_config_or_exit`` writes to a pipe it is given) or exited, so that ``up`` can name one that refused.
@@ -134,7 +135,7 @@ class ComponentProcess:
             proc = self.proc
             rc = proc.wait()
             kill_group(proc.pid)  # what it left (a rollout server's engine) would run beside the new one
-            if self._stopping.is_set() or rc == 0:
+            if self._stopping.is_set() or (rc == 0 and self.spec.ends):
                 delay = None
             elif rc == CONFIG_ERROR_EXIT:
                 print(f"{refusal(self.spec.name, rc, self.log_dir)}; not restarting it", file=sys.stderr, flush=True)

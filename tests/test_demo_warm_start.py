@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -74,3 +79,36 @@ def test_the_demo_starts_its_redis_with_the_redis_keys_or_uses_the_one_given(
     given = load_config(None, [f"run.dir={tmp_path}", f"redis.url={redis_server.url}"], env={})
     with run_redis(given, tmp_path / "other") as url:
         assert url == redis_server.url and not (tmp_path / "other").exists()
+
+
+def test_an_api_given_up_ends_the_demo_naming_it(tmp_path: Path, tiny_model_dir: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """An API that fails at every start (here: an address of no interface of this host) is given up
+    (``launcher.max_restarts``) and publishes no address: the demo waited out the 120 s for it, the stack long
+    stopped, and ended in a traceback saying only that no address came."""
+    rc = main(["--warm-start", str(tiny_model_dir), "--eval-tasks", "2", f"run.dir={tmp_path}",
+               f"checkpoint.stage_dir={tmp_path / 'stage'}", "api.host=192.0.2.1", "launcher.max_restarts=1"])
+    assert rc == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: the stack stopped: api keeps failing and is given up"), err
+
+
+def test_a_trainer_the_demo_restarts_resumes_from_its_checkpoint(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The demo started its trainer without ``--resume``: one its stack restarted (a crash, a SIGKILL, a SIGTERM it did
+    not send) trained again from the warm start at step 0, its RL steps lost, and the run took more steps than asked."""
+    def kill_the_trainer_at_step_4() -> None:
+        while not (records := list(tmp_path.glob("*/metrics.jsonl"))) or len(records[0].read_text().splitlines()) < 4:
+            time.sleep(0.05)
+        found = subprocess.run(["pgrep", "-f", f"python -m trainer -c {tmp_path}/"], capture_output=True, text=True)
+        (pid,) = found.stdout.split()
+        os.kill(int(pid), signal.SIGKILL)  # its last checkpoint is step 4's
+
+    killer = threading.Thread(target=kill_the_trainer_at_step_4, daemon=True)
+    killer.start()
+    assert main(["--warm-start", str(tiny_model_dir), "--eval-tasks", "2", f"run.dir={tmp_path}",
+                 f"checkpoint.stage_dir={tmp_path / 'stage'}", "trainer.total_steps=12",
+                 "trainer.checkpoint_every=2"]) == 0
+    assert not killer.is_alive()
+    (log,) = tmp_path.glob("*/logs/trainer-0.log")
+    starts = [int(step) for step in re.findall(r"training from step (\d+)", log.read_text())]
+    assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 4, starts

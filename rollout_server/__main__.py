@@ -133,6 +133,9 @@ async def serve(cfg: Config, tools: ToolRegistry) -> None:
                                 tokenizer, tools, metrics, agent_cpus=cfg.placement.agent_cpus)
         turns = None
         if cfg.placement.mode == "colocated":  # weights come as local pushes: no receiver
+            if not cfg.engine.urls:  # started here, it holds all its memory: a record an earlier engine at its URL
+                # left (a fixed engine.port, a server that died released) would have it taken for released
+                await asyncio.to_thread(DeviceTurns(client, Keys(cfg.run.name)).record_engines, urls, [])
             turns = EngineTurns(DeviceTurns(client, Keys(cfg.run.name)), EngineGroup(engines), worker.consumer,
                                 lambda: worker.info.version, partial(setattr, worker.info, "version"),
                                 asyncio.to_thread, metrics, cfg.placement.colocated_timeout_s,

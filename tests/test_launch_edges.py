@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from buffer.colocation import DeviceTurns
 from buffer.keys import Keys
 from buffer.registry import ServerRegistry
 from core.config import load_config
+from core.net import free_port_outside_ephemeral
 from services.launcher import LocalStack, components
 from tests.stack_helpers import stack_config
 
@@ -65,3 +67,27 @@ def test_a_rollout_server_stopped_by_a_sigterm_the_launcher_did_not_send_is_rest
             _until("the restarted server registered", lambda: [s for s in registry.live_servers() if s.started > first])
         finally:
             stop()
+
+
+def test_a_colocated_server_that_starts_its_engine_clears_a_record_an_earlier_one_left(
+        tmp_path: Path, redis_url: str, tiny_model_dir: Path) -> None:
+    """A colocated server that died with its engine released leaves ``device:engines`` saying so, keyed by the engine's
+    URL. Its restart, with a fixed ``engine.port``, starts a new engine at that URL, which holds all its memory: it
+    read the old record, took its engine for released and, in a trainer's turn, reported it released without
+    pausing or releasing it (the device used by both). The record is cleared as the new engine starts."""
+    port = free_port_outside_ephemeral("127.0.0.1")
+    cfg, config = stack_config(tmp_path, "edges-colocated", tiny_model_dir, "placement.mode=colocated",
+                               f"engine.port={port}")
+    (server,) = [s for s in components(cfg, config, redis_url, api=False) if s.name == "rollout-0"]
+    keys = Keys(cfg.run.name)
+    url = f"http://127.0.0.1:{port}"
+    with redis.Redis.from_url(redis_url) as client:
+        turns = DeviceTurns(client, keys)
+        turns.record_engines([url], ["weights", "kv_cache"])  # what the dead server left
+        stack = LocalStack([server], tmp_path / "logs", poll_s=0.05, backoff_s=0.05)
+        stack.start()
+        try:
+            _until("the server to register", lambda: ServerRegistry(client, keys).live_servers(), 240)
+            assert turns.engines_released([url]) == []
+        finally:
+            stack.close()

@@ -248,7 +248,7 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = No
     first poll waits them out), and of polls that get no reply (the API itself restarting, a reply lost). No poll
     waits past ``timeout_s``."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    path = f"/v1/jobs/{job_id}"
+    path = f"{_job_path(job_id)}?summary=true"  # progress only: not the inline tasks, at each poll
     first_outage_s = outage_s if timeout_s is None else min(outage_s, timeout_s)  # the first poll's 503s too
     job = _json(_sent_again(lambda: client.get(path), first_outage_s, poll_s)[0], keys=JOB_KEYS)
     outage_since: float | None = None

@@ -70,6 +70,10 @@ def test_the_listing_carries_no_inline_tasks_and_reads_none_from_redis(redis_ser
         assert whole["spec"] == as_stored(INLINE) and len(whole["spec"]["source"]["tasks"]) == len(TASKS)
         assert {**whole, "spec": None} == {**by_id[inline_job], "spec": None}  # the rest of the job as listed
         assert api.get(f"/v1/jobs/{arith_job}").json()["spec"] == as_stored(arith)
+        before = sent_by(r)
+        polled = api.get(f"/v1/jobs/{inline_job}", params={"summary": "true"})  # what rollwave submit --wait polls
+        assert polled.status_code == 200, polled.text
+        assert polled.json() == by_id[inline_job] and sent_by(r) - before < 50_000
 
 
 def test_a_job_stored_before_summaries_lists_and_reads_as_before(redis_server: EmbeddedRedis) -> None:

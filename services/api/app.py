@@ -675,9 +675,11 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
         return api.cluster.jobs(cursor, limit)
 
     @app.get("/v1/jobs/{job_id}", tags=["jobs"], dependencies=v1)
-    def get_job(job_id: str, api: State) -> dict[str, Any]:
-        """The job with its whole spec, an inline source's tasks included."""
-        return api.cluster.job(job_id)
+    def get_job(job_id: str, api: State, summary: bool = False) -> dict[str, Any]:
+        """The job with its whole spec, an inline source's tasks included; with ``summary=true`` the spec as the
+        listing has it (its tasks counted, not sent): what a client polling the job's progress reads, which would
+        read and send every task at each poll (8 MB for 10,000 tasks)."""
+        return api.cluster.job(job_id, summary)
 
     @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"], dependencies=v1)
     def cancel_job(job_id: str, api: State) -> dict[str, Any]:

@@ -140,8 +140,10 @@ class ClusterView:
             return TrainerEnd(int(step), reason.decode())
         return TrainerEnd(int(last or 0), LEASE_LAPSED) if leased and not alive else None
 
-    def job(self, job_id: str) -> dict[str, Any]:
-        h = self.queue.job(job_id)  # its state reads ``done`` once every task is written or dead-lettered
+    def job(self, job_id: str, summary: bool = False) -> dict[str, Any]:
+        """The job; with ``summary`` its ``spec`` as a listing has it (no inline task is read or sent)."""
+        # its state reads ``done`` once every task is written or dead-lettered
+        h = self.queue.job_summaries([job_id])[0] if summary else self.queue.job(job_id)
         if not h:
             raise NotFound(f"job {job_id!r} not found")
         return _job_view(job_id, h, self.trainer_end())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import numbers
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from decimal import Decimal, InvalidOperation
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 _NUM = r"[-\u2212]?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"  # U+2212: the minus sign of typeset text
 _STRICT = re.compile(r"####\s*(" + _NUM + ")")
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_BOXED = re.compile(r"\\boxed\{")
+_BRACE = re.compile(r"[{}]")
 # one way to match the gap before the number: "\s*:?\s*" split a run of spaces in quadratically many ways before
 # failing on what follows it (16000 spaces after "answer is" took 3 s, on the rollout server's event loop)
 _ANSWER_IS = re.compile(r"answer\s+is\s*(?::\s*)?(" + _NUM + ")", re.IGNORECASE)
@@ -60,6 +62,22 @@ def _last(pattern: re.Pattern[str], text: str) -> str | None:
     return matches[-1] if matches else None
 
 
+def _last_boxed(text: str) -> str | None:
+    """What the last ``\\boxed{...}`` whose brace is closed holds, nested braces included (``\\boxed{18
+    \\text{ apples}}``): a pattern without nesting missed it and fell back to the text's last number."""
+    closes: dict[int, int] = {}
+    opened: list[int] = []
+    for brace in _BRACE.finditer(text):  # one pass: matching each brace, not one scan per \boxed
+        if brace.group() == "{":
+            opened.append(brace.start())
+        elif opened:
+            closes[opened.pop()] = brace.start()
+    for boxed in reversed(list(_BOXED.finditer(text))):
+        if (end := closes.get(boxed.end() - 1)) is not None:
+            return text[boxed.end():end]
+    return None
+
+
 def extract_answer(text: str, mode: str = "flexible") -> str | None:
     """The answer string found in ``text`` (see the module docstring for the order), or None."""
     if mode not in MODES:
@@ -67,7 +85,7 @@ def extract_answer(text: str, mode: str = "flexible") -> str | None:
     found = _last(_STRICT, text)
     if found is not None or mode == "strict":
         return found
-    boxed = _last(_BOXED, text)
+    boxed = _last_boxed(text)
     if boxed is not None and (number := _last(_NUMBER, boxed)) is not None:
         return number
     found = _last(_ANSWER_IS, text)
@@ -196,7 +214,8 @@ class RewardComputer:
         try:
             out = await within(self.timeout_s, self._pick(task)(task, messages, final_text, tool_rewards))
             reward, info = out if isinstance(out, tuple) else (out, {})
-            if isinstance(reward, bool) or not isinstance(reward, int | float) or not isinstance(info, dict):
+            # numbers.Real takes numpy's scalars (np.float32, np.int64: no float or int), not np.bool_ nor a bool
+            if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not isinstance(info, dict):
                 raise TypeError(f"reward function returned {out!r}; want a float or (float, dict)")
             if not math.isfinite(reward):  # NaN or inf would poison the group's advantages
                 raise ValueError(f"reward function returned {reward!r}, which is not finite")

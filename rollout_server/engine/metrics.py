@@ -58,7 +58,8 @@ class EngineMetrics:
         self.weight_update_seconds = Histogram(
             "rollwave_engine_weight_update_seconds",
             "Duration of a weight load",
-            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+            # a load of weights prepared while generating swaps pointers: milliseconds (bench/RESULTS.md)
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30, 120),
             registry=r,
         )
         self.memory_bytes = Gauge(

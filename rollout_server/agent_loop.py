@@ -26,9 +26,11 @@ every attempt; ending its samples ``max_total_tokens`` with reward 0 would train
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import math
+import numbers
 import time
 import uuid
 from collections.abc import Collection
@@ -117,7 +119,8 @@ def ends_turn(ids: list[int], reply: dict[str, Any], eos_id: int, stop_ids: Coll
 
 
 def checked_result(result: Any) -> ToolResult:
-    """``result`` if it is a ``ToolResult`` with text and no reward or a finite one, else TypeError saying what it is:
+    """``result`` if it is a ``ToolResult`` with text and no reward or a finite one (as a float: numpy's numbers too),
+    else TypeError saying what it is:
     a tool's return value is operator code as much as its exceptions, and one it cannot use must not fail the group
     (nor a NaN reward poison it)."""
     if not isinstance(result, ToolResult):
@@ -125,10 +128,10 @@ def checked_result(result: Any) -> ToolResult:
     if not isinstance(result.text, str):
         raise TypeError(f"its text is a {type(result.text).__name__}, not a str")
     reward = result.reward
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)  # numpy's too
                                or not math.isfinite(reward)):
         raise TypeError(f"its reward is {reward!r}, not a finite number")
-    return result
+    return result if reward is None or type(reward) is float else dataclasses.replace(result, reward=float(reward))
 
 
 @dataclass

@@ -8,6 +8,7 @@ import asyncio
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 from test_agent_loop import HANG, ScriptedEngine, _config, _group, _loop, _task
 
@@ -91,7 +92,8 @@ class SloppyTool(Tool):
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> Any:
         return {"text": "a plain string", "reward": ToolResult("ok", reward="high"),
-                "nan": ToolResult("ok", reward=math.nan), "bool": ToolResult("ok", reward=True)}[arguments["give"]]
+                "nan": ToolResult("ok", reward=math.nan), "bool": ToolResult("ok", reward=True),
+                "numpy": ToolResult("ok", reward=np.float32(0.5))}[arguments["give"]]
 
 
 def _sloppy(give: str) -> str:
@@ -102,7 +104,7 @@ def test_a_tool_that_returns_no_tool_result_is_answered_as_an_error(tokenizer: A
     """A tool's return value is the operator's code as much as its exceptions: something that is not a
     ``ToolResult`` with text and a finite reward is answered to the model as that tool's error and counted, and the
     episode (and its group) goes on, where it used to raise out of the episode and fail the whole group."""
-    calls = "\n".join(_sloppy(give) for give in ("text", "reward", "nan", "bool"))
+    calls = "\n".join(_sloppy(give) for give in ("text", "reward", "nan", "bool", "numpy"))
     script = [(calls, "stop"), ("The answer is 42.", "stop")]
     loop = _loop(ScriptedEngine(tokenizer, script), tokenizer, tools=[SloppyTool()], max_new_tokens=256)
     (s,) = _group(loop, _task(["sloppy"], ground_truth=None)).samples
@@ -113,8 +115,9 @@ def test_a_tool_that_returns_no_tool_result_is_answered_as_an_error(tokenizer: A
         "Error: sloppy failed: TypeError: its reward is 'high', not a finite number",
         "Error: sloppy failed: TypeError: its reward is nan, not a finite number",
         "Error: sloppy failed: TypeError: its reward is True, not a finite number",
+        "ok",  # a numpy number is the number it is (it failed as not a float)
     ]
-    assert [t.ok for t in s.tool_calls] == [False] * 4
+    assert [t.ok for t in s.tool_calls] == [False] * 4 + [True]
     value = loop.metrics.registry.get_sample_value
     assert value("rollwave_rollout_tool_calls_total", {"tool": "sloppy", "outcome": "error"}) == 4
 

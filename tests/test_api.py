@@ -682,6 +682,37 @@ def test_dashboard_pause_is_the_latest_updates_not_a_lifetime_mean(redis_url: st
     assert sample(4.0, a=[10.0], b=[2.0]) == pytest.approx(6.0)
 
 
+def test_dashboard_rates_are_what_each_server_did_since_the_last_sample(redis_url: str) -> None:
+    """Tokens/s and tool errors/s differenced per server: a server that misses a heartbeat (out of the live set for a
+    sample) and comes back used to add its lifetime count as one second's (a 1M tokens/s spike); a server up before
+    the API is a baseline, a restarted one counts from zero."""
+    client, keys = redis.Redis.from_url(redis_url), Keys("rates")
+    registry = ServerRegistry(client, keys)
+    sampler = MetricsSampler(ClusterView(client, keys, registry, TaskQueue(client, keys, BufferConfig())))
+    tokens = {"a": 1_000_000.0, "b": 0.0}
+    started = {"a": time.time() - 60, "b": time.time() - 60}
+
+    def sample(t: float, live: tuple[str, ...] = ("a", "b")) -> float | None:
+        for name in ("a", "b"):
+            if name in live:
+                registry.heartbeat(ServerInfo(name, "http://127.0.0.1:1", started=started[name],
+                                              stats={"generated_tokens": tokens[name]}))
+            else:
+                registry.deregister(name)
+        sampler.record(t, sampler.cluster.sample())
+        return sampler.points[-1][1]["generated_tokens_per_s"]
+
+    assert sample(0.0) is None  # the first sample: a baseline
+    tokens["a"] += 100
+    assert sample(1.0) == pytest.approx(100.0)
+    tokens["a"] += 50
+    assert sample(2.0, live=("b",)) == pytest.approx(0.0)  # a missed its heartbeat
+    tokens["a"] += 50
+    assert sample(3.0) == pytest.approx(100.0)  # back: what it did since it was last seen, not its lifetime
+    tokens["b"], started["b"] = 30.0, time.time() + 1  # b restarted: its counters begin again, from zero
+    assert sample(4.0) == pytest.approx(30.0)
+
+
 def _train_job(api: httpx.Client, limit: int) -> str:
     reply = api.post("/v1/jobs", json={"kind": "train", "source": {"kind": "arith", "limit": limit}})
     assert reply.status_code == 201, reply.text

@@ -39,6 +39,8 @@ class InvalidCursor(ValueError):
     in 64 bits), a jobs cursor that is no ``next`` of a jobs page."""
 
 
+# the counters of each live server's stats (its heartbeat's) the dashboard charts, as rates or the latest pause
+SERVER_COUNTERS = ("generated_tokens", "tool_errors", "pauses", "pause_s")
 # the end of a trainer whose lease lapsed with none recorded (``ClusterView.trainer_end``)
 LEASE_LAPSED = (f"{TRAINER_CRASHED}its lease lapsed with no end recorded: killed by SIGKILL, the OOM killer or a lost "
                 "node, or cut off from Redis past buffer.claim_idle_ms")
@@ -271,21 +273,18 @@ class ClusterView:
         }
 
     def sample(self) -> dict[str, Any]:
-        """One point of the dashboard's time series: raw counters, and the pause count and seconds of each
-        live server, keyed by its id and start (``pauses``); the sampler turns them into rates and the mean
-        pause of the latest updates."""
+        """One point of the dashboard's time series: the run's figures, and the counters of each live server
+        (``SERVER_COUNTERS``), keyed by its id and start (``servers``); the sampler turns those into rates and the
+        mean pause of the latest updates."""
         last = self.redis.xrevrange(self.keys.steps, "+", "-", count=1)
         step = json.loads(last[0][1][b"metrics"]) if last else {}
         servers = self.servers.live_servers()
-        stats = [info.stats for info in servers]
         return {
             "policy_version": float(self.redis.get(self.keys.version) or 0),
             "buffer_depth_groups": float(self.redis.xlen(self.keys.groups)),
             "reward_mean": step.get("reward_mean"),
             "trainer_idle_fraction": step.get("idle_fraction"),
             "staleness_mean": step.get("staleness_mean"),
-            "generated_tokens": float(sum(s.get("generated_tokens", 0) for s in stats)),
-            "tool_errors": float(sum(s.get("tool_errors", 0) for s in stats)),
-            "pauses": {(info.server_id, info.started): (info.stats.get("pauses", 0.0),
-                                                        info.stats.get("pause_s", 0.0)) for info in servers},
+            "servers": {(info.server_id, info.started): {name: float(info.stats.get(name, 0.0))
+                                                         for name in SERVER_COUNTERS} for info in servers},
         }

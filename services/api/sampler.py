@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from services.api.cluster import ClusterView
+from services.api.cluster import SERVER_COUNTERS, ClusterView
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,8 @@ SERIES = (
     "staleness_mean",
     "tool_errors_per_s",
 )
-# counters summed over the live servers, charted as rates: a total would drop whenever a server leaves
+# server counters charted as rates: each server differenced on its own (a sum would drop whenever one leaves, and
+# jump by its lifetime when it comes back)
 RATES = {"generated_tokens": "generated_tokens_per_s", "tool_errors": "tool_errors_per_s"}
 
 
@@ -35,34 +36,37 @@ class MetricsSampler:
         self.cluster = cluster
         self.interval_s = interval_s
         self.points: deque[tuple[float, dict[str, float | None]]] = deque(maxlen=keep)
-        self._last: dict[str, tuple[float, float]] = {}  # counter -> (time, value) of the last sample
-        self._pauses: dict[tuple[str, float], tuple[float, float]] = {}  # (server, start) -> (pauses, seconds)
+        self._last_t: float | None = None  # the time of the last sample
+        self._seen: dict[tuple[str, float], dict[str, float]] = {}  # (server, start) -> its counters last seen
         self._pause_ms: float | None = None
         self._since = time.time()
 
     def record(self, t: float, raw: dict[str, Any]) -> None:
+        done = self._since_last(raw.pop("servers"))
+        elapsed = None if self._last_t is None or t <= self._last_t else t - self._last_t
         for counter, series in RATES.items():
-            value, last = raw.pop(counter) or 0.0, self._last.get(counter)
-            raw[series] = None if last is None or t <= last[0] else max(0.0, value - last[1]) / (t - last[0])
-            self._last[counter] = (t, value)
-        raw["pause_ms"] = self._latest_pause_ms(raw.pop("pauses"))
+            raw[series] = None if elapsed is None else done[counter] / elapsed
+        if done["pauses"] > 0:  # the mean pause of the updates since the last sample; held while none came
+            self._pause_ms = 1000 * done["pause_s"] / done["pauses"]
+        raw["pause_ms"] = self._pause_ms
+        self._last_t = t
         self.points.append((t, raw))
 
-    def _latest_pause_ms(self, pauses: dict[tuple[str, float], tuple[float, float]]) -> float | None:
-        """The mean pause of the updates since the last sample, or the last such mean while none came. Each
-        server's counters are differenced against its own last seen; one seen for the first time counts from zero
-        if it started after this sampler (a new server, or one restarted: a new start), else its first sight is
-        the baseline. So the chart shows what updates cost now, not a lifetime mean that stops moving as a run
-        grows, nor a lifetime of pauses in one point."""
-        count = seconds = 0.0
-        for (server, started), (n, s) in pauses.items():
-            n0, s0 = self._pauses.get((server, started), (0.0, 0.0) if started >= self._since else (n, s))
-            count, seconds = count + n - n0, seconds + s - s0
-        live = {server_id for server_id, _ in pauses}  # a server out of sight keeps its baseline until it returns
-        self._pauses = {k: v for k, v in self._pauses.items() if k[0] not in live} | pauses
-        if count > 0:
-            self._pause_ms = 1000 * seconds / count
-        return self._pause_ms
+    def _since_last(self, servers: dict[tuple[str, float], dict[str, float]]) -> dict[str, float]:
+        """What the live servers counted since the last sample, summed. Each server is differenced against its own
+        last seen; one seen for the first time counts from zero if it started after this sampler (a new server, or
+        one restarted: a new start), else its first sight is the baseline; one out of sight keeps its baseline until
+        it returns. So the charts show what happens now: not a lifetime mean that stops moving as a run grows, nor a
+        server's lifetime in one point when it comes back after a missed heartbeat."""
+        done = dict.fromkeys(SERVER_COUNTERS, 0.0)
+        for (server, started), now in servers.items():
+            seen = self._seen.get((server, started), dict.fromkeys(SERVER_COUNTERS, 0.0)
+                                  if started >= self._since else now)
+            for name in SERVER_COUNTERS:
+                done[name] += max(0.0, now[name] - seen[name])
+        live = {server_id for server_id, _ in servers}
+        self._seen = {k: v for k, v in self._seen.items() if k[0] not in live} | servers
+        return done
 
     async def run(self) -> None:
         """Sample every ``interval_s`` for as long as the API runs. A failed sample (Redis away, or a value in it the

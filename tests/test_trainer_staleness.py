@@ -113,18 +113,19 @@ def test_take_timeout_s_is_how_long_each_buffer_read_waits(
 ) -> None:
     """trainer.take_timeout_s bounds each read of an empty buffer, after which rank 0 reads again (and, with
     several ranks, broadcasts in between): a batch that arrives 1.5 s late takes several reads of 0.25 s, and
-    one read at the default 5 s."""
+    one read at the default 5 s. The trainer's idle time is counted at each of them."""
     run = f"take-{take_timeout_s}"
     cfg = BufferConfig(groups_per_step=1)
     replay = ReplayBuffer(redis.Redis.from_url(redis_server.url), Keys(run), cfg)
     replay.ensure_group()
     trainer_cfg = TrainerConfig(total_steps=1, take_timeout_s=take_timeout_s, device="cpu")
     trainer = Trainer(trainer_cfg, tiny_model_dir, tmp_path, cfg).start(ctx=ctx)
-    calls = []
+    calls, idle = [], []
     take = replay.take
 
     def counted(max_groups: int, timeout_s: float) -> list:
         calls.append(timeout_s)
+        idle.append(trainer.metrics.registry.get_sample_value("rollwave_trainer_idle_seconds_total"))
         return take(max_groups, timeout_s)
 
     replay.take = counted  # type: ignore[method-assign]
@@ -137,6 +138,9 @@ def test_take_timeout_s_is_how_long_each_buffer_read_waits(
         trainer.close()
     assert len(groups) == 1 and waited >= 1.4
     assert len(calls) in reads and set(calls) == {take_timeout_s}, calls
+    # the idle time is counted read by read, while the trainer waits (it was counted once the step had trained)
+    assert idle[-1] >= (1.0 if take_timeout_s < 1 else 0.0), idle
+    assert trainer.metrics.registry.get_sample_value("rollwave_trainer_idle_seconds_total") == pytest.approx(waited)
 
 
 def test_a_group_the_model_cannot_train_on_is_moved_aside_not_trained(

@@ -84,7 +84,8 @@ class TrainerMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
             registry=r,
         )
-        self.idle = Counter("rollwave_trainer_idle_seconds_total", "time spent waiting for data", registry=r)
+        self.idle = Counter("rollwave_trainer_idle_seconds_total", "time spent waiting for data, counted at each "
+                            "buffer read (trainer.take_timeout_s) while it waits", registry=r)
         self.step = Gauge("rollwave_trainer_step", "train steps completed", registry=r)
         self.version = Gauge("rollwave_trainer_policy_version", "policy version of the weights", registry=r)
         self.staleness = Histogram(
@@ -132,7 +133,6 @@ class TrainerMetrics:
     def observe_step(self, record: dict[str, Any]) -> None:
         """Update every series but the policy version (set when a version is made) from one step's record."""
         self.step_duration.observe(record["step_time_s"])
-        self.idle.inc(record["wait_s"])
         self.step.set(record["step"])
         for lag, count in record["staleness_hist"].items():
             for _ in range(count):

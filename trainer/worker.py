@@ -264,12 +264,15 @@ class Trainer:
         """
         if self.ctx.is_main and source is None:
             raise ValueError("rank 0 needs a GroupSource to read batches from")
-        start = time.perf_counter()
+        start = last = time.perf_counter()
         while True:
             read = from_rank0(lambda: self._read(source), "the buffer read", (TrainerFenced,))
+            now = time.perf_counter()
+            self.metrics.idle.inc(now - last)  # read by read: a trainer starved of data shows idle while it waits
+            last = now
             if read is not None:
                 groups, self._drained, self.version = read
-                return groups, time.perf_counter() - start
+                return groups, now - start
 
     def _read(self, source: GroupSource) -> tuple[list[TrajectoryGroup], bool, int] | None:
         """One buffer read into the pending batch; (the batch, drained, version) once it holds

@@ -9,6 +9,7 @@ import os
 import secrets
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -52,15 +53,22 @@ CFG = {
 }
 
 
-def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Path, out: Path, cfg: dict,
-                 lora: dict | None) -> None:
+def synthetic_batches() -> list[list[TrajectoryGroup]]:
+    """``STEPS`` steps of ``GROUPS`` synthetic groups, the same on every rank."""
+    return [synthetic_groups(seed, GROUPS) for seed in range(STEPS)]
+
+
+def train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Path, out: Path, cfg: dict,
+                lora: dict | None, batches: Callable[[], list[list[TrajectoryGroup]]] = synthetic_batches) -> None:
+    """One rank of a pool of ``world`` (``mp.spawn``'s target): trains a step on each of ``batches()``; rank 0 saves
+    the records and the full parameters (the policy's, the critic's) to ``out``."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two ranks on two cores
     ctx = init_distributed("cpu")
     try:
         trainer = Trainer(TrainerConfig(**cfg), model_dir, run_dir,
                           lora=None if lora is None else LoraConfig(**lora)).start(ctx=ctx)
-        records = [trainer.train(synthetic_groups(seed, GROUPS)) for seed in range(STEPS)]
+        records = [trainer.train(groups) for groups in batches()]
         params = {name: t.clone() for name, t in iter_full_params(trainer.model) if t is not None}
         critic = {} if trainer.critic is None else {
             name: t.clone() for name, t in iter_full_params(trainer.critic[0]) if t is not None
@@ -96,7 +104,7 @@ def test_one_of_several_ranks_exits_without_teardown(world: str, out: str) -> No
 def _spawn(world: int, model_dir: Path, tmp_path: Path, cfg: dict, lora: dict | None = None) -> dict:
     out = tmp_path / f"world{world}.pt"
     args = (world, free_port_outside_ephemeral(), model_dir, tmp_path / f"run{world}", out, cfg, lora)
-    mp.spawn(_train_ranks, args=args, nprocs=world, join=True)
+    mp.spawn(train_ranks, args=args, nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 

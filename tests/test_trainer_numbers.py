@@ -5,12 +5,12 @@ schedule and the weight decay groups."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_trainer_fsdp import train_ranks
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -20,8 +20,6 @@ from core.net import free_port_outside_ephemeral
 from trainer.advantages import compute_advantages, gae, whiten
 from trainer.batching import collate
 from trainer.lora import add_adapter
-from trainer.parallel import close_distributed, exit_rank, init_distributed, iter_full_params
-from trainer.worker import Trainer
 
 STEPS = 2
 CFG = {
@@ -186,30 +184,10 @@ def _reference(model_dir: Path, cfg: TrainerConfig, lora: LoraConfig | None = No
     return records, trained, {} if critic is None else {n: p.detach().clone() for n, p in critic.named_parameters()}
 
 
-def _train_ranks(rank: int, world: int, port: int, model_dir: Path, run_dir: Path, out: Path, cfg: dict,
-                 lora: dict | None) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    ctx = init_distributed("cpu")
-    try:
-        trainer = Trainer(TrainerConfig(**cfg), model_dir, run_dir,
-                          lora=None if lora is None else LoraConfig(**lora)).start(ctx=ctx)
-        records = [trainer.train(groups) for groups in _batches()]
-        params = {name: t.clone() for name, t in iter_full_params(trainer.model) if t is not None}
-        critic = {} if trainer.critic is None else {
-            name: t.clone() for name, t in iter_full_params(trainer.critic[0]) if t is not None}
-        trainer.close()
-        if rank == 0:
-            torch.save({"records": records, "params": params, "critic": critic}, out)
-    finally:
-        close_distributed()
-    exit_rank()
-
-
 def _spawn(world: int, model_dir: Path, tmp_path: Path, cfg: dict, lora: dict | None = None) -> dict:
     out = tmp_path / f"world{world}.pt"
-    args = (world, free_port_outside_ephemeral(), model_dir, tmp_path / f"run{world}", out, cfg, lora)
-    mp.spawn(_train_ranks, args=args, nprocs=world, join=True)
+    args = (world, free_port_outside_ephemeral(), model_dir, tmp_path / f"run{world}", out, cfg, lora, _batches)
+    mp.spawn(train_ranks, args=args, nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 

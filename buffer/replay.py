@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000  # below the client's socket timeout; take() loops until its own deadline
 WRITTEN, DUPLICATE, FULL, TASK_GONE = 1, 0, -1, -2  # what a put did (try_put, put_many)
+# Redis's proto-max-bulk-len (its default, the embedded server's): a longer argument is refused and the connection
+# closed, which the client took for an outage and retried, the whole payload each time, then failed naming neither
+# the group nor its size (the rollout server retried that put for ever)
+MAX_PAYLOAD_BYTES = 512 << 20
 
 # KEYS: target stream (groups, or eval:<job>), group state, job hash, task stream, admitted ids, consumed ids list,
 # the job's entries (``Keys.entries``: the task acked leaves them), payload key (none for an eval group, whose entry
@@ -241,6 +245,11 @@ return moved
 """
 
 
+class GroupTooLarge(ValueError):
+    """A group whose encoded payload is longer than Redis takes in one argument (``MAX_PAYLOAD_BYTES``): nothing
+    was sent or written, and its task is still pending for its worker to fail."""
+
+
 class BufferClosed(RuntimeError):
     """The buffer was closed while a put was waiting for room."""
 
@@ -252,6 +261,8 @@ class TrainerFenced(RuntimeError):
 
 class ReplayBuffer:
     """Producer side (``put``) and trainer side (``take``/``ack``) of the groups stream."""
+
+    max_payload_bytes = MAX_PAYLOAD_BYTES  # the longest encoded group a put sends
 
     def __init__(
         self,
@@ -385,8 +396,14 @@ class ReplayBuffer:
             self.keys.entries(group.job_id),
         ]
         if train:
+            payload = encode_group(group)
+            if len(payload) > self.max_payload_bytes:
+                raise GroupTooLarge(
+                    f"group {group.group_id} (job {group.job_id}): encoded payload is {len(payload)} bytes, over the "
+                    f"{self.max_payload_bytes} Redis takes in one argument (proto-max-bulk-len); its samples hold "
+                    f"{sum(s.token_ids.size for s in group.samples)} tokens: not written")
             keys.append(self.keys.payload(group.group_id, secrets.token_hex(8)))
-            pipe.set(keys[-1], encode_group(group))
+            pipe.set(keys[-1], payload)
         args = [
             group.group_id, group.job_id, self.config.max_groups if train else 0,
             task.entry_id if task else "", repr(reward_sum), len(group.samples), self.config.dedup_window,
@@ -396,7 +413,8 @@ class ReplayBuffer:
     def try_put(self, group: TrajectoryGroup, task: TaskEntry | None = None) -> int:
         """One attempt: ``WRITTEN``, ``DUPLICATE`` (its task is acked all the same), ``FULL`` or ``TASK_GONE``
         (the task is no longer pending: this worker lost its lease and another one ended the task meanwhile, so
-        the group is not written; logged and counted)."""
+        the group is not written; logged and counted). Raises ``GroupTooLarge`` (nothing sent) for a group longer than
+        Redis takes."""
         if task is not None and task.group_id != group.group_id:
             raise ValueError(f"group {group.group_id} does not belong to task {task.entry_id} ({task.group_id})")
         pipe = self.redis.pipeline(transaction=True)

@@ -106,7 +106,8 @@ class RolloutMetrics:
             _P + "tasks_dead_lettered",
             "Tasks this server dead-lettered at once, as every attempt would fail the same way: invalid_task (the "
             "task or its job spec), agent_not_allowed (not in rollout.agent_allowlist), prompt_too_long (the prompt "
-            "leaves no room to generate within rollout.max_total_tokens)",
+            "leaves no room to generate within rollout.max_total_tokens), group_too_large (its encoded group is longer "
+            "than Redis takes in one argument)",
             ["reason"],
             registry=r,
         )

@@ -32,7 +32,7 @@ from buffer.keys import Keys
 from buffer.metrics import BufferMetrics
 from buffer.redis_server import end_outage_retries
 from buffer.registry import ServerInfo, ServerRegistry
-from buffer.replay import BufferClosed, ReplayBuffer
+from buffer.replay import BufferClosed, GroupTooLarge, ReplayBuffer
 from buffer.schema import TrajectoryGroup
 from buffer.staleness import LeaseLost, StalenessControl
 from buffer.task_queue import TaskEntry, TaskQueue
@@ -246,6 +246,8 @@ class RolloutWorker:
             await self._dead_letter(entry, "agent_not_allowed", str(exc))
         except PromptTooLong as exc:  # nor a prompt that does not fit the context
             await self._dead_letter(entry, "prompt_too_long", str(exc))
+        except GroupTooLarge as exc:  # nor a group longer than Redis takes (its samples' tokens are the job's settings)
+            await self._dead_letter(entry, "group_too_large", str(exc))
         except LeaseLost:  # not admitted: another server took the task over, or ended it (logged and counted)
             pass
         except BufferClosed as exc:

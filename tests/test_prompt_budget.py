@@ -109,6 +109,25 @@ def test_a_prompt_without_room_to_generate_dead_letters_its_task_and_the_rest_tr
     assert value("rollwave_rollout_finish_reasons_total", {"reason": "max_total_tokens"}) is None
 
 
+def test_a_group_longer_than_redis_takes_dead_letters_its_task_at_once(
+    redis_server: EmbeddedRedis, engine_url: str, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group whose encoded payload is longer than Redis takes in one argument (proto-max-bulk-len, 512 MiB; a
+    limit of 1 KB stands in for it here) is refused before anything is sent (``GroupTooLarge``): the worker dead-letters
+    its task on its first delivery, naming the group and its size, and counts it, where it was rolled out again for
+    every attempt, each making a group as long (and, before the refusal, retried the put for ever)."""
+    monkeypatch.setattr(ReplayBuffer, "max_payload_bytes", 1024)
+    queue = TaskQueue(client(redis_server), KEYS, BufferConfig())
+    queue.ensure_groups()
+    [gid] = queue.submit("job", [NORMAL.model_dump(mode="json")], "train")
+    rollout = RolloutConfig(n_samples=2, max_new_tokens=8, max_turns=1)
+    metrics = roll_out(redis_server, rollout, engine_url, tokenizer, lambda: queue.job("job")["state"] == "done")
+    [(deliveries, why)] = dead_letters(redis_server).values()
+    assert deliveries == "1" and why.startswith(f"group {gid} (job job): encoded payload is "), why
+    assert metrics.registry.get_sample_value(DEAD, {"reason": "group_too_large"}) == 1
+    assert queue.job("job")["dead_lettered"] == "1"
+
+
 def test_an_agent_whose_first_request_does_not_fit_dead_letters_its_task(
     redis_server: EmbeddedRedis, engine_url: str, tokenizer: Any
 ) -> None:

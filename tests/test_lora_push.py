@@ -250,50 +250,35 @@ def test_an_engine_that_refuses_a_loaded_name_gets_unload_then_load(tiny_model_d
                             "pause", "load pol", "unload pol", "load pol", "version 2", "continue"]
 
 
-def test_a_failed_load_after_the_unload_says_no_adapter_serves(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The load after the unload fails: the engine serves no adapter, so the worker stops naming it, Status
-    reports no checksum and the Commit's error says the base weights serve until the next push, which loads."""
-    engine, named = SGLangLike(), []
-    with sglang_receiver(engine, tiny_model_dir, tmp_path / "stage", named) as (address, pusher):
+@pytest.mark.parametrize(("failing", "cause", "named", "calls"), [
+    ("failing_loads", "CUDA out of memory", ["pol", None],
+     ["pause", "load pol", "unload pol", "load pol", "continue"]),
+    ("failing_versions", "the engine is shutting down", ["pol", None, None],
+     ["pause", "load pol", "unload pol", "load pol", "version 2", "unload pol", "continue"]),
+], ids=["the-load", "the-version-update"])
+def test_an_adapter_push_failing_after_the_unload_says_no_adapter_serves(
+        tiny_model_dir: Path, tmp_path: Path, failing: str, cause: str, named: list, calls: list[str]) -> None:
+    """The load after the unload fails, or the load works and the engine's version update then fails: the engine
+    serves no adapter, so the worker stops naming it, Status reports no checksum and the Commit's error says the base
+    weights serve until the next push, which loads. (After a failed version update the engine kept the new adapter
+    under the old version's number: SGLang, here, then refused every later load of the name as already loaded, while
+    the receiver believed none loaded, so no adapter push could commit again; an engine that replaces an adapter in
+    place served it to a worker still naming it, its tokens recorded under the old version. It is unloaded now.)"""
+    engine, got = SGLangLike(), []
+    with sglang_receiver(engine, tiny_model_dir, tmp_path / "stage", got) as (address, pusher):
         assert pusher.push_model(lora_model(tiny_model_dir, 8), 1).wait(WAIT_S).ok
-        engine.failing_loads = 1
+        setattr(engine, failing, 1)
         [failed] = pusher.push_model(lora_model(tiny_model_dir, 9), 2).wait(WAIT_S).servers
         assert (failed.stage, failed.reason) == ("commit", "load"), failed
         assert "the engine now serves the base weights without the adapter until the next push" in failed.error
-        assert "CUDA out of memory" in failed.error
-        assert engine.loaded == set() and named == ["pol", None]
+        assert cause in failed.error
+        assert engine.loaded == set() and got == named
         status = status_of(address)
         assert (status.current_version, status.adapter_checksum) == (1, "")
         model = lora_model(tiny_model_dir, 10)
         assert pusher.push_model(model, 3).wait(WAIT_S).ok
-        assert status_of(address).adapter_checksum == checksum_of(model) and named == ["pol", None, "pol"]
-    assert engine.calls[4:] == ["pause", "load pol", "unload pol", "load pol", "continue",
-                                "pause", "load pol", "version 3", "continue"]
-
-
-def test_an_adapter_loaded_under_a_version_update_that_fails_is_named_no_more(tiny_model_dir: Path,
-                                                                               tmp_path: Path) -> None:
-    """The adapter loads, then the engine's version update fails. The engine kept the new adapter under the old
-    version's number: SGLang (here) then refused every later load of the name as already loaded, while the receiver
-    believed none loaded, so no adapter push could commit again; an engine that replaces an adapter in place served
-    it to a worker still naming it, its tokens recorded under the old version. Now the adapter is unloaded and named
-    no more, Status reports none, the error says the base weights serve until the next push, and that push loads."""
-    engine, named = SGLangLike(), []
-    with sglang_receiver(engine, tiny_model_dir, tmp_path / "stage", named) as (address, pusher):
-        assert pusher.push_model(lora_model(tiny_model_dir, 8), 1).wait(WAIT_S).ok
-        engine.failing_versions = 1
-        [failed] = pusher.push_model(lora_model(tiny_model_dir, 9), 2).wait(WAIT_S).servers
-        assert (failed.stage, failed.reason) == ("commit", "load"), failed
-        assert "the engine now serves the base weights without the adapter until the next push" in failed.error
-        assert "the engine is shutting down" in failed.error
-        assert engine.loaded == set() and named == ["pol", None, None]
-        status = status_of(address)
-        assert (status.current_version, status.adapter_checksum) == (1, "")
-        model = lora_model(tiny_model_dir, 10)
-        assert pusher.push_model(model, 3).wait(WAIT_S).ok
-        assert status_of(address).adapter_checksum == checksum_of(model) and named == ["pol", None, None, "pol"]
-    assert engine.calls[4:] == ["pause", "load pol", "unload pol", "load pol", "version 2", "unload pol", "continue",
-                                "pause", "load pol", "version 3", "continue"]
+        assert status_of(address).adapter_checksum == checksum_of(model) and got == [*named, "pol"]
+    assert engine.calls[4:] == [*calls, "pause", "load pol", "version 3", "continue"]
 
 
 def test_a_rollout_server_loads_and_names_the_adapter_model_lora_name(

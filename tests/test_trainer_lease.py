@@ -123,6 +123,17 @@ def _one_group_written_and_a_job_waiting(run: Run) -> tuple[str, TaskEntry, str,
     return job_id, entry, run.submit(ONE), staleness
 
 
+def _stalled_by_and_deleted(run: Run, waiting: str, job_id: str, staleness: StalenessControl, end: str) -> None:
+    """The train job ``waiting`` reads stalled by the trainer's recorded ``end``; the cancelled job ``job_id``, whose
+    group the trainer held, is deleted with its group and its admission slot."""
+    job = run.api.get(f"/v1/jobs/{waiting}").json()
+    assert job["state"] == "stalled" and job["reason"].startswith(
+        f"the trainer crashed at step 0 ({end}); 1 of this job's 1 groups wait for a trainer"), job
+    reply = run.api.delete(f"/v1/jobs/{job_id}")
+    assert reply.status_code == 200, reply.text
+    assert run.depths()["groups"] == {"length": 0, "pending": 0} and staleness.admitted() == 0
+
+
 def _only_the_other_job_trained(run: Run, staleness: StalenessControl, cancelled: str, other: str) -> None:
     """The step trained a group of each job, ``cancelled``'s removed by its delete meanwhile: ``other``'s alone is
     counted trained, its admission slot kept, and nothing of the deleted job, or of either group, is left."""
@@ -161,14 +172,9 @@ def test_a_killed_trainers_group_of_a_cancelled_job_is_deleted_once_its_lease_la
     status = run.api.get("/v1/status").json()
     assert status["trainer"]["alive"] is False
     assert "  NOT RUNNING: its lease lapsed with no end recorded (killed?)" in _status_table(status).splitlines()[1]
-    job = run.api.get(f"/v1/jobs/{waiting}").json()
-    assert job["state"] == "stalled" and job["reason"].startswith(
-        "the trainer crashed at step 0 (its lease lapsed with no end recorded: killed by SIGKILL, the OOM killer or a "
-        "lost node, or cut off from Redis past buffer.claim_idle_ms); 1 of this job's 1 groups wait for a trainer"), job
-    reply = run.api.delete(f"/v1/jobs/{job_id}")
-    assert reply.status_code == 200, reply.text
-    assert run.keys_of(job_id) == set() and run.depths()["groups"] == {"length": 0, "pending": 0}
-    assert staleness.admitted() == 0 and not run.redis.keys(f"{run.keys.prefix}payload:*")
+    _stalled_by_and_deleted(run, waiting, job_id, staleness, "its lease lapsed with no end recorded: killed by "
+                            "SIGKILL, the OOM killer or a lost node, or cut off from Redis past buffer.claim_idle_ms")
+    assert run.keys_of(job_id) == set() and not run.redis.keys(f"{run.keys.prefix}payload:*")
     assert run.redis.hget(run.keys.group_state, entry.group_id) == b"t"
 
 
@@ -187,13 +193,8 @@ def test_a_trainer_stopped_by_sigterm_records_the_stop_and_gives_up_its_lease_at
     finally:
         stop_process(proc, 30, name="trainer")
     assert not run.redis.exists(run.keys.trainer_alive)  # deleted, not left to lapse
-    job = run.api.get(f"/v1/jobs/{waiting}").json()
-    assert job["state"] == "stalled" and job["reason"].startswith(
-        "the trainer crashed at step 0 (stopped by SIGTERM before its end (a supervisor's or an operator's stop)); "
-        "1 of this job's 1 groups wait for a trainer"), job
-    reply = run.api.delete(f"/v1/jobs/{job_id}")
-    assert reply.status_code == 200, reply.text
-    assert run.depths()["groups"] == {"length": 0, "pending": 0} and staleness.admitted() == 0
+    _stalled_by_and_deleted(run, waiting, job_id, staleness,
+                            "stopped by SIGTERM before its end (a supervisor's or an operator's stop)")
 
 
 def test_a_rank_stopped_by_sigterm_leaves_its_pool_at_once(

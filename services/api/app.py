@@ -125,14 +125,20 @@ def _nesting(value: Any) -> int:
     return deepest
 
 
-def _too_deep(spec: JobSpec) -> str | None:
-    """Why an inline task cannot be stored, or None: a field nested deeper than ``MAX_TASK_NESTING``. The spec
-    could not be written (a 500) or, stored, not be read back by the rollout servers (every task failed)."""
+def _unstorable(spec: JobSpec) -> str | None:
+    """Why an inline task cannot be stored, or None: a free-form field nested deeper than ``MAX_TASK_NESTING``, or
+    a string (or key) in one holding a lone UTF-16 surrogate (the typed fields refuse one). The spec could not be
+    written as JSON (a 500) or, stored, not be read back by the rollout servers (every task failed)."""
     for i, task in enumerate(spec.source.tasks or ()):
         for name in ("messages", "tools_kwargs", "reward", "meta"):
-            if (depth := _nesting(getattr(task, name))) > MAX_TASK_NESTING:
+            value = getattr(task, name)
+            if (depth := _nesting(value)) > MAX_TASK_NESTING:
                 return (f"field 'source.tasks[{i}].{name}' holds objects and lists {depth} levels within each other; "
                         f"at most {MAX_TASK_NESTING}")
+            if (at := lone_surrogate_at(value)) is not None:
+                where = _escape(json_path((f"source.tasks[{i}].{name}", *at)))
+                return (f"field '{where}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape not paired as JSON "
+                        "writes a character outside the BMP), which is no character: no UTF-8 text can hold it")
     return None
 
 
@@ -257,18 +263,6 @@ def _escaped(value: Any) -> Any:
             parent[at] = copy = list(item)
             stack.extend((copy, i, v) for i, v in enumerate(copy))
     return root[0]
-
-
-def _lone_surrogate(spec: JobSpec) -> str | None:
-    """Why an inline task cannot be stored, or None: a string (or key) of a free-form field holds a lone UTF-16
-    surrogate (the typed fields refuse one), named by where it is. The spec could not be written as JSON (a 500)."""
-    for i, task in enumerate(spec.source.tasks or ()):
-        for name in ("messages", "tools_kwargs", "reward", "meta"):
-            if (at := lone_surrogate_at(getattr(task, name))) is not None:
-                where = _escape(json_path((f"source.tasks[{i}].{name}", *at)))
-                return (f"field '{where}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape not paired as JSON "
-                        "writes a character outside the BMP), which is no character: no UTF-8 text can hold it")
-    return None
 
 
 class HostGuard:
@@ -584,10 +578,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
             raise RequestValidationError([{"type": "value_error", "loc": ("header", IDEMPOTENCY_KEY), "input": keys,
                                            "msg": f"header {IDEMPOTENCY_KEY} is given {len(keys)} times; give it "
                                                   "once"}])
-        if (too_deep := _too_deep(spec)) is not None:  # before the spec is written as JSON, which it cannot be
-            raise reject(api, request, "source", too_deep)
-        if (unwritable := _lone_surrogate(spec)) is not None:
-            raise reject(api, request, "source", unwritable)
+        if (unstorable := _unstorable(spec)) is not None:  # before the spec is written as JSON, which it cannot be
+            raise reject(api, request, "source", unstorable)
         spec_json = spec.model_dump_json()
         if idempotency_key is not None:  # a retry is answered before the checks a new job needs, which may now fail
             try:

@@ -357,11 +357,12 @@ class AgentEpisode:
 
 
 def _text(content: Any) -> str:
-    """Message content as text: a string, None, or OpenAI content parts."""
+    """Message content as text: a string, None, or OpenAI content parts, joined by a space as SGLang flattens them
+    for a chat template that takes a string (joined by nothing, "Hello" and "world" became "Helloworld")."""
     if content is None:
         return ""
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
     return str(content)
 
 

@@ -423,7 +423,8 @@ def test_malformed_messages_are_refused_naming_the_field_and_record_nothing(toke
             await refuse([*history, message] if where == "follows" else [*MESSAGES, message], want)
         assert (len(ep.builder), ep.messages) == recorded[0]
         await client.chat.completions.create(model="rollwave", tools=TOOLS, messages=[
-            *history, {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "42"}]}])
+            *history, {"role": "tool", "tool_call_id": "call_1", "content": [
+                {"type": "text", "text": "the result:"}, {"type": "text", "text": "42"}]}])
 
     sample, store = _run(tokenizer, engine, agent, max_new_tokens=64)
     assert len(refused) == len(MALFORMED) + 1
@@ -434,5 +435,5 @@ def test_malformed_messages_are_refused_naming_the_field_and_record_nothing(toke
     assert len(engine.calls) == 2 and sample.num_turns == 2 and sample.finish_reason == "stop"
     assert store.metrics.total("rollwave_rollout_history_mismatches_total") == 0
     assert [m["role"] for m in sample.messages] == ["system", "user", "assistant", "tool", "assistant"]
-    assert sample.messages[3]["content"] == "42"  # content parts kept as their text, as the built-in loop's messages
+    assert sample.messages[3]["content"] == "the result: 42"  # parts kept as their text, as the built-in loop's
     assert sample.reward == 1.0 and [t.name for t in sample.tool_calls] == ["calculator"]

@@ -7,6 +7,7 @@ between them (loss 0). So SFT teaches exactly the sequences RL later samples.
 
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 import tempfile
@@ -22,6 +23,8 @@ from core.tasks import Task
 from core.tasks.arith import CALCULATOR_SCHEMA, demonstration
 from core.trajectory import ChatRenderer, TrajectoryBuilder, Turn
 from trainer.parallel import causal_lm
+
+log = logging.getLogger(__name__)
 
 
 def demonstration_ids(renderer: ChatRenderer, messages: list[dict[str, Any]], tools: list[dict]) -> TrajectoryBuilder:
@@ -43,15 +46,19 @@ def demonstration_ids(renderer: ChatRenderer, messages: list[dict[str, Any]], to
     return builder
 
 
-def _batch(examples: list[TrajectoryBuilder], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(e) for e in examples)
+def _batch(examples: list[TrajectoryBuilder], pad_id: int,
+           max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids, loss mask and attention mask; each example cut to its first ``max_length`` tokens (TRL's
+    SFT truncation: the prompt's start stays, the tokens beyond go with their labels)."""
+    cut = [(e.token_ids[:max_length], e.loss_mask[:max_length]) for e in examples]
+    width = max(len(token_ids) for token_ids, _ in cut)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.float32)
     attn = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, ex in enumerate(examples):
-        n = len(ex)
-        ids[row, :n] = torch.tensor(ex.token_ids)
-        mask[row, :n] = torch.tensor(ex.loss_mask, dtype=torch.float32)
+    for row, (token_ids, loss_mask) in enumerate(cut):
+        n = len(token_ids)
+        ids[row, :n] = torch.tensor(token_ids)
+        mask[row, :n] = torch.tensor(loss_mask, dtype=torch.float32)
         attn[row, :n] = 1
     return ids, mask, attn
 
@@ -71,19 +78,30 @@ def warm_start(
     *,
     steps: int = 700,
     batch_size: int = 32,
+    max_length: int = 1024,
     lr: float = 1e-3,
     wrong_formula_rate: float = 0.7,
     seed: int = 0,
     progress: Callable[[int, float], None] | None = None,
     max_seconds: float | None = None,
     save_at_seconds: Sequence[float] = (),
+    source: str = "the task list given",
 ) -> Path:
     """SFT the model at ``model_dir`` on demonstrations of ``tasks``; save to ``out_dir`` (HF format).
 
     ``max_seconds`` stops earlier, after the step that reaches that wall time (a budget rather than a count:
     bench/learning.py gives SFT the wall time of each RL arm). ``save_at_seconds`` also saves the model as it
     stands after the step that reaches each of those wall times, to ``out_dir/at-<i>`` (i in the given
-    order), so one run scores SFT at several budgets."""
+    order), so one run scores SFT at several budgets.
+
+    A demonstration longer than ``max_length`` tokens, or than the model's ``max_position_embeddings``, is cut to
+    that many (``_batch``): memory stays bounded and positions stay within the model's. ``source`` names where
+    ``tasks`` came from, for the error that there are none (raised before the model loads)."""
+    if not tasks:
+        raise ValueError(f"SFT warm start: {source} holds no tasks, so there are no demonstrations to train on (an "
+                         "empty data source, or a limit, offset or filter that left none)")
+    if max_length <= 0:
+        raise ValueError(f"SFT warm start: max_length must be > 0, got {max_length}")
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = causal_lm(model_dir)
@@ -93,6 +111,8 @@ def warm_start(
     examples = [
         demonstration_ids(renderer, demonstration(task, rng, wrong_formula_rate), tools) for task in tasks
     ]
+    max_length = min(max_length, model.config.max_position_embeddings)
+    examples, truncated = _fit(examples, max_length)
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     marks = sorted(enumerate(save_at_seconds), key=lambda mark: mark[1])
@@ -104,7 +124,8 @@ def warm_start(
             _save(model, tokenizer, out_dir / f"at-{marks.pop(0)[0]}", done, elapsed)
         if max_seconds is not None and elapsed >= max_seconds:
             break
-        ids, mask, attn = _batch(rng.sample(examples, min(batch_size, len(examples))), tokenizer.pad_token_id)
+        ids, mask, attn = _batch(rng.sample(examples, min(batch_size, len(examples))), tokenizer.pad_token_id,
+                                 max_length)
         loss = sft_loss(model, ids, mask, attn)
         optim.zero_grad(set_to_none=True)
         loss.backward()
@@ -117,8 +138,25 @@ def warm_start(
     for i, _ in marks:  # budgets the run never reached: the final model
         _save(model, tokenizer, out_dir / f"at-{i}", done, elapsed)
     _save(model, tokenizer, out_dir, done, elapsed,
-          f" batch_size={batch_size} lr={lr} examples={len(examples)} wrong_formula_rate={wrong_formula_rate}")
+          f" batch_size={batch_size} lr={lr} examples={len(examples)} wrong_formula_rate={wrong_formula_rate}"
+          f" max_length={max_length} truncated={truncated}")
     return out_dir
+
+
+def _fit(examples: list[TrajectoryBuilder], max_length: int) -> tuple[list[TrajectoryBuilder], int]:
+    """The examples that keep a trained token within ``max_length`` (one that keeps none teaches nothing), and how
+    many are longer (logged: ``_batch`` cuts them). None kept is an error: SFT would train on nothing."""
+    truncated = sum(len(e) > max_length for e in examples)
+    kept = [e for e in examples if any(e.loss_mask[:max_length])]
+    if truncated:
+        log.warning("SFT: %d of %d demonstrations are longer than max_length %d tokens and are cut to it; %d of "
+                    "them keep no trained token and are left out", truncated, len(examples), max_length,
+                    len(examples) - len(kept))
+    if not kept:
+        raise ValueError(f"SFT warm start: max_length {max_length} leaves no demonstration a trained token (the "
+                         f"shortest prompt is {min(e.prompt_len for e in examples)} tokens): raise max_length "
+                         "above it")
+    return kept, truncated
 
 
 def _save(model: torch.nn.Module, tokenizer: Any, out_dir: Path, steps: int, seconds: float, info: str = "") -> None:

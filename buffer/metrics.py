@@ -88,8 +88,9 @@ class BufferMetrics:
         )
         self.deleted_pending = Counter(
             "rollwave_buffer_deleted_pending_total",
-            "pending entries found deleted from their stream (an XDEL or trim by hand) and acked away when reclaimed",
-            ["stream"], registry=r,
+            "pending entries found deleted from their stream (an XDEL or trim by hand) and acked away when reclaimed, "
+            "or acked by the trainer that held them (a reclaimed group gives its admission slot back)", ["stream"],
+            registry=r,
         )
         self.fenced_refusals = Counter(
             "rollwave_buffer_fenced_refusals_total",

@@ -53,7 +53,8 @@ READ_BLOCK_MS = 1000  # below the client's socket timeout; take() loops until it
 WRITTEN, DUPLICATE, FULL, TASK_GONE = 1, 0, -1, -2  # what a put did (try_put, put_many)
 # Redis's proto-max-bulk-len (its default, the embedded server's): a longer argument is refused and the connection
 # closed, which the client took for an outage and retried, the whole payload each time, then failed naming neither
-# the group nor its size (the rollout server retried that put for ever)
+# the group nor its size (the rollout server retried that put for ever). A server configured lower is read at the
+# first train put (ReplayBuffer.payload_limit)
 MAX_PAYLOAD_BYTES = 512 << 20
 
 # KEYS: target stream (groups, or eval:<job>), group state, job hash, task stream, admitted ids, consumed ids list,
@@ -150,9 +151,11 @@ return 1
 # same: its entry undelivered (the read was lost), or, its entry gone, parked again in the newer stream (the restore
 # that made the entry was lost; its copy there has the f.<name> fields). The payload key goes with the entry. An empty
 # gid (a malformed entry without one) marks nothing consumed. Consumed ids beyond the window leave groups:state.
-# Returns how many were acked, or -1 (nothing done) when a newer trainer started.
+# An entry still pending but no longer in its stream (an operator's XDEL or trim) is acked as the others.
+# Returns {how many were acked, how many of them had been deleted from the stream}, or -1 (nothing done) when a newer
+# trainer started.
 _ACK = _fence_lua("KEYS[6]", "ARGV[3]") + """
-local acked, parked = 0, nil
+local acked, gone, parked = 0, 0, nil
 for i = 4, #ARGV, 6 do
   local id, gid, outcome, job = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local payload, slot = ARGV[i + 4], ARGV[i + 5]
@@ -190,7 +193,7 @@ for i = 4, #ARGV, 6 do
       end
     end
     if payload ~= '' then redis.call('DEL', payload) end
-    redis.call('XDEL', stream, id)
+    if redis.call('XDEL', stream, id) == 0 then gone = gone + 1 end
     if gid ~= '' then
       redis.call('HSET', KEYS[2], gid, 't')
       redis.call('RPUSH', KEYS[4], gid)
@@ -207,7 +210,7 @@ end
 for _ = 1, redis.call('LLEN', KEYS[4]) - tonumber(ARGV[2]) do
   redis.call('HDEL', KEYS[2], redis.call('LPOP', KEYS[4]))
 end
-return acked
+return {acked, gone}
 """
 
 # KEYS: groups stream, newer stream, trainer epoch. ARGV: entry id, this trainer's epoch, then the parked entry's
@@ -246,8 +249,8 @@ return moved
 
 
 class GroupTooLarge(ValueError):
-    """A group whose encoded payload is longer than Redis takes in one argument (``MAX_PAYLOAD_BYTES``): nothing
-    was sent or written, and its task is still pending for its worker to fail."""
+    """A group whose encoded payload is longer than Redis takes in one argument (``ReplayBuffer.payload_limit``):
+    nothing was sent or written, and its task is still pending for its worker to fail."""
 
 
 class BufferClosed(RuntimeError):
@@ -262,7 +265,7 @@ class TrainerFenced(RuntimeError):
 class ReplayBuffer:
     """Producer side (``put``) and trainer side (``take``/``ack``) of the groups stream."""
 
-    max_payload_bytes = MAX_PAYLOAD_BYTES  # the longest encoded group a put sends
+    max_payload_bytes = MAX_PAYLOAD_BYTES  # the longest encoded group a put sends, whatever the server takes
 
     def __init__(
         self,
@@ -283,8 +286,9 @@ class ReplayBuffer:
         self._move_aside = client.register_script(_MOVE_ASIDE)
         self._park = client.register_script(_PARK)
         self._restore = client.register_script(_RESTORE)
+        # an entry deleted while pending (an operator's XDEL or trim) gives back its admission slot as it is found
         self._reclaimer = Reclaimer(client, keys.groups, TRAINER_GROUP, consumer, config.claim_idle_ms,
-                                    own_every_s=config.claim_idle_ms / 1000)
+                                    own_every_s=config.claim_idle_ms / 1000, released=keys.admitted)
         # entry id -> (group id, job id, payload key or '' when inline, slot: its field s): taken, not yet acked
         self._held: dict[str, tuple[str, str, str, str]] = {}
         # entry id -> (group id, outcome) acked by this process, the last dedup_window of them: one that comes back
@@ -294,6 +298,7 @@ class ReplayBuffer:
         # when to move back (again: Redis may lose a restore) the groups an older trainer parked for this one's schema
         self._next_restore = 0.0
         self._left_newer = 0  # groups:newer entries of a schema this trainer does not read either, as last logged
+        self._server_max_bulk: int | None = None  # the server's proto-max-bulk-len, read at the first train put
         self._closed = threading.Event()
 
     def ensure_group(self) -> None:
@@ -376,6 +381,21 @@ class ReplayBuffer:
 
     # producer side
 
+    def payload_limit(self) -> int:
+        """The longest encoded group a put sends: ``max_payload_bytes``, or the server's ``proto-max-bulk-len`` where
+        lower (an external Redis configured below its 512 MiB default closes the connection on a longer argument, which
+        the client retried as an outage, for ever). Read once; a server that refuses CONFIG GET (a managed Redis that
+        renames or denies it) is taken to have the default, logged once."""
+        if self._server_max_bulk is None:
+            try:
+                self._server_max_bulk = int(self.redis.config_get("proto-max-bulk-len")["proto-max-bulk-len"])
+            except (redis.ResponseError, KeyError, ValueError) as exc:
+                self._server_max_bulk = MAX_PAYLOAD_BYTES
+                log.warning("%s: CONFIG GET proto-max-bulk-len gave no limit (%s: %s): taking Redis's default, %d "
+                            "bytes; a group over the server's own limit makes it close the connection",
+                            self.keys.groups, type(exc).__name__, exc, MAX_PAYLOAD_BYTES)
+        return min(self.max_payload_bytes, self._server_max_bulk)
+
     def _queue_put(self, pipe: redis.client.Pipeline, group: TrajectoryGroup, task: TaskEntry | None) -> None:
         """Queue one put on a MULTI pipeline: a train group's payload SET under a fresh key, then the script that
         writes the entry naming it, or deletes it (duplicate, full, task gone). An eval group's entry holds its
@@ -397,10 +417,10 @@ class ReplayBuffer:
         ]
         if train:
             payload = encode_group(group)
-            if len(payload) > self.max_payload_bytes:
+            if len(payload) > (limit := self.payload_limit()):
                 raise GroupTooLarge(
                     f"group {group.group_id} (job {group.job_id}): encoded payload is {len(payload)} bytes, over the "
-                    f"{self.max_payload_bytes} Redis takes in one argument (proto-max-bulk-len); its samples hold "
+                    f"{limit} Redis takes in one argument (proto-max-bulk-len); its samples hold "
                     f"{sum(s.token_ids.size for s in group.samples)} tokens: not written")
             keys.append(self.keys.payload(group.group_id, secrets.token_hex(8)))
             pipe.set(keys[-1], payload)
@@ -490,8 +510,8 @@ class ReplayBuffer:
             self._restore_newer()
         claimed, deleted = self._reclaimer.claim(max_groups)
         if deleted:
-            log.warning("%s: %d pending group(s) had been deleted from the stream; acked them away",
-                        self.keys.groups, deleted)
+            log.warning("%s: %d pending group(s) had been deleted from the stream (an XDEL or trim by hand); acked "
+                        "them away and gave their admission slots back", self.keys.groups, deleted)
             self.metrics.deleted_pending.labels(stream="groups").inc(deleted)
         out = self._accept([(entry_id, fields) for entry_id, _n, fields in claimed if entry_id not in self._held])
         if out:
@@ -616,8 +636,7 @@ class ReplayBuffer:
         item = (entry_id, fields.get(b"gid", b""), "malformed", fields.get(b"job", b""), fields.get(b"p", b""),
                 fields.get(b"s", b""))
         self._ack(*self._ack_script_args([item]), client=pipe)
-        if int(pipe.execute()[-1]) < 0:
-            raise self._fenced("moving a group aside")
+        self._acked_count(pipe.execute()[-1], "moving a group aside")
         self.metrics.malformed.labels(stream="groups").inc()
 
     def _park_newer(self, entry_id: str, fields: dict[bytes, bytes], error: NewerSchema) -> None:
@@ -721,12 +740,23 @@ class ReplayBuffer:
     def _ack_outcomes(self, items: Sequence[tuple[str, str, str, str, str, str]]) -> int:
         """Ack (entry id, group id, job counter, job id, payload key, slot) items in one Lua call (job '': the script
         reads job, payload key and slot from the entry); forget them as held, remember them as acked."""
-        acked = int(self._ack(*self._ack_script_args(items)))
-        if acked < 0:
-            raise self._fenced("an ack")
+        acked = self._acked_count(self._ack(*self._ack_script_args(items)), "an ack")
         for entry_id, gid, outcome, *_ in items:
             self._held.pop(entry_id, None)
             self._acked[entry_id] = (gid, outcome)
         while len(self._acked) > self.config.dedup_window:
             self._acked.popitem(last=False)
+        return acked
+
+    def _acked_count(self, reply: int | list[int], refused: str) -> int:
+        """How many entries the ack script's ``reply`` says it acked; raises ``TrainerFenced`` (``refused`` names the
+        write) when it was refused. Entries it found pending but deleted from the stream (an XDEL or trim by hand
+        while the trainer held them) are logged and counted: acked all the same, their slots given back or trained."""
+        if isinstance(reply, int):  # -1: the fence's
+            raise self._fenced(refused)
+        acked, gone = (int(n) for n in reply)
+        if gone:
+            log.warning("%s: %d group(s) acked had been deleted from the stream while pending (an XDEL or trim by "
+                        "hand)", self.keys.groups, gone)
+            self.metrics.deleted_pending.labels(stream="groups").inc(gone)
         return acked

@@ -219,7 +219,8 @@ class _Link:
         self.committed = 0
         self.committed_to = target.started  # the incarnation that committed ``committed``
         self.retry_at = 0.0
-        self.dtypes: dict[str, torch.dtype] | None = None  # by tensor name, from this server's last Status
+        # from this server's last Status: the incarnation (``Target.started``) that answered, its dtypes by tensor name
+        self._dtypes: tuple[float, dict[str, torch.dtype]] | None = None
         self._sent: Snapshot | None = None  # the last snapshot this link began to stage
         self._backoff = BACKOFF_S[0]
         self._pusher = pusher
@@ -268,6 +269,14 @@ class _Link:
         has not heartbeated that yet; a server that restarted since serves only what it says."""
         return max(target.version, self.committed if self.committed_to == target.started else 0)
 
+    def dtypes_of(self, target: Target) -> dict[str, torch.dtype] | None:
+        """The dtypes ``target`` serves, if this link read them from that very incarnation: a server restarted under
+        its id and address (a new ``started``) may serve others, e.g. bf16 where it served fp32."""
+        read = self._dtypes
+        if read is None or self.target.server_id != target.server_id or read[0] != target.started:
+            return None
+        return read[1]
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -278,7 +287,7 @@ class _Link:
                 snapshot, self._pending, self._busy = self._pending, None, True
             started = self.target.started
             try:
-                result = self._push(snapshot)
+                result = self._push(snapshot, started)
             finally:
                 snapshot.release()
             self._settle(result, started)
@@ -305,7 +314,8 @@ class _Link:
         with self._cond:
             return self._pending is not None or self._closed
 
-    def _push(self, snapshot: Snapshot) -> PushResult:
+    def _push(self, snapshot: Snapshot, started: float) -> PushResult:
+        """``started``: the incarnation the push goes to, as known when it began (its Status's dtypes are its)."""
         result = self._result(snapshot.version)
         try:
             status = self._connect()
@@ -315,9 +325,10 @@ class _Link:
             # and refused: the weights the server serves under it are not known to be these.
             served = snapshot is self._sent or bool(snapshot.adapter_checksum)
             if result.serves != snapshot.version or not served:
-                self.dtypes = _status_dtypes(status)
+                dtypes = _status_dtypes(status)
+                self._dtypes = (started, dtypes)
                 self._sent = snapshot
-                self._stage_version(snapshot, self.dtypes, status.stage_port, result)
+                self._stage_version(snapshot, dtypes, status.stage_port, result)
                 self._commit(snapshot, result)
             elif snapshot.adapter_checksum:
                 self._verify(snapshot, status.adapter_checksum)
@@ -691,12 +702,13 @@ class CheckpointPusher:
     def _served_dtypes(self, targets: Sequence[Target]) -> dict[str, torch.dtype] | None:
         """The dtype each tensor has on every one of ``targets``, learned from their Status: the snapshot is cast
         to it once (fp32 masters to a bf16 fleet's bf16). A tensor the servers disagree on keeps the trainer's
-        dtype, and so does every tensor while a server has not answered yet: each stream then casts from the
-        trainer's precision to its server's own dtype, and a fp32 server never gets bf16-rounded weights."""
+        dtype, and so does every tensor while a server has not answered yet (in its present incarnation: one restarted
+        under its id may serve others): each stream then casts from the trainer's precision to its server's own dtype,
+        and a fp32 server never gets bf16-rounded weights."""
         with self._lock:
             links = [self._links.get(t.address) for t in targets]
-            known = [link.dtypes for link, t in zip(links, targets, strict=True)
-                     if link is not None and link.target.server_id == t.server_id and link.dtypes is not None]
+            known = [dtypes for link, t in zip(links, targets, strict=True)
+                     if link is not None and (dtypes := link.dtypes_of(t)) is not None]
         if not known or len(known) != len(targets):
             return None
         first, *others = known

@@ -16,11 +16,12 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 from tqdm import tqdm
 
 from buffer.keys import Keys
@@ -38,6 +39,54 @@ from trainer.sft import warm_start
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = ROOT / "configs/demo.yaml"
 log = logging.getLogger("demo")
+API_FOLLOW_S = 120.0  # how long a request waits for a restarted API: the launcher's longest backoff (30 s), its start
+FOLLOW_POLL_S = 0.5  # the pause before a refused request is sent again
+
+
+class ApiClient(httpx.Client):
+    """The demo's client of the run's API, which follows it across a restart: the launcher restarts an API that
+    crashed, and with ``api.port=0`` the new one binds another port and publishes its URL (``published_api_url``).
+    A request whose connection is refused is sent again, to the URL published then, until one takes it; after
+    ``follow_s``, ``TimeoutError`` names the API and ``stage`` (what the demo was doing). A refused connection
+    carried nothing, so a job's submit is not made twice."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, check: Callable[[], None] | None = None,
+                 follow_s: float = API_FOLLOW_S, **kwargs: Any) -> None:
+        """``check`` ends a wait for the API (``LocalStack.check_refused``: one it gave up on never comes back)."""
+        self.stage = "the start"
+        self._redis, self._keys, self._check, self.follow_s = client, keys, check, follow_s
+        super().__init__(base_url=published_api_url(client, keys, follow_s, check), **kwargs)
+
+    def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+        deadline = time.monotonic() + self.follow_s
+        while True:
+            try:
+                return super().send(request, **kwargs)
+            except httpx.ConnectError as exc:
+                refused = f"{request.url.scheme}://{request.url.netloc.decode('ascii')}"
+                url = self._published(deadline - time.monotonic())
+                if url is None:
+                    raise TimeoutError(f"the API of run {self._keys.run} refused connections at {refused} during "
+                                       f"{self.stage}, and published no address that takes one within "
+                                       f"{self.follow_s:g} s (see its log)") from exc
+            if (url.host, url.port) != (self.base_url.host, self.base_url.port):
+                log.warning("the API at %s refused a connection during %s; it published %s since: following it",
+                            refused, self.stage, url)
+            self.base_url = url
+            request.url = request.url.copy_with(scheme=url.scheme, host=url.host, port=url.port)
+            request.headers["Host"] = request.url.netloc.decode("ascii")  # the API checks it (api.allowed_hosts)
+
+    def _published(self, left_s: float) -> httpx.URL | None:
+        """The API's URL as published after a pause (None: none within ``left_s``)."""
+        if self._check is not None:
+            self._check()
+        if left_s <= 0:
+            return None
+        time.sleep(min(FOLLOW_POLL_S, left_s))
+        try:
+            return httpx.URL(published_api_url(self._redis, self._keys, left_s, self._check))
+        except TimeoutError:
+            return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,7 +124,8 @@ def _sft(cfg: Config, run_dir: Path, steps: int) -> Path:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
 
-        return warm_start(base, run_dir / "sft", tasks, steps=steps, seed=cfg.run.seed, progress=progress)
+        return warm_start(base, run_dir / "sft", tasks, steps=steps, seed=cfg.run.seed, progress=progress,
+                          source="task set arith (split train, limit 4000)")
 
 
 @contextlib.contextmanager
@@ -183,16 +233,20 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
             specs = components(cfg, config_path, redis_url)  # a restarted trainer resumes from its checkpoint
             with LocalStack(specs, run_dir / "logs") as stack, \
                     client_for(redis_url, cfg.redis) as client, \
-                    httpx.Client(base_url=published_api_url(client, Keys(cfg.run.name), check=stack.check_refused),
-                                 headers=auth, timeout=30) as api:
+                    ApiClient(client, Keys(cfg.run.name), stack.check_refused, headers=auth, timeout=30) as api:
+                api.stage = "the wait for a rollout server"
                 _wait_ready(api, stack)
+                api.stage = "the held-out eval before RL"
                 before, tools_before = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out before RL", agent,
                                                 timeout_s)
+                api.stage = "RL"
                 rl_started = time.monotonic()
                 job = _train(api, stack, cfg, timeout_s, agent)
                 rl_seconds = time.monotonic() - rl_started
+                api.stage = "the held-out eval after RL"
                 after, tools_after = _evaluate(api, eval_tasks, cfg.run.seed + 3, "held-out after RL", agent,
                                               timeout_s)
+                api.stage = "the final status"
                 status = api.get("/v1/status").json()
                 stalls, stalled_s = _generation_stalls(status)
     finally:  # every component has stopped: the run's staging area (local pushes) would hold tmpfs RAM for good

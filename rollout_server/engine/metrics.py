@@ -29,7 +29,8 @@ class EngineMetrics:
             registry=r,
         )
         self.requests = Counter(
-            "rollwave_engine_requests", "Finished requests by finish reason", ["finish"], registry=r
+            "rollwave_engine_requests", "Finished requests by finish reason (stop, length, abort; error: a step "
+            "under it raised; nan: its logits were not finite)", ["finish"], registry=r,
         )
         self.running = Gauge("rollwave_engine_running_requests", "Requests in the decode batch", registry=r)
         self.waiting = Gauge("rollwave_engine_waiting_requests", "Requests queued (including retracted)", registry=r)

@@ -50,6 +50,8 @@ class Request:
     extends: Prefix | None = None  # the prefix cache's entry its last prefill started from
     finish_reason: dict[str, Any] | None = None
     finish_version: str | None = None
+    failure: Exception | None = None  # set when it fails: its waiter gets this error, not a reply
+    batch: tuple[Request, ...] = ()  # the requests of its /generate call: when one fails, the others are aborted
     future: Future = field(default_factory=Future)
 
     @property

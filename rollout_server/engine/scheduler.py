@@ -24,6 +24,7 @@ continue and any re-prefill; a pause with nothing running stalls nothing and is 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -55,6 +56,16 @@ SHARED_PREFIX_MIN_SAVED = 1024  # a prefill's shared prefixes get a forward of t
 
 class EngineFailure(RuntimeError):
     """A model step failed; the requests it was running end with this error."""
+
+    finish = "error"  # the failed requests' label in rollwave_engine_requests_total
+
+
+class NonFiniteLogits(EngineFailure):
+    """SGLang's "NaN happened": a request's next-token logits were not finite (a diverged policy, weights holding
+    NaN), so no token can be sampled and no logprob returned. That request alone fails, its call answered 500 naming
+    it; SGLang instead ends it as stopped, with a stop token for the one it could not sample."""
+
+    finish = "nan"
 
 
 @dataclass
@@ -114,6 +125,7 @@ class Scheduler:
         self._barriers: deque[tuple[Callable[[], Any], Future]] = deque()
         self._running: list[Request] = []
         self._admitting: list[Request] = []  # popped from the queue, being prefilled
+        self._orphans: set[Request] = set()  # of calls a request of which failed: aborted after the step
         self._batch: KVBatch | None = None
         self._pending: torch.Tensor | None = None  # last sampled token per running row, not yet in the KV
         self._sampler: BatchSampler | None = None
@@ -149,6 +161,8 @@ class Scheduler:
             if len(set(rids)) != len(rids) or self._rids.intersection(rids):
                 raise ValueError("Duplicate request ID detected")
             self._rids.update(rids)
+        for r in reqs:
+            r.batch = tuple(reqs)
         self._inbox.put(lambda: self._enqueue(reqs))
 
     def call(self, fn: Callable[[], Any]) -> Future:
@@ -355,6 +369,7 @@ class Scheduler:
                         log.exception("engine step failed")
                         self.metrics.step_failures.inc()
                         self._fail_running(exc)
+                    self._abort_orphans()
                     if self._ahead is not None:
                         self._ahead_step()
                 self.metrics.running.set(len(self._running))
@@ -559,14 +574,22 @@ class Scheduler:
         self._retire(self._record(self._running, tokens, logprobs))
 
     def _record(self, reqs: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[int]:
-        """Append each row's token; returns the indices of the requests that finished."""
+        """Append each row's token; returns the indices of the requests that finished. A row whose sampled logprob
+        is not finite (its logits hold a NaN or an infinity, which ``log_softmax`` spreads over the whole row)
+        appends nothing: that request finishes failed (``NonFiniteLogits``)."""
         version, tok = self.version, self.tokenizer
-        done = [
-            i
-            for i, (r, t, lp) in enumerate(zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True))
-            if r.append(t, lp, version, tok)
-        ]
-        self.metrics.generated_tokens.inc(len(reqs))
+        done = []
+        for i, (r, t, lp) in enumerate(zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True)):
+            if not math.isfinite(lp):
+                r.failure = NonFiniteLogits(
+                    f"NaN happened: the logits of request {r.rid!r} are not finite (NaN or infinite) at output token "
+                    f"{len(r.output_ids)}, under weight version {version!r}: the policy diverged or its weights hold "
+                    "NaN")
+                log.error("%s", r.failure)
+                done.append(i)
+            elif r.append(t, lp, version, tok):
+                done.append(i)
+        self.metrics.generated_tokens.inc(len(reqs) - sum(r.failure is not None for r in reqs))
         self._last_token_at = time.monotonic()
         if self._stalled_since is not None:
             self.metrics.generation_stall_seconds.observe(self._last_token_at - self._stalled_since)
@@ -580,6 +603,9 @@ class Scheduler:
         gone = set(rows)
         for i in rows:
             r = self._running[i]
+            if r.failure is not None:  # its KV is never cached
+                self._fail([r], r.failure)
+                continue
             if r.kv_epoch == self._kv_epoch and self.prefix_cache.max_tokens:
                 n = int(self._batch.lengths[i])
                 self.prefix_cache.insert(r.tokens[:n], r.lora, self._batch.row(i), replaces=r.extends)
@@ -610,13 +636,30 @@ class Scheduler:
 
     def _fail_running(self, exc: Exception) -> None:
         admitting = [r for r in self._admitting if r not in self._running]
-        for r in self._running + admitting:
+        self._fail(self._running + admitting, EngineFailure(f"{type(exc).__name__}: {exc}"))
+        self._running, self._admitting = [], []
+        self._batch = self._pending = self._sampler = None
+
+    def _fail(self, reqs: list[Request], exc: EngineFailure) -> None:
+        """End ``reqs`` with ``exc`` for their waiters (their calls answer 500 with it), counted by ``exc.finish``.
+        The other requests of their calls are aborted after the step (``_abort_orphans``)."""
+        for r in reqs:
             with self._rid_lock:
                 self._rids.discard(r.rid)
             if not r.future.done():
-                r.future.set_exception(EngineFailure(f"{type(exc).__name__}: {exc}"))
-        self._running, self._admitting = [], []
-        self._batch = self._pending = self._sampler = None
+                r.future.set_exception(exc)
+            self.metrics.requests.labels(finish=exc.finish).inc()
+            self._orphans.update(r.batch)
+
+    def _abort_orphans(self) -> None:
+        """Abort what is left of calls that failed (queued, or running in a later chunk): their reply is already
+        an error, so nobody waits for them, and they would hold batch slots and KV until they finished."""
+        if not self._orphans:
+            return
+        orphans, self._orphans = self._orphans, set()
+        count = self.abort_where(orphans.__contains__)
+        if count:
+            log.warning("aborted %d requests whose /generate call failed", count)
 
     def _make_sampler(self, reqs: list[Request]) -> BatchSampler:
         return BatchSampler([r.params for r in reqs], [r.generator for r in reqs], self._shared_gen)

@@ -48,6 +48,9 @@ from rollout_server.tool_parser import ToolCall, ToolCallError, parse_tool_calls
 from rollout_server.tools import ToolRegistry, ToolResult
 
 log = logging.getLogger(__name__)
+# SGLang's finish_reason "matched" for a request whose logits held a NaN: it ends the request as stopped (200), a stop
+# token in place of the one it could not sample, which a trainer would take for a finished turn
+NAN_HAPPENED = "NaN happened"
 
 
 class State(enum.Enum):
@@ -91,6 +94,12 @@ def turn_from_reply(reply: dict[str, Any]) -> Turn:
     entries = meta.get("output_token_logprobs") or []
     if len(entries) != len(ids) or any(int(e[1]) != t for e, t in zip(entries, ids, strict=True)):
         raise EngineReplyError(f"output_token_logprobs ({len(entries)}) do not match output_ids ({len(ids)})")
+    logprobs = [float(e[0]) for e in entries]
+    finish = meta.get("finish_reason") or {}
+    if finish.get("matched") == NAN_HAPPENED or not all(map(math.isfinite, logprobs)):
+        raise EngineReplyError(f"the policy's logits were not finite (finish_reason {finish}, logprobs "
+                               f"{[lp for lp in logprobs if not math.isfinite(lp)][:4]}): the policy diverged or "
+                               "its weights hold NaN; the turn is not trained")
     spans = meta.get("weight_versions")
     if ids and not spans:
         raise EngineReplyError("the reply says no weight version for its tokens (SGLang >= 0.5.6 is required)")
@@ -103,7 +112,7 @@ def turn_from_reply(reply: dict[str, Any]) -> Turn:
         raise EngineReplyError(str(exc)) from None
     if -1 in versions:
         raise EngineReplyError(f"weight_versions {spans} do not cover the {len(ids)} output tokens")
-    return Turn(ids, [float(e[0]) for e in entries], versions, bool(meta.get("weight_versions_approximate")))
+    return Turn(ids, logprobs, versions, bool(meta.get("weight_versions_approximate")))
 
 
 def ends_turn(ids: list[int], reply: dict[str, Any], eos_id: int, stop_ids: Collection[int] = ()) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,6 +169,12 @@ def test_turn_versions_approximate_flag_and_refusals() -> None:
     with pytest.raises(EngineReplyError, match="do not cover the 3 output tokens"):
         turn_from_reply({"output_ids": ids, "meta_info": {
             **meta, "weight_versions": [{"version": "3", "start": 0, "end": 2}]}})
+    with pytest.raises(EngineReplyError, match="logits were not finite .*'matched': 'NaN happened'"):  # SGLang's
+        turn_from_reply({"output_ids": ids, "meta_info": {**meta, "finish_reason": {
+            "type": "stop", "matched": "NaN happened"}}})
+    with pytest.raises(EngineReplyError, match=r"logits were not finite .*logprobs \[nan, -inf\]"):
+        turn_from_reply({"output_ids": ids, "meta_info": {**meta, "output_token_logprobs": [
+            [-0.5, 5, None], [math.nan, 6, None], [-math.inf, 7, None]]}})
 
 
 def test_parse_version() -> None:

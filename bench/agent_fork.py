@@ -54,7 +54,7 @@ async def side(warm: bool, samples: int) -> dict[str, float]:
     async with canned_openai_server() as base_url:
         before, start = children_cpu_s(), time.perf_counter()
         for _ in range(samples):
-            outcome = await run_agent(AGENT, task, base_url, "key", timeout_s=60, memory_mb=4096)
+            outcome = await run_agent(AGENT, task, base_url, "key", timeout_s=60, memory_mb=4096, max_processes=None)
             assert outcome.failure is None, outcome
         wall = time.perf_counter() - start
     return {"cpu_ms": (children_cpu_s() - before) / samples * 1e3, "wall_ms": wall / samples * 1e3}

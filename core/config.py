@@ -324,6 +324,11 @@ class RolloutConfig(Section):
     )
     agent_timeout_s: float = Field(300.0, gt=0, description="wall-clock limit of one agent run")
     agent_memory_mb: int = Field(2048, ge=64, description="address-space limit (RLIMIT_AS) of one agent process")
+    agent_max_processes: int | None = Field(
+        256, ge=2, description="processes and threads one agent run may have at once (RLIMIT_NPROC, counted in a user "
+        "namespace of the run's own): a fork past it fails, so a fork bomb stops there; null: no limit, for hosts "
+        "without user namespaces, where a run with a limit fails"
+    )
 
     @field_validator("reward_allowlist")
     @classmethod

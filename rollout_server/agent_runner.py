@@ -18,6 +18,23 @@ Every process the agent starts stays below the child, even one in a session of i
 a second pipe (at the time limit, on cancellation, or because the rollout server died), the child SIGKILLs and
 reaps all of them, leaving neither a process nor a zombie. The parent SIGKILLs the child's process group if the
 child has not ended ``KILL_WAIT_S`` after that.
+The agent's process and every process it starts are at most ``max_processes`` (``rollout.agent_max_processes``;
+threads count too) at once: a fork past that fails with EAGAIN, so a fork bomb in agent code fills its own quota,
+not the host's process table; an agent that fails while a fork fails so is reported as having failed at its limit
+(``limit`` ``process_limit``). The mechanism is ``RLIMIT_NPROC``, which counts the processes of a real uid, all of
+them: set in the server's own user namespace it would count the rollout server's processes, its engine's and every
+other agent's (one agent could starve the rest, and a limit above that count bounds nothing). Since Linux 5.14 the
+kernel counts it per user namespace (and charges each parent namespace as well, bounded there by the limit its
+creator had), so the agent's process first makes a user namespace of its own (``unshare(CLONE_NEWUSER)``; the child,
+in the parent namespace, writes its uid and gid maps) and sets the limit there: the count is this agent's processes
+only. A pids cgroup would do it too, but a rollout server has no cgroup of its own to divide (none in a container
+without delegation, nor in this project's images), and bubblewrap's ``--unshare-pid`` limits nothing by itself. Root
+is never held to ``RLIMIT_NPROC``, so run as root the agent's process keeps uid 0 as its effective uid (its files
+are root's, as before) but takes ``NPROC_UID`` as its real uid, the one the kernel counts; code that sets its real
+uid back to 0 escapes the count (it runs as root: it could stop the server anyway), a fork bomb does not; what it
+executes runs as a set-user-ID program would (``AT_SECURE``: glibc drops ``LD_*`` and ``TMPDIR``). Where user
+namespaces are not allowed (Docker's and Kubernetes' RuntimeDefault seccomp profiles), the run fails, saying so: set
+``rollout.agent_max_processes`` to null to run agents without the limit there.
 What the agent and the processes it starts print (stdout and stderr) goes to a pipe the rollout server reads as it
 comes, keeping only the last ``OUTPUT_TAIL`` bytes, which it logs when the run ends with the number of bytes dropped
 before them: an agent printing in a loop costs neither the server's memory nor its log more than that.
@@ -53,6 +70,8 @@ RESULT_MAX_BYTES = 64 << 10  # a result's JSON, at most: the agent's process sen
 OUTPUT_TAIL = 16 << 10  # bytes of what an agent printed that are kept and logged: the last ones
 KILL_WAIT_S = 10.0
 PR_SET_CHILD_SUBREAPER = 36
+CLONE_NEWUSER = 0x10000000
+NPROC_UID = 65534  # run as root: the agent's real uid, counted against its process limit (root never is)
 _FORK_SERVER = multiprocessing.get_context("forkserver")
 log = logging.getLogger(__name__)
 AGENT_ARGS = ("task", "base_url", "api_key")  # what an agent is called with
@@ -68,6 +87,7 @@ class AgentOutcome:
     reward: float | None = None
     failure: str | None = None  # finish_reason: agent_error | agent_timeout
     error: str = ""
+    limit: str | None = None  # process_limit: the agent failed at its max_processes
 
 
 class _Output:
@@ -155,11 +175,12 @@ async def start_fork_server(entrypoints: list[str]) -> None:
 
 
 async def run_agent(entrypoint: str, task: Any, base_url: str, api_key: str, *, timeout_s: float,
-                    memory_mb: int, cpus: list[int] | None = None) -> AgentOutcome:
-    """Run ``entrypoint`` for one sample in a child process, pinned to ``cpus`` if given; never raises for the
-    agent's faults, and returns (or raises) only once the child and every process the agent started are gone."""
+                    memory_mb: int, max_processes: int | None, cpus: list[int] | None = None) -> AgentOutcome:
+    """Run ``entrypoint`` for one sample in a child process, pinned to ``cpus`` if given, its processes at most
+    ``max_processes`` (None: unlimited); never raises for the agent's faults, and returns (or raises) only once the
+    child and every process the agent started are gone."""
     payload = {"entrypoint": entrypoint, "task": agent_task(task), "base_url": base_url, "api_key": api_key,
-               "memory_mb": memory_mb, "cpus": cpus or []}
+               "memory_mb": memory_mb, "cpus": cpus or [], "max_processes": max_processes}
     receive, send = _FORK_SERVER.Pipe(duplex=False)
     watch, keep = _FORK_SERVER.Pipe(duplex=False)  # the child ends the agent once ``keep`` is closed
     printed, prints = _FORK_SERVER.Pipe(duplex=False)  # the agent's stdout and stderr
@@ -194,6 +215,10 @@ async def run_agent(entrypoint: str, task: Any, base_url: str, api_key: str, *, 
             pass
         printed.close()
         output.log(entrypoint, task.task_id)
+    if "process_limit" in result:
+        return AgentOutcome(failure="agent_error", limit="process_limit",
+                            error=f"agent {entrypoint} failed at its limit of {max_processes} processes "
+                                  f"(rollout.agent_max_processes): {result['process_limit']}")
     if "error" in result:
         return AgentOutcome(failure="agent_error", error=f"agent {entrypoint} failed: {result['error']}")
     if "invalid" in result:
@@ -218,7 +243,8 @@ def _received(receive: Connection) -> dict[str, Any]:
         return {"error": f"its process sent a result that cannot be read: {exc}"}
     if isinstance(message, dict) and len(message) == 1:
         [(key, value)] = message.items()
-        if (key == "reward" and _is_reward(value)) or (key in ("error", "invalid") and isinstance(value, str)):
+        if (key == "reward" and _is_reward(value)) or (key in ("error", "invalid", "process_limit")
+                                                        and isinstance(value, str)):
             return message
     return {"error": f"its process sent {reprlib.repr(message)}, not a result"}
 
@@ -266,20 +292,29 @@ def _child(payload: dict[str, Any], result: Connection, watch: Connection, print
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
     if payload["cpus"]:  # the rollout server checked them at start (placement.agent_cpus)
         os.sched_setaffinity(0, payload["cpus"])
+    unshared, mapped = os.pipe(), os.pipe()  # the agent's process made its user namespace; this one mapped it
     agent = os.fork()
     if agent == 0:
         watch.close()
         os.dup2(prints.fileno(), 1)
         os.dup2(prints.fileno(), 2)
         prints.close()
+        os.close(unshared[0])
+        os.close(mapped[1])
         code = 1
         try:
-            code = _agent(payload, result)
+            code = _agent(payload, result, unshared[1], mapped[0])
         finally:
             sys.stderr.flush()
             os._exit(code)
     result.close()
     prints.close()
+    os.close(unshared[1])
+    os.close(mapped[0])
+    if os.read(unshared[0], 1):  # nothing: it made none (no limit), or failed to and says why
+        _map_user_namespace(agent, mapped[1])
+    os.close(unshared[0])
+    os.close(mapped[1])
     try:
         select.select([watch, os.pidfd_open(agent)], [], [])  # the pidfd is closed as this process exits
     finally:
@@ -321,12 +356,53 @@ def _children() -> list[int]:
     return found
 
 
-def _agent(payload: dict[str, Any], result: Connection) -> int:
-    """Call the agent in this process, under its memory limit; send back its result and return the exit code."""
+def _map_user_namespace(agent: int, mapped: int) -> None:
+    """Map the user namespace the agent's process made (the module's docstring): its uid and gid to themselves, and
+    as root ``NPROC_UID`` too, for it to take as its real uid; then tell it so through ``mapped``. A map that cannot
+    be written is left unwritten: the agent's process then fails, saying so."""
+    uid, gid = os.getuid(), os.getgid()
+    maps = {"uid_map": f"{uid} {uid} 1\n", "gid_map": f"{gid} {gid} 1\n"}
+    if uid == 0:
+        maps["uid_map"] += f"{NPROC_UID} {NPROC_UID} 1\n"
+    else:  # as another user, the kernel takes a gid map only once setgroups is denied
+        maps = {"setgroups": "deny", **maps}
+    try:
+        for name, lines in maps.items():
+            with open(f"/proc/{agent}/{name}", "w") as file:
+                file.write(lines)
+    except OSError:
+        return
+    os.write(mapped, b"1")
+
+
+def _limit_processes(limit: int, unshared: int, mapped: int) -> None:
+    """Hold this process and all it starts to ``limit`` processes (the module's docstring): a user namespace of its
+    own, mapped by the child above it, then ``RLIMIT_NPROC`` (as root, on the real uid ``NPROC_UID``)."""
+    root = os.getuid() == 0
+    if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWUSER) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"cannot hold the agent to rollout.agent_max_processes: unshare(CLONE_NEWUSER): "
+                             f"{os.strerror(error)}; allow user namespaces here, or set rollout.agent_max_processes "
+                             "to null to run agents without the limit")
+    os.write(unshared, b"1")
+    if os.read(mapped, 1) != b"1":
+        raise OSError("cannot hold the agent to rollout.agent_max_processes: its user namespace could not be mapped")
+    if root:
+        os.setresuid(NPROC_UID, -1, -1)
+    resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
+
+
+def _agent(payload: dict[str, Any], result: Connection, unshared: int, mapped: int) -> int:
+    """Call the agent in this process, under its memory and process limits; send back its result and return the exit
+    code."""
     limit = payload["memory_mb"] * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     sys.stdout = sys.stderr  # line-buffered, flushed as the process exits, and in order with the rest
     try:
+        if payload["max_processes"] is not None:
+            _limit_processes(payload["max_processes"], unshared, mapped)
+        os.close(unshared)
+        os.close(mapped)
         fn = import_object(payload["entrypoint"])
         reward = fn(payload["task"], payload["base_url"], payload["api_key"])
         if inspect.isawaitable(reward):
@@ -336,7 +412,21 @@ def _agent(payload: dict[str, Any], result: Connection) -> int:
         # a NaN or infinite reward would poison its group's advantages
         message = {"reward": reward} if _is_reward(reward) else {"invalid": reprlib.repr(reward)}
     except BaseException as exc:  # noqa: BLE001 - whatever the agent raised is the sample's failure
-        result.send_bytes(json.dumps({"error": "".join(traceback.format_exception(exc))[-ERROR_TAIL:]}).encode())
+        key = "process_limit" if payload["max_processes"] is not None and _at_process_limit() else "error"
+        result.send_bytes(json.dumps({key: "".join(traceback.format_exception(exc))[-ERROR_TAIL:]}).encode())
         return 1
     result.send_bytes(json.dumps(message).encode())  # a float or int subclass as the number it is
     return 0
+
+
+def _at_process_limit() -> bool:
+    """Whether a fork fails here with EAGAIN, as it does at the process limit (in a user namespace of the agent's own,
+    nothing else fails it so): asked once the agent has failed, while what it started still runs."""
+    try:
+        pid = os.fork()
+    except BlockingIOError:
+        return True
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return False

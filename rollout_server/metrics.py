@@ -30,7 +30,8 @@ class RolloutMetrics:
             _P + "tool_calls",
             "Tool calls by tool and outcome (ok, error, refused, busy, timeout, sandbox_timeout, output_limit, "
             "parse_error); refused: the tool would not run (the python tool: no sandbox here); busy: it was at its "
-            "limit (the python tool: max_concurrent sandboxes ran past max_wait_s); timeout: past "
+            "limit (the python tool: max_concurrent sandboxes, or max_per_episode of the call's episode, ran past "
+            "max_wait_s); timeout: past "
             "rollout.tool_timeout_s; sandbox_timeout and output_limit: the python tool stopped its snippet at its "
             "timeout_s or max_output_bytes; a call the parser could not read is tool invalid, one naming no "
             "configured tool is tool unknown",
@@ -82,7 +83,10 @@ class RolloutMetrics:
             "Agent requests whose history differs from the recorded episode (the episode is not trained)",
             registry=r,
         )
-        self.agent_runs = Counter(_P + "agent_runs", "Agent entrypoint runs by outcome", ["outcome"], registry=r)
+        self.agent_runs = Counter(
+            _P + "agent_runs", "Agent entrypoint runs by outcome (ok, refused, agent_error, agent_timeout, "
+            "process_limit: the agent failed at rollout.agent_max_processes)", ["outcome"], registry=r
+        )
         self.samples_excluded = Counter(
             _P + "samples_excluded", "Agent samples left out of a train group, by reason", ["reason"], registry=r
         )

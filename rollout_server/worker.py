@@ -372,11 +372,12 @@ class RolloutWorker:
             try:
                 outcome = await run_agent(entrypoint, task, self.episodes.base_url(ep), ep.key,
                                           timeout_s=self.config.agent_timeout_s,
-                                          memory_mb=self.config.agent_memory_mb, cpus=self.agent_cpus)
+                                          memory_mb=self.config.agent_memory_mb, cpus=self.agent_cpus,
+                                          max_processes=self.config.agent_max_processes)
             except asyncio.CancelledError:
                 self.episodes.discard(ep)
                 raise
-            self.metrics.agent_runs.labels(outcome=outcome.failure or "ok").inc()
+            self.metrics.agent_runs.labels(outcome=outcome.limit or outcome.failure or "ok").inc()
             if outcome.failure is not None:
                 log.warning("group %s sample %d: %s", entry.group_id, index, outcome.error)
                 self.episodes.fail(ep, outcome.failure, outcome.error)

@@ -80,7 +80,7 @@ def test_a_detached_process_the_agent_left_ends_with_its_sample(tmp_path: Path) 
     task = _task(tmp_path)
     try:
         outcome = asyncio.run(run_agent("tests.test_agent_runner_processes:detaches", task, URL, "k", timeout_s=60,
-                                        memory_mb=2048))
+                                        memory_mb=2048, max_processes=64))
         assert (outcome.failure, outcome.reward) == (None, 1.0), outcome
         grandchild, _ = _pids(tmp_path)
         assert not _exists(grandchild), f"the agent's detached process {grandchild} outlived its sample"
@@ -93,7 +93,7 @@ def test_a_detached_process_the_agent_left_ends_at_the_time_limit(tmp_path: Path
     task = _task(tmp_path)
     try:
         outcome = asyncio.run(run_agent("tests.test_agent_runner_processes:detaches_and_hangs", task, URL, "k",
-                                        timeout_s=3, memory_mb=2048))
+                                        timeout_s=3, memory_mb=2048, max_processes=64))
         assert outcome.failure == "agent_timeout", outcome
         grandchild, agent = _pids(tmp_path)
         assert not _exists(agent) and not _exists(grandchild), "the agent's processes outlived its time limit"
@@ -108,7 +108,7 @@ from core.tasks import Task
 from rollout_server.agent_runner import run_agent
 task = Task(task_id=sys.argv[1], messages=[{"role": "user", "content": sys.argv[2]}], reward={})
 asyncio.run(run_agent("tests.test_agent_runner_processes:detaches_and_hangs", task, "http://127.0.0.1:9/v1", "k",
-                      timeout_s=600, memory_mb=2048))
+                      timeout_s=600, memory_mb=2048, max_processes=64))
 """
 
 

@@ -34,7 +34,7 @@ def test_a_large_non_reward_result_is_an_agent_error_not_a_timeout() -> None:
     returned; the child never blocks on sending it back (which ran the sample into its time limit)."""
     start = time.monotonic()
     outcome = asyncio.run(run_agent("tests.test_agent_runner_result:big_reward", TASK, "http://127.0.0.1:9/v1", "k",
-                                    timeout_s=20, memory_mb=2048))
+                                    timeout_s=20, memory_mb=2048, max_processes=64))
     assert outcome.failure == "agent_error", outcome
     assert "returned ['not a reward', " in outcome.error and outcome.error.endswith("; want a finite float or None")
     assert time.monotonic() - start < 15
@@ -48,7 +48,7 @@ def test_a_reward_that_is_not_finite_is_an_agent_error() -> None:
     """An entrypoint that returns NaN fails its sample as ``agent_error`` naming it: a NaN reward would poison its
     group's advantages (the built-in reward functions are held to the same)."""
     outcome = asyncio.run(run_agent("tests.test_agent_runner_result:nan_reward", TASK, "http://127.0.0.1:9/v1", "k",
-                                    timeout_s=20, memory_mb=2048))
+                                    timeout_s=20, memory_mb=2048, max_processes=64))
     assert (outcome.failure, outcome.reward) == ("agent_error", None), outcome
     assert outcome.error == "agent tests.test_agent_runner_result:nan_reward returned nan; want a finite float or None"
 
@@ -62,7 +62,7 @@ def test_what_an_agent_started_ends_with_its_sample() -> None:
     """A process the agent started and left running is killed when the agent returns (its process group), not left
     behind by every sample of the run."""
     outcome = asyncio.run(run_agent("tests.test_agent_runner_result:leaves_a_process", TASK, "http://127.0.0.1:9/v1",
-                                    "k", timeout_s=20, memory_mb=2048))
+                                    "k", timeout_s=20, memory_mb=2048, max_processes=64))
     assert outcome.failure is None and outcome.reward is not None, outcome
     pid = int(outcome.reward)
     deadline = time.monotonic() + 5
@@ -98,7 +98,7 @@ def test_what_an_agent_prints_is_kept_and_logged_only_as_its_last_16_kib(caplog:
     and logged, saying how many came before them, and printing never blocks the agent."""
     with caplog.at_level(logging.INFO, logger="rollout_server.agent_runner"):
         outcome = asyncio.run(run_agent("tests.test_agent_runner_result:prints_a_lot", TASK, "http://127.0.0.1:9/v1",
-                                        "k", timeout_s=60, memory_mb=2048))
+                                        "k", timeout_s=60, memory_mb=2048, max_processes=64))
     assert (outcome.failure, outcome.reward) == (None, 1.0), outcome
     [record] = [r for r in caplog.records if r.name == "rollout_server.agent_runner"]
     tail = "\nlast on stdout\nlast on stderr\nfrom a child\n"
@@ -130,7 +130,7 @@ def test_a_reward_runs_no_code_in_the_rollout_server(tmp_path: Path) -> None:
     planted = tmp_path / "planted"
     task = Task(task_id="t-1", messages=[{"role": "user", "content": str(planted)}], reward={})
     outcome = asyncio.run(run_agent("tests.test_agent_runner_result:planted_reward", task, "http://127.0.0.1:9/v1",
-                                    "k", timeout_s=20, memory_mb=2048))
+                                    "k", timeout_s=20, memory_mb=2048, max_processes=64))
     assert not planted.exists(), f"the reward's code ran in process {planted.read_text()} (the test's: {os.getpid()})"
     assert (outcome.failure, outcome.reward) == (None, 0.5), outcome
 
@@ -147,7 +147,7 @@ def test_a_reward_of_a_class_the_rollout_server_cannot_import_is_the_number() ->
     """Unpickling a reward whose class the rollout server cannot import raised out of ``run_agent`` (which never
     raises for the agent's faults) and failed the whole group; it is the number it is."""
     outcome = asyncio.run(run_agent("tests.test_agent_runner_result:reward_of_a_class_only_its_process_has", TASK,
-                                    "http://127.0.0.1:9/v1", "k", timeout_s=20, memory_mb=2048))
+                                    "http://127.0.0.1:9/v1", "k", timeout_s=20, memory_mb=2048, max_processes=64))
     assert (outcome.failure, outcome.reward) == (None, 1.0), outcome
     assert "rollwave_agent_only" not in sys.modules
 
@@ -163,7 +163,7 @@ def test_garbage_on_the_result_pipe_is_an_agent_error() -> None:
     """Bytes on the result pipe that are no result (unpickled, they raised out of ``run_agent`` and failed the group)
     fail only the sample, as ``agent_error`` saying so."""
     outcome = asyncio.run(run_agent("tests.test_agent_runner_result:sends_garbage", TASK, "http://127.0.0.1:9/v1",
-                                    "k", timeout_s=20, memory_mb=2048))
+                                    "k", timeout_s=20, memory_mb=2048, max_processes=64))
     assert outcome.failure == "agent_error", outcome
     assert outcome.error.startswith("agent tests.test_agent_runner_result:sends_garbage failed: its process sent a "
                                     "result that cannot be read: "), outcome

@@ -48,13 +48,18 @@ The boundary is the kernel's, set up by bubblewrap (``bwrap``, Debian package ``
 The snippet arrives on stdin, never in a file or argv. When the sandbox cannot be set up (no bwrap, no
 namespaces allowed here), every call is refused with an error saying why (counted as ``outcome="refused"`` in
 ``rollwave_rollout_tool_calls_total``): code never runs outside the sandbox. At most ``max_concurrent`` sandboxes
-of a tool run at once; a call past that waits up to ``max_wait_s`` for one to end, then is refused (logged, and
-counted as ``outcome="busy"``), so a burst of calls cannot start hundreds of them.
+of a tool run at once, and at most ``max_per_episode`` (default: half of ``max_concurrent``) of one episode (a tool
+instance); a call past either waits up to ``max_wait_s`` in all (first for one of its episode's own sandboxes, then
+for one of the tool's) and is then refused (logged, naming the limit, and counted as ``outcome="busy"``), so a burst of
+calls cannot start hundreds of them, and one episode making many parallel calls cannot hold every sandbox for
+``max_wait_s`` while the others' calls are refused. Waiting, not refusing at once, is what verl's sandbox tools do
+past their concurrency limit: a model's parallel calls all run, a few at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import os
@@ -231,13 +236,19 @@ class PythonTool(Tool):
         max_files: int = 4096,
         max_concurrent: int = 16,
         max_wait_s: float = 30.0,
+        max_per_episode: int | None = None,
         sandbox_uid: int = 65534,
     ) -> None:
         super().__init__(name, schema)
+        if max_per_episode is None:
+            max_per_episode = max(1, max_concurrent // 2)
         limits = (timeout_s, cpu_s, memory_mb, max_file_mb, max_output_bytes, max_processes, max_open_files,
-                  max_files, max_concurrent, max_wait_s)
+                  max_files, max_concurrent, max_wait_s, max_per_episode)
         if min(limits) <= 0:
             raise ValueError(f"{self.name}: every limit (timeout_s, cpu_s, memory_mb, ...) must be > 0")
+        if max_per_episode > max_concurrent:
+            raise ValueError(f"{self.name}: max_per_episode ({max_per_episode}) must be at most max_concurrent "
+                             f"({max_concurrent})")
         if sandbox_uid <= 0:
             raise ValueError(f"{self.name}: sandbox_uid must be an unprivileged uid, got {sandbox_uid}")
         self.timeout_s = timeout_s
@@ -251,6 +262,8 @@ class PythonTool(Tool):
         self.max_concurrent = max_concurrent
         self.max_wait_s = max_wait_s
         self._sandboxes = asyncio.Semaphore(max_concurrent)
+        self.max_per_episode = max_per_episode
+        self._episodes: dict[str, _Episode] = {}  # the episodes with a call running or waiting
         self.sandbox_uid = sandbox_uid
         self.unavailable = self._probe()
         if self.unavailable is not None:
@@ -325,18 +338,34 @@ class PythonTool(Tool):
         if self.unavailable is not None:
             log.warning("%s: refused a call: %s", self.name, self.unavailable)
             return ToolResult(f"Error: {self.unavailable}", ok=False, error=self.unavailable, outcome="refused")
+        episode = self._episodes.setdefault(instance_id, _Episode(self.max_per_episode))
+        episode.calls += 1
         try:
-            async with asyncio.timeout(self.max_wait_s):
-                await self._sandboxes.acquire()
-        except TimeoutError:
-            busy = (f"busy: max_concurrent ({self.max_concurrent}) sandboxes ran for all of the {self.max_wait_s:g}s "
-                    "this call waited (max_wait_s); try again later")
-            log.warning("%s: refused a call of %s: %s", self.name, instance_id, busy)
-            return ToolResult(f"Error: {busy}", ok=False, error=busy, outcome="busy")
-        try:
-            return await self._run(instance_id, code.encode("utf-8", errors="surrogatepass"))
+            return await self._within_limits(instance_id, episode, code.encode("utf-8", errors="surrogatepass"))
         finally:
-            self._sandboxes.release()
+            episode.calls -= 1
+            if not episode.calls:
+                del self._episodes[instance_id]
+
+    async def _within_limits(self, instance_id: str, episode: _Episode, code: bytes) -> ToolResult:
+        """Run ``code`` once the episode holds fewer than ``max_per_episode`` sandboxes and the tool fewer than
+        ``max_concurrent``; refuse it (``busy``, naming the limit it waited on) past ``max_wait_s``. The episode's own
+        limit is waited on first, so a call over it holds none of the tool's sandboxes while it waits."""
+        tool_limit = f"max_concurrent ({self.max_concurrent})"  # as binding as the episode's, where they are equal
+        limit = tool_limit if self.max_per_episode == self.max_concurrent else \
+            f"this episode's max_per_episode ({self.max_per_episode})"
+        async with contextlib.AsyncExitStack() as held:
+            try:
+                async with asyncio.timeout(self.max_wait_s):
+                    await held.enter_async_context(episode.sandboxes)
+                    limit = tool_limit
+                    await held.enter_async_context(self._sandboxes)
+            except TimeoutError:
+                busy = (f"busy: {limit} sandboxes ran for all of the {self.max_wait_s:g}s this call waited "
+                        "(max_wait_s); try again later")
+                log.warning("%s: refused a call of %s: %s", self.name, instance_id, busy)
+                return ToolResult(f"Error: {busy}", ok=False, error=busy, outcome="busy")
+            return await self._run(instance_id, code)
 
     async def _run(self, instance_id: str, code: bytes) -> ToolResult:
         status, report = _status_pipe()
@@ -423,6 +452,15 @@ class PythonTool(Tool):
             return ToolResult(text)
         return ToolResult(f"{text}\nError: {error}" if text else f"Error: {error}", ok=False, error=error,
                           outcome=outcome)
+
+
+class _Episode:
+    """One episode's share of the sandboxes: ``max_per_episode`` at once, and how many of its calls run or wait
+    (when none do, the tool forgets it: an id ``execute`` was called with but never released takes no memory)."""
+
+    def __init__(self, max_per_episode: int) -> None:
+        self.sandboxes = asyncio.Semaphore(max_per_episode)
+        self.calls = 0
 
 
 def _status_pipe() -> tuple[io.FileIO, int]:

@@ -19,7 +19,9 @@ does not serve it yet (a restarted server, or a straggler after its back-off), s
 catches up without waiting for the next training step. A server's heartbeat lags a commit, so what a server
 committed counts as served until it heartbeats it, but only while the server runs the same incarnation (its
 registration's ``started``): one that restarted under the same id and address, back on its base weights within
-the registry's TTL, is caught up again.
+the registry's TTL, is caught up again, unless the newest snapshot was cast for the servers live when it was taken to
+a dtype this one does not serve (restarted in fp32 where it served bf16): it then waits for the next version, which is
+taken in its precision, rather than load rounded weights (stage ``stage``, reason ``cast``, once per incarnation).
 
 Before its token or any weights, the pusher asks each server to prove it holds the checkpoint token
 (``Prove``, see ``core.checkpoint_auth``): a server registered in Redis that cannot gets nothing, and the
@@ -327,6 +329,10 @@ class _Link:
             if result.serves != snapshot.version or not served:
                 dtypes = _status_dtypes(status)
                 self._dtypes = (started, dtypes)
+                if rounded := self._pusher.rounded_for(snapshot, dtypes):
+                    raise _Failed("stage", "cast", f"stage: version {snapshot.version} holds {rounded}, cast for the "
+                                                   "servers live when it was taken; sent nothing: this server gets "
+                                                   "the next version, taken in its precision")
                 self._sent = snapshot
                 self._stage_version(snapshot, dtypes, status.stage_port, result)
                 self._commit(snapshot, result)
@@ -576,6 +582,7 @@ class CheckpointPusher:
         self.published = 0
         self.last_pushed = 0
         self._newest: Snapshot | None = None
+        self._trainer_dtypes: dict[str, torch.dtype] = {}  # the model's, by tensor name, before a snapshot's cast
         self._rounds: dict[int, PushRound] = {}
         self._links: dict[str, _Link] = {}
         self._live: list[Target] = []
@@ -622,6 +629,7 @@ class CheckpointPusher:
             raise ValueError(f"version {version} is being pushed already: wait for its round to end before pushing "
                              "it again")
         if not adapter_config:
+            self._trainer_dtypes = {m.name: m.dtype for m in metas}
             metas = cast_metas(metas, self._served_dtypes(targets))
         snapshot = take_snapshot(version, metas, tensors, self._pool, adapter_config)
         rnd = PushRound(version, targets, time.perf_counter() - start, trained)
@@ -714,6 +722,21 @@ class CheckpointPusher:
         first, *others = known
         return {name: dtype for name, dtype in first.items() if all(o.get(name) == dtype for o in others)}
 
+    def rounded_for(self, snapshot: Snapshot, served: dict[str, torch.dtype]) -> str:
+        """The tensors ``snapshot`` holds cast from the trainer's dtypes (for the servers live when it was taken) to one
+        that a server serving ``served`` does not serve, in words ('' when none): sent, its stream would cast them
+        back, and a fp32 server would load bf16-rounded weights. A snapshot in the trainer's dtypes suits
+        every server (each stream casts it to its server's), so only a catch-up after a restart in another dtype, or
+        a push racing one, is refused."""
+        trainer = self._trainer_dtypes
+        rounded = [m for m in snapshot.metas
+                   if m.dtype != trainer.get(m.name, m.dtype) and served.get(m.name, m.dtype) != m.dtype]
+        if not rounded:
+            return ""
+        first, more = rounded[0], f" and {len(rounded) - 1} more" if len(rounded) > 1 else ""
+        serves = str(served[first.name]).removeprefix("torch.")
+        return f"tensor {first.name} in {first.dtype_name}{more} (this server serves {serves})"
+
     def _link(self, target: Target) -> _Link:
         link = self._links.get(target.address)
         if link is None or link.target.server_id != target.server_id:
@@ -754,6 +777,8 @@ class CheckpointPusher:
             link = self._link(target)
             if newest is None or link.serves(target) >= newest.version:
                 continue
+            if (dtypes := link.dtypes_of(target)) is not None and self.rounded_for(newest, dtypes):
+                continue  # refused already (logged and counted): this incarnation waits for the next version
             if link.idle and now >= link.retry_at:
                 link.offer(newest)
         addresses = {t.address for t in targets}

@@ -47,7 +47,9 @@ class ApiClient(httpx.Client):
     """The demo's client of the run's API, which follows it across a restart: the launcher restarts an API that
     crashed, and with ``api.port=0`` the new one binds another port and publishes its URL (``published_api_url``).
     A request whose connection is refused is sent again, to the URL published then, until one takes it; after
-    ``follow_s``, ``TimeoutError`` names the API and ``stage`` (what the demo was doing). A refused connection
+    ``follow_s``, ``TimeoutError`` names the API and ``stage`` (what the demo was doing). A request's own connect
+    timeout, when shorter, ends it sooner, with ``httpx.ConnectTimeout`` as a connect would: ``wait_for_job`` bounds
+    each poll by what is left of its deadline that way, and rides that out as an outage. A refused connection
     carried nothing, so a job's submit is not made twice."""
 
     def __init__(self, client: redis.Redis, keys: Keys, check: Callable[[], None] | None = None,
@@ -58,7 +60,9 @@ class ApiClient(httpx.Client):
         super().__init__(base_url=published_api_url(client, keys, follow_s, check), **kwargs)
 
     def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
-        deadline = time.monotonic() + self.follow_s
+        connect_s = request.extensions.get("timeout", {}).get("connect")
+        follow_s = self.follow_s if connect_s is None else min(self.follow_s, connect_s)
+        deadline = time.monotonic() + follow_s
         while True:
             try:
                 return super().send(request, **kwargs)
@@ -66,9 +70,11 @@ class ApiClient(httpx.Client):
                 refused = f"{request.url.scheme}://{request.url.netloc.decode('ascii')}"
                 url = self._published(deadline - time.monotonic())
                 if url is None:
-                    raise TimeoutError(f"the API of run {self._keys.run} refused connections at {refused} during "
-                                       f"{self.stage}, and published no address that takes one within "
-                                       f"{self.follow_s:g} s (see its log)") from exc
+                    gone = (f"the API of run {self._keys.run} refused connections at {refused} during {self.stage}, "
+                            f"and published no address that takes one within {follow_s:g} s")
+                    if follow_s < self.follow_s:
+                        raise httpx.ConnectTimeout(f"{gone}: the request's connect timeout", request=request) from exc
+                    raise TimeoutError(f"{gone} (see its log)") from exc
             if (url.host, url.port) != (self.base_url.host, self.base_url.port):
                 log.warning("the API at %s refused a connection during %s; it published %s since: following it",
                             refused, self.stage, url)
@@ -233,7 +239,8 @@ def run(cfg: Config, sft_steps: int, eval_tasks: int, timeout_s: float,
             specs = components(cfg, config_path, redis_url)  # a restarted trainer resumes from its checkpoint
             with LocalStack(specs, run_dir / "logs") as stack, \
                     client_for(redis_url, cfg.redis) as client, \
-                    ApiClient(client, Keys(cfg.run.name), stack.check_refused, headers=auth, timeout=30) as api:
+                    ApiClient(client, Keys(cfg.run.name), stack.check_refused, headers=auth,
+                              timeout=httpx.Timeout(30, connect=API_FOLLOW_S)) as api:
                 api.stage = "the wait for a rollout server"
                 _wait_ready(api, stack)
                 api.stage = "the held-out eval before RL"

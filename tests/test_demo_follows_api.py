@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 from net_helpers import refused_port
@@ -60,3 +61,23 @@ def test_an_api_that_publishes_no_address_that_answers_ends_the_wait_naming_it_a
     assert str(exc.value) == (f"the API of run gone refused connections at http://127.0.0.1:{port} during the "
                               "held-out eval before RL, and published no address that takes one within 1 s (see its "
                               "log)")
+
+
+def test_a_request_s_own_connect_timeout_ends_its_follow_of_the_api(redis_url: str) -> None:
+    """``wait_for_job`` bounds each poll by what is left of its deadline (the request's timeout) and promises that no
+    poll waits past it: the follow used to wait out the whole ``follow_s`` regardless. Now the request's shorter
+    connect timeout ends it, as ``httpx.ConnectTimeout`` (which the wait rides out as an outage until its deadline),
+    naming the API and the stage."""
+    keys = Keys("poll")
+    with refused_port() as port, redis.Redis.from_url(redis_url) as client:
+        client.hset(keys.api, mapping={"url": f"http://127.0.0.1:{port}", "pid": 1})
+        try:
+            with ApiClient(client, keys, follow_s=60.0, timeout=5) as api:
+                api.stage = "the held-out eval before RL"
+                with pytest.raises(httpx.ConnectTimeout) as exc:
+                    api.get("/v1/status", timeout=0.5)
+        finally:
+            client.delete(keys.api)
+    assert str(exc.value) == (f"the API of run poll refused connections at http://127.0.0.1:{port} during the "
+                              "held-out eval before RL, and published no address that takes one within 0.5 s: the "
+                              "request's connect timeout")

@@ -45,39 +45,25 @@ def test_a_request_after_the_api_restarted_goes_to_the_url_it_published(tmp_path
         assert str(api.base_url).rstrip("/") == client.hget(keys.api, "url").decode()
 
 
-def test_an_api_that_publishes_no_address_that_answers_ends_the_wait_naming_it_and_the_stage(redis_url: str) -> None:
-    """The published address refuses connections and no other comes: the request fails with ``TimeoutError`` naming
-    the run's API, its address and what the demo was doing, after ``follow_s``."""
+@pytest.mark.parametrize(("follow_s", "timeout", "error", "ends"), [
+    (1.0, None, TimeoutError, "within 1 s (see its log)"),
+    (60.0, 0.5, httpx.ConnectTimeout, "within 0.5 s: the request's connect timeout"),
+], ids=["follow_s", "request_timeout"])
+def test_an_api_that_publishes_no_address_that_answers_ends_the_wait_naming_it_and_the_stage(
+        redis_url: str, follow_s: float, timeout: float | None, error: type[Exception], ends: str) -> None:
+    """The published address refuses connections and no other comes: the request fails naming the run's API, its
+    address and what the demo was doing, after ``follow_s`` (``TimeoutError``), or sooner after the request's own
+    connect timeout (``httpx.ConnectTimeout``, as a connect would: ``wait_for_job`` bounds each poll by what is left
+    of its deadline so, and rides that out as an outage; the follow used to wait out the whole ``follow_s``)."""
     keys = Keys("gone")
     with refused_port() as port, redis.Redis.from_url(redis_url) as client:
         client.hset(keys.api, mapping={"url": f"http://127.0.0.1:{port}", "pid": 1})
         try:
-            with ApiClient(client, keys, follow_s=1.0, timeout=5) as api:
+            with ApiClient(client, keys, follow_s=follow_s, timeout=5) as api:
                 api.stage = "the held-out eval before RL"
-                with pytest.raises(TimeoutError) as exc:
-                    api.get("/v1/status")
+                with pytest.raises(error) as exc:
+                    api.get("/v1/status", **({} if timeout is None else {"timeout": timeout}))
         finally:
             client.delete(keys.api)
     assert str(exc.value) == (f"the API of run gone refused connections at http://127.0.0.1:{port} during the "
-                              "held-out eval before RL, and published no address that takes one within 1 s (see its "
-                              "log)")
-
-
-def test_a_request_s_own_connect_timeout_ends_its_follow_of_the_api(redis_url: str) -> None:
-    """``wait_for_job`` bounds each poll by what is left of its deadline (the request's timeout) and promises that no
-    poll waits past it: the follow used to wait out the whole ``follow_s`` regardless. Now the request's shorter
-    connect timeout ends it, as ``httpx.ConnectTimeout`` (which the wait rides out as an outage until its deadline),
-    naming the API and the stage."""
-    keys = Keys("poll")
-    with refused_port() as port, redis.Redis.from_url(redis_url) as client:
-        client.hset(keys.api, mapping={"url": f"http://127.0.0.1:{port}", "pid": 1})
-        try:
-            with ApiClient(client, keys, follow_s=60.0, timeout=5) as api:
-                api.stage = "the held-out eval before RL"
-                with pytest.raises(httpx.ConnectTimeout) as exc:
-                    api.get("/v1/status", timeout=0.5)
-        finally:
-            client.delete(keys.api)
-    assert str(exc.value) == (f"the API of run poll refused connections at http://127.0.0.1:{port} during the "
-                              "held-out eval before RL, and published no address that takes one within 0.5 s: the "
-                              "request's connect timeout")
+                              f"held-out eval before RL, and published no address that takes one {ends}")

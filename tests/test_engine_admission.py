@@ -76,33 +76,33 @@ def test_without_a_wait_a_newcomer_is_admitted_at_the_next_step(make: Callable[[
 
 
 def test_the_config_key_reaches_the_embedded_engine(tiny_model_dir: Path) -> None:
-    """``engine.admit_wait_ms`` set, through the rollout server's engine start: a newcomer waits while a long request
-    decodes alone, and starts as soon as that one is aborted (nothing left to wait with)."""
+    """``engine.admit_wait_ms=10000``, through the rollout server's engine start: a newcomer that arrives while a long
+    request decodes alone is still waiting 0.3 s later, three times the default wait (100 ms), after which the
+    default would have admitted it; it starts as soon as the long one is aborted (nothing left to wait with). (This
+    test once waited 50 decoded tokens, about 70 ms: less than the default's wait, so an engine that kept its own
+    default passed it.)"""
+    window_s = 3 * EngineConfig().admit_wait_ms / 1000
 
     async def run() -> None:
-        cfg = load_config(None, ["engine.admit_wait_ms=10000", "engine.max_batch_size=3"])
+        cfg = load_config(None, ["engine.admit_wait_ms=10000", "engine.max_batch_size=3"], env={})
         async with AsyncExitStack() as stack:
             [url], key = await engine_urls(cfg.engine, tiny_model_dir, stack)
             client = await stack.enter_async_context(EngineClient(url, api_key=key))
             http = await stack.enter_async_context(httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}))
-
-            async def generated() -> float:
-                lines = (await http.get(url + "/metrics")).text.splitlines()
-                name = "rollwave_engine_generated_tokens_total "
-                return next(float(x.split()[1]) for x in lines if x.startswith(name))
-
-            async def until_generated(at_least: float) -> None:
-                deadline = time.monotonic() + WAIT_S
-                while await generated() < at_least:
-                    assert time.monotonic() < deadline, f"the engine never generated {at_least} tokens"
-                    await asyncio.sleep(0.01)
-
-            long = asyncio.create_task(client.generate([5, 6, 7, 8], {"temperature": 0.0, "max_new_tokens": 900,
+            # the whole context (about 1.4 s of decoding here), so it still runs when the window ends
+            long = asyncio.create_task(client.generate([5, 6, 7, 8], {"temperature": 0.0, "max_new_tokens": 1000,
                                                                       "ignore_eos": True}, rid="long"))
-            await until_generated(5)
+            deadline = time.monotonic() + WAIT_S
+            while "rollwave_engine_generated_tokens_total 0.0" in (await http.get(url + "/metrics")).text:
+                assert time.monotonic() < deadline, "the long request never started"
+                await asyncio.sleep(0.01)
             short = asyncio.create_task(client.generate([9, 10, 11], {"temperature": 0.0, "max_new_tokens": 2}))
-            await until_generated(await generated() + 50)  # the long one decodes on, alone
-            assert not short.done()
+            submitted = time.monotonic()
+            while time.monotonic() - submitted < window_s and not short.done():
+                await asyncio.sleep(0.01)
+            assert not long.done(), "the long request ended within the window: nothing ran for the newcomer to wait by"
+            assert not short.done(), f"a newcomer was admitted within {window_s:g} s: the engine did not get " \
+                "admit_wait_ms=10000"
             await client.abort("long")
             reply = await asyncio.wait_for(short, WAIT_S)
             assert len(reply["output_ids"]) == 2

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from pydantic import BaseModel
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -263,23 +264,15 @@ def _run_lock(run_dir: Path, command: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _absolute_paths(cfg: Config) -> None:
-    """Components run in Ray workers, whose working directory is not the caller's: pin every path."""
-    cfg.run.dir = cfg.run.dir.absolute()
-    cfg.model.path = cfg.model.path.absolute()
-    if cfg.redis.data_dir is not None:
-        cfg.redis.data_dir = cfg.redis.data_dir.absolute()
-    if cfg.rollout.tools is not None:
-        cfg.rollout.tools = cfg.rollout.tools.absolute()
-    cfg.api.data_root = cfg.api.data_root.absolute()
-    for section in (cfg.api, cfg.checkpoint):
-        if section.token_file is not None:
-            section.token_file = section.token_file.absolute()
-    for name in ("tls_cert", "tls_key", "tls_ca"):
-        if (path := getattr(cfg.checkpoint, name)) is not None:
-            setattr(cfg.checkpoint, name, path.absolute())
-    if cfg.engine.api_key_file is not None:
-        cfg.engine.api_key_file = cfg.engine.api_key_file.absolute()
+def absolute_paths(section: BaseModel) -> None:
+    """Components run in Ray workers, whose working directory is not the caller's: pin every path of the config, in
+    every section (a list of them by hand missed redis.password_file, trainer.critic.path and checkpoint.stage_dir)."""
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, Path):
+            setattr(section, name, value.absolute())
+        elif isinstance(value, BaseModel):
+            absolute_paths(value)
 
 
 def start_head(num_cpus: int, log_path: Path, started: Callable[[dict[str, Any]], None],
@@ -509,7 +502,7 @@ def up(args: argparse.Namespace) -> int:
                        "of the cluster, with RAY_ADDRESS=auto or the head's host:port")
     cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    _absolute_paths(cfg)
+    absolute_paths(cfg)
     run_dir = cfg.run.path
     run_dir.mkdir(parents=True, exist_ok=True)
     path = _state_path(cfg)

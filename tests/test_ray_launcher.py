@@ -24,11 +24,15 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from pydantic import BaseModel
+
+from core.config import load_config
+from services.ray_launcher import absolute_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = ("127.", "0:0:0:0:0:0:0:1")
@@ -516,3 +520,26 @@ def test_a_run_held_by_an_up_refuses_a_second_up_or_down_and_a_dead_ones_record_
             f"had started: nothing; stop it with `rollwave down -c {config}` first") in err, err
     assert main(["down", "-c", config]) == 0 and not state.exists()
     assert capsys.readouterr().out == "rollwave down: stopped nothing\n"
+
+
+def test_every_path_of_the_config_is_pinned_for_the_ray_workers(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Components run in Ray workers, whose working directory is not the caller's: every path key of the config,
+    in every section, is made absolute against the caller's (a list kept by hand missed redis.password_file,
+    trainer.critic.path and checkpoint.stage_dir, which a worker then looked for under its own directory)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, [], env={})
+
+    def paths(section: BaseModel, where: str = "") -> Iterator[tuple[BaseModel, str, str]]:
+        for name, field in type(section).model_fields.items():
+            if Path in (field.annotation, *get_args(field.annotation)):
+                yield section, name, where + name
+            elif isinstance(value := getattr(section, name), BaseModel):
+                yield from paths(value, f"{where}{name}.")
+
+    for section, name, key in paths(cfg):
+        section.__dict__[name] = Path("relative", key)  # as a config file or override gives it, unchecked here
+    absolute_paths(cfg)
+    pinned = {key: getattr(section, name) for section, name, key in paths(cfg)}
+    assert {"redis.password_file", "trainer.critic.path", "checkpoint.stage_dir", "model.path"} <= pinned.keys()
+    assert pinned == {key: tmp_path / "relative" / key for key in pinned}

@@ -41,7 +41,15 @@ from trainer.checkpoint import Checkpointer, CheckpointMismatch, export_hf
 from trainer.checkpoint_pusher import CheckpointPusher, registered_servers
 from trainer.colocation import LocalPusher
 from trainer.metrics import RedisStatus, TrainerLease
-from trainer.parallel import DistContext, close_distributed, exit_rank, init_distributed, resolve_device
+from trainer.parallel import (
+    DistContext,
+    TrainerStopped,
+    close_distributed,
+    exit_rank,
+    init_distributed,
+    request_stop,
+    resolve_device,
+)
 from trainer.worker import Trainer
 
 log = logging.getLogger("trainer")
@@ -191,21 +199,13 @@ def _start(cfg: Config, trains: bool) -> None:
         ensure_model(cfg.model)
 
 
-class TrainerStopped(BaseException):
-    """SIGTERM, a supervisor's or an operator's stop (Kubernetes, LocalStack, Ray, ``kill``), raised in the main
-    thread: the stack unwinds (the lease deleted, the pushers and the process group closed) and rank 0 records the stop
-    as the run's end, as a crash (a restart clears it): it used to die on the spot, recording nothing, and its lapsed
-    lease then read as a trainer killed by SIGKILL or the OOM killer. A BaseException, as KeyboardInterrupt is, so no
-    handler of errors takes it for one of theirs."""
-
-
 def _stop_on_sigterm() -> None:
-    """Raise ``TrainerStopped`` in the main thread at a SIGTERM; a second one kills the process as before."""
+    """Stop at a SIGTERM (``request_stop``: a lone rank at once, a pool's ranks together at their next stop point);
+    a second one kills the process as before."""
 
     def stop(signum: int, _frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise TrainerStopped(f"stopped by {signal.Signals(signum).name} before its end (a supervisor's or an "
-                             "operator's stop)")
+        request_stop(signum)
 
     signal.signal(signal.SIGTERM, stop)
 
@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     which no launcher restarts (it would only fail again). A trainer fenced by a newer one
     of its run (``TrainerFenced``) records nothing, its start, its end and a crash included (``RunRecord``): the run's
     end and budget are the newer one's; it exits ``CONFIG_ERROR_EXIT`` too (a restart would fence the newer one). A
-    SIGTERM (``TrainerStopped``) is recorded as a crash and exits 143."""
+    SIGTERM (``TrainerStopped``) is recorded as a crash and exits 143; a pool's ranks stop together before their
+    next buffer read (``stop_point``), the step in hand trained, pushed and checkpointed as due."""
     prepare_component()
     die_with_parent()
     args = _parser().parse_args(argv)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -187,6 +188,49 @@ def from_rank0(act: Callable[[], T], what: str, kept: tuple[type[Exception], ...
     if kind is not None:
         raise kept[kind](message)
     raise RuntimeError(f"{what}: rank 0 {how}")
+
+
+class TrainerStopped(BaseException):
+    """SIGTERM, a supervisor's or an operator's stop (Kubernetes, LocalStack, Ray, ``kill``), raised in the main
+    thread (``request_stop``): the stack unwinds (the lease deleted, the pushers closed) and
+    rank 0 records the stop as the run's end, as a crash (a restart clears it): it used to die on the spot, recording
+    nothing, and its lapsed lease then read as a trainer killed by SIGKILL or the OOM killer. A BaseException, as
+    KeyboardInterrupt is, so no handler of errors takes it for one of theirs."""
+
+
+_stop_signal = 0  # the signal that asked this rank of a pool to stop; the pool stops at its next ``stop_point``
+
+
+def _stopped_by(signum: int, here: bool) -> TrainerStopped:
+    where = "" if here else " to another rank of the pool"
+    return TrainerStopped(f"stopped by {signal.Signals(signum).name}{where} before its end (a supervisor's or an "
+                          "operator's stop)")
+
+
+def request_stop(signum: int) -> None:
+    """A signal's stop (its handler's, in the main thread). A lone rank raises ``TrainerStopped`` where it is; a rank
+    of a pool stops with the others at their next ``stop_point``. Raised where the signal found each rank (one as a
+    collective returned, another between two), a SIGTERM to every rank at once sent them on to different collectives
+    (a checkpoint's meeting, DCP's own, ``from_rank0``'s telling the others), where they waited for the group's
+    timeout, or one left the pool while another still waited in it, which failed (exit 1, its crash recorded as a
+    gloo error) or aborted (134)."""
+    global _stop_signal
+    if not several_ranks():
+        raise _stopped_by(signum, here=True)
+    _stop_signal = signum
+
+
+def stop_point(device: torch.device) -> None:
+    """Raise ``TrainerStopped`` on every rank once any rank of the pool was asked to stop (``request_stop``): a
+    collective every rank calls at the same point, where none is in another, so they all leave the pool from here. A
+    rank that was not signalled says the stop came to another."""
+    signum = _stop_signal
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        asked = torch.tensor([signum], device=device)
+        dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+        signum = int(asked.item())
+    if signum:
+        raise _stopped_by(signum, here=signum == _stop_signal)
 
 
 def exit_rank(code: int = 0) -> NoReturn:

@@ -44,7 +44,7 @@ from trainer.lora import add_adapter
 from trainer.metrics import MetricsLog, TrainerMetrics
 from trainer.offload import device_offload
 from trainer.optim import apply_settings, build_optimizer, build_scheduler
-from trainer.parallel import DistContext, from_rank0, init_distributed, load_model
+from trainer.parallel import DistContext, from_rank0, init_distributed, load_model, stop_point
 from trainer.shaping import is_degenerate
 from trainer.step import TrainStep
 
@@ -260,12 +260,14 @@ class Trainer:
         or not, it broadcasts, so the other ranks never sit in one collective longer than a read
         (``take_timeout_s``) however long the buffer stays empty (NCCL would time out). A read refused because a
         newer trainer started (``TrainerFenced``), or one that failed, is broadcast too (``from_rank0``): every rank
-        stops, none waits for rank 0.
+        stops, none waits for rank 0. Before each read the ranks stop together if any was asked to (a SIGTERM's
+        ``TrainerStopped``, ``stop_point``).
         """
         if self.ctx.is_main and source is None:
             raise ValueError("rank 0 needs a GroupSource to read batches from")
         start = last = time.perf_counter()
         while True:
+            stop_point(self.ctx.device)
             read = from_rank0(lambda: self._read(source), "the buffer read", (TrainerFenced,))
             now = time.perf_counter()
             self.metrics.idle.inc(now - last)  # read by read: a trainer starved of data shows idle while it waits

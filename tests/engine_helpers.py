@@ -28,11 +28,23 @@ def post(url: str, path: str, body: Any = None, **kw: Any) -> httpx.Response:
     return httpx.post(url + path, json=body, timeout=120.0, **kw)
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, missing: float | None = None) -> float:
+    """A /metrics sample by its full name and labels; ``missing`` while it has none (a labelled counter before its
+    first count; None: an error)."""
     for line in httpx.get(url + "/metrics").text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
+    if missing is None:
+        raise AssertionError(f"{name} not in /metrics")
+    return missing
+
+
+def wait_for(url: str, name: str, want: float, timeout_s: float = 30.0) -> None:
+    """Poll a /metrics counter (0 before its first count) until it is ``want`` (a test fails rather than hangs)."""
+    deadline = time.monotonic() + timeout_s
+    while (now := metric(url, name, 0.0)) != want:
+        assert time.monotonic() < deadline, f"{name} never became {want} (now {now})"
+        time.sleep(0.02)
 
 
 async def until(url: str, name: str, at_least: float, timeout_s: float = 60.0) -> None:

@@ -6,33 +6,16 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from urllib.parse import urlsplit
 
-import httpx
 import pytest
-from engine_helpers import post
+from engine_helpers import metric, post, wait_for
 from transformers import PreTrainedTokenizerBase
 
 from rollout_server.engine.protocol import GenerateSpec, build_requests
 
 LONG = {"max_new_tokens": 1000, "ignore_eos": True}
 WAIT_S = 30.0
-
-
-def counter(url: str, line: str) -> float:
-    """A /metrics sample by its full name and labels; 0 before its first count."""
-    for row in httpx.get(url + "/metrics").text.splitlines():
-        if row.startswith(line + " "):
-            return float(row.split()[1])
-    return 0.0
-
-
-def wait_for(url: str, line: str, want: float) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while counter(url, line) != want:
-        assert time.monotonic() < deadline, f"{line} never became {want} (now {counter(url, line)})"
-        time.sleep(0.02)
 
 
 def send_generate(url: str, body: dict) -> socket.socket:
@@ -50,7 +33,7 @@ def test_a_request_whose_client_went_away_is_aborted_and_leaves_the_batch(engine
     """Paused (so it can never finish by itself), a request whose client closed the connection is aborted: running,
     its row and KV leave the batch; queued, it leaves the queue."""
     aborted = 'rollwave_engine_requests_total{finish="abort"}'
-    before = counter(engine_url, aborted)
+    before = metric(engine_url, aborted, 0.0)
     body = {"input_ids": [5, 17, 42], "sampling_params": LONG, "rid": f"gone-{where}"}
     try:
         if where == "queued":

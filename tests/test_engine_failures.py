@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import greedy_request, post
-from test_engine_edges import counter, wait_for
+from engine_helpers import greedy_request, metric, post, wait_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.config import LoraConfig
@@ -57,14 +56,14 @@ def test_logits_that_are_not_finite_fail_the_request_naming_it(engine: EnginePro
     """Before, with ``return_logprob`` the NaN logprobs broke the JSON reply (a bare 500); without it the request
     sampled garbage tokens and answered 200."""
     url, rid = engine.url, f"diverged-{logprob}"
-    before = counter(url, NAN)
+    before = metric(url, NAN, 0.0)
     reply = post(url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8}, "rid": rid,
                                     "return_logprob": logprob, "lora_path": "nan"})
     assert reply.status_code == 500, reply.text
     body = reply.json()
     assert (body["object"], body["code"]) == ("error", 500)
     assert f"NaN happened: the logits of request {rid!r} are not finite" in body["message"]
-    assert counter(url, NAN) == before + 1
+    assert metric(url, NAN, 0.0) == before + 1
     logged = [line for line in engine_log.read_text().splitlines() if "NaN happened" in line]
     assert any(repr(rid) in line for line in logged), logged
     base = post(url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8},
@@ -78,14 +77,14 @@ def test_a_failed_request_aborts_its_siblings_running_and_queued(engine: EngineP
     (adapter ``nan``) fails there, the first is running beside it and the third is queued. Both are aborted at
     once; before, they went on generating to their 1000 tokens after the call had answered 500."""
     url = engine.url
-    nan, aborted, length = (counter(url, m) for m in (NAN, ABORTED, LENGTH))
+    nan, aborted, length = (metric(url, m, 0.0) for m in (NAN, ABORTED, LENGTH))
     reply = post(url, "/generate", {"input_ids": [[5, 6, 7], [8, 9, 10], [11, 12, 13]], "sampling_params": LONG,
                                     "rid": ["sib-0", "sib-1", "sib-2"], "lora_path": [None, "nan", None]})
     assert reply.status_code == 500 and "request 'sib-1'" in reply.json()["message"], reply.text[:500]
     wait_for(url, ABORTED, aborted + 2)
     wait_for(url, "rollwave_engine_running_requests", 0)
     wait_for(url, "rollwave_engine_waiting_requests", 0)
-    assert (counter(url, NAN), counter(url, LENGTH)) == (nan + 1, length)
+    assert (metric(url, NAN, 0.0), metric(url, LENGTH, 0.0)) == (nan + 1, length)
     again = post(url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}, "rid": "sib-0"})
     assert again.status_code == 200, again.text  # its rid is free again
 

@@ -15,7 +15,8 @@ a report left from before its restart. What the engines hold released is recorde
 
 The trainer's turns are written only while it is the run's newest trainer (``ReplayBuffer.fenced_script``): a trainer
 fenced by a newer one used to hand the engines its weights after its step, or have them release the device for a
-step of its own, over the newer trainer's turns.
+step of its own, over the newer trainer's turns. A trainer waiting for the releases writes its turn again whenever
+Redis no longer holds it, so a newer trainer's turn stops it at once and a lost one is restored.
 """
 
 from __future__ import annotations
@@ -112,9 +113,13 @@ class DeviceTurns:
 
     def wait_released(self, turn: Turn, servers: ServerRegistry, timeout_s: float) -> list[str]:
         """Wait until every live server released for ``turn``; returns their ids. TimeoutError names the
-        servers that did not, and the stage."""
+        servers that did not, and the stage. A turn no longer in Redis is written again: a newer trainer's refuses
+        it at once (``TrainerFenced``; a fenced trainer waited out the timeout, then blamed the servers), and one
+        Redis lost (a crash that lost its last second of writes) is restored (the servers never saw it)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            if self.turn() != turn:
+                self._set(turn)
             live = [s.server_id for s in servers.live_servers()]
             done = {sid.decode() for sid, key in self.redis.hgetall(self.keys.device_released).items()
                     if key.decode() == turn.key}

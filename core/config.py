@@ -755,6 +755,16 @@ class Config(Section):
             if self.model.lora is not None:
                 raise CrossKeyError("model.lora", "placement.mode=colocated: model.lora is not supported (the local "
                                     "push writes full weights); use placement.mode=decoupled")
+            if self.rollout.mode == "sync" and self.placement.colocated_staleness:
+                raise CrossKeyError("placement.colocated_staleness", "rollout.mode=sync generates each batch with the "
+                                    "weights of the step before it; placement.colocated_staleness=1 (the overlap) one "
+                                    "step behind: set one or the other")
+            if self.placement.colocated_timeout_s <= 3 * self.rollout.heartbeat_s:
+                raise CrossKeyError(
+                    "placement.colocated_timeout_s", f"placement.colocated_timeout_s "
+                    f"({self.placement.colocated_timeout_s:g}) must exceed three rollout.heartbeat_s "
+                    f"({3 * self.rollout.heartbeat_s:g} s), how long a dead server stays live: the trainer would fail "
+                    "its step waiting for a server that died just before its turn")
             self.buffer.max_staleness = self.placement.colocated_staleness
             if self.trainer.dist_timeout_s <= self.placement.colocated_timeout_s:
                 raise CrossKeyError(

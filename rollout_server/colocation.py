@@ -10,12 +10,15 @@ overlap the trainer never takes the device: the engines keep generating and only
 What the engines hold released is recorded in Redis before each release or resume is asked for (a call the
 server dies in still completes on the engine): a restarted server starts from that record, because SGLang cannot
 be asked and dies resuming memory it holds or releasing it twice, and a load into released memory is refused.
+A hand-over whose directory does not exist (a tmpfs emptied by a reboot) is not loaded until it does, or the
+trainer hands over others; it is logged and counted once, as each warning of engines released too long is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -58,6 +61,7 @@ class EngineTurns:
         self.urls = [e.base_url for e in engines.engines]
         self.released: list[str] = []  # the memory tags the engines hold released
         self.handled: Turn | None = None  # the trainer's last turn they were released for
+        self.missing: Turn | None = None  # the last turn handed over whose weights were not on disk (logged once)
 
     async def run(self) -> None:
         self.released = await self._call(self.turns.engines_released, self.urls)
@@ -72,8 +76,12 @@ class EngineTurns:
             elif turn is not None and turn.holder == "rollout" and (
                 self.released or turn.version > self._served()
             ):
-                await self.take_back(turn)
+                if await self._call(os.path.isdir, turn.path):
+                    await self.take_back(turn)
+                elif turn != self.missing:
+                    self.skip_missing(turn)
             elif self.released and time.monotonic() - since > self.warn_after_s:
+                self.metrics.device_handovers.labels(event="overdue").inc()
                 log.warning("engines released for %.0f s: the trainer has not given the device back (its turn %s)",
                             time.monotonic() - since, self.handled.key if self.handled else "unknown")
                 since = time.monotonic()
@@ -91,6 +99,17 @@ class EngineTurns:
         await self._call(self.turns.released, self.server_id, turn)
         self.metrics.device_handovers.labels(event="release").inc()
         log.info("engines released for trainer step %d (epoch %d)", turn.step, turn.epoch)
+
+    def skip_missing(self, turn: Turn) -> None:
+        """A hand-over whose weights are gone (a tmpfs emptied by a reboot, the stage directory of an earlier run
+        removed): the load would fail, and so would the server's every restart, until the launcher gave it up. The
+        engines stay as they are (released, or serving what they serve) until the weights exist, or the trainer hands
+        over others, as every trainer start does."""
+        self.missing = turn
+        self.metrics.device_handovers.labels(event="missing").inc()
+        log.warning("the trainer's hand-over of version %d (epoch %d, step %d) names %s, which does not exist: not "
+                    "loaded; waiting for it, or the trainer's next hand-over", turn.version, turn.epoch, turn.step,
+                    turn.path)
 
     async def take_back(self, turn: Turn) -> None:
         """Resume and load ``turn``'s weights (SGLang's order: weights, load, the rest), then continue; a server

@@ -66,7 +66,9 @@ class RolloutMetrics:
             _P + "finish_reasons", "Episodes by finish reason", ["reason"], registry=r
         )
         self.device_handovers = Counter(
-            _P + "device_handovers", "Colocated placement: engines released for training, and resumed", ["event"],
+            _P + "device_handovers", "Colocated placement: engines released for training, and resumed; overdue: "
+            "each warning that they stayed released past placement.colocated_timeout_s; missing: a hand-over whose "
+            "weights were not on disk, skipped", ["event"],
             registry=r,
         )
         self.busy_seconds = Counter(

@@ -37,7 +37,7 @@ from buffer.metrics import BufferMetrics
 from buffer.registry import ServerInfo, ServerRegistry
 from buffer.replay import ReplayBuffer, TrainerFenced
 from buffer.staleness import StalenessControl
-from core.config import BufferConfig, Config, TrainerConfig, load_config
+from core.config import BufferConfig, Config, ConfigError, TrainerConfig, load_config
 from core.net import free_port_outside_ephemeral
 from rollout_server.__main__ import load_tools, serve
 from rollout_server.colocation import EngineTurns
@@ -520,6 +520,10 @@ def test_colocated_config_is_synchronous_or_one_step_behind_and_refuses_lora() -
         load_config(None, ["placement.mode=colocated", "placement.colocated_staleness=2"])
     with pytest.raises(Exception, match="model.lora is not supported"):
         load_config(None, ["placement.mode=colocated", "model.lora.rank=4"])
+    with pytest.raises(ConfigError, match="placement.colocated_staleness:.*rollout.mode=sync generates each batch"):
+        load_config(None, ["placement.mode=colocated", "placement.colocated_staleness=1", "rollout.mode=sync"])
+    with pytest.raises(ConfigError, match=r"placement.colocated_timeout_s:.*\(6\) must exceed three rollout.heart"):
+        load_config(None, ["placement.mode=colocated", "placement.colocated_timeout_s=6"])
 
 
 GUARD_S = 60.0  # far under the 600 s default: a wait this long means placement.colocated_timeout_s was not applied
@@ -538,7 +542,8 @@ def test_the_trainer_waits_placement_colocated_timeout_s_for_the_servers_to_rele
     """``placement.colocated_timeout_s=0.5`` through the trainer's ``_connect``: a live server that never releases
     the device fails the step after that long, not the 600 s default, with an error naming the server (not the
     one that released), the step, the stage and the limit."""
-    cfg = colocated_config(redis_server.url, tmp_path, tiny_model_dir, "placement.colocated_timeout_s=0.5")
+    cfg = colocated_config(redis_server.url, tmp_path, tiny_model_dir, "placement.colocated_timeout_s=0.5",
+                           "rollout.heartbeat_s=0.1")
     client, turns, _registry, _staleness = run_parts(redis_server.url)
     registry = ServerRegistry(client, KEYS, ttl_s=10 * GUARD_S)  # live past the guard without a heartbeat
     registry.register(ServerInfo("srv-a", engine_url="http://127.0.0.1:1"))
@@ -568,10 +573,11 @@ def test_a_released_server_warns_after_placement_colocated_timeout_s(
 ) -> None:
     """``placement.colocated_timeout_s=0.5`` through the rollout server's ``serve`` (as ``python -m rollout_server``
     runs it, with the embedded engine it starts): its engines released for a trainer turn that is not given back
-    within the limit, it logs a warning naming the turn, instead of after the 600 s default. No metric counts it
-    (``RolloutMetrics`` has none: the log line is the only trace)."""
+    within the limit, it logs a warning naming the turn, instead of after the 600 s default (each warning is also
+    counted: tests/test_colocation_edges.py)."""
     cfg = colocated_config(redis_server.url, tmp_path, tiny_model_dir, "placement.colocated_timeout_s=0.5",
-                           "rollout.server_id=srv-a", "rollout.metrics_port=null", "engine.threads=1")
+                           "rollout.heartbeat_s=0.1", "rollout.server_id=srv-a", "rollout.metrics_port=null",
+                           "engine.threads=1")
     client, turns, registry, _staleness = run_parts(redis_server.url)
     caplog.set_level(logging.WARNING, logger="rollout_server.colocation")
 

@@ -92,11 +92,15 @@ class LocalPusher:
         partial = out.with_name(f".{out.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in params}
-        save_file(tensors, partial / MODEL_WEIGHTS)
-        config = self.model_path / "config.json"
-        if config.exists():  # SGLang reads the directory as a model
-            shutil.copy(config, partial / "config.json")
+        try:
+            tensors = {name: t.detach().to("cpu").contiguous() for name, t in params}
+            save_file(tensors, partial / MODEL_WEIGHTS)
+            config = self.model_path / "config.json"
+            if config.exists():  # SGLang reads the directory as a model
+                shutil.copy(config, partial / "config.json")
+        except BaseException:  # a write that failed (a full tmpfs) leaves no half-written copy holding the space: a
+            shutil.rmtree(partial, ignore_errors=True)  # restarted trainer (a new epoch) would prune it only too late
+            raise
         shutil.rmtree(out, ignore_errors=True)  # only a dead start's of this epoch: one without turns (epoch 0)
         partial.rename(out)
         self.written, self.last_pushed = (version, trained), version

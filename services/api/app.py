@@ -70,6 +70,18 @@ LOGGED_DETAIL_CHARS = 2000
 # objects and lists within each other in a field of an inline task: the stored spec holds the field 4 levels down, and
 # the rollout servers read that spec with pydantic's JSON parser, which stops at 200 levels (its serializer at 255)
 MAX_TASK_NESTING = 100
+# the dashboard's page and files: the page runs its own script and reads its own API only (job text that reached the
+# DOM as HTML could load and send nothing), is never framed by another site's page (its token form), and no file of
+# it is read as another type than it is served as, nor used from a cache unchecked (the page of one version with the
+# script of another, after an upgrade)
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
 log = logging.getLogger(__name__)
 
 
@@ -369,6 +381,15 @@ class BodyLimit:
     @property
     def _detail(self) -> str:
         return f"request body over {self.max_bytes} bytes (api.max_body_bytes)"
+
+
+class PageFiles(StaticFiles):
+    """The dashboard's files, each with ``PAGE_HEADERS`` (``/static/index.html`` is the page too)."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers.update(PAGE_HEADERS)
+        return response
 
 
 State = Annotated[ApiState, Depends(_state)]
@@ -709,9 +730,9 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
 
     @app.get("/", include_in_schema=False)
     def dashboard() -> FileResponse:
-        return FileResponse(STATIC / "index.html")
+        return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
 
-    app.mount("/static", StaticFiles(directory=STATIC, check_dir=False), name="static")
+    app.mount("/static", PageFiles(directory=STATIC, check_dir=False), name="static")
     app.add_middleware(BodyLimit, max_bytes=cfg.api.max_body_bytes, timeout_s=cfg.api.body_timeout_s, refuse=refuse)
     app.add_middleware(TokenGuard, token=cfg.api.token, refuse=refuse)
     app.add_middleware(HostGuard, allowed_hosts=cfg.api.allowed_hosts, refuse=refuse)

@@ -3,11 +3,16 @@
 //   GET v1/status          -> cluster status, rendered generically (facts and tables)
 //   GET v1/jobs?limit=N    -> the jobs table: the newest page ({jobs, next}; `next` says that more exist)
 // With a bearer token (typed in, or given as #token=... in the URL) every call sends it.
+// While calls fail the polls back off (up to MAX_POLL_MS apart); a refused token stops them until one is saved.
 // Every chart canvas carries data-points = the number of points it drew, for headless tests.
 "use strict";
 
 (() => {
   const POLL_MS = 2000;
+  const MAX_POLL_MS = 60000;
+  // a call's limit: above the API's own 503 for a stuck Redis (a try of redis.timeout_s, retried as long: 5 s each by
+  // default), which names the Redis
+  const FETCH_TIMEOUT_MS = 20000;
   const JOBS_PAGE = 100;
   const TOKEN_KEY = "rollwave.token";
   const JOB_COLUMNS = ["job_id", "name", "kind", "source", "state", "reason", "tasks", "samples", "trained",
@@ -29,6 +34,10 @@
   }
   let token = localStorage.getItem(TOKEN_KEY) || "";
   let polls = 0;
+  let failures = 0;  // polls in a row with a failed call
+  let timer = null;
+  let running = false;
+  let again = false;  // a token was saved while a poll ran: poll again with it
 
   function formatNumber(v) {
     if (!Number.isFinite(v)) return "–";
@@ -40,17 +49,28 @@
     return v.toPrecision(3);
   }
 
+  // A call gets FETCH_TIMEOUT_MS for its whole answer: a frozen API (or a proxy that holds the connection) held the
+  // fetch, and so every later poll, for ever, while the page still read "live". An error names the call.
   async function getJSON(path) {
     const headers = { Accept: "application/json" };
     if (token) headers.Authorization = `Bearer ${token}`;
-    const reply = await fetch(path, { headers, cache: "no-store" });
+    let reply, text;
+    try {
+      reply = await fetch(path, { headers, cache: "no-store", signal: AbortSignal.timeout(FETCH_TIMEOUT_MS) });
+      text = await reply.text();
+    } catch (error) {  // refused, reset, or not answered in time
+      const why = error.name === "TimeoutError" ? `no answer in ${FETCH_TIMEOUT_MS / 1000} s` : error.message;
+      throw new Error(`${path}: the API did not answer (${why})`);
+    }
+    let body;
+    try { body = JSON.parse(text); } catch { body = undefined; }
     if (!reply.ok) {  // the API's own words when it gave some (a 503 names the Redis that failed)
       const hint = reply.status === 401 ? " (enter the API token above)" : "";
-      const body = await reply.json().catch(() => null);
       const detail = typeof body?.detail === "string" ? `: ${body.detail}` : "";
-      throw new Error(`${path}: HTTP ${reply.status}${detail}${hint}`);
+      throw Object.assign(new Error(`${path}: HTTP ${reply.status}${detail}${hint}`), { status: reply.status });
     }
-    return reply.json();
+    if (body === undefined) throw new Error(`${path}: HTTP ${reply.status}, but its answer is not JSON`);
+    return body;
   }
 
   // ---- charts -----------------------------------------------------------------------------------
@@ -261,21 +281,32 @@
     document.body.dataset.state = ok ? "ok" : "error";
   }
 
+  // One poll at a time: the next is scheduled when one ends, POLL_MS later, doubled for each poll in a row that
+  // failed (an API without its Redis was asked 90 times a minute by each open page, each refusal logged). A token
+  // refused (401, 403) stops polling until one is saved: every call would be refused the same.
   async function poll() {
+    clearTimeout(timer);
+    running = true;
     const results = await Promise.allSettled([
       getJSON("v1/metrics/summary").then(renderCharts),
       getJSON("v1/status").then(renderStatus),
       getJSON(`v1/jobs?limit=${JOBS_PAGE}`).then(renderJobs),
     ]);
-    const failed = results.filter((r) => r.status === "rejected").map((r) => r.reason.message);
-    setConnection(failed.length === 0, failed.join("; "));
+    running = false;
     polls += 1;
     document.body.dataset.polls = String(polls);
-  }
-
-  async function loop() {
-    await poll();
-    setTimeout(loop, POLL_MS);
+    if (again) {
+      again = false;
+      poll();
+      return;
+    }
+    const failed = results.filter((r) => r.status === "rejected").map((r) => r.reason);
+    failures = failed.length ? failures + 1 : 0;
+    const refused = failed.some((e) => e.status === 401 || e.status === 403);
+    const wait = Math.min(POLL_MS * 2 ** failures, MAX_POLL_MS);
+    const next = refused ? "polling stopped: save a token to try again" : `next try in ${wait / 1000} s`;
+    setConnection(failed.length === 0, failed.length ? `${failed.map((e) => e.message).join("; ")}; ${next}` : "");
+    if (!refused) timer = setTimeout(poll, wait);
   }
 
   document.getElementById("token").value = token;
@@ -283,7 +314,8 @@
     event.preventDefault();
     token = document.getElementById("token").value.trim();
     if (token) localStorage.setItem(TOKEN_KEY, token); else localStorage.removeItem(TOKEN_KEY);
-    poll();
+    failures = 0;
+    if (running) again = true; else poll();
   });
-  loop();
+  poll();
 })();

@@ -179,7 +179,11 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
         specs = components(cfg, config_path, server.url, api=False, trainer_args=())
         with LocalStack(specs, run_dir / "logs") as stack:
             registry = ServerRegistry(client, keys)
-            while not registry.live_servers():
+            deadline = time.monotonic() + 300
+            while not registry.live_servers():  # check_refused: a component given up on raises, not waits for ever
+                stack.check_refused()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name}: no rollout server registered in 300 s (logs in {stack.log_dir})")
                 time.sleep(0.2)
             turns = cfg.placement.mode == "colocated" and cfg.placement.colocated_staleness == 0
             memory = EngineMemory(registry.live_servers()[0].metrics_address,
@@ -190,6 +194,7 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
             started, started_unix = time.monotonic(), time.time()
             queue.submit("bench", [t.model_dump() for t in tasks], "train", spec.model_dump_json())
             while not stack.finished("trainer-0"):
+                stack.check_refused()
                 time.sleep(0.05)
             wall = time.monotonic() - started
             busy = [cpu_busy_s(cpus) - before for cpus, before in zip(sides, busy_before, strict=True)]
@@ -259,7 +264,9 @@ def main() -> None:
                    "colocated against its one-step overlap; ahead: async re-prefilling after each swap against "
                    "async with the KV computed ahead; share: sync training each sample's prompt against sync "
                    "training a group's prompt once; admit: async admitting each request at once against async; "
-                   "agents: an agent job's agents on the rollout server's CPU against on every CPU")
+                   "transport: async with each push's bytes in the Stage call against async; "
+                   "agents: an agent job's agents on the rollout server's CPU against on every CPU; "
+                   "unpinned: async, nothing pinned, OpenMP's threads spinning against sleeping at once")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
     first, second = COMPARE[args.compare]

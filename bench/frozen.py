@@ -63,13 +63,13 @@ def run(rounds: int, steps: int, layers: int) -> None:
         model_dir = build_model_dir(work / "model", layers)[0] if layers else build_tiny_model(work / "model")
         for i in range(2):
             engines.append(EngineProcess(model_dir, threads=1, log_path=work / f"engine{i}.log").start(300))
-            receivers.append(child(["--serve-receiver", str(model_dir), engines[i].url, str(stage_dir / str(i))],
-                                   env))
+            receivers.append(child(["--serve-receiver", str(model_dir), engines[i].url, str(stage_dir / str(i)),
+                                    "default"], env))
         addresses = [address for _, address in receivers]
         frozen_pid = receivers[1][0].pid
         pusher = CheckpointPusher(CheckpointConfig(token=TOKEN, stage_dir=stage_dir), addresses)
-        cfg = TrainerConfig(device="cpu", lr=1e-5, push_every=1, checkpoint_every=10**6, total_steps=10**6)
-        trainer = Trainer(cfg, model_dir, work / "run", BufferConfig(), pusher=pusher).start()
+        cfg = TrainerConfig(device="cpu", lr=1e-5, checkpoint_every=10**6, total_steps=10**6)
+        trainer = Trainer(cfg, model_dir, work / "run", BufferConfig(push_every=1), pusher=pusher).start()
         groups = make_groups(4, 4, trainer.model.config.vocab_size)
         steps_per_s(trainer, groups, 3)  # warm-up
         healthy, frozen = [], []

@@ -60,7 +60,7 @@ demo: install
 # because they time a whole stack and each wants every core.
 test: install
 	$(call system_packages,$(TEST_PACKAGES))
-	$(BIN)/python -m pytest -x -q -n 2 -m "not slow and not cuda"
+	$(BIN)/python -m pytest -x -q -n 3 -m "not slow and not cuda"
 	$(BIN)/python -m pytest -x -q -m slow
 
 # The tests that need a GPU (marker cuda; the CPU tests above leave them out), on a host where torch sees one.

@@ -90,8 +90,9 @@ def test_a_failed_request_aborts_its_siblings_running_and_queued(engine: EngineP
 
 
 def test_a_step_that_raises_aborts_the_queued_siblings_of_its_requests(tiny_model_dir: Path) -> None:
-    """A prefill that raises (a token id past the vocabulary) fails its request; the two others of its call, queued
-    behind it (one request at a time), end aborted in the queue instead of being generated after the failure."""
+    """A prefill that raises (a token id past the vocabulary) fails its request, counted as a step failure; the two
+    others of its call, queued behind it (one request at a time), end aborted in the queue instead of being generated
+    after the failure; the engine serves the next call."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     engine = Scheduler(model, AutoTokenizer.from_pretrained(tiny_model_dir), model_path=str(tiny_model_dir),
                        max_batch_size=1)
@@ -105,9 +106,13 @@ def test_a_step_that_raises_aborts_the_queued_siblings_of_its_requests(tiny_mode
         ends = [s.future.result(timeout=60) for s in siblings]
         assert [(r.finish_reason["type"], r.output_ids) for r in ends] == [("abort", [])] * 2
         assert engine.call(engine.in_flight).result(timeout=60) == 0
+        good = greedy_request("good", [5, 6, 7], 4)
+        engine.submit([good])
+        good.future.result(timeout=60)  # the engine lives on
     finally:
         engine.close()
     value = engine.metrics.registry.get_sample_value
-    assert value("rollwave_engine_step_failures_total") == 1
+    assert value("rollwave_engine_step_failures_total") == 1  # the step is counted (and logged with its traceback)
     assert value("rollwave_engine_requests_total", {"finish": "error"}) == 1
     assert value("rollwave_engine_requests_total", {"finish": "abort"}) == 2
+    assert value("rollwave_engine_requests_total", {"finish": "length"}) == 1

@@ -24,8 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-import yaml
-from trainer_helpers import synthetic_groups
+from trainer_helpers import synthetic_groups, trainer_config
 
 from buffer.keys import Keys
 from buffer.replay import ReplayBuffer
@@ -96,19 +95,6 @@ def _train_one(client: redis.Redis, keys: Keys) -> None:
     reader = _roll_out_one(client, keys)
     [(entry_id, group)] = reader.take(1, 5.0)
     assert reader.ack([entry_id], [group.group_id]) == 1
-
-
-def _trainer_config(tmp_path: Path, keys: Keys, redis_url: str, model: Path, **trainer: object) -> Path:
-    """A run config for ``python -m trainer`` on the CPU with the tiny model, run directory under ``tmp_path``."""
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "run": {"name": keys.run, "dir": str(tmp_path)},
-        "model": {"path": str(model), "init_if_missing": False},
-        "redis": {"url": redis_url},
-        "buffer": {"groups_per_step": GPS},
-        "trainer": {"micro_batch_tokens": 128, "take_timeout_s": 0.5, "device": "cpu", **trainer},
-    }))
-    return config
 
 
 def _start_trainer(config: Path, log: Path) -> subprocess.Popen:
@@ -210,7 +196,7 @@ def test_the_trainer_records_where_and_why_it_stopped(tiny_model_dir: Path, redi
     queue.ensure_groups()
     queue.submit("later", [TaskSource(kind="arith", limit=1).load()[0].model_dump()])  # the data has not run out
     RedisStatus(client, keys).finished(9, "trainer.total_steps", 0, 0)  # an earlier trainer's end
-    config = _trainer_config(tmp_path, keys, redis_url, tiny_model_dir, total_steps=5, stop_when_drained=True)
+    config = trainer_config(tmp_path, keys, redis_url, tiny_model_dir, GPS, total_steps=5, stop_when_drained=True)
     log = tmp_path / "trainer.log"
     proc = _start_trainer(config, log)
     try:
@@ -261,7 +247,7 @@ def test_a_crashed_trainer_says_why_until_a_restart_trains_again(run, tiny_model
     buffer.ensure_group()
     assert buffer.put_many(synthetic_groups(0, 2 * GPS, run=keys.run)) == [1] * (2 * GPS)
     client.set(keys.steps, "no stream")
-    config = _trainer_config(tmp_path, keys, redis_url, tiny_model_dir, total_steps=5)
+    config = trainer_config(tmp_path, keys, redis_url, tiny_model_dir, GPS, total_steps=5)
     log = tmp_path / "trainer.log"
     proc = _start_trainer(config, log)
     try:
@@ -318,7 +304,7 @@ def test_a_trainer_that_crashes_in_its_start_up_says_why(run, tiny_model_dir: Pa
     weights = model / MODEL_WEIGHTS
     weights.write_bytes(weights.read_bytes()[:1000])
     log = tmp_path / "trainer.log"
-    proc = _start_trainer(_trainer_config(tmp_path, keys, redis_url, model, total_steps=5), log)
+    proc = _start_trainer(trainer_config(tmp_path, keys, redis_url, model, GPS, total_steps=5), log)
     try:
         assert proc.wait(240) == 1, log.read_text()[-3000:]
     finally:

@@ -22,8 +22,7 @@ from pathlib import Path
 import redis
 import torch
 import torch.multiprocessing as mp
-import yaml
-from trainer_helpers import reaped, synthetic_groups
+from trainer_helpers import reaped, synthetic_groups, trainer_config
 
 from buffer.keys import Keys
 from buffer.replay import ReplayBuffer
@@ -39,15 +38,8 @@ STOPPED = "crashed: stopped by SIGTERM before its end (a supervisor's or an oper
 def _pool(run: Keys, redis_url: str, model: Path, tmp_path: Path) -> list[subprocess.Popen]:
     """Two ranks of ``python -m trainer`` training the run's groups, a checkpoint every step, rank r logging to
     ``trainer<r>.log``."""
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "run": {"name": run.run, "dir": str(tmp_path)},
-        "model": {"path": str(model), "init_if_missing": False},
-        "redis": {"url": redis_url},
-        "buffer": {"groups_per_step": GPS},
-        "trainer": {"micro_batch_tokens": 128, "take_timeout_s": 0.5, "device": "cpu", "total_steps": 50,
-                    "checkpoint_every": 1, "dist_timeout_s": 600},
-    }))
+    config = trainer_config(tmp_path, run, redis_url, model, GPS, total_steps=50, checkpoint_every=1,
+                            dist_timeout_s=600)
     pool = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port_outside_ephemeral("127.0.0.1")), "OMP_NUM_THREADS": "1",
             "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}

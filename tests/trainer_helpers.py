@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
+import yaml
 
+from buffer.keys import Keys
 from buffer.schema import Sample, TrajectoryGroup
 
 
@@ -51,3 +54,17 @@ def reaped(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def trainer_config(tmp_path: Path, keys: Keys, redis_url: str, model: Path, groups_per_step: int,
+                   **trainer: object) -> Path:
+    """A run config for ``python -m trainer`` on the CPU with the tiny model, run directory under ``tmp_path``."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"name": keys.run, "dir": str(tmp_path)},
+        "model": {"path": str(model), "init_if_missing": False},
+        "redis": {"url": redis_url},
+        "buffer": {"groups_per_step": groups_per_step},
+        "trainer": {"micro_batch_tokens": 128, "take_timeout_s": 0.5, "device": "cpu", **trainer},
+    }))
+    return config

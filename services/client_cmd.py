@@ -250,7 +250,13 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = No
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     path = f"{_job_path(job_id)}?summary=true"  # progress only: not the inline tasks, at each poll
     first_outage_s = outage_s if timeout_s is None else min(outage_s, timeout_s)  # the first poll's 503s too
-    job = _json(_sent_again(lambda: client.get(path), first_outage_s, poll_s)[0], keys=JOB_KEYS)
+
+    def poll() -> httpx.Response:
+        """One poll, never waiting past the deadline (nor past ``API_TIMEOUT_S``: the client's own may be longer)."""
+        left = API_TIMEOUT_S if deadline is None else max(0.1, min(API_TIMEOUT_S, deadline - time.monotonic()))
+        return client.get(path, timeout=left)
+
+    job = _json(_sent_again(poll, first_outage_s, poll_s)[0], keys=JOB_KEYS)
     outage_since: float | None = None
     crashed_since: float | None = None
     with tqdm(total=job["progress"]["submitted"], desc=f"job {job_id}", unit="task") as bar:
@@ -275,9 +281,8 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float | None = No
                                    f"{bar.n} of {p['submitted']} tasks finished (is a rollout server up? see "
                                    "rollwave status)")
             time.sleep(poll_s)
-            left = API_TIMEOUT_S if deadline is None else max(0.1, min(API_TIMEOUT_S, deadline - time.monotonic()))
             try:
-                reply = client.get(path, timeout=left)  # no poll outlasts the deadline
+                reply = poll()
             except RESUBMIT_ON:  # a lost reply, the API restarting: ridden out as its 503s are
                 outage_since = outage_since or time.monotonic()
                 if time.monotonic() - outage_since < outage_s or deadline is not None and \

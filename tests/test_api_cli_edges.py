@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -320,3 +321,26 @@ def test_the_sampler_goes_on_past_a_value_it_cannot_read(run, caplog: pytest.Log
     failed = [r for r in caplog.records if "metrics sample failed (JSONDecodeError" in r.getMessage()]
     assert len(failed) == 1 and failed[0].exc_info is not None, caplog.text
     assert "metrics samples work again" in caplog.text
+
+
+def test_a_waits_first_poll_ends_at_its_deadline() -> None:
+    """An API that takes the connection and never answers (stuck, or a port something else holds): the wait's first
+    poll waited out the client's own timeout, whatever the wait's ``timeout_s``, where every later poll ends at the
+    deadline. It ends there too, with the client's timeout error naming the request."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nothing ever reads or answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            with httpx.Client(base_url=url, timeout=600) as client:
+                try:
+                    wait_for_job(client, "j-silent", timeout_s=1.0, poll_s=0.1)
+                except BaseException as exc:  # handed to the test's thread
+                    errors.append(exc)
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        waiter.join(60)
+        assert not waiter.is_alive(), "the first poll waited past the wait's timeout_s"
+    [error] = errors
+    assert isinstance(error, httpx.ReadTimeout) and "/v1/jobs/j-silent" in str(error.request.url), repr(error)

@@ -388,13 +388,14 @@ def run(pushes: int, layers: int, engine_threads: int, lora_rank: int, streams: 
     print(f"    a decode step of those requests (their time between tokens) took {decode_step * 1e3:.1f} ms on "
           f"average in a 1 s window after each round, no push running; the stall counts one")
     print(f"stage_grpc_vs_raw_tcp ratio {med(tcp) / med(stage_grpc):.3f}")
-    print(f"stage_vs_raw_tcp ratio {stage_gbs / tcp_gbs:.3f} (goal >= 0.5)")
+    print(f"stage_vs_raw_tcp ratio {stage_gbs / tcp_gbs:.3f}")
     print(f"pause_vs_memcpy ratio {med(pause) / warm:.3f}")
     print(f"lora_pause_vs_full_pause ratio {med(lora_pause) / med(pause):.3f}")
     print(f"stall_keep_vs_decode_step ratio {med(stall['keep']) / decode_step:.3f}")
     print(f"stall_keep_vs_memcpy ratio {med(stall['keep']) / warm:.3f}")
     print(f"stall_reprefill_vs_memcpy ratio {med(stall['reprefill']) / warm:.3f}")
-    print(f"stall_vs_memcpy ratio {med(stall['default']) / warm:.3f} (goal <= 3)")
+    print("goals: stage_vs_raw_tcp >= 0.5, stall_vs_memcpy <= 3")
+    print(f"stall_vs_memcpy ratio {med(stall['default']) / warm:.3f}")
 
 
 def main() -> None:

@@ -103,6 +103,7 @@ COMPARE = {"sync": ("sync", "async"), "colocated": ("async", "colocated"), "over
            "admit": ("admit_at_once", "async"), "unpinned": ("unpinned_spin", "unpinned"),
            "agents": ("agents_on_rollout_cpu", "agents_on_any_cpu"), "transport": ("stage_in_call", "async")}
 SAMPLE_S = 0.25  # each scrape takes cycles from the engine and the rollout server
+RUN_TIMEOUT_S = 1800.0  # a run of the bench takes a minute or two here: far past it, the trainer is stuck
 TOKENS = tuple(f"rollwave_engine_{kind}_tokens_total" for kind in ("prompt", "cached", "generated"))
 MEMORY = tuple(f'rollwave_engine_memory_bytes{{kind="{kind}"}}' for kind in ("weights", "kv_cache", "spare_weights"))
 
@@ -193,8 +194,12 @@ def run_mode(mode: str, name: str, model: Path, root: Path, steps: int, override
             busy_before = [cpu_busy_s(cpus) for cpus in sides]
             started, started_unix = time.monotonic(), time.time()
             queue.submit("bench", [t.model_dump() for t in tasks], "train", spec.model_dump_json())
+            run_deadline = started + RUN_TIMEOUT_S
             while not stack.finished("trainer-0"):
                 stack.check_refused()
+                if time.monotonic() > run_deadline:
+                    raise TimeoutError(f"{name}: trainer-0 did not finish its {steps} steps in {RUN_TIMEOUT_S:g} s "
+                                       f"(logs in {stack.log_dir})")
                 time.sleep(0.05)
             wall = time.monotonic() - started
             busy = [cpu_busy_s(cpus) - before for cpus, before in zip(sides, busy_before, strict=True)]

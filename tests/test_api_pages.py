@@ -21,6 +21,6 @@ def test_no_page_of_the_api_loads_a_script_from_elsewhere(tmp_path: Path) -> Non
                  and not route.path.startswith("/v1/") and route.path not in ("/healthz", "/readyz", "/metrics")]
         with serve_app(app) as url:
             for path in [*pages, "/static/index.html", "/static/app.js"]:
-                reply = httpx.get(f"{url}{path}")
+                reply = httpx.get(f"{url}{path}", follow_redirects=True)
                 assert reply.status_code == 200, (path, reply.status_code)
                 assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", reply.text), (path, reply.text[:500])

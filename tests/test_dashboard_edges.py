@@ -2,10 +2,13 @@
 files carry (a Content-Security-Policy, never framed, never sniffed, revalidated), what a refused token and an API
 without its Redis do to its polls (stopped until a token is saved, backed off: the API logs and counts each refusal),
 a page that keeps to its window whatever a job's name, and an API that freezes, then goes: the page names it, where it
-read "live" for ever.
+read "live" for ever. Also: the page works wherever it is opened (/static/index.html sends the browser to /), every API
+reply is never sniffed, a browser without JavaScript is told where the facts are, a token given in a link leaves the
+address, and a token saved or removed in one tab reaches the others.
 
-The frozen API needs real time (``dump_dom``'s virtual time stands still while a fetch is pending), and a token saved
-needs a typist: those tests drive Chromium over its DevTools pipe (``Browser``)."""
+The frozen API needs real time (``dump_dom``'s virtual time stands still while a fetch is pending), a token saved
+needs a typist, and a page's address or other tabs need asking: those tests drive Chromium over its DevTools pipe
+(``Browser``)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin
 
 import httpx
 import pytest
@@ -69,6 +73,42 @@ def test_the_page_and_its_files_carry_a_policy_that_runs_only_their_own_scripts(
         assert headers.get("cache-control") == "no-cache", (path, headers)  # revalidated: no stale script
     html = dump_dom(f"{api_url}/#token={TOKEN}", virtual_time_ms=1000)  # and the page works under it
     assert elements(html, "body")[0].attrs["data-state"] == "ok", _error(html)
+
+
+def test_the_page_loads_its_files_and_calls_the_api_wherever_it_is_opened(api_url: str) -> None:
+    """Opened at /static/index.html, the page's relative links named /static/static/app.js and .../style.css (404: a
+    page that never ran) and its calls /static/v1/status: that address sends the browser to the page at /."""
+    for path in ("/", "/static/index.html"):
+        reply = httpx.get(f"{api_url}{path}", timeout=10, follow_redirects=True)
+        assert reply.status_code == 200, (path, reply.status_code)
+        page = str(reply.url)
+        files = [e.attrs["src"] for e in elements(reply.text, "script")] + \
+            [e.attrs["href"] for e in elements(reply.text, "link") if e.attrs.get("rel") == "stylesheet"]
+        assert len(files) == 2, (path, files)
+        for file in files:
+            assert httpx.get(urljoin(page, file), timeout=10).status_code == 200, (path, urljoin(page, file))
+        assert urljoin(page, "v1/status") == f"{api_url}/v1/status", (path, page)
+
+
+def test_every_reply_of_the_api_is_never_sniffed(api_url: str) -> None:
+    """A JSON reply may quote what a client sent (a job's name): no browser may read it as HTML or script. The API's
+    answers, its errors and the refusals of its guards alike."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for path, headers, status in [("/v1/status", auth, 200), ("/v1/jobs/nope", auth, 404), ("/v1/status", {}, 401),
+                                  ("/v1/status", auth | {"Host": "elsewhere.example"}, 400), ("/healthz", {}, 200)]:
+        reply = httpx.get(f"{api_url}{path}", headers=headers, timeout=10)
+        assert reply.status_code == status, (path, headers, reply.status_code, reply.text)
+        assert reply.headers.get_list("x-content-type-options") == ["nosniff"], (path, status, reply.headers)
+
+
+def test_without_javascript_the_page_says_so_and_where_the_same_facts_are(api_url: str) -> None:
+    """A browser that runs no script showed an empty page that read "connecting…" for ever."""
+    html = httpx.get(f"{api_url}/", timeout=10).text
+    body = html.split("<body", 1)[1]
+    assert body.count("<noscript>") == 1, body
+    message = re.sub(r"<[^>]+>|\s+", " ", body.split("<noscript>", 1)[1].split("</noscript>", 1)[0])
+    for words in ("needs JavaScript", "GET /v1/status", "/openapi.json", "rollwave status", "rollwave jobs"):
+        assert words in message, (words, message)
 
 
 def test_a_refused_token_stops_the_polls_and_says_how_to_go_on(api_url: str) -> None:
@@ -138,17 +178,23 @@ class Browser:
             assert chunk, f"chromium: its DevTools pipe closed before its reply to {method} (exit {self.proc.poll()})"
             self._buffer += chunk
 
-    def evaluate(self, expression: str) -> Any:
-        result = self._call("Runtime.evaluate", self._session, expression=expression, returnByValue=True)
+    def open(self, url: str) -> str:
+        """Another tab of this browser (its profile, so the same localStorage) on ``url``: its session, the ``tab`` of
+        ``evaluate`` and ``wait_for`` (the first tab's without one)."""
+        target = self._call("Target.createTarget", url=url)["targetId"]
+        return self._call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+
+    def evaluate(self, expression: str, tab: str | None = None) -> Any:
+        result = self._call("Runtime.evaluate", tab or self._session, expression=expression, returnByValue=True)
         return result["result"].get("value")
 
-    def wait_for(self, what: str, expression: str, timeout_s: float) -> Any:
+    def wait_for(self, what: str, expression: str, timeout_s: float, tab: str | None = None) -> Any:
         """The value of ``expression`` in the page once it is truthy; an AssertionError naming ``what`` and the page's
         error line if it is not within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while not (value := self.evaluate(expression)):
+        while not (value := self.evaluate(expression, tab)):
             assert time.monotonic() < deadline, (f"dashboard: {what} not within {timeout_s:g} s", self.evaluate(
-                "[document.body.dataset.state, document.getElementById('error').textContent]"))
+                "[document.body.dataset.state, document.getElementById('error').textContent]", tab))
             time.sleep(0.2)
         return value
 
@@ -176,6 +222,29 @@ def test_a_token_saved_after_a_refused_one_starts_the_polls_again(api_url: str) 
                       "document.getElementById('token-form').requestSubmit()")
         page.wait_for("a poll answered", "document.body.dataset.state === 'ok'", 30)
         assert page.evaluate("localStorage.getItem('rollwave.token')") == TOKEN
+
+
+def test_a_link_with_the_token_leaves_no_token_in_the_address_or_history(api_url: str) -> None:
+    """Opened at /static/index.html#token=..., as at /: the page runs, stores the token, and its address is the page's
+    without the fragment (replaced: Back does not lead to the token)."""
+    with Browser(f"{api_url}/static/index.html#token={TOKEN}") as page:
+        page.wait_for("a poll answered", "document.body.dataset.state === 'ok'", 30)
+        assert page.evaluate("[location.href, history.length]") == [f"{api_url}/", 1]
+        assert page.evaluate("localStorage.getItem('rollwave.token')") == TOKEN
+
+
+def test_a_token_saved_or_removed_in_one_tab_reaches_the_others(api_url: str) -> None:
+    """A tab whose polls a missing token stopped polls again when another tab saves one, and stops when it is
+    removed there: it sat refused until reloaded, or polled with a token its user had removed."""
+    with Browser(f"{api_url}/") as page:
+        page.wait_for("the refusal shown", f"{ERROR}.includes('polling stopped')", 30)
+        other = page.open(f"{api_url}/#token={TOKEN}")
+        page.wait_for("the token saved in the other tab used", "document.body.dataset.state === 'ok' && "
+                      f"document.getElementById('token').value === {json.dumps(TOKEN)}", 30)
+        page.evaluate("document.getElementById('token').value = '';"
+                      "document.getElementById('token-form').requestSubmit()", other)
+        page.wait_for("the token removed in the other tab dropped",
+                      f"{ERROR}.includes('polling stopped') && document.getElementById('token').value === ''", 30)
 
 
 def test_the_page_keeps_to_the_window_and_asks_for_nothing_the_api_does_not_serve(api_url: str) -> None:

@@ -35,11 +35,11 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.dependencies.models import Dependant
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import SecretStr
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.routing import Match
@@ -383,10 +383,34 @@ class BodyLimit:
         return f"request body over {self.max_bytes} bytes (api.max_body_bytes)"
 
 
+class NoSniff:
+    """``X-Content-Type-Options: nosniff`` on every reply, the guards' refusals included: a JSON reply may quote what a
+    client sent (a job's name), and no browser may read it as HTML or a script."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_nosniff(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Content-Type-Options"] = "nosniff"
+            await send(message)
+
+        await self.app(scope, receive, send_nosniff)
+
+
 class PageFiles(StaticFiles):
-    """The dashboard's files, each with ``PAGE_HEADERS`` (``/static/index.html`` is the page too)."""
+    """The dashboard's files, each with ``PAGE_HEADERS``. ``/static/index.html`` sends the browser to the page at
+    ``/`` (``../``, so under a proxy's path prefix too): the page names its files and API calls relative to itself, and
+    from ``/static/`` they were ``/static/static/app.js`` and ``/static/v1/status``."""
 
     async def get_response(self, path: str, scope: Scope) -> Response:
+        if path == "index.html" and scope["method"] in ("GET", "HEAD"):
+            return RedirectResponse("../", status_code=307, headers=PAGE_HEADERS)
         response = await super().get_response(path, scope)
         response.headers.update(PAGE_HEADERS)
         return response
@@ -736,6 +760,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     app.add_middleware(BodyLimit, max_bytes=cfg.api.max_body_bytes, timeout_s=cfg.api.body_timeout_s, refuse=refuse)
     app.add_middleware(TokenGuard, token=cfg.api.token, refuse=refuse)
     app.add_middleware(HostGuard, allowed_hosts=cfg.api.allowed_hosts, refuse=refuse)
+    app.add_middleware(NoSniff)  # added last, so outermost: the guards' refusals carry it too
     # uvicorn's ``http=`` for this app: what it refuses before the app sees it (``guarded_http``) is counted here
     app.state.http_protocol = guarded_http(lambda client, reason, detail: refuse(
         reason, {"method": "-", "path": "-", "client": client}, detail))

@@ -2,7 +2,8 @@
 //   GET v1/metrics/summary -> {t: [unix s...], series: {name: [number|null...]}}  (one canvas per series)
 //   GET v1/status          -> cluster status, rendered generically (facts and tables)
 //   GET v1/jobs?limit=N    -> the jobs table: the newest page ({jobs, next}; `next` says that more exist)
-// With a bearer token (typed in, or given as #token=... in the URL) every call sends it.
+// With a bearer token (typed in, or given as #token=... in the URL) every call sends it; one saved or removed in
+// another tab of the dashboard is used here too.
 // While calls fail the polls back off (up to MAX_POLL_MS apart); a refused token stops them until one is saved.
 // Every chart canvas carries data-points = the number of points it drew, for headless tests.
 "use strict";
@@ -26,10 +27,11 @@
     tool_errors_per_s: (v) => `${v.toFixed(2)}/s`,
   };
 
-  // A link may carry the token as #token=...; it is stored and removed from the address bar.
-  const fromHash = new URLSearchParams(window.location.hash.slice(1)).get("token");
-  if (fromHash) {
-    localStorage.setItem(TOKEN_KEY, fromHash);
+  // A link may carry the token as #token=...; it is stored and removed from the address bar (the history entry is
+  // replaced: Back does not show it).
+  const fromHash = new URLSearchParams(window.location.hash.slice(1));
+  if (fromHash.has("token")) {
+    if (fromHash.get("token")) localStorage.setItem(TOKEN_KEY, fromHash.get("token"));
     window.history.replaceState(null, "", window.location.pathname + window.location.search);
   }
   let token = localStorage.getItem(TOKEN_KEY) || "";
@@ -309,13 +311,25 @@
     if (!refused) timer = setTimeout(poll, wait);
   }
 
+  // A token saved (or removed) here or in another tab: polls with it now, whether a refused one had stopped them or
+  // they were backing off.
+  function useToken(value) {
+    token = value;
+    document.getElementById("token").value = token;
+    failures = 0;
+    if (running) again = true; else poll();
+  }
+
   document.getElementById("token").value = token;
   document.getElementById("token-form").addEventListener("submit", (event) => {
     event.preventDefault();
-    token = document.getElementById("token").value.trim();
-    if (token) localStorage.setItem(TOKEN_KEY, token); else localStorage.removeItem(TOKEN_KEY);
-    failures = 0;
-    if (running) again = true; else poll();
+    const value = document.getElementById("token").value.trim();
+    if (value) localStorage.setItem(TOKEN_KEY, value); else localStorage.removeItem(TOKEN_KEY);
+    useToken(value);
+  });
+  // fired in the other tabs of this origin only; key null: the storage was cleared
+  window.addEventListener("storage", (event) => {
+    if (event.key === TOKEN_KEY || event.key === null) useToken(localStorage.getItem(TOKEN_KEY) || "");
   });
   poll();
 })();

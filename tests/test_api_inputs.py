@@ -48,7 +48,8 @@ def _error(reply: httpx.Response, status: int = 422) -> dict[str, Any]:
 
 def test_urls_methods_and_query_parameters_not_served_are_refused_naming_them(redis_url: str) -> None:
     """A URL or method the API does not serve is a JSON 404 or 405 naming the request (the 405's Allow lists every
-    method of the path: FastAPI's named one route's, ``POST`` for ``/v1/jobs``), counted. Every ``/v1`` route (as the
+    method of the path: FastAPI's named one route's, ``POST`` for ``/v1/jobs``, and none for the dashboard's files),
+    counted. Every ``/v1`` route (as the
     schema lists them) refuses a request without the token before it reads the body, and a query parameter it does
     not take or is given twice: FastAPI ignored the one (``POST /v1/jobs?dry_run=1`` made a job) and took the last of
     the other."""
@@ -62,7 +63,10 @@ def test_urls_methods_and_query_parameters_not_served_are_refused_naming_them(re
         assert reply.json()["detail"] == "PUT /v1/jobs: /v1/jobs serves GET, POST only"
         reply = api.get(f"/v1/jobs/{job_id}/cancel")
         assert reply.status_code == 405 and reply.headers["allow"] == "POST", reply.text
-        assert (_refused(api, "route"), _refused(api, "method")) == (2, 2)
+        reply = api.post("/static/app.js")  # a mount of files has no route methods: it named none
+        assert reply.status_code == 405 and reply.headers["allow"] == "GET, HEAD", (reply.headers, reply.text)
+        assert reply.json()["detail"] == "POST /static/app.js: /static/app.js serves GET, HEAD only"
+        assert (_refused(api, "route"), _refused(api, "method")) == (2, 3)
 
         routes = [(method.upper(), path.replace("{job_id}", job_id)) for path, ops in
                   api.get("/openapi.json").json()["paths"].items() if path.startswith("/v1/") for method in ops]

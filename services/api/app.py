@@ -409,7 +409,9 @@ class PageFiles(StaticFiles):
     from ``/static/`` they were ``/static/static/app.js`` and ``/static/v1/status``."""
 
     async def get_response(self, path: str, scope: Scope) -> Response:
-        if path == "index.html" and scope["method"] in ("GET", "HEAD"):
+        if scope["method"] not in ("GET", "HEAD"):  # as StaticFiles refuses it, saying what it serves
+            raise StarletteHTTPException(405, headers={"Allow": "GET, HEAD"})
+        if path == "index.html":
             return RedirectResponse("../", status_code=307, headers=PAGE_HEADERS)
         response = await super().get_response(path, scope)
         response.headers.update(PAGE_HEADERS)
@@ -525,6 +527,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
             served = sorted({method for route in request.app.router.routes
                              if route.matches(request.scope)[0] is not Match.NONE
                              for method in getattr(route, "methods", None) or ()})
+            if not served and exc.headers and "Allow" in exc.headers:  # a mount's files (``PageFiles``) say theirs
+                served = exc.headers["Allow"].split(", ")
             refuse("method", request.scope)
             return JSONResponse({"detail": f"{asked}: {path} serves {', '.join(served)} only"},
                                 status_code=405, headers={"Allow": ", ".join(served)})

@@ -29,7 +29,8 @@ class RolloutMetrics:
         self.tool_calls = Counter(
             _P + "tool_calls",
             "Tool calls by tool and outcome (ok, error, refused, busy, timeout, sandbox_timeout, output_limit, "
-            "parse_error); refused: the tool would not run (the python tool: no sandbox here); busy: it was at its "
+            "parse_error); parse_error: a call the parser could not read, or a gateway call breaking its strict "
+            "tool's schema; refused: the tool would not run (the python tool: no sandbox here); busy: it was at its "
             "limit (the python tool: max_concurrent sandboxes, or max_per_episode of the call's episode, ran past "
             "max_wait_s); timeout: past "
             "rollout.tool_timeout_s; sandbox_timeout and output_limit: the python tool stopped its snippet at its "

@@ -30,7 +30,13 @@ writes (``<tool_call>\\n``, through ``"arguments":`` for a named one) after the 
 recorded as template tokens (loss_mask 0, no behaviour logprob; prompt tokens in ``usage``, none in ``logprobs``):
 the policy did not sample them, and what it samples after them is conditioned on them exactly as the engine saw. The
 call's body is the model's: one that does not parse comes back as content, as under ``auto``. A template that writes
-calls otherwise makes them a 400. ``parallel_tool_calls=false`` adds the call's closing tag (``</tool_call>``) to
+calls otherwise makes them a 400. A tool marked ``strict`` is not enforced by constraining generation (the behaviour
+logprobs would no longer be the policy's sampling distribution the trainer assumes); its calls' arguments are
+validated against its ``parameters`` instead (a schema that is no JSON Schema is a 400 naming it), and a turn with a
+call that breaks its schema comes back whole as content, finish ``stop``, as a call that does not parse: the agent
+never gets a strict call OpenAI would not have given (the client's ``parse`` helper would raise on it). Each such call
+is counted (``rollwave_rollout_tool_calls_total``, outcome ``parse_error``) and recorded on the sample as a failed
+call. ``parallel_tool_calls=false`` adds the call's closing tag (``</tool_call>``) to
 the stop strings: the turn ends after the first call, whose tokens are the policy's; the end token that follows is a
 template token. The legacy ``functions``/``function_call``, audio output, ``web_search_options``, ``moderation``,
 ``reasoning_effort``, ``verbosity``, ``ignore_eos`` and the agent's own ``chat_template`` or
@@ -70,6 +76,9 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
+from jsonschema.exceptions import SchemaError, best_match
+from jsonschema.protocols import Validator
+from jsonschema.validators import validator_for
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -80,6 +89,9 @@ from pydantic import (
     field_validator,
 )
 from pydantic_core import PydanticCustomError
+from referencing import Registry
+from referencing.exceptions import Unresolvable
+from referencing.jsonschema import specification_with
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from buffer.schema import Sample, ToolCallRecord
@@ -125,7 +137,7 @@ class FunctionDef(BaseModel):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
-    strict: bool | None = None
+    strict: bool | None = None  # checked on the calls, generation not constrained (_strict_validators)
 
     @field_validator("parameters", mode="before")
     @classmethod
@@ -193,6 +205,71 @@ class ChatMessage(BaseModel):
         if value and info.data.get("role", "assistant") != "assistant":
             raise ValueError(f"only assistant messages carry tool calls, not {info.data['role']} messages")
         return value
+
+
+_DATA_KEYWORDS = {"enum", "const", "default", "examples"}  # their values are data, not schemas: a "$ref" there is none
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}  # name -> schema
+
+
+def _refs(schema: Any) -> Iterator[str]:
+    """Every ``$ref`` in a JSON Schema (one in data, or a property named ``enum``, is told apart)."""
+    if isinstance(schema, list):
+        for value in schema:
+            yield from _refs(value)
+    if not isinstance(schema, dict):
+        return
+    if isinstance(schema.get("$ref"), str):
+        yield schema["$ref"]
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for sub in value.values():
+                yield from _refs(sub)
+        elif key not in _DATA_KEYWORDS:
+            yield from _refs(value)
+
+
+def _strict_validator(schema: dict[str, Any]) -> Validator | str:
+    """A validator of the arguments of a ``strict`` tool's calls, or why its ``parameters`` cannot be one: no JSON
+    Schema, or one that refers to what it does not hold (nothing is fetched), which would fail once a call reaches
+    it."""
+    try:
+        cls = validator_for(schema)
+        cls.check_schema(schema)
+        root = Registry().resolver_with_root(specification_with(cls.META_SCHEMA["$schema"]).create_resource(schema))
+        for ref in _refs(schema):
+            root.lookup(ref)
+    except SchemaError as exc:
+        return exc.message
+    except Unresolvable as exc:
+        return f"unresolvable $ref: {exc}"
+    except (TypeError, AttributeError):  # validator_for, on a $schema that is no string
+        return "$schema must be the URI of a JSON Schema draft"
+    except RecursionError:
+        return "nested too deep to check"
+    return cls(schema)
+
+
+def _strict_validators(tools: list[ToolDef] | None) -> dict[str, Validator]:
+    """The validators of the ``strict`` tools, by name; a strict schema that cannot be checked is a 400 naming it,
+    before anything is generated (OpenAI refuses it too)."""
+    validators: dict[str, Validator] = {}
+    for i, tool in enumerate(tools or []):
+        if tool.function.strict:
+            checked = _strict_validator(tool.function.parameters)
+            if isinstance(checked, str):
+                raise _field_error(("tools", i, "function", "parameters"),
+                                   f"not a JSON Schema strict can be checked against: {checked}")
+            validators[tool.function.name] = checked
+    return validators
+
+
+def _strict_error(validator: Validator, arguments: dict[str, Any]) -> str | None:
+    """Why a strict tool's call does not conform to its schema, or None when it does."""
+    try:
+        error = best_match(validator.iter_errors(arguments))
+    except RecursionError:  # a schema that refers to itself, and arguments nested past Python's limit
+        return "arguments nested too deep to check against the strict schema"
+    return None if error is None else f"arguments break the strict schema at {error.json_path}: {error.message}"
 
 
 def _is_text_part(part: Any) -> bool:
@@ -600,6 +677,7 @@ class EpisodeStore:
             raise _field_error(unencodable, "not valid Unicode text (a lone UTF-16 surrogate, half of a pair)")
         self._refuse_sampling(ep.config, req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        strict = _strict_validators(req.tools)
         names = self._tool_names(req, tools)
         forced = self._forced(req, tools)
         stops = req.engine_stops(names)
@@ -619,7 +697,7 @@ class EpisodeStore:
                          ep.episode_id, retry or "not said", ep.last[1].id)
                 return self._respond(ep.last[1], req)
             try:
-                done = await self._turn(ep, req, tools, names, forced, stops)
+                done = await self._turn(ep, req, tools, names, forced, stops, strict)
             except APIError:
                 raise
             except Exception as exc:  # our bug, or an engine reply of a shape nothing checks: the episode may be
@@ -633,7 +711,7 @@ class EpisodeStore:
         return self._respond(done, req)
 
     async def _turn(self, ep: AgentEpisode, req: ChatRequest, tools: list[dict[str, Any]] | None, names: set[str],
-                    forced: list[int], stops: list[str]) -> Completion:
+                    forced: list[int], stops: list[str], strict: dict[str, Validator]) -> Completion:
         """One new turn: the request's new messages rendered onto the episode, then the engine's answer recorded."""
         try:
             self._extend(ep, [m.model_dump(exclude_unset=True) for m in req.messages], tools, len(forced))
@@ -641,7 +719,7 @@ class EpisodeStore:
             raise APIError(400, f"messages: the chat template cannot render them: {exc}", "invalid_messages",
                            param="messages") from exc
         reply = await self._generate(ep, req, forced, stops)
-        message, finish = self._record(ep, reply, names, forced, req.stop_sequences())
+        message, finish = self._record(ep, reply, names, forced, req.stop_sequences(), strict)
         ids = reply["output_ids"]
         assert ep.builder is not None
         usage = {"prompt_tokens": len(ep.builder) - len(ids), "completion_tokens": len(ids),
@@ -804,10 +882,10 @@ class EpisodeStore:
         return reply
 
     def _record(self, ep: AgentEpisode, reply: dict[str, Any], names: set[str], forced: list[int],
-                trimmed: list[str]) -> tuple[dict[str, Any], str]:
+                trimmed: list[str], strict: dict[str, Validator]) -> tuple[dict[str, Any], str]:
         """The assistant message (OpenAI shape) and finish reason of a reply after the ``forced`` tokens (their
-        text opens it), its content ending before a match of one of the agent's stop sequences (``trimmed``);
-        recorded on the episode."""
+        text opens it), its content ending before a match of one of the agent's stop sequences (``trimmed``), its
+        calls only if each conforms to its tool's ``strict`` schema; recorded on the episode."""
         ids = reply["output_ids"]
         finish_reason = reply.get("meta_info", {}).get("finish_reason") or {}
         reason, matched = finish_reason.get("type", "stop"), finish_reason.get("matched")
@@ -823,13 +901,23 @@ class EpisodeStore:
         # the end token decides: SGLang reports a turn whose end token is the last allowed one as length
         truncated = reason == "length" and not closed
         normal_text, calls, _errors = (text, [], []) if truncated else parse_tool_calls(text, names)
+        broken = [(c.name, _strict_error(strict[c.name], c.arguments)) for c in calls if c.name in strict]
+        broken = [(name, why) for name, why in broken if why is not None]
+        if broken:  # a strict call OpenAI would not give: the turn is the model's text, as a call that does not parse
+            for name, why in broken:
+                self.metrics.tool_calls.labels(tool=name, outcome="parse_error").inc()
+                ep.tool_calls.append(ToolCallRecord(name=name, ok=False, error=why))
+                log.warning("episode %s: a call of the strict tool %r answered as content: %s", ep.episode_id, name,
+                            why)
+            calls = []
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = "length" if truncated else "stop"
         if calls:
             message["content"] = normal_text or None
-            message["tool_calls"] = [
+            message["tool_calls"] = [  # arguments as SGLang writes them: text as text, not \u escapes
                 {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                 "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+                 "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                for c in calls]
             ep.tool_calls += [ToolCallRecord(name=c.name, ok=True) for c in calls]
             finish = "tool_calls"
         ep.messages.append(message)

@@ -21,7 +21,11 @@ committed counts as served until it heartbeats it, but only while the server run
 registration's ``started``): one that restarted under the same id and address, back on its base weights within
 the registry's TTL, is caught up again, unless the newest snapshot was cast for the servers live when it was taken to
 a dtype this one does not serve (restarted in fp32 where it served bf16): it then waits for the next version, which is
-taken in its precision, rather than load rounded weights (stage ``stage``, reason ``cast``, once per incarnation).
+taken in its precision, rather than load rounded weights (stage ``stage``, reason ``cast``, once per incarnation): an
+error names it, and ``rollwave_trainer_push_stranded_servers`` counts it until a version reaches it (the trainer's
+precision of the newest version is gone: its masters moved on, and no second full copy is kept). A server listed by
+address alone has no ``started``: while it has nothing to be sent, the watcher asks its Status, and one that serves less
+than it committed restarted, and is caught up.
 
 Before its token or any weights, the pusher asks each server to prove it holds the checkpoint token
 (``Prove``, see ``core.checkpoint_auth``): a server registered in Redis that cannot gets nothing, and the
@@ -68,7 +72,7 @@ import grpc
 import redis
 import torch
 import torch.distributed as dist
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from buffer.registry import PushRecord, ServerRegistry
 from buffer.replay import TrainerFenced
@@ -195,6 +199,10 @@ class PushMetrics:
                                 registry=self.registry)
         self.unpublished = Counter("rollwave_trainer_push_unpublished", "versions that no quorum committed",
                                    registry=self.registry)
+        self.stranded = Gauge("rollwave_trainer_push_stranded_servers", "live servers that lack the newest version "
+                              "and that the trainer cannot send it (reason cast: kept only cast to a dtype they do not "
+                              "serve), until a newer version reaches them (which servers: the log's error and the "
+                              "registry's push results)", ["reason"], registry=self.registry)
 
 
 class _Failed(Exception):
@@ -229,6 +237,7 @@ class _Link:
         self._config = pusher.config
         self._pending: Snapshot | None = None
         self._busy = False
+        self._probe = False  # a Status is asked for (``probe``)
         self._closed = False
         self._cond = threading.Condition()
         self._channel = open_channel(target.address, pusher.channel_credentials, self._config, GRPC_OPTIONS)
@@ -252,6 +261,13 @@ class _Link:
             self._pusher._finish(self._result(replaced.version, skipped=True))
             replaced.release()
 
+    def probe(self) -> None:
+        """Ask the server's Status (in this link's thread, unless a push is due) to learn of a restart that no
+        registry tells: a server listed by address alone has no ``started``."""
+        with self._cond:
+            self._probe = True
+            self._cond.notify()
+
     def close(self) -> None:
         """Stop (``join()`` waits for the thread): the channel's close cancels a call in flight."""
         with self._cond:
@@ -261,6 +277,7 @@ class _Link:
         if pending is not None:  # its round still hears from this server
             self._pusher._finish(self._result(pending.version, skipped=True))
             pending.release()
+        self._pusher._strand(self.target.server_id, False)  # it left, or another server listens there
         self._channel.close()
 
     def join(self) -> None:
@@ -282,11 +299,15 @@ class _Link:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None and not self._closed:
+                while self._pending is None and not self._probe and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
-                snapshot, self._pending, self._busy = self._pending, None, True
+                snapshot, self._pending, self._probe = self._pending, None, False
+                self._busy = snapshot is not None
+            if snapshot is None:
+                self._check_restart()
+                continue
             started = self.target.started
             try:
                 result = self._push(snapshot, started)
@@ -307,6 +328,24 @@ class _Link:
         else:
             self.retry_at = time.monotonic() + self._backoff
             self._backoff = min(2 * self._backoff, BACKOFF_S[1])
+
+    def _check_restart(self) -> None:
+        """From the server's Status: a server that serves less than it committed through this link restarted (back on
+        its base weights), so the watcher catches it up, and that push reads its dtypes (and says so if the newest
+        snapshot is cast to others); else the dtypes it serves now are its present incarnation's. A server that does
+        not answer is left to the next push, which reports why."""
+        try:
+            status = self._connect()
+            dtypes = _status_dtypes(status)
+        except _Failed as failed:
+            log.debug("server %s (%s): no Status: %s", self.target.server_id, self.target.address, failed)
+            return
+        if status.current_version < self.committed:
+            log.warning("server %s (%s) serves version %d where it committed %d: it restarted; catching it up",
+                        self.target.server_id, self.target.address, status.current_version, self.committed)
+            self.committed, self._sent, self._dtypes = status.current_version, None, None
+        else:
+            self._dtypes = (self.target.started, dtypes)
 
     def _result(self, version: int, **kw: object) -> PushResult:
         return PushResult(self.target.server_id, self.target.address, version, serves=self.target.version,
@@ -586,6 +625,7 @@ class CheckpointPusher:
         self._rounds: dict[int, PushRound] = {}
         self._links: dict[str, _Link] = {}
         self._live: list[Target] = []
+        self._stranded: set[str] = set()  # ids of the live servers that the newest version cannot be sent to (cast)
         self._finished: deque[PushResult] = deque(maxlen=4096)
         self._pool = BufferPool(pin=pin_memory)
         self._lock = threading.RLock()
@@ -771,16 +811,19 @@ class CheckpointPusher:
 
     def _catch_up(self, targets: list[Target]) -> None:
         """Offer the newest version to live servers that lack it (``_Link.serves``) and are not backing off (none once
-        a newer trainer of the run refused a commit); drop the links of servers that left."""
+        a newer trainer of the run refused a commit), else ask a server listed by address alone its Status (a restart);
+        drop the links of servers that left."""
         newest, now = None if self.refused is not None else self._newest, time.monotonic()
         for target in targets:
             link = self._link(target)
-            if newest is None or link.serves(target) >= newest.version:
+            if newest is None or not link.idle:
                 continue
-            if (dtypes := link.dtypes_of(target)) is not None and self.rounded_for(newest, dtypes):
-                continue  # refused already (logged and counted): this incarnation waits for the next version
-            if link.idle and now >= link.retry_at:
+            # a snapshot cast for it was refused already (logged, counted): this incarnation waits for the next version
+            rounded = (dtypes := link.dtypes_of(target)) is not None and self.rounded_for(newest, dtypes)
+            if link.serves(target) < newest.version and now >= link.retry_at and not rounded:
                 link.offer(newest)
+            elif not target.named:  # no registry tells its restarts: its Status does
+                link.probe()
         addresses = {t.address for t in targets}
         for address in [a for a, link in self._links.items() if a not in addresses and link.idle]:
             self._links.pop(address).close()
@@ -791,6 +834,13 @@ class CheckpointPusher:
             if not result.ok:
                 self.metrics.failures.labels(result.stage, result.reason).inc()
                 log.warning("push of version %d failed: %s", result.version, result.error)
+            if result.ok or result.reason == "cast":  # another failure leaves it as it was
+                self._strand(result.server_id, not result.ok)
+            if result.reason == "cast":
+                log.error("server %s (%s) stays on version %d, behind the newest, %d, until the trainer pushes a newer "
+                          "version: version %d is kept only cast to a dtype this server does not serve (the trainer's "
+                          "masters moved on, and no second full copy is kept)", result.server_id,
+                          result.address, result.serves, result.version, result.version)
             if self._record is not None and result.reason != "fenced":  # the newer trainer's pushes are the record
                 try:
                     self._record(result.server_id, result.record())
@@ -817,6 +867,16 @@ class CheckpointPusher:
                                 for s in rnd.servers if not s.ok)
             where = f"on {rnd.commits} of {len(rnd.targets)} servers" if rnd.commits else "on no server"
             log.error("version %d not published: committed %s, quorum %d. %s", rnd.version, where, quorum, reasons)
+
+    def _strand(self, server_id: str, stranded: bool) -> None:
+        """Count ``server_id`` among the servers the newest version cannot be sent to, or no longer (a version reached
+        it, or it left)."""
+        with self._lock:
+            if stranded:
+                self._stranded.add(server_id)
+            else:
+                self._stranded.discard(server_id)
+            self.metrics.stranded.labels("cast").set(len(self._stranded))
 
     def _publish(self, published: PushRound) -> None:
         version = published.version

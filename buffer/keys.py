@@ -37,6 +37,12 @@ class Keys:
             raise ValueError(f"task kind {kind!r}: expected one of {', '.join(TASK_KINDS)}")
         return self.prefix + ("tasks" if kind == "train" else "tasks:eval")
 
+    def task_gids(self, kind: str) -> str:
+        """Hash entry id of a task in its kind's stream -> its group id, written with the entry and deleted with it:
+        a pending task deleted by hand (an XDEL, a trim) is known by its id alone (XPENDING), and this names the group
+        whose admission slot (``admitted_ids``) and job it ends (``buffer.streams.Reclaimer``)."""
+        return self.tasks(kind) + ":gids"
+
     @property
     def tasks_dead(self) -> str:
         """Dead-letter stream: tasks delivered or failed more than ``max_attempts`` times, with the error."""
@@ -50,6 +56,13 @@ class Keys:
     def groups(self) -> str:
         """Finished train groups (consumer group ``trainer``)."""
         return self.prefix + "groups"
+
+    @property
+    def group_records(self) -> str:
+        """Hash entry id of a train group in ``groups`` -> JSON [group id, job id, payload key ('' inline), slot (its
+        field s)], written with the entry and deleted with it: a pending entry deleted by hand (an XDEL, a trim) is
+        known by its id alone (XPENDING), and this says whose payload, state, slot and job it ends (as ``lost``)."""
+        return self.prefix + "groups:records"
 
     @property
     def groups_malformed(self) -> str:

@@ -89,7 +89,8 @@ class BufferMetrics:
         self.deleted_pending = Counter(
             "rollwave_buffer_deleted_pending_total",
             "pending entries found deleted from their stream (an XDEL or trim by hand) and acked away when reclaimed, "
-            "or acked by the trainer that held them (a reclaimed group gives its admission slot back)", ["stream"],
+            "or acked by the trainer that held them (a reclaimed task or group gives its admission slot back, and its "
+            "job counts it: a task dead_lettered, a group lost)", ["stream"],
             registry=r,
         )
         self.fenced_refusals = Counter(

@@ -20,6 +20,9 @@ A written group takes over its admission slot (entry field ``s``), and an ack as
 only a slot the group holds. A group of a schema newer than this trainer reads is kept in ``groups:newer`` (its job
 counts nothing, its slot stays) until a trainer that reads it moves it back at its first take (and again should Redis
 lose that move; the ack of a group the trainer holds from a lost move finds it parked).
+An entry deleted by hand while pending (an XDEL, a trim) is acked as any other by the trainer that holds it; one no live
+trainer holds (its trainer died) is ended as the reclaim finds it, by the record its put wrote (``Keys.group_records``,
+which outlives the entry): its payload key deleted, its id consumed, its slot given back, its job counting it ``lost``.
 
 The encoded group never passes through Lua: Redis 7 hashes every byte of every Lua string (a 64 KiB
 argument costs its single thread ~60 us, 30x Redis 6.2), so a put SETs the payload under a key of its own
@@ -43,7 +46,7 @@ import redis
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.metrics import BufferMetrics
 from buffer.schema import NewerSchema, SchemaError, TrajectoryGroup, decode_group, encode_group, reads_version
-from buffer.streams import Reclaimer
+from buffer.streams import Gone, Reclaimer
 from buffer.task_queue import TaskEntry
 from core.config import BufferConfig
 
@@ -58,9 +61,10 @@ WRITTEN, DUPLICATE, FULL, TASK_GONE = 1, 0, -1, -2  # what a put did (try_put, p
 MAX_PAYLOAD_BYTES = 512 << 20
 
 # KEYS: target stream (groups, or eval:<job>), group state, job hash, task stream, admitted ids, consumed ids list,
-# the job's entries (``Keys.entries``: the task acked leaves them), payload key (none for an eval group, whose entry
-# holds its results only: an ACL that confines the user to the run's keys refuses a script naming any other, ''
-# included).
+# the job's entries (``Keys.entries``: the task acked leaves them), the task stream's records (``Keys.task_gids``:
+# likewise), the group records (``Keys.group_records``: a written train group's entry gets one), payload key (none for
+# an eval group, whose entry holds its results only: an ACL that confines the user to the run's keys refuses a script
+# naming any other, '' included).
 # ARGV: gid, job_id, backlog bound (0: none), task entry id ('' none), reward sum, sample count, dedup window.
 # Runs in the MULTI that SET the payload key: a written train group's entry names it (so does its groups:state
 # value, which a retried MULTI finds); otherwise it is deleted. A group is written only while its task is pending
@@ -72,7 +76,7 @@ MAX_PAYLOAD_BYTES = 512 << 20
 # Returns 1 written, 0 duplicate (already written; its task is acked all the same), -1 full, -2 task no longer
 # pending (nothing done for these three).
 _PUT = """
-local gid, bound, task, payload = ARGV[1], tonumber(ARGV[3]), ARGV[4], KEYS[8] or ''
+local gid, bound, task, payload = ARGV[1], tonumber(ARGV[3]), ARGV[4], KEYS[10] or ''
 local written = redis.call('HGET', KEYS[2], gid)
 if written then
   if payload ~= '' and written ~= payload then redis.call('DEL', payload) end  -- not this very put, retried
@@ -89,9 +93,10 @@ else
     return -2
   end
   if payload ~= '' then
-    local slot = redis.call('HDEL', KEYS[5], gid)
+    local slot = tostring(redis.call('HDEL', KEYS[5], gid))
     redis.call('HSET', KEYS[2], gid, payload)
-    redis.call('XADD', KEYS[1], '*', 'p', payload, 'gid', gid, 'job', ARGV[2], 's', tostring(slot))
+    local id = redis.call('XADD', KEYS[1], '*', 'p', payload, 'gid', gid, 'job', ARGV[2], 's', slot)
+    redis.call('HSET', KEYS[9], id, cjson.encode({gid, ARGV[2], payload, slot}))
   else
     redis.call('HSET', KEYS[2], gid, 'w')
     redis.call('XADD', KEYS[1], '*', 'gid', gid, 'job', ARGV[2], 'reward_sum', ARGV[5], 'samples', ARGV[6])
@@ -106,10 +111,38 @@ else
 end
 if task ~= '' and redis.call('XACK', KEYS[4], '""" + ROLLOUT_GROUP + """', task) == 1 then
   redis.call('XDEL', KEYS[4], task)
+  redis.call('HDEL', KEYS[8], task)
   redis.call('HDEL', KEYS[5], gid)
   redis.call('SREM', KEYS[7], 't' .. task)
 end
 return written and 0 or 1
+"""
+
+
+# gone(id) of the groups stream (``buffer.streams.Gone``; KEYS after the stream: group records, admitted, group state,
+# consumed ids list; ARGV from 9: the job hashes' key prefix, the dedup window). A pending group deleted by hand (an
+# XDEL, a trim) that no live trainer holds (one that does acks it itself) will never be trained: its record names its
+# payload key, deleted; its group id, consumed (as an ack marks it: a late copy of it is a duplicate); the admission
+# slot it holds, given back; and its job, which counts it ``lost`` (else the job waited for it for ever). An entry
+# written before records has none: its slot goes back (taken to hold one, as every group a rollout server wrote).
+_GROUP_GONE = """
+local function gone(id)
+  local record = redis.call('HGET', KEYS[2], id)
+  local gid, job, payload, slot = '', '', '', ''
+  if record then gid, job, payload, slot = unpack(cjson.decode(record)) end
+  redis.call('HDEL', KEYS[2], id)
+  if payload ~= '' then redis.call('DEL', payload) end
+  if slot ~= '0' and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
+  if gid ~= '' then
+    redis.call('HSET', KEYS[4], gid, 't')
+    redis.call('RPUSH', KEYS[5], gid)
+    for _ = 1, redis.call('LLEN', KEYS[5]) - tonumber(ARGV[10]) do
+      redis.call('HDEL', KEYS[4], redis.call('LPOP', KEYS[5]))
+    end
+  end
+  if job ~= '' and redis.call('EXISTS', ARGV[9] .. job) == 1 then redis.call('HINCRBY', ARGV[9] .. job, 'lost', 1) end
+  return record and gid
+end
 """
 
 
@@ -138,22 +171,22 @@ if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then redis.call('SADD', KEYS[5
 return 1
 """
 
-# KEYS: groups stream, group state, admitted counter, consumed ids list, trained counter, trainer epoch, newer stream.
-# ARGV: job key prefix, dedup window, this trainer's epoch, then (entry id, gid, outcome, job, payload key, slot)
-# sextuples; outcome is the job counter: trained (also counted run-wide), stale_dropped, degenerate_dropped, cancelled
-# or malformed (all but trained give back the admission slot the group holds). slot is the entry's field s: 1 the group
-# holds a slot, 0 it holds none (never admitted), '' an entry written before puts recorded it (taken to hold one, as
-# every group a rollout server wrote was admitted). The caller that read the entry passes its job, payload key ('' for
-# a group stored inline) and slot, so the script does not read the entry again; an empty job means the caller does not
-# know the entry, and all three are looked up in it. Only entries still pending count, and the slot goes back in the
-# call that deletes the entry, so acking twice changes nothing, and an ack Redis lost (the entry pending again) gives
-# it back once when acked again. Where Redis lost what delivered the entry, a group not yet consumed is found all the
-# same: its entry undelivered (the read was lost), or, its entry gone, parked again in the newer stream (the restore
-# that made the entry was lost; its copy there has the f.<name> fields). The payload key goes with the entry. An empty
-# gid (a malformed entry without one) marks nothing consumed. Consumed ids beyond the window leave groups:state.
-# An entry still pending but no longer in its stream (an operator's XDEL or trim) is acked as the others.
-# Returns {how many were acked, how many of them had been deleted from the stream}, or -1 (nothing done) when a newer
-# trainer started.
+# KEYS: groups stream, group state, admitted counter, consumed ids list, trained counter, trainer epoch, newer stream,
+# group records (a groups entry's leaves with it). ARGV: job key prefix, dedup window, this trainer's epoch, then (entry
+# id, gid, outcome, job, payload key, slot) sextuples; outcome is the job counter: trained (also counted run-wide),
+# stale_dropped, degenerate_dropped, cancelled or malformed (all but trained give back the admission slot the group
+# holds). slot is the entry's field s: 1 the group holds a slot, 0 it holds none (never admitted), '' an entry written
+# before puts recorded it (taken to hold one, as every group a rollout server wrote was admitted). The caller that read
+# the entry passes its job, payload key ('' for a group stored inline) and slot, so the script does not read the entry
+# again; an empty job means the caller does not know the entry, and all three are looked up in it. Only entries still
+# pending count, and the slot goes back in the call that deletes the entry, so acking twice changes nothing, and an ack
+# Redis lost (the entry pending again) gives it back once when acked again. Where Redis lost what delivered the entry, a
+# group not yet consumed is found all the same: its entry undelivered (the read was lost), or, its entry gone, parked
+# again in the newer stream (the restore that made the entry was lost; its copy there has the f.<name> fields). The
+# payload key goes with the entry. An empty gid (a malformed entry without one) marks nothing consumed. Consumed ids
+# beyond the window leave groups:state. An entry still pending but no longer in its stream (an operator's XDEL or trim)
+# is acked as the others. Returns {how many were acked, how many of them had been deleted from the stream}, or -1
+# (nothing done) when a newer trainer started.
 _ACK = _fence_lua("KEYS[6]", "ARGV[3]") + """
 local acked, gone, parked = 0, 0, nil
 for i = 4, #ARGV, 6 do
@@ -194,6 +227,7 @@ for i = 4, #ARGV, 6 do
     end
     if payload ~= '' then redis.call('DEL', payload) end
     if redis.call('XDEL', stream, id) == 0 then gone = gone + 1 end
+    if stream == KEYS[1] then redis.call('HDEL', KEYS[8], id) end
     if gid ~= '' then
       redis.call('HSET', KEYS[2], gid, 't')
       redis.call('RPUSH', KEYS[4], gid)
@@ -213,33 +247,38 @@ end
 return {acked, gone}
 """
 
-# KEYS: groups stream, newer stream, trainer epoch. ARGV: entry id, this trainer's epoch, then the parked entry's
-# field/value pairs. Moves a group of a schema newer than this trainer reads to groups:newer, only while its entry is
-# pending (a call run again after a lost reply parks nothing twice): not consumed, not counted for its job, its
-# admission slot and payload key kept (the parked entry owns the key). Returns -1 fenced, 1 parked, 0 not pending.
+# KEYS: groups stream, newer stream, trainer epoch, group records (the entry's leaves with it). ARGV: entry id, this
+# trainer's epoch, then the parked entry's field/value pairs. Moves a group of a schema newer than this trainer reads to
+# groups:newer, only while its entry is pending (a call run again after a lost reply parks nothing twice): not consumed,
+# not counted for its job, its admission slot and payload key kept (the parked entry owns the key). Returns -1 fenced, 1
+# parked, 0 not pending.
 _PARK = _fence_lua("KEYS[3]", "ARGV[2]") + """
 if redis.call('XACK', KEYS[1], '""" + TRAINER_GROUP + """', ARGV[1]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
 return 1
 """
 
-# KEYS: newer stream, groups stream, trainer epoch. ARGV: this trainer's epoch, then ids of groups:newer entries. Each
-# entry still there goes back into groups with the fields it was written with (its f.<name> ones) and leaves
-# groups:newer, so a call run again after a lost reply moves nothing twice. Returns how many moved, -1 when fenced.
+# KEYS: newer stream, groups stream, trainer epoch, group records. ARGV: this trainer's epoch, then ids of groups:newer
+# entries. Each entry still there goes back into groups with the fields it was written with (its f.<name> ones), and its
+# record (as a put writes it), and leaves groups:newer, so a call run again after a lost reply moves nothing twice.
+# Returns how many moved, -1 when fenced.
 _RESTORE = _fence_lua("KEYS[3]", "ARGV[1]") + """
 local moved = 0
 for i = 2, #ARGV do
   local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])[1]
   if e then
-    local written = {}
+    local written, f = {}, {}
     for j = 1, #e[2], 2 do
       if string.sub(e[2][j], 1, 2) == 'f.' then
         written[#written + 1] = string.sub(e[2][j], 3)
         written[#written + 1] = e[2][j + 1]
+        f[written[#written - 1]] = e[2][j + 1]
       end
     end
-    redis.call('XADD', KEYS[2], '*', unpack(written))
+    local id = redis.call('XADD', KEYS[2], '*', unpack(written))
+    redis.call('HSET', KEYS[4], id, cjson.encode({f.gid or '', f.job or '', f.p or '', f.s or ''}))
     redis.call('XDEL', KEYS[1], ARGV[i])
     moved = moved + 1
   end
@@ -286,9 +325,11 @@ class ReplayBuffer:
         self._move_aside = client.register_script(_MOVE_ASIDE)
         self._park = client.register_script(_PARK)
         self._restore = client.register_script(_RESTORE)
-        # an entry deleted while pending (an operator's XDEL or trim) gives back its admission slot as it is found
+        # an entry deleted while pending (an operator's XDEL or trim) is ended as it is found (``_GROUP_GONE``)
+        gone = Gone(_GROUP_GONE, (keys.group_records, keys.admitted, keys.group_state, keys.groups_consumed),
+                    (keys.job_prefix, config.dedup_window))
         self._reclaimer = Reclaimer(client, keys.groups, TRAINER_GROUP, consumer, config.claim_idle_ms,
-                                    own_every_s=config.claim_idle_ms / 1000, released=keys.admitted)
+                                    own_every_s=config.claim_idle_ms / 1000, gone=gone)
         # entry id -> (group id, job id, payload key or '' when inline, slot: its field s): taken, not yet acked
         self._held: dict[str, tuple[str, str, str, str]] = {}
         # entry id -> (group id, outcome) acked by this process, the last dedup_window of them: one that comes back
@@ -414,6 +455,8 @@ class ReplayBuffer:
             self.keys.admitted_ids,
             self.keys.groups_consumed,
             self.keys.entries(group.job_id),
+            self.keys.task_gids(group.kind),
+            self.keys.group_records,
         ]
         if train:
             payload = encode_group(group)
@@ -499,7 +542,8 @@ class ReplayBuffer:
         """Up to ``max_groups`` (entry id, group), waiting at most ``timeout_s`` to fill the batch.
 
         Pending groups of a dead trainer (or of this consumer's previous life, or whose ack Redis lost: this
-        consumer's own pending entries are scanned again every ``claim_idle_ms``) come first. Groups already
+        consumer's own pending entries are scanned again every ``claim_idle_ms``, skipping those it holds, which it
+        acks itself however long its step takes) come first. Groups already
         consumed, or held or acked by this process, are acked away as duplicates; malformed entries are moved aside,
         and groups of a schema newer than this trainer reads are parked in ``groups:newer``. The first take moves back
         the parked groups this trainer reads. Raises ``TrainerFenced`` once a newer trainer of the run started (what
@@ -508,12 +552,13 @@ class ReplayBuffer:
         self.check_fence("a take")
         if time.monotonic() >= self._next_restore:
             self._restore_newer()
-        claimed, deleted = self._reclaimer.claim(max_groups)
+        claimed, deleted, lost = self._reclaimer.claim(max_groups, held=self._held)
         if deleted:
             log.warning("%s: %d pending group(s) had been deleted from the stream (an XDEL or trim by hand); acked "
-                        "them away and gave their admission slots back", self.keys.groups, deleted)
+                        "them away and gave their admission slots back; lost for their jobs (payload deleted, never "
+                        "trained): %s", self.keys.groups, deleted, ", ".join(lost) or "none known")
             self.metrics.deleted_pending.labels(stream="groups").inc(deleted)
-        out = self._accept([(entry_id, fields) for entry_id, _n, fields in claimed if entry_id not in self._held])
+        out = self._accept([(entry_id, fields) for entry_id, _n, fields in claimed])
         if out:
             self.metrics.redeliveries.labels(stream="groups").inc(len(out))
         while len(out) < max_groups:
@@ -592,6 +637,7 @@ class ReplayBuffer:
             def drop(pipe: redis.client.Pipeline) -> None:
                 pipe.xack(self.keys.groups, TRAINER_GROUP, *duplicates)
                 pipe.xdel(self.keys.groups, *duplicates)
+                pipe.hdel(self.keys.group_records, *duplicates)
                 if payloads:
                     pipe.delete(*payloads)
 
@@ -644,7 +690,7 @@ class ReplayBuffer:
         first) for a trainer that reads it, in ``groups:newer``: it is in flight, not broken, so its job counts nothing
         yet and it keeps its admission slot and its payload key. Out of ``groups``, it is not read again here."""
         parked = {"schema": error.version, "entry_id": entry_id, **{b"f." + k: v for k, v in fields.items()}}
-        keys = [self.keys.groups, self.keys.groups_newer, self.keys.trainer_epoch]
+        keys = [self.keys.groups, self.keys.groups_newer, self.keys.trainer_epoch, self.keys.group_records]
         done = int(self._park(keys, [entry_id, self.fence(), *(x for pair in parked.items() for x in pair)]))
         if done < 0:
             raise self._fenced("parking a group of a newer schema")
@@ -679,7 +725,8 @@ class ReplayBuffer:
             self._ack_again(list(acked.values()),
                             f"are in {self.keys.groups_newer} again (Redis lost the restore that moved them out)")
             parked = {e: (gid, v) for e, (gid, v) in parked.items() if gid not in held and gid not in acked}
-        moved = int(self._restore([self.keys.groups_newer, self.keys.groups, self.keys.trainer_epoch],
+        moved = int(self._restore([self.keys.groups_newer, self.keys.groups, self.keys.trainer_epoch,
+                                   self.keys.group_records],
                                   [self.fence(), *parked])) if parked else 0
         if moved < 0:
             raise self._fenced("moving parked groups back")
@@ -734,7 +781,8 @@ class ReplayBuffer:
         for item in items:
             args += item
         k = self.keys
-        keys = [k.groups, k.group_state, k.admitted, k.groups_consumed, k.trained, k.trainer_epoch, k.groups_newer]
+        keys = [k.groups, k.group_state, k.admitted, k.groups_consumed, k.trained, k.trainer_epoch, k.groups_newer,
+                k.group_records]
         return keys, args
 
     def _ack_outcomes(self, items: Sequence[tuple[str, str, str, str, str, str]]) -> int:

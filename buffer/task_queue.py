@@ -31,7 +31,7 @@ from redis.commands.core import Script
 
 from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
 from buffer.metrics import TASK_STREAMS, BufferMetrics
-from buffer.streams import RENEW_LUA, Reclaimer
+from buffer.streams import RENEW_LUA, Gone, Reclaimer
 from core.config import BufferConfig
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,9 @@ CANCEL_BATCH = 1000
 # how long an idempotency key names its job: a client's retries come within minutes; Stripe keeps its keys a day
 IDEMPOTENCY_TTL_S = 24 * 3600
 
-# KEYS: task stream, job hash, jobs index, the job's entries (``Keys.entries``: each task added goes in), then the
-# idempotency key's key when the submit has one. ARGV: job, kind, spec ('' but in the first chunk), now, submit id,
+# KEYS: task stream, job hash, jobs index, the job's entries (``Keys.entries``: each task added goes in), the stream's
+# task records (``Keys.task_gids``: each task added names its group there), then the idempotency key's key when the
+# submit has one. ARGV: job, kind, spec ('' but in the first chunk), now, submit id,
 # chunk index, the spec's fingerprint ('' without a key), the key's TTL in seconds, the spec's summary
 # (``summarize_spec``: stored with the spec, so never one without the other), the job hashes' key prefix, (task id,
 # task)... Returns the job seq of the submit's first task, or {job, same spec (1 or 0)} when the idempotency key names
@@ -56,13 +57,13 @@ IDEMPOTENCY_TTL_S = 24 * 3600
 # that runs again (the client retrying after a lost reply) finds its own chunks marked and adds nothing.
 _SUBMIT = """
 local n, chunk = (#ARGV - 10) / 2, tonumber(ARGV[6])
-if KEYS[5] then
-  local claim = redis.call('GET', KEYS[5])
+if KEYS[6] then
+  local claim = redis.call('GET', KEYS[6])
   local job, fingerprint
   if claim then job, fingerprint = string.match(claim, '^([^:]*):(.*)$') end
   if not claim or (job ~= ARGV[1] and redis.call('EXISTS', ARGV[10] .. (job or '')) == 0) then
-    redis.call('SET', KEYS[5], ARGV[1] .. ':' .. ARGV[7], 'EX', ARGV[8])
-    redis.call('HSET', KEYS[2], 'idempotency', string.match(KEYS[5], '[^:]*$'))
+    redis.call('SET', KEYS[6], ARGV[1] .. ':' .. ARGV[7], 'EX', ARGV[8])
+    redis.call('HSET', KEYS[2], 'idempotency', string.match(KEYS[6], '[^:]*$'))
   elseif job ~= ARGV[1] then
     return {job, fingerprint == ARGV[7] and 1 or 0}
   end
@@ -85,13 +86,15 @@ if ARGV[3] ~= '' and redis.call('HSETNX', KEYS[2], 'spec', ARGV[3]) == 1 then
 end
 if redis.call('HGET', KEYS[2], 'state') ~= 'cancelled' then redis.call('HSET', KEYS[2], 'state', 'running') end
 redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[4])
-local added = {}
+local added, gids = {}, {}
 for i = 0, n - 1 do
   local gid = ARGV[1] .. ':' .. (base + i) .. ':' .. ARGV[11 + 2 * i]
-  added[i + 1] = 't' .. redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task',
-    ARGV[12 + 2 * i])
+  local id = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'kind', ARGV[2], 'gid', gid, 'task', ARGV[12 + 2 * i])
+  added[i + 1] = 't' .. id
+  gids[2 * i + 1], gids[2 * i + 2] = id, gid
 end
 redis.call('SADD', KEYS[4], unpack(added))
+redis.call('HSET', KEYS[5], unpack(gids))
 return first
 """
 
@@ -104,7 +107,8 @@ if not held or held[2] ~= ARGV[3] then return 0 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 """
 
-# Dead-letter one delivery (KEYS: task stream, dead letters, job hash, admitted, admitted ids, the job's entries; ARGV:
+# Dead-letter one delivery (KEYS: task stream, dead letters, job hash, admitted, admitted ids, the job's entries, the
+# stream's task records; ARGV:
 # ..., gid, job, kind, task, deliveries, error). The dead letter takes the task's place in the job's entries (one the
 # job's entries did not hold, written by an older API, stays out of them: so nothing adds to the entries of a deleted
 # job).
@@ -112,48 +116,73 @@ _DEAD_LETTER = _ACK_OWN + """
 local dead = redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[5], 'kind', ARGV[6], 'gid', ARGV[4], 'task', ARGV[7],
   'deliveries', ARGV[8], 'error', ARGV[9], 'entry_id', ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HDEL', KEYS[7], ARGV[2])
 if redis.call('SREM', KEYS[6], 't' .. ARGV[2]) == 1 then redis.call('SADD', KEYS[6], 'd' .. dead) end
 redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1)
 if redis.call('HDEL', KEYS[5], ARGV[4]) == 1 then redis.call('DECR', KEYS[4]) end
 return 1
 """
 
-# Move an entry that cannot be parsed (KEYS: task stream, malformed stream, then its job's hash when its job id could
-# be read; ARGV: group, entry id, consumer, then the malformed entry's fields and values) aside, once: its job, if it
-# still exists, counts it ``dead_lettered`` (a task that will never be rolled out, so the job can end), as no other
-# counter ends a task that has no group.
+# Move an entry that cannot be parsed (KEYS: task stream, malformed stream, the stream's task records, then its job's
+# hash when its job id could be read; ARGV: group, entry id, consumer, then the malformed entry's fields and values)
+# aside, once: its job, if it still exists, counts it ``dead_lettered`` (a task that will never be rolled out, so the
+# job can end), as no other counter ends a task that has no group.
 _MALFORMED = _ACK_OWN + """
 redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
 redis.call('XDEL', KEYS[1], ARGV[2])
-if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1) end
+redis.call('HDEL', KEYS[3], ARGV[2])
+if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then redis.call('HINCRBY', KEYS[4], 'dead_lettered', 1) end
 return 1
 """
 
-# End a cancelled job's task, acked or never delivered (its stream, entry id and group id; the keys of its job hash,
-# its job's entries, admitted, admitted ids): deleted, out of the job's entries, counted ``cancelled``, its admission
-# slot given back. A rollout server's ``_CANCEL`` and a delete's ``remove_task`` (``_TASK_REMOVAL``) both end one so.
+# End a cancelled job's task, acked or never delivered (its stream, entry id and group id; the keys of its job hash, its
+# job's entries, admitted, admitted ids, the stream's task records): deleted, out of the job's entries and the records,
+# counted ``cancelled``, its admission slot given back. A rollout server's ``_CANCEL`` and a delete's ``remove_task``
+# (``_TASK_REMOVAL``) both end one so.
 _END_CANCELLED = """
-local function end_cancelled(stream, id, gid, job, entries, admitted, admitted_ids)
+local function end_cancelled(stream, id, gid, job, entries, admitted, admitted_ids, gids)
   redis.call('XDEL', stream, id)
+  redis.call('HDEL', gids, id)
   redis.call('SREM', entries, 't' .. id)
   redis.call('HINCRBY', job, 'cancelled', 1)
   if gid and redis.call('HDEL', admitted_ids, gid) == 1 then redis.call('DECR', admitted) end
 end
 """
 
-# Ack one delivery of a cancelled job's task (KEYS: task stream, job hash, admitted, admitted ids, the job's entries;
-# ARGV: ..., gid) and end it (``_END_CANCELLED``).
+# Ack one delivery of a cancelled job's task (KEYS: task stream, job hash, admitted, admitted ids, the job's entries,
+# the stream's task records; ARGV: ..., gid) and end it (``_END_CANCELLED``).
 _CANCEL = _ACK_OWN + _END_CANCELLED + """
-end_cancelled(KEYS[1], ARGV[2], ARGV[4], KEYS[2], KEYS[5], KEYS[3], KEYS[4])
+end_cancelled(KEYS[1], ARGV[2], ARGV[4], KEYS[2], KEYS[5], KEYS[3], KEYS[4], KEYS[6])
 return 1
+"""
+
+# gone(id) of a task stream (``buffer.streams.Gone``; KEYS after the stream: its task records, admitted, admitted ids;
+# ARGV from 9: the job hashes' key prefix, the job entries' key prefix). A pending task deleted by hand (an XDEL, a
+# trim) will never be rolled out: its record names its group, whose admission slot and admitted id go back, and whose
+# job counts it ``dead_lettered`` (as a malformed task: no other counter ends a task that has no group; a job is
+# ``<job>:<seq>:<task id>``'s first part) and no longer lists it in its entries. A task written before records has
+# none: acked away only.
+_TASK_GONE = """
+local function gone(id)
+  local gid = redis.call('HGET', KEYS[2], id)
+  if not gid then return false end
+  redis.call('HDEL', KEYS[2], id)
+  if redis.call('HDEL', KEYS[4], gid) == 1 and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then
+    redis.call('DECR', KEYS[3])
+  end
+  local job = string.match(gid, '^[^:]*')
+  if redis.call('EXISTS', ARGV[9] .. job) == 1 then redis.call('HINCRBY', ARGV[9] .. job, 'dead_lettered', 1) end
+  redis.call('SREM', ARGV[10] .. job, 't' .. id)
+  return gid
+end
 """
 
 # the job counters of a train job's tasks that will never be trained (or were): ``submitted`` less their sum
 # is what is still to train
-TRAIN_ENDS = ("trained", "stale_dropped", "degenerate_dropped", "dead_lettered", "cancelled", "malformed")
+TRAIN_ENDS = ("trained", "stale_dropped", "degenerate_dropped", "dead_lettered", "cancelled", "malformed", "lost")
 # the job hash's counters, in the order the API shows them
 JOB_COUNTERS = ("submitted", "completed", "dead_lettered", "trained", "stale_dropped", "degenerate_dropped",
-                "cancelled", "malformed", "samples")
+                "cancelled", "malformed", "lost", "samples")
 # the job hash's fields a listing reads (``TaskQueue.job_summaries``): all but ``spec``, which may hold thousands of
 # inline tasks, and ``submit``
 _LISTED = ("kind", "state", "created", *JOB_COUNTERS, "reward_sum", "spec_summary")
@@ -222,7 +251,7 @@ end
 local function remove_task(stream, t)
   local id, gid, held = t[1], t[2], t[3]
   if held then redis.call('XACK', stream, '""" + ROLLOUT_GROUP + """', id) end
-  end_cancelled(stream, id, gid, KEYS[1], KEYS[5], KEYS[14], KEYS[15])
+  end_cancelled(stream, id, gid, KEYS[1], KEYS[5], KEYS[14], KEYS[15], stream == KEYS[6] and KEYS[20] or KEYS[21])
   if held and gid and stream == KEYS[6] then
     redis.call('HSET', KEYS[12], gid, 't')
     redis.call('RPUSH', KEYS[13], gid)
@@ -251,6 +280,7 @@ for i = 3, #ARGV do
     local t = task_at(stream, string.sub(ARGV[i], 2), tonumber(ARGV[1]))
     if not t then
       redis.call('SREM', KEYS[5], ARGV[i])
+      redis.call('HDEL', h[1] == 'train' and KEYS[20] or KEYS[21], string.sub(ARGV[i], 2))
     elseif not t[4] then
       remove_task(stream, t)
       removed = removed + 1
@@ -344,6 +374,7 @@ for _, g in ipairs(groups) do
   local payload, gid = field(fields, prefix .. 'p'), field(fields, prefix .. 'gid')
   if payload then redis.call('DEL', payload) end
   redis.call('XDEL', key, id)
+  if key == KEYS[9] then redis.call('HDEL', KEYS[22], id) end
   if gid then
     redis.call('HSET', KEYS[12], gid, 't')
     redis.call('RPUSH', KEYS[13], gid)
@@ -385,17 +416,20 @@ if redis.call('HEXISTS', KEYS[1], 'spec') == 1 then return redis.call('HSETNX', 
 return 0
 """
 
-# Put a pending task back at the tail as a new entry carrying its attempt count (KEYS: task stream, the job's entries,
-# where the new entry takes the old one's place; ARGV: ..., gid, job, kind, task, attempts, error). Admission is kept (a
-# hand-back), or released when KEYS[3] and KEYS[4] (admitted, admitted ids) are given (a failed attempt: its retry
+# Put a pending task back at the tail as a new entry carrying its attempt count (KEYS: task stream, the job's entries
+# and the stream's task records, where the new entry takes the old one's place; ARGV: ..., gid, job, kind, task,
+# attempts, error). Admission is kept (a hand-back), or released when KEYS[4] and KEYS[5] (admitted, admitted ids) are
+# given (a failed attempt: its retry
 # waits at the tail behind the backlog, so its slot goes to the next task; with max_staleness 0 a kept slot would leave
 # no room for any task, the retry included, and the run would stall).
 _REQUEUE = _ACK_OWN + """
 local again = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[5], 'kind', ARGV[6], 'gid', ARGV[4], 'task', ARGV[7],
   'attempts', ARGV[8], 'error', ARGV[9])
 redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HDEL', KEYS[3], ARGV[2])
+redis.call('HSET', KEYS[3], again, ARGV[4])
 if redis.call('SREM', KEYS[2], 't' .. ARGV[2]) == 1 then redis.call('SADD', KEYS[2], 't' .. again) end
-if #KEYS == 4 and redis.call('HDEL', KEYS[4], ARGV[4]) == 1 then redis.call('DECR', KEYS[3]) end
+if #KEYS == 5 and redis.call('HDEL', KEYS[5], ARGV[4]) == 1 then redis.call('DECR', KEYS[4]) end
 return 1
 """
 
@@ -507,7 +541,7 @@ class TaskQueue:
             return []
         summary = "" if spec is None else summarize_spec(spec)
         now, submit_id = f"{time.time():.3f}", secrets.token_hex(8)
-        keys = [stream, self.keys.job(job_id), self.keys.jobs, self.keys.entries(job_id)]
+        keys = [stream, self.keys.job(job_id), self.keys.jobs, self.keys.entries(job_id), self.keys.task_gids(kind)]
         fingerprint = ""
         if idempotency_key is not None:
             keys.append(self._idempotency_key(idempotency_key))
@@ -596,7 +630,7 @@ class TaskQueue:
         return [k.job(job_id), k.jobs, k.trajectories(job_id), k.eval(job_id), k.entries(job_id), k.tasks("train"),
                 k.tasks("eval"), k.tasks_dead, k.groups, k.groups_malformed, k.groups_newer,
                 k.group_state, k.groups_consumed, k.admitted, k.admitted_ids, k.trainer, k.entries_aside(job_id),
-                k.trainer_alive, k.deleted_aside]
+                k.trainer_alive, k.deleted_aside, k.task_gids("train"), k.task_gids("eval"), k.group_records]
 
     def _drop_deleted_aside(self) -> None:
         """Remove the sets aside of the deleted jobs ``Keys.deleted_aside`` lists (the one just deleted, and any a
@@ -703,17 +737,22 @@ class TaskQueue:
     def reclaim(self, consumer: str, count: int, kind: str) -> list[TaskEntry]:
         """This consumer's own pending tasks (all after a restart; then, every ``claim_idle_ms``, those it left
         idle that long: a task it dropped without an ack), then tasks idle past ``claim_idle_ms`` in other
-        consumers' pending lists. Entries deleted while pending are acked away, logged and counted. A live consumer
-        renews the tasks it works on (``renew``), so they are not handed to it again."""
+        consumers' pending lists. Entries deleted while pending are acked away, logged and counted, each ending its
+        task (``_TASK_GONE``: its admission slot given back, its job counting it ``dead_lettered``) once. A live
+        consumer renews the tasks it works on (``renew``), so they are not handed to it again."""
         stream = self.keys.tasks(kind)
         reclaimer = self._reclaimers.get((consumer, kind))
         if reclaimer is None:
+            gone = Gone(_TASK_GONE, (self.keys.task_gids(kind), self.keys.admitted, self.keys.admitted_ids),
+                        (self.keys.job_prefix, self.keys.entries("")))
             reclaimer = Reclaimer(self.redis, stream, ROLLOUT_GROUP, consumer, self.config.claim_idle_ms,
-                                  own_every_s=self.config.claim_idle_ms / 1000)
+                                  own_every_s=self.config.claim_idle_ms / 1000, gone=gone)
             self._reclaimers[(consumer, kind)] = reclaimer
-        claimed, deleted = reclaimer.claim(count)
+        claimed, deleted, ended = reclaimer.claim(count)
         if deleted:
-            log.warning("%s: %d pending task(s) had been deleted from the stream; acked them away", stream, deleted)
+            log.warning("%s: %d pending task(s) had been deleted from the stream; acked them away, ending %d of them "
+                        "(admission slot given back, counted dead_lettered for their jobs): %s", stream, deleted,
+                        len(ended), ", ".join(ended) or "none known")
             self.metrics.deleted_pending.labels(stream=TASK_STREAMS[kind]).inc(deleted)
         if claimed:
             self.metrics.redeliveries.labels(stream=TASK_STREAMS[kind]).inc(len(claimed))
@@ -754,7 +793,7 @@ class TaskQueue:
         """Move an unparseable entry to the malformed stream with the error and its raw fields (``_MALFORMED``),
         unless another consumer took it over meanwhile."""
         raw = [x for k, v in fields.items() for x in (b"f." + k, v)]
-        keys = [stream, self.keys.tasks_malformed]
+        keys = [stream, self.keys.tasks_malformed, self._gids_of(stream)]
         try:
             keys.append(self.keys.job(fields[b"job_id"].decode()))
         except (KeyError, UnicodeDecodeError):
@@ -764,6 +803,10 @@ class TaskQueue:
             log.warning("%s: moved to %s: %s", stream, self.keys.tasks_malformed, error)
             self.metrics.malformed.labels(stream="tasks").inc()
 
+    def _gids_of(self, stream: str) -> str:
+        """The task records (``Keys.task_gids``) of a task stream."""
+        return {self.keys.tasks(kind): self.keys.task_gids(kind) for kind in TASK_KINDS}[stream]
+
     def _entry_args(self, entry: TaskEntry) -> list[Any]:
         return [ROLLOUT_GROUP, entry.entry_id, entry.consumer, entry.group_id, entry.job_id, entry.kind,
                 json.dumps(entry.task, separators=(",", ":"))]
@@ -772,7 +815,7 @@ class TaskQueue:
         """Move a task to the dead-letter stream and release its admission; False if it was no longer pending for
         its consumer."""
         keys = [entry.stream, self.keys.tasks_dead, self.keys.job(entry.job_id), self.keys.admitted,
-                self.keys.admitted_ids, self.keys.entries(entry.job_id)]
+                self.keys.admitted_ids, self.keys.entries(entry.job_id), self.keys.task_gids(entry.kind)]
         moved = self._pending(entry, "dead-lettered",
                               self._dead_letter(keys, [*self._entry_args(entry), entry.deliveries, error]))
         if moved:
@@ -784,7 +827,7 @@ class TaskQueue:
         """Ack a task of a cancelled job without rolling it out: the job counts it ``cancelled`` (not a dead
         letter: dead letters are failures). False if it was no longer pending for its consumer."""
         keys = [entry.stream, self.keys.job(entry.job_id), self.keys.admitted, self.keys.admitted_ids,
-                self.keys.entries(entry.job_id)]
+                self.keys.entries(entry.job_id), self.keys.task_gids(entry.kind)]
         done = self._pending(entry, "cancelled", self._cancel(keys, self._entry_args(entry)))
         if done:
             self.metrics.cancelled.labels(stream="tasks").inc()
@@ -798,7 +841,8 @@ class TaskQueue:
         Returns True if the task was dead-lettered."""
         if entry.deliveries >= self.config.max_attempts:
             return self.dead_letter(entry, error)
-        keys = [entry.stream, self.keys.entries(entry.job_id), self.keys.admitted, self.keys.admitted_ids]
+        keys = [entry.stream, self.keys.entries(entry.job_id), self.keys.task_gids(entry.kind), self.keys.admitted,
+                self.keys.admitted_ids]
         self._pending(entry, "requeued", self._requeue(keys, [*self._entry_args(entry), entry.deliveries, error]))
         return False
 
@@ -806,7 +850,7 @@ class TaskQueue:
         """Give a task back unprocessed (shutdown, or read one too many): requeued, this delivery not counted.
         False if it was no longer pending for its consumer."""
         return self._pending(entry, "handed back", self._requeue(
-            [entry.stream, self.keys.entries(entry.job_id)],
+            [entry.stream, self.keys.entries(entry.job_id), self.keys.task_gids(entry.kind)],
             [*self._entry_args(entry), entry.deliveries - 1, entry.last_error]))
 
     @staticmethod

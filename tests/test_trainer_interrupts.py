@@ -21,7 +21,6 @@ from torch import nn
 
 from core.net import free_port_outside_ephemeral
 from trainer import checkpoint
-from trainer.__main__ import TrainerStopped, _leave_pool
 from trainer.checkpoint import Checkpointer
 from trainer.parallel import close_distributed, exit_rank, from_rank0, init_distributed
 
@@ -102,33 +101,3 @@ def test_an_interrupt_on_one_rank_reaches_every_rank_naming_it(tmp_path: Path) -
                              "interrupted: KeyboardInterrupt"), rank0
     assert rank0["next save"] == rank1["next save"] == "step_00000006"
     assert [p.name for p in Checkpointer(root, keep=2).list()] == ["step_00000006"]
-
-
-def _stopped_while_the_other_waits(rank: int, port: int, out: Path) -> None:
-    """Rank 1 waits in a collective rank 0 never joins; rank 0 is stopped (SIGTERM's ``TrainerStopped``) and leaves
-    the pool as the trainer's unwind does, writing how long that took, then exits as a stopped rank does."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    init_distributed("cpu", timeout_s=GROUP_TIMEOUT_S)
-    if rank == 1:
-        try:
-            torch.distributed.broadcast(torch.zeros(1), src=0)
-            (out / "waited.json").write_text(json.dumps("returned"))
-        except RuntimeError:  # rank 0's process went: the collective fails
-            (out / "waited.json").write_text(json.dumps("failed"))
-        exit_rank(0)  # the exit codes are spawn's to judge: what each rank saw is in its file
-    stop = TrainerStopped("stopped by SIGTERM before its end")
-    started = time.monotonic()
-    _leave_pool(TrainerStopped, stop, None)
-    (out / "left.json").write_text(json.dumps(time.monotonic() - started))
-    exit_rank(0)
-
-
-def test_a_rank_stopped_by_sigterm_leaves_its_pool_without_waiting_for_the_others(tmp_path: Path) -> None:
-    """A SIGTERM's unwind on one rank while another waits in a collective: leaving the pool after a barrier waited
-    for that rank trainer.dist_timeout_s (30 min by default; 600 s here). The stopped rank leaves at once, and the
-    other's collective fails as its process goes."""
-    _join_within(mp.spawn(_stopped_while_the_other_waits, args=(free_port_outside_ephemeral(), tmp_path), nprocs=2,
-                          join=False), BOUND_S)
-    assert json.loads((tmp_path / "left.json").read_text()) < BOUND_S
-    assert json.loads((tmp_path / "waited.json").read_text()) == "failed"

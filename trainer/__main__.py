@@ -199,25 +199,22 @@ def _start(cfg: Config, trains: bool) -> None:
         ensure_model(cfg.model)
 
 
-def _stop_on_sigterm() -> None:
-    """Stop at a SIGTERM (``request_stop``: a lone rank at once, a pool's ranks together at their next stop point);
-    a second one kills the process as before."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a supervisor's or an operator's stop; Ctrl-C, which torchrun passes on
+
+
+def _stop_on_signals() -> None:
+    """Stop at a SIGTERM or a SIGINT (``request_stop``: a lone rank at once, a pool's ranks together at their next stop
+    point); a second one kills the process as before. A SIGINT raised KeyboardInterrupt where it found each rank of a
+    pool, as a SIGTERM once did: one went on to a collective the others never joined (a checkpoint's meeting while the
+    others were in DCP's next), or left the pool while another still waited in it."""
 
     def stop(signum: int, _frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for stop_signal in STOP_SIGNALS:
+            signal.signal(stop_signal, signal.SIG_DFL)
         request_stop(signum)
 
-    signal.signal(signal.SIGTERM, stop)
-
-
-def _leave_pool(_type: object, exc: BaseException | None, _tb: object) -> bool:
-    """Leave the process group with the other ranks (``close_distributed``), but not after a SIGTERM
-    (``TrainerStopped``): the others may be in a collective this rank left, and its barrier would wait for them
-    ``trainer.dist_timeout_s`` (30 min by default), where they learn of its end as their collective fails once its
-    process is gone. Lets the exception go on."""
-    if not isinstance(exc, TrainerStopped):
-        close_distributed()
-    return False
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, stop)
 
 
 def crash_reason(exc: Exception) -> str:
@@ -239,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     which no launcher restarts (it would only fail again). A trainer fenced by a newer one
     of its run (``TrainerFenced``) records nothing, its start, its end and a crash included (``RunRecord``): the run's
     end and budget are the newer one's; it exits ``CONFIG_ERROR_EXIT`` too (a restart would fence the newer one). A
-    SIGTERM (``TrainerStopped``) is recorded as a crash and exits 143; a pool's ranks stop together before their
-    next buffer read (``stop_point``), the step in hand trained, pushed and checkpointed as due."""
+    SIGTERM or SIGINT (``TrainerStopped``) is recorded as a crash and exits 143 or 130; a pool's ranks stop together
+    before their next buffer read (``stop_point``), the step in hand trained, pushed and checkpointed as due, and leave
+    the process group together (``close_distributed``)."""
     prepare_component()
     die_with_parent()
     args = _parser().parse_args(argv)
@@ -255,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
-    _stop_on_sigterm()
+    _stop_on_signals()
     try:
         return _train(cfg, args.resume)
     except TrainerFenced as exc:  # the newer trainer owns the run's end and budget: record neither
@@ -263,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return CONFIG_ERROR_EXIT
     except TrainerStopped as exc:
         log.warning("%s", exc)
-        return 128 + signal.SIGTERM
+        return 128 + exc.signum
 
 
 def _export(cfg: Config, args: argparse.Namespace) -> Path:
@@ -279,7 +277,9 @@ def _train(cfg: Config, resume: bool) -> int:
     """Connect, start and train (``main``); raises ``TrainerFenced`` once a newer trainer of the run started."""
     ctx = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     with contextlib.ExitStack() as stack:
-        stack.push(_leave_pool)
+        # every rank leaves the process group together as the stack unwinds, a stopped one too: a pool's ranks stop at
+        # the same collective (``stop_point``), so none is left in one, and its gloo or NCCL group is not left to exit
+        stack.callback(close_distributed)
         metrics = CollectorRegistry()
         buffer_metrics = BufferMetrics(metrics)  # the reads' counters (redeliveries, malformed...) and the trainer's
         source, pusher, status, run_record = _connect(cfg, ctx, stack, metrics, buffer_metrics)

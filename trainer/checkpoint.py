@@ -17,9 +17,12 @@ An optimizer written with one parameter group (before the matrices and the 1-D p
 The state file records each file's size and CRC-32 (``files``; DCP's files carry no checksum, so a shard damaged past
 its headers loaded as other numbers): a resume or an export refuses a checkpoint whose files differ, naming the file
 and the way out. A save that fails names the checkpoint and the room left on its file system; where one rank's part of
-it fails (rank 0's staging, state file, rename and prune; any rank's shards, RNG state or read back), or is interrupted
+it fails (rank 0's staging, state file, rename and prune; any rank's RNG state or read back), or is interrupted
 (KeyboardInterrupt, SystemExit), every other rank raises at once naming that rank and the cause, rather than wait in
-the next collective until the group's timeout.
+the next collective until the group's timeout; DCP shares a failure writing the shards itself, and every rank raises it.
+A rank interrupted within DCP's collectives raises at once, in no further collective (the others are in DCP's next);
+a stop or an interrupt that DCP caught in its steps is raised as it was, not as a checkpoint that fails to write or
+load.
 The state file records its ``format`` (``FORMAT``; one without is format 0, written before the field, and loads as
 before): a checkpoint of a newer format than this code's is refused, naming both.
 """
@@ -260,14 +263,27 @@ def _free(path: Path) -> str:
     return f"{shutil.disk_usage(existing).free / 2**30:.1f} GiB"
 
 
+def _raise_interruption(exc: BaseException) -> None:
+    """Raise as it was the stop or interrupt (``TrainerStopped``, KeyboardInterrupt, SystemExit) that DCP caught in one
+    of its steps, where ``exc`` is DCP's error holding one: DCP wraps whatever its steps raise, and its collectives hand
+    it to every rank. It is no failure to write or read the checkpoint (a lone rank's SIGTERM during DCP's writes was
+    recorded as one, and exited 1, not 143; a Ctrl-C during an export was a checkpoint that does not load)."""
+    if isinstance(exc, CheckpointException):
+        stop = next((error for error, _ in exc.failures.values() if not isinstance(error, Exception)), None)
+        if stop is not None:
+            raise stop from None
+
+
 @contextlib.contextmanager
 def _writing(staging: Path) -> Iterator[None]:
     """An error writing checkpoint ``staging`` as one naming it, its cause and the room left on its file system (DCP's
     names neither, and is a BaseException, which the trainer's crash record let through). What was staged goes at the
-    next save; the last complete checkpoint stays the one a resume starts from."""
+    next save; the last complete checkpoint stays the one a resume starts from. An interruption DCP caught is raised as
+    it was (``_raise_interruption``)."""
     try:
         yield
     except (Exception, CheckpointException) as exc:
+        _raise_interruption(exc)
         raise OSError(f"{staging}: cannot write the checkpoint: {_cause(exc)} ({_free(staging)} free on its file "
                       "system); a resume starts from the last complete one") from exc
 
@@ -280,7 +296,12 @@ def _meet(act: Callable[[], T], step: int, path: Path, main_only: bool = False) 
     the others get None), then the meeting of every rank, where any rank's failure reaches them all at once: a rank
     that failed raises its own exception (a KeyboardInterrupt or SystemExit too), the others one naming the first rank
     that failed or was interrupted and why, instead of waiting in the next collective until the group's timeout. The
-    meeting also holds every rank until ``act`` is done on all of them."""
+    meeting also holds every rank until ``act`` is done on all of them.
+
+    ``act`` holds no collective: then wherever it fails or is interrupted, the others are in it or in the meeting.
+    One that held some (``dcp.save``'s) could be interrupted between two of them (a signal's KeyboardInterrupt is
+    raised as a collective returns), and its rank went on to the meeting while the others were in the act's next
+    collective, which the meeting then met: a mismatch, a hang until the group's timeout or a gloo abort."""
     result, failure, error = None, None, None
     if not main_only or _is_main():
         try:
@@ -408,14 +429,14 @@ class Checkpointer:
 
         _meet(stage, step, final, main_only=True)
         shards = _shards(model, optimizer, critic)
+        with _writing(staging):  # in no meeting (``_meet``): DCP's collectives share its failures, every rank raises
+            metadata = dcp.save(shards, checkpoint_id=str(staging))  # DCP flushes its files
 
-        def write() -> Metadata:
+        def write_rng() -> None:
             with _writing(staging):
-                metadata = dcp.save(shards, checkpoint_id=str(staging))  # DCP flushes its files
                 _save_rng(staging)
-            return metadata
 
-        metadata = _meet(write, step, final)
+        _meet(write_rng, step, final)
 
         def read_back() -> list[tuple[str, list[int]]]:  # this rank's share of what they all wrote
             with _writing(staging):
@@ -479,6 +500,7 @@ class Checkpointer:
         try:
             dcp.load(shards, checkpoint_id=str(path))
         except CheckpointException as exc:  # a BaseException, which the trainer's crash record let through
+            _raise_interruption(exc)
             raise RuntimeError(f"{path}: DCP cannot load it: {_cause(exc)}") from exc
         for key, groups in own.items():
             shards[key]["param_groups"] = _regroup(shards[key]["param_groups"], groups)
@@ -500,6 +522,7 @@ def _load_for_export(module: torch.nn.Module, key: str, checkpoint: Path, config
         dcp.load(weights, checkpoint_id=str(checkpoint), no_dist=True)
         module.load_state_dict(weights[key])
     except (Exception, CheckpointException) as exc:
+        _raise_interruption(exc)
         raise CheckpointMismatch(f"{checkpoint}: its {key} does not load into the model of {config}: "
                                  f"{_cause(exc)}") from None
 

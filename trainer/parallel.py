@@ -153,6 +153,7 @@ def close_distributed(timeout_s: float = 120.0) -> None:
                                f"left it within {timeout_s:g} s")
         time.sleep(0.01)
         left = store.add(CLOSED_KEY, 0)
+    log.info("rank %d of %d left the trainer's process group", rank, world)
 
 
 def ended(exc: BaseException, cause: str) -> str:
@@ -191,11 +192,14 @@ def from_rank0(act: Callable[[], T], what: str, kept: tuple[type[Exception], ...
 
 
 class TrainerStopped(BaseException):
-    """SIGTERM, a supervisor's or an operator's stop (Kubernetes, LocalStack, Ray, ``kill``), raised in the main
-    thread (``request_stop``): the stack unwinds (the lease deleted, the pushers closed) and
-    rank 0 records the stop as the run's end, as a crash (a restart clears it): it used to die on the spot, recording
-    nothing, and its lapsed lease then read as a trainer killed by SIGKILL or the OOM killer. A BaseException, as
-    KeyboardInterrupt is, so no handler of errors takes it for one of theirs."""
+    """SIGTERM, a supervisor's or an operator's stop (Kubernetes, LocalStack, Ray, ``kill``), or SIGINT (a terminal's
+    Ctrl-C, which torchrun passes on to each rank), raised in the main thread (``request_stop``): the stack unwinds
+    (the lease deleted, the pushers closed) and rank 0 records the stop as the run's end, as a crash (a restart clears
+    it): it used to die on the spot, recording nothing, and its lapsed lease then read as a trainer killed by SIGKILL or
+    the OOM killer. A BaseException, as KeyboardInterrupt is, so no handler of errors takes it for one of theirs.
+    ``signum``: the signal, for the exit status (128 + it, as a shell reports a process it ended)."""
+
+    signum: int = signal.SIGTERM
 
 
 _stop_signal = 0  # the signal that asked this rank of a pool to stop; the pool stops at its next ``stop_point``
@@ -203,8 +207,10 @@ _stop_signal = 0  # the signal that asked this rank of a pool to stop; the pool 
 
 def _stopped_by(signum: int, here: bool) -> TrainerStopped:
     where = "" if here else " to another rank of the pool"
-    return TrainerStopped(f"stopped by {signal.Signals(signum).name}{where} before its end (a supervisor's or an "
-                          "operator's stop)")
+    stopped = TrainerStopped(f"stopped by {signal.Signals(signum).name}{where} before its end (a supervisor's or an "
+                             "operator's stop)")
+    stopped.signum = signum
+    return stopped
 
 
 def request_stop(signum: int) -> None:

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import redis
 import torch
 import torch.multiprocessing as mp
-from trainer_helpers import reaped, synthetic_groups, trainer_config
+from trainer_helpers import reaped, synthetic_groups, trainer_pool
 
 from buffer.keys import Keys
 from buffer.replay import ReplayBuffer
@@ -35,23 +32,6 @@ BOUND_S = 60  # what the test waits for the ranks once signalled: well under tra
 STOPPED = "crashed: stopped by SIGTERM before its end (a supervisor's or an operator's stop)"
 
 
-def _pool(run: Keys, redis_url: str, model: Path, tmp_path: Path) -> list[subprocess.Popen]:
-    """Two ranks of ``python -m trainer`` training the run's groups, a checkpoint every step, rank r logging to
-    ``trainer<r>.log``."""
-    config = trainer_config(tmp_path, run, redis_url, model, GPS, total_steps=50, checkpoint_every=1,
-                            dist_timeout_s=600)
-    pool = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port_outside_ephemeral("127.0.0.1")), "OMP_NUM_THREADS": "1",
-            "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
-    ranks = []
-    for rank in (0, 1):
-        env = {**os.environ, **pool, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        env.pop("REDIS_URL", None)
-        with open(tmp_path / f"trainer{rank}.log", "wb") as out:
-            ranks.append(subprocess.Popen([sys.executable, "-m", "trainer", "-c", str(config)], env=env, stdout=out,
-                                          stderr=subprocess.STDOUT))
-    return ranks
-
 
 def test_a_sigterm_to_every_rank_mid_checkpoint_stops_them_all_recording_the_stop(
         redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -61,7 +41,7 @@ def test_a_sigterm_to_every_rank_mid_checkpoint_stops_them_all_recording_the_sto
     buffer.ensure_group()
     buffer.put_many(synthetic_groups(0, 20 * GPS, run=keys.run))
     checkpoints = tmp_path / keys.run / "checkpoints"
-    ranks = _pool(keys, redis_url, tiny_model_dir, tmp_path)
+    ranks = trainer_pool(tmp_path, keys, redis_url, tiny_model_dir, GPS)
     logs = [tmp_path / f"trainer{rank}.log" for rank in (0, 1)]
     try:
         with reaped(ranks[0]), reaped(ranks[1]):

@@ -25,11 +25,11 @@ import pytest
 import redis
 import torch
 import torch.multiprocessing as mp
-from test_trainer_stop_all_ranks import GPS, _pool
+from test_trainer_stop_all_ranks import GPS
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
-from trainer_helpers import reaped, synthetic_groups
+from trainer_helpers import reaped, synthetic_groups, trainer_pool
 
 from buffer.keys import Keys
 from buffer.replay import ReplayBuffer
@@ -146,7 +146,7 @@ def test_a_pool_stopped_by_a_signal_records_it_and_leaves_its_process_group_toge
     buffer.ensure_group()
     buffer.put_many(synthetic_groups(0, 4 * GPS, run=keys.run))
     checkpoints = Checkpointer(tmp_path / keys.run / "checkpoints", keep=2)
-    ranks = _pool(keys, redis_url, tiny_model_dir, tmp_path)
+    ranks = trainer_pool(tmp_path, keys, redis_url, tiny_model_dir, GPS)
     logs = [tmp_path / f"trainer{rank}.log" for rank in (0, 1)]
     try:
         with reaped(ranks[0]), reaped(ranks[1]):

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import yaml
 
 from buffer.keys import Keys
 from buffer.schema import Sample, TrajectoryGroup
+from core.net import free_port_outside_ephemeral
 
 
 def synthetic_groups(
@@ -68,3 +72,22 @@ def trainer_config(tmp_path: Path, keys: Keys, redis_url: str, model: Path, grou
         "trainer": {"micro_batch_tokens": 128, "take_timeout_s": 0.5, "device": "cpu", **trainer},
     }))
     return config
+
+
+def trainer_pool(tmp_path: Path, keys: Keys, redis_url: str, model: Path, groups_per_step: int,
+                 **trainer: object) -> list[subprocess.Popen]:
+    """Two ranks of ``python -m trainer`` (gloo, one thread each) training the run's groups with ``trainer_config``,
+    a checkpoint every step; rank r logs to ``trainer<r>.log``. The caller reaps them (``reaped``)."""
+    config = trainer_config(tmp_path, keys, redis_url, model, groups_per_step, total_steps=50, checkpoint_every=1,
+                            dist_timeout_s=600, **trainer)
+    pool = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port_outside_ephemeral("127.0.0.1")), "OMP_NUM_THREADS": "1",
+            "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}
+    ranks = []
+    for rank in (0, 1):
+        env = {**os.environ, **pool, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        env.pop("REDIS_URL", None)
+        with open(tmp_path / f"trainer{rank}.log", "wb") as out:
+            ranks.append(subprocess.Popen([sys.executable, "-m", "trainer", "-c", str(config)], env=env, stdout=out,
+                                          stderr=subprocess.STDOUT))
+    return ranks

@@ -237,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     of its run (``TrainerFenced``) records nothing, its start, its end and a crash included (``RunRecord``): the run's
     end and budget are the newer one's; it exits ``CONFIG_ERROR_EXIT`` too (a restart would fence the newer one). A
     SIGTERM or SIGINT (``TrainerStopped``) is recorded as a crash and exits 143 or 130; a pool's ranks stop together
-    before their next buffer read (``stop_point``), the step in hand trained, pushed and checkpointed as due, and leave
-    the process group together (``close_distributed``)."""
+    at their next stop point (``stop_point``: before a buffer read, an optimizer update, or every few micro-batches; a
+    step stopped within is neither pushed nor checkpointed), and leave the process group together
+    (``close_distributed``)."""
     prepare_component()
     die_with_parent()
     args = _parser().parse_args(argv)

@@ -22,6 +22,7 @@ Redis no longer holds it, so a newer trainer's turn stops it at once and a lost 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -34,6 +35,8 @@ from buffer.registry import ServerRegistry
 if TYPE_CHECKING:
     from buffer.replay import ReplayBuffer
 
+log = logging.getLogger(__name__)
+
 POLL_S = 0.02
 _SET_TURN = "redis.call('SET', KEYS[1], ARGV[1])"  # KEYS: the turn. ARGV: its JSON. Run fenced (fenced_script).
 # KEYS: the epoch counter. ARGV: an epoch the new one must exceed. The counter's next value, raised past ARGV[1].
@@ -45,6 +48,17 @@ if epoch <= floor then
   redis.call('SET', KEYS[1], epoch)
 end
 return epoch
+"""
+# KEYS: the releases hash. ARGV: server id, the report read, ... Each removed only while it is still the report read: a
+# server back in the live set reporting anew between the read and the removal keeps its new report.
+_PRUNE = """
+local pruned = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    pruned = pruned + redis.call('HDEL', KEYS[1], ARGV[i])
+  end
+end
+return pruned
 """
 
 
@@ -75,6 +89,7 @@ class DeviceTurns:
         self.keys = keys
         self._fenced_set = None if fence is None else fence.fenced_script(_SET_TURN, "a device turn")
         self._new_epoch = client.register_script(_NEW_EPOCH)
+        self._prune = client.register_script(_PRUNE)
 
     def turn(self) -> Turn | None:
         raw = self.redis.get(self.keys.device_turn)
@@ -115,21 +130,30 @@ class DeviceTurns:
         """Wait until every live server released for ``turn``; returns their ids. TimeoutError names the
         servers that did not, and the stage. A turn no longer in Redis is written again: a newer trainer's refuses
         it at once (``TrainerFenced``; a fenced trainer waited out the timeout, then blamed the servers), and one
-        Redis lost (a crash that lost its last second of writes) is restored (the servers never saw it)."""
+        Redis lost (a crash that lost its last second of writes) is restored (the servers never saw it). The reports of
+        servers no longer live are removed as it reads them (``_prune_dead``)."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self.turn() != turn:
                 self._set(turn)
             live = [s.server_id for s in servers.live_servers()]
-            done = {sid.decode() for sid, key in self.redis.hgetall(self.keys.device_released).items()
-                    if key.decode() == turn.key}
-            waiting = [sid for sid in live if sid not in done]
+            reports = {sid.decode(): key.decode() for sid, key in self.redis.hgetall(self.keys.device_released).items()}
+            self._prune_dead(turn, live, reports)
+            waiting = [sid for sid in live if reports.get(sid) != turn.key]
             if not waiting:
                 return live
             if time.monotonic() > deadline:
                 raise TimeoutError(f"colocated step {turn.step}: rollout server(s) {', '.join(waiting)} did not "
                                    f"release their engines' memory within {timeout_s:g} s (stage release)")
             time.sleep(POLL_S)
+
+    def _prune_dead(self, turn: Turn, live: list[str], reports: dict[str, str]) -> None:
+        """Remove the reports of servers out of the live set (deregistered, or dead) made for another turn than
+        ``turn``: the hash kept every dead server's id for good. A report for ``turn`` stays, as a server whose
+        heartbeat lapsed may come back for it (it does not release again for a turn it handled)."""
+        dead = {sid: key for sid, key in reports.items() if sid not in live and key != turn.key}
+        if dead and self._prune(keys=[self.keys.device_released], args=[v for item in dead.items() for v in item]):
+            log.info("dropped the device releases of rollout server(s) no longer live: %s", ", ".join(sorted(dead)))
 
     def engines_released(self, urls: list[str]) -> list[str]:
         """The memory tags the engines at ``urls`` hold released, as the server that drove them last recorded."""

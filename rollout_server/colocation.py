@@ -10,6 +10,8 @@ overlap the trainer never takes the device: the engines keep generating and only
 What the engines hold released is recorded in Redis before each release or resume is asked for (a call the
 server dies in still completes on the engine): a restarted server starts from that record, because SGLang cannot
 be asked and dies resuming memory it holds or releasing it twice, and a load into released memory is refused.
+A release that fails is logged and counted, and never reported to the trainer; the engines' answer to it puts the
+record back, so a restarted server does not report it either.
 A hand-over whose directory does not exist (a tmpfs emptied by a reboot) is not loaded until it does, or the
 trainer hands over others; it is logged and counted once, as each warning of engines released too long is.
 """
@@ -24,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from buffer.colocation import POLL_S, DeviceTurns, Turn
-from rollout_server.engine_client import EngineGroup
+from rollout_server.engine_client import EngineError, EngineGroup
 from rollout_server.metrics import RolloutMetrics
 
 log = logging.getLogger(__name__)
@@ -93,12 +95,28 @@ class EngineTurns:
             await self.engines.pause("retract")
         missing = [t for t in TAGS if t not in self.released]
         if missing:
+            held = self.released
             await self._record(TAGS)
-            await self.engines.release_memory(missing)
+            try:
+                await self.engines.release_memory(missing)
+            except EngineError as exc:
+                await self._release_failed(turn, held, exc)
+                raise
         self.handled = turn
         await self._call(self.turns.released, self.server_id, turn)
         self.metrics.device_handovers.labels(event="release").inc()
         log.info("engines released for trainer step %d (epoch %d)", turn.step, turn.epoch)
+
+    async def _release_failed(self, turn: Turn, held: list[str], exc: EngineError) -> None:
+        """The release failed: no report is made, so the trainer never trains on memory the engines may hold. An
+        engine that answered the failure holds its memory still: the record goes back to ``held``, so a restarted
+        server releases again rather than reporting, unasked, a release that never happened. Without an answer the
+        call may yet complete on the engine, and the record stays."""
+        self.metrics.device_handovers.labels(event="release_failed").inc()
+        log.error("the engines' release for trainer step %d (epoch %d) failed, not reported: %s", turn.step,
+                  turn.epoch, exc)
+        if exc.status is not None:
+            await self._record(held)
 
     def skip_missing(self, turn: Turn) -> None:
         """A hand-over whose weights are gone (a tmpfs emptied by a reboot, the stage directory of an earlier run

@@ -69,7 +69,8 @@ class RolloutMetrics:
         self.device_handovers = Counter(
             _P + "device_handovers", "Colocated placement: engines released for training, and resumed; overdue: "
             "each warning that they stayed released past placement.colocated_timeout_s; missing: a hand-over whose "
-            "weights were not on disk, skipped", ["event"],
+            "weights were not on disk, skipped; release_failed: an engine refused or did not answer the release (the "
+            "server reports nothing and stops)", ["event"],
             registry=r,
         )
         self.busy_seconds = Counter(

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -79,12 +78,17 @@ class LocalPusher:
         """Write the full weights (every rank gathers; rank 0 writes) as the next version: above every version
         published, or a fresh run's first write as version 0. ``unacked``: groups trained into the model that the
         buffer has not counted yet."""
-        params = iter_full_params(model)
-        if dist.is_initialized() and dist.get_rank() != 0:
-            for _ in params:
-                pass
-            return None
         start = time.perf_counter()
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in iter_full_params(model) if t is not None}
+        written: list[PushRound] = []  # rank 0's round: it stays there (its event does not travel)
+        from_rank0(lambda: written.append(self._write(tensors, unacked, start)), "the local push (stage write)")
+        return written[0] if written else None
+
+    def _write(self, tensors: dict[str, torch.Tensor], unacked: int, start: float) -> PushRound:
+        """Rank 0's part of ``push_model``: the gathered ``tensors`` written as the next version. What fails here
+        reaches the other ranks (``from_rank0``): they raise too, naming the stage, where they went on to the step's
+        next collective (its checkpoint, the device's hand-over) and waited there for rank 0 until the group's
+        timeout."""
         trained = groups_trained(self._staleness, unacked)
         fresh = self.written is None and self.published == 0 and trained == 0
         version = 0 if fresh else max(self.last_pushed, self.published) + 1
@@ -93,7 +97,6 @@ class LocalPusher:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         try:
-            tensors = {name: t.detach().to("cpu").contiguous() for name, t in params}
             save_file(tensors, partial / MODEL_WEIGHTS)
             config = self.model_path / "config.json"
             if config.exists():  # SGLang reads the directory as a model

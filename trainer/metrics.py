@@ -108,6 +108,14 @@ class TrainerMetrics:
         )
         for stage in _HANDOVER:  # exported at 0 where the trainer has its device to itself
             self.handover.labels(stage=stage)
+        self.handover_failures = Counter(
+            "rollwave_trainer_device_handover_failures_total",
+            "placement.mode=colocated: hand-overs of the device that failed, by stage (release: live rollout servers "
+            "did not release their engines' memory within placement.colocated_timeout_s; the step fails)",
+            ["stage"],
+            registry=r,
+        )
+        self.handover_failures.labels(stage="release")
         self.truncated = Counter(
             "rollwave_trainer_truncated_samples_total", "trained samples cut off by a token limit", registry=r
         )

@@ -345,7 +345,7 @@ class Trainer:
         """One step on ``groups`` (every rank, same groups); then push and checkpoint as due, and record. With a
         shared device the step, its push and its checkpoint run between taking the device from the engines (the
         trainer's memory comes back, ``trainer.offload``) and giving it back (the memory leaves again)."""
-        device_wait_s = self.device_share.take_device(self.step + 1) if self.device_share is not None else 0.0
+        device_wait_s = self._take_device(self.step + 1) if self.device_share is not None else 0.0
         onload_s = self._onload()
         record = self.train_step(groups, self.version, self.step)
         record.update(step=self.step + 1, policy_version=self.version, wait_s=wait_s, time=time.time())
@@ -369,6 +369,17 @@ class Trainer:
             assert self._log is not None
             self._log.write(record)
         return record
+
+    def _take_device(self, step: int) -> float:
+        """``DeviceShare.take_device``; servers that did not release the device in time (rank 0's TimeoutError, which
+        names them) are logged and counted before the error stops the trainer."""
+        assert self.device_share is not None
+        try:
+            return self.device_share.take_device(step)
+        except TimeoutError as exc:
+            self.metrics.handover_failures.labels(stage="release").inc()
+            log.error("the device's hand-over failed: %s", exc)
+            raise
 
     def _offload(self) -> float:
         """Free the device for the engines (``trainer.offload``); the seconds it took."""
@@ -453,7 +464,7 @@ class Trainer:
         pushes land (each within its deadlines). Every rank decides by the step, which they share (only rank 0
         knows the groups), since the checkpoint is a collective."""
         if self.step > self._saved_step:
-            self.save_checkpoint()
+            self._final_checkpoint()
         if source is not None:
             self.ack_checkpointed(source)
         if self.pusher is not None and self.ctx.is_main:
@@ -462,6 +473,17 @@ class Trainer:
                             "flight may still land on those servers, else they serve the version they had until a "
                             "trainer pushes again", ", ".join(unfinished))
             self.version = max(self.version, self.pusher.published)
+
+    def _final_checkpoint(self) -> None:
+        """The checkpoint of the steps trained since the last one; with a shared device, in a turn of the trainer's
+        own (the one after its last step's), as a step's is: the last step gave the device back, and the checkpoint
+        takes the trainer's memory onto it. The engines get the device back with the weights they served."""
+        if self.device_share is None:
+            self.save_checkpoint()
+            return
+        self._take_device(self.step + 1)
+        self.save_checkpoint()
+        self.device_share.give_device(self.step)
 
     def ack_checkpointed(self, source: GroupSource) -> None:
         """Ack the entries of groups a checkpoint covers (rank 0; idempotent)."""

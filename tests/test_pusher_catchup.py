@@ -13,18 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 import torch
-from pydantic import SecretStr
 from safetensors.torch import load_file
 from test_engine_client import serve, sglang_056_stub
-from test_pusher_restart_dtype import WAIT_S, Fleet, bf16_copy, restarted_in_fp32
-from transformers import AutoModelForCausalLM
+from test_pusher_restart_dtype import WAIT_S, Fleet, bf16_copy, restarted_in_fp32, trainer_side
 
 from core.checkpoint_format import MODEL_WEIGHTS
 from core.config import CheckpointConfig
@@ -128,12 +125,7 @@ class FixedAddress:
 
 @contextlib.asynccontextmanager
 async def fixed_address(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[FixedAddress]:
-    cfg = CheckpointConfig(token=SecretStr(secrets.token_urlsafe(32)), stage_dir=tmp_path / "stage",
-                           connect_timeout_s=5.0, retries=0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 1e-3)
+    cfg, model = trainer_side(tiny_model_dir, tmp_path)
     app, _, _ = sglang_056_stub()
     async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
         fixed = FixedAddress(cfg, engine, url, model)

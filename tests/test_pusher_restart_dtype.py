@@ -62,14 +62,21 @@ class Fleet:
         return [n for n, t in loaded.items() if t.dtype != torch.float32 or not torch.equal(t, self.want[n])]
 
 
-@contextlib.asynccontextmanager
-async def restarted_in_fp32(tiny_model_dir: Path, tmp_path: Path, back_on: int) -> AsyncIterator[Fleet]:
+def trainer_side(tiny_model_dir: Path, tmp_path: Path) -> tuple[CheckpointConfig, torch.nn.Module]:
+    """The pusher's config (a fresh token, no retries) and the trainer's fp32 weights: the tiny model, moved off the
+    served base weights, so a server that loaded them is told apart from one that did not."""
     cfg = CheckpointConfig(token=SecretStr(secrets.token_urlsafe(32)), stage_dir=tmp_path / "stage",
                            connect_timeout_s=5.0, retries=0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 1e-3)
+    return cfg, model
+
+
+@contextlib.asynccontextmanager
+async def restarted_in_fp32(tiny_model_dir: Path, tmp_path: Path, back_on: int) -> AsyncIterator[Fleet]:
+    cfg, model = trainer_side(tiny_model_dir, tmp_path)
     bf16_dir = bf16_copy(tiny_model_dir, tmp_path / "bf16" / "model")
     app, _, _ = sglang_056_stub()
     async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:

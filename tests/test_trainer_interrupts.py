@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+from trainer_helpers import join_within
 
 from core.net import free_port_outside_ephemeral
 from trainer import checkpoint
@@ -70,26 +70,11 @@ def _two_ranks(rank: int, port: int, root: Path, out: Path) -> None:
     exit_rank()
 
 
-def _join_within(ranks: mp.ProcessContext, bound_s: float) -> None:
-    """Wait for every rank, but not until the group's timeout: a rank alive after ``bound_s`` is one left waiting in
-    a collective, and fails the test. Every rank is stopped on the way out."""
-    deadline = time.monotonic() + bound_s
-    try:
-        while not ranks.join(timeout=max(deadline - time.monotonic(), 0)):
-            if time.monotonic() >= deadline:
-                left = [r for r, p in enumerate(ranks.processes) if p.is_alive()]
-                pytest.fail(f"ranks {left} still running after {bound_s} s (the group's timeout: {GROUP_TIMEOUT_S} s)")
-    finally:
-        for process in ranks.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-
 
 def test_an_interrupt_on_one_rank_reaches_every_rank_naming_it(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    _join_within(mp.spawn(_two_ranks, args=(free_port_outside_ephemeral(), root, tmp_path), nprocs=2, join=False),
-                 BOUND_S)
+    join_within(mp.spawn(_two_ranks, args=(free_port_outside_ephemeral(), root, tmp_path), nprocs=2, join=False),
+                BOUND_S, GROUP_TIMEOUT_S)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0["KeyboardInterrupt"] == "KeyboardInterrupt:  (the same)", rank0  # re-raised as it was
     assert rank1["KeyboardInterrupt"] == "RuntimeError: the buffer read: rank 0 was interrupted: KeyboardInterrupt"

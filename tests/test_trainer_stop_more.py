@@ -29,7 +29,7 @@ from test_trainer_stop_all_ranks import GPS
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
-from trainer_helpers import reaped, synthetic_groups, trainer_pool
+from trainer_helpers import join_within, reaped, synthetic_groups, trainer_pool
 
 from buffer.keys import Keys
 from buffer.replay import ReplayBuffer
@@ -106,26 +106,11 @@ def _interrupted_alone(_rank: int, model_dir: Path, root: Path, out: Path) -> No
     exit_rank(0)
 
 
-def _join_within(ranks: mp.ProcessContext, bound_s: float) -> None:
-    """Wait for every rank, but not until the group's timeout: a rank alive after ``bound_s`` is one left waiting in
-    a collective, and fails the test. Every rank is stopped on the way out."""
-    deadline = time.monotonic() + bound_s
-    try:
-        while not ranks.join(timeout=max(deadline - time.monotonic(), 0)):
-            if time.monotonic() >= deadline:
-                left = [r for r, p in enumerate(ranks.processes) if p.is_alive()]
-                pytest.fail(f"ranks {left} still running after {bound_s} s (the group's timeout: {GROUP_TIMEOUT_S} s)")
-    finally:
-        for process in ranks.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-
 
 def test_a_rank_interrupted_inside_dcp_raises_in_no_further_collective(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    _join_within(mp.spawn(_interrupted_in_dcp, args=(free_port_outside_ephemeral(), root, tmp_path), nprocs=2,
-                          join=False), BOUND_S)
+    join_within(mp.spawn(_interrupted_in_dcp, args=(free_port_outside_ephemeral(), root, tmp_path), nprocs=2,
+                         join=False), BOUND_S, GROUP_TIMEOUT_S)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank1 == "KeyboardInterrupt:  (the same)"
     # rank 0 waited in DCP's writing collective, which failed once rank 1's process went
@@ -175,7 +160,8 @@ def test_a_stop_or_an_interrupt_dcp_caught_is_raised_as_it_was(tiny_model_dir: P
     its writes was then recorded as a checkpoint it could not write (exit 1, not 143), and a Ctrl-C during a resume or
     an export as a checkpoint that does not load."""
     root = tmp_path / "checkpoints"
-    _join_within(mp.spawn(_interrupted_alone, args=(tiny_model_dir, root, tmp_path), nprocs=1, join=False), BOUND_S)
+    join_within(mp.spawn(_interrupted_alone, args=(tiny_model_dir, root, tmp_path), nprocs=1, join=False), BOUND_S,
+                GROUP_TIMEOUT_S)
     said = json.loads((tmp_path / "alone.json").read_text())
     assert said == {
         "save": ["TrainerStopped", "stopped by SIGTERM before its end (a supervisor's or an operator's stop)",

@@ -7,10 +7,13 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch.multiprocessing as mp
 import yaml
 
 from buffer.keys import Keys
@@ -91,3 +94,20 @@ def trainer_pool(tmp_path: Path, keys: Keys, redis_url: str, model: Path, groups
             ranks.append(subprocess.Popen([sys.executable, "-m", "trainer", "-c", str(config)], env=env, stdout=out,
                                           stderr=subprocess.STDOUT))
     return ranks
+
+
+def join_within(ranks: mp.ProcessContext, bound_s: float, group_timeout_s: float) -> None:
+    """Wait for every rank of a spawned pool, but not until its process group's timeout (``group_timeout_s``): a rank
+    alive after ``bound_s`` is one left waiting in a collective, and fails the test. Every rank is stopped on the way
+    out."""
+    deadline = time.monotonic() + bound_s
+    try:
+        while not ranks.join(timeout=max(deadline - time.monotonic(), 0)):
+            if time.monotonic() >= deadline:
+                left = [r for r, p in enumerate(ranks.processes) if p.is_alive()]
+                pytest.fail(f"ranks {left} still running after {bound_s} s (the group's timeout: {group_timeout_s} s)")
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()

@@ -20,9 +20,10 @@ A written group takes over its admission slot (entry field ``s``), and an ack as
 only a slot the group holds. A group of a schema newer than this trainer reads is kept in ``groups:newer`` (its job
 counts nothing, its slot stays) until a trainer that reads it moves it back at its first take (and again should Redis
 lose that move; the ack of a group the trainer holds from a lost move finds it parked).
-An entry deleted by hand while pending (an XDEL, a trim) is acked as any other by the trainer that holds it; one no live
-trainer holds (its trainer died) is ended as the reclaim finds it, by the record its put wrote (``Keys.group_records``,
-which outlives the entry): its payload key deleted, its id consumed, its slot given back, its job counting it ``lost``.
+An entry deleted by hand while pending (an XDEL, a trim) is acked as any other by the trainer that holds it (a restarted
+one acking what its checkpoint covers reads its job, payload key and slot from the record its put wrote,
+``Keys.group_records``, which outlives the entry); one no live trainer holds (its trainer died) is ended as the reclaim
+finds it, by that record: its payload key deleted, its id consumed, its slot given back, its job counting it ``lost``.
 
 The encoded group never passes through Lua: Redis 7 hashes every byte of every Lua string (a 64 KiB
 argument costs its single thread ~60 us, 30x Redis 6.2), so a put SETs the payload under a key of its own
@@ -178,15 +179,16 @@ return 1
 # holds). slot is the entry's field s: 1 the group holds a slot, 0 it holds none (never admitted), '' an entry written
 # before puts recorded it (taken to hold one, as every group a rollout server wrote was admitted). The caller that read
 # the entry passes its job, payload key ('' for a group stored inline) and slot, so the script does not read the entry
-# again; an empty job means the caller does not know the entry, and all three are looked up in it. Only entries still
-# pending count, and the slot goes back in the call that deletes the entry, so acking twice changes nothing, and an ack
-# Redis lost (the entry pending again) gives it back once when acked again. Where Redis lost what delivered the entry, a
-# group not yet consumed is found all the same: its entry undelivered (the read was lost), or, its entry gone, parked
-# again in the newer stream (the restore that made the entry was lost; its copy there has the f.<name> fields). The
-# payload key goes with the entry. An empty gid (a malformed entry without one) marks nothing consumed. Consumed ids
-# beyond the window leave groups:state. An entry still pending but no longer in its stream (an operator's XDEL or trim)
-# is acked as the others. Returns {how many were acked, how many of them had been deleted from the stream}, or -1
-# (nothing done) when a newer trainer started.
+# again; an empty job means the caller does not know the entry, and all three are looked up in it, or, the entry deleted
+# by hand (an XDEL, a trim), in its record (a restarted trainer acks what its checkpoint covers by ids alone: else the
+# payload key stayed and the job never counted it). Only entries still pending count, and the slot goes back in the call
+# that deletes the entry, so acking twice changes nothing, and an ack Redis lost (the entry pending again) gives it back
+# once when acked again. Where Redis lost what delivered the entry, a group not yet consumed is found all the same: its
+# entry undelivered (the read was lost), or, its entry gone, parked again in the newer stream (the restore that made the
+# entry was lost; its copy there has the f.<name> fields). The payload key goes with the entry. An empty gid (a
+# malformed entry without one) marks nothing consumed. Consumed ids beyond the window leave groups:state. An entry still
+# pending but no longer in its stream (an operator's XDEL or trim) is acked as the others. Returns {how many were acked,
+# how many of them had been deleted from the stream}, or -1 (nothing done) when a newer trainer started.
 _ACK = _fence_lua("KEYS[6]", "ARGV[3]") + """
 local acked, gone, parked = 0, 0, nil
 for i = 4, #ARGV, 6 do
@@ -223,6 +225,9 @@ for i = 4, #ARGV, 6 do
           if e[2][j] == prefix .. 'job' then job = e[2][j + 1] end
           if e[2][j] == prefix .. 's' then slot = e[2][j + 1] end
         end
+      elseif stream == KEYS[1] then
+        local record = redis.call('HGET', KEYS[8], id)
+        if record then job, payload, slot = unpack(cjson.decode(record), 2) end
       end
     end
     if payload ~= '' then redis.call('DEL', payload) end

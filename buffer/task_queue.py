@@ -220,17 +220,19 @@ end
 """
 
 # Lua shared by the scripts that remove a cancelled job's tasks (``_CANCEL_QUEUED``, then ``_DELETE_JOB``), whose KEYS
-# they read: KEYS as ``_DELETE_JOB``'s. ``task_at``: the job's task at ``id`` in ``stream``, nil once it is no longer
-# there, else {id, its group id, its pending delivery (nil when queued), whether a live consumer holds it (pending, and
-# renewed within ``idle`` ms, buffer.claim_idle_ms: a live server renews what it holds, and any other would take one
-# idle longer over)}. ``remove_task``: end such a task that no live consumer holds as a rollout server's ``_CANCEL``
-# ends it (acked if pending, then ``_END_CANCELLED``); a train task that was pending also has its group id consumed in
-# ``groups:state``, so the server that held it, frozen rather than dead, finds it so when it wakes: a server of this
-# version is refused admission for a task it no longer holds (``LeaseLost``), and an older one's ``try_admit`` (or one
-# without the task) admits it at no cost, taking no slot that nothing gives back; its put is a duplicate either way.
-# Only those: consuming every removed task's id would push the ids of groups still to come out of the dedup window (an
-# eval task takes no slot, and its late put writes nothing either way). ``trim_consumed``: keep the last ``window``
-# consumed ids.
+# they read: KEYS as ``_DELETE_JOB``'s. ``task_at``: the job's task at ``id`` in ``stream``, nil once it is neither
+# there nor pending (one deleted by hand while pending is its pending delivery, its group id read from its record,
+# ``records_of``: ended here, as the reclaim that finds it would, not left there with its record dropped, its slot held
+# for good and its job never deleted), else {id, its group id, its pending delivery (nil when queued), whether a live
+# consumer holds it (pending, and renewed within ``idle`` ms, buffer.claim_idle_ms: a live server renews what it holds,
+# and any other would take one idle longer over)}. ``remove_task``: end such a task that no live consumer holds as a
+# rollout server's ``_CANCEL`` ends it (acked if pending, then ``_END_CANCELLED``); a train task that was pending also
+# has its group id consumed in ``groups:state``, so the server that held it, frozen rather than dead, finds it so when
+# it wakes: a server of this version is refused admission for a task it no longer holds (``LeaseLost``), and an older
+# one's ``try_admit`` (or one without the task) admits it at no cost, taking no slot that nothing gives back; its put is
+# a duplicate either way. Only those: consuming every removed task's id would push the ids of groups still to come out
+# of the dedup window (an eval task takes no slot, and its late put writes nothing either way). ``trim_consumed``: keep
+# the last ``window`` consumed ids.
 _TASK_REMOVAL = _END_CANCELLED + """
 local function field(fields, name)
   for j = 1, #fields, 2 do
@@ -242,16 +244,18 @@ local function holder(stream, group, id)  -- {id, consumer, idle ms, deliveries}
   if held.err then return nil end  -- no such consumer group: nothing was delivered from the stream
   return held[1]
 end
+local function records_of(stream) return stream == KEYS[6] and KEYS[20] or KEYS[21] end
 local function task_at(stream, id, idle)
   local e = redis.call('XRANGE', stream, id, id)[1]
-  if not e then return nil end
   local held = holder(stream, '""" + ROLLOUT_GROUP + """', id)
-  return {id, field(e[2], 'gid'), held, held ~= nil and held[3] < idle}
+  if not (e or held) then return nil end
+  local gid = e and field(e[2], 'gid') or redis.call('HGET', records_of(stream), id)
+  return {id, gid, held, held ~= nil and held[3] < idle}
 end
 local function remove_task(stream, t)
   local id, gid, held = t[1], t[2], t[3]
   if held then redis.call('XACK', stream, '""" + ROLLOUT_GROUP + """', id) end
-  end_cancelled(stream, id, gid, KEYS[1], KEYS[5], KEYS[14], KEYS[15], stream == KEYS[6] and KEYS[20] or KEYS[21])
+  end_cancelled(stream, id, gid, KEYS[1], KEYS[5], KEYS[14], KEYS[15], records_of(stream))
   if held and gid and stream == KEYS[6] then
     redis.call('HSET', KEYS[12], gid, 't')
     redis.call('RPUSH', KEYS[13], gid)
@@ -280,7 +284,7 @@ for i = 3, #ARGV do
     local t = task_at(stream, string.sub(ARGV[i], 2), tonumber(ARGV[1]))
     if not t then
       redis.call('SREM', KEYS[5], ARGV[i])
-      redis.call('HDEL', h[1] == 'train' and KEYS[20] or KEYS[21], string.sub(ARGV[i], 2))
+      redis.call('HDEL', records_of(stream), string.sub(ARGV[i], 2))
     elseif not t[4] then
       remove_task(stream, t)
       removed = removed + 1
@@ -300,7 +304,8 @@ return removed
 # cancelled one goes with what is left of it: its tasks in the task stream (found through the job's entries, never by
 # reading the stream whole; ``delete_job`` removed those no one held in batches of ``_CANCEL_QUEUED`` before, so few are
 # left but what a live consumer holds) and its groups in ``groups`` and ``groups:newer`` (read whole: buffer.max_groups
-# bounds what is undelivered, admission what is parked), each ended as an ack would end it (a task as
+# bounds what is undelivered, admission what is parked; and those deleted by hand while pending, each found in the
+# trainer's pending list and named by its record, ``Keys.group_records``), each ended as an ack would end it (a task as
 # ``_TASK_REMOVAL``'s ``remove_task`` ends it; a group's payload key deleted and its id consumed, admission slots given
 # back, pending deliveries acked). A task pending for a consumer that has not renewed it for claim_idle_ms is no one's
 # (a live server renews what it holds; any other would take it over), nor is a group pending for a trainer that stopped
@@ -346,13 +351,32 @@ if left > 0 then
     local finished = redis.call('HMGET', KEYS[16], '""" + "', '".join(TRAINER_FINISHED_FIELDS[:2]) + """')
     lease = redis.call('GET', KEYS[18])
     local running = lease and not (finished[1] and finished[2])
+    local function found(id, fields, held)
+      if held and running then
+        training = training + 1
+      else
+        groups[#groups + 1] = {KEYS[9], id, fields, '', held}
+      end
+    end
+    local listed = {}
     for _, e in ipairs(redis.call('XRANGE', KEYS[9], '-', '+')) do
-      if field(e[2], 'job') == ARGV[1] then
-        local held = holder(KEYS[9], '""" + TRAINER_GROUP + """', e[1])
-        if held and running then
-          training = training + 1
-        else
-          groups[#groups + 1] = {KEYS[9], e[1], e[2], '', held}
+      listed[e[1]] = true
+      if field(e[2], 'job') == ARGV[1] then found(e[1], e[2], holder(KEYS[9], '""" + TRAINER_GROUP + """', e[1])) end
+    end
+    local pel = redis.pcall('XPENDING', KEYS[9], '""" + TRAINER_GROUP + """')
+    if not pel.err and pel[1] > 0 then
+      for _, p in ipairs(redis.call('XPENDING', KEYS[9], '""" + TRAINER_GROUP + """', '-', '+', pel[1])) do
+        local record = not listed[p[1]] and redis.call('HGET', KEYS[22], p[1])
+        if record then
+          local gid, job, payload, slot = unpack(cjson.decode(record))
+          local fields = {}
+          for name, value in pairs({gid = gid, p = payload, s = slot}) do
+            if value ~= '' then
+              fields[#fields + 1] = name
+              fields[#fields + 1] = value
+            end
+          end
+          if job == ARGV[1] then found(p[1], fields, p) end
         end
       end
     end

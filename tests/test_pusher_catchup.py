@@ -18,16 +18,22 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 from safetensors.torch import load_file
 from test_engine_client import serve, sglang_056_stub
 from test_pusher_restart_dtype import WAIT_S, Fleet, bf16_copy, restarted_in_fp32, trainer_side
+from trainer_helpers import synthetic_groups
 
+from buffer.keys import Keys
+from buffer.replay import ReplayBuffer
 from core.checkpoint_format import MODEL_WEIGHTS
-from core.config import CheckpointConfig
+from core.config import BufferConfig, CheckpointConfig, TrainerConfig
 from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine_client import EngineClient
-from trainer.checkpoint_pusher import CheckpointPusher, PushResult
+from trainer.checkpoint_pusher import CheckpointPusher, PushResult, Target
+from trainer.parallel import DistContext, iter_full_params
+from trainer.worker import Trainer
 
 STRANDED = "rollwave_trainer_push_stranded_servers"
 
@@ -177,5 +183,101 @@ def test_a_server_at_a_fixed_address_restarted_in_fp32_gets_no_bf16_weights_and_
             assert fixed.serves() == 3
             assert fixed.not_the_trainer_s() == []
             assert stranded(fixed.pusher) == 0
+
+    asyncio.run(main())
+
+
+def test_a_fleet_restarted_in_fp32_after_the_last_version_gets_it_again_from_the_waiting_trainer(
+        ctx: DistContext, tiny_model_dir: Path, redis_url: str, tmp_path: Path) -> None:
+    """A real trainer pushed versions 1 and 2 (cast to bf16 for its one bf16 server), which then restarted in fp32,
+    back on its base weights: the catch-up is refused, and the server, the whole fleet, stayed on version 0 for ever,
+    its groups too stale to train, so no step and no newer version came. Now the trainer, waiting for data with no step
+    trained since version 2, pushes version 2 again in its fp32 to that server alone: it serves the trainer's weights
+    exactly, no new version is pushed, and the stranded gauge is back to 0."""
+    cfg, _ = trainer_side(tiny_model_dir, tmp_path)
+    trainer_cfg = TrainerConfig(micro_batch_tokens=128, take_timeout_s=0.2, device="cpu", checkpoint_every=100)
+    buffer = ReplayBuffer(redis.Redis.from_url(redis_url), Keys("repush"), BufferConfig(), consumer="trainer")
+    buffer.ensure_group()
+
+    async def main() -> None:
+        app, _, _ = sglang_056_stub()
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+            rec = CheckpointReceiver(cfg, bf16_copy(tiny_model_dir, tmp_path / "bf16" / "model"), engine, url, "srv")
+            address = await rec.start()
+            live = [Target("srv", address, started=1.0)]
+            pusher = CheckpointPusher(cfg, lambda: list(live))
+            trainer = Trainer(trainer_cfg, tiny_model_dir, tmp_path / "run", BufferConfig(groups_per_step=2),
+                              pusher=pusher).start(ctx=ctx)
+            try:
+                for seed in (0, 1):  # versions 1 (fp32: its dtypes are not known yet) and 2 (bf16)
+                    await asyncio.to_thread(trainer.train, synthetic_groups(seed, 2))
+                    assert await asyncio.to_thread(pusher.flush) == [] and rec.service._state.current == seed + 1
+                pusher.take_results()
+                await rec.stop()
+                rec = CheckpointReceiver(cfg, tiny_model_dir, engine, url, "srv", port=int(address.rsplit(":", 1)[1]))
+                await rec.start()
+                live[0] = Target("srv", address, started=2.0)
+                await refused_catch_up(pusher)
+                assert stranded(pusher) == 1
+                waiting = asyncio.create_task(asyncio.to_thread(trainer.next_batch, buffer))
+                try:
+                    await wait_for("version 2 on the restarted server", lambda: rec.service._state.current == 2)
+                finally:  # a batch ends the wait, whatever happened
+                    buffer.put_many(synthetic_groups(2, 2, version=2, run="repush"))
+                    await waiting
+                want = dict(iter_full_params(trainer.model))
+                loaded = load_file(rec.service._state.current_dir / MODEL_WEIGHTS)
+                assert loaded and [n for n, t in loaded.items() if t.dtype != torch.float32
+                                   or not torch.equal(t, want[n])] == []
+                assert (trainer.step, pusher.last_pushed, pusher.published) == (2, 2, 2)
+                await wait_for("the stranded gauge back to 0", lambda: stranded(pusher) == 0)
+                assert [(r.version, r.ok) for r in pusher.take_results()] == [(2, True)]
+            finally:
+                trainer.close()
+                await asyncio.to_thread(pusher.close)
+                await rec.stop()
+
+    asyncio.run(main())
+
+
+def test_the_newest_version_pushed_again_goes_to_the_stranded_server_alone(tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    """Two bf16 servers committed version 2 (cast to bf16); one restarted in fp32. Pushing version 2 again from the
+    trainer's fp32 weights (``repush_model``, what a waiting trainer does) sends it to that one alone, which then serves
+    the trainer's weights exactly: the other keeps what it committed, nothing is published anew, and once it is served
+    no re-push is due any more."""
+
+    async def main() -> None:
+        cfg, model = trainer_side(tiny_model_dir, tmp_path)
+        bf16 = bf16_copy(tiny_model_dir, tmp_path / "bf16" / "model")
+        app, _, _ = sglang_056_stub()
+        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+            recs = {name: CheckpointReceiver(cfg, bf16, engine, url, name) for name in ("kept", "srv")}
+            live = [Target(name, await rec.start(), started=1.0) for name, rec in recs.items()]
+            fleet = Fleet(cfg, CheckpointPusher(cfg, lambda: list(live)), recs["srv"], model)
+            try:
+                await fleet.push(1)
+                await fleet.push(2)
+                kept = recs["kept"].service._state.current_dir
+                fleet.pusher.take_results()
+                await fleet.rec.stop()
+                fleet.rec = CheckpointReceiver(cfg, tiny_model_dir, engine, url, "srv",
+                                               port=int(live[1].address.rsplit(":", 1)[1]))
+                await fleet.rec.start()
+                live[1] = Target("srv", live[1].address, started=2.0)
+                await refused_catch_up(fleet.pusher)
+                await wait_for("the re-push due", lambda: fleet.pusher.repush_due() == 2)
+                offered = await asyncio.to_thread(fleet.pusher.repush_model, model, 2)
+                assert offered == [f"srv ({live[1].address})"]
+                await wait_for("version 2 on the restarted server", lambda: fleet.rec.service._state.current == 2)
+                assert fleet.not_the_trainer_s() == []
+                assert await asyncio.to_thread(fleet.pusher.flush) == []
+                assert [(r.server_id, r.version, r.ok) for r in fleet.pusher.take_results()] == [("srv", 2, True)]
+                assert recs["kept"].service._state.current_dir == kept and stranded(fleet.pusher) == 0
+                assert (fleet.pusher.last_pushed, fleet.pusher.published, fleet.pusher.repush_due()) == (2, 2, 0)
+            finally:
+                await asyncio.to_thread(fleet.pusher.close)
+                await recs["kept"].stop()
+                await fleet.rec.stop()
 
     asyncio.run(main())

@@ -22,8 +22,10 @@ registration's ``started``): one that restarted under the same id and address, b
 the registry's TTL, is caught up again, unless the newest snapshot was cast for the servers live when it was taken to
 a dtype this one does not serve (restarted in fp32 where it served bf16): it then waits for the next version, which is
 taken in its precision, rather than load rounded weights (stage ``stage``, reason ``cast``, once per incarnation): an
-error names it, and ``rollwave_trainer_push_stranded_servers`` counts it until a version reaches it (the trainer's
-precision of the newest version is gone: its masters moved on, and no second full copy is kept). A server listed by
+error names it, and ``rollwave_trainer_push_stranded_servers`` counts it until a version reaches it: the next, or the
+newest again, which the trainer pushes once more in its precision to the stranded servers alone (``repush_model``) while
+it waits for data with no step trained since (its masters are still that version's; no second full copy is kept): a
+fleet that restarted so used to stay on its base weights, its groups too stale to train, for ever. A server listed by
 address alone has no ``started``: while it has nothing to be sent, the watcher asks its Status, and one that serves less
 than it committed restarted, and is caught up.
 
@@ -201,8 +203,19 @@ class PushMetrics:
                                    registry=self.registry)
         self.stranded = Gauge("rollwave_trainer_push_stranded_servers", "live servers that lack the newest version "
                               "and that the trainer cannot send it (reason cast: kept only cast to a dtype they do not "
-                              "serve), until a newer version reaches them (which servers: the log's error and the "
-                              "registry's push results)", ["reason"], registry=self.registry)
+                              "serve), until a version reaches them: a newer one, or the newest pushed again in the "
+                              "trainer's precision (which servers: the log's error and the registry's push results)",
+                              ["reason"], registry=self.registry)
+
+
+def _pushes(params: Iterator[tuple[str, torch.Tensor | None]]) -> bool:
+    """Whether this rank pushes (rank 0, or the only process); another only takes part in the all-gathers that
+    ``params`` runs (drained here), every rank in step."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        for _ in params:
+            pass
+        return False
+    return True
 
 
 class _Failed(Exception):
@@ -641,9 +654,7 @@ class CheckpointPusher:
         the model that the buffer has not counted yet (acks wait for a checkpoint)."""
         lora = is_lora(model)
         params = iter_adapter_params(model) if lora else iter_full_params(model)
-        if dist.is_initialized() and dist.get_rank() != 0:
-            for _ in params:
-                pass
+        if not _pushes(params):
             return None
         if lora:
             metas, config = adapter_metas(model), adapter_config_json(model)
@@ -818,15 +829,69 @@ class CheckpointPusher:
             link = self._link(target)
             if newest is None or not link.idle:
                 continue
-            # a snapshot cast for it was refused already (logged, counted): this incarnation waits for the next version
-            rounded = (dtypes := link.dtypes_of(target)) is not None and self.rounded_for(newest, dtypes)
-            if link.serves(target) < newest.version and now >= link.retry_at and not rounded:
+            # a snapshot cast for it was refused already (logged, counted): this incarnation waits for the next version,
+            # or for the trainer's re-push of this one (``repush_model``)
+            if link.serves(target) < newest.version and now >= link.retry_at and not self._cast_away(link, target):
                 link.offer(newest)
             elif not target.named:  # no registry tells its restarts: its Status does
                 link.probe()
         addresses = {t.address for t in targets}
         for address in [a for a, link in self._links.items() if a not in addresses and link.idle]:
             self._links.pop(address).close()
+
+    def _cast_away(self, link: _Link, target: Target) -> bool:
+        """Whether the newest snapshot is cast to a dtype that ``target``'s present incarnation, as ``link`` read it,
+        does not serve (a catch-up would be refused: ``rounded_for``)."""
+        dtypes = link.dtypes_of(target)
+        return self._newest is not None and dtypes is not None and bool(self.rounded_for(self._newest, dtypes))
+
+    def _stranded_links(self) -> list[_Link]:
+        """The links of the live servers that lack the newest version and that its snapshot cannot be sent to
+        (``_cast_away``), idle and past their back-off (a failed re-push is tried again after it); none once a newer
+        trainer of the run refused a commit."""
+        with self._lock:
+            newest, now = None if self.refused is not None else self._newest, time.monotonic()
+            if newest is None:
+                return []
+            links = [(link, t) for t in self._live if (link := self._links.get(t.address)) is not None
+                     and link.target.server_id == t.server_id]
+            return [link for link, t in links if link.idle and now >= link.retry_at
+                    and link.serves(t) < newest.version and self._cast_away(link, t)]
+
+    def repush_due(self) -> int:
+        """The newest version when a live server is stranded (it cannot be sent the newest snapshot, which is cast to a
+        dtype it does not serve) and a re-push of it is due (``_stranded_links``), else 0; rank 0's, which the trainer
+        shares with its other ranks before they all call ``repush_model``."""
+        with self._lock:
+            return self._newest.version if self._newest is not None and self._stranded_links() else 0
+
+    def repush_model(self, model: torch.nn.Module, version: int) -> list[str] | None:
+        """Push ``version``, the newest, again from ``model``, which must hold exactly its weights in the trainer's
+        precision (no step trained since it was pushed), to the stranded servers alone (``repush_due``), each stream
+        casting it to its server's dtypes; nothing is published anew and no other server is sent anything. Their
+        commits count in the version's round. A fleet restarted in another dtype after the newest version used to stay
+        on its base weights, its groups too stale to train, and no newer version ever came. Every rank calls this (the
+        all-gathers are collectives); rank 0 returns the servers it offered the snapshot to, others None."""
+        params = iter_full_params(model)
+        if not _pushes(params):
+            return None
+        snapshot = take_snapshot(version, model_metas(model), params, self._pool)
+        try:
+            with self._lock:
+                if self._newest is None or self._newest.version != version:
+                    newest = self._newest.version if self._newest is not None else None
+                    raise ValueError(f"version {version} is not the newest ({newest}): only the newest is pushed again")
+                links = self._stranded_links()
+                for link in links:
+                    link.offer(snapshot)
+        finally:
+            snapshot.release()
+        servers = [f"{link.target.server_id} ({link.target.address})" for link in links]
+        if servers:
+            log.warning("version %d pushed again, in the trainer's precision, to %s: its snapshot is cast to a dtype "
+                        "they do not serve (restarted in another), and no step was trained since", version,
+                        ", ".join(servers))
+        return servers
 
     def _finish(self, result: PushResult) -> None:
         """Account one result: metrics, the registry record, the log, the version's quorum."""
@@ -838,9 +903,9 @@ class CheckpointPusher:
                 self._strand(result.server_id, not result.ok)
             if result.reason == "cast":
                 log.error("server %s (%s) stays on version %d, behind the newest, %d, until the trainer pushes a newer "
-                          "version: version %d is kept only cast to a dtype this server does not serve (the trainer's "
-                          "masters moved on, and no second full copy is kept)", result.server_id,
-                          result.address, result.serves, result.version, result.version)
+                          "version, or this one again while it waits for data with no step trained since: version %d "
+                          "is kept only cast to a dtype this server does not serve (no second full copy is kept)",
+                          result.server_id, result.address, result.serves, result.version, result.version)
             if self._record is not None and result.reason != "fenced":  # the newer trainer's pushes are the record
                 try:
                     self._record(result.server_id, result.record())

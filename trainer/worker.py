@@ -37,7 +37,7 @@ from buffer.staleness import split_stale
 from core.config import BufferConfig, LoraConfig, TrainerConfig
 from trainer.batching import check_group
 from trainer.checkpoint import Checkpointer, CheckpointMismatch
-from trainer.checkpoint_pusher import PushResult, PushRound
+from trainer.checkpoint_pusher import CheckpointPusher, PushResult, PushRound
 from trainer.colocation import held_bytes
 from trainer.critic import build_critic_optimizer, load_critic
 from trainer.lora import add_adapter
@@ -139,6 +139,7 @@ class Trainer:
         self.step = 0
         self.version = 0
         self._saved_step = 0  # the step of the last checkpoint this trainer saved or resumed from (every rank)
+        self._pushed_step: int | None = None  # the step whose weights this trainer pushed last (every rank)
         self._unacked: list[tuple[str, str]] = []  # (entry id, group id) trained since the last checkpoint
         self._covered: list[tuple[str, str]] = []  # in a checkpoint, not yet acked
         self._partial: list[tuple[str, TrajectoryGroup]] = []  # read, waiting for the rest of the batch
@@ -261,13 +262,15 @@ class Trainer:
         (``take_timeout_s``) however long the buffer stays empty (NCCL would time out). A read refused because a
         newer trainer started (``TrainerFenced``), or one that failed, is broadcast too (``from_rank0``): every rank
         stops, none waits for rank 0. Before each read the ranks stop together if any was asked to (a SIGTERM's
-        ``TrainerStopped``, ``stop_point``).
+        ``TrainerStopped``, ``stop_point``), and push the newest version again to the servers it is stranded from
+        (``_repush_stranded``).
         """
         if self.ctx.is_main and source is None:
             raise ValueError("rank 0 needs a GroupSource to read batches from")
         start = last = time.perf_counter()
         while True:
             stop_point(self.ctx.device)
+            self._repush_stranded()
             read = from_rank0(lambda: self._read(source), "the buffer read", (TrainerFenced,))
             now = time.perf_counter()
             self.metrics.idle.inc(now - last)  # read by read: a trainer starved of data shows idle while it waits
@@ -275,6 +278,19 @@ class Trainer:
             if read is not None:
                 groups, self._drained, self.version = read
                 return groups, now - start
+
+    def _repush_stranded(self) -> None:
+        """Push the newest version again, in the trainer's precision, to the servers it could not be sent to (restarted
+        in another dtype than its snapshot was cast to: ``CheckpointPusher.repush_due``), while no step was trained
+        since it was pushed (the masters are exactly its weights). A fleet that restarted so used to stay on its base
+        weights: its groups were too stale to train, so no newer version ever came. Rank 0 decides, every rank gathers.
+        """
+        pusher = self.pusher
+        if not isinstance(pusher, CheckpointPusher) or self._pushed_step != self.step:
+            return
+        version = from_rank0(pusher.repush_due, "the stranded servers' check")
+        if version:
+            pusher.repush_model(self.model, version)
 
     def _read(self, source: GroupSource) -> tuple[list[TrajectoryGroup], bool, int] | None:
         """One buffer read into the pending batch; (the batch, drained, version) once it holds
@@ -411,6 +427,7 @@ class Trainer:
             return {}
         self._check_fence()
         pushed = self.pusher.push_model(self.model, unacked=len(self._unacked) + len(self._covered))
+        self._pushed_step = self.step
         if pushed is None:
             return {}
         return {"pushed_version": pushed.version, "pushed_trained": pushed.trained,

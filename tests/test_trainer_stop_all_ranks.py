@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import redis
 import torch
 import torch.multiprocessing as mp
-from trainer_helpers import reaped, synthetic_groups, trainer_pool
+from trainer_helpers import reaped, signal_pool_when, synthetic_groups, trainer_pool
 
 from buffer.keys import Keys
 from buffer.replay import ReplayBuffer
@@ -42,21 +41,10 @@ def test_a_sigterm_to_every_rank_mid_checkpoint_stops_them_all_recording_the_sto
     buffer.put_many(synthetic_groups(0, 20 * GPS, run=keys.run))
     checkpoints = tmp_path / keys.run / "checkpoints"
     ranks = trainer_pool(tmp_path, keys, redis_url, tiny_model_dir, GPS)
-    logs = [tmp_path / f"trainer{rank}.log" for rank in (0, 1)]
     try:
         with reaped(ranks[0]), reaped(ranks[1]):
-            deadline = time.monotonic() + 240
-            while not any(checkpoints.glob(".step_*.partial/*.distcp")):  # a rank writes its shard
-                assert all(p.poll() is None for p in ranks), [p.returncode for p in ranks]
-                assert time.monotonic() < deadline, logs[0].read_text(errors="replace")[-3000:]
-                time.sleep(0.001)
-            for proc in ranks:
-                proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + BOUND_S
-            while any(p.poll() is None for p in ranks) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            codes = [p.poll() for p in ranks]
-            tails = [log.read_text(errors="replace")[-3000:] for log in logs]
+            codes, tails = signal_pool_when(  # as a rank writes its shard
+                ranks, tmp_path, lambda: any(checkpoints.glob(".step_*.partial/*.distcp")), signal.SIGTERM, BOUND_S)
             assert codes == [128 + signal.SIGTERM] * 2, (codes, *tails)
         assert client.hget(keys.trainer, "finished_reason").decode() == STOPPED
         assert not client.exists(keys.trainer_alive)  # its lease deleted, not left to lapse

@@ -25,7 +25,7 @@ import redis
 import torch
 import torch.multiprocessing as mp
 from torch import nn
-from trainer_helpers import reaped, synthetic_groups, trainer_pool
+from trainer_helpers import reaped, signal_pool_when, synthetic_groups, trainer_pool
 
 from buffer.keys import TRAINER_GROUP, Keys
 from buffer.replay import ReplayBuffer
@@ -119,21 +119,12 @@ def test_a_pool_sigtermed_mid_step_stops_in_it_recording_the_stop_its_groups_una
     buffer.put_many(synthetic_groups(0, groups, run=keys.run))
     ranks = trainer_pool(tmp_path, keys, redis_url, tiny_model_dir, groups, micro_batch_tokens=16, share_prefix=False,
                          ppo_minibatches=8)
-    logs = [tmp_path / f"trainer{rank}.log" for rank in (0, 1)]
     try:
         with reaped(ranks[0]), reaped(ranks[1]):
-            deadline = time.monotonic() + 240
-            while client.xpending(keys.groups, TRAINER_GROUP)["pending"] < groups:  # the step's groups taken
-                assert all(p.poll() is None for p in ranks), [p.returncode for p in ranks]
-                assert time.monotonic() < deadline, logs[0].read_text(errors="replace")[-3000:]
-                time.sleep(0.001)
-            for proc in ranks:
-                proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + BOUND_S
-            while any(p.poll() is None for p in ranks) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            tails = [log.read_text(errors="replace")[-3000:] for log in logs]
-            assert [p.poll() for p in ranks] == [128 + signal.SIGTERM] * 2, tails
+            codes, tails = signal_pool_when(  # as the step's groups are taken
+                ranks, tmp_path, lambda: client.xpending(keys.groups, TRAINER_GROUP)["pending"] >= groups,
+                signal.SIGTERM, BOUND_S)
+            assert codes == [128 + signal.SIGTERM] * 2, tails
         ended = {k.decode(): v.decode() for k, v in client.hgetall(keys.trainer).items()}
         assert (ended["finished_reason"], ended["finished_step"]) == (f"crashed: {STOPPED}", "0")
         assert not client.exists(keys.trainer_alive)  # its lease deleted, not left to lapse

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from test_trainer_stop_all_ranks import GPS
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
-from trainer_helpers import join_within, reaped, synthetic_groups, trainer_pool
+from trainer_helpers import join_within, reaped, signal_pool_when, synthetic_groups, trainer_pool
 
 from buffer.keys import Keys
 from buffer.replay import ReplayBuffer
@@ -132,21 +131,11 @@ def test_a_pool_stopped_by_a_signal_records_it_and_leaves_its_process_group_toge
     buffer.put_many(synthetic_groups(0, 4 * GPS, run=keys.run))
     checkpoints = Checkpointer(tmp_path / keys.run / "checkpoints", keep=2)
     ranks = trainer_pool(tmp_path, keys, redis_url, tiny_model_dir, GPS)
-    logs = [tmp_path / f"trainer{rank}.log" for rank in (0, 1)]
     try:
         with reaped(ranks[0]), reaped(ranks[1]):
-            deadline = time.monotonic() + 240
-            while not checkpoints.list():
-                assert all(p.poll() is None for p in ranks), [p.returncode for p in ranks]
-                assert time.monotonic() < deadline, logs[0].read_text(errors="replace")[-3000:]
-                time.sleep(0.05)
-            for proc in ranks:
-                proc.send_signal(signum)
-            deadline = time.monotonic() + BOUND_S
-            while any(p.poll() is None for p in ranks) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            tails = [log.read_text(errors="replace")[-3000:] for log in logs]
-            assert [p.poll() for p in ranks] == [128 + signum] * 2, tails
+            codes, tails = signal_pool_when(ranks, tmp_path, lambda: bool(checkpoints.list()), signum, BOUND_S,
+                                            poll_s=0.05)
+            assert codes == [128 + signum] * 2, tails
         assert client.hget(keys.trainer, "finished_reason").decode() == (
             f"crashed: stopped by {signum.name} before its end (a supervisor's or an operator's stop)")
         for rank, tail in enumerate(tails):

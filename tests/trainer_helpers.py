@@ -8,7 +8,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -111,3 +111,21 @@ def join_within(ranks: mp.ProcessContext, bound_s: float, group_timeout_s: float
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def signal_pool_when(ranks: list[subprocess.Popen], tmp_path: Path, ready: Callable[[], bool], signum: int,
+                     bound_s: float, poll_s: float = 0.001) -> tuple[list[int | None], list[str]]:
+    """Once ``ready()`` (within 240 s, every rank still running), ``signum`` to every rank of a ``trainer_pool``; their
+    exit codes after at most ``bound_s`` (None: still running) and the tails of their logs."""
+    logs = [tmp_path / f"trainer{rank}.log" for rank in range(len(ranks))]
+    deadline = time.monotonic() + 240
+    while not ready():
+        assert all(p.poll() is None for p in ranks), [p.returncode for p in ranks]
+        assert time.monotonic() < deadline, logs[0].read_text(errors="replace")[-3000:]
+        time.sleep(poll_s)
+    for proc in ranks:
+        proc.send_signal(signum)
+    deadline = time.monotonic() + bound_s
+    while any(p.poll() is None for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p.poll() for p in ranks], [log.read_text(errors="replace")[-3000:] for log in logs]

@@ -9,10 +9,19 @@ writes survive a crash of the server (``appendfsync always``) or of the machine 
 The server runs in its own session, so a Ctrl-C at the terminal (SIGINT to the whole foreground process group)
 reaches only its owner, which stops it last, after its own shutdown. Its data directory is locked for the owner's
 life (and the server's: it inherits the lock), so a second owner of the same files is refused.
+
+The server ends with its owner however the owner dies (SIGKILL, OOM): beside it runs a guard, a small Python
+process given pidfds of the owner and of the server, that SIGTERMs the server (which flushes its AOF) once the
+owner has exited, and SIGKILLs it if it hangs. A pidfd names one process, so a reused pid is never signalled, and
+a fork of the owner does not keep it "alive" (it would hold the write end of a pipe). The kernel's parent-death
+signal (``PR_SET_PDEATHSIG``, also what ``setpriv --pdeathsig`` sets) is not used: it follows the *thread* that
+started the server (a Ray actor's or a server's worker thread may), and arming it needs a ``preexec_fn``, which
+makes ``subprocess`` fork, fatal in a process that used gRPC (``core.process.die_with_parent``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import fcntl
@@ -21,6 +30,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +47,23 @@ from core.net import BIND_RETRY_S, bind_retrying, free_port_outside_ephemeral
 from core.process import MALLOC_ENV, stop_process
 
 UNIX_PATH_MAX = 107
+STOP_TIMEOUT_S = 30.0  # a server's SIGTERM to its exit, before it is SIGKILLed
+
+# The guard (``python -I -S -c GUARD <owner pidfd> <server pidfd> <grace s>``), standard library only: waits for
+# the owner or the server to exit; the owner first, it stops the server as ``stop_process`` would.
+GUARD = """
+import contextlib, select, signal, sys
+owner, server, grace_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+exits = select.poll()
+exits.register(owner, select.POLLIN)
+exits.register(server, select.POLLIN)
+if server not in [fd for fd, _ in exits.poll()]:
+    exits.unregister(owner)
+    with contextlib.suppress(ProcessLookupError):
+        signal.pidfd_send_signal(server, signal.SIGTERM)
+        if not exits.poll(grace_s * 1000):
+            signal.pidfd_send_signal(server, signal.SIGKILL)
+"""
 
 
 class RedisStartError(RuntimeError):
@@ -93,6 +120,7 @@ class EmbeddedRedis:
         self.bind_timeout_s = bind_timeout_s
         self.password = password
         self.proc: subprocess.Popen | None = None
+        self.guard: subprocess.Popen | None = None
         self._lock_fd: int | None = None
 
     @property
@@ -226,6 +254,7 @@ class EmbeddedRedis:
             self._argv(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             env={**MALLOC_ENV, **os.environ}, start_new_session=True, pass_fds=(self._lock_fd,),
         )  # the lock goes with it: a server that outlives a killed owner still holds the directory
+        self._start_guard()
         self._record()
         assert self.proc.stdin is not None
         with self.proc.stdin as stdin:
@@ -245,6 +274,26 @@ class EmbeddedRedis:
             raise OSError(errno.EADDRINUSE, f"redis-server: {self.url}: address already in use")
         raise RedisStartError(f"redis-server did not start ({self.url}):\n{stderr}{self._log_tail()}")
 
+    def _start_guard(self) -> None:
+        """The guard of the server just started (module docstring), before anything can reap the server: its pid
+        is only certain to be its own until then. What goes wrong in the guard is said in the server's log."""
+        assert self.proc is not None
+        with contextlib.ExitStack() as opened:
+            fds: list[int] = []
+            for pid in (os.getpid(), self.proc.pid):
+                try:
+                    fds.append(os.pidfd_open(pid))
+                except OSError as exc:
+                    raise RedisStartError(f"pidfd_open({pid}): {exc}: the guard that ends the embedded redis-server "
+                                          "with its owner needs pidfds (Linux 5.3 or later)") from None
+                opened.callback(os.close, fds[-1])
+            log = opened.enter_context(self.log_path.open("ab"))
+            self.guard = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", GUARD, *map(str, fds), str(STOP_TIMEOUT_S)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, env={}, start_new_session=True,
+                pass_fds=fds,
+            )  # its own session: a terminal's Ctrl-C must not end it before its owner has stopped the server
+
     def _wait_ready(self) -> bool:
         assert self.proc is not None
         client = redis.Redis.from_url(self.url, socket_timeout=2.0, retry=Retry(NoBackoff(), 0),
@@ -263,19 +312,23 @@ class EmbeddedRedis:
         finally:
             client.close()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM: Redis flushes the AOF and exits; escalate to SIGKILL only if it hangs. The data directory
         is then free for another owner."""
         self._end(timeout_s)
         self._unlock()
 
-    def _end(self, timeout_s: float = 30.0) -> None:
+    def _end(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         if self.proc is None:
             return
         stop_process(self.proc, timeout_s, name="redis-server", group=True)  # with an AOF rewrite it forked
         if self.proc.stderr:
             self.proc.stderr.close()
         self.proc = None
+        if self.guard is not None:  # last: an owner killed while it stops the server leaves it stopped still
+            self.guard.kill()
+            self.guard.wait()
+            self.guard = None
 
     def kill(self) -> None:
         """Crash the server (SIGKILL), for fault-injection tests; ``start()`` brings it back on the same port."""

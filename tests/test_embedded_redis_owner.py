@@ -1,8 +1,9 @@
 """The embedded Redis and its owner. The standalone ``python -m rollout_server`` stops in seconds on a Ctrl-C, which
 the terminal sends to its whole process group: its embedded redis-server, in a session of its own, outlives the
 signal and is stopped last, after the server deregistered. A Redis that is really gone during the shutdown is said
-in one line, not waited for (the 60 s outage budget a running server rides out). A data directory has one owner:
-a second is refused by name, also while the redis-server of a killed owner still runs on it."""
+in one line, not waited for (the 60 s outage budget a running server rides out). A killed owner's redis-server is
+stopped by its guard. A data directory has one owner: a second is refused by name, also while the redis-server of
+a killed owner still runs on it (its guard killed too)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from buffer.registry import ServerRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP_BOUND_S = 20.0  # the old shutdown waited out the outage budget twice: about 120 s
+GONE_BOUND_S = 30.0  # a redis-server flushing its AOF as it stops takes milliseconds
 OWNER = """
 import sys
 import redis
@@ -135,8 +137,8 @@ def test_a_second_owner_of_a_data_dir_is_refused_while_the_first_or_its_server_l
 ) -> None:
     """The owner is a process with an embedded Redis in ``<run dir>/t/redis``; a rollout server on that run
     directory is refused (config error, exit 2) naming the directory, the owner and REDIS_URL. Once the owner is
-    SIGKILLed its redis-server still runs on the files, and is named; once that is gone too, the directory (and its
-    data) is free."""
+    SIGKILLed, its guard first, its redis-server still runs on the files, and is named; once that is gone too, the
+    directory (and its data) is free."""
     data_dir = (tmp_path / "t" / "redis").absolute()
     redis_pid = None
     with subprocess.Popen([sys.executable, "-c", OWNER, str(data_dir)], cwd=ROOT, stdin=subprocess.PIPE,
@@ -155,6 +157,9 @@ def test_a_second_owner_of_a_data_dir_is_refused_while_the_first_or_its_server_l
             assert (f"error: run.dir: {data_dir}: the data directory of another embedded Redis (owner pid {owner.pid}, "
                     f"redis-server pid {redis_pid})") in second.stderr, second.stderr
             assert "give every part its REDIS_URL" in second.stderr
+            for guard in psutil.Process(owner.pid).children():
+                if guard.pid != redis_pid:
+                    guard.kill()
             owner.kill()
             owner.wait()
             with pytest.raises(DataDirInUse, match=f"owner pid {owner.pid} has exited; its redis-server pid "
@@ -171,3 +176,33 @@ def test_a_second_owner_of_a_data_dir_is_refused_while_the_first_or_its_server_l
             owner.kill()
             if redis_pid is not None and not gone(redis_pid):
                 os.kill(redis_pid, signal.SIGKILL)
+
+
+def test_a_killed_owner_takes_its_embedded_redis_along(tmp_path: Path) -> None:
+    """The owner SIGKILLed, its redis-server is SIGTERMed (its log says it shut down: the AOF flushed) and every
+    process the owner started for it ends; the data directory is then free, with the data written before."""
+    data_dir = (tmp_path / "redis").absolute()
+    started: list[psutil.Process] = []
+    with subprocess.Popen([sys.executable, "-c", OWNER, str(data_dir)], cwd=ROOT, stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as owner:
+        try:
+            assert owner.stdout is not None
+            redis_pid = int(owner.stdout.readline())
+            started = psutil.Process(owner.pid).children()
+            assert redis_pid in [p.pid for p in started]
+            owner.kill()
+            owner.wait()
+            deadline = time.monotonic() + GONE_BOUND_S
+            while left := [p.pid for p in started if not gone(p.pid)]:
+                assert time.monotonic() < deadline, f"{left} (redis-server {redis_pid}) outlived the killed owner"
+                time.sleep(0.05)
+            assert "ready to exit" in (data_dir / "redis.log").read_text()
+            with EmbeddedRedis(data_dir) as again:
+                assert client(again).get("k") == b"v"
+        finally:
+            owner.kill()
+            for p in started:
+                try:
+                    p.kill()  # psutil checks that the pid is still this process's
+                except psutil.NoSuchProcess:
+                    pass

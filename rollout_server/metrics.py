@@ -82,6 +82,14 @@ class RolloutMetrics:
             "endpoint saw them)", ["outcome"],
             registry=r,
         )
+        self.openai_max_tokens_lowered = Counter(
+            _P + "openai_max_tokens_lowered",
+            "OpenAI-compatible endpoint turns generated with fewer tokens allowed than the request's max_tokens (or "
+            "max_completion_tokens), by the limit that lowered it: max_new_tokens (the job's cap on a turn) or context "
+            "(the room left in rollout.max_total_tokens); a turn cut there ends with finish_reason length",
+            ["limit"],
+            registry=r,
+        )
         self.history_mismatches = Counter(
             _P + "history_mismatches",
             "Agent requests whose history differs from the recorded episode (the episode is not trained)",

@@ -16,34 +16,50 @@ budget) only when it lacks its end token, and an episode whose next request no l
 gets the same 400 but ends the episode ``prompt_too_long``: the worker dead-letters the task, as the built-in loop
 does with a prompt that leaves no room to generate.
 
-Sampling (temperature, top_p, top_k, the max_new_tokens cap) is the job's, so behaviour logprobs match what the
-trainer assumes: a request asking for other values, penalties, ``min_tokens``, a ``seed``, ``logit_bias`` or
-constrained generation (a ``response_format`` other than text; vLLM's and SGLang's ``guided_*``,
-``structured_outputs``, ``regex``, ``ebnf``) is refused (400 naming the field), neither sampled nor silently
-ignored; ``max_tokens`` below the cap lowers it. A message the chat template refuses is a 400 too, as is a string
-that is no Unicode text (a lone surrogate, which JSON's escapes allow), naming where it is. ``stop``
-sequences end the turn (the tokens through the match are recorded; the content ends before it, as OpenAI's).
-``logprobs=true`` returns the recorded behaviour logprobs (``top_logprobs`` is refused: the engines give none).
-``tool_choice``: ``auto`` parses the calls the model writes; ``none`` parses none (a call the model writes anyway is
-content, verbatim); ``required`` and a named function are honoured by prefilling the call opening the chat template
-writes (``<tool_call>\\n``, through ``"arguments":`` for a named one) after the assistant header. Those tokens are
-recorded as template tokens (loss_mask 0, no behaviour logprob; prompt tokens in ``usage``, none in ``logprobs``):
-the policy did not sample them, and what it samples after them is conditioned on them exactly as the engine saw. The
-call's body is the model's: one that does not parse comes back as content, as under ``auto``. A template that writes
-calls otherwise makes them a 400. A tool marked ``strict`` is not enforced by constraining generation (the behaviour
-logprobs would no longer be the policy's sampling distribution the trainer assumes); its calls' arguments are
-validated against its ``parameters`` instead (a schema that is no JSON Schema is a 400 naming it), and a turn with a
-call that breaks its schema comes back whole as content, finish ``stop``, as a call that does not parse: the agent
-never gets a strict call OpenAI would not have given (the client's ``parse`` helper would raise on it). Each such call
-is counted (``rollwave_rollout_tool_calls_total``, outcome ``parse_error``) and recorded on the sample as a failed
-call. ``parallel_tool_calls=false`` adds the call's closing tag (``</tool_call>``) to
-the stop strings: the turn ends after the first call, whose tokens are the policy's; the end token that follows is a
-template token. The legacy ``functions``/``function_call``, audio output, ``web_search_options``, ``moderation``,
-``reasoning_effort``, ``verbosity``, ``ignore_eos`` and the agent's own ``chat_template`` or
-``chat_template_kwargs`` are refused (400 naming the field); other fields the endpoint does not act on, which change
-nothing the agent gets (``user``, ``metadata``, ``store``, ``prediction``, ``service_tier``, ...), are ignored, and
-a null is taken as the field's absence, as OpenAI takes it (a tool's ``parameters`` too). Streaming sends the
-finished turn as OpenAI-shaped chunks (the engine client has no token stream).
+Sampling (temperature, top_p, top_k, the max_new_tokens cap) is the job's, so behaviour logprobs match what the trainer
+assumes: a request asking for other values, penalties, ``min_tokens``, a ``seed``, ``logit_bias`` or constrained
+generation (a ``response_format`` other than text; vLLM's and SGLang's ``guided_*``, ``structured_outputs``, ``regex``,
+``ebnf``, ``allowed_token_ids``, ``bad_words``; beam search, ``best_of``) is refused (400 naming the field), neither
+sampled nor silently ignored. ``max_tokens`` (or ``max_completion_tokens``, which wins when both are sent, as in vLLM
+and SGLang) below the job's cap lowers it for the turn. One above the cap, or above the room left in
+``max_total_tokens``, is lowered to it rather than refused, as OpenAI, vLLM and SGLang refuse one beyond the model's
+limit: agents send a generous max_tokens by default and cannot know a job's cap, and a cap changes no sampling
+distribution, only where a turn may be cut. The lowering is not silent: it is counted
+(``rollwave_rollout_openai_max_tokens_lowered_total``, by the limit that lowered it), and a turn cut there ends
+``finish_reason="length"`` (the sample truncated), as one cut at the agent's own max_tokens. A message the chat template
+refuses is a 400 too, as is a string that is no Unicode text (a lone surrogate, which JSON's escapes allow), naming
+where it is. ``stop`` sequences end the turn (the tokens through the match are recorded; the content ends before it, as
+OpenAI's). ``logprobs=true`` returns the recorded behaviour logprobs (``top_logprobs`` is refused: the engines give
+none). ``tool_choice``: ``auto`` parses the calls the model writes; ``none`` parses none (a call the model writes anyway
+is content, verbatim) and, on the request that renders the prompt, leaves the tools out of it, as SGLang does;
+``required`` and a named function are honoured by prefilling the call opening the chat template writes
+(``<tool_call>\\n``, through ``"arguments":`` for a named one) after the assistant header. Those tokens are recorded as
+template tokens (loss_mask 0, no behaviour logprob; prompt tokens in ``usage``, none in ``logprobs``): the policy did
+not sample them, and what it samples after them is conditioned on them exactly as the engine saw. The call's body is the
+model's: one that does not parse comes back as content, as under ``auto``. A template that writes calls otherwise makes
+them a 400. A tool marked ``strict`` is not enforced by constraining generation (the behaviour logprobs would no longer
+be the policy's sampling distribution the trainer assumes); its calls' arguments are validated against its
+``parameters`` instead (a schema that is no JSON Schema is a 400 naming it), and a turn with a call that breaks its
+schema comes back whole as content, finish ``stop``, as a call that does not parse: the agent never gets a strict call
+OpenAI would not have given (the client's ``parse`` helper would raise on it). Each such call is counted
+(``rollwave_rollout_tool_calls_total``, outcome ``parse_error``) and recorded on the sample as a failed call. As the
+prompt is rendered once, by the episode's first request, and later turns are template deltas, a later request's
+``tool_choice`` changes what is prefilled and parsed, never the tools the prompt shows. Where SGLang, which renders each
+request anew, differs: a named function leaves every tool in the prompt (SGLang shows only that one; vLLM all): the
+named turn samples only the arguments, and the episode's later turns, once the agent sets ``auto`` again (the
+openai-agents SDK does after the first call), need the others; a later ``none`` leaves the prompt's tools in it; and a
+request that lets the model call tools when the prompt was rendered under ``none`` is a history mismatch (answered from
+a prompt rendered anew with them, as SGLang would, and never trained: a policy must not learn to call tools its prompt
+does not show). ``parallel_tool_calls=false`` adds the call's closing tag (``</tool_call>``) to the stop strings: the
+turn ends after the first call, whose tokens are the policy's; the end token that follows is a template token. The
+legacy ``functions``/``function_call``, audio output, ``web_search_options``, ``moderation``, ``reasoning_effort``,
+``verbosity``, ``ignore_eos``, the agent's own ``chat_template`` or ``chat_template_kwargs``, and vLLM's and SGLang's
+extensions that would change the prompt or the reply (``continue_final_message``, ``add_generation_prompt=false``,
+``echo``, ``input_ids``, ``lora_path``, ``stop_token_ids``, ``include_stop_str_in_output``, ``no_stop_trim``) are
+refused (400 naming the field); other fields the endpoint does not act on, which change nothing the agent gets
+(``user``, ``metadata``, ``store``, ``prediction``, ``service_tier``, ...), are ignored, and a null is taken as the
+field's absence, as OpenAI takes it (a tool's ``parameters`` too). Streaming sends the finished turn as OpenAI-shaped
+chunks (the engine client has no token stream).
 
 A retried request is idempotent: a request equal (messages and parameters) to the episode's last answered one gets
 that answer again, same id, without generating or touching the episode (``outcome="replayed"``). The openai client
@@ -315,8 +331,19 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "chat_template": (bool, "the job's chat template renders the episode"),
     "chat_template_kwargs": (bool, "the job's chat template renders the episode, without arguments"),
     "ignore_eos": (bool, "the turn ends at the model's end token"),
+    "stop_token_ids": (bool, "the turn ends at the model's end tokens or a stop string (send stop)"),
+    "include_stop_str_in_output": (bool, "the content ends before the matched stop sequence, as OpenAI's"),
+    "no_stop_trim": (bool, "the content ends before the matched stop sequence, as OpenAI's"),
+    "continue_final_message": (bool, "each request is answered by a new assistant turn"),
+    "add_generation_prompt": (lambda v: v is False, "each request is answered by a new assistant turn"),
+    "echo": (bool, "the reply is the new turn only"),
+    "input_ids": (lambda v: v is not None, "the episode's tokens are rendered from messages"),
+    "lora_path": (bool, "the episode samples the job's policy"),
+    "use_beam_search": (bool, "the policy is sampled, one sample a request"),
+    "best_of": (lambda v: v not in (None, 1), "the policy is sampled, one sample a request"),
 } | {name: (bool, "generation is not constrained") for name in (
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "regex", "ebnf")}
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "regex", "ebnf",
+    "allowed_token_ids", "bad_words")}
 
 
 class StreamOptions(BaseModel):
@@ -421,7 +448,8 @@ class AgentEpisode:
     queued: float
     builder: TrajectoryBuilder | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # the requests' tools, as sent (a change is an edited history)
+    shown: list[dict[str, Any]] | None = None  # the tools the recorded prompt holds (EpisodeStore._shown_tools)
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     num_turns: int = 0
     final_text: str = ""
@@ -714,7 +742,8 @@ class EpisodeStore:
                     forced: list[int], stops: list[str], strict: dict[str, Validator]) -> Completion:
         """One new turn: the request's new messages rendered onto the episode, then the engine's answer recorded."""
         try:
-            self._extend(ep, [m.model_dump(exclude_unset=True) for m in req.messages], tools, len(forced))
+            self._extend(ep, [m.model_dump(exclude_unset=True) for m in req.messages], tools,
+                         self._shown_tools(req, tools), len(forced))
         except (TemplateError, ValueError) as exc:  # the template refused them ("roles must alternate", ...)
             raise APIError(400, f"messages: the chat template cannot render them: {exc}", "invalid_messages",
                            param="messages") from exc
@@ -789,6 +818,14 @@ class EpisodeStore:
             raise APIError(400, "tool_choice=required needs tools", "invalid_tool_choice", param="tool_choice")
         return set() if choice == "none" else names
 
+    @staticmethod
+    def _shown_tools(req: ChatRequest, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """The tools a prompt rendered for ``req`` holds: none for ``tool_choice="none"``, as SGLang renders it (the
+        model is not invited to write calls that would come back as content); every one otherwise, a named choice
+        included, unlike SGLang (only that tool): the prompt is rendered once per episode, and its later turns, once
+        an agent sets ``auto`` again (the openai-agents SDK does after the first call), need the others."""
+        return None if req.tool_choice == "none" else tools
+
     def _forced(self, req: ChatRequest, tools: list[dict[str, Any]] | None) -> list[int]:
         """The tokens that honour ``tool_choice`` (``required``: the call opening; a named function: through
         ``"arguments":``), prefilled after the assistant header; none for ``auto`` and ``none``. Only when the chat
@@ -814,23 +851,27 @@ class EpisodeStore:
         return ids
 
     def _extend(self, ep: AgentEpisode, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                forced: int) -> None:
+                shown: list[dict[str, Any]] | None, forced: int) -> None:
         """Grow the recorded tokens by the request's new messages, or mark a history mismatch; the context must
-        leave room for the ``forced`` (prefilled) tokens and one generated token."""
+        leave room for the ``forced`` (prefilled) tokens and one generated token. ``shown``: the tools a prompt
+        rendered for this request holds (``_shown_tools``); a prompt already recorded without tools the request
+        lets the model call cannot take them in, so that too is a mismatch (SGLang's prompt changes there too)."""
         limit = ep.config.max_total_tokens
         if ep.builder is None:
-            ids = self.renderer.prompt_ids([template_message(m) for m in messages], tools)
+            ids = self.renderer.prompt_ids([template_message(m) for m in messages], shown)
             try:
                 self._check_context(len(ids) + forced, limit)
             except APIError:  # the prompt leaves no room: the task fails, as in the built-in loop (never retried)
                 self.fail(ep, "prompt_too_long", str(PromptTooLong.of(ep.task.task_id, len(ids), limit)))
                 raise
-            ep.builder, ep.messages, ep.tools = TrajectoryBuilder(ids), [recorded(m) for m in messages], tools
+            ep.builder, ep.tools, ep.shown = TrajectoryBuilder(ids), tools, shown
+            ep.messages = [recorded(m) for m in messages]
             return
         n = len(ep.messages)
         same = tools == ep.tools and [canonical(m) for m in messages[:n]] == [canonical(m) for m in ep.messages]
+        widens = bool(shown) and not ep.shown  # the request lets the model call tools the prompt does not show
         new = messages[n:]
-        if same and new:
+        if same and new and not widens:
             ids = [] if ep.builder.token_ids[-1] == self.renderer.eos_id else [self.renderer.eos_id]
             ids += self.renderer.turn_end_suffix + self.renderer.tool_turn_ids([template_message(m) for m in new])
             try:
@@ -843,12 +884,14 @@ class EpisodeStore:
             return
         if ep.failure is None:
             self.metrics.history_mismatches.inc()
-            log.warning("episode %s: the agent's history differs from the recorded one; it will not be trained",
-                        ep.episode_id)
-            self.fail(ep, "history_mismatch", "the agent edited its history; the recorded tokens no longer apply")
-        ids = self.renderer.prompt_ids([template_message(m) for m in messages], tools)
+            why = ("tool_choice lets the model call tools the recorded prompt (rendered under tool_choice=none) does "
+                   "not show" if same and new else "the agent edited its history")
+            log.warning("episode %s: %s; it will not be trained", ep.episode_id, why)
+            self.fail(ep, "history_mismatch", f"{why}; the recorded tokens no longer apply")
+        ids = self.renderer.prompt_ids([template_message(m) for m in messages], shown)
         self._check_context(len(ids) + forced, limit)
-        ep.builder, ep.messages, ep.tools = TrajectoryBuilder(ids), [recorded(m) for m in messages], tools
+        ep.builder, ep.tools, ep.shown = TrajectoryBuilder(ids), tools, shown
+        ep.messages = [recorded(m) for m in messages]
 
     @staticmethod
     def _check_context(n: int, limit: int) -> None:
@@ -862,8 +905,12 @@ class EpisodeStore:
         (as template tokens), ended early by ``stops``: the episode changes only once the engine has answered."""
         cfg = ep.config
         assert ep.builder is not None
-        asked = req.max_completion_tokens or req.max_tokens or cfg.max_new_tokens
-        max_new = min(asked, cfg.max_new_tokens, cfg.max_total_tokens - len(ep.builder) - len(forced))
+        asked = req.max_completion_tokens or req.max_tokens
+        room = cfg.max_total_tokens - len(ep.builder) - len(forced)
+        max_new = min(asked or cfg.max_new_tokens, cfg.max_new_tokens, room)
+        if asked is not None and max_new < asked:  # lowered, not refused (module docstring): counted
+            limit = "max_new_tokens" if max_new == cfg.max_new_tokens else "context"
+            self.metrics.openai_max_tokens_lowered.labels(limit=limit).inc()
         params: dict[str, Any] = {"max_new_tokens": max_new, "temperature": cfg.temperature, "top_p": cfg.top_p,
                                   "top_k": cfg.top_k}
         if stops:  # ends the turn early; the distribution of the tokens it keeps is the job's

@@ -292,8 +292,9 @@ def test_a_forced_call_opening_is_what_the_real_engine_continues(tokenizer: Any,
 
 
 def test_tool_choice_none_returns_a_call_the_model_writes_as_content(tokenizer: Any) -> None:
-    """With ``none`` nothing is prefilled nor parsed: a call the model writes anyway comes back verbatim as content
-    (finish ``stop``), as vLLM and SGLang answer it, and is no tool call of the episode."""
+    """With ``none`` nothing is prefilled nor parsed, and the prompt leaves the tools out, as SGLang renders it: a call
+    the model writes anyway comes back verbatim as content (finish ``stop``), as vLLM and SGLang answer it, and is no
+    tool call of the episode."""
     engine = ScriptedEngine(tokenizer, [(CALC.format("6*7"), "stop")])
     got: list[Any] = []
 
@@ -305,7 +306,7 @@ def test_tool_choice_none_returns_a_call_the_model_writes_as_content(tokenizer: 
     sample, _ = _run(tokenizer, engine, agent, max_new_tokens=64)
     assert (got[0].finish_reason, got[0].message.content, got[0].message.tool_calls) == (
         "stop", CALC.format("6*7"), None)
-    assert engine.calls[0]["input_ids"] == ChatRenderer(tokenizer).prompt_ids(MESSAGES, TOOLS)
+    assert engine.calls[0]["input_ids"] == ChatRenderer(tokenizer).prompt_ids(MESSAGES, None)
     assert sample.tool_calls == []
 
 

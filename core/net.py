@@ -15,7 +15,7 @@ import logging
 import random
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -98,15 +98,18 @@ MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers, as a server of ours 
 
 
 def guarded_http(on_refused: Callable[[tuple[str, int] | None, str, str], None],
-                 max_head_bytes: int = MAX_HEAD_BYTES) -> type[asyncio.Protocol]:
+                 max_head_bytes: int = MAX_HEAD_BYTES, headers: Mapping[str, str] | None = None
+                 ) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol that refuses, before the app sees them, a request whose line and headers run past
     ``max_head_bytes``, judged once each read is parsed, so at most one read more is held (httptools sets no limit:
     one endless header held its bytes until the server ran out of memory, before any token was checked) and calls
     ``on_refused(client, reason, detail)`` for it (``header_size``) and for each request uvicorn answers with its own
     bare 400 (``bad_http``: bytes that are not HTTP, a bad request line, a header it cannot parse; it logs "Invalid
     HTTP request received." on ``uvicorn.error``), so the server counts those as refusals. Both get uvicorn's 400,
-    and the connection is closed. Pass it as uvicorn's ``http=``; a class of its own per server, so each server
-    counts only its own."""
+    with ``headers`` added (the app's middleware, which sets them on the app's replies, never sees these), and the
+    connection is closed. Pass it as uvicorn's ``http=``; a class of its own per server, so each server counts only
+    its own."""
+    extra = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in (headers or {}).items()]
 
     class GuardedHTTP(HttpToolsProtocol):
         head_bytes: int | None = 0  # of the request head being read; None while its body is
@@ -117,7 +120,7 @@ def guarded_http(on_refused: Callable[[tuple[str, int] | None, str, str], None],
             super().data_received(data)  # a head that ends in ``data`` sets None: its body's bytes never count
             if self.head_bytes is not None and self.head_bytes > max_head_bytes and not self.transport.is_closing():
                 on_refused(self.client, "header_size", f"a request line and headers over {max_head_bytes} bytes")
-                super().send_400_response(f"Request line and headers over {max_head_bytes} bytes.")
+                self._send_own_400(f"Request line and headers over {max_head_bytes} bytes.")
 
         def on_headers_complete(self) -> None:
             self.head_bytes = None
@@ -129,7 +132,18 @@ def guarded_http(on_refused: Callable[[tuple[str, int] | None, str, str], None],
 
         def send_400_response(self, msg: str) -> None:
             on_refused(self.client, "bad_http", "not valid HTTP, answered 400 by uvicorn")
-            super().send_400_response(msg)
+            self._send_own_400(msg)
+
+        def _send_own_400(self, msg: str) -> None:
+            """uvicorn's 400 with ``headers`` among the server's own (``Config.headers``, and its date and name) for
+            this reply only: a request's reply takes those as they are when it starts, and gets the app's."""
+            state = self.server_state
+            own = state.default_headers
+            state.default_headers = [*own, *extra]
+            try:
+                super().send_400_response(msg)
+            finally:
+                state.default_headers = own
 
     return GuardedHTTP
 

@@ -384,8 +384,11 @@ class BodyLimit:
 
 
 class NoSniff:
-    """``X-Content-Type-Options: nosniff`` on every reply, the guards' refusals included: a JSON reply may quote what a
-    client sent (a job's name), and no browser may read it as HTML or a script."""
+    """``X-Content-Type-Options: nosniff`` on every reply, the guards' refusals and the 500 of an unexpected error
+    included (``Api``): a JSON reply may quote what a client sent (a job's name), and no browser may read it as HTML
+    or a script. uvicorn's own replies carry ``HEADERS`` too (``guarded_http``)."""
+
+    HEADERS = {"X-Content-Type-Options": "nosniff"}
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -397,10 +400,18 @@ class NoSniff:
 
         async def send_nosniff(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)["X-Content-Type-Options"] = "nosniff"
+                MutableHeaders(scope=message).update(self.HEADERS)
             await send(message)
 
         await self.app(scope, receive, send_nosniff)
+
+
+class Api(FastAPI):
+    """FastAPI with ``NoSniff`` around all of its middleware: one added with ``add_middleware`` sits inside Starlette's
+    ServerErrorMiddleware, whose 500 for a handler's unexpected exception went out without its headers."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return NoSniff(super().build_middleware_stack())
 
 
 class PageFiles(StaticFiles):
@@ -467,7 +478,7 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
 
     # no /docs or /redoc: their pages load scripts from a CDN, on the origin whose localStorage keeps the
     # dashboard's token; /openapi.json serves the schema
-    app = FastAPI(title="rollwave", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = Api(title="rollwave", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     @app.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound) -> JSONResponse:
@@ -764,8 +775,8 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
     app.add_middleware(BodyLimit, max_bytes=cfg.api.max_body_bytes, timeout_s=cfg.api.body_timeout_s, refuse=refuse)
     app.add_middleware(TokenGuard, token=cfg.api.token, refuse=refuse)
     app.add_middleware(HostGuard, allowed_hosts=cfg.api.allowed_hosts, refuse=refuse)
-    app.add_middleware(NoSniff)  # added last, so outermost: the guards' refusals carry it too
-    # uvicorn's ``http=`` for this app: what it refuses before the app sees it (``guarded_http``) is counted here
+    # uvicorn's ``http=`` for this app: what it refuses before the app sees it (``guarded_http``) is counted here, and
+    # its replies carry NoSniff's headers as the app's do
     app.state.http_protocol = guarded_http(lambda client, reason, detail: refuse(
-        reason, {"method": "-", "path": "-", "client": client}, detail))
+        reason, {"method": "-", "path": "-", "client": client}, detail), headers=NoSniff.HEADERS)
     return app

@@ -28,10 +28,13 @@
   };
 
   // A link may carry the token as #token=...; it is stored and removed from the address bar (the history entry is
-  // replaced: Back does not show it).
-  const fromHash = new URLSearchParams(window.location.hash.slice(1));
-  if (fromHash.has("token")) {
-    if (fromHash.get("token")) localStorage.setItem(TOKEN_KEY, fromHash.get("token"));
+  // replaced: Back does not show it). Taken as it is, percent-escapes decoded: a base64 token's "+" read as a space
+  // (URLSearchParams's form decoding), and the link of a token with "+" was refused.
+  const linked = /^#token=(.*)$/s.exec(window.location.hash);
+  if (linked) {
+    let given = linked[1];
+    try { given = decodeURIComponent(given); } catch { /* a "%" that starts no escape: the token as it is */ }
+    if (given) localStorage.setItem(TOKEN_KEY, given);
     window.history.replaceState(null, "", window.location.pathname + window.location.search);
   }
   let token = localStorage.getItem(TOKEN_KEY) || "";
@@ -56,9 +59,15 @@
   async function getJSON(path) {
     const headers = { Accept: "application/json" };
     if (token) headers.Authorization = `Bearer ${token}`;
-    let reply, text;
+    let request, reply, text;
     try {
-      reply = await fetch(path, { headers, cache: "no-store", signal: AbortSignal.timeout(FETCH_TIMEOUT_MS) });
+      request = new Request(path, { headers, cache: "no-store", signal: AbortSignal.timeout(FETCH_TIMEOUT_MS) });
+    } catch (error) {  // a token no header can carry (a character outside Latin-1, as a pasted "–"): never sent
+      throw Object.assign(new Error(`${path}: the token cannot be sent (${error.message}); enter the API token above`),
+                          { refused: true });
+    }
+    try {
+      reply = await fetch(request);
       text = await reply.text();
     } catch (error) {  // refused, reset, or not answered in time
       const why = error.name === "TimeoutError" ? `no answer in ${FETCH_TIMEOUT_MS / 1000} s` : error.message;
@@ -69,7 +78,8 @@
     if (!reply.ok) {  // the API's own words when it gave some (a 503 names the Redis that failed)
       const hint = reply.status === 401 ? " (enter the API token above)" : "";
       const detail = typeof body?.detail === "string" ? `: ${body.detail}` : "";
-      throw Object.assign(new Error(`${path}: HTTP ${reply.status}${detail}${hint}`), { status: reply.status });
+      throw Object.assign(new Error(`${path}: HTTP ${reply.status}${detail}${hint}`),
+                          { refused: reply.status === 401 || reply.status === 403 });
     }
     if (body === undefined) throw new Error(`${path}: HTTP ${reply.status}, but its answer is not JSON`);
     return body;
@@ -285,7 +295,7 @@
 
   // One poll at a time: the next is scheduled when one ends, POLL_MS later, doubled for each poll in a row that
   // failed (an API without its Redis was asked 90 times a minute by each open page, each refusal logged). A token
-  // refused (401, 403) stops polling until one is saved: every call would be refused the same.
+  // refused (401, 403), or one that cannot be sent, stops polling until one is saved: every call would fail the same.
   async function poll() {
     clearTimeout(timer);
     running = true;
@@ -304,7 +314,7 @@
     }
     const failed = results.filter((r) => r.status === "rejected").map((r) => r.reason);
     failures = failed.length ? failures + 1 : 0;
-    const refused = failed.some((e) => e.status === 401 || e.status === 403);
+    const refused = failed.some((e) => e.refused);
     const wait = Math.min(POLL_MS * 2 ** failures, MAX_POLL_MS);
     const next = refused ? "polling stopped: save a token to try again" : `next try in ${wait / 1000} s`;
     setConnection(failed.length === 0, failed.length ? `${failed.map((e) => e.message).join("; ")}; ${next}` : "");
@@ -320,6 +330,14 @@
     if (running) again = true; else poll();
   }
 
+  // the page's own words for a script that never ran (index.html) give way: this one runs, and has started
+  function started() {
+    document.getElementById("not-started").remove();
+    const pill = document.getElementById("conn");
+    pill.textContent = "connecting…";
+    pill.className = "pill";
+  }
+
   document.getElementById("token").value = token;
   document.getElementById("token-form").addEventListener("submit", (event) => {
     event.preventDefault();
@@ -331,5 +349,6 @@
   window.addEventListener("storage", (event) => {
     if (event.key === TOKEN_KEY || event.key === null) useToken(localStorage.getItem(TOKEN_KEY) || "");
   });
+  started();
   poll();
 })();

@@ -31,8 +31,14 @@ from buffer.keys import TRAINER_GROUP, Keys
 from buffer.replay import ReplayBuffer
 from core.config import BufferConfig, TrainerConfig
 from core.net import free_port_outside_ephemeral
-from trainer.parallel import TrainerStopped, close_distributed, exit_rank, init_distributed, request_stop
-from trainer.step import STOP_EVERY_MICRO_BATCHES
+from trainer.parallel import (
+    STOP_EVERY_MICRO_BATCHES,
+    TrainerStopped,
+    close_distributed,
+    exit_rank,
+    init_distributed,
+    request_stop,
+)
 from trainer.worker import Trainer
 
 GROUPS = 6  # 24 rows of at least 10 tokens: 12 micro-batches of 16 tokens on each of two ranks

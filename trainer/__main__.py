@@ -204,13 +204,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a supervisor's or an operator'
 
 def _stop_on_signals() -> None:
     """Stop at a SIGTERM or a SIGINT (``request_stop``: a lone rank at once, a pool's ranks together at their next stop
-    point); a second one kills the process as before. A SIGINT raised KeyboardInterrupt where it found each rank of a
-    pool, as a SIGTERM once did: one went on to a collective the others never joined (a checkpoint's meeting while the
-    others were in DCP's next), or left the pool while another still waited in it."""
+    point); a second one is logged and the stop goes on (``request_stop``). A SIGINT raised KeyboardInterrupt where it
+    found each rank of a pool, as a SIGTERM once did: one went on to a collective the others never joined (a
+    checkpoint's meeting while the others were in DCP's next), or left the pool while another still waited in it."""
 
     def stop(signum: int, _frame: object) -> None:
-        for stop_signal in STOP_SIGNALS:
-            signal.signal(stop_signal, signal.SIG_DFL)
         request_stop(signum)
 
     for stop_signal in STOP_SIGNALS:

@@ -4,7 +4,9 @@ The value model is the policy's architecture with a scalar head (``AutoModelForT
 ``num_labels=1``, as verl's critic), started from ``trainer.critic.path`` or from the policy's weights; a head
 the checkpoint lacks starts at zero (V ≡ 0, the same on every rank). It is sharded with FSDP2 in the same pool
 as the policy and trained with its own AdamW (``trainer.critic.lr``, constant) on the clipped value loss
-(``losses.value_loss``), over the same minibatches and micro-batches as the policy.
+(``losses.value_loss``), over the same minibatches and micro-batches as the policy, with the same stop points (a
+``stop_point`` before each update and every few micro-batches of a pass, ``stopping``): a pool asked to stop during a
+long critic pass waited for its end, then the step's push and checkpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from core.config import ConfigError, TrainerConfig
 from trainer import losses
 from trainer.batching import Batch, MicroBatch
 from trainer.optim import apply_gradients, param_groups, step_grad_norm
-from trainer.parallel import DistContext, from_pretrained, shard_model
+from trainer.parallel import DistContext, from_pretrained, shard_model, stop_point, stopping
 
 
 def load_critic(path: Path | str, ctx: DistContext) -> nn.Module:
@@ -70,7 +72,7 @@ class CriticStep:
         micro-batches of the update (``plans``: this rank's, per minibatch), then a sum over ranks fills in the
         others'."""
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.ctx.device)
-        for rows, mb, _ in (m for plan in plans for m in plan):
+        for _, (rows, mb, _) in stopping((m for plan in plans for m in plan), self.ctx.device):
             v = self._values(mb)
             if rows:
                 out[rows, : v.shape[1]] = v
@@ -85,7 +87,7 @@ class CriticStep:
         cfg = self.cfg
         denom = losses.agg_denominator(batch.loss_mask[rows], cfg.loss_agg)
         sums = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
-        for i, (mb_rows, mb, _) in enumerate(plan):
+        for i, (mb_rows, mb, _) in stopping(plan, self.ctx.device):
             self.model.set_requires_gradient_sync(i == len(plan) - 1)
             v = self._values(mb)
             if not mb_rows:
@@ -108,8 +110,10 @@ class CriticStep:
     ) -> dict[str, float]:
         """The critic's updates of one step (one per minibatch, over this rank's ``plans`` of it) and their
         figures (reduced over ranks), the updates skipped for a non-finite gradient norm among them."""
-        results = [self.update(batch, old_values, returns, rows, plan)
-                   for rows, plan in zip(minibatches, plans, strict=True)]
+        results = []
+        for rows, plan in zip(minibatches, plans, strict=True):
+            stop_point(self.ctx.device)  # before each update: none half-applied, all ranks at the same one
+            results.append(self.update(batch, old_values, returns, rows, plan))
         sums = torch.stack([s for _, s in results]).sum(dim=0)
         if self.ctx.world_size > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -202,7 +202,10 @@ class TrainerStopped(BaseException):
     signum: int = signal.SIGTERM
 
 
-_stop_signal = 0  # the signal that asked this rank of a pool to stop; the pool stops at its next ``stop_point``
+_stop_signal = 0  # the signal that asked this rank to stop; a pool stops at its next ``stop_point``
+# A stop point is a host sync (its all_reduce's result read back): one every few micro-batches keeps the device's queue
+# full, and a stop still comes within a few micro-batches' time.
+STOP_EVERY_MICRO_BATCHES = 4
 
 
 def _stopped_by(signum: int, here: bool) -> TrainerStopped:
@@ -219,11 +222,22 @@ def request_stop(signum: int) -> None:
     collective returned, another between two), a SIGTERM to every rank at once sent them on to different collectives
     (a checkpoint's meeting, DCP's own, ``from_rank0``'s telling the others), where they waited for the group's
     timeout, or one left the pool while another still waited in it, which failed (exit 1, its crash recorded as a
-    gloo error) or aborted (134)."""
+    gloo error) or aborted (134).
+
+    A signal once the stop is asked (another supervisor's, torchrun's passing on an operator's, a second Ctrl-C) is
+    logged and changes nothing: the stop goes on, its record written and the pool left together, and the process
+    exits 128 + the first signal. The handler used to give the signals back to their default action at the first,
+    so a second one killed the rank where it was, in the closing meeting too, and a peer still in that meeting
+    failed (exit 1). SIGKILL ends a rank at once (torchrun's after its ``--shutdown-timeout``, a pod's after its
+    grace)."""
     global _stop_signal
+    if _stop_signal:
+        log.warning("%s while stopping for %s: the stop goes on (SIGKILL ends the process at once)",
+                    signal.Signals(signum).name, signal.Signals(_stop_signal).name)
+        return
+    _stop_signal = signum
     if not several_ranks():
         raise _stopped_by(signum, here=True)
-    _stop_signal = signum
 
 
 def stop_point(device: torch.device) -> None:
@@ -237,6 +251,16 @@ def stop_point(device: torch.device) -> None:
         signum = int(asked.item())
     if signum:
         raise _stopped_by(signum, here=signum == _stop_signal)
+
+
+def stopping(micro_batches: Iterable[T], device: torch.device) -> Iterator[tuple[int, T]]:
+    """``enumerate(micro_batches)``, with a ``stop_point`` before every ``STOP_EVERY_MICRO_BATCHES``-th after the
+    first: a pass of a step (the policy's or the critic's) stops within a few micro-batches, not at its end. Every rank
+    runs as many micro-batches (``plan_ranks``), so all reach each stop point."""
+    for i, mb in enumerate(micro_batches):
+        if i and i % STOP_EVERY_MICRO_BATCHES == 0:
+            stop_point(device)
+        yield i, mb
 
 
 def exit_rank(code: int = 0) -> NoReturn:

@@ -13,10 +13,11 @@ them in a no-grad pass, since later minibatches see updated weights. So does a s
 dropout (``model.lora.dropout > 0``): the training forward drops adapter inputs, the served policy does not.
 
 A pool asked to stop (a SIGTERM's ``request_stop``) stops inside the step, every rank at the same ``stop_point``:
-before each optimizer update and every ``STOP_EVERY_MICRO_BATCHES`` micro-batches of a pass. A big model's step
-outlasts a supervisor's grace (Kubernetes' 30 s by default), and a pool that stopped only before its next buffer read
-was killed mid-step, its end unrecorded and its lease left to lapse. A step stopped so leaves its groups unacked (a
-checkpoint covers them first) and is neither pushed nor checkpointed; the next trainer trains it again.
+before each optimizer update and every ``STOP_EVERY_MICRO_BATCHES`` micro-batches of a pass (``stopping``), the
+critic's (``CriticStep``) as the policy's. A big model's step outlasts a supervisor's grace (Kubernetes' 30 s by
+default), and a pool that stopped only before its next buffer read was killed mid-step, its end unrecorded and its
+lease left to lapse. A step stopped so leaves its groups unacked (a checkpoint covers them first) and is neither
+pushed nor checkpointed; the next trainer trains it again.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import math
 import re
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ from trainer.batching import Batch, Layout, MicroBatch, collate, plan_step
 from trainer.critic import CriticStep
 from trainer.lora import has_dropout
 from trainer.optim import apply_gradients, step_grad_norm
-from trainer.parallel import DistContext, stop_point
+from trainer.parallel import DistContext, stop_point, stopping
 from trainer.shaping import shape_batch
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,6 @@ log = logging.getLogger(__name__)
 _MEAN_KEYS = ("is_ratio_mean", "clip_fraction", "masked_fraction", "logprob_gap", "entropy", "kl")
 _SUM_KEYS = ("loss", "pg_loss")
 _RANK_KEYS = ("rank_compute_s", "rank_peak_memory_bytes")  # each rank's own figures, a list in rank order
-# A stop point is a host sync (its all_reduce's result read back): one every few micro-batches keeps the device's queue
-# full, and a stop still comes within a few micro-batches' time.
-STOP_EVERY_MICRO_BATCHES = 4
-
-T = TypeVar("T")
 
 
 class _Accumulator:
@@ -196,7 +192,6 @@ class TrainStep:
                 norms.append(self._update(batch, adv, rows, plan, prox, acc))
             self.scheduler.step()
         if self.critic is not None:
-            stop_point(self.ctx.device)
             critic_out = self.critic.train(batch, old_values, returns, minibatches, plans)
         own = {"rank_compute_s": time.perf_counter() - start,  # up to the reduce, which waits for the slowest rank
                "rank_peak_memory_bytes": _peak_memory_bytes(self.ctx.device)}
@@ -237,19 +232,11 @@ class TrainStep:
         batch as one minibatch), since each minibatch is sharded across ranks on its own."""
         prox = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.ctx.device)
         plans = plans or [self._micro_batches(list(range(len(batch))), batch)]
-        for _, (rows, mb, layout) in self._stopping(m for plan in plans for m in plan):
+        for _, (rows, mb, layout) in stopping((m for plan in plans for m in plan), self.ctx.device):
             logp, _, columns = self._forward_logprobs(self.model, mb, layout)
             if rows:
                 prox[rows, columns] = logp
         return prox
-
-    def _stopping(self, micro_batches: Iterable[T]) -> Iterator[tuple[int, T]]:
-        """``enumerate(micro_batches)``, with a ``stop_point`` before every ``STOP_EVERY_MICRO_BATCHES``-th after
-        the first: every rank runs as many micro-batches (``plan_ranks``), so all reach each stop point."""
-        for i, mb in enumerate(micro_batches):
-            if i and i % STOP_EVERY_MICRO_BATCHES == 0:
-                stop_point(self.ctx.device)
-            yield i, mb
 
     def _micro_batches(self, rows: list[int], batch: Batch) -> list[MicroBatch]:
         """This rank's micro-batches of ``rows``, on its device (see ``plan_step``)."""
@@ -288,7 +275,7 @@ class TrainStep:
     def _accumulate(self, plan: list[MicroBatch], adv: Tensor, prox: Tensor | None, denom: int,
                     acc: _Accumulator) -> None:
         """Forward and backward of each micro-batch, the gradients summed; FSDP reduces them on the last."""
-        for i, (mb_rows, mb, layout) in self._stopping(plan):
+        for i, (mb_rows, mb, layout) in stopping(plan, self.ctx.device):
             self.model.set_requires_gradient_sync(i == len(plan) - 1)
             ref_logp = None
             if self.ref_model is not None:  # a collective too: run it on dummy micro-batches as well

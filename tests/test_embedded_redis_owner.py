@@ -2,14 +2,17 @@
 the terminal sends to its whole process group: its embedded redis-server, in a session of its own, outlives the
 signal and is stopped last, after the server deregistered. A Redis that is really gone during the shutdown is said
 in one line, not waited for (the 60 s outage budget a running server rides out). A killed owner's redis-server is
-stopped by its guard. A data directory has one owner: a second is refused by name, also while the redis-server of
-a killed owner still runs on it (its guard killed too)."""
+stopped by its guard, with its process group if it hangs. A data directory has one owner: a second is refused by
+name, also while the redis-server of a killed owner still runs on it (its guard killed too); while that guard still
+stops it, a new owner waits and takes the directory over."""
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,10 +21,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import redis
 from buffer_helpers import client
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from buffer.keys import Keys
-from buffer.redis_server import DataDirInUse, EmbeddedRedis
+from buffer.redis_server import GUARD, DataDirInUse, EmbeddedRedis
 from buffer.registry import ServerRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +39,7 @@ import redis
 from buffer.redis_server import EmbeddedRedis
 server = EmbeddedRedis(sys.argv[1]).start()
 redis.Redis.from_url(server.url).set("k", "v")
-print(server.proc.pid, flush=True)
+print(server.proc.pid, server.port, flush=True)
 sys.stdin.read()
 """
 
@@ -145,7 +151,7 @@ def test_a_second_owner_of_a_data_dir_is_refused_while_the_first_or_its_server_l
                           stdout=subprocess.PIPE, text=True) as owner:
         try:
             assert owner.stdout is not None
-            redis_pid = int(owner.stdout.readline())
+            redis_pid = int(owner.stdout.readline().split()[0])
             env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
             second = subprocess.run(
                 [sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp_path}",
@@ -187,7 +193,7 @@ def test_a_killed_owner_takes_its_embedded_redis_along(tmp_path: Path) -> None:
                           stdout=subprocess.PIPE, text=True) as owner:
         try:
             assert owner.stdout is not None
-            redis_pid = int(owner.stdout.readline())
+            redis_pid = int(owner.stdout.readline().split()[0])
             started = psutil.Process(owner.pid).children()
             assert redis_pid in [p.pid for p in started]
             owner.kill()
@@ -206,3 +212,74 @@ def test_a_killed_owner_takes_its_embedded_redis_along(tmp_path: Path) -> None:
                     p.kill()  # psutil checks that the pid is still this process's
                 except psutil.NoSuchProcess:
                     pass
+
+
+def test_a_new_owner_takes_over_from_a_killed_one_whose_redis_server_still_stops(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new owner starting at once on the directory of one just SIGKILLed (a Ray actor rebuilt after its worker
+    died, a restarted process) finds the lock still held by the old redis-server, which its guard is stopping (held
+    here in a DEBUG SLEEP as the SIGTERM comes): it waits for that server to exit, saying so, and has its data."""
+    data_dir = (tmp_path / "redis").absolute()
+    redis_pid = None
+    with subprocess.Popen([sys.executable, "-c", OWNER, str(data_dir)], cwd=ROOT, stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as owner, socket.socket() as busy:
+        try:
+            assert owner.stdout is not None
+            redis_pid, port = map(int, owner.stdout.readline().split())
+            busy.connect(("127.0.0.1", port))
+            busy.sendall(b"DEBUG SLEEP 3\r\n")
+            with redis.Redis(port=port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0)) as probe, \
+                    pytest.raises(redis.TimeoutError):
+                probe.ping()  # the server is asleep: the guard's SIGTERM waits until it wakes
+            owner.kill()
+            owner.wait()
+            with caplog.at_level(logging.WARNING, logger="buffer.redis_server"), EmbeddedRedis(data_dir) as again:
+                assert client(again).get("k") == b"v"
+            assert (f"its owner pid {owner.pid} has exited and its guard pid " in caplog.text
+                    and f"is stopping its redis-server pid {redis_pid}; waiting up to" in caplog.text), caplog.text
+        finally:
+            owner.kill()
+            if redis_pid is not None and not gone(redis_pid):
+                os.kill(redis_pid, signal.SIGKILL)
+
+
+HANGS = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = os.fork()
+if child:
+    print(child, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_guard_kills_the_process_group_of_a_server_that_ignores_sigterm() -> None:
+    """A server that ignores SIGTERM past the guard's grace is SIGKILLed with its process group: a child it forked
+    (Redis's AOF rewrite, which holds the data directory's lock too) must not outlive it. The guard runs here with
+    a grace of 0.2 s on a stand-in server, alone in its session as the real one."""
+    owner = subprocess.Popen(["sleep", "120"])
+    server = subprocess.Popen([sys.executable, "-c", HANGS], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    fds = [os.pidfd_open(owner.pid), os.pidfd_open(server.pid)]
+    child = None
+    try:
+        assert server.stdout is not None
+        child = int(server.stdout.readline())
+        guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", GUARD, *map(str, fds), str(server.pid), "0.2"],
+                                 pass_fds=fds)
+        owner.kill()
+        assert guard.wait(30) == 0
+        assert server.wait(30) == -signal.SIGKILL
+        deadline = time.monotonic() + 30
+        while not gone(child):
+            assert time.monotonic() < deadline, f"the server's child {child} outlived it"
+            time.sleep(0.05)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for proc in (owner, server):
+            proc.kill()
+            proc.wait()
+        if child is not None and not gone(child):
+            os.kill(child, signal.SIGKILL)

@@ -22,12 +22,15 @@ registration's ``started``): one that restarted under the same id and address, b
 the registry's TTL, is caught up again, unless the newest snapshot was cast for the servers live when it was taken to
 a dtype this one does not serve (restarted in fp32 where it served bf16): it then waits for the next version, which is
 taken in its precision, rather than load rounded weights (stage ``stage``, reason ``cast``, once per incarnation): an
-error names it, and ``rollwave_trainer_push_stranded_servers`` counts it until a version reaches it: the next, or the
-newest again, which the trainer pushes once more in its precision to the stranded servers alone (``repush_model``) while
-it waits for data with no step trained since (its masters are still that version's; no second full copy is kept): a
-fleet that restarted so used to stay on its base weights, its groups too stale to train, for ever. A server listed by
-address alone has no ``started``: while it has nothing to be sent, the watcher asks its Status, and one that serves less
-than it committed restarted, and is caught up.
+error names it, and ``rollwave_trainer_push_stranded_servers`` counts it until a version reaches it. The trainer sees
+to that while it waits for data (``repush_due``): with no step trained since the newest version (its masters are still
+that version's) it pushes that version once more in its precision to the stranded servers alone (``repush_model``, from
+a one-off buffer freed once sent); with steps trained since (``buffer.push_every`` above 1) it pushes its present
+weights as a new version, ahead of schedule, which is taken in the trainer's precision for the mixed fleet. No second
+full copy of a version is kept for this. A fleet that restarted so used to stay on its base weights, its groups too
+stale to train, until the next scheduled push, which a trainer waiting for data may never reach. A server listed by
+address alone has no ``started``: while it has nothing to be sent, the watcher asks its Status, and one that serves
+less than it committed restarted, and is caught up.
 
 Before its token or any weights, the pusher asks each server to prove it holds the checkpoint token
 (``Prove``, see ``core.checkpoint_auth``): a server registered in Redis that cannot gets nothing, and the
@@ -860,8 +863,9 @@ class CheckpointPusher:
 
     def repush_due(self) -> int:
         """The newest version when a live server is stranded (it cannot be sent the newest snapshot, which is cast to a
-        dtype it does not serve) and a re-push of it is due (``_stranded_links``), else 0; rank 0's, which the trainer
-        shares with its other ranks before they all call ``repush_model``."""
+        dtype it does not serve) and a push to it is due (``_stranded_links``), else 0; rank 0's, which the trainer
+        shares with its other ranks before they all call ``repush_model`` (no step trained since that version) or
+        ``push_model`` (steps trained since: a new version)."""
         with self._lock:
             return self._newest.version if self._newest is not None and self._stranded_links() else 0
 
@@ -871,11 +875,13 @@ class CheckpointPusher:
         casting it to its server's dtypes; nothing is published anew and no other server is sent anything. Their
         commits count in the version's round. A fleet restarted in another dtype after the newest version used to stay
         on its base weights, its groups too stale to train, and no newer version ever came. Every rank calls this (the
-        all-gathers are collectives); rank 0 returns the servers it offered the snapshot to, others None."""
+        all-gathers are collectives); rank 0 returns the servers it offered the snapshot to, others None. The snapshot's
+        buffer is a one-off, freed once sent: pooled, a buffer in the trainer's precision stayed beside the versions'
+        cast ones for ever (twice their host memory for a bf16 fleet)."""
         params = iter_full_params(model)
         if not _pushes(params):
             return None
-        snapshot = take_snapshot(version, model_metas(model), params, self._pool)
+        snapshot = take_snapshot(version, model_metas(model), params, None)
         try:
             with self._lock:
                 if self._newest is None or self._newest.version != version:
@@ -903,8 +909,9 @@ class CheckpointPusher:
                 self._strand(result.server_id, not result.ok)
             if result.reason == "cast":
                 log.error("server %s (%s) stays on version %d, behind the newest, %d, until the trainer pushes a newer "
-                          "version, or this one again while it waits for data with no step trained since: version %d "
-                          "is kept only cast to a dtype this server does not serve (no second full copy is kept)",
+                          "version (ahead of schedule while it waits for data), or this one again (while it waits for "
+                          "data with no step trained since): version %d is kept only cast to a dtype this server does "
+                          "not serve (no second full copy is kept)",
                           result.server_id, result.address, result.serves, result.version, result.version)
             if self._record is not None and result.reason != "fenced":  # the newer trainer's pushes are the record
                 try:

@@ -94,33 +94,41 @@ def encode_data_chunk(offset: int, pieces: Sequence[memoryview]) -> bytes:
 
 
 class BufferPool:
-    """Host buffers for snapshots, reused; ``pin`` allocates page-locked memory (fast GPU -> host copies)."""
+    """Host buffers for snapshots, reused; ``pin`` allocates page-locked memory (fast GPU -> host copies).
+
+    Only buffers of the size last taken are kept (at most ``keep``): a snapshot's size changes when the servers' dtypes
+    do (the first version, taken before any server said what it serves, is in the trainer's fp32, the next ones in the
+    fleet's bf16), and a buffer of the old size, kept, held twice the pushed weights in host memory for ever."""
 
     def __init__(self, pin: bool = False, keep: int = 2):
         self.pin = pin
         self.keep = keep
+        self._size = -1  # the bytes of the last buffer taken: the size worth keeping
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
         with self._lock:
-            for i, buf in enumerate(self._free):
-                if buf.numel() == nbytes:
-                    return self._free.pop(i)
+            self._size = nbytes
+            self._free = [buf for buf in self._free if buf.numel() == nbytes]
+            if self._free:
+                return self._free.pop()
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
-            self._free.append(buf)
-            del self._free[:-self.keep]
+            if buf.numel() == self._size:
+                self._free.append(buf)
+                del self._free[:-self.keep]
 
 
 class Snapshot:
     """One version's bytes, read-only, with a reference count: the pusher holds the newest, each server's
-    stream holds the one it sends; the buffer returns to the pool when the count reaches zero. A LoRA
-    adapter's snapshot (``adapter_config`` set) also knows the checksum the engine must report for it."""
+    stream holds the one it sends; the buffer returns to the pool when the count reaches zero (without a pool, a
+    one-off's, it is freed). A LoRA adapter's snapshot (``adapter_config`` set) also knows the checksum the engine must
+    report for it."""
 
-    def __init__(self, version: int, metas: Sequence[TensorMeta], buffer: torch.Tensor, pool: BufferPool,
+    def __init__(self, version: int, metas: Sequence[TensorMeta], buffer: torch.Tensor, pool: BufferPool | None,
                  adapter_config: str = ""):
         self.version = version
         self.metas = list(metas)
@@ -146,7 +154,7 @@ class Snapshot:
             buffer = self._buffer if self._refs == 0 else None
             if buffer is not None:
                 self._buffer = None
-        if buffer is not None:
+        if buffer is not None and self._pool is not None:
             self._pool.give(buffer)
 
     def _tensors(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -215,10 +223,12 @@ def trailer_chunk(digests: Sequence[int]) -> bytes:
 
 
 def take_snapshot(version: int, metas: Sequence[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],
-                  pool: BufferPool, adapter_config: str = "") -> Snapshot:
+                  pool: BufferPool | None, adapter_config: str = "") -> Snapshot:
     """Copy ``tensors`` (in ``metas`` order) into a pooled buffer, each cast to its manifest dtype on its own
-    device first, so the only full copy is the buffer itself."""
-    buffer = pool.take(sum(m.nbytes for m in metas))
+    device first, so the only full copy is the buffer itself. Without a ``pool`` the buffer is a one-off's, freed once
+    the snapshot is released (a re-push in another size than the versions': pooled, it stayed beside their buffers)."""
+    nbytes = sum(m.nbytes for m in metas)
+    buffer = pool.take(nbytes) if pool is not None else torch.empty(nbytes, dtype=torch.uint8)
     offset = 0
     for meta, (name, tensor) in zip(metas, tensors, strict=True):
         if name != meta.name or tuple(tensor.shape) != meta.shape:

@@ -9,9 +9,10 @@ so a group trained before the checkpoint is not trained twice.
 Versions: with a pusher, ``version`` is the newest version a quorum of rollout servers committed (the
 pusher publishes it in the background; rank 0 reads it before each batch and shares it with the batch),
 so staleness is measured against weights that really serve. The trainer pushes its weights when it
-starts (every server then serves them, a resumed trainer's included) and every ``push_every`` steps; it
-never waits for a push. Without a pusher (tests that sample from the trainer's own model) the version
-counts the trainer's own updates.
+starts (every server then serves them, a resumed trainer's included) and every ``push_every`` steps, or ahead of
+that while it waits for data and servers restarted in another dtype are stranded from the newest version
+(``_repush_stranded``); it never waits for a push. Without a pusher (tests that sample from the trainer's own
+model) the version counts the trainer's own updates.
 
 Once a newer trainer of the run started (``ReplayBuffer.fence``), this one stops (``TrainerFenced``) at its next
 take or ack, and before its next push or checkpoint: the newer one owns the servers' weights and the resume point.
@@ -262,8 +263,8 @@ class Trainer:
         (``take_timeout_s``) however long the buffer stays empty (NCCL would time out). A read refused because a
         newer trainer started (``TrainerFenced``), or one that failed, is broadcast too (``from_rank0``): every rank
         stops, none waits for rank 0. Before each read the ranks stop together if any was asked to (a SIGTERM's
-        ``TrainerStopped``, ``stop_point``), and push the newest version again to the servers it is stranded from
-        (``_repush_stranded``).
+        ``TrainerStopped``, ``stop_point``), and reach the servers the newest version is stranded from
+        (``_repush_stranded``: that version again, or a new one when steps were trained since).
         """
         if self.ctx.is_main and source is None:
             raise ValueError("rank 0 needs a GroupSource to read batches from")
@@ -280,17 +281,27 @@ class Trainer:
                 return groups, now - start
 
     def _repush_stranded(self) -> None:
-        """Push the newest version again, in the trainer's precision, to the servers it could not be sent to (restarted
-        in another dtype than its snapshot was cast to: ``CheckpointPusher.repush_due``), while no step was trained
-        since it was pushed (the masters are exactly its weights). A fleet that restarted so used to stay on its base
-        weights: its groups were too stale to train, so no newer version ever came. Rank 0 decides, every rank gathers.
-        """
+        """Reach the servers the newest version could not be sent to (restarted in another dtype than its snapshot was
+        cast to: ``CheckpointPusher.repush_due``): with no step trained since it was pushed (the masters are exactly its
+        weights), push it again in the trainer's precision to them alone; with steps trained since (``push_every``
+        above 1), push the present weights as a new version, ahead of schedule (keeping the pushed version's masters to
+        push them again would hold a second full copy). A fleet that restarted so used to stay on its base weights, its
+        groups too stale to train, until the next scheduled push, which a trainer waiting for data never reached. Rank 0
+        decides, every rank gathers."""
         pusher = self.pusher
-        if not isinstance(pusher, CheckpointPusher) or self._pushed_step != self.step:
+        if not isinstance(pusher, CheckpointPusher) or self._pushed_step is None:
             return
         version = from_rank0(pusher.repush_due, "the stranded servers' check")
-        if version:
+        if not version:
+            return
+        if self._pushed_step == self.step:
             pusher.repush_model(self.model, version)
+            return
+        if self.ctx.is_main:
+            log.warning("servers are stranded from version %d (restarted in another dtype than it was cast to) and %d "
+                        "step(s) were trained since it: pushing the present weights as a new version, ahead of "
+                        "buffer.push_every (%d)", version, self.step - self._pushed_step, self.buffer.push_every)
+        self._push()
 
     def _read(self, source: GroupSource) -> tuple[list[TrajectoryGroup], bool, int] | None:
         """One buffer read into the pending batch; (the batch, drained, version) once it holds

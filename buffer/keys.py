@@ -40,8 +40,15 @@ class Keys:
     def task_gids(self, kind: str) -> str:
         """Hash entry id of a task in its kind's stream -> its group id, written with the entry and deleted with it:
         a pending task deleted by hand (an XDEL, a trim) is known by its id alone (XPENDING), and this names the group
-        whose admission slot (``admitted_ids``) and job it ends (``buffer.streams.Reclaimer``)."""
+        whose admission slot (``admitted_ids``) and job it ends (``buffer.streams.Reclaimer``); a record whose entry is
+        neither in the stream nor pending is one deleted before it was delivered (the reclaimer's sweep ends it)."""
         return self.tasks(kind) + ":gids"
+
+    def task_leases(self, kind: str) -> str:
+        """Prefix of the keys ``<prefix><entry id>`` (a string with a TTL, naming the consumer) by which a live rollout
+        server holds a pending task of its kind's stream deleted by hand, which no renewal can reset the idle time of
+        (``buffer.streams.RENEW_LUA``): while one is there no reclaim ends the task, so its server writes its group."""
+        return self.tasks(kind) + ":held:"
 
     @property
     def tasks_dead(self) -> str:
@@ -61,7 +68,8 @@ class Keys:
     def group_records(self) -> str:
         """Hash entry id of a train group in ``groups`` -> JSON [group id, job id, payload key ('' inline), slot (its
         field s)], written with the entry and deleted with it: a pending entry deleted by hand (an XDEL, a trim) is
-        known by its id alone (XPENDING), and this says whose payload, state, slot and job it ends (as ``lost``)."""
+        known by its id alone (XPENDING), and this says whose payload, state, slot and job it ends (as ``lost``); so
+        does the record of one deleted before it was delivered, which the trainer's sweep finds."""
         return self.prefix + "groups:records"
 
     @property

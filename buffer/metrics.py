@@ -93,6 +93,13 @@ class BufferMetrics:
             "job counts it: a task dead_lettered, a group lost)", ["stream"],
             registry=r,
         )
+        self.deleted_undelivered = Counter(
+            "rollwave_buffer_deleted_undelivered_total",
+            "entries found deleted from their stream (an XDEL or trim by hand) before any delivery, by the sweep of "
+            "the records they left (a task gives its admission slot back, if it held one, and its job counts it "
+            "dead_lettered; a group gives its slot back and its job counts it lost)", ["stream"],
+            registry=r,
+        )
         self.fenced_refusals = Counter(
             "rollwave_buffer_fenced_refusals_total",
             "writes refused to a trainer because a newer trainer of the run started (a take, an ack, a checkpoint, a "

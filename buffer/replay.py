@@ -23,7 +23,9 @@ lose that move; the ack of a group the trainer holds from a lost move finds it p
 An entry deleted by hand while pending (an XDEL, a trim) is acked as any other by the trainer that holds it (a restarted
 one acking what its checkpoint covers reads its job, payload key and slot from the record its put wrote,
 ``Keys.group_records``, which outlives the entry); one no live trainer holds (its trainer died) is ended as the reclaim
-finds it, by that record: its payload key deleted, its id consumed, its slot given back, its job counting it ``lost``.
+finds it, by that record: its payload key deleted, its id consumed, its slot given back, its job counting it ``lost``;
+so is one deleted before it was delivered, by the sweep of the records (``buffer.streams.Reclaimer``). One the live
+trainer acked, whose ack Redis lost, is acked again with its outcome.
 
 The encoded group never passes through Lua: Redis 7 hashes every byte of every Lua string (a 64 KiB
 argument costs its single thread ~60 us, 30x Redis 6.2), so a put SETs the payload under a key of its own
@@ -47,7 +49,7 @@ import redis
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.metrics import BufferMetrics
 from buffer.schema import NewerSchema, SchemaError, TrajectoryGroup, decode_group, encode_group, reads_version
-from buffer.streams import Gone, Reclaimer
+from buffer.streams import Gone, Reclaimer, named
 from buffer.task_queue import TaskEntry
 from core.config import BufferConfig
 
@@ -121,8 +123,10 @@ return written and 0 or 1
 
 
 # gone(id) of the groups stream (``buffer.streams.Gone``; KEYS after the stream: group records, admitted, group state,
-# consumed ids list; ARGV from 9: the job hashes' key prefix, the dedup window). A pending group deleted by hand (an
-# XDEL, a trim) that no live trainer holds (one that does acks it itself) will never be trained: its record names its
+# consumed ids list; ARGV from 7: the job hashes' key prefix, the dedup window). A group deleted by hand (an XDEL, a
+# trim) that no live trainer holds (one that does acks it itself), pending or never delivered, will never be trained
+# (nor acked again: a deleted entry that the live trainer acked before, whose ack Redis lost, is its to ack again, as
+# trained or dropped, ``ReplayBuffer.take``): its record names its
 # payload key, deleted; its group id, consumed (as an ack marks it: a late copy of it is a duplicate); the admission
 # slot it holds, given back; and its job, which counts it ``lost`` (else the job waited for it for ever). An entry
 # written before records has none: its slot goes back (taken to hold one, as every group a rollout server wrote).
@@ -137,11 +141,11 @@ local function gone(id)
   if gid ~= '' then
     redis.call('HSET', KEYS[4], gid, 't')
     redis.call('RPUSH', KEYS[5], gid)
-    for _ = 1, redis.call('LLEN', KEYS[5]) - tonumber(ARGV[10]) do
+    for _ = 1, redis.call('LLEN', KEYS[5]) - tonumber(ARGV[8]) do
       redis.call('HDEL', KEYS[4], redis.call('LPOP', KEYS[5]))
     end
   end
-  if job ~= '' and redis.call('EXISTS', ARGV[9] .. job) == 1 then redis.call('HINCRBY', ARGV[9] .. job, 'lost', 1) end
+  if job ~= '' and redis.call('EXISTS', ARGV[7] .. job) == 1 then redis.call('HINCRBY', ARGV[7] .. job, 'lost', 1) end
   return record and gid
 end
 """
@@ -184,11 +188,12 @@ return 1
 # payload key stayed and the job never counted it). Only entries still pending count, and the slot goes back in the call
 # that deletes the entry, so acking twice changes nothing, and an ack Redis lost (the entry pending again) gives it back
 # once when acked again. Where Redis lost what delivered the entry, a group not yet consumed is found all the same: its
-# entry undelivered (the read was lost), or, its entry gone, parked again in the newer stream (the restore that made the
-# entry was lost; its copy there has the f.<name> fields). The payload key goes with the entry. An empty gid (a
-# malformed entry without one) marks nothing consumed. Consumed ids beyond the window leave groups:state. An entry still
-# pending but no longer in its stream (an operator's XDEL or trim) is acked as the others. Returns {how many were acked,
-# how many of them had been deleted from the stream}, or -1 (nothing done) when a newer trainer started.
+# entry undelivered (the read was lost; its entry deleted by hand since, its record), or, its entry gone, parked again
+# in the newer stream (the restore that made the entry was lost; its copy there has the f.<name> fields). The payload
+# key goes with the entry. An empty gid (a malformed entry without one) marks nothing consumed. Consumed ids beyond the
+# window leave groups:state. An entry still pending but no longer in its stream (an operator's XDEL or trim) is acked as
+# the others. Returns {how many were acked, how many of them had been deleted from the stream}, or -1 (nothing done)
+# when a newer trainer started.
 _ACK = _fence_lua("KEYS[6]", "ARGV[3]") + """
 local acked, gone, parked = 0, 0, nil
 for i = 4, #ARGV, 6 do
@@ -198,7 +203,7 @@ for i = 4, #ARGV, 6 do
   if redis.call('XACK', KEYS[1], '""" + TRAINER_GROUP + """', id) == 0 then
     stream = nil
     if gid ~= '' and redis.call('HGET', KEYS[2], gid) ~= 't' then
-      if redis.call('XRANGE', KEYS[1], id, id)[1] then
+      if redis.call('XRANGE', KEYS[1], id, id)[1] or redis.call('HEXISTS', KEYS[8], id) == 1 then
         stream = KEYS[1]
       else
         if not parked then  -- gid -> its entry in the newer stream, read once
@@ -557,13 +562,19 @@ class ReplayBuffer:
         self.check_fence("a take")
         if time.monotonic() >= self._next_restore:
             self._restore_newer()
-        claimed, deleted, lost = self._reclaimer.claim(max_groups, held=self._held)
-        if deleted:
+        got = self._reclaimer.claim(max_groups, held=self._held, acked=self._acked)
+        if got.ended:
             log.warning("%s: %d pending group(s) had been deleted from the stream (an XDEL or trim by hand); acked "
                         "them away and gave their admission slots back; lost for their jobs (payload deleted, never "
-                        "trained): %s", self.keys.groups, deleted, ", ".join(lost) or "none known")
-            self.metrics.deleted_pending.labels(stream="groups").inc(deleted)
-        out = self._accept([(entry_id, fields) for entry_id, _n, fields in claimed])
+                        "trained): %s", self.keys.groups, len(got.ended), named(got.ended))
+            self.metrics.deleted_pending.labels(stream="groups").inc(len(got.ended))
+        if got.swept:
+            log.warning("%s: %d group(s) had been deleted from the stream before any delivery (an XDEL or trim by "
+                        "hand); ended them by their records, giving their admission slots back; lost for their jobs "
+                        "(payload deleted, never trained): %s", self.keys.groups, len(got.swept), named(got.swept))
+            self.metrics.deleted_undelivered.labels(stream="groups").inc(len(got.swept))
+        self._ack_again(got.acked, "came back pending (Redis lost their ack), deleted from the stream by hand")
+        out = self._accept([(entry_id, fields) for entry_id, _n, fields in got.claimed])
         if out:
             self.metrics.redeliveries.labels(stream="groups").inc(len(out))
         while len(out) < max_groups:

@@ -31,7 +31,7 @@ from redis.commands.core import Script
 
 from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
 from buffer.metrics import TASK_STREAMS, BufferMetrics
-from buffer.streams import RENEW_LUA, Gone, Reclaimer
+from buffer.streams import RENEW_LUA, Gone, Reclaimer, named
 from core.config import BufferConfig
 
 log = logging.getLogger(__name__)
@@ -157,11 +157,11 @@ return 1
 """
 
 # gone(id) of a task stream (``buffer.streams.Gone``; KEYS after the stream: its task records, admitted, admitted ids;
-# ARGV from 9: the job hashes' key prefix, the job entries' key prefix). A pending task deleted by hand (an XDEL, a
-# trim) will never be rolled out: its record names its group, whose admission slot and admitted id go back, and whose
-# job counts it ``dead_lettered`` (as a malformed task: no other counter ends a task that has no group; a job is
-# ``<job>:<seq>:<task id>``'s first part) and no longer lists it in its entries. A task written before records has
-# none: acked away only.
+# ARGV from 7: the job hashes' key prefix, the job entries' key prefix). A task deleted by hand (an XDEL, a trim),
+# pending or never delivered, will never be rolled out: its record names its group, whose admission slot and admitted
+# id go back, and whose job counts it ``dead_lettered`` (as a malformed task: no other counter ends a task that has no
+# group; a job is ``<job>:<seq>:<task id>``'s first part) and no longer lists it in its entries. A task written before
+# records has none: acked away only.
 _TASK_GONE = """
 local function gone(id)
   local gid = redis.call('HGET', KEYS[2], id)
@@ -171,8 +171,8 @@ local function gone(id)
     redis.call('DECR', KEYS[3])
   end
   local job = string.match(gid, '^[^:]*')
-  if redis.call('EXISTS', ARGV[9] .. job) == 1 then redis.call('HINCRBY', ARGV[9] .. job, 'dead_lettered', 1) end
-  redis.call('SREM', ARGV[10] .. job, 't' .. id)
+  if redis.call('EXISTS', ARGV[7] .. job) == 1 then redis.call('HINCRBY', ARGV[7] .. job, 'dead_lettered', 1) end
+  redis.call('SREM', ARGV[8] .. job, 't' .. id)
   return gid
 end
 """
@@ -761,26 +761,35 @@ class TaskQueue:
     def reclaim(self, consumer: str, count: int, kind: str) -> list[TaskEntry]:
         """This consumer's own pending tasks (all after a restart; then, every ``claim_idle_ms``, those it left
         idle that long: a task it dropped without an ack), then tasks idle past ``claim_idle_ms`` in other
-        consumers' pending lists. Entries deleted while pending are acked away, logged and counted, each ending its
-        task (``_TASK_GONE``: its admission slot given back, its job counting it ``dead_lettered``) once. A live
-        consumer renews the tasks it works on (``renew``), so they are not handed to it again."""
+        consumers' pending lists. A live consumer renews the tasks it works on (``renew``), so they are not handed to
+        it again. Tasks deleted by hand are ended once, each by the record it left (``_TASK_GONE``: its admission slot
+        given back, its job counting it ``dead_lettered``), logged naming its entry and counted: one pending once it
+        is idle past ``claim_idle_ms`` and no live server holds it under a lease (``renew``), acked away; one never
+        delivered by the sweep of the records (every ``claim_idle_ms``, ``Reclaimer``)."""
         stream = self.keys.tasks(kind)
         reclaimer = self._reclaimers.get((consumer, kind))
         if reclaimer is None:
             gone = Gone(_TASK_GONE, (self.keys.task_gids(kind), self.keys.admitted, self.keys.admitted_ids),
                         (self.keys.job_prefix, self.keys.entries("")))
             reclaimer = Reclaimer(self.redis, stream, ROLLOUT_GROUP, consumer, self.config.claim_idle_ms,
-                                  own_every_s=self.config.claim_idle_ms / 1000, gone=gone)
+                                  own_every_s=self.config.claim_idle_ms / 1000, gone=gone,
+                                  lease=self.keys.task_leases(kind))
             self._reclaimers[(consumer, kind)] = reclaimer
-        claimed, deleted, ended = reclaimer.claim(count)
-        if deleted:
+        got = reclaimer.claim(count)
+        label = TASK_STREAMS[kind]
+        if got.ended:
             log.warning("%s: %d pending task(s) had been deleted from the stream; acked them away, ending %d of them "
-                        "(admission slot given back, counted dead_lettered for their jobs): %s", stream, deleted,
-                        len(ended), ", ".join(ended) or "none known")
-            self.metrics.deleted_pending.labels(stream=TASK_STREAMS[kind]).inc(deleted)
-        if claimed:
-            self.metrics.redeliveries.labels(stream=TASK_STREAMS[kind]).inc(len(claimed))
-        out = [self._parse(stream, entry_id, fields, consumer, delivered=n) for entry_id, n, fields in claimed]
+                        "(admission slot given back, counted dead_lettered for their jobs): %s", stream,
+                        len(got.ended), sum(1 for _, gid in got.ended if gid), named(got.ended))
+            self.metrics.deleted_pending.labels(stream=label).inc(len(got.ended))
+        if got.swept:
+            log.warning("%s: %d task(s) had been deleted from the stream before any delivery (an XDEL or trim by "
+                        "hand); ended them by their records (admission slot given back, counted dead_lettered for "
+                        "their jobs): %s", stream, len(got.swept), named(got.swept))
+            self.metrics.deleted_undelivered.labels(stream=label).inc(len(got.swept))
+        if got.claimed:
+            self.metrics.redeliveries.labels(stream=label).inc(len(got.claimed))
+        out = [self._parse(stream, entry_id, fields, consumer, delivered=n) for entry_id, n, fields in got.claimed]
         return [e for e in out if e is not None]
 
     def _parse(
@@ -888,7 +897,10 @@ class TaskQueue:
         return bool(done)
 
     def renew(self, consumer: str, entries: Sequence[TaskEntry]) -> list[TaskEntry]:
-        """Reset the idle time of tasks this consumer still holds, so live work is not reclaimed.
+        """Reset the idle time of tasks this consumer still holds, so live work is not reclaimed; a task deleted by hand
+        while it holds it is held by a lease key instead (``Keys.task_leases``, for ``claim_idle_ms``), so it writes
+        its group however long it takes (before, the first reclaim past ``claim_idle_ms`` ended it as
+        ``dead_lettered`` and its finished group was refused as task-gone).
 
         Returns the entries that another consumer has claimed meanwhile (the lease was lost). One acked meanwhile
         (its group finished while the renewal was on its way) is pending for no one, and was not lost."""
@@ -897,7 +909,8 @@ class TaskQueue:
             by_stream.setdefault(e.stream, []).append(e)
         lost = []
         for stream, group in by_stream.items():
-            taken = {i.decode() for i in self._renew([stream], [ROLLOUT_GROUP, consumer, *(e.entry_id for e in group)])}
+            args = [ROLLOUT_GROUP, consumer, self.keys.task_leases(group[0].kind), self.config.claim_idle_ms]
+            taken = {i.decode() for i in self._renew([stream], [*args, *(e.entry_id for e in group)])}
             lost += [e for e in group if e.entry_id in taken]
         return lost
 

@@ -274,7 +274,7 @@ def test_trainer_rendezvous_listens_on_master_addr_only(tmp_path: Path, tiny_mod
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": HOST, "MASTER_PORT": str(port),
            "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
     overrides = [f"run.dir={tmp_path}", f"model.path={tiny_model_dir}", "trainer.device=cpu",
-                 "trainer.dist_timeout_s=6"]
+                 "trainer.dist_timeout_s=3"]  # the store listens this long: 15 of this test's 0.2 s polls
     with component("trainer", log, *overrides, env=env) as proc:
         wait_for("the rendezvous store", lambda: listening_addresses(port), proc, log)
         assert on_loopback_only(port), listening_addresses(port)

@@ -149,8 +149,9 @@ def test_a_version_pushed_again_while_its_round_runs_is_refused(tiny_model_dir: 
     """Version 1 pushed while its first round still ran (its one server silent: a port that never answers the
     handshake) replaced that round: a wait on the first never ended, and its push's result went to the second. The
     second push is refused at once, naming the version; the first round ends on its own."""
+    # the first round outlasts its 1 s connect deadline; the second push, at once, is refused before it snapshots
     cfg = CheckpointConfig(token=SecretStr(secrets.token_urlsafe(32)), stage_dir=tmp_path / "stage",
-                           connect_timeout_s=3.0, retries=0)
+                           connect_timeout_s=1.0, retries=0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never accepts: no handshake comes back
         pusher = CheckpointPusher(cfg, [f"127.0.0.1:{silent.getsockname()[1]}"])

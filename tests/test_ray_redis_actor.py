@@ -83,8 +83,7 @@ finally:
 """
 
 
-@pytest.mark.ray
-@pytest.mark.slow
+@pytest.mark.ray  # not slow: it waits on events only, so it runs beside the other tests
 def test_a_redis_actor_whose_worker_is_killed_comes_back_with_its_data(tmp_path: Path) -> None:
     data_dir = tmp_path / "redis"
     proc = subprocess.run(["unshare", "-n", "bash", "-c", 'ip link set lo up && exec "$0" -c "$1" "$2"',

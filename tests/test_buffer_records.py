@@ -5,25 +5,23 @@ as ``test_buffer_deleted_entries``."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import redis
-from buffer_helpers import make_group
+from buffer_helpers import age, make_group
+from test_buffer_deleted_entries import CONFIG as LEASE
 from test_buffer_deleted_entries import delete, deleted_pending, r, submitted, trainer, untrained, written
 
 from buffer import schema
-from buffer.keys import Keys
+from buffer.keys import ROLLOUT_GROUP, Keys
 from buffer.registry import ServerRegistry
 from buffer.replay import WRITTEN, ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskEntry, TaskQueue
-from core.config import BufferConfig
 from services.api.cluster import ClusterView
 
 __all__ = ["r"]  # the fixture, on both binaries
 
-CONFIG = BufferConfig(claim_idle_ms=200, max_attempts=2)
+CONFIG = LEASE.model_copy(update={"max_attempts": 2})  # its long lease: a holder dies only when a test ages it
 
 
 def records(r: redis.Redis, keys: Keys) -> dict[str, int]:
@@ -64,8 +62,8 @@ def test_a_lifecycle_leaves_no_record_behind(r: redis.Redis, monkeypatch: pytest
     put(again["t4"])
     assert queue.fail(again["t6"], "the engine went away again")  # its second attempt: dead-lettered
     assert staleness.try_admit(again["t5"].group_id, task=again["t5"])
+    age(r, keys.tasks("train"), ROLLOUT_GROUP, "srv", [tasks["c1"].entry_id, again["t5"].entry_id])  # srv died
     delete(r, keys.tasks("train"), again["t5"].entry_id, "xdel")  # while its server, which died, held it
-    time.sleep(3 * CONFIG.claim_idle_ms / 1000)
     other = TaskQueue(r, keys, CONFIG)
     [c1] = other.reclaim("other", 4, "train")  # t5 ended (dead_lettered), c1 taken over
     assert c1.group_id == tasks["c1"].group_id
@@ -133,8 +131,8 @@ def test_a_cancelled_jobs_task_deleted_by_hand_while_a_dead_server_held_it_goes_
     queue, staleness, _ = submitted(r, keys, 1)
     [task] = queue.read("srv", 1)
     assert staleness.try_admit(task.group_id, task=task)
+    age(r, keys.tasks("train"), ROLLOUT_GROUP, "srv", [task.entry_id])  # the server that held it died: no one's
     delete(r, keys.tasks("train"), task.entry_id, "xdel")
-    time.sleep(3 * CONFIG.claim_idle_ms / 1000)  # the server that held it died: no one's past its lease
 
     assert queue.cancel_job("job") == "cancelled"
     deletion = queue.delete_job("job")
@@ -157,10 +155,10 @@ def test_a_train_job_whose_entries_were_deleted_by_hand_reads_done_once_they_are
         assert staleness.try_admit(task.group_id, task=task)
     for task in tasks[:2]:
         assert producer.put(make_group("job", task.group_id), task)
+    age(r, keys.tasks("train"), ROLLOUT_GROUP, "srv", [tasks[2].entry_id])  # the server that held it died
     delete(r, keys.tasks("train"), tasks[2].entry_id, "xdel")
     held = trainer(r, keys).take(2, 5.0)
-    delete(r, keys.groups, held[0][0], "xdel")
-    time.sleep(3 * CONFIG.claim_idle_ms / 1000)  # the server and the trainer that held them died
+    delete(r, keys.groups, held[0][0], "xdel")  # and the trainer, which its restart takes back from
 
     assert TaskQueue(r, keys, CONFIG).reclaim("other", 1, "train") == []
     restarted = trainer(r, keys)

@@ -12,20 +12,25 @@ import time
 
 import pytest
 import redis
-from buffer_helpers import make_group
-from test_buffer_deleted_entries import CONFIG, delete, deleted_pending, r, submitted, trainer, untrained, written
+from buffer_helpers import age, make_group
+from test_buffer_deleted_entries import (
+    CONFIG,
+    QUICK,
+    delete,
+    deleted_pending,
+    r,
+    submitted,
+    trainer,
+    untrained,
+    written,
+)
 
 from buffer.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from buffer.replay import ReplayBuffer
 from buffer.staleness import StalenessControl
 from buffer.task_queue import TaskQueue
-from core.config import BufferConfig
 
 __all__ = ["r"]  # the fixture, on both binaries
-
-# a claim_idle_ms no load on the test machine outlasts, for what must not go idle (a live server's lease) or must not
-# be looked at again during a test (a reclaimer's next walk): a new reclaimer walks at its first call
-SLOW = BufferConfig(claim_idle_ms=60_000)
 
 
 def deleted_undelivered(buf: ReplayBuffer | TaskQueue, stream: str) -> float | None:
@@ -61,7 +66,7 @@ def test_a_task_deleted_before_any_delivery_is_ended_by_the_sweep_once(
     delete(r, keys.tasks("train"), requeued.decode(), how)
     assert r.xpending(keys.tasks("train"), ROLLOUT_GROUP)["pending"] == 0
 
-    other = TaskQueue(r, keys, SLOW)
+    other = TaskQueue(r, keys, CONFIG)  # a new reclaimer walks at its first call, and not again during the test
     with caplog.at_level(logging.WARNING, logger="buffer.task_queue"):
         [last] = other.read("other", 2)
     assert last.group_id == "job:1:t1"
@@ -74,7 +79,7 @@ def test_a_task_deleted_before_any_delivery_is_ended_by_the_sweep_once(
             f"{task.group_id} (entry {requeued.decode()})") in caplog.text
     assert deleted_undelivered(other, "tasks") == 1 and deleted_pending(other, "tasks") is None
 
-    third = TaskQueue(r, keys, SLOW)
+    third = TaskQueue(r, keys, CONFIG)
     assert third.read("third", 1) == []  # its walk ends nothing more
     assert deleted_undelivered(third, "tasks") is None and deleted_undelivered(other, "tasks") == 1
     assert staleness.try_admit(last.group_id, task=last)
@@ -130,11 +135,13 @@ def test_the_sweep_ends_no_live_entry(r: redis.Redis) -> None:
         assert producer.put(make_group("job", task.group_id), task)
     writing = held[3]
     assert staleness.try_admit(writing.group_id, task=writing)
-    srv = TaskQueue(r, keys, SLOW)  # srv's renewals: a lease no load lets lapse
+    srv = TaskQueue(r, keys, CONFIG)  # srv's renewals: a lease no load lets lapse
+    age(r, keys.tasks("train"), ROLLOUT_GROUP, "srv", [writing.entry_id])  # srv's work outlasts claim_idle_ms
+    age(r, keys.tasks("train"), ROLLOUT_GROUP, "dead", [t.entry_id for t in dead])
     r.xdel(keys.tasks("train"), writing.entry_id)  # while srv works on it
     gone_task = r.xrange(keys.tasks("train"), "(" + dead[-1].entry_id, "+", count=3)[2][0].decode()
     r.xdel(keys.tasks("train"), gone_task)  # never delivered
-    live = trainer(r, keys)
+    live = trainer(r, keys, QUICK)  # the only consumer of the groups: no other takes what it holds
     taken = live.take(2, 0.0)
     [(undelivered, _)] = r.xrange(keys.groups, "(" + taken[-1][0], "+")  # the third group
     r.xdel(keys.groups, taken[0][0])  # held by the live trainer
@@ -145,10 +152,9 @@ def test_the_sweep_ends_no_live_entry(r: redis.Redis) -> None:
     for i in range(6):  # a walk's pages come a call at a time, with the run going on between them
         assert srv.renew("srv", [writing]) == []
         added += queue.submit("job", [{"task_id": f"x{i}", "messages": []}])
-        walker.reclaim("walker", 1, "train")  # takes the dead server's tasks over once idle past claim_idle_ms
-    time.sleep(2 * CONFIG.claim_idle_ms / 1000)
+        walker.reclaim("walker", 1, "train")  # takes the dead server's tasks over, idle past claim_idle_ms
     assert srv.renew("srv", [writing]) == []
-    walker.reclaim("walker", 1, "train")  # a reclaim past claim_idle_ms: the held task is still kept
+    walker.reclaim("walker", 1, "train")  # its reclaims, past claim_idle_ms: the held task is still kept
     assert deleted_undelivered(walker, "tasks") == 1 and deleted_pending(walker, "tasks") is None
     assert r.hexists(keys.task_gids("train"), gone_task) == 0
     assert r.hlen(keys.task_gids("train")) == records - 1 + len(added)
@@ -156,7 +162,7 @@ def test_the_sweep_ends_no_live_entry(r: redis.Redis) -> None:
     assert queue.job("job")["dead_lettered"] == "1"
     assert producer.put(make_group("job", writing.group_id), writing)  # the live server's, deleted by hand
 
-    time.sleep(2 * CONFIG.claim_idle_ms / 1000)  # the trainer's step outlasts claim_idle_ms
+    time.sleep(QUICK.claim_idle_ms / 1000)  # the trainer's step outlasts claim_idle_ms
     assert [e for e, _ in live.take(1, 0.0)] == [undelivered.decode()]  # the rescan skips what it holds
     assert deleted_undelivered(live, "groups") is None and deleted_pending(live, "groups") is None
     assert r.xpending(keys.groups, TRAINER_GROUP)["pending"] == 3
@@ -174,16 +180,18 @@ def test_a_task_deleted_while_its_live_server_works_on_it_is_its_to_finish(r: re
     ends it as it ends a dead server's task."""
     keys = Keys(f"leased-{survives}")
     queue, staleness, producer = submitted(r, keys, 1)
-    [task] = queue.read("srv", 1)
+    srv = TaskQueue(r, keys, QUICK)  # srv's reads: its own rescan comes every claim_idle_ms
+    [task] = srv.read("srv", 1)
     assert staleness.try_admit(task.group_id, task=task)
+    age(r, keys.tasks("train"), ROLLOUT_GROUP, "srv", [task.entry_id])  # its work outlasts claim_idle_ms
     r.xdel(keys.tasks("train"), task.entry_id)
-    holder = TaskQueue(r, keys, SLOW)  # srv's renewals: a lease no load lets lapse
-    other = TaskQueue(r, keys, CONFIG)
-    for _ in range(4):
+    holder = TaskQueue(r, keys, CONFIG)  # srv's renewals: a lease no load lets lapse
+    other = TaskQueue(r, keys, QUICK)
+    for _ in range(2):
         if survives:
             assert holder.renew("srv", [task]) == []
-        time.sleep(CONFIG.claim_idle_ms / 1000)
-        queue.read("srv", 1)  # its own rescan, then another server's reclaim, past claim_idle_ms
+        time.sleep(QUICK.claim_idle_ms / 1000)  # srv's rescan is due
+        srv.read("srv", 1)  # its own rescan, then another server's reclaim, past claim_idle_ms
         other.read("other", 1)
     if survives:
         assert producer.put(make_group("job", task.group_id), task)
@@ -203,12 +211,13 @@ def test_a_group_the_live_trainer_acked_whose_ack_redis_lost_and_then_deleted_co
     lost and not trained, its slot given back as if never trained)."""
     keys = Keys("lost-ack-deleted")
     [gid] = written(r, keys, 1)
-    live = trainer(r, keys)
+    live = trainer(r, keys, QUICK)  # the only consumer of the groups: no other takes what it holds
     [(entry_id, _)] = live.take(1, 5.0)
     lose_writes(r, keys, lambda: live.ack([entry_id], [gid]))
     assert r.xpending(keys.groups, TRAINER_GROUP)["pending"] == 1
+    age(r, keys.groups, TRAINER_GROUP, "trainer", [entry_id])  # past claim_idle_ms
     r.xdel(keys.groups, entry_id)
-    time.sleep(2 * CONFIG.claim_idle_ms / 1000)  # past claim_idle_ms: the rescan finds it
+    time.sleep(QUICK.claim_idle_ms / 1000)  # its rescan is due, and finds it
 
     assert live.take(1, 0.0) == []
     assert r.hget(keys.job("job"), "trained") == b"1" and r.hget(keys.job("job"), "lost") is None
@@ -227,13 +236,13 @@ def test_a_group_the_trainer_holds_from_a_read_redis_lost_and_then_deleted_count
     sweep would have ended it as lost)."""
     keys = Keys("lost-read-deleted")
     [gid] = written(r, keys, 1)
-    live = trainer(r, keys)
+    live = trainer(r, keys, QUICK)  # the only consumer of the groups
     taken: list = []
     lose_writes(r, keys, lambda: taken.extend(live.take(1, 5.0)))
     [(entry_id, _)] = taken
     assert r.xpending(keys.groups, TRAINER_GROUP)["pending"] == 0
     r.xdel(keys.groups, entry_id)
-    time.sleep(2 * CONFIG.claim_idle_ms / 1000)  # the next walk is due
+    time.sleep(QUICK.claim_idle_ms / 1000)  # the next walk is due
 
     assert live.take(1, 0.0) == []
     assert r.hget(keys.job("job"), "lost") is None and r.hexists(keys.group_records, entry_id)
@@ -243,7 +252,7 @@ def test_a_group_the_trainer_holds_from_a_read_redis_lost_and_then_deleted_count
     assert (staleness.trained(), staleness.admitted()) == (1, 1)
     assert r.hget(keys.group_state, gid) == b"t" and r.hlen(keys.group_records) == 0
     assert r.keys(keys.prefix + "payload:*") == []
-    time.sleep(2 * CONFIG.claim_idle_ms / 1000)
+    time.sleep(QUICK.claim_idle_ms / 1000)
     assert live.take(1, 0.0) == [] and r.hget(keys.job("job"), "lost") is None
     assert deleted_undelivered(live, "groups") is None
 
@@ -257,14 +266,14 @@ def test_a_task_deleted_after_a_walk_is_found_by_the_next_while_another_is_held(
     [task] = queue.read("srv", 1)
     assert staleness.try_admit(task.group_id, task=task)
     r.xdel(keys.tasks("train"), task.entry_id)
-    srv = TaskQueue(r, keys, SLOW)  # srv's renewals: a lease no load lets lapse
+    srv = TaskQueue(r, keys, CONFIG)  # srv's renewals: a lease no load lets lapse
     assert srv.renew("srv", [task]) == []
-    walker = TaskQueue(r, keys, CONFIG)
+    walker = TaskQueue(r, keys, QUICK)
     assert walker.reclaim("walker", 1, "train") == []
     assert deleted_undelivered(walker, "tasks") is None
     [(later, _)] = r.xrange(keys.tasks("train"), count=1)
     r.xdel(keys.tasks("train"), later)
-    time.sleep(CONFIG.claim_idle_ms / 1000)  # the next walk is due
+    time.sleep(QUICK.claim_idle_ms / 1000)  # the next walk is due
     assert walker.reclaim("walker", 1, "train") == []
     assert deleted_undelivered(walker, "tasks") == 1 and deleted_pending(walker, "tasks") is None
     assert r.hexists(keys.task_gids("train"), later) == 0 and queue.job("job")["dead_lettered"] == "1"

@@ -708,7 +708,8 @@ class LauncherConfig(Section):
     failing: the death that would be restart ``max_restarts + 1`` within ``restart_window_s``, however long each run
     stayed up, is the last: the launcher gives the component up and stops the run (a run without its trainer or a
     rollout server is not the run asked for), as systemd's ``StartLimitBurst`` and Ray's ``max_restarts`` bound
-    theirs."""
+    theirs. And how long they give a trainer rank to stop (``trainer_stop_grace_s``); the other components get what
+    ``services.launcher.components`` says, short: nothing of theirs outlasts ``rollout.shutdown_grace_s``."""
 
     max_restarts: int = Field(
         10, ge=0, description="restarts of a failing component within restart_window_s before the run is stopped "
@@ -718,6 +719,12 @@ class LauncherConfig(Section):
         900.0, gt=0, description="the window of max_restarts; the default holds eleven deaths a minute up each (the "
         "backoff starts again from 0.5 s after a run up 60 s), so a component that dies within a minute of every "
         "start is given up however slowly it fails",
+    )
+    trainer_stop_grace_s: float = Field(
+        120.0, gt=0, description="how long a launcher (LocalStack, rollwave up's actors) gives a trainer rank to stop "
+        "after its SIGTERM before it SIGKILLs it, saying so: a pool's ranks finish a checkpoint or a push in flight, "
+        "record the stop and delete their lease first (an idle one stops within trainer.take_timeout_s); the chart's "
+        "trainer.terminationGracePeriodSeconds and compose's stop_grace_period are the same 120 s: set them alike",
     )
 
 

@@ -14,6 +14,12 @@ it before any starts.
 Secrets reach each component in its environment, and only those it needs (the config file it reads has them
 masked): the trainer and the rollout servers the checkpoint token (and the engine key), the API its token,
 every component the Redis password.
+
+Each component has a grace to stop in after its SIGTERM (``ComponentSpec.stop_grace_s``), then is SIGKILLed, its name
+logged: a trainer rank ``launcher.trainer_stop_grace_s`` (120 s: a pool's ranks finish a checkpoint or a push in flight
+first, as the chart and compose allow them), a rollout server ``rollout.shutdown_grace_s`` for its groups in flight and
+``HAND_BACK_S`` to hand the rest back, the API ``STOP_GRACE_S``. Each stops as soon as it can: the grace bounds a slow
+or hung one.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +50,9 @@ from core.process import PARENT_PID_ENV, kill_group, stop_process
 log = logging.getLogger(__name__)
 SECRET_VARS = frozenset(SECRETS.values())
 LIMITS = LauncherConfig()  # the restart limit a spec has unless ``components`` gives it the config's
+STOP_GRACE_S = 30.0  # the API's stop: its requests are bounded by redis.timeout_s and api.body_timeout_s
+HAND_BACK_S = 15.0  # a rollout server's stop past rollout.shutdown_grace_s: the hand-back, its engine's stop
+SUPERVISOR_JOIN_S = 30.0  # ``close``'s wait for the supervisor, which sees the stop at its next poll
 
 
 def ensure_checkpoint_token(cfg: Config) -> None:
@@ -71,6 +81,7 @@ class ComponentSpec:
     # overrides given where it runs on Ray, ``{address}`` being its node's address: peers on other nodes reach it
     node_overrides: tuple[str, ...] = ()
     one_node: bool = False  # placed on one node with the others so marked (the trainer ranks' rendezvous)
+    stop_grace_s: float = STOP_GRACE_S  # its time to stop after the SIGTERM, before the SIGKILL
 
 
 def components(
@@ -99,7 +110,8 @@ def components(
         env = {**checkpoint_env, **pool, "RANK": str(rank), "LOCAL_RANK": str(rank),
                **idle_threads_env(cfg.placement.trainer_cpus)}
         argv = [py, "-m", "trainer", "-c", str(config_path), *trainer_args, *common]
-        specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu, one_node=True, ends=True, **limits))
+        specs.append(ComponentSpec(f"trainer-{rank}", argv, env, num_gpus=gpu, one_node=True, ends=True,
+                                   stop_grace_s=cfg.launcher.trainer_stop_grace_s, **limits))
     # the servers share placement.rollout_cpus: unless engine.threads says, their engines split its CPUs, as the
     # trainer's ranks split theirs, rather than each running one thread per CPU of the set
     share = ([f"engine.threads={cpu_share(cfg.placement.rollout_cpus, rollout_servers)}"]
@@ -109,7 +121,7 @@ def components(
                 *share]
         env = {**checkpoint_env, **secret_env(cfg, "engine.api_key"), **idle_threads_env(cfg.placement.rollout_cpus)}
         specs.append(ComponentSpec(f"rollout-{i}", argv, env, node_overrides=("rollout.grpc_host={address}",),
-                                   **limits))
+                                   stop_grace_s=cfg.rollout.shutdown_grace_s + HAND_BACK_S, **limits))
     if api:
         argv = [py, "-m", "services.api", "-c", str(config_path), *common]
         hosts = json.dumps([*cfg.api.allowed_hosts, "{address}"])  # requests name the node's address too
@@ -237,8 +249,9 @@ class RestartBackoff:
 
 class LocalStack:
     """Runs component specs as child processes, restarts any that fails (``RestartBackoff``), and stops them all on
-    close, whatever each is doing then: running, waiting out its backoff, being restarted. One that fails at every
-    start is given up (its spec's ``max_restarts``): the stack stops them all then, and ``check_refused`` raises.
+    close, whatever each is doing then: running, waiting out its backoff, being restarted; each within its spec's
+    ``stop_grace_s``. One that fails at every start is given up (its spec's ``max_restarts``): the stack stops them all
+    then, and ``check_refused`` raises.
     """
 
     def __init__(self, specs: list[ComponentSpec], log_dir: Path, poll_s: float = 0.5,
@@ -353,28 +366,27 @@ class LocalStack:
         proc = self.procs[name]
         return proc.poll() == 0
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop every component: SIGTERM to each group, up to ``timeout_s`` in all, then SIGKILL. No restart begins
-        once this has begun, and one waiting out its backoff has no process left (its group was killed as it died)."""
+    def close(self) -> None:
+        """Stop every component (``_stop_components``). No restart begins once this has begun, and one waiting out
+        its backoff has no process left (its group was killed as it died)."""
         with self._lock:  # the supervisor restarts only under this lock, where it sees the stop first
             self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            self._thread.join(SUPERVISOR_JOIN_S)
             if self._thread.is_alive():
                 log.error("the supervisor did not end within %g s of close; stopping the components anyway",
-                          timeout_s)
+                          SUPERVISOR_JOIN_S)
         with self._lock:
-            self._stop_components(timeout_s)
+            self._stop_components()
 
-    def _stop_components(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM to each component's group, up to ``timeout_s`` in all, then SIGKILL; under the lock."""
+    def _stop_components(self) -> None:
+        """SIGTERM to every component's group at once; each that has not exited within its spec's ``stop_grace_s``
+        is SIGKILLed, named in the log (``stop_process``), as is what is left of its group; under the lock. A trainer
+        rank's long grace holds back no other's kill, and the stop ends as soon as every component has."""
         running = {name: proc for name, proc in self.procs.items() if name not in self._due}
-        for proc in running.values():
-            if proc.poll() is None:
-                kill_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for name, proc in running.items():
-            stop_process(proc, max(0.1, deadline - time.monotonic()), name=name, group=True)
+        with ThreadPoolExecutor(max(1, len(running)), thread_name_prefix="stop") as pool:
+            list(pool.map(lambda name: stop_process(running[name], self.specs[name].stop_grace_s, name=name,
+                                                    group=True), running))
 
     def __enter__(self) -> LocalStack:
         return self.start()

@@ -79,6 +79,11 @@ HOST = "127.0.0.1"
 FORWARDED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_HOME", "HF_HUB_OFFLINE")
 REDIS_ACTOR = "redis"
 START_TIMEOUT_S = 120.0  # how long an actor waits for its component's config check
+WATCHER_JOIN_S = 10.0  # a stop's wait for the watcher, which ends once the process it waits for has
+STOP_MARGIN_S = 30.0  # ``down``'s wait for an actor's stop past its component's grace: the watcher, Ray's call
+# ``down``'s wait for an actor whose grace ``ray.json`` does not record: the Redis actor's (``EmbeddedRedis.stop``), a
+# component of a run an earlier version started
+UNRECORDED_STOP_S = 60.0
 
 
 class ComponentProcess:
@@ -189,17 +194,20 @@ class ComponentProcess:
         """Whether the component got past its config check (or exited) before the constructor returned."""
         return self.confirmed
 
-    def stop(self, timeout_s: float = 45.0) -> int:
-        """SIGTERM (components shut down gracefully), then SIGKILL to whatever is left of its group, whatever the
-        component is doing: running, waiting out its backoff (no restart follows), being restarted (the new process
-        is the one stopped). Returns its exit code once the watcher is done, so nothing starts after."""
+    def stop(self, timeout_s: float | None = None) -> int:
+        """SIGTERM (components shut down gracefully), then, past ``timeout_s`` (its spec's ``stop_grace_s`` unless
+        given: a trainer rank's ``launcher.trainer_stop_grace_s``), SIGKILL to whatever is left of its group, named in
+        the log, whatever the component is doing: running, waiting out its backoff (no restart follows), being
+        restarted (the new process is the one stopped). Returns its exit code once the watcher is done, so nothing
+        starts after."""
         with self._lock:  # a restart under way ends first; none begins once this is set
             self._stopping.set()
-        rc = stop_process(self.proc, timeout_s, name=self.spec.name, group=True)
-        self._watcher.join(timeout_s)
+        grace = self.spec.stop_grace_s if timeout_s is None else timeout_s
+        rc = stop_process(self.proc, grace, name=self.spec.name, group=True)
+        self._watcher.join(WATCHER_JOIN_S)
         if self._watcher.is_alive():
-            print(f"{self.spec.name}: its watcher did not end within {timeout_s:g} s of the stop", file=sys.stderr,
-                  flush=True)
+            print(f"{self.spec.name}: its watcher did not end within {WATCHER_JOIN_S:g} s of its process",
+                  file=sys.stderr, flush=True)
         return rc
 
 
@@ -352,20 +360,23 @@ def _connect(state: dict[str, Any]) -> None:
 
 def _stop_all(state: dict[str, Any]) -> None:
     """Stop what ``state`` records, in reverse order of starting; a part already gone (or recorded but never
-    started: ``up`` records each before starting it) is skipped. The head ``up`` started is stopped even if its
-    actors could not be (a head killed mid-start may take no driver)."""
+    started: ``up`` records each before starting it) is skipped. Each actor kills its component past the grace its
+    spec carries (``ComponentSpec.stop_grace_s``), which ``ray.json`` records for this wait on it. The head ``up``
+    started is stopped even if its actors could not be (a head killed mid-start may take no driver)."""
     head_gone = bool(state.get("head_pid")) and not _alive(state["head_pid"])  # its actors went with it
     try:
         if (state.get("actors") or state.get("placement_groups")) and not head_gone:
             if not ray.is_initialized():
                 _connect(state)
+            graces = state.get("stop_grace_s", {})
             for name in reversed(state.get("actors", [])):
                 try:
                     actor = ray.get_actor(name)
                 except ValueError:
                     continue
-                try:
-                    ray.get(actor.stop.remote(), timeout=60)
+                try:  # the actor kills its component past its grace: this bounds a hung actor
+                    ray.get(actor.stop.remote(),
+                            timeout=graces[name] + STOP_MARGIN_S if name in graces else UNRECORDED_STOP_S)
                 except (ray.exceptions.RayError, TimeoutError) as exc:
                     log.warning("%s did not stop cleanly: %s", name, exc)
                 ray.kill(actor, no_restart=True)
@@ -436,6 +447,7 @@ def _launch(cfg: Config, args: argparse.Namespace, state: dict[str, Any], run_di
         spec.env = {**forwarded, **spec.env, "REDIS_URL": redis_url}
     for spec, (pg, index) in zip(specs, _place(specs, state, record), strict=True):
         state["actors"].append(spec.name)
+        state.setdefault("stop_grace_s", {})[spec.name] = spec.stop_grace_s  # for ``down``'s wait
         record()
         ComponentActor.options(
             name=spec.name, lifetime="detached", num_cpus=0, num_gpus=spec.num_gpus,

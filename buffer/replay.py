@@ -57,6 +57,22 @@ log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000  # below the client's socket timeout; take() loops until its own deadline
 WRITTEN, DUPLICATE, FULL, TASK_GONE = 1, 0, -1, -2  # what a put did (try_put, put_many)
+# what ``_PUT`` returns, below TASK_GONE, for a task pending for no one whose loss it can tell more of (try_put returns
+# TASK_GONE for each)
+_JOB_DELETED, _ENTRY_UNDELIVERED, _ENTRY_DELETED = -3, -4, -5
+# why a put found its task pending for no one, by what ``_PUT`` returns, as its log says it
+_TASK_GONE_WHY = {
+    TASK_GONE: "its entry and its record are gone: it was ended after this server lost its lease (frozen past "
+    "buffer.claim_idle_ms): another server failed, dead-lettered, cancelled or handed it back; or it was deleted by "
+    "hand (an XDEL or trim) and the reclaim or the records' sweep ended it (dead_lettered for its job); or a delete of "
+    "its cancelled job removed it",
+    _JOB_DELETED: "its job was deleted (cancelled, then deleted: the delete removed the task, which this server no "
+    "longer held, frozen past buffer.claim_idle_ms)",
+    _ENTRY_UNDELIVERED: "its entry is in the stream, delivered to no one (Redis lost the delivery: a restart); a "
+    "server reads it again",
+    _ENTRY_DELETED: "its entry was deleted by hand (an XDEL or trim), delivered to no one (Redis lost the delivery: a "
+    "restart); its record is left, which the records' sweep ends (dead_lettered for its job)",
+}
 # Redis's proto-max-bulk-len (its default, the embedded server's): a longer argument is refused and the connection
 # closed, which the client took for an outage and retried, the whole payload each time, then failed naming neither
 # the group nor its size (the rollout server retried that put for ever). A server configured lower is read at the
@@ -76,8 +92,9 @@ MAX_PAYLOAD_BYTES = 512 << 20
 # group is finished once written, so its id enters the consumed ids (and the dedup window) at once. A written train
 # group takes its admission slot over from the admitted ids: its entry's field s is 1 when it holds one, 0 when it was
 # never admitted (a put without a task, as put_many's), so the trainer's ack gives back only a slot the group holds.
-# Returns 1 written, 0 duplicate (already written; its task is acked all the same), -1 full, -2 task no longer
-# pending (nothing done for these three).
+# Returns 1 written, 0 duplicate (already written; its task is acked all the same), -1 full, or, the task pending for no
+# one, why, as far as this call can tell (``_TASK_GONE_WHY``): -3 its job deleted, -4 its entry in the stream, -5 its
+# entry deleted by hand with its record left, -2 both gone (ended) (nothing done for these).
 _PUT = """
 local gid, bound, task, payload = ARGV[1], tonumber(ARGV[3]), ARGV[4], KEYS[10] or ''
 local written = redis.call('HGET', KEYS[2], gid)
@@ -93,6 +110,9 @@ else
   end
   if task ~= '' and not redis.call('XPENDING', KEYS[4], '""" + ROLLOUT_GROUP + """', task, task, 1)[1] then
     if payload ~= '' then redis.call('DEL', payload) end
+    if redis.call('EXISTS', KEYS[3]) == 0 then return -3 end
+    if redis.call('XRANGE', KEYS[4], task, task)[1] then return -4 end
+    if redis.call('HEXISTS', KEYS[8], task) == 1 then return -5 end
     return -2
   end
   if payload ~= '' then
@@ -485,9 +505,10 @@ class ReplayBuffer:
 
     def try_put(self, group: TrajectoryGroup, task: TaskEntry | None = None) -> int:
         """One attempt: ``WRITTEN``, ``DUPLICATE`` (its task is acked all the same), ``FULL`` or ``TASK_GONE``
-        (the task is no longer pending: this worker lost its lease and another one ended the task meanwhile, so
-        the group is not written; logged and counted). Raises ``GroupTooLarge`` (nothing sent) for a group longer than
-        Redis takes."""
+        (the task is pending for no one, so the group is not written; logged with why, as far as the put's call can
+        tell, and counted: mostly this worker lost its lease and the task was ended meanwhile, by another worker, by
+        the reclaim or sweep of a task deleted by hand, or by a delete of its job). Raises ``GroupTooLarge`` (nothing
+        sent) for a group longer than Redis takes."""
         if task is not None and task.group_id != group.group_id:
             raise ValueError(f"group {group.group_id} does not belong to task {task.entry_id} ({task.group_id})")
         pipe = self.redis.pipeline(transaction=True)
@@ -496,11 +517,12 @@ class ReplayBuffer:
         if result == DUPLICATE:
             self.metrics.duplicates_dropped.inc()
             log.info("group %s was written before: dropped this copy (its task acked)", group.group_id)
-        elif result == TASK_GONE:
+        elif result <= TASK_GONE:
             self.metrics.task_gone_dropped.inc()
-            log.warning("group %s: its task %s is no longer pending (another worker failed, dead-lettered, "
-                        "cancelled or handed it back after this one lost its lease): dropped, not written",
-                        group.group_id, task.entry_id if task else "")
+            log.warning("group %s: its task (entry %s of %s) is pending for no one: %s; dropped, not written",
+                        group.group_id, task.entry_id if task else "", task.stream if task else "",
+                        _TASK_GONE_WHY[result])
+            return TASK_GONE
         return result
 
     def put(self, group: TrajectoryGroup, task: TaskEntry | None = None, timeout_s: float | None = None) -> bool:

@@ -225,14 +225,15 @@ end
 # ``records_of``: ended here, as the reclaim that finds it would, not left there with its record dropped, its slot held
 # for good and its job never deleted), else {id, its group id, its pending delivery (nil when queued), whether a live
 # consumer holds it (pending, and renewed within ``idle`` ms, buffer.claim_idle_ms: a live server renews what it holds,
-# and any other would take one idle longer over)}. ``remove_task``: end such a task that no live consumer holds as a
-# rollout server's ``_CANCEL`` ends it (acked if pending, then ``_END_CANCELLED``); a train task that was pending also
-# has its group id consumed in ``groups:state``, so the server that held it, frozen rather than dead, finds it so when
-# it wakes: a server of this version is refused admission for a task it no longer holds (``LeaseLost``), and an older
-# one's ``try_admit`` (or one without the task) admits it at no cost, taking no slot that nothing gives back; its put is
-# a duplicate either way. Only those: consuming every removed task's id would push the ids of groups still to come out
-# of the dedup window (an eval task takes no slot, and its late put writes nothing either way). ``trim_consumed``: keep
-# the last ``window`` consumed ids.
+# and any other would take one idle longer over; or, deleted by hand, held under its lease key, ``lease`` .. id, which
+# the renewal sets instead, ``Keys.task_leases``, as the reclaim reads it)}. ``remove_task``: end such a task that no
+# live consumer holds as a rollout server's ``_CANCEL`` ends it (acked if pending, then ``_END_CANCELLED``); a train
+# task that was pending also has its group id consumed in ``groups:state``, so the server that held it, frozen rather
+# than dead, finds it so when it wakes: a server of this version is refused admission for a task it no longer holds
+# (``LeaseLost``), and an older one's ``try_admit`` (or one without the task) admits it at no cost, taking no slot that
+# nothing gives back; its put is a duplicate either way. Only those: consuming every removed task's id would push the
+# ids of groups still to come out of the dedup window (an eval task takes no slot, and its late put writes nothing
+# either way). ``trim_consumed``: keep the last ``window`` consumed ids.
 _TASK_REMOVAL = _END_CANCELLED + """
 local function field(fields, name)
   for j = 1, #fields, 2 do
@@ -245,12 +246,12 @@ local function holder(stream, group, id)  -- {id, consumer, idle ms, deliveries}
   return held[1]
 end
 local function records_of(stream) return stream == KEYS[6] and KEYS[20] or KEYS[21] end
-local function task_at(stream, id, idle)
+local function task_at(stream, id, idle, lease)
   local e = redis.call('XRANGE', stream, id, id)[1]
   local held = holder(stream, '""" + ROLLOUT_GROUP + """', id)
   if not (e or held) then return nil end
   local gid = e and field(e[2], 'gid') or redis.call('HGET', records_of(stream), id)
-  return {id, gid, held, held ~= nil and held[3] < idle}
+  return {id, gid, held, held ~= nil and (held[3] < idle or redis.call('EXISTS', lease .. id) == 1)}
 end
 local function remove_task(stream, t)
   local id, gid, held = t[1], t[2], t[3]
@@ -269,19 +270,20 @@ end
 """
 
 # Walk one batch of a job's entries before its delete (KEYS as ``_DELETE_JOB``'s; ARGV: buffer.claim_idle_ms, the dedup
-# window, then up to ``CANCEL_BATCH`` members of its entries). A dead letter or malformed group is set aside
-# (``set_aside``), whatever the job's state. A task member ``t<id>`` of a cancelled job that no live consumer holds is
-# removed as ``_TASK_REMOVAL``'s ``remove_task`` ends it, and one whose entry is no longer in its stream leaves the
-# entries; a task of a job not cancelled is left alone (checked in each call). Returns how many tasks it removed, or -1
-# for a job no longer there (deleted meanwhile: the walk stops).
+# window, the train and eval task leases' key prefixes, then up to ``CANCEL_BATCH`` members of its entries). A dead
+# letter or malformed group is set aside (``set_aside``), whatever the job's state. A task member ``t<id>`` of a
+# cancelled job that no live consumer holds is removed as ``_TASK_REMOVAL``'s ``remove_task`` ends it, and one whose
+# entry is no longer in its stream leaves the entries; a task of a job not cancelled is left alone (checked in each
+# call). Returns how many tasks it removed, or -1 for a job no longer there (deleted meanwhile: the walk stops).
 _CANCEL_QUEUED = _TASK_REMOVAL + _ASIDE + """
 local h = redis.call('HMGET', KEYS[1], 'kind', 'state')
 if not h[1] then return -1 end
-local stream = h[1] == 'train' and KEYS[6] or KEYS[7]
+local stream, task_lease = KEYS[6], ARGV[3]
+if h[1] ~= 'train' then stream, task_lease = KEYS[7], ARGV[4] end
 local removed = 0
-for i = 3, #ARGV do
+for i = 5, #ARGV do
   if not set_aside(ARGV[i]) and h[2] == 'cancelled' then
-    local t = task_at(stream, string.sub(ARGV[i], 2), tonumber(ARGV[1]))
+    local t = task_at(stream, string.sub(ARGV[i], 2), tonumber(ARGV[1]), task_lease)
     if not t then
       redis.call('SREM', KEYS[5], ARGV[i])
       redis.call('HDEL', records_of(stream), string.sub(ARGV[i], 2))
@@ -299,7 +301,8 @@ return removed
 # train and eval task streams, dead letters, groups, malformed groups, newer groups, group state, consumed ids list,
 # admitted, admitted ids, trainer hash, the job's set aside (``Keys.entries_aside``), the trainer's lease
 # (``Keys.trainer_alive``), the deleted jobs whose set aside is left to remove (``Keys.deleted_aside``); ARGV: job id,
-# the idempotency keys' prefix, buffer.claim_idle_ms, the dedup window, TRAIN_ENDS). A finished one (every task ended:
+# the idempotency keys' prefix, buffer.claim_idle_ms, the dedup window, the train and eval task leases' key prefixes,
+# TRAIN_ENDS). A finished one (every task ended:
 # an eval job's completed, dead-lettered or cancelled; a train job's every group ended too, TRAIN_ENDS) goes at once. A
 # cancelled one goes with what is left of it: its tasks in the task stream (found through the job's entries, never by
 # reading the stream whole; ``delete_job`` removed those no one held in batches of ``_CANCEL_QUEUED`` before, so few are
@@ -308,7 +311,8 @@ return removed
 # trainer's pending list and named by its record, ``Keys.group_records``), each ended as an ack would end it (a task as
 # ``_TASK_REMOVAL``'s ``remove_task`` ends it; a group's payload key deleted and its id consumed, admission slots given
 # back, pending deliveries acked). A task pending for a consumer that has not renewed it for claim_idle_ms is no one's
-# (a live server renews what it holds; any other would take it over), nor is a group pending for a trainer that stopped
+# (a live server renews what it holds; any other would take it over; one deleted by hand is held while the lease key
+# its server's renewal sets instead is there, ``task_at``), nor is a group pending for a trainer that stopped
 # (its end in the trainer hash, as ``ClusterView.trainer_end`` reads it) or whose lease (``Keys.trainer_alive``) is
 # gone: it lapsed (the trainer was killed without recording its end; or it was frozen, or cut off from Redis, past the
 # lease's TTL, and its ack of a group this call removed then finds the group's id consumed and acks and counts nothing),
@@ -330,16 +334,17 @@ _DELETE_JOB = _TASK_REMOVAL + _ASIDE + """
 local h = redis.call('HMGET', KEYS[1], 'kind', 'submitted', 'idempotency', 'state')
 if not h[1] then return false end
 local train = h[1] == 'train'
-local ends = train and {unpack(ARGV, 5)} or {'completed', 'dead_lettered', 'cancelled'}
+local ends = train and {unpack(ARGV, 7)} or {'completed', 'dead_lettered', 'cancelled'}
 local left = tonumber(h[2]) or 0
 for _, n in ipairs(redis.call('HMGET', KEYS[1], unpack(ends))) do left = left - (tonumber(n) or 0) end
 if left > 0 and h[4] ~= 'cancelled' then return {h[1], left} end
 local entries = redis.call('SMEMBERS', KEYS[5])
-local stream = train and KEYS[6] or KEYS[7]
+local stream, task_lease = KEYS[6], ARGV[5]
+if not train then stream, task_lease = KEYS[7], ARGV[6] end
 local tasks, groups, rolling, holders, training, lease = {}, {}, 0, {}, 0, false
 if left > 0 then
   for _, m in ipairs(entries) do
-    local t = string.sub(m, 1, 1) == 't' and task_at(stream, string.sub(m, 2), tonumber(ARGV[3]))
+    local t = string.sub(m, 1, 1) == 't' and task_at(stream, string.sub(m, 2), tonumber(ARGV[3]), task_lease)
     if t and t[4] then
       rolling = rolling + 1
       holders[t[3][2]] = true
@@ -629,7 +634,7 @@ class TaskQueue:
         keys = self._deletion_keys(job_id)
         queued = self._walk_entries(keys, cancelled=self.job_state(job_id) == "cancelled")
         found = self._delete_job(keys, [job_id, self.keys.idempotency(""), self.config.claim_idle_ms,
-                                        self.config.dedup_window, *TRAIN_ENDS])
+                                        self.config.dedup_window, *self._leases(), *TRAIN_ENDS])
         self._drop_deleted_aside()
         if found is None:
             return None
@@ -656,6 +661,11 @@ class TaskQueue:
                 k.group_state, k.groups_consumed, k.admitted, k.admitted_ids, k.trainer, k.entries_aside(job_id),
                 k.trainer_alive, k.deleted_aside, k.task_gids("train"), k.task_gids("eval"), k.group_records]
 
+    def _leases(self) -> list[str]:
+        """The ARGV of ``_TASK_REMOVAL``'s ``task_at``, for a task a live server holds deleted by hand: the train and
+        eval task leases' key prefixes (``Keys.task_leases``)."""
+        return [self.keys.task_leases("train"), self.keys.task_leases("eval")]
+
     def _drop_deleted_aside(self) -> None:
         """Remove the sets aside of the deleted jobs ``Keys.deleted_aside`` lists (the one just deleted, and any a
         delete interrupted before it removed them left), in batches (``_DROP_ASIDE``); a job listed that exists again
@@ -675,7 +685,8 @@ class TaskQueue:
         delete then refused loses none). A job read as not cancelled has its tasks skipped by the scan. ``keys``:
         ``_DELETE_JOB``'s. Returns how many tasks it removed."""
         return self._in_batches(keys[4], self._cancel_queued, keys,
-                                [self.config.claim_idle_ms, self.config.dedup_window], None if cancelled else "[dg]*")
+                                [self.config.claim_idle_ms, self.config.dedup_window, *self._leases()],
+                                None if cancelled else "[dg]*")
 
     def _in_batches(self, key: str, script: Script, keys: list[str], args: list[Any], match: str | None = None) -> int:
         """Hand the members of the set ``key`` to ``script`` (``keys``; ``args``, then the members), ``CANCEL_BATCH``

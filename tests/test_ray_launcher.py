@@ -290,6 +290,8 @@ def two_node_cluster(tmp_path: Path) -> Iterator[tuple[str, str]]:
     names = [f"rwa{suffix}", f"rwb{suffix}"]  # namespace and veth end of each node
     ips = ["10.77.0.1", "10.77.0.2"]
     temp_dir = tempfile.mkdtemp(prefix="rwray-")  # short: Ray's socket paths must stay under 108 bytes
+    # a home of their own: a ~/.ray/auth_token (a local ray.init writes one) turns token auth on for the head only
+    env = {**os.environ, "HOME": str(tmp_path)}
     nodes: list[subprocess.Popen] = []
     try:
         subprocess.run(["ip", "link", "add", names[0], "type", "veth", "peer", "name", names[1]], check=True)
@@ -306,7 +308,7 @@ def two_node_cluster(tmp_path: Path) -> Iterator[tuple[str, str]]:
             log = tmp_path / f"ray-{ip}.log"
             with open(log, "wb") as out:
                 nodes.append(subprocess.Popen(["ip", "netns", "exec", name, *ray, *role, f"--node-ip-address={ip}"],
-                                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+                                              stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
             deadline = time.monotonic() + 120
             while "Ray runtime started" not in log.read_text(errors="replace"):
                 assert nodes[-1].poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]

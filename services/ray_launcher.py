@@ -80,7 +80,9 @@ FORWARDED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_HOME", 
 REDIS_ACTOR = "redis"
 START_TIMEOUT_S = 120.0  # how long an actor waits for its component's config check
 WATCHER_JOIN_S = 10.0  # a stop's wait for the watcher, which ends once the process it waits for has
-STOP_MARGIN_S = 30.0  # ``down``'s wait for an actor's stop past its component's grace: the watcher, Ray's call
+# ``down``'s wait for an actor's stop past its component's grace: the wait after its SIGKILL (``KILL_WAIT_S``), the
+# watcher (``WATCHER_JOIN_S``), Ray's call
+STOP_MARGIN_S = 30.0
 # ``down``'s wait for an actor whose grace ``ray.json`` does not record: the Redis actor's (``EmbeddedRedis.stop``), a
 # component of a run an earlier version started
 UNRECORDED_STOP_S = 60.0
@@ -359,27 +361,19 @@ def _connect(state: dict[str, Any]) -> None:
 
 
 def _stop_all(state: dict[str, Any]) -> None:
-    """Stop what ``state`` records, in reverse order of starting; a part already gone (or recorded but never
-    started: ``up`` records each before starting it) is skipped. Each actor kills its component past the grace its
-    spec carries (``ComponentSpec.stop_grace_s``), which ``ray.json`` records for this wait on it. The head ``up``
-    started is stopped even if its actors could not be (a head killed mid-start may take no driver)."""
+    """Stop what ``state`` records: every component's actor at once (``_stop_actors``), then the Redis actor, which
+    they use to the end (a rollout server hands its tasks back to it); a part already gone (or recorded but never
+    started: ``up`` records each before starting it) is skipped. The head ``up`` started is stopped even if its
+    actors could not be (a head killed mid-start may take no driver)."""
     head_gone = bool(state.get("head_pid")) and not _alive(state["head_pid"])  # its actors went with it
     try:
         if (state.get("actors") or state.get("placement_groups")) and not head_gone:
             if not ray.is_initialized():
                 _connect(state)
+            actors = state.get("actors", [])
             graces = state.get("stop_grace_s", {})
-            for name in reversed(state.get("actors", [])):
-                try:
-                    actor = ray.get_actor(name)
-                except ValueError:
-                    continue
-                try:  # the actor kills its component past its grace: this bounds a hung actor
-                    ray.get(actor.stop.remote(),
-                            timeout=graces[name] + STOP_MARGIN_S if name in graces else UNRECORDED_STOP_S)
-                except (ray.exceptions.RayError, TimeoutError) as exc:
-                    log.warning("%s did not stop cleanly: %s", name, exc)
-                ray.kill(actor, no_restart=True)
+            _stop_actors([name for name in actors if name != REDIS_ACTOR], graces)
+            _stop_actors([name for name in actors if name == REDIS_ACTOR], graces)
             for name in state.get("placement_groups", []):
                 try:
                     remove_placement_group(ray.util.get_placement_group(name))
@@ -390,6 +384,29 @@ def _stop_all(state: dict[str, Any]) -> None:
             ray.shutdown()
         if state.get("head_pid"):
             stop_head(state)
+
+
+def _stop_actors(names: list[str], graces: dict[str, float]) -> None:
+    """Ask every named actor to stop at once, then wait for them together, each within its grace (``ray.json``'s
+    ``stop_grace_s``, ``ComponentSpec.stop_grace_s``: the actor kills its component past it) and ``STOP_MARGIN_S``
+    (``UNRECORDED_STOP_S`` where none is recorded), and kill each actor. A trainer rank gets its SIGTERM with the
+    others, not after them, and the stop lasts as long as the longest grace, not their sum; a hung actor is named
+    and killed at its own bound."""
+    handles = {}
+    for name in names:
+        with contextlib.suppress(ValueError):  # gone already
+            handles[name] = ray.get_actor(name)
+    calls = {name: actor.stop.remote() for name, actor in handles.items()}
+    sent = time.monotonic()
+    for name, call in calls.items():
+        bound = graces[name] + STOP_MARGIN_S if name in graces else UNRECORDED_STOP_S
+        try:
+            ray.get(call, timeout=max(0.0, sent + bound - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            log.warning("%s did not stop within %g s; killing its actor", name, bound)
+        except ray.exceptions.RayError as exc:
+            log.warning("%s did not stop cleanly: %s", name, exc)
+        ray.kill(handles[name], no_restart=True)
 
 
 def _checkpoint_tls(cfg: Config, run_dir: Path) -> tuple[str, ...]:

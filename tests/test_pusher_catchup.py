@@ -18,22 +18,16 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-import redis
 import torch
 from safetensors.torch import load_file
 from test_engine_client import serve, sglang_056_stub
 from test_pusher_restart_dtype import WAIT_S, Fleet, bf16_copy, restarted_in_fp32, trainer_side
-from trainer_helpers import synthetic_groups
 
-from buffer.keys import Keys
-from buffer.replay import ReplayBuffer
 from core.checkpoint_format import MODEL_WEIGHTS
-from core.config import BufferConfig, CheckpointConfig, TrainerConfig
+from core.config import CheckpointConfig
 from rollout_server.checkpoint_receiver import CheckpointReceiver
 from rollout_server.engine_client import EngineClient
 from trainer.checkpoint_pusher import CheckpointPusher, PushResult, Target
-from trainer.parallel import DistContext, iter_full_params
-from trainer.worker import Trainer
 
 STRANDED = "rollwave_trainer_push_stranded_servers"
 
@@ -183,59 +177,6 @@ def test_a_server_at_a_fixed_address_restarted_in_fp32_gets_no_bf16_weights_and_
             assert fixed.serves() == 3
             assert fixed.not_the_trainer_s() == []
             assert stranded(fixed.pusher) == 0
-
-    asyncio.run(main())
-
-
-def test_a_fleet_restarted_in_fp32_after_the_last_version_gets_it_again_from_the_waiting_trainer(
-        ctx: DistContext, tiny_model_dir: Path, redis_url: str, tmp_path: Path) -> None:
-    """A real trainer pushed versions 1 and 2 (cast to bf16 for its one bf16 server), which then restarted in fp32,
-    back on its base weights: the catch-up is refused, and the server, the whole fleet, stayed on version 0 for ever,
-    its groups too stale to train, so no step and no newer version came. Now the trainer, waiting for data with no step
-    trained since version 2, pushes version 2 again in its fp32 to that server alone: it serves the trainer's weights
-    exactly, no new version is pushed, and the stranded gauge is back to 0."""
-    cfg, _ = trainer_side(tiny_model_dir, tmp_path)
-    trainer_cfg = TrainerConfig(micro_batch_tokens=128, take_timeout_s=0.2, device="cpu", checkpoint_every=100)
-    buffer = ReplayBuffer(redis.Redis.from_url(redis_url), Keys("repush"), BufferConfig(), consumer="trainer")
-    buffer.ensure_group()
-
-    async def main() -> None:
-        app, _, _ = sglang_056_stub()
-        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
-            rec = CheckpointReceiver(cfg, bf16_copy(tiny_model_dir, tmp_path / "bf16" / "model"), engine, url, "srv")
-            address = await rec.start()
-            live = [Target("srv", address, started=1.0)]
-            pusher = CheckpointPusher(cfg, lambda: list(live))
-            trainer = Trainer(trainer_cfg, tiny_model_dir, tmp_path / "run", BufferConfig(groups_per_step=2),
-                              pusher=pusher).start(ctx=ctx)
-            try:
-                for seed in (0, 1):  # versions 1 (fp32: its dtypes are not known yet) and 2 (bf16)
-                    await asyncio.to_thread(trainer.train, synthetic_groups(seed, 2))
-                    assert await asyncio.to_thread(pusher.flush) == [] and rec.service._state.current == seed + 1
-                pusher.take_results()
-                await rec.stop()
-                rec = CheckpointReceiver(cfg, tiny_model_dir, engine, url, "srv", port=int(address.rsplit(":", 1)[1]))
-                await rec.start()
-                live[0] = Target("srv", address, started=2.0)
-                await refused_catch_up(pusher)
-                assert stranded(pusher) == 1
-                waiting = asyncio.create_task(asyncio.to_thread(trainer.next_batch, buffer))
-                try:
-                    await wait_for("version 2 on the restarted server", lambda: rec.service._state.current == 2)
-                finally:  # a batch ends the wait, whatever happened
-                    buffer.put_many(synthetic_groups(2, 2, version=2, run="repush"))
-                    await waiting
-                want = dict(iter_full_params(trainer.model))
-                loaded = load_file(rec.service._state.current_dir / MODEL_WEIGHTS)
-                assert loaded and [n for n, t in loaded.items() if t.dtype != torch.float32
-                                   or not torch.equal(t, want[n])] == []
-                assert (trainer.step, pusher.last_pushed, pusher.published) == (2, 2, 2)
-                await wait_for("the stranded gauge back to 0", lambda: stranded(pusher) == 0)
-                assert [(r.version, r.ok) for r in pusher.take_results()] == [(2, True)]
-            finally:
-                trainer.close()
-                await asyncio.to_thread(pusher.close)
-                await rec.stop()
 
     asyncio.run(main())
 

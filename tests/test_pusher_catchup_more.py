@@ -94,21 +94,53 @@ class Stranded:
             await waiting
 
 
+@dataclass
+class Bf16Server:
+    """A receiver on 127.0.0.1 serving a bf16 copy of the model, in front of an SGLang-shaped stub engine."""
+
+    cfg: CheckpointConfig
+    engine: EngineClient
+    url: str
+    rec: CheckpointReceiver
+    address: str
+
+    async def restart_in_fp32(self, model_dir: Path) -> None:
+        """The server restarted on its port serving ``model_dir`` (fp32): back on its base weights."""
+        await self.rec.stop()
+        self.rec = CheckpointReceiver(self.cfg, model_dir, self.engine, self.url, "srv",
+                                      port=int(self.address.rsplit(":", 1)[1]))
+        await self.rec.start()
+
+
+@contextlib.asynccontextmanager
+async def bf16_server(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[Bf16Server]:
+    """``Bf16Server``, stopped on the way out."""
+    cfg, _ = trainer_side(tiny_model_dir, tmp_path)
+    app, _, _ = sglang_056_stub()
+    async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
+        rec = CheckpointReceiver(cfg, bf16_copy(tiny_model_dir, tmp_path / "bf16" / "model"), engine, url, "srv")
+        server = Bf16Server(cfg, engine, url, rec, await rec.start())
+        try:
+            yield server
+        finally:
+            await server.rec.stop()
+
+
+def trainer_buffer(redis_url: str, run: str) -> ReplayBuffer:
+    buffer = ReplayBuffer(redis.Redis.from_url(redis_url), Keys(run), BufferConfig(), consumer="trainer")
+    buffer.ensure_group()
+    return buffer
+
+
 @contextlib.asynccontextmanager
 async def stranded_trainer(ctx: DistContext, tiny_model_dir: Path, redis_url: str, tmp_path: Path, push_every: int,
                            steps: int) -> AsyncIterator[Stranded]:
     """``Stranded``, the trainer at ``buffer.push_every`` = ``push_every`` having trained ``steps`` steps since its
     start push (none pushed) when the server restarted."""
-    cfg, _ = trainer_side(tiny_model_dir, tmp_path)
-    run = f"more-{push_every}-{steps}"
-    buffer = ReplayBuffer(redis.Redis.from_url(redis_url), Keys(run), BufferConfig(), consumer="trainer")
-    buffer.ensure_group()
-    app, _, _ = sglang_056_stub()
-    async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
-        rec = CheckpointReceiver(cfg, bf16_copy(tiny_model_dir, tmp_path / "bf16" / "model"), engine, url, "srv")
-        address = await rec.start()
-        live = [Target("srv", address, started=1.0)]
-        pusher = CheckpointPusher(cfg, lambda: list(live))
+    buffer = trainer_buffer(redis_url, f"more-{push_every}-{steps}")
+    async with bf16_server(tiny_model_dir, tmp_path) as server:
+        live = [Target("srv", server.address, started=1.0)]
+        pusher = CheckpointPusher(server.cfg, lambda: list(live))
         trainer = Trainer(trainer_config(), tiny_model_dir, tmp_path / "run",
                           BufferConfig(groups_per_step=GPS, push_every=push_every), pusher=pusher)
         try:
@@ -116,20 +148,17 @@ async def stranded_trainer(ctx: DistContext, tiny_model_dir: Path, redis_url: st
             full = sum(m.nbytes for m in model_metas(trainer.model))
             for seed in range(steps):
                 await asyncio.to_thread(trainer.train, synthetic_groups(seed, GPS))
-            assert await asyncio.to_thread(pusher.flush) == [] and rec.service._state.current == 2
+            assert await asyncio.to_thread(pusher.flush) == [] and server.rec.service._state.current == 2
             assert (trainer.step, pusher.last_pushed) == (steps, 2)
             pusher.take_results()
-            await rec.stop()
-            rec = CheckpointReceiver(cfg, tiny_model_dir, engine, url, "srv", port=int(address.rsplit(":", 1)[1]))
-            await rec.start()
-            live[0] = Target("srv", address, started=2.0)
+            await server.restart_in_fp32(tiny_model_dir)
+            live[0] = Target("srv", server.address, started=2.0)
             await refused_catch_up(pusher)
             assert stranded(pusher) == 1
-            yield Stranded(trainer, pusher, rec, buffer, full)
+            yield Stranded(trainer, pusher, server.rec, buffer, full)
         finally:
             trainer.close()
             await asyncio.to_thread(pusher.close)
-            await rec.stop()
 
 
 def test_a_trainer_that_trained_since_the_newest_version_pushes_its_weights_as_a_new_one_to_a_stranded_fleet(
@@ -155,7 +184,9 @@ def test_a_trainer_that_trained_since_the_newest_version_pushes_its_weights_as_a
 def test_a_re_push_in_the_trainer_s_precision_leaves_no_fp32_buffer_beside_the_fleet_s_bf16(
         ctx: DistContext, tiny_model_dir: Path, redis_url: str, tmp_path: Path) -> None:
     """``buffer.push_every`` 3, no step trained since version 2 (the start push, cast to bf16): the waiting trainer
-    pushes version 2 again in its fp32 to the restarted server. The pusher's snapshot buffers used to keep version 1's
+    pushes version 2 again in its fp32 to the restarted server alone, which then serves the trainer's weights exactly
+    (the server, the whole fleet, used to stay on version 0 for ever, its groups too stale to train); no new version is
+    pushed, and the server is no longer counted stranded. The pusher's snapshot buffers used to keep version 1's
     fp32 buffer (taken before the server's dtypes were known) beside the bf16 ones for ever, and the re-push's fp32
     buffer after it was sent: twice the pushed weights in host memory. Now they hold the newest version and pooled
     buffers of its size alone, before and after the re-push."""
@@ -175,8 +206,9 @@ def test_a_re_push_in_the_trainer_s_precision_leaves_no_fp32_buffer_beside_the_f
             assert fleet.loaded_not_the_trainer_s() == []
             assert await asyncio.to_thread(pusher.flush) == []
             assert [(r.version, r.ok) for r in pusher.take_results() if not r.skipped] == [(2, True)]
-            assert pusher._newest is newest and pusher.last_pushed == 2
+            assert pusher._newest is newest and pusher.last_pushed == 2 and pusher.published == 2
             assert set(held()) == {newest.nbytes} and sum(held()) <= fleet.full, held()
+            await wait_for("the stranded gauge back to 0", lambda: stranded(pusher) == 0)
 
     asyncio.run(main())
 
@@ -219,34 +251,25 @@ def test_a_pool_of_two_ranks_pushes_the_newest_version_again_to_a_stranded_serve
     restarted in fp32 (at its address alone: its Status tells the restart). While they wait for data, both ranks
     gather the weights again and rank 0 pushes version 2 once more, in fp32, to that server: it serves the trainer's
     full weights exactly, and no new version is pushed."""
-    cfg, _ = trainer_side(tiny_model_dir, tmp_path)
-    buffer = ReplayBuffer(redis.Redis.from_url(redis_url), Keys("more-ranks"), BufferConfig(), consumer="trainer")
-    buffer.ensure_group()
+    buffer = trainer_buffer(redis_url, "more-ranks")
 
     async def main() -> None:
-        app, _, _ = sglang_056_stub()
-        async with serve(app) as url, EngineClient(url, backoff_s=0.05) as engine:
-            rec = CheckpointReceiver(cfg, bf16_copy(tiny_model_dir, tmp_path / "bf16" / "model"), engine, url, "srv")
-            address = await rec.start()
-            args = (free_port_outside_ephemeral(), tiny_model_dir, cfg, address, redis_url, tmp_path)
+        async with bf16_server(tiny_model_dir, tmp_path) as server:
+            args = (free_port_outside_ephemeral(), tiny_model_dir, server.cfg, server.address, redis_url, tmp_path)
             ranks = mp.spawn(_two_ranks, args=args, nprocs=2, join=False)
             try:
                 deadline = time.monotonic() + START_S
-                while rec.service._state.current != 2:  # the ranks' start push
+                while server.rec.service._state.current != 2:  # the ranks' start push
                     assert all(p.is_alive() for p in ranks.processes), "a rank ended before its start push"
                     assert time.monotonic() < deadline, f"no start push within {START_S} s"
                     await asyncio.sleep(0.05)
-                await rec.stop()
-                rec = CheckpointReceiver(cfg, tiny_model_dir, engine, url, "srv", port=int(address.rsplit(":", 1)[1]))
-                await rec.start()
-                await wait_for("version 2 again on the restarted server", lambda: rec.service._state.current == 2)
-                loaded = load_file(rec.service._state.current_dir / MODEL_WEIGHTS)
+                await server.restart_in_fp32(tiny_model_dir)
+                await wait_for("version 2 again on the restarted server",
+                               lambda: server.rec.service._state.current == 2)
+                loaded = load_file(server.rec.service._state.current_dir / MODEL_WEIGHTS)
             finally:  # a batch ends the ranks' wait, whatever happened
                 buffer.put_many(synthetic_groups(9, GPS, version=2, run="more-ranks"))
-                try:
-                    await asyncio.to_thread(join_within, ranks, WAIT_S, GROUP_TIMEOUT_S)
-                finally:
-                    await rec.stop()
+                await asyncio.to_thread(join_within, ranks, WAIT_S, GROUP_TIMEOUT_S)
         assert not_exactly(loaded, load_file(tmp_path / "want.safetensors")) == []
         seen = json.loads((tmp_path / "rank0.json").read_text())
         assert seen == {"results": [[2, False, "cast"], [2, True, ""]], "step": 0, "last_pushed": 2}

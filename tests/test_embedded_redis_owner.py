@@ -12,19 +12,16 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 import pytest
-import redis
 from buffer_helpers import client
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from buffer.keys import Keys
 from buffer.redis_server import GUARD, DataDirInUse, EmbeddedRedis
@@ -219,25 +216,32 @@ def test_a_new_owner_takes_over_from_a_killed_one_whose_redis_server_still_stops
 ) -> None:
     """A new owner starting at once on the directory of one just SIGKILLed (a Ray actor rebuilt after its worker
     died, a restarted process) finds the lock still held by the old redis-server, which its guard is stopping (held
-    here in a DEBUG SLEEP as the SIGTERM comes): it waits for that server to exit, saying so, and has its data."""
+    here in SIGSTOP, so the SIGTERM waits, until the new owner says it waits): it waits for that server to exit, saying
+    so, and has its data."""
     data_dir = (tmp_path / "redis").absolute()
     redis_pid = None
     with subprocess.Popen([sys.executable, "-c", OWNER, str(data_dir)], cwd=ROOT, stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True) as owner, socket.socket() as busy:
+                          stdout=subprocess.PIPE, text=True) as owner:
         try:
             assert owner.stdout is not None
-            redis_pid, port = map(int, owner.stdout.readline().split())
-            busy.connect(("127.0.0.1", port))
-            busy.sendall(b"DEBUG SLEEP 3\r\n")
-            with redis.Redis(port=port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0)) as probe, \
-                    pytest.raises(redis.TimeoutError):
-                probe.ping()  # the server is asleep: the guard's SIGTERM waits until it wakes
+            redis_pid = int(owner.stdout.readline().split()[0])
+            os.kill(redis_pid, signal.SIGSTOP)
             owner.kill()
             owner.wait()
-            with caplog.at_level(logging.WARNING, logger="buffer.redis_server"), EmbeddedRedis(data_dir) as again:
-                assert client(again).get("k") == b"v"
-            assert (f"its owner pid {owner.pid} has exited and its guard pid " in caplog.text
-                    and f"is stopping its redis-server pid {redis_pid}; waiting up to" in caplog.text), caplog.text
+            with caplog.at_level(logging.WARNING, logger="buffer.redis_server"), \
+                    ThreadPoolExecutor(1) as pool:
+                starting = pool.submit(EmbeddedRedis(data_dir).start)
+                deadline = time.monotonic() + GONE_BOUND_S
+                while f"is stopping its redis-server pid {redis_pid}; waiting up to" not in caplog.text:
+                    assert not starting.done() and time.monotonic() < deadline, caplog.text
+                    time.sleep(0.05)
+                assert f"its owner pid {owner.pid} has exited and its guard pid " in caplog.text, caplog.text
+                os.kill(redis_pid, signal.SIGCONT)
+                again = starting.result(GONE_BOUND_S)
+                try:
+                    assert client(again).get("k") == b"v"
+                finally:
+                    again.stop()
         finally:
             owner.kill()
             if redis_pid is not None and not gone(redis_pid):

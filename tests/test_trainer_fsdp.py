@@ -122,9 +122,11 @@ def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path, minibatc
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert set(one["params"]) == set(two["params"]) == {n for n, _ in plain.named_parameters()}
     moved = 0.0
+    # Adam divides by sqrt(v): where a gradient is ~0, summation-order noise moves a weight by up to ~lr/100 per update
+    # (2.0e-5 after 3 at lr 1e-3 on an AMX CPU; 1e-5 allowed failed there)
+    noise = STEPS * minibatches * cfg["lr"] / 100
     for name, initial in plain.named_parameters():
-        # Adam divides by sqrt(v): where a gradient is ~0, summation-order noise moves a weight by up to ~lr/100
-        torch.testing.assert_close(one["params"][name], two["params"][name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(one["params"][name], two["params"][name], rtol=1e-4, atol=noise)
         moved = max(moved, (one["params"][name] - initial).abs().max().item())
     assert moved > 1e-4
     for run in ("run1", "run2"):  # the final step was checkpointed by every rank

@@ -8,6 +8,7 @@ stops it, a new owner waits and takes the directory over."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -108,6 +109,25 @@ def gone(pid: int) -> bool:
             continue
     return True
 
+@contextlib.contextmanager
+def owner_of(data_dir: Path) -> Iterator[tuple[subprocess.Popen, int, list[psutil.Process]]]:
+    """The ``OWNER`` script on ``data_dir`` once its key is written: the process, its redis-server's pid and the
+    processes it started (the server, its guard); all killed on the way out (psutil checks each pid is still its)."""
+    started: list[psutil.Process] = []
+    with subprocess.Popen([sys.executable, "-c", OWNER, str(data_dir)], cwd=ROOT, stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as owner:
+        try:
+            assert owner.stdout is not None
+            redis_pid = int(owner.stdout.readline().split()[0])
+            started = psutil.Process(owner.pid).children()
+            yield owner, redis_pid, started
+        finally:
+            owner.kill()
+            for process in started:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+
+
 
 def test_ctrl_c_stops_a_server_and_its_embedded_redis_in_seconds(server, tmp_path: Path) -> None:
     s = server()
@@ -143,72 +163,50 @@ def test_a_second_owner_of_a_data_dir_is_refused_while_the_first_or_its_server_l
     SIGKILLed, its guard first, its redis-server still runs on the files, and is named; once that is gone too, the
     directory (and its data) is free."""
     data_dir = (tmp_path / "t" / "redis").absolute()
-    redis_pid = None
-    with subprocess.Popen([sys.executable, "-c", OWNER, str(data_dir)], cwd=ROOT, stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True) as owner:
-        try:
-            assert owner.stdout is not None
-            redis_pid = int(owner.stdout.readline().split()[0])
-            env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-            second = subprocess.run(
-                [sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp_path}",
-                 f"model.path={tiny_model_dir}", "model.init_if_missing=false", "engine.urls=[]"],
-                cwd=ROOT, env={**env, "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}, capture_output=True,
-                text=True, timeout=60,
-            )
-            assert second.returncode == 2, second.stderr
-            assert (f"error: run.dir: {data_dir}: the data directory of another embedded Redis (owner pid {owner.pid}, "
-                    f"redis-server pid {redis_pid})") in second.stderr, second.stderr
-            assert "give every part its REDIS_URL" in second.stderr
-            for guard in psutil.Process(owner.pid).children():
-                if guard.pid != redis_pid:
-                    guard.kill()
-            owner.kill()
-            owner.wait()
-            with pytest.raises(DataDirInUse, match=f"owner pid {owner.pid} has exited; its redis-server pid "
-                                                   f"{redis_pid} still runs on it"):
-                EmbeddedRedis(data_dir).start()
-            os.kill(redis_pid, signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while not gone(redis_pid):
-                assert time.monotonic() < deadline, f"redis-server {redis_pid} did not stop on SIGTERM"
-                time.sleep(0.05)
-            with EmbeddedRedis(data_dir) as taken_over:
-                assert client(taken_over).get("k") == b"v"
-        finally:
-            owner.kill()
-            if redis_pid is not None and not gone(redis_pid):
-                os.kill(redis_pid, signal.SIGKILL)
+    with owner_of(data_dir) as (owner, redis_pid, _):
+        env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+        second = subprocess.run(
+            [sys.executable, "-m", "rollout_server", "run.name=t", f"run.dir={tmp_path}",
+             f"model.path={tiny_model_dir}", "model.init_if_missing=false", "engine.urls=[]"],
+            cwd=ROOT, env={**env, "ROLLWAVE_CHECKPOINT_TOKEN": secrets.token_urlsafe(32)}, capture_output=True,
+            text=True, timeout=60,
+        )
+        assert second.returncode == 2, second.stderr
+        assert (f"error: run.dir: {data_dir}: the data directory of another embedded Redis (owner pid {owner.pid}, "
+                f"redis-server pid {redis_pid})") in second.stderr, second.stderr
+        assert "give every part its REDIS_URL" in second.stderr
+        for guard in psutil.Process(owner.pid).children():
+            if guard.pid != redis_pid:
+                guard.kill()
+        owner.kill()
+        owner.wait()
+        with pytest.raises(DataDirInUse, match=f"owner pid {owner.pid} has exited; its redis-server pid "
+                                               f"{redis_pid} still runs on it"):
+            EmbeddedRedis(data_dir).start()
+        os.kill(redis_pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while not gone(redis_pid):
+            assert time.monotonic() < deadline, f"redis-server {redis_pid} did not stop on SIGTERM"
+            time.sleep(0.05)
+        with EmbeddedRedis(data_dir) as taken_over:
+            assert client(taken_over).get("k") == b"v"
 
 
 def test_a_killed_owner_takes_its_embedded_redis_along(tmp_path: Path) -> None:
     """The owner SIGKILLed, its redis-server is SIGTERMed (its log says it shut down: the AOF flushed) and every
     process the owner started for it ends; the data directory is then free, with the data written before."""
     data_dir = (tmp_path / "redis").absolute()
-    started: list[psutil.Process] = []
-    with subprocess.Popen([sys.executable, "-c", OWNER, str(data_dir)], cwd=ROOT, stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True) as owner:
-        try:
-            assert owner.stdout is not None
-            redis_pid = int(owner.stdout.readline().split()[0])
-            started = psutil.Process(owner.pid).children()
-            assert redis_pid in [p.pid for p in started]
-            owner.kill()
-            owner.wait()
-            deadline = time.monotonic() + GONE_BOUND_S
-            while left := [p.pid for p in started if not gone(p.pid)]:
-                assert time.monotonic() < deadline, f"{left} (redis-server {redis_pid}) outlived the killed owner"
-                time.sleep(0.05)
-            assert "ready to exit" in (data_dir / "redis.log").read_text()
-            with EmbeddedRedis(data_dir) as again:
-                assert client(again).get("k") == b"v"
-        finally:
-            owner.kill()
-            for p in started:
-                try:
-                    p.kill()  # psutil checks that the pid is still this process's
-                except psutil.NoSuchProcess:
-                    pass
+    with owner_of(data_dir) as (owner, redis_pid, started):
+        assert redis_pid in [p.pid for p in started]
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + GONE_BOUND_S
+        while left := [p.pid for p in started if not gone(p.pid)]:
+            assert time.monotonic() < deadline, f"{left} (redis-server {redis_pid}) outlived the killed owner"
+            time.sleep(0.05)
+        assert "ready to exit" in (data_dir / "redis.log").read_text()
+        with EmbeddedRedis(data_dir) as again:
+            assert client(again).get("k") == b"v"
 
 
 def test_a_new_owner_takes_over_from_a_killed_one_whose_redis_server_still_stops(
@@ -219,33 +217,24 @@ def test_a_new_owner_takes_over_from_a_killed_one_whose_redis_server_still_stops
     here in SIGSTOP, so the SIGTERM waits, until the new owner says it waits): it waits for that server to exit, saying
     so, and has its data."""
     data_dir = (tmp_path / "redis").absolute()
-    redis_pid = None
-    with subprocess.Popen([sys.executable, "-c", OWNER, str(data_dir)], cwd=ROOT, stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True) as owner:
-        try:
-            assert owner.stdout is not None
-            redis_pid = int(owner.stdout.readline().split()[0])
-            os.kill(redis_pid, signal.SIGSTOP)
-            owner.kill()
-            owner.wait()
-            with caplog.at_level(logging.WARNING, logger="buffer.redis_server"), \
-                    ThreadPoolExecutor(1) as pool:
-                starting = pool.submit(EmbeddedRedis(data_dir).start)
-                deadline = time.monotonic() + GONE_BOUND_S
-                while f"is stopping its redis-server pid {redis_pid}; waiting up to" not in caplog.text:
-                    assert not starting.done() and time.monotonic() < deadline, caplog.text
-                    time.sleep(0.05)
-                assert f"its owner pid {owner.pid} has exited and its guard pid " in caplog.text, caplog.text
-                os.kill(redis_pid, signal.SIGCONT)
-                again = starting.result(GONE_BOUND_S)
-                try:
-                    assert client(again).get("k") == b"v"
-                finally:
-                    again.stop()
-        finally:
-            owner.kill()
-            if redis_pid is not None and not gone(redis_pid):
-                os.kill(redis_pid, signal.SIGKILL)
+    with owner_of(data_dir) as (owner, redis_pid, _):
+        os.kill(redis_pid, signal.SIGSTOP)
+        owner.kill()
+        owner.wait()
+        with caplog.at_level(logging.WARNING, logger="buffer.redis_server"), \
+                ThreadPoolExecutor(1) as pool:
+            starting = pool.submit(EmbeddedRedis(data_dir).start)
+            deadline = time.monotonic() + GONE_BOUND_S
+            while f"is stopping its redis-server pid {redis_pid}; waiting up to" not in caplog.text:
+                assert not starting.done() and time.monotonic() < deadline, caplog.text
+                time.sleep(0.05)
+            assert f"its owner pid {owner.pid} has exited and its guard pid " in caplog.text, caplog.text
+            os.kill(redis_pid, signal.SIGCONT)
+            again = starting.result(GONE_BOUND_S)
+            try:
+                assert client(again).get("k") == b"v"
+            finally:
+                again.stop()
 
 
 HANGS = """

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import redis
 
-# ``kept(id)``: whether a live consumer holds a pending entry deleted from the stream (its renewal, ``RENEW_LUA``, set
-# the key ARGV[LEASE] .. id, which lapses claim_idle_ms after the last one): the entry is left pending for it, and its
-# consumer ends it (a rollout server writes its group). '' (no lease): never.
-_KEPT = """
+# ``kept(id, lease)``: whether a live consumer holds a pending entry deleted from the stream (its renewal,
+# ``RENEW_LUA``, set the key lease .. id, which lapses claim_idle_ms after the last one): the entry is left pending for
+# it, and its consumer ends it (a rollout server writes its group). Lease '' (none): never. The reclaim and a job's
+# delete (``buffer.task_queue``) both ask it.
+KEPT_LUA = """
 local function kept(id, lease)
   return lease ~= '' and redis.call('EXISTS', lease .. id) == 1
 end
@@ -34,7 +35,7 @@ end
 # for ``_END`` to end (one a live consumer's lease keeps, ``kept``, is skipped).
 # KEYS[1] stream. ARGV: group, consumer, min_idle_ms, count, mode, start, own min idle ms, lease key prefix, held ids...
 # Returns {{id, deliveries, fields}...}, {deleted ids...}, last id scanned ('' if none), n scanned.
-_RECLAIM = _KEPT + """
+_RECLAIM = KEPT_LUA + """
 local group, me, count, own = ARGV[1], ARGV[2], tonumber(ARGV[4]), ARGV[5] == 'own'
 local held = {}
 for i = 9, #ARGV do held[ARGV[i]] = true end
@@ -78,7 +79,7 @@ return {claimed, deleted, last, scanned}
 # KEYS[1] stream, then gone's. ARGV: group, lease key prefix, cursor, count, index of the first id, the last walk's
 # excess, gone's args, ids... Returns {next cursor ('0' done; '' for ids), {{id, group id or ''}...} of the entries it
 # ended, the excess after it (a sweep; 0 for ids)}.
-_END = _KEPT + """
+_END = KEPT_LUA + """
 local group, cursor, ids = ARGV[1], ARGV[3], {}
 local sweep = cursor ~= ''
 local first = tonumber(ARGV[5])

@@ -31,7 +31,7 @@ from redis.commands.core import Script
 
 from buffer.keys import ROLLOUT_GROUP, TASK_KINDS, TRAINER_FINISHED_FIELDS, TRAINER_GROUP, Keys
 from buffer.metrics import TASK_STREAMS, BufferMetrics
-from buffer.streams import RENEW_LUA, Gone, Reclaimer, named
+from buffer.streams import KEPT_LUA, RENEW_LUA, Gone, Reclaimer, named
 from core.config import BufferConfig
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ end
 # nothing gives back; its put is a duplicate either way. Only those: consuming every removed task's id would push the
 # ids of groups still to come out of the dedup window (an eval task takes no slot, and its late put writes nothing
 # either way). ``trim_consumed``: keep the last ``window`` consumed ids.
-_TASK_REMOVAL = _END_CANCELLED + """
+_TASK_REMOVAL = KEPT_LUA + _END_CANCELLED + """
 local function field(fields, name)
   for j = 1, #fields, 2 do
     if fields[j] == name then return fields[j + 1] end
@@ -251,7 +251,7 @@ local function task_at(stream, id, idle, lease)
   local held = holder(stream, '""" + ROLLOUT_GROUP + """', id)
   if not (e or held) then return nil end
   local gid = e and field(e[2], 'gid') or redis.call('HGET', records_of(stream), id)
-  return {id, gid, held, held ~= nil and (held[3] < idle or redis.call('EXISTS', lease .. id) == 1)}
+  return {id, gid, held, held ~= nil and (held[3] < idle or kept(id, lease))}
 end
 local function remove_task(stream, t)
   local id, gid, held = t[1], t[2], t[3]

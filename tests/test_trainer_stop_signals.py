@@ -99,6 +99,22 @@ def test_a_signal_once_stopping_is_logged_and_the_stop_goes_on(monkeypatch: pyte
     assert "SIGINT while stopping for SIGTERM: the stop goes on" in caplog.text
 
 
+def test_a_run_forgets_the_stop_that_ended_an_earlier_run_in_its_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second run in one process (a notebook's, a test's) starts unstopped: the first run's stop, kept for its
+    pool's stop points, stopped every step of the next one at its first stop point. Its own signal still stops it."""
+    monkeypatch.setattr(parallel, "_stop_signal", signal.SIGTERM)  # the earlier run's stop
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    kept = {s: signal.getsignal(s) for s in parallel.STOP_SIGNALS}
+    try:
+        parallel.stop_on_signals()
+        parallel.stop_point(torch.device("cpu"))
+        with pytest.raises(TrainerStopped, match=re.escape(STOPPED)):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        for s, handler in kept.items():
+            signal.signal(s, handler)
+
+
 SECOND = {0: signal.SIGTERM, 1: signal.SIGINT}  # each rank's second signal: a supervisor's again, an operator's Ctrl-C
 
 

@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import logging
 import os
-import signal
 import sys
 import textwrap
 from collections.abc import Callable
@@ -47,8 +46,8 @@ from trainer.parallel import (
     close_distributed,
     exit_rank,
     init_distributed,
-    request_stop,
     resolve_device,
+    stop_on_signals,
 )
 from trainer.worker import Trainer
 
@@ -199,22 +198,6 @@ def _start(cfg: Config, trains: bool) -> None:
         ensure_model(cfg.model)
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a supervisor's or an operator's stop; Ctrl-C, which torchrun passes on
-
-
-def _stop_on_signals() -> None:
-    """Stop at a SIGTERM or a SIGINT (``request_stop``: a lone rank at once, a pool's ranks together at their next stop
-    point); a second one is logged and the stop goes on (``request_stop``). A SIGINT raised KeyboardInterrupt where it
-    found each rank of a pool, as a SIGTERM once did: one went on to a collective the others never joined (a
-    checkpoint's meeting while the others were in DCP's next), or left the pool while another still waited in it."""
-
-    def stop(signum: int, _frame: object) -> None:
-        request_stop(signum)
-
-    for stop_signal in STOP_SIGNALS:
-        signal.signal(stop_signal, stop)
-
-
 def crash_reason(exc: Exception) -> str:
     """The ``finished_reason`` of a trainer that crashed: ``crashed: <type>: <message>`` on one line, bounded, so the
     API can say why a train job is not trained without a log to read."""
@@ -252,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
-    _stop_on_signals()
+    stop_on_signals()
     try:
         return _train(cfg, args.resume)
     except TrainerFenced as exc:  # the newer trainer owns the run's end and budget: record neither

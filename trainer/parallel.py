@@ -240,6 +240,25 @@ def request_stop(signum: int) -> None:
         raise _stopped_by(signum, here=True)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a supervisor's or an operator's stop; Ctrl-C, which torchrun passes on
+
+
+def stop_on_signals() -> None:
+    """Stop at a SIGTERM or a SIGINT (``request_stop``: a lone rank at once, a pool's ranks together at their next stop
+    point); a second one is logged and the stop goes on. A SIGINT raised KeyboardInterrupt where it found each rank of
+    a pool, as a SIGTERM once did: one went on to a collective the others never joined (a checkpoint's meeting while
+    the others were in DCP's next), or left the pool while another still waited in it. A stop asked of an earlier run
+    in this process is forgotten: it stopped that run, not this one."""
+    global _stop_signal
+    _stop_signal = 0
+
+    def stop(signum: int, _frame: object) -> None:
+        request_stop(signum)
+
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, stop)
+
+
 def stop_point(device: torch.device) -> None:
     """Raise ``TrainerStopped`` on every rank once any rank of the pool was asked to stop (``request_stop``): a
     collective every rank calls at the same point, where none is in another, so they all leave the pool from here. A

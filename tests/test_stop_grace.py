@@ -31,6 +31,7 @@ from core.process import stop_process
 from services.launcher import HAND_BACK_S, STOP_GRACE_S, ComponentSpec, LocalStack, components
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+KUBERNETES_DEFAULT_GRACE_S = 30  # a pod spec's terminationGracePeriodSeconds when it sets none
 # ignores SIGTERM (hung), or takes a moment to finish (a checkpoint in flight) and exits 143; says when it is armed,
 # after telling a waiting launcher (``ComponentProcess``) its config passed
 STAND_IN = f"""
@@ -90,6 +91,15 @@ def test_every_launcher_gives_a_trainer_the_same_grace_by_default() -> None:
     for name in ("trainer", "trainer-gpu"):
         assert compose[name]["stop_grace_period"] == f"{grace:g}s", name
     assert compose["trainer-gpu"]["environment"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == f"{grace - 10:g}"
+
+
+def test_every_deploy_gives_the_api_the_launchers_grace() -> None:
+    """The API stops in ``STOP_GRACE_S`` under every launcher: compose gave it its own default, 10 s, cutting the
+    requests in flight short; the chart leaves a pod's default, 30 s."""
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    assert compose["api"]["stop_grace_period"] == f"{STOP_GRACE_S:g}s"
+    api = find(render(), "Deployment", "-api")["spec"]["template"]["spec"]
+    assert api.get("terminationGracePeriodSeconds", KUBERNETES_DEFAULT_GRACE_S) == STOP_GRACE_S
 
 
 def test_every_deploy_gives_a_rollout_server_shutdown_grace_s_and_the_hand_back() -> None:

@@ -54,15 +54,17 @@ log = logging.getLogger(__name__)
 
 # KEYS: admitted, version, admitted ids, version's trained groups, group state, budget, then the task stream when the
 # group's task is given. ARGV: group id, max_staleness, groups per version, served version ('' if unknown), then the
-# task's entry id and consumer. Returns -1 (nothing done) when the task is no longer pending for that consumer: it lost
-# its lease, and another server took the task over or ended it. A group already written (its task done by another
+# task's entry id and consumer. When the task is no longer pending for that consumer (it lost its lease), nothing is
+# done, and it returns the consumer that holds the task now (another server took it over), or -1 when none does (it was
+# ended meanwhile). A group already written (its task done by another
 # server that reclaimed it) takes no slot: it is in flight nowhere, and its duplicate is dropped at the put. No budget:
 # no cap.
 GIVE_UP_CHECK_S = 5.0  # how often a wait for admission asks whether to go on (one Redis read per waiting task)
 _ADMIT = """
 if KEYS[7] then
   local held = redis.call('XPENDING', KEYS[7], '""" + ROLLOUT_GROUP + """', ARGV[5], ARGV[5], 1)[1]
-  if not held or held[2] ~= ARGV[6] then return -1 end
+  if not held then return -1 end
+  if held[2] ~= ARGV[6] then return held[2] end
 end
 if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[5], ARGV[1]) == 1 then return 1 end
 local version = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -104,7 +106,8 @@ return current
 
 class LeaseLost(RuntimeError):
     """A server asked admission for a task it no longer holds: frozen past ``buffer.claim_idle_ms``, it lost its lease,
-    and another server took the task over (or ended it). Not admitted: the task is that server's."""
+    and another server took the task over (its message names it), or the task was ended since. Not admitted: the task
+    is that server's."""
 
 
 def is_stale(group: TrajectoryGroup, version: int, max_staleness: int) -> bool:
@@ -204,12 +207,14 @@ class StalenessControl:
         args = [group_id, self.max_staleness, self.groups_per_version, "" if served is None else int(served)]
         if task is None:
             return bool(self._admit(keys, args))
-        admitted = int(self._admit([*keys, task.stream], [*args, task.entry_id, task.consumer]))
-        if admitted < 0:
+        admitted = self._admit([*keys, task.stream], [*args, task.entry_id, task.consumer])
+        if isinstance(admitted, bytes) or admitted < 0:
             self.metrics.task_gone_dropped.inc()
+            why = (f"{admitted.decode()} took the task over and holds it" if isinstance(admitted, bytes) else
+                   "the task was ended since (by a server that took it over, a delete of its cancelled job, or the "
+                   "reclaim of its entry deleted by hand)")
             error = (f"group {group_id}: not admitted: its task {task.entry_id} is no longer held by {task.consumer} "
-                     "(frozen past buffer.claim_idle_ms, it lost its lease; another server took the task over, or "
-                     "ended it)")
+                     f"(frozen past buffer.claim_idle_ms, it lost its lease): {why}")
             log.warning("%s; left to that server", error)
             raise LeaseLost(error)
         return bool(admitted)

@@ -134,8 +134,27 @@ def test_a_slot_taken_before_the_freeze_goes_with_the_task(redis_server: Embedde
     assert admitted == (0 if ending in ("cancel", "dead_letter") else 1)
     replay = ReplayBuffer(r, KEYS, CFG)
     assert replay.put(make_group("job", gid), frozen) is (ending == "finish")
-    with pytest.raises(LeaseLost, match="no longer held by frozen"):
+    with pytest.raises(LeaseLost, match="no longer held by frozen .*: the task was ended since"):
         staleness.try_admit(gid, task=frozen)
     assert staleness.admitted() == admitted and not r.hexists(KEYS.admitted_ids, gid)
     assert [f[b"gid"].decode() for _, f in r.xrange(KEYS.groups)] == ([gid] if ending == "finish" else [])
     assert staleness.metrics.task_gone_dropped._value.get() == 1
+
+
+def test_a_refused_admission_names_the_server_that_took_the_task_over(redis_server: EmbeddedRedis) -> None:
+    """Frozen past its lease, a server's task is taken over by another that still holds it: the refusal names that
+    server (it said only that someone took it over or ended it), takes no slot and is counted."""
+    r = client(redis_server)
+    gid = submit(r)
+    queue = TaskQueue(r, KEYS, CFG)
+    staleness = StalenessControl(r, KEYS, CFG)
+    [frozen] = queue.read("frozen", 1)
+    r.xclaim(frozen.stream, ROLLOUT_GROUP, frozen.consumer, 0, [frozen.entry_id], idle=10 * CFG.claim_idle_ms,
+             justid=True)
+    [live] = queue.read("live", 1)
+    assert live.group_id == gid
+    with pytest.raises(LeaseLost, match=f"its task {frozen.entry_id} is no longer held by frozen .*: live took the "
+                                         "task over and holds it"):
+        staleness.try_admit(gid, task=frozen)
+    assert staleness.admitted() == 0 and staleness.metrics.task_gone_dropped._value.get() == 1
+    assert staleness.try_admit(gid, task=live) and staleness.admitted() == 1

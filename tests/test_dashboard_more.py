@@ -74,11 +74,14 @@ def _nosniff(reply: bytes) -> list[bytes]:
             if name.strip().lower() == b"x-content-type-options"]
 
 
-def test_the_500_of_an_unexpected_error_is_never_sniffed(api_url: str) -> None:
-    """Starlette's ServerErrorMiddleware, outside every middleware added to the app, sent it without."""
+def test_the_500_of_an_unexpected_error_is_json_and_never_sniffed(api_url: str) -> None:
+    """Starlette's ServerErrorMiddleware, outside every middleware added to the app, sent it without the header, as
+    bare text; it names the request and the exception's type, not its message (the log has that)."""
     reply = httpx.get(f"{api_url}/v1/boom", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
     assert reply.status_code == 500, reply.text
     assert reply.headers.get_list("x-content-type-options") == ["nosniff"], reply.headers
+    assert reply.json() == {"detail": "GET /v1/boom failed: an unexpected RuntimeError in the API (its log has the "
+                                      "traceback)"}
 
 
 def test_the_refusals_uvicorn_makes_itself_are_never_sniffed(api_url: str) -> None:

@@ -545,6 +545,16 @@ def create_app(cfg: Config, client: redis.Redis | None = None, url: str | None =
                                 status_code=405, headers={"Allow": ", ".join(served)})
         return await http_exception_handler(request, exc)
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """A handler's unexpected exception (a bug): a 500 in JSON, as every other reply of the API, naming the request
+        and the exception's type; Starlette's was a bare "Internal Server Error" text that a client parsing JSON
+        choked on. Its message and traceback go to the log only (uvicorn's, as Starlette re-raises it after this
+        reply): they may quote the run's internals."""
+        return JSONResponse({"detail": f"{request.method} {request.scope['path']} failed: an unexpected "
+                                       f"{type(exc).__name__} in the API (its log has the traceback)"},
+                            status_code=500)
+
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:
         return {"status": "ok"}

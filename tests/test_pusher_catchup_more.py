@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import redis
 import torch
 import torch.multiprocessing as mp
@@ -214,23 +215,28 @@ def test_a_re_push_in_the_trainer_s_precision_leaves_no_fp32_buffer_beside_the_f
 
 
 def _two_ranks(rank: int, port: int, model_dir: Path, cfg: CheckpointConfig, address: str, redis_url: str,
-               out: Path) -> None:
-    """One rank of a pool of two: rank 0 pushes to ``address``, then both wait for data until rank 0's read gets a
-    batch; rank 0 writes the trainer's full weights and what its pusher saw after the start push."""
+               out: Path, steps: int) -> None:
+    """One rank of a pool of two at ``buffer.push_every`` 3: rank 0 pushes to ``address``; both train ``steps`` steps
+    (no push due), then wait for data until rank 0's read gets a batch; rank 0 writes the trainer's full weights once
+    trained and what its pusher saw after the start push."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     ctx = init_distributed("cpu", timeout_s=GROUP_TIMEOUT_S)
     pusher = CheckpointPusher(cfg, [address] if rank == 0 else [])
     try:
-        trainer = Trainer(trainer_config(), model_dir, out / "run", BufferConfig(groups_per_step=GPS), pusher=pusher)
+        trainer = Trainer(trainer_config(), model_dir, out / "run", BufferConfig(groups_per_step=GPS, push_every=3),
+                          pusher=pusher)
         served_bf16_then_started(pusher, trainer, ctx)
-        want = {n: t.clone() for n, t in iter_full_params(trainer.model) if t is not None}  # on rank 0
-        buffer = None
         if rank == 0:
             assert pusher.flush() == []
             pusher.take_results()
+        for seed in range(steps):
+            trainer.train(synthetic_groups(seed, GPS))
+        want = {n: t.clone() for n, t in iter_full_params(trainer.model) if t is not None}  # on rank 0
+        buffer = None
+        if rank == 0:
             save_file(want, out / "want.safetensors")
-            buffer = ReplayBuffer(redis.Redis.from_url(redis_url), Keys("more-ranks"), BufferConfig(),
+            buffer = ReplayBuffer(redis.Redis.from_url(redis_url), Keys(f"more-ranks-{steps}"), BufferConfig(),
                                   consumer="trainer")
         trainer.next_batch(buffer)
         if rank == 0:
@@ -245,17 +251,21 @@ def _two_ranks(rank: int, port: int, model_dir: Path, cfg: CheckpointConfig, add
     exit_rank()
 
 
-def test_a_pool_of_two_ranks_pushes_the_newest_version_again_to_a_stranded_server(
-        tiny_model_dir: Path, redis_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("steps", [0, 1])
+def test_a_pool_of_two_ranks_reaches_a_stranded_server(tiny_model_dir: Path, redis_url: str, tmp_path: Path,
+                                                       steps: int) -> None:
     """Two ranks (gloo, FSDP2) pushed version 2 at their start, cast to bf16 for their one bf16 server, which then
     restarted in fp32 (at its address alone: its Status tells the restart). While they wait for data, both ranks
-    gather the weights again and rank 0 pushes version 2 once more, in fp32, to that server: it serves the trainer's
-    full weights exactly, and no new version is pushed."""
-    buffer = trainer_buffer(redis_url, "more-ranks")
+    gather the weights again and rank 0 pushes them in fp32 to that server, which then serves the trainer's full
+    weights exactly: with no step trained since, version 2 once more, and no new version; with one step trained since
+    (``buffer.push_every`` 3: none due), the present weights as version 3."""
+    buffer = trainer_buffer(redis_url, f"more-ranks-{steps}")
+    version = 2 + (steps > 0)
 
     async def main() -> None:
         async with bf16_server(tiny_model_dir, tmp_path) as server:
-            args = (free_port_outside_ephemeral(), tiny_model_dir, server.cfg, server.address, redis_url, tmp_path)
+            args = (free_port_outside_ephemeral(), tiny_model_dir, server.cfg, server.address, redis_url, tmp_path,
+                    steps)
             ranks = mp.spawn(_two_ranks, args=args, nprocs=2, join=False)
             try:
                 deadline = time.monotonic() + START_S
@@ -264,14 +274,14 @@ def test_a_pool_of_two_ranks_pushes_the_newest_version_again_to_a_stranded_serve
                     assert time.monotonic() < deadline, f"no start push within {START_S} s"
                     await asyncio.sleep(0.05)
                 await server.restart_in_fp32(tiny_model_dir)
-                await wait_for("version 2 again on the restarted server",
-                               lambda: server.rec.service._state.current == 2)
+                await wait_for(f"version {version} on the restarted server",
+                               lambda: server.rec.service._state.current == version)
                 loaded = load_file(server.rec.service._state.current_dir / MODEL_WEIGHTS)
             finally:  # a batch ends the ranks' wait, whatever happened
-                buffer.put_many(synthetic_groups(9, GPS, version=2, run="more-ranks"))
+                buffer.put_many(synthetic_groups(9, GPS, version=version, run=f"more-ranks-{steps}"))
                 await asyncio.to_thread(join_within, ranks, WAIT_S, GROUP_TIMEOUT_S)
         assert not_exactly(loaded, load_file(tmp_path / "want.safetensors")) == []
         seen = json.loads((tmp_path / "rank0.json").read_text())
-        assert seen == {"results": [[2, False, "cast"], [2, True, ""]], "step": 0, "last_pushed": 2}
+        assert seen == {"results": [[2, False, "cast"], [version, True, ""]], "step": steps, "last_pushed": version}
 
     asyncio.run(main())

@@ -118,7 +118,8 @@ def test_a_run_forgets_the_stop_that_ended_an_earlier_run_in_its_process(monkeyp
 SECOND = {0: signal.SIGTERM, 1: signal.SIGINT}  # each rank's second signal: a supervisor's again, an operator's Ctrl-C
 
 
-def _signalling_rank(rank: int, port: int, token: str, config: Path, checkpoints: Path, out: Path) -> None:
+def _signalling_rank(rank: int, port: int, token: str, config: Path, checkpoints: Path, out: Path,
+                     peer_ends: bool) -> None:
     """One of two ranks of the trainer's ``main`` (``mp.spawn``'s target). Once the first step is checkpointed, it sends
     itself a SIGTERM (a supervisor's stop, to every rank) at the first micro-batch of the next critic update, and its
     ``SECOND`` signal as it starts to leave the process group. Writes main's exit status (or what it raised) and the
@@ -139,6 +140,8 @@ def _signalling_rank(rank: int, port: int, token: str, config: Path, checkpoints
         return values(self, mb)
 
     def closing(*args: object) -> None:
+        if peer_ends and rank == 1:  # ended at once (SIGKILLed past its grace): it never meets rank 0 to close
+            os._exit(0)
         os.kill(os.getpid(), SECOND[rank])
         close(*args)
 
@@ -152,15 +155,17 @@ def _signalling_rank(rank: int, port: int, token: str, config: Path, checkpoints
     exit_rank(0)
 
 
+@pytest.mark.parametrize("peer_ends", [False, True])
 def test_a_pool_sigtermed_in_a_critic_update_stops_in_it_a_second_signal_changing_nothing(
-        redis_url: str, tiny_model_dir: Path, tmp_path: Path, ctx: DistContext) -> None:
+        redis_url: str, tiny_model_dir: Path, tmp_path: Path, ctx: DistContext, peer_ends: bool) -> None:
     """SIGTERM to each rank at the first of its 8 micro-batches of the second step's critic update: both stop at the
     update's next stop point (they went on to its end, then pushed and checkpointed the step). As they leave the
     process group, rank 0 gets a second SIGTERM and rank 1 a SIGINT: these used to kill them there (a rank still to
     meet a killed one failed, exit 1); they are logged, and both ranks leave together and exit 143, the first signal's.
-    Rank 0 records the stop at step 1; the stopped step is not checkpointed, and the first step's checkpoint resumes,
-    the critic's state with it, and trains on."""
-    keys = Keys("stop-in-critic")
+    Or (``peer_ends``) rank 1 ends at once instead, never meeting rank 0 to close: rank 0's closing meeting fails, which
+    made it exit 1 as a crash; it is logged, and rank 0 exits 143. Rank 0 records the stop at step 1; the stopped step
+    is not checkpointed, and the first step's checkpoint resumes, the critic's state with it, and trains on."""
+    keys = Keys(f"stop-in-critic-{peer_ends}")
     client = redis.Redis.from_url(redis_url)
     try:
         buffer = ReplayBuffer(client, keys, BufferConfig(), consumer="trainer")
@@ -170,10 +175,10 @@ def test_a_pool_sigtermed_in_a_critic_update_stops_in_it_a_second_signal_changin
                                 dist_timeout_s=GROUP_TIMEOUT_S, **CRITIC)
         run_dir = tmp_path / keys.run
         args = (free_port_outside_ephemeral("127.0.0.1"), secrets.token_urlsafe(32), config, run_dir / "checkpoints",
-                tmp_path)
+                tmp_path, peer_ends)
         join_within(mp.spawn(_signalling_rank, args=args, nprocs=2, join=False), BOUND_S, GROUP_TIMEOUT_S)
-        said = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-        assert said == [{"exit": 128 + signal.SIGTERM, "forwards": STOP_EVERY_MICRO_BATCHES}] * 2
+        said = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+        assert said == [{"exit": 128 + signal.SIGTERM, "forwards": STOP_EVERY_MICRO_BATCHES}] * (1 if peer_ends else 2)
         ended = [client.hget(keys.trainer, k).decode() for k in ("finished_reason", "finished_step")]
         assert ended == [f"crashed: {STOPPED}", "1"]
     finally:

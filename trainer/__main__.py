@@ -255,13 +255,27 @@ def _export(cfg: Config, args: argparse.Namespace) -> Path:
     return export_hf(ckpt, cfg.model.path, args.export_hf, cfg.model.lora, merge=args.merge_lora)
 
 
+def _leave_group(_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
+    """``close_distributed`` as ``_train``'s stack unwinds. Once a pool agreed to stop, a peer that ended before the
+    closing meeting (SIGKILLed past its grace, the OOM killer) fails it: that is logged, and the stop goes on to its
+    exit status, 128 + the signal (it raised out of the stop, and the rank exited 1 as if it had crashed)."""
+    try:
+        close_distributed()
+    except Exception as error:
+        if not isinstance(exc, TrainerStopped):
+            raise
+        log.warning("leaving the process group after the stop failed (%s: %s): a peer ended first; the stop goes on",
+                    type(error).__name__, error)
+    return False
+
+
 def _train(cfg: Config, resume: bool) -> int:
     """Connect, start and train (``main``); raises ``TrainerFenced`` once a newer trainer of the run started."""
     ctx = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout_s)
     with contextlib.ExitStack() as stack:
         # every rank leaves the process group together as the stack unwinds, a stopped one too: a pool's ranks stop at
         # the same collective (``stop_point``), so none is left in one, and its gloo or NCCL group is not left to exit
-        stack.callback(close_distributed)
+        stack.push(_leave_group)
         metrics = CollectorRegistry()
         buffer_metrics = BufferMetrics(metrics)  # the reads' counters (redeliveries, malformed...) and the trainer's
         source, pusher, status, run_record = _connect(cfg, ctx, stack, metrics, buffer_metrics)

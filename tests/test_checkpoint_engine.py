@@ -713,7 +713,8 @@ def test_push_to_registered_servers_records_the_version(fleet: Fleet, base_model
 
 def test_stage_deadline_grows_with_bytes_over_min_throughput(fleet: Fleet, base_model: PreTrainedModel) -> None:
     """Stage's deadline is ``stage_timeout_s`` + bytes / ``min_throughput_mib_s``: a server slower than that
-    minimum misses it (here every server: the deadline is about a millisecond), and commits with the defaults."""
+    minimum misses it (here every server: the deadline is about a millisecond), and commits with the defaults.
+    The server tells its data connection the same deadline, so under load its refusal can arrive first."""
     version = fleet.version() + 1
     strict = CheckpointPusher(fleet.config.model_copy(update={"stage_timeout_s": 1e-3, "min_throughput_mib_s": 1e6}),
                               fleet.addresses)
@@ -723,7 +724,9 @@ def test_stage_deadline_grows_with_bytes_over_min_throughput(fleet: Fleet, base_
     strict.close()
     assert all((s.stage, s.reason) == ("stage", "timeout") and s.stage_attempts == 1 for s in missed.servers), \
         missed.servers
-    assert all("stage: no answer within its 0.00" in s.error for s in missed.servers), missed.servers
+    # whichever side's clock ends it first: the pusher's call deadline, or the server's own for the data connection
+    assert all("stage: no answer within its 0.00" in s.error or "bytes by the Stage's deadline" in s.error
+               for s in missed.servers), missed.servers
     assert fleet.version() == version - 1 and not missed.published
     pusher = fleet.pusher()
     assert pusher.push_model(base_model, version=version).wait(WAIT_S).ok

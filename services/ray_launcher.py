@@ -523,6 +523,34 @@ def _config_checks(names: list[str]) -> tuple[list[str], list[str]]:
     return refused, silent
 
 
+@contextlib.contextmanager
+def _ctrl_c_remembered() -> Iterator[threading.Event]:
+    """Ctrl-C raises KeyboardInterrupt as by default, and sets the event: Python drops one raised inside a finalizer
+    (a collected client's ``__del__``: "Exception ignored in"), and an ``up`` told to stop must not go on to report
+    a clean start or stay. A SIGINT that is ignored (a background job) or someone else's stays as it was."""
+    pressed = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        yield pressed
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        pressed.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _raise_if_pressed(pressed: threading.Event) -> None:
+    """Raise the Ctrl-C that a finalizer swallowed (``_ctrl_c_remembered``)."""
+    if pressed.is_set():
+        raise KeyboardInterrupt
+
+
 def up(args: argparse.Namespace) -> int:
     """Start the run under its lock (``_run_lock``), recording each part in ``ray.json`` before starting it; what a
     failed or interrupted launch started is stopped. Then wait for the components' config checks and the API."""
@@ -539,26 +567,31 @@ def up(args: argparse.Namespace) -> int:
     state: dict[str, Any] = {"namespace": f"rollwave-{cfg.run.name}", "actors": [], "placement_groups": [],
                              "up_pid": os.getpid(), "launched": False}
     try:
-        with _run_lock(run_dir, "up"):
-            if path.exists():
-                _refuse_started(path, args)
-            check_api_config(cfg)
-            if cfg.redis.unix_socket and not configured_url(cfg.redis):
-                raise ConfigError("redis.unix_socket: `rollwave up` runs the embedded Redis in a Ray actor, which the "
-                                  "components reach over TCP from any node; unset it, or give redis.url")
-            ensure_checkpoint_token(cfg)
-            trainer_overrides = _checkpoint_tls(cfg, run_dir)
-            ensure_model(cfg.model)  # once here, not raced by every component
-            (run_dir / "config.yaml").write_text(dump_config(cfg))  # secrets masked; components get theirs as env
-            try:
-                redis_url = _launch(cfg, args, state, run_dir, trainer_overrides, lambda: _write_state(path, state))
-            except BaseException:
-                _stop_all(state)  # if this fails too, ray.json stays, for `down`
-                path.unlink(missing_ok=True)
-                raise
-            state["launched"] = True
-            _write_state(path, state)
-        return _await_start(cfg, args, state, redis_url)
+        with _ctrl_c_remembered() as pressed:
+            with _run_lock(run_dir, "up"):
+                if path.exists():
+                    _refuse_started(path, args)
+                check_api_config(cfg)
+                if cfg.redis.unix_socket and not configured_url(cfg.redis):
+                    raise ConfigError("redis.unix_socket: `rollwave up` runs the embedded Redis in a Ray actor, "
+                                      "which the components reach over TCP from any node; unset it, or give "
+                                      "redis.url")
+                ensure_checkpoint_token(cfg)
+                trainer_overrides = _checkpoint_tls(cfg, run_dir)
+                ensure_model(cfg.model)  # once here, not raced by every component
+                # secrets masked; components get theirs as env
+                (run_dir / "config.yaml").write_text(dump_config(cfg))
+                try:
+                    redis_url = _launch(cfg, args, state, run_dir, trainer_overrides,
+                                        lambda: _write_state(path, state))
+                    _raise_if_pressed(pressed)  # one a finalizer swallowed: stop what it started
+                except BaseException:
+                    _stop_all(state)  # if this fails too, ray.json stays, for `down`
+                    path.unlink(missing_ok=True)
+                    raise
+                state["launched"] = True
+                _write_state(path, state)
+            return _await_start(cfg, args, state, redis_url, pressed)
     except KeyboardInterrupt:
         if not state["launched"]:  # what it started is stopped
             raise
@@ -582,8 +615,10 @@ def _started(state: dict[str, Any]) -> str:
     return ", ".join([*state.get("actors", []), *head]) or "nothing"
 
 
-def _await_start(cfg: Config, args: argparse.Namespace, state: dict[str, Any], redis_url: str) -> int:
-    """Wait for every component's config check and the API's address; with ``--foreground``, stay (``_stay``)."""
+def _await_start(cfg: Config, args: argparse.Namespace, state: dict[str, Any], redis_url: str,
+                 pressed: threading.Event) -> int:
+    """Wait for every component's config check and the API's address; with ``--foreground``, stay (``_stay``).
+    ``pressed``: a Ctrl-C came (``_ctrl_c_remembered``)."""
     run_dir = cfg.run.path
     actors = [name for name in state["actors"] if name != REDIS_ACTOR]
     refused, silent = _config_checks(actors)
@@ -605,17 +640,19 @@ def _await_start(cfg: Config, args: argparse.Namespace, state: dict[str, Any], r
         print(f"error: {exc} (see {run_dir / 'logs' / 'api.log'}); the rest is up: `{_down_command(args)}` stops it",
               file=sys.stderr)
         return 1
+    _raise_if_pressed(pressed)
     print(f"rollwave up: run {cfg.run.name}: {', '.join(state['actors'])}; redis {redis_url}; "
           f"API {api}; logs {run_dir / 'logs'}")
-    return _stay(args, state, actors) if args.foreground else 0
+    return _stay(args, state, actors, pressed) if args.foreground else 0
 
 
-def _stay(args: argparse.Namespace, state: dict[str, Any], names: list[str]) -> int:
+def _stay(args: argparse.Namespace, state: dict[str, Any], names: list[str], pressed: threading.Event) -> int:
     """``up --foreground``: stay until Ctrl-C, then stop the run; or until an actor gives its component up (having
     stopped the others): then stop the run too, and return 1 naming it."""
     _connect(state)
     try:
         while not (given_up := _given_up(names)):
+            _raise_if_pressed(pressed)
             time.sleep(1)
     except KeyboardInterrupt:
         return down(args)

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -68,7 +69,8 @@ def main() -> int:
         result["lives_rc"] = rc
         result["dies_restarts"] = ray.get(actors["dies"].restarts.remote(), timeout=60)
         ray.shutdown()
-        result["stay_rc"] = _stay(argparse.Namespace(config=str(config), overrides=[]), state, ["lives", "dies"])
+        result["stay_rc"] = _stay(argparse.Namespace(config=str(config), overrides=[]), state, ["lives", "dies"],
+                                   threading.Event())
         result["starts_logged"] = (logs / "dies.log").read_text().count("starting")
     except Exception:  # reported in the JSON; the test fails on it
         result["error"] = traceback.format_exc()[-3000:]

@@ -482,6 +482,39 @@ def test_up_claims_its_run_and_leaves_no_head_that_down_cannot_stop(
                 shutil.rmtree(head["temp_dir"], ignore_errors=True)
 
 
+class _InterruptedFinalizer:
+    """Ctrl-C arriving while Python runs a finalizer, as a collected redis-py pool's ``__del__``: the
+    KeyboardInterrupt is printed ("Exception ignored in") and dropped."""
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the finalizers' dropped ones
+def test_a_ctrl_c_that_a_finalizer_swallowed_still_stops_up(ctrl_c_raises: None) -> None:
+    """``up`` remembers a Ctrl-C (``_ctrl_c_remembered``) and raises one a finalizer swallowed where it would report a
+    clean start or stay (an interrupted ``up`` exited 0 as started); outside it, and where SIGINT is ignored (a
+    background job), nothing changes."""
+    from services.ray_launcher import _ctrl_c_remembered, _raise_if_pressed
+
+    _InterruptedFinalizer()  # dropped: the plain default handler loses it
+    with _ctrl_c_remembered() as pressed:
+        _InterruptedFinalizer()
+        with pytest.raises(KeyboardInterrupt):
+            _raise_if_pressed(pressed)
+        with pytest.raises(KeyboardInterrupt):  # raised in place, as by default, where no finalizer runs
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with _ctrl_c_remembered() as pressed:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        _raise_if_pressed(pressed)
+    assert not pressed.is_set()
+
+
 def test_a_run_held_by_an_up_refuses_a_second_up_or_down_and_a_dead_ones_record_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -80,8 +80,10 @@ class CrossKeyError(ValueError):
 
 class Section(BaseModel):
     # no .inf or .nan: an infinite learning rate or coefficient poisons every weight, an infinite timeout overflows
-    # the socket's (redis.timeout_s) or gRPC's deadline at its first use, far from the key
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # the socket's (redis.timeout_s) or gRPC's deadline at its first use, far from the key. A section given to a
+    # config is copied (revalidated): the checks across sections set keys on the config's own copy, never the caller's.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
+                              revalidate_instances="always")
 
 
 class RunConfig(Section):

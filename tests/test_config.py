@@ -12,7 +12,11 @@ from core.config import (
     GREEDY_TEMPERATURE,
     MASK,
     TOP_K_ALL,
+    BufferConfig,
+    Config,
     ConfigError,
+    PlacementConfig,
+    RolloutConfig,
     dump_config,
     load_config,
     load_config_or_exit,
@@ -143,6 +147,20 @@ def test_a_job_refuses_what_sglang_would() -> None:
 def test_sync_mode_is_async_with_zero_staleness() -> None:
     assert load_config(None, ["rollout.mode=sync", "buffer.max_staleness=3"]).buffer.max_staleness == 0
     assert load_config(None, ["buffer.max_staleness=3"]).buffer.max_staleness == 3
+
+
+def test_a_section_built_by_the_caller_is_never_changed_by_the_config_it_goes_into() -> None:
+    """The checks across sections set keys (sync mode's and colocation's max_staleness) on the config's own copy of a
+    section: one section a caller builds and gives to two configs, sync and async, keeps its value for the second."""
+    buffer = BufferConfig(max_staleness=3)
+    synced = Config(rollout=RolloutConfig(mode="sync"), buffer=buffer)
+    colocated = Config(placement=PlacementConfig(mode="colocated", colocated_staleness=1), buffer=buffer)
+    assert (synced.buffer.max_staleness, colocated.buffer.max_staleness) == (0, 1)
+    assert buffer.max_staleness == 3 and Config(buffer=buffer).buffer.max_staleness == 3
+    config = Config()
+    config.buffer = buffer  # an assignment takes a copy too
+    config.buffer.max_staleness = 5
+    assert buffer.max_staleness == 3
 
 
 def test_dynamic_sampling_is_refused_with_gae() -> None:

@@ -187,6 +187,7 @@ class CheckpointService:
 
     async def Stage(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.StageReply:
         """Receives serialized chunks (see ``parse_chunk``) and stages the version they carry."""
+        peer = context.peer() or "a caller gone before the call began"  # gRPC forgets it once the call is cancelled
         async with self._stage_lock:
             start = time.monotonic()
             remaining = context.time_remaining()
@@ -200,7 +201,7 @@ class CheckpointService:
                         version, received, transport = await self._stage(request_iterator, deadline, own)
                 except TimeoutError:
                     limit = (own.when() if own is not None else deadline) - start
-                    raise StageError("timeout", f"Stage from {context.peer()} not done within {limit:.3g} s",
+                    raise StageError("timeout", f"Stage from {peer} not done within {limit:.3g} s",
                                      grpc.StatusCode.DEADLINE_EXCEEDED) from None
             except StageError as exc:
                 self.metrics.stage_failures.labels(exc.reason).inc()
@@ -209,7 +210,7 @@ class CheckpointService:
             except asyncio.CancelledError:
                 self.metrics.stage_failures.labels("stream").inc()
                 log.warning("%s: Stage from %s cancelled (its deadline passed or its caller went away)",
-                            self.server_id, context.peer())
+                            self.server_id, peer)
                 raise
             seconds = time.monotonic() - start
             self.metrics.stage_seconds.observe(seconds)
@@ -299,7 +300,8 @@ class CheckpointService:
         self.stage_port.ready(incoming, staged)
         done = asyncio.wrap_future(incoming.done)
         last = asyncio.ensure_future(anext(chunks, None))
-        last.add_done_callback(lambda task: task.cancelled() or task.exception())  # raised below, or moot
+        for future in (done, last):  # raised below, or moot: a Stage that ended (its deadline, its caller) cuts both
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             await asyncio.wait({done, last}, return_when=asyncio.FIRST_COMPLETED)
             if done.done() and done.exception() is not None:

@@ -37,6 +37,14 @@ def ctrl_c_raises() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def rank_fork_server() -> Iterator[None]:
+    """Stops the trainer ranks' fork server (``rank_helpers``) at the end of the session, where a test started it."""
+    yield
+    if "rank_helpers" in sys.modules:
+        sys.modules["rank_helpers"].stop_server()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from core.tiny_model import build_tiny_model

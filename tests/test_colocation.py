@@ -24,9 +24,9 @@ import httpx
 import pytest
 import redis
 import torch
-import torch.multiprocessing as mp
 from engine_helpers import metric, teacher_forced
 from prometheus_client import CollectorRegistry
+from rank_helpers import spawn_ranks
 from safetensors.torch import load_file
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM
@@ -631,7 +631,7 @@ def _ranks(rank: int, world: int, port: int, model_dir: Path, root: Path) -> Non
 
 
 def test_two_ranks_write_the_full_weights_once(tiny_model_dir: Path, tmp_path: Path) -> None:
-    mp.spawn(_ranks, args=(2, free_port_outside_ephemeral(), tiny_model_dir, tmp_path), nprocs=2, join=True)
+    spawn_ranks(_ranks, args=(2, free_port_outside_ephemeral(), tiny_model_dir, tmp_path), nprocs=2, join=True)
     full = torch.load(tmp_path / "full.pt")
     written = load_file(tmp_path / "v2-e0" / "model.safetensors")  # epoch 0: no turns
     assert sorted(p.name for p in tmp_path.glob("v*")) == ["v1-e0", "v2-e0"]  # v0 at start, one per step, two kept

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from prometheus_client import CollectorRegistry
+from rank_helpers import spawn_ranks
 from test_colocation import KEYS, RecordingEngine, engine_bytes, follow, run_parts, stop, until
 from test_colocation_edges import handovers
 from trainer_helpers import synthetic_groups
@@ -145,7 +145,7 @@ def test_a_local_push_that_fails_on_rank_0_fails_every_rank_naming_the_stage(tmp
     timeout."""
     model_dir = tmp_path / "model"
     (model_dir / "config.json").mkdir(parents=True)
-    mp.spawn(_push_on_ranks, args=(2, free_port_outside_ephemeral(), model_dir, tmp_path), nprocs=2, join=True)
+    spawn_ranks(_push_on_ranks, args=(2, free_port_outside_ephemeral(), model_dir, tmp_path), nprocs=2, join=True)
     cause = f"IsADirectoryError: [Errno 21] Is a directory: '{model_dir / 'config.json'}'"
     assert (tmp_path / "rank0").read_text() == cause
     assert (tmp_path / "rank1").read_text() == f"RuntimeError: the local push (stage write): rank 0 failed: {cause}"

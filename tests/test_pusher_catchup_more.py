@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from safetensors.torch import load_file, save_file
 from test_engine_client import serve, sglang_056_stub
 from test_pusher_catchup import refused_catch_up, stranded, wait_for
@@ -266,7 +266,7 @@ def test_a_pool_of_two_ranks_reaches_a_stranded_server(tiny_model_dir: Path, red
         async with bf16_server(tiny_model_dir, tmp_path) as server:
             args = (free_port_outside_ephemeral(), tiny_model_dir, server.cfg, server.address, redis_url, tmp_path,
                     steps)
-            ranks = mp.spawn(_two_ranks, args=args, nprocs=2, join=False)
+            ranks = spawn_ranks(_two_ranks, args=args, nprocs=2, join=False)
             try:
                 deadline = time.monotonic() + START_S
                 while server.rec.service._state.current != 2:  # the ranks' start push

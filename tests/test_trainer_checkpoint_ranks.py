@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from torch import nn
 
 from core.net import free_port_outside_ephemeral
@@ -60,7 +60,7 @@ def _two_ranks(rank: int, port: int, root: Path, out: Path) -> None:
 
 def test_a_rank_0_failure_in_a_save_reaches_every_rank_naming_it(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    mp.spawn(_two_ranks, args=(free_port_outside_ephemeral(), root, tmp_path), nprocs=2, join=True)
+    spawn_ranks(_two_ranks, args=(free_port_outside_ephemeral(), root, tmp_path), nprocs=2, join=True)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     cause = (f"OSError: {root / '.step_00000003.partial'}: cannot write the checkpoint: TypeError: Object of type set "
              "is not JSON serializable")

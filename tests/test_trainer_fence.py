@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-import torch.multiprocessing as mp
 import yaml
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
+from rank_helpers import spawn_ranks
 from test_checkpoint_faults import config, eventually, model_of, push
 from test_engine_client import serve, sglang_056_stub
 from trainer_helpers import reaped, synthetic_groups
@@ -196,7 +196,7 @@ def test_every_rank_of_a_fenced_trainer_stops_together(redis_server: EmbeddedRed
     stop with it, before the checkpoint's collectives or out of the read's broadcast, rather than waiting in them for a
     rank that left (a refused status used to end rank 0's run while the others waited in its next take)."""
     args = (2, free_port_outside_ephemeral(), redis_server.url, tiny_model_dir, tmp_path, where)
-    mp.spawn(_fenced_ranks, args=args, nprocs=2, join=True)
+    spawn_ranks(_fenced_ranks, args=args, nprocs=2, join=True)
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}").read_text().startswith(
             "fenced: rw:fenced-ranks:trainer:epoch is 2: a newer trainer of run fenced-ranks started"), rank
@@ -315,7 +315,7 @@ def test_every_rank_of_a_fenced_colocated_trainer_stops_at_the_hand_over(redis_s
     """Rank 0 alone writes the turn, and is refused; the other ranks stop with it where they meet it, rather than go
     on to the step's collectives and wait in them for a rank that left."""
     args = (2, free_port_outside_ephemeral(), redis_server.url, tiny_model_dir, tmp_path, where)
-    mp.spawn(_fenced_hand_over, args=args, nprocs=2, join=True)
+    spawn_ranks(_fenced_hand_over, args=args, nprocs=2, join=True)
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}").read_text().startswith(
             "fenced: rw:fenced-turns:trainer:epoch is 2: a newer trainer of run fenced-turns started"), rank

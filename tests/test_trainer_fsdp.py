@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import redis
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from torch.distributed.tensor import DTensor
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -104,7 +104,7 @@ def test_one_of_several_ranks_exits_without_teardown(world: str, out: str) -> No
 def _spawn(world: int, model_dir: Path, tmp_path: Path, cfg: dict, lora: dict | None = None) -> dict:
     out = tmp_path / f"world{world}.pt"
     args = (world, free_port_outside_ephemeral(), model_dir, tmp_path / f"run{world}", out, cfg, lora)
-    mp.spawn(train_ranks, args=args, nprocs=world, join=True)
+    spawn_ranks(train_ranks, args=args, nprocs=world)
     return torch.load(out, weights_only=False)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from torch import nn
 from trainer_helpers import join_within
 
@@ -73,7 +73,7 @@ def _two_ranks(rank: int, port: int, root: Path, out: Path) -> None:
 
 def test_an_interrupt_on_one_rank_reaches_every_rank_naming_it(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    join_within(mp.spawn(_two_ranks, args=(free_port_outside_ephemeral(), root, tmp_path), nprocs=2, join=False),
+    join_within(spawn_ranks(_two_ranks, args=(free_port_outside_ephemeral(), root, tmp_path), nprocs=2, join=False),
                 BOUND_S, GROUP_TIMEOUT_S)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0["KeyboardInterrupt"] == "KeyboardInterrupt:  (the same)", rank0  # re-raised as it was

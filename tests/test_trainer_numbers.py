@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from test_trainer_fsdp import train_ranks
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -187,7 +187,7 @@ def _reference(model_dir: Path, cfg: TrainerConfig, lora: LoraConfig | None = No
 def _spawn(world: int, model_dir: Path, tmp_path: Path, cfg: dict, lora: dict | None = None) -> dict:
     out = tmp_path / f"world{world}.pt"
     args = (world, free_port_outside_ephemeral(), model_dir, tmp_path / f"run{world}", out, cfg, lora, _batches)
-    mp.spawn(train_ranks, args=args, nprocs=world, join=True)
+    spawn_ranks(train_ranks, args=args, nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 

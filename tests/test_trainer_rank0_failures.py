@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 
 from buffer.keys import Keys
 from buffer.redis_server import EmbeddedRedis
@@ -53,7 +53,7 @@ def _ranks(rank: int, port: int, redis_url: str, model_dir: Path, out: Path) -> 
 
 def test_a_failed_buffer_read_on_rank_0_stops_every_rank_naming_it(redis_server: EmbeddedRedis,
                                                                    tiny_model_dir: Path, tmp_path: Path) -> None:
-    mp.spawn(_ranks, args=(free_port_outside_ephemeral(), redis_server.url, tiny_model_dir, tmp_path), nprocs=2,
+    spawn_ranks(_ranks, args=(free_port_outside_ephemeral(), redis_server.url, tiny_model_dir, tmp_path), nprocs=2,
              join=True)
     rank0, rank1 = ((tmp_path / f"rank{r}").read_text().splitlines() for r in (0, 1))
     assert rank0[0] == rank1[0] == "rank 0's"

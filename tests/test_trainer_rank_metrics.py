@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from trainer_helpers import synthetic_groups
 
 from core.config import TrainerConfig
@@ -53,7 +53,7 @@ def test_rank_0_serves_each_rank_s_step_time_and_peak_memory(tiny_model_dir: Pat
     """Rank 0 serves both ranks' figures; rank 1's peak is its own, not the peak of the process that spawned the ranks
     (this test's, which holds a ballast too: ``ru_maxrss`` counted it in every rank)."""
     parent_ballast = torch.ones(2 * BALLAST, dtype=torch.uint8)  # resident here, never in the ranks
-    mp.spawn(_ranks, args=(free_port_outside_ephemeral(), tiny_model_dir, tmp_path), nprocs=2, join=True)
+    spawn_ranks(_ranks, args=(free_port_outside_ephemeral(), tiny_model_dir, tmp_path), nprocs=2, join=True)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     compute, memory = (rank0["served"][name] for name in SERIES)
     for rank, own in (("0", rank0), ("1", rank1)):  # each rank's time, up to its closing reduce, within its step

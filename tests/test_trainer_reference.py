@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from torch.optim.lr_scheduler import LambdaLR
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM
@@ -169,7 +169,7 @@ def test_two_ranks_and_two_minibatches_match_the_full_batch(tiny_model_dir: Path
     tests/test_trainer_fsdp.py)."""
     cfg = {**CFG, "loss_agg": "seq-mean-token-sum", "ppo_minibatches": 2}
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(2, free_port_outside_ephemeral(), tiny_model_dir, tmp_path / "run", out, cfg), nprocs=2,
+    spawn_ranks(_rank, args=(2, free_port_outside_ephemeral(), tiny_model_dir, tmp_path / "run", out, cfg), nprocs=2,
              join=True)
     got = torch.load(out, weights_only=False)
     _check(got["record"], got["params"], _reference(tiny_model_dir, _groups(), TrainerConfig(**cfg)))

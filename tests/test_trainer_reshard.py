@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from trainer_helpers import synthetic_groups
 
@@ -89,7 +89,7 @@ def _run(world: int, ctx: DistContext, model: Path, run_dir: Path, steps: int, r
     if world == 1:
         return _session(ctx, model, run_dir, steps, resume)
     out = run_dir.parent / f"{run_dir.name}-{int(resume)}.pt"
-    mp.spawn(_two_ranks, args=(free_port_outside_ephemeral(), model, run_dir, steps, resume, out), nprocs=2,
+    spawn_ranks(_two_ranks, args=(free_port_outside_ephemeral(), model, run_dir, steps, resume, out), nprocs=2,
              join=True)
     return torch.load(out, weights_only=False)
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 import redis
 import torch
-import torch.multiprocessing as mp
 import yaml
+from rank_helpers import spawn_ranks
 from trainer_helpers import synthetic_groups
 from transformers import AutoModelForCausalLM
 
@@ -321,7 +321,7 @@ def test_two_ranks_checkpoint_and_ack_what_they_trained_when_the_data_runs_out(
     """The data runs out after 2 steps, between checkpoints: every rank writes the last checkpoint (a collective;
     only rank 0 knows which groups it covers), and rank 0 acks them."""
     buffer = _filled_buffer(redis_url, "drain", steps=2)
-    mp.spawn(_drain_ranks, args=(2, free_port_outside_ephemeral(), tiny_model_dir, tmp_path, redis_url), nprocs=2,
+    spawn_ranks(_drain_ranks, args=(2, free_port_outside_ephemeral(), tiny_model_dir, tmp_path, redis_url), nprocs=2,
              join=True)
     assert (tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json").is_file()
     assert buffer.redis.xlen(Keys("drain").groups) == 0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from trainer_helpers import synthetic_groups
 
 from core.config import LoraConfig, TrainerConfig
@@ -70,7 +70,7 @@ def _two_ranks(rank: int, world: int, port: int, model: Path, root: Path) -> Non
 
 def test_two_ranks_resume_each_rank_s_rng(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Each rank drops adapter inputs of its own rows, with its own RNG: each gets its own back."""
-    mp.spawn(_two_ranks, args=(2, free_port_outside_ephemeral(), tiny_model_dir, tmp_path), nprocs=2, join=True)
+    spawn_ranks(_two_ranks, args=(2, free_port_outside_ephemeral(), tiny_model_dir, tmp_path), nprocs=2, join=True)
     out = torch.load(tmp_path / "out.pt", weights_only=False)
     assert [r["loss"] for r in out["after"]] == [r["loss"] for r in out["want"][2:]]
     for name, value in out["params"].items():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from trainer_helpers import reaped, signal_pool_when, synthetic_groups, trainer_pool
 
 from buffer.keys import Keys
@@ -74,7 +74,7 @@ def _one_rank_signalled(rank: int, port: int, out: Path) -> None:
 
 def test_a_stop_asked_of_one_rank_stops_every_rank_at_the_stop_point(tmp_path: Path) -> None:
     """Rank 0, which was not signalled, stops too (and its record says where the stop came from)."""
-    mp.spawn(_one_rank_signalled, args=(free_port_outside_ephemeral("127.0.0.1"), tmp_path), nprocs=2, join=True)
+    spawn_ranks(_one_rank_signalled, args=(free_port_outside_ephemeral("127.0.0.1"), tmp_path), nprocs=2, join=True)
     said = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert said == ["stopped by SIGTERM to another rank of the pool before its end (a supervisor's or an operator's "
                     "stop)", "stopped by SIGTERM before its end (a supervisor's or an operator's stop)"]

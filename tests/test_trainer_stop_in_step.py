@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from torch import nn
 from trainer_helpers import reaped, signal_pool_when, synthetic_groups, trainer_pool
 
@@ -60,7 +60,7 @@ def _stop_once(model: nn.Module, optimizer: torch.optim.Optimizer, where: str) -
 
 
 def _train_one_step(rank: int, port: int, model_dir: Path, run_dir: Path, cfg: dict, where: str, out: Path) -> None:
-    """One of two ranks (``mp.spawn``'s target) training a step of ``GROUPS`` groups, rank 1 asked to stop at
+    """One of two ranks (``spawn_ranks``'s target) training a step of ``GROUPS`` groups, rank 1 asked to stop at
     ``where``; writes what it raised, its optimizer updates, its step and its scheduler's."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -96,7 +96,7 @@ def test_a_stop_asked_mid_step_stops_every_rank_inside_it(tiny_model_dir: Path, 
     run_dir = tmp_path / "run"
     args = (free_port_outside_ephemeral("127.0.0.1"), tiny_model_dir, run_dir, {**CFG, "ppo_minibatches": minibatches},
             where, tmp_path)
-    ranks = mp.spawn(_train_one_step, args=args, nprocs=2, join=False)
+    ranks = spawn_ranks(_train_one_step, args=args, nprocs=2, join=False)
     deadline = time.monotonic() + BOUND_S
     try:
         while not ranks.join(timeout=max(deadline - time.monotonic(), 0)):

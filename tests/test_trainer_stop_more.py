@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from test_trainer_stop_all_ranks import GPS
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -108,7 +108,7 @@ def _interrupted_alone(_rank: int, model_dir: Path, root: Path, out: Path) -> No
 
 def test_a_rank_interrupted_inside_dcp_raises_in_no_further_collective(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    join_within(mp.spawn(_interrupted_in_dcp, args=(free_port_outside_ephemeral(), root, tmp_path), nprocs=2,
+    join_within(spawn_ranks(_interrupted_in_dcp, args=(free_port_outside_ephemeral(), root, tmp_path), nprocs=2,
                          join=False), BOUND_S, GROUP_TIMEOUT_S)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank1 == "KeyboardInterrupt:  (the same)"
@@ -149,7 +149,7 @@ def test_a_stop_or_an_interrupt_dcp_caught_is_raised_as_it_was(tiny_model_dir: P
     its writes was then recorded as a checkpoint it could not write (exit 1, not 143), and a Ctrl-C during a resume or
     an export as a checkpoint that does not load."""
     root = tmp_path / "checkpoints"
-    join_within(mp.spawn(_interrupted_alone, args=(tiny_model_dir, root, tmp_path), nprocs=1, join=False), BOUND_S,
+    join_within(spawn_ranks(_interrupted_alone, args=(tiny_model_dir, root, tmp_path), nprocs=1, join=False), BOUND_S,
                 GROUP_TIMEOUT_S)
     said = json.loads((tmp_path / "alone.json").read_text())
     assert said == {

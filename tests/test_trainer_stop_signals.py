@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from trainer_helpers import join_within, synthetic_groups, trainer_config
 
 from buffer.keys import Keys
@@ -120,9 +120,9 @@ SECOND = {0: signal.SIGTERM, 1: signal.SIGINT}  # each rank's second signal: a s
 
 def _signalling_rank(rank: int, port: int, token: str, config: Path, checkpoints: Path, out: Path,
                      peer_ends: bool) -> None:
-    """One of two ranks of the trainer's ``main`` (``mp.spawn``'s target). Once the first step is checkpointed, it sends
-    itself a SIGTERM (a supervisor's stop, to every rank) at the first micro-batch of the next critic update, and its
-    ``SECOND`` signal as it starts to leave the process group. Writes main's exit status (or what it raised) and the
+    """One of two ranks of the trainer's ``main`` (``spawn_ranks``'s target). Once the first step is checkpointed, it
+    sends itself a SIGTERM (a supervisor's stop, to every rank) at the first micro-batch of the next critic update, and
+    its ``SECOND`` signal as it starts to leave the process group. Writes main's exit status (or what it raised) and the
     critic's forwards of its update from the first signal on."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ROLLWAVE_CHECKPOINT_TOKEN=token)
@@ -176,7 +176,7 @@ def test_a_pool_sigtermed_in_a_critic_update_stops_in_it_a_second_signal_changin
         run_dir = tmp_path / keys.run
         args = (free_port_outside_ephemeral("127.0.0.1"), secrets.token_urlsafe(32), config, run_dir / "checkpoints",
                 tmp_path, peer_ends)
-        join_within(mp.spawn(_signalling_rank, args=args, nprocs=2, join=False), BOUND_S, GROUP_TIMEOUT_S)
+        join_within(spawn_ranks(_signalling_rank, args=args, nprocs=2, join=False), BOUND_S, GROUP_TIMEOUT_S)
         said = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
         assert said == [{"exit": 128 + signal.SIGTERM, "forwards": STOP_EVERY_MICRO_BATCHES}] * (1 if peer_ends else 2)
         ended = [client.hget(keys.trainer, k).decode() for k in ("finished_reason", "finished_step")]

@@ -10,9 +10,10 @@ update (``has_dropout``).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
-import peft
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,22 +24,25 @@ from core.config import ConfigError, LoraConfig
 from trainer.parallel import hf_name
 from trainer.snapshot import TensorMeta, cast_metas
 
+if TYPE_CHECKING:
+    import peft
+
 ADAPTER = "default"  # peft's name for the one adapter; saved tensor names leave it out
-
-
-def peft_config(lora: LoraConfig, base_model: str = "") -> peft.LoraConfig:
-    return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
-                           lora_dropout=lora.dropout, base_model_name_or_path=base_model or None)
 
 
 def add_adapter(model: PreTrainedModel, lora: LoraConfig, seed: int = 0, base_model: str = "") -> peft.PeftModel:
     """``model`` with a fresh adapter (B = 0, so it computes what ``model`` did), its base frozen. ``seed`` makes
     the A matrices the same on every rank and every run. ConfigError where ``target_modules`` names a module the
     engines cannot serve an adapter on (they hook Linear modules only): refused at the trainer's start, not at
-    every push. The adapter's dropout alone follows the grad mode; the base model's own stays as it is (off)."""
+    every push. The adapter's dropout alone follows the grad mode; the base model's own stays as it is (off).
+    peft is imported here, by a LoRA run only: it pulls in torch._dynamo, about a second of every trainer's start."""
+    import peft
+
+    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                             lora_dropout=lora.dropout, base_model_name_or_path=base_model or None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        wrapped = peft.get_peft_model(model, peft_config(lora, base_model))
+        wrapped = peft.get_peft_model(model, config)
     for name, module in model.named_modules():
         if not isinstance(module, peft.tuners.lora.LoraLayer):
             continue
@@ -56,7 +60,9 @@ def _dropout_only_with_grad(module: nn.Module, _args: object) -> None:
 
 
 def is_lora(model: nn.Module) -> bool:
-    return isinstance(model, peft.PeftModel)
+    """Whether ``model`` carries an adapter: never where peft was not imported (``add_adapter`` imports it)."""
+    loaded = sys.modules.get("peft")
+    return loaded is not None and isinstance(model, loaded.PeftModel)
 
 
 def has_dropout(model: nn.Module) -> bool:

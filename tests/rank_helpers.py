@@ -29,16 +29,18 @@ _SERVER.set_forkserver_preload(PRELOAD)
 
 
 class _TestSide:
-    """What a rank takes from the test that starts it: its environment, SIGINT disposition, stdout and stderr (sent
-    to the rank as file descriptors)."""
+    """What a rank takes from the test that starts it: its environment and SIGINT disposition, and its stdout and
+    stderr, pickled as file descriptors the fork server passes on (``stdio``, empty on the test's side)."""
 
-    def __init__(self, fds: tuple[Any, Any] | None = None) -> None:
-        self.env = dict(os.environ)
-        self.sigint_ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-        self.fds = fds
+    def __init__(self, env: dict[str, str], sigint_ignored: bool, stdio: tuple[Any, ...] = ()) -> None:
+        self.env, self.sigint_ignored, self.stdio = env, sigint_ignored, stdio
+
+    @classmethod
+    def now(cls) -> _TestSide:
+        return cls(dict(os.environ), signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
 
     def __reduce__(self) -> tuple:
-        return _rebuild, (self.env, self.sigint_ignored, reduction.DupFd(1), reduction.DupFd(2))
+        return _TestSide, (self.env, self.sigint_ignored, (reduction.DupFd(1), reduction.DupFd(2)))
 
     def apply(self) -> None:
         os.environ.clear()
@@ -46,16 +48,10 @@ class _TestSide:
         signal.signal(signal.SIGINT, signal.SIG_IGN if self.sigint_ignored else signal.default_int_handler)
         sys.stdout.flush()
         sys.stderr.flush()
-        for target, dup in zip((1, 2), self.fds or (), strict=True):
-            fd = dup.detach()
+        for target, passed in zip((1, 2), self.stdio, strict=True):
+            fd = passed.detach()
             os.dup2(fd, target)
             os.close(fd)
-
-
-def _rebuild(env: dict[str, str], sigint_ignored: bool, out: Any, err: Any) -> _TestSide:
-    side = _TestSide((out, err))
-    side.env, side.sigint_ignored = env, sigint_ignored
-    return side
 
 
 def _rank(i: int, side: _TestSide, fn: Callable[..., None], *args: Any) -> None:
@@ -68,7 +64,7 @@ def spawn_ranks(fn: Callable[..., None], args: tuple = (), nprocs: int = 1,
     """``torch.multiprocessing.spawn``'s contract (``fn(i, *args)`` in each of ``nprocs`` processes; with ``join``, wait
     for all and raise a rank's failure), the ranks forked from the fork server."""
     with mock.patch.object(forkserver, "connect_to_new_process", _SERVER.connect_to_new_process):
-        context = mp.start_processes(_rank, args=(_TestSide(), fn, *args), nprocs=nprocs, join=False,
+        context = mp.start_processes(_rank, args=(_TestSide.now(), fn, *args), nprocs=nprocs, join=False,
                                      start_method="forkserver")
     if join:
         while not context.join():

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from rank_helpers import spawn_ranks
+import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from test_engine_client import serve, sglang_056_stub
 from test_pusher_catchup import refused_catch_up, stranded, wait_for
@@ -230,6 +230,7 @@ def _two_ranks(rank: int, port: int, model_dir: Path, cfg: CheckpointConfig, add
         if rank == 0:
             assert pusher.flush() == []
             pusher.take_results()
+            (out / "started").touch()  # the server restarts only after this: a refusal taken here would go unseen
         for seed in range(steps):
             trainer.train(synthetic_groups(seed, GPS))
         want = {n: t.clone() for n, t in iter_full_params(trainer.model) if t is not None}  # on rank 0
@@ -266,10 +267,13 @@ def test_a_pool_of_two_ranks_reaches_a_stranded_server(tiny_model_dir: Path, red
         async with bf16_server(tiny_model_dir, tmp_path) as server:
             args = (free_port_outside_ephemeral(), tiny_model_dir, server.cfg, server.address, redis_url, tmp_path,
                     steps)
-            ranks = spawn_ranks(_two_ranks, args=args, nprocs=2, join=False)
+            # spawned, not forked (rank_helpers): with the ranks forked, three workers and two CPU hogs, the pusher's
+            # results lacked the refused catch-up of version 2 in 2 runs of 3 (its cause not found yet)
+            ranks = mp.spawn(_two_ranks, args=args, nprocs=2, join=False)
             try:
                 deadline = time.monotonic() + START_S
-                while server.rec.service._state.current != 2:  # the ranks' start push
+                # the ranks' start push, its result taken (rank 0 was once slower to take it than the restart)
+                while server.rec.service._state.current != 2 or not (tmp_path / "started").exists():
                     assert all(p.is_alive() for p in ranks.processes), "a rank ended before its start push"
                     assert time.monotonic() < deadline, f"no start push within {START_S} s"
                     await asyncio.sleep(0.05)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-import torch.multiprocessing as mp
+from rank_helpers import spawn_ranks
 from safetensors.torch import load_file, save_file
 from test_engine_client import serve, sglang_056_stub
 from test_pusher_catchup import refused_catch_up, stranded, wait_for
@@ -43,7 +43,7 @@ from trainer.worker import Trainer
 
 GPS = 2
 GROUP_TIMEOUT_S = 60.0
-START_S = 240.0  # two spawned ranks importing torch and transformers, on a loaded machine: a minute is not unusual
+START_S = 240.0  # two ranks' start and steps on a loaded machine (spawned, a minute was not unusual)
 
 
 def trainer_config() -> TrainerConfig:
@@ -230,9 +230,10 @@ def _two_ranks(rank: int, port: int, model_dir: Path, cfg: CheckpointConfig, add
         if rank == 0:
             assert pusher.flush() == []
             pusher.take_results()
-            (out / "started").touch()  # the server restarts only after this: a refusal taken here would go unseen
         for seed in range(steps):
             trainer.train(synthetic_groups(seed, GPS))
+        if rank == 0:  # the server restarts only after this: a step's record takes the push results that came before
+            (out / "trained").touch()
         want = {n: t.clone() for n, t in iter_full_params(trainer.model) if t is not None}  # on rank 0
         buffer = None
         if rank == 0:
@@ -267,15 +268,14 @@ def test_a_pool_of_two_ranks_reaches_a_stranded_server(tiny_model_dir: Path, red
         async with bf16_server(tiny_model_dir, tmp_path) as server:
             args = (free_port_outside_ephemeral(), tiny_model_dir, server.cfg, server.address, redis_url, tmp_path,
                     steps)
-            # spawned, not forked (rank_helpers): with the ranks forked, three workers and two CPU hogs, the pusher's
-            # results lacked the refused catch-up of version 2 in 2 runs of 3 (its cause not found yet)
-            ranks = mp.spawn(_two_ranks, args=args, nprocs=2, join=False)
+            ranks = spawn_ranks(_two_ranks, args=args, nprocs=2, join=False)
             try:
                 deadline = time.monotonic() + START_S
-                # the ranks' start push, its result taken (rank 0 was once slower to take it than the restart)
-                while server.rec.service._state.current != 2 or not (tmp_path / "started").exists():
+                # the ranks' start push, and their steps trained (a restart in a step: its refused catch-up was that
+                # step's push result, not the one read after the wait)
+                while server.rec.service._state.current != 2 or not (tmp_path / "trained").exists():
                     assert all(p.is_alive() for p in ranks.processes), "a rank ended before its start push"
-                    assert time.monotonic() < deadline, f"no start push within {START_S} s"
+                    assert time.monotonic() < deadline, f"no start push and {steps} step(s) within {START_S} s"
                     await asyncio.sleep(0.05)
                 await server.restart_in_fp32(tiny_model_dir)
                 await wait_for(f"version {version} on the restarted server",

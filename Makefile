@@ -56,12 +56,11 @@ demo: install
 	$(call system_packages,$(DEMO_PACKAGES))
 	$(BIN)/python -m services.demo $(DEMO_ARGS)
 
-# Three workers share the tests that are not end-to-end; the end-to-end ones (marker slow) then run one at a time,
-# because they time a whole stack and each wants every core.
+# Three workers: one runs the end-to-end tests (marker slow: tests/conftest.py makes them one xdist group, first) one
+# at a time, never two stacks at once, while the others share the rest, and then all three.
 test: install
 	$(call system_packages,$(TEST_PACKAGES))
-	$(BIN)/python -m pytest -x -q -n 3 -m "not slow and not cuda"
-	$(BIN)/python -m pytest -x -q -m slow
+	$(BIN)/python -m pytest -x -q -n 3 --dist loadgroup -m "not cuda"
 
 # The tests that need a GPU (marker cuda; the CPU tests above leave them out), on a host where torch sees one.
 test-cuda: install

@@ -524,7 +524,7 @@ class EpisodeStore:
     async def serving(self, host: str, port: int, timeout_s: float = 30.0) -> AsyncIterator[str]:
         """Serve the endpoint on ``host:port`` (0: any free port) in this event loop; yields its URL."""
         server = _Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off",
-                                        http=guarded_http(self._refused_http)))
+                                        server_header=False, http=guarded_http(self._refused_http)))
         task = asyncio.create_task(server.serve())
         deadline = time.monotonic() + timeout_s
         while not server.started:

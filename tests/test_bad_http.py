@@ -1,7 +1,7 @@
 """A request that is not valid HTTP is answered 400 by uvicorn itself, and one whose head runs past
 ``core.net.MAX_HEAD_BYTES`` by our protocol (``guarded_http``), before the app sees either: the API, the rollout
 server's episode endpoint and the embedded engine still log and count them as refusals (``bad_http``,
-``header_size``), each server only its own."""
+``header_size``), each server only its own. No reply names the server's software (uvicorn's ``server`` header)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,12 @@ def send_raw(url: str, data: bytes) -> bytes:
     return reply
 
 
+def names_server(reply: bytes) -> bool:
+    """Whether a raw reply's head has a ``server`` header (uvicorn's, naming its software, unless turned off)."""
+    head = reply.split(b"\r\n\r\n", 1)[0].lower()
+    return any(line.startswith(b"server:") for line in head.split(b"\r\n"))
+
+
 async def send_raw_async(url: str, data: bytes) -> bytes:
     """``send_raw`` from inside the event loop that serves ``url``."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
@@ -97,8 +103,10 @@ def test_the_api_counts_what_it_refuses_before_its_app(tmp_path: Path, redis_ser
             before = counted(f"{url}/metrics", name, **labels)
             reply = send_raw(url, data)
             assert reply.startswith(b"HTTP/1.1 400 "), (case, reply)
+            assert not names_server(reply), reply
             assert counted(f"{url}/metrics", name, **labels) == before + 1, case
-        assert httpx.get(f"{url}/healthz", timeout=IO_TIMEOUT_S).status_code == 200
+        healthz = httpx.get(f"{url}/healthz", timeout=IO_TIMEOUT_S)
+        assert healthz.status_code == 200 and "server" not in healthz.headers, healthz.headers
         assert counted(f"{url}/metrics", name, **labels) == len(NOT_HTTP)
         big = {"X-Big": "a" * (MAX_HEAD_BYTES - 1024)}  # a head under the limit is served
         assert httpx.get(f"{url}/healthz", headers=big, timeout=IO_TIMEOUT_S).status_code == 200
@@ -134,7 +142,7 @@ def test_the_episode_endpoint_counts_what_uvicorn_refuses_as_bad_http(
         for server in servers:
             server.shutdown()
             server.server_close()
-    assert reply.startswith(b"HTTP/1.1 400 "), reply
+    assert reply.startswith(b"HTTP/1.1 400 ") and not names_server(reply), reply
     assert scraped == [1, 0]
     assert [m for m in caplog.messages if "bad_http" in m] == [
         "refused a request from 127.0.0.1 (400 bad_http): not valid HTTP, answered 400 by uvicorn"]

@@ -69,6 +69,12 @@ def test_single_reply_has_sglang_shape(engine: str) -> None:
     assert metric(engine, "rollwave_engine_decode_step_seconds_count") == steps + 1  # the first came from prefill
 
 
+def test_replies_do_not_name_the_server_software(engine: str) -> None:
+    """The engine's replies carry no ``server`` header (uvicorn's, naming it and so its known flaws, by default)."""
+    resp = post(engine, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}})
+    assert resp.status_code == 200 and "server" not in resp.headers, resp.headers
+
+
 def test_batch_is_a_list_in_input_order_with_suffixed_rids(engine: str) -> None:
     prompts = [PROMPT, PROMPT[:3], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
     greedy = {"max_new_tokens": 8, "temperature": 0}

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("rollout_server.engine").warning("serving on %s:%d", args.host, sock.getsockname()[1])
     app = create_app(engine, spec, api_key)
     config = uvicorn.Config(app, http=app.state.http_protocol, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=10)
+                            server_header=False, timeout_graceful_shutdown=10)
     (OwnedServer if owned else uvicorn.Server)(config).run(sockets=[sock])
 
 

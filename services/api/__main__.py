@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     url = http_url(cfg.api.host, sock.getsockname()[1])
     logging.getLogger("services.api").info("serving on %s", url)
     app = create_app(cfg, url=url)
-    uvicorn.Server(uvicorn.Config(app, http=app.state.http_protocol, log_level="warning")).run(sockets=[sock])
+    config = uvicorn.Config(app, http=app.state.http_protocol, log_level="warning", server_header=False)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

@@ -133,8 +133,8 @@ def test_frozen_servers_never_stop_training(tmp_path: Path, tiny_model_dir: Path
                 sigcont = FATES[name] == "sigcont"
                 landed = commits(metrics_address(name)) - (commits_before[name] if sigcont else 0)
                 newer = trainer("pushed_version") - resumed  # versions the trainer pushed since (it never waits)
-                # the versions pushed between its count before the freeze and the freeze (under load, a push or two
-                # lands there: 115 landed against 111 newer once), the catch-up, a commit cut by the freeze, the
+                # the versions pushed between its count before the freeze and the freeze (under load some may land
+                # there: 115 landed against 111 newer once, 3 allowed), the catch-up, a commit cut by the freeze, the
                 # versions pushed since, and one the server committed before the trainer recorded it (its commit
                 # counts at once): no replay of the missed ones
                 window = pushed_at_freeze - pushed_before if sigcont else 0
